@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: fetches the models, installs the S3 test server (moto), runs every test.
+# The end-to-end tests start and stop their own moto server on 127.0.0.1.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/fetch-models.sh
+python3 -m pip install --quiet --disable-pip-version-check 'moto[server]>=5.1,<6'
+python3 -c 'import moto.server' # fail here, clearly, if moto cannot be imported
+
+cargo test --locked "$@"

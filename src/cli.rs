@@ -1,0 +1,134 @@
+//! The command line: one subcommand per verb. Printing to stdout happens here and nowhere else.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::app::{RunReport, ValidateReport};
+use crate::job::Overrides;
+use crate::sink::Outcome;
+
+#[derive(Debug, Parser)]
+#[command(name = "nightshift", version, about = "Offline batch LLM jobs: Parquet prompts in, Parquet results out")]
+pub struct Cli {
+    /// Log format on stderr. Levels come from RUST_LOG (default: info).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a job: read the input, generate, write results and metrics.
+    Run(RunArgs),
+    /// Check a job file, the input's columns and the model's metadata, without generating or writing.
+    Validate(JobArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct JobArgs {
+    /// The job file (TOML).
+    pub job: PathBuf,
+    /// Input URL or path; overrides `input.url`.
+    #[arg(long)]
+    pub input: Option<String>,
+    /// Output URL or path; overrides `output.url`.
+    #[arg(long)]
+    pub output: Option<String>,
+    /// Model file; overrides `model.path`.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Sequences decoded together; overrides `runtime.max_seqs`.
+    #[arg(long)]
+    pub max_seqs: Option<usize>,
+}
+
+impl JobArgs {
+    pub fn overrides(&self) -> Overrides {
+        Overrides {
+            input_url: self.input.clone(),
+            output_url: self.output.clone(),
+            model_path: self.model.clone(),
+            max_seqs: self.max_seqs,
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// Print the first N results when the job is done (they are users' data: off by default).
+    #[arg(long, default_value_t = 0)]
+    pub show: usize,
+    /// Never draw a progress bar (it is drawn only on a terminal anyway).
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+fn shorten(text: &str, max_chars: usize) -> String {
+    let flat = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    match flat.char_indices().nth(max_chars) {
+        Some((i, _)) => format!("{}...", &flat[..i]),
+        None => flat,
+    }
+}
+
+pub fn print_run(report: &RunReport) {
+    let m = &report.metrics;
+    println!("results: {}", report.results_url);
+    println!("metrics: {}", report.metrics_url);
+    println!(
+        "rows: {} ({} succeeded, {} errored)  prompt tokens: {}  output tokens: {}",
+        m.rows, m.succeeded_rows, m.errored_rows, m.prompt_tokens, m.completion_tokens
+    );
+    println!(
+        "throughput: {:.2} requests/s, {:.1} total tokens/s, {:.1} output tokens/s over {:.1} s (model load {:.1} s)",
+        m.requests_per_s, m.total_tokens_per_s, m.output_tokens_per_s, m.generation_s, m.model_load_s
+    );
+    for outcome in &report.sample {
+        match outcome {
+            Outcome::Completed(c) => println!("  [{}] ({}) {}", c.id, c.finish_reason.as_str(), shorten(&c.text, 160)),
+            Outcome::Failed { id, error } => println!("  [{id}] error {}: {}", error.code, error.message),
+        }
+    }
+}
+
+pub fn print_validate(report: &ValidateReport) {
+    let c = &report.model.config;
+    println!("job is valid");
+    println!("input: {} file(s), {} rows", report.input_files.len(), report.rows);
+    for f in report.input_files.iter().take(5) {
+        println!("  {f}");
+    }
+    if report.input_files.len() > 5 {
+        println!("  ... and {} more", report.input_files.len() - 5);
+    }
+    println!(
+        "model: {} ({}), {} layers, hidden {}, {} heads ({} kv), context {}, vocabulary {}",
+        c.name.as_deref().unwrap_or("unnamed"),
+        c.architecture,
+        c.layers,
+        c.hidden_size,
+        c.heads,
+        c.kv_heads,
+        c.context_length,
+        c.vocab_size
+    );
+    let types: Vec<String> = report.model.tensor_types.iter().map(|(t, n)| format!("{t} x{n}")).collect();
+    println!("tensors: {}", types.join(", "));
+    println!(
+        "tokenizer: {} / {}, chat template: {}",
+        report.model.vocab.kind,
+        report.model.vocab.pre.as_deref().unwrap_or("default"),
+        if report.model.vocab.chat_template.is_some() { "yes" } else { "no" }
+    );
+    println!("output: {}", report.output_url);
+}

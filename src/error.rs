@@ -1,0 +1,71 @@
+//! The top-level error and the process exit codes it maps to.
+//!
+//! Every stage has its own error enum; this one wraps them so that `main` can print one clear message and
+//! exit with a code a scheduler can act on. The codes are documented in the README.
+
+use std::process::ExitCode;
+
+/// Process exit codes. Stable: cron jobs, Kubernetes pod failure policies and Slurm scripts key on them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Exit {
+    /// Every input row has a result row (some may be error rows); the output is complete.
+    Complete = 0,
+    /// An unexpected failure (a bug, or an I/O error outside the categories below).
+    Failed = 1,
+    /// The command line or the job file is invalid.
+    InvalidJob = 2,
+    /// The input cannot be read or does not have the expected columns.
+    InvalidInput = 3,
+    /// The model file is missing, unreadable or unsupported.
+    InvalidModel = 4,
+    /// The output location cannot be written, or already holds a completed job.
+    OutputFailed = 5,
+}
+
+impl From<Exit> for ExitCode {
+    fn from(e: Exit) -> Self {
+        ExitCode::from(e as u8)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Job(#[from] crate::job::JobError),
+    #[error(transparent)]
+    Source(#[from] crate::source::SourceError),
+    #[error(transparent)]
+    Model(#[from] crate::engine::ModelError),
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenize::TokenizerError),
+    #[error(transparent)]
+    Sink(#[from] crate::sink::SinkError),
+    #[error("the engine failed")]
+    Engine(#[source] crate::engine::EngineError),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl Error {
+    pub fn exit(&self) -> Exit {
+        match self {
+            Error::Job(_) => Exit::InvalidJob,
+            Error::Source(_) => Exit::InvalidInput,
+            Error::Model(_) | Error::Tokenizer(_) => Exit::InvalidModel,
+            Error::Sink(_) => Exit::OutputFailed,
+            Error::Engine(_) | Error::Internal(_) => Exit::Failed,
+        }
+    }
+}
+
+/// Formats an error with its chain of causes, one per line, for the terminal.
+pub fn report(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = format!("error: {err}");
+    let mut source = err.source();
+    while let Some(cause) = source {
+        out.push_str(&format!("\n  caused by: {cause}"));
+        source = cause.source();
+    }
+    out
+}

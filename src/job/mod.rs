@@ -1,0 +1,423 @@
+//! The job file: TOML parsed strictly (unknown keys are errors), checked, and resolved into one [`Job`] that
+//! every stage receives. Defaults live here and nowhere else.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    #[error("cannot read job file `{path}`")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid job file `{path}`: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid job file `{path}`: `{key}` {problem}")]
+    Invalid { path: PathBuf, key: &'static str, problem: String },
+}
+
+/// What a job does. Only generation exists today; `embed` and `seq2seq` are planned.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum JobKind {
+    #[default]
+    Generate,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JobFile {
+    #[serde(default)]
+    kind: JobKind,
+    input: InputSection,
+    model: ModelSection,
+    generation: GenerationSection,
+    output: OutputSection,
+    #[serde(default)]
+    runtime: RuntimeSection,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct InputSection {
+    url: String,
+    id_column: Option<String>,
+    prompt_column: Option<String>,
+    messages_column: Option<String>,
+    system_prompt: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelSection {
+    path: String,
+    sha256: Option<String>,
+    #[serde(default = "default_chat_template")]
+    chat_template: String,
+}
+
+fn default_chat_template() -> String {
+    "auto".into()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GenerationSection {
+    max_new_tokens: i64,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+    seed: Option<u64>,
+    #[serde(default)]
+    stop: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OutputSection {
+    url: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuntimeSection {
+    device: Option<String>,
+    max_seqs: Option<i64>,
+    max_batch_tokens: Option<i64>,
+    threads: Option<i64>,
+}
+
+/// Where prompts come from and how a row becomes a conversation.
+#[derive(Clone, Debug)]
+pub struct InputSpec {
+    /// A local path, `file://`, `s3://`, `gs://` or `az://` URL: one file, a prefix ending in `/`, or a glob.
+    pub url: String,
+    /// Unique row id column; when absent, ids are `<file name>:<row number>`.
+    pub id_column: Option<String>,
+    pub prompt: PromptColumn,
+    pub system_prompt: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PromptColumn {
+    /// A string column holding the user's message.
+    Text(String),
+    /// A `list<struct<role: string, content: string>>` column holding a whole conversation.
+    Messages(String),
+}
+
+impl PromptColumn {
+    pub fn name(&self) -> &str {
+        match self {
+            PromptColumn::Text(name) | PromptColumn::Messages(name) => name,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ModelSpec {
+    pub path: PathBuf,
+    /// Expected sha256 of the model file, lower-case hex; checked before loading when given.
+    pub sha256: Option<String>,
+    pub chat_template: ChatTemplateChoice,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ChatTemplateChoice {
+    /// The template in the model's metadata.
+    Auto,
+    /// No template: the prompt text is tokenized as it is.
+    None,
+}
+
+/// Sampling and stopping parameters, valid by construction.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerationParams {
+    pub max_new_tokens: u32,
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// Nucleus sampling mass in (0, 1]; 1 disables it.
+    pub top_p: f32,
+    /// Keep the k most likely tokens; 0 disables it.
+    pub top_k: u32,
+    /// Job seed; each row's seed derives from (seed, row id), so a row's sample does not depend on its batch.
+    pub seed: u64,
+    pub stop: Vec<String>,
+}
+
+/// The largest `max_new_tokens` accepted: far beyond any context this runner supports, small enough that a typo
+/// (an extra zero or three) is caught.
+pub const MAX_NEW_TOKENS_LIMIT: u32 = 1 << 17;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceChoice {
+    Auto,
+    Cpu,
+    Cuda(usize),
+}
+
+#[derive(Clone, Debug)]
+pub struct RuntimeSpec {
+    pub device: DeviceChoice,
+    /// Sequences decoded together in one step.
+    pub max_seqs: usize,
+    /// Prompt tokens prefilled in one step (several short prompts are packed together).
+    pub max_batch_tokens: usize,
+    /// CPU threads for the engine; `None` uses every core.
+    pub threads: Option<usize>,
+}
+
+impl Default for RuntimeSpec {
+    fn default() -> Self {
+        RuntimeSpec { device: DeviceChoice::Auto, max_seqs: 32, max_batch_tokens: 2048, threads: None }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct OutputSpec {
+    /// A directory-like location: a local path, `file://`, `s3://`, `gs://` or `az://` URL.
+    pub url: String,
+}
+
+/// A checked job, ready for the stages.
+#[derive(Clone, Debug)]
+pub struct Job {
+    pub file: PathBuf,
+    pub kind: JobKind,
+    pub input: InputSpec,
+    pub model: ModelSpec,
+    pub generation: GenerationParams,
+    pub output: OutputSpec,
+    pub runtime: RuntimeSpec,
+}
+
+/// Values given on the command line that take precedence over the job file.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    pub input_url: Option<String>,
+    pub output_url: Option<String>,
+    pub model_path: Option<String>,
+    pub max_seqs: Option<usize>,
+}
+
+impl Job {
+    pub fn load(path: &Path, overrides: &Overrides) -> Result<Job, JobError> {
+        let text = std::fs::read_to_string(path).map_err(|source| JobError::Read { path: path.into(), source })?;
+        Job::parse(&text, path, overrides)
+    }
+
+    pub fn parse(text: &str, path: &Path, overrides: &Overrides) -> Result<Job, JobError> {
+        let file: JobFile = toml::from_str(text)
+            .map_err(|e| JobError::Parse { path: path.into(), message: e.to_string().trim_end().to_string() })?;
+        let invalid = |key: &'static str, problem: String| JobError::Invalid { path: path.into(), key, problem };
+
+        let input_url = overrides.input_url.clone().unwrap_or(file.input.url);
+        if input_url.trim().is_empty() {
+            return Err(invalid("input.url", "must not be empty".into()));
+        }
+        let prompt = match (file.input.prompt_column, file.input.messages_column) {
+            (Some(_), Some(_)) => {
+                return Err(invalid("input.messages_column", "cannot be set together with `input.prompt_column`".into()))
+            }
+            (None, Some(name)) => PromptColumn::Messages(name),
+            (Some(name), None) => PromptColumn::Text(name),
+            (None, None) => PromptColumn::Text("prompt".into()),
+        };
+        if prompt.name().is_empty() {
+            return Err(invalid("input.prompt_column", "must not be empty".into()));
+        }
+
+        let model_path = overrides.model_path.clone().unwrap_or(file.model.path);
+        if model_path.trim().is_empty() {
+            return Err(invalid("model.path", "must not be empty".into()));
+        }
+        let sha256 = match file.model.sha256 {
+            Some(s) if s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()) => Some(s.to_ascii_lowercase()),
+            Some(s) => return Err(invalid("model.sha256", format!("must be 64 hex digits, got {s:?}"))),
+            None => None,
+        };
+        let chat_template = match file.model.chat_template.as_str() {
+            "auto" => ChatTemplateChoice::Auto,
+            "none" => ChatTemplateChoice::None,
+            other => return Err(invalid("model.chat_template", format!("must be \"auto\" or \"none\", got {other:?}"))),
+        };
+
+        let g = file.generation;
+        let max_new_tokens = match g.max_new_tokens {
+            n if n >= 1 && n <= MAX_NEW_TOKENS_LIMIT as i64 => n as u32,
+            n => return Err(invalid("generation.max_new_tokens", format!("must be in 1..={MAX_NEW_TOKENS_LIMIT}, got {n}"))),
+        };
+        let temperature = match g.temperature.unwrap_or(0.0) {
+            t if t.is_finite() && t >= 0.0 => t as f32,
+            t => return Err(invalid("generation.temperature", format!("must be a number >= 0, got {t}"))),
+        };
+        let top_p = match g.top_p.unwrap_or(1.0) {
+            p if p > 0.0 && p <= 1.0 => p as f32,
+            p => return Err(invalid("generation.top_p", format!("must be in (0, 1], got {p}"))),
+        };
+        let top_k = match g.top_k.unwrap_or(0) {
+            k if (0..=u32::MAX as i64).contains(&k) => k as u32,
+            k => return Err(invalid("generation.top_k", format!("must be >= 0 (0 disables it), got {k}"))),
+        };
+        if let Some(i) = g.stop.iter().position(|s| s.is_empty()) {
+            return Err(invalid("generation.stop", format!("entry {i} is an empty string")));
+        }
+
+        let output_url = overrides.output_url.clone().unwrap_or(file.output.url);
+        if output_url.trim().is_empty() {
+            return Err(invalid("output.url", "must not be empty".into()));
+        }
+
+        let defaults = RuntimeSpec::default();
+        let r = file.runtime;
+        let device = match r.device.as_deref().unwrap_or("auto") {
+            "auto" => DeviceChoice::Auto,
+            "cpu" => DeviceChoice::Cpu,
+            "cuda" => DeviceChoice::Cuda(0),
+            other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+                Some(n) => DeviceChoice::Cuda(n),
+                None => return Err(invalid("runtime.device", format!("must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\", got {other:?}"))),
+            },
+        };
+        let positive = |key: &'static str, v: Option<i64>, default: usize| -> Result<usize, JobError> {
+            match v {
+                None => Ok(default),
+                Some(n) if n >= 1 && n <= 1 << 20 => Ok(n as usize),
+                Some(n) => Err(invalid(key, format!("must be in 1..={}, got {n}", 1 << 20))),
+            }
+        };
+        let max_seqs = match overrides.max_seqs {
+            Some(0) => return Err(invalid("runtime.max_seqs", "must be at least 1, got 0".into())),
+            Some(n) => n,
+            None => positive("runtime.max_seqs", r.max_seqs, defaults.max_seqs)?,
+        };
+        let runtime = RuntimeSpec {
+            device,
+            max_seqs,
+            max_batch_tokens: positive("runtime.max_batch_tokens", r.max_batch_tokens, defaults.max_batch_tokens)?,
+            threads: match r.threads {
+                None => None,
+                Some(n) => Some(positive("runtime.threads", Some(n), 1)?),
+            },
+        };
+
+        Ok(Job {
+            file: path.into(),
+            kind: file.kind,
+            input: InputSpec {
+                url: input_url,
+                id_column: file.input.id_column,
+                prompt,
+                system_prompt: file.input.system_prompt,
+            },
+            model: ModelSpec { path: PathBuf::from(model_path), sha256, chat_template },
+            generation: GenerationParams {
+                max_new_tokens,
+                temperature,
+                top_p,
+                top_k,
+                seed: g.seed.unwrap_or(0),
+                stop: g.stop,
+            },
+            output: OutputSpec { url: output_url },
+            runtime,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+[input]
+url = "data/in.parquet"
+[model]
+path = "models/m.gguf"
+[generation]
+max_new_tokens = 16
+[output]
+url = "out/"
+"#;
+
+    fn parse(text: &str) -> Result<Job, JobError> {
+        Job::parse(text, Path::new("job.toml"), &Overrides::default())
+    }
+
+    fn message(text: &str) -> String {
+        parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn minimal_job_gets_documented_defaults() {
+        let job = parse(MINIMAL).unwrap();
+        assert_eq!(job.kind, JobKind::Generate);
+        assert_eq!(job.input.prompt, PromptColumn::Text("prompt".into()));
+        assert_eq!(job.generation.temperature, 0.0);
+        assert_eq!(job.generation.top_p, 1.0);
+        assert_eq!(job.generation.top_k, 0);
+        assert_eq!(job.model.chat_template, ChatTemplateChoice::Auto);
+        assert_eq!(job.runtime.max_seqs, RuntimeSpec::default().max_seqs);
+    }
+
+    #[test]
+    fn unknown_key_is_rejected_by_name() {
+        let m = message(&MINIMAL.replace("max_new_tokens = 16", "max_new_tokens = 16\ntemprature = 0.5"));
+        assert!(m.contains("temprature"), "{m}");
+    }
+
+    #[test]
+    fn missing_max_new_tokens_is_rejected() {
+        let m = message(&MINIMAL.replace("max_new_tokens = 16", ""));
+        assert!(m.contains("max_new_tokens"), "{m}");
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        for (from, to, key) in [
+            ("max_new_tokens = 16", "max_new_tokens = 0", "generation.max_new_tokens"),
+            ("max_new_tokens = 16", "max_new_tokens = 16\ntemperature = -1.0", "generation.temperature"),
+            ("max_new_tokens = 16", "max_new_tokens = 16\ntop_p = 0.0", "generation.top_p"),
+            ("max_new_tokens = 16", "max_new_tokens = 16\nstop = [\"\"]", "generation.stop"),
+            ("path = \"models/m.gguf\"", "path = \"m\"\nchat_template = \"chatml\"", "model.chat_template"),
+            ("path = \"models/m.gguf\"", "path = \"m\"\nsha256 = \"abc\"", "model.sha256"),
+        ] {
+            let m = message(&MINIMAL.replace(from, to));
+            assert!(m.contains(key), "expected {key} in: {m}");
+        }
+        let m = message(&format!("{MINIMAL}\n[runtime]\ndevice = \"tpu\""));
+        assert!(m.contains("runtime.device"), "{m}");
+        let m = message(&format!("{MINIMAL}\n[runtime]\nmax_seqs = 0"));
+        assert!(m.contains("runtime.max_seqs"), "{m}");
+    }
+
+    #[test]
+    fn wrong_type_is_rejected_with_its_location() {
+        let m = message(&MINIMAL.replace("max_new_tokens = 16", "max_new_tokens = \"many\""));
+        assert!(m.contains("max_new_tokens"), "{m}");
+    }
+
+    #[test]
+    fn prompt_and_messages_columns_are_exclusive() {
+        let m = message(&MINIMAL.replace("url = \"data/in.parquet\"", "url = \"x\"\nprompt_column = \"p\"\nmessages_column = \"m\""));
+        assert!(m.contains("input.messages_column"), "{m}");
+    }
+
+    #[test]
+    fn overrides_take_precedence() {
+        let o = Overrides {
+            input_url: Some("s3://b/in.parquet".into()),
+            output_url: Some("s3://b/out/".into()),
+            model_path: Some("other.gguf".into()),
+            max_seqs: Some(3),
+        };
+        let job = Job::parse(MINIMAL, Path::new("job.toml"), &o).unwrap();
+        assert_eq!(job.input.url, "s3://b/in.parquet");
+        assert_eq!(job.output.url, "s3://b/out/");
+        assert_eq!(job.model.path, PathBuf::from("other.gguf"));
+        assert_eq!(job.runtime.max_seqs, 3);
+    }
+}

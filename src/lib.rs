@@ -1,0 +1,29 @@
+//! nightshift: an offline batch LLM job runner.
+//!
+//! One binary reads prompts from Parquet on object storage, runs a model over them with a KV-cached, batched
+//! decoder, and writes one result row per input row back as Parquet, with metrics beside it.
+//!
+//! # Layout
+//! The modules follow the data flow of a job, in order:
+//!
+//! 1. [`job`]: the TOML job file, parsed strictly and resolved into one [`job::Job`] every stage receives.
+//! 2. [`source`]: object-store URLs, listing, and streamed Parquet reading (memory bounded by a row group).
+//! 3. [`tokenize`]: the tokenizer and chat template from the model's metadata; prompts become validated token
+//!    sequences or error rows.
+//! 4. [`engine`]: the model (candle), its KV cache, sampling and the batching loop; the only place that knows
+//!    candle.
+//! 5. [`sink`]: the results and metrics Parquet files and the completion marker.
+//!
+//! [`metrics`] holds the plain structs filled as the job runs; [`app`] wires the stages together with bounded
+//! channels; [`cli`] is the command line.
+
+pub mod app;
+pub mod cli;
+pub mod engine;
+pub mod error;
+pub mod job;
+pub mod metrics;
+pub mod row;
+pub mod sink;
+pub mod source;
+pub mod tokenize;

@@ -1,0 +1,40 @@
+use std::process::ExitCode;
+
+use clap::Parser;
+use nightshift::app::{self, RunOptions};
+use nightshift::cli::{self, Cli, Command, LogFormat};
+use nightshift::error::{report, Exit};
+use tracing_subscriber::EnvFilter;
+
+fn init_tracing(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.log_format);
+    // The cloud stores' TLS uses rustls with the ring provider (no C/cmake crypto build).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let result = match &cli.command {
+        Command::Run(args) => app::run(RunOptions {
+            job: args.job.job.clone(),
+            overrides: args.job.overrides(),
+            progress: !args.no_progress,
+            show: args.show,
+        })
+        .map(|r| cli::print_run(&r)),
+        Command::Validate(args) => app::validate(&args.job, &args.overrides()).map(|r| cli::print_validate(&r)),
+    };
+    match result {
+        Ok(()) => Exit::Complete.into(),
+        Err(e) => {
+            eprintln!("{}", report(&e));
+            e.exit().into()
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Plain structs filled as the job runs, and the figures users compare (requests/s, tokens/s, TTFT and latency
+//! percentiles, peak memory). Written as a one-row Parquet file by the sink.
+
+use crate::engine::{Completion, EngineStats};
+
+/// Per-row timings collected as rows finish, summarised at the end.
+#[derive(Clone, Debug, Default)]
+pub struct Collector {
+    pub rows: u64,
+    pub succeeded: u64,
+    pub errored: u64,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    ttft_s: Vec<f64>,
+    e2e_s: Vec<f64>,
+    tpot_s: Vec<f64>,
+}
+
+impl Collector {
+    pub fn completed(&mut self, c: &Completion) {
+        self.rows += 1;
+        self.succeeded += 1;
+        self.prompt_tokens += c.prompt_tokens as u64;
+        self.completion_tokens += c.completion_tokens as u64;
+        self.ttft_s.push(c.ttft_s);
+        self.e2e_s.push(c.e2e_s);
+        self.tpot_s.extend(c.tpot_s);
+    }
+
+    pub fn errored(&mut self) {
+        self.rows += 1;
+        self.errored += 1;
+    }
+}
+
+/// The nearest-rank percentile (`p` in 0..=100) of unsorted samples; `None` when there are none.
+pub fn percentile(samples: &[f64], p: f64) -> Option<f64> {
+    if samples.is_empty() {
+        return None;
+    }
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil().max(1.0) as usize;
+    Some(sorted[rank.min(sorted.len()) - 1])
+}
+
+/// The job's summary: one row of the metrics file. Field names carry their unit.
+#[derive(Clone, Debug, Default)]
+pub struct JobMetrics {
+    pub rows: u64,
+    pub succeeded_rows: u64,
+    pub errored_rows: u64,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    /// From the engine's start to the last result.
+    pub generation_s: f64,
+    /// From the process start to the results being written.
+    pub job_s: f64,
+    pub model_load_s: f64,
+    pub requests_per_s: f64,
+    pub total_tokens_per_s: f64,
+    pub output_tokens_per_s: f64,
+    pub ttft_p50_s: Option<f64>,
+    pub ttft_p90_s: Option<f64>,
+    pub ttft_p99_s: Option<f64>,
+    pub e2e_p50_s: Option<f64>,
+    pub e2e_p90_s: Option<f64>,
+    pub e2e_p99_s: Option<f64>,
+    pub tpot_p50_s: Option<f64>,
+    pub tpot_p90_s: Option<f64>,
+    pub engine_steps: u64,
+    pub prefill_tokens: u64,
+    pub decode_tokens: u64,
+    pub max_running_seqs: u64,
+    pub peak_kv_cache_bytes: u64,
+    pub weights_bytes: u64,
+    pub peak_rss_bytes: u64,
+}
+
+impl JobMetrics {
+    pub fn summarise(c: &Collector, engine: &EngineStats, generation_s: f64) -> JobMetrics {
+        let per_s = |x: f64| if generation_s > 0.0 { x / generation_s } else { 0.0 };
+        JobMetrics {
+            rows: c.rows,
+            succeeded_rows: c.succeeded,
+            errored_rows: c.errored,
+            prompt_tokens: c.prompt_tokens,
+            completion_tokens: c.completion_tokens,
+            generation_s,
+            requests_per_s: per_s(c.succeeded as f64),
+            total_tokens_per_s: per_s((c.prompt_tokens + c.completion_tokens) as f64),
+            output_tokens_per_s: per_s(c.completion_tokens as f64),
+            ttft_p50_s: percentile(&c.ttft_s, 50.0),
+            ttft_p90_s: percentile(&c.ttft_s, 90.0),
+            ttft_p99_s: percentile(&c.ttft_s, 99.0),
+            e2e_p50_s: percentile(&c.e2e_s, 50.0),
+            e2e_p90_s: percentile(&c.e2e_s, 90.0),
+            e2e_p99_s: percentile(&c.e2e_s, 99.0),
+            tpot_p50_s: percentile(&c.tpot_s, 50.0),
+            tpot_p90_s: percentile(&c.tpot_s, 90.0),
+            engine_steps: engine.steps,
+            prefill_tokens: engine.prefill_tokens,
+            decode_tokens: engine.decode_tokens,
+            max_running_seqs: engine.peak_running as u64,
+            peak_kv_cache_bytes: engine.peak_kv_bytes as u64,
+            peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
+            ..JobMetrics::default()
+        }
+    }
+}
+
+/// The process's peak resident memory (`VmHWM`), on Linux.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let xs: Vec<f64> = (1..=10).map(f64::from).collect();
+        assert_eq!(percentile(&xs, 50.0), Some(5.0));
+        assert_eq!(percentile(&xs, 90.0), Some(9.0));
+        assert_eq!(percentile(&xs, 99.0), Some(10.0));
+        assert_eq!(percentile(&xs, 0.0), Some(1.0));
+        assert_eq!(percentile(&[], 50.0), None);
+    }
+
+    #[test]
+    fn peak_rss_is_read_on_linux() {
+        assert!(peak_rss_bytes().unwrap() > 1 << 20);
+    }
+}

@@ -1,0 +1,87 @@
+//! The per-row types every stage shares: what a row asks for, and how a row can fail.
+//!
+//! A bad row is data, not a crash: it carries a [`RowError`] to the sink and the job goes on.
+
+use std::fmt;
+
+/// Stable, machine-readable codes for rows that could not be processed. Written to the `error.code` column.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    /// The prompt (or messages) value is null.
+    NullPrompt,
+    /// The prompt is empty, or the conversation has no message with content.
+    EmptyPrompt,
+    /// A messages value is malformed (e.g. a null role).
+    InvalidMessages,
+    /// The chat template failed to render for this row.
+    TemplateError,
+    /// The prompt has more tokens than the model's context allows.
+    PromptTooLong,
+    /// The engine failed on this row.
+    EngineError,
+}
+
+impl ErrorCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::NullPrompt => "null_prompt",
+            ErrorCode::EmptyPrompt => "empty_prompt",
+            ErrorCode::InvalidMessages => "invalid_messages",
+            ErrorCode::TemplateError => "template_error",
+            ErrorCode::PromptTooLong => "prompt_too_long",
+            ErrorCode::EngineError => "engine_error",
+        }
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RowError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl RowError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        RowError { code, message: message.into() }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+/// What a row asks the model, before the chat template.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Prompt {
+    Text(String),
+    Messages(Vec<Message>),
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token or a stop string.
+    Stop,
+    /// `max_new_tokens`, or the end of the model's context.
+    Length,
+    /// The row failed; see its error.
+    Error,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Error => "error",
+        }
+    }
+}

@@ -1,0 +1,148 @@
+//! Object-store URLs -> stores. Shared by the source (inputs) and the sink (outputs).
+//!
+//! Stores are built from the standard environment (`AWS_*`, `GOOGLE_*`, `AZURE_*`) so credentials never appear in
+//! job files, with retries and timeouts set for batch work: large range reads of Parquet column chunks need more
+//! than object_store's 30 s whole-request default.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
+use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
+use object_store::local::LocalFileSystem;
+use object_store::path::Path;
+use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme, RetryConfig};
+use url::Url;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("`{url}` is not a valid URL or path")]
+    BadUrl { url: String, #[source] source: Box<dyn std::error::Error + Send + Sync> },
+    #[error("`{url}`: the `{scheme}` scheme is not supported (use a local path, file://, s3://, gs:// or az://)")]
+    Unsupported { url: String, scheme: String },
+    #[error("cannot set up the object store for `{url}`")]
+    Build { url: String, #[source] source: object_store::Error },
+}
+
+/// A store and a path inside it, with the URL as the user wrote it for messages.
+#[derive(Clone, Debug)]
+pub struct Location {
+    pub store: Arc<dyn ObjectStore>,
+    pub path: Path,
+    pub url: String,
+}
+
+impl Location {
+    /// The user-facing name of an object under this store (`s3://bucket/key` or a local path).
+    pub fn display(&self, path: &Path) -> String {
+        match self.url.find("://") {
+            Some(i) if !self.url.starts_with("file://") => {
+                let scheme = &self.url[..i];
+                let bucket = self.url[i + 3..].split('/').next().unwrap_or_default();
+                format!("{scheme}://{bucket}/{path}")
+            }
+            _ => format!("/{path}"),
+        }
+    }
+}
+
+/// Retries with exponential backoff (object_store's defaults: 10 retries, up to 3 minutes in all).
+fn retry() -> RetryConfig {
+    RetryConfig::default()
+}
+
+/// Whole-request timeout when the environment sets none: long enough for a large column chunk on a slow link.
+const REQUEST_TIMEOUT: &str = "300s";
+const CONNECT_TIMEOUT: &str = "10s";
+
+fn env_unset(name: &str) -> bool {
+    std::env::var_os(name).is_none()
+}
+
+/// Resolves a local path or a URL to a store. Local relative paths are taken from the current directory.
+pub fn resolve(url: &str) -> Result<Location, StoreError> {
+    let bad = |e: Box<dyn std::error::Error + Send + Sync>| StoreError::BadUrl { url: url.into(), source: e };
+    let has_scheme = url.contains("://");
+    if !has_scheme || url.starts_with("file://") {
+        let local = if has_scheme {
+            Url::parse(url).map_err(|e| bad(e.into()))?.to_file_path().map_err(|()| bad("not a file path".into()))?
+        } else {
+            std::path::PathBuf::from(url)
+        };
+        let absolute = std::path::absolute(&local).map_err(|e| bad(e.into()))?;
+        let path = Path::from_absolute_path(&absolute).map_err(|e| bad(e.into()))?;
+        return Ok(Location { store: Arc::new(LocalFileSystem::new()), path, url: url.into() });
+    }
+    let parsed = Url::parse(url).map_err(|e| bad(e.into()))?;
+    let (scheme, path) = ObjectStoreScheme::parse(&parsed).map_err(|e| bad(e.into()))?;
+    let build = |e| StoreError::Build { url: url.into(), source: e };
+    let store: Arc<dyn ObjectStore> = match scheme {
+        ObjectStoreScheme::AmazonS3 => {
+            let mut b = AmazonS3Builder::from_env().with_url(url).with_retry(retry());
+            if env_unset("AWS_TIMEOUT") {
+                b = b.with_config(AmazonS3ConfigKey::Client(ClientConfigKey::Timeout), REQUEST_TIMEOUT);
+            }
+            if env_unset("AWS_CONNECT_TIMEOUT") {
+                b = b.with_config(AmazonS3ConfigKey::Client(ClientConfigKey::ConnectTimeout), CONNECT_TIMEOUT);
+            }
+            Arc::new(b.build().map_err(build)?)
+        }
+        ObjectStoreScheme::GoogleCloudStorage => {
+            let mut b = GoogleCloudStorageBuilder::from_env().with_url(url).with_retry(retry());
+            if env_unset("GOOGLE_TIMEOUT") {
+                b = b.with_config(GoogleConfigKey::Client(ClientConfigKey::Timeout), REQUEST_TIMEOUT);
+            }
+            if env_unset("GOOGLE_CONNECT_TIMEOUT") {
+                b = b.with_config(GoogleConfigKey::Client(ClientConfigKey::ConnectTimeout), CONNECT_TIMEOUT);
+            }
+            Arc::new(b.build().map_err(build)?)
+        }
+        ObjectStoreScheme::MicrosoftAzure => {
+            let mut b = MicrosoftAzureBuilder::from_env().with_url(url).with_retry(retry());
+            if env_unset("AZURE_TIMEOUT") {
+                b = b.with_config(AzureConfigKey::Client(ClientConfigKey::Timeout), REQUEST_TIMEOUT);
+            }
+            if env_unset("AZURE_CONNECT_TIMEOUT") {
+                b = b.with_config(AzureConfigKey::Client(ClientConfigKey::ConnectTimeout), CONNECT_TIMEOUT);
+            }
+            Arc::new(b.build().map_err(build)?)
+        }
+        other => {
+            let scheme = format!("{other:?}");
+            return Err(StoreError::Unsupported { url: url.into(), scheme });
+        }
+    };
+    Ok(Location { store, path, url: url.into() })
+}
+
+/// The characters that make a URL a glob.
+pub fn is_glob(s: &str) -> bool {
+    s.contains(['*', '?', '['])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_relative_paths_become_absolute() {
+        let loc = resolve("data/in.parquet").unwrap();
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(format!("/{}", loc.path), cwd.join("data/in.parquet").to_string_lossy());
+    }
+
+    #[test]
+    fn s3_url_names_bucket_and_key() {
+        std::env::set_var("AWS_REGION", "us-east-1");
+        let loc = resolve("s3://bucket/some/key.parquet").unwrap();
+        assert_eq!(loc.path.as_ref(), "some/key.parquet");
+        assert_eq!(loc.display(&loc.path), "s3://bucket/some/key.parquet");
+    }
+
+    #[test]
+    fn unsupported_scheme_is_named() {
+        let e = resolve("ftp://host/x.parquet").unwrap_err().to_string();
+        assert!(e.contains("ftp://host/x.parquet"), "{e}");
+    }
+}

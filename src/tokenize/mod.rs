@@ -1,0 +1,169 @@
+//! Prompts -> validated token sequences.
+//!
+//! The [`Preprocessor`] applies the chat template and the tokenizer to each [`SourceRow`] and checks the result
+//! against the model's context, so a row reaches the engine only as a [`PreparedRow`] with tokens that fit; every
+//! other row becomes an error row here and skips the engine. Rows are processed in parallel on rayon.
+
+pub mod template;
+pub mod vocab;
+
+use rayon::prelude::*;
+use tokenizers::Tokenizer;
+
+use crate::job::{ChatTemplateChoice, InputSpec, PromptColumn};
+use crate::row::{ErrorCode, Message, Prompt, RowError};
+use crate::source::SourceRow;
+pub use template::ChatTemplate;
+pub use vocab::VocabMetadata;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("tokenizer kind `{0}` is not supported (only byte-level BPE, `gpt2`, is)")]
+    UnsupportedKind(String),
+    #[error("pre-tokenizer `{0}` is not supported (supported: `smollm`, `gpt2`)")]
+    UnsupportedPre(String),
+    #[error("the model's tokenizer is invalid: {0}")]
+    Invalid(String),
+    #[error("the model's chat template is invalid: {0}")]
+    Template(String),
+    #[error("the model has no chat template; set `model.chat_template = \"none\"` to tokenize prompts as they are")]
+    NoTemplate,
+    #[error("`{key}` needs a chat template, but `model.chat_template` is \"none\"")]
+    NeedsTemplate { key: &'static str },
+}
+
+/// A row ready for the engine, or the reason it is not.
+#[derive(Clone, Debug)]
+pub struct PreparedRow {
+    pub id: String,
+    pub tokens: Result<Vec<u32>, RowError>,
+}
+
+/// Everything needed to turn a row into tokens: tokenizer, template, limits.
+pub struct Preprocessor {
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+    system_prompt: Option<String>,
+    bos: Option<u32>,
+    context_length: usize,
+}
+
+impl Preprocessor {
+    pub fn new(
+        vocab: &VocabMetadata,
+        choice: &ChatTemplateChoice,
+        input: &InputSpec,
+        context_length: usize,
+    ) -> Result<Preprocessor, TokenizerError> {
+        let tokenizer = vocab::build(vocab)?;
+        let token = |id: Option<u32>| id.and_then(|id| vocab.tokens.get(id as usize).cloned()).unwrap_or_default();
+        let template = match choice {
+            ChatTemplateChoice::Auto => {
+                let source = vocab.chat_template.as_deref().ok_or(TokenizerError::NoTemplate)?;
+                Some(ChatTemplate::new(source, token(vocab.bos), token(vocab.eos))?)
+            }
+            ChatTemplateChoice::None => {
+                if input.system_prompt.is_some() {
+                    return Err(TokenizerError::NeedsTemplate { key: "input.system_prompt" });
+                }
+                if matches!(input.prompt, PromptColumn::Messages(_)) {
+                    return Err(TokenizerError::NeedsTemplate { key: "input.messages_column" });
+                }
+                None
+            }
+        };
+        Ok(Preprocessor {
+            tokenizer,
+            template,
+            system_prompt: input.system_prompt.clone(),
+            bos: vocab.bos.filter(|_| vocab.add_bos),
+            context_length,
+        })
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The text the model sees for a prompt: the rendered chat template, or the prompt itself.
+    pub fn render(&self, prompt: &Prompt) -> Result<String, RowError> {
+        let Some(template) = &self.template else {
+            return match prompt {
+                Prompt::Text(text) => Ok(text.clone()),
+                Prompt::Messages(_) => unreachable!("a messages column without a template is rejected in `new`"),
+            };
+        };
+        let mut messages = Vec::new();
+        let has_system = matches!(prompt, Prompt::Messages(m) if m.first().is_some_and(|m| m.role == "system"));
+        if let (Some(system), false) = (&self.system_prompt, has_system) {
+            messages.push(Message { role: "system".into(), content: system.clone() });
+        }
+        match prompt {
+            Prompt::Text(text) => messages.push(Message { role: "user".into(), content: text.clone() }),
+            Prompt::Messages(m) => messages.extend(m.iter().cloned()),
+        }
+        template.render(&messages)
+    }
+
+    /// Token ids of a text, special tokens (`<|im_start|>`, ...) parsed, BOS added when the model asks for it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, RowError> {
+        let encoding = self
+            .tokenizer
+            .encode_fast(text, false)
+            .map_err(|e| RowError::new(ErrorCode::TemplateError, format!("tokenization failed: {e}")))?;
+        let ids = encoding.get_ids();
+        let mut tokens = Vec::with_capacity(ids.len() + 1);
+        if let Some(bos) = self.bos {
+            if ids.first() != Some(&bos) {
+                tokens.push(bos);
+            }
+        }
+        tokens.extend_from_slice(ids);
+        Ok(tokens)
+    }
+
+    pub fn prepare(&self, row: SourceRow) -> PreparedRow {
+        let tokens = row.prompt.and_then(|prompt| {
+            let tokens = self.encode(&self.render(&prompt)?)?;
+            // At least one position must remain for the first generated token.
+            if tokens.len() >= self.context_length {
+                return Err(RowError::new(
+                    ErrorCode::PromptTooLong,
+                    format!("the prompt has {} tokens; the model's context is {} tokens", tokens.len(), self.context_length),
+                ));
+            }
+            Ok(tokens)
+        });
+        PreparedRow { id: row.id, tokens }
+    }
+
+    /// Prepares a batch of rows in parallel, keeping their order.
+    pub fn prepare_batch(&self, rows: Vec<SourceRow>) -> Vec<PreparedRow> {
+        rows.into_par_iter().map(|row| self.prepare(row)).collect()
+    }
+}
+
+/// Incremental detokenization of generated tokens, for stop strings: emits text only once the bytes decoded so
+/// far form complete characters (a multi-byte character can span tokens).
+#[derive(Clone, Debug, Default)]
+pub struct TextStream {
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl TextStream {
+    /// Adds a token and returns the text it completes (possibly empty).
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> String {
+        self.ids.push(id);
+        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], true).unwrap_or_default();
+        let full = tokenizer.decode(&self.ids[self.prefix_offset..], true).unwrap_or_default();
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prefix.len()) {
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            full[prefix.len()..].to_string()
+        } else {
+            String::new()
+        }
+    }
+}

@@ -1,0 +1,399 @@
+//! End-to-end tests through the `nightshift` binary, with the real SmolLM2-135M-Instruct model, real Parquet
+//! files, and a real S3 server (moto) on 127.0.0.1.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use arrow::array::{ArrayRef, Int64Array, ListBuilder, StringBuilder, StructBuilder};
+use arrow::datatypes::{DataType, Field};
+use support::*;
+
+fn ids(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}{i:03}")).collect()
+}
+
+const QUESTIONS: &[&str] = &[
+    "What is the capital of France?",
+    "Name three colours of the rainbow.",
+    "Write one sentence about the sea.",
+    "What is 12 plus 30?",
+    "Give a synonym for happy.",
+    "Why do leaves fall in autumn?",
+];
+
+/// Runs a job over `prompts` and returns its results.
+fn run_prompts(name: &str, prompts: &[&str], generation: &str, args: &[&str]) -> BTreeMap<String, ResultRow> {
+    let dir = scratch(name);
+    let input = dir.join("in.parquet");
+    write_parquet(&input, support::prompts(&ids("q", prompts.len()), prompts));
+    let out = dir.join("out");
+    let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), generation, "");
+    let mut all = vec!["run", job.to_str().unwrap()];
+    all.extend_from_slice(args);
+    nightshift(&all, &[]).assert_ok();
+    read_results(&out)
+}
+
+fn texts(rows: &BTreeMap<String, ResultRow>) -> BTreeMap<String, (Option<String>, u32, String)> {
+    rows.iter().map(|(id, r)| (id.clone(), (r.text.clone(), r.completion_tokens, r.finish_reason.clone()))).collect()
+}
+
+#[test]
+fn sample_job_writes_sensible_summaries() {
+    let dir = scratch("sample");
+    let out = dir.join("out");
+    let run = nightshift(&["run", "jobs/summarise.toml", "--output", out.to_str().unwrap(), "--show", "3"], &[]);
+    run.assert_ok();
+    assert!(run.stdout.contains("results: ") && run.stdout.contains("results.parquet"), "{}", run.stdout);
+    assert!(run.stdout.contains("[ticket-"), "the run prints a few results: {}", run.stdout);
+    let rows = read_results(&out);
+    assert_eq!(rows.len(), 12);
+    // Each summary is English about its own ticket: it shares a content word with it.
+    let keywords = [
+        ("ticket-001", &["print", "jam", "queue"][..]),
+        ("ticket-002", &["charge", "refund", "payment", "subscription", "twice", "duplicate"]),
+        ("ticket-003", &["app", "crash", "settings", "android", "update"]),
+        ("ticket-004", &["drive", "network", "access"]),
+        ("ticket-005", &["address", "order", "deliver"]),
+        ("ticket-006", &["password", "email", "reset"]),
+        ("ticket-007", &["projector", "hdmi", "signal", "laptop"]),
+        ("ticket-008", &["trial", "extend", "week"]),
+        ("ticket-009", &["invoice", "pdf", "blank", "billing"]),
+        ("ticket-010", &["laptop", "hire", "account", "employee"]),
+        ("ticket-011", &["checkout", "slow", "payment", "website"]),
+        ("ticket-012", &["cancel", "subscription"]),
+    ];
+    let mut on_topic = 0;
+    for (id, words) in keywords {
+        let row = &rows[id];
+        assert_eq!(row.status, "succeeded", "{row:?}");
+        let text = row.text.as_deref().unwrap().to_lowercase();
+        let letters = text.chars().filter(|c| c.is_ascii_alphabetic()).count();
+        assert!(letters >= 15, "{id}: too short to be a summary: {text:?}");
+        assert!(letters * 10 >= text.chars().count() * 7, "{id}: not English prose: {text:?}");
+        if words.iter().any(|w| text.contains(w)) {
+            on_topic += 1;
+        }
+    }
+    assert!(on_topic >= 10, "only {on_topic} of 12 summaries mention their ticket's subject");
+    let meta = kv_metadata(&out.join("results.parquet"));
+    assert_eq!(meta["nightshift.model_sha256"], "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53");
+    assert_eq!(meta["nightshift.version"], env!("CARGO_PKG_VERSION"));
+    let metrics = read_metrics(&out);
+    assert_eq!(metrics["rows"], Some(12.0));
+    let completion: u32 = rows.values().map(|r| r.completion_tokens).sum();
+    assert_eq!(metrics["completion_tokens"], Some(completion as f64));
+    assert!(metrics["output_tokens_per_s"].unwrap() > 0.0);
+    assert!(metrics["peak_rss_bytes"].unwrap() > metrics["weights_bytes"].unwrap());
+}
+
+#[test]
+fn greedy_outputs_are_identical_across_runs_and_batch_sizes() {
+    let generation = "max_new_tokens = 24";
+    let one = run_prompts("greedy-1", QUESTIONS, generation, &["--max-seqs", "1"]);
+    let six = run_prompts("greedy-6", QUESTIONS, generation, &["--max-seqs", "6"]);
+    let again = run_prompts("greedy-6-again", QUESTIONS, generation, &["--max-seqs", "6"]);
+    let three = run_prompts("greedy-3", QUESTIONS, generation, &["--max-seqs", "3"]);
+    assert_eq!(texts(&one), texts(&six));
+    assert_eq!(texts(&six), texts(&again));
+    assert_eq!(texts(&six), texts(&three));
+    assert!(one.values().all(|r| r.status == "succeeded" && r.completion_tokens > 0));
+    // The model answers the arithmetic question correctly: a check that the engine computes the right thing.
+    assert!(one["q003"].text.as_deref().unwrap().contains("42"), "{:?}", one["q003"]);
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_whatever_the_batch() {
+    let generation = "max_new_tokens = 16\ntemperature = 0.9\ntop_p = 0.95\ntop_k = 50\nseed = 7";
+    let one = run_prompts("sampled-1", QUESTIONS, generation, &["--max-seqs", "1"]);
+    let four = run_prompts("sampled-4", QUESTIONS, generation, &["--max-seqs", "4"]);
+    assert_eq!(texts(&one), texts(&four));
+    let other = run_prompts("sampled-seed", QUESTIONS, &generation.replace("seed = 7", "seed = 8"), &[]);
+    assert_ne!(texts(&one), texts(&other), "a different job seed changes the samples");
+}
+
+#[test]
+fn stop_strings_and_max_new_tokens_end_generation() {
+    let free = run_prompts("stop-free", QUESTIONS, "max_new_tokens = 32", &[]);
+    let stopped = run_prompts("stop-dot", QUESTIONS, "max_new_tokens = 32\nstop = [\".\"]", &[]);
+    let mut cut = 0;
+    for (id, row) in &free {
+        let full = row.text.as_deref().unwrap();
+        let s = &stopped[id];
+        match full.find('.') {
+            Some(at) => {
+                cut += 1;
+                assert_eq!(s.text.as_deref().unwrap(), &full[..at], "{id}");
+                assert_eq!(s.finish_reason, "stop", "{id}");
+            }
+            None => assert_eq!(s.text, row.text, "{id}"),
+        }
+    }
+    assert!(cut >= 3, "the stop string was hit in only {cut} rows");
+
+    let short = run_prompts("stop-length", QUESTIONS, "max_new_tokens = 5", &[]);
+    for (id, row) in &short {
+        assert!(row.completion_tokens <= 5, "{row:?}");
+        if row.completion_tokens == 5 && free[id].completion_tokens > 5 {
+            assert_eq!(row.finish_reason, "length", "{row:?}");
+            let full = free[id].text.as_deref().unwrap();
+            assert!(full.starts_with(row.text.as_deref().unwrap()), "{row:?} vs {full:?}");
+        }
+    }
+    assert!(short.values().any(|r| r.finish_reason == "length"));
+}
+
+#[test]
+fn every_input_row_appears_exactly_once_and_bad_rows_become_error_rows() {
+    let dir = scratch("rows");
+    let long_prompt = "lorem ipsum ".repeat(5000);
+    let a_ids = ids("a", 7);
+    write_parquet(
+        &dir.join("part-0.parquet"),
+        vec![
+            ("id", strings(&a_ids.iter().map(|s| Some(s.as_str())).collect::<Vec<_>>())),
+            ("prompt", strings(&[Some("Say hi."), Some("Say bye."), None, Some("   "), Some("Count to three."), Some("Name a fruit."), Some("Name a tree.")])),
+        ],
+    );
+    let b_ids = ids("b", 3);
+    write_parquet(
+        &dir.join("part-1.parquet"),
+        vec![
+            ("id", strings(&b_ids.iter().map(|s| Some(s.as_str())).collect::<Vec<_>>())),
+            ("prompt", strings(&[Some("Name a river."), Some(&long_prompt), Some("Name a city.")])),
+        ],
+    );
+    std::fs::write(dir.join("notes.txt"), "not an input").unwrap();
+    let out = dir.join("out");
+    let glob = format!("{}/part-*.parquet", dir.display());
+    let job = job_file(&dir, &glob, out.to_str().unwrap(), "max_new_tokens = 6", "[runtime]\nmax_seqs = 4");
+    nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    let rows = read_results(&out);
+    let expected: Vec<String> = a_ids.iter().chain(&b_ids).cloned().collect();
+    assert_eq!(rows.keys().cloned().collect::<Vec<_>>(), { let mut e = expected.clone(); e.sort(); e });
+    let code = |id: &str| rows[id].error_code.as_deref();
+    assert_eq!(code("a002"), Some("null_prompt"));
+    assert_eq!(code("a003"), Some("empty_prompt"));
+    assert_eq!(code("b001"), Some("prompt_too_long"));
+    assert!(rows["b001"].error_message.as_deref().unwrap().contains("8192"), "{:?}", rows["b001"]);
+    for id in ["a002", "a003", "b001"] {
+        assert_eq!(rows[id].status, "errored");
+        assert_eq!(rows[id].finish_reason, "error");
+        assert_eq!(rows[id].text, None);
+    }
+    let succeeded = rows.values().filter(|r| r.status == "succeeded").count();
+    assert_eq!(succeeded, 7);
+    let metrics = read_metrics(&out);
+    assert_eq!(metrics["rows"], Some(10.0));
+    assert_eq!(metrics["errored_rows"], Some(3.0));
+}
+
+#[test]
+fn rows_without_an_id_column_get_file_and_row_number_ids() {
+    let dir = scratch("no-id");
+    write_parquet(&dir.join("in.parquet"), vec![("prompt", strings(&[Some("Say hi."), Some("Say bye.")]))]);
+    let out = dir.join("out");
+    let job = dir.join("job.toml");
+    std::fs::write(
+        &job,
+        format!(
+            "[input]\nurl = {:?}\n[model]\npath = {:?}\n[generation]\nmax_new_tokens = 4\n[output]\nurl = {:?}\n",
+            dir.join("in.parquet").to_str().unwrap(),
+            model_path().to_str().unwrap(),
+            out.to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    let rows = read_results(&out);
+    assert_eq!(rows.keys().cloned().collect::<Vec<_>>(), vec!["in.parquet:0", "in.parquet:1"]);
+}
+
+fn messages_array(conversations: &[Option<&[(&str, &str)]>]) -> ArrayRef {
+    let fields = vec![Field::new("role", DataType::Utf8, true), Field::new("content", DataType::Utf8, true)];
+    let mut list = ListBuilder::new(StructBuilder::from_fields(fields.clone(), 4))
+        .with_field(Arc::new(Field::new("item", DataType::Struct(fields.into()), true)));
+    for conversation in conversations {
+        match conversation {
+            None => list.append_null(),
+            Some(messages) => {
+                for (role, content) in *messages {
+                    let s = list.values();
+                    s.field_builder::<StringBuilder>(0).unwrap().append_value(role);
+                    s.field_builder::<StringBuilder>(1).unwrap().append_value(content);
+                    s.append(true);
+                }
+                list.append(true);
+            }
+        }
+    }
+    Arc::new(list.finish())
+}
+
+#[test]
+fn messages_column_is_rendered_with_the_chat_template() {
+    let dir = scratch("messages");
+    write_parquet(
+        &dir.join("in.parquet"),
+        vec![
+            ("id", strings(&[Some("m0"), Some("m1"), Some("m2")])),
+            (
+                "conversation",
+                messages_array(&[
+                    Some(&[("system", "You answer with one word."), ("user", "What colour is the sky on a clear day?")]),
+                    None,
+                    Some(&[("user", "What is 12 plus 30?")]),
+                ]),
+            ),
+        ],
+    );
+    let out = dir.join("out");
+    let job = dir.join("job.toml");
+    std::fs::write(
+        &job,
+        format!(
+            "[input]\nurl = {:?}\nid_column = \"id\"\nmessages_column = \"conversation\"\n[model]\npath = {:?}\n[generation]\nmax_new_tokens = 16\n[output]\nurl = {:?}\n",
+            dir.join("in.parquet").to_str().unwrap(),
+            model_path().to_str().unwrap(),
+            out.to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    let rows = read_results(&out);
+    assert_eq!(rows["m0"].status, "succeeded");
+    assert!(rows["m0"].text.as_deref().unwrap().to_lowercase().contains("blue"), "{:?}", rows["m0"]);
+    assert_eq!(rows["m1"].error_code.as_deref(), Some("null_prompt"));
+    assert!(rows["m2"].text.as_deref().unwrap().contains("42"), "{:?}", rows["m2"]);
+}
+
+/// Asserts a failed run: the exit code, a message naming `names`, and no output that looks complete.
+fn assert_fails(run: &Run, code: i32, names: &[&str], out: &std::path::Path) {
+    assert_eq!(run.code, code, "stdout:\n{}\nstderr:\n{}", run.stdout, run.stderr);
+    for name in names {
+        assert!(run.stderr.contains(name), "stderr does not name {name:?}:\n{}", run.stderr);
+    }
+    assert!(!out.join("_SUCCESS").exists(), "a failed run wrote _SUCCESS");
+    assert!(!out.join("results.parquet").exists(), "a failed run wrote results.parquet");
+}
+
+#[test]
+fn bad_inputs_fail_with_a_clear_message_and_exit_code() {
+    let dir = scratch("bad-inputs");
+    let out = dir.join("out");
+    let out_s = out.to_str().unwrap();
+    let good = dir.join("good.parquet");
+    write_parquet(&good, support::prompts(&ids("g", 2), &["Hi.", "Bye."]));
+
+    // A missing input file: exit 3, naming it.
+    let missing = dir.join("missing.parquet");
+    let job = job_file(&dir, missing.to_str().unwrap(), out_s, "max_new_tokens = 4", "");
+    assert_fails(&nightshift(&["run", job.to_str().unwrap()], &[]), 3, &["missing.parquet", "no input found"], &out);
+
+    // A file that is not Parquet, and a truncated Parquet file.
+    let corrupt = dir.join("corrupt.parquet");
+    std::fs::write(&corrupt, b"this is not a parquet file at all, just some bytes").unwrap();
+    let job = job_file(&dir, corrupt.to_str().unwrap(), out_s, "max_new_tokens = 4", "");
+    assert_fails(&nightshift(&["run", job.to_str().unwrap()], &[]), 3, &["corrupt.parquet", "not a readable Parquet file"], &out);
+    let truncated = dir.join("truncated.parquet");
+    let bytes = std::fs::read(&good).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    let job = job_file(&dir, truncated.to_str().unwrap(), out_s, "max_new_tokens = 4", "");
+    assert_fails(&nightshift(&["run", job.to_str().unwrap()], &[]), 3, &["truncated.parquet"], &out);
+
+    // A missing column, and a column of the wrong type.
+    let no_prompt = dir.join("no-prompt.parquet");
+    write_parquet(&no_prompt, vec![("id", strings(&[Some("x")])), ("question", strings(&[Some("Hi?")]))]);
+    let job = job_file(&dir, no_prompt.to_str().unwrap(), out_s, "max_new_tokens = 4", "");
+    assert_fails(&nightshift(&["run", job.to_str().unwrap()], &[]), 3, &["no column `prompt`", "`question`"], &out);
+    let int_prompt = dir.join("int-prompt.parquet");
+    write_parquet(&int_prompt, vec![("id", strings(&[Some("x")])), ("prompt", Arc::new(Int64Array::from(vec![1])) as ArrayRef)]);
+    let job = job_file(&dir, int_prompt.to_str().unwrap(), out_s, "max_new_tokens = 4", "");
+    assert_fails(&nightshift(&["run", job.to_str().unwrap()], &[]), 3, &["column `prompt`", "Int64", "expected a string"], &out);
+
+    // A missing model file, and a file that is not a model: exit 4.
+    let job = job_file(&dir, good.to_str().unwrap(), out_s, "max_new_tokens = 4", "");
+    let run = nightshift(&["run", job.to_str().unwrap(), "--model", "models/does-not-exist.gguf"], &[]);
+    assert_fails(&run, 4, &["models/does-not-exist.gguf"], &out);
+    let run = nightshift(&["run", job.to_str().unwrap(), "--model", corrupt.to_str().unwrap()], &[]);
+    assert_fails(&run, 4, &["corrupt.parquet", "not a valid GGUF model file"], &out);
+
+    // Malformed job files: exit 2, naming the problem.
+    let bad_toml = dir.join("bad.toml");
+    std::fs::write(&bad_toml, "[input\nurl = 1").unwrap();
+    assert_fails(&nightshift(&["run", bad_toml.to_str().unwrap()], &[]), 2, &["bad.toml"], &out);
+    let job = job_file(&dir, good.to_str().unwrap(), out_s, "max_new_tokens = 4\ntemprature = 0.5", "");
+    assert_fails(&nightshift(&["run", job.to_str().unwrap()], &[]), 2, &["temprature"], &out);
+    let job = job_file(&dir, good.to_str().unwrap(), out_s, "temperature = 0.5", "");
+    assert_fails(&nightshift(&["run", job.to_str().unwrap()], &[]), 2, &["max_new_tokens"], &out);
+    let job = job_file(&dir, good.to_str().unwrap(), out_s, "max_new_tokens = 4\ntop_p = 1.5", "");
+    assert_fails(&nightshift(&["run", job.to_str().unwrap()], &[]), 2, &["generation.top_p"], &out);
+    assert_fails(&nightshift(&["run", dir.join("nope.toml").to_str().unwrap()], &[]), 2, &["nope.toml"], &out);
+
+    // An output location that cannot be written (a path through a regular file): exit 5.
+    let blocker = dir.join("blocker");
+    std::fs::write(&blocker, b"a file, not a directory").unwrap();
+    let job = job_file(&dir, good.to_str().unwrap(), blocker.join("out").to_str().unwrap(), "max_new_tokens = 4", "");
+    assert_fails(&nightshift(&["run", job.to_str().unwrap()], &[]), 5, &["blocker/out", "not writable"], &blocker.join("out"));
+
+    // An output that already holds a completed job is refused: exit 5, and the completed output is untouched.
+    let job = job_file(&dir, good.to_str().unwrap(), out_s, "max_new_tokens = 4", "");
+    nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    let before = std::fs::read(out.join("results.parquet")).unwrap();
+    let run = nightshift(&["run", job.to_str().unwrap()], &[]);
+    assert_eq!(run.code, 5, "{}", run.stderr);
+    assert!(run.stderr.contains("already holds a completed job"), "{}", run.stderr);
+    assert_eq!(std::fs::read(out.join("results.parquet")).unwrap(), before);
+}
+
+#[test]
+fn validate_checks_job_input_and_model_without_writing() {
+    let dir = scratch("validate");
+    let out = dir.join("out");
+    let run = nightshift(&["validate", "jobs/summarise.toml", "--output", out.to_str().unwrap()], &[]);
+    run.assert_ok();
+    assert!(run.stdout.contains("job is valid"), "{}", run.stdout);
+    assert!(run.stdout.contains("12 rows"), "{}", run.stdout);
+    assert!(run.stdout.contains("context 8192"), "{}", run.stdout);
+    assert!(run.stdout.contains("smollm"), "{}", run.stdout);
+    assert!(!out.exists(), "validate wrote to the output");
+    let run = nightshift(&["validate", "jobs/summarise.toml", "--input", "jobs/data/missing.parquet"], &[]);
+    assert_eq!(run.code, 3, "{}", run.stderr);
+}
+
+#[test]
+fn s3_round_trip_through_a_moto_server() {
+    let moto = Moto::start();
+    moto.create_bucket("nightly");
+    let env = moto.env();
+    let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    for (k, v) in &env {
+        std::env::set_var(k, v);
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let store = object_store::aws::AmazonS3Builder::from_env().with_bucket_name("nightly").build().unwrap();
+    use object_store::ObjectStoreExt;
+    let dir = scratch("s3");
+    let local = dir.join("in.parquet");
+    write_parquet(&local, support::prompts(&ids("s", 3), &QUESTIONS[..3]));
+    rt.block_on(store.put(&"in/2026-11-29/part-0.parquet".into(), std::fs::read(&local).unwrap().into())).unwrap();
+
+    let job = job_file(&dir, "s3://nightly/in/2026-11-29/*.parquet", "s3://nightly/out/2026-11-29/", "max_new_tokens = 8", "");
+    nightshift(&["run", job.to_str().unwrap()], &env_refs).assert_ok();
+
+    let get = |key: &str| rt.block_on(async { store.get(&key.into()).await.unwrap().bytes().await.unwrap() });
+    let success: serde_json::Value = serde_json::from_slice(&get("out/2026-11-29/_SUCCESS")).unwrap();
+    assert_eq!(success["rows"], 3);
+    let rows = parse_results(get("out/2026-11-29/results.parquet"));
+    assert_eq!(rows.keys().cloned().collect::<Vec<_>>(), ids("s", 3));
+    assert!(rows.values().all(|r| r.status == "succeeded" && r.completion_tokens > 0));
+    assert!(!get("out/2026-11-29/metrics.parquet").is_empty());
+
+    // A missing object on S3 is named in the error.
+    let run = nightshift(&["run", job.to_str().unwrap(), "--input", "s3://nightly/in/absent.parquet", "--output", "s3://nightly/out2/"], &env_refs);
+    assert_eq!(run.code, 3, "{}", run.stderr);
+    assert!(run.stderr.contains("s3://nightly/in/absent.parquet"), "{}", run.stderr);
+}
