@@ -119,7 +119,8 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         job: job.file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
     };
     let mut results = output.results_writer(&run)?;
-    let progress = progress_bar(options.progress, input.total_rows());
+    let total_rows = input.total_rows();
+    let progress = progress_bar(options.progress, total_rows);
 
     // Channels: source -> tokenize -> engine -> sink, and tokenize -> sink for rows that fail before the engine.
     let (source_tx, mut source_rx) = mpsc::channel::<Vec<SourceRow>>(SOURCE_DEPTH);
@@ -186,11 +187,10 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let generation_s = generation_started.elapsed().as_secs_f64();
     progress.finish_and_clear();
 
-    if collector.rows != input.total_rows() {
+    if collector.rows != total_rows {
         return Err(Error::Internal(format!(
-            "{} rows were written but the input has {} (a bug); the output was not committed",
-            collector.rows,
-            input.total_rows()
+            "{} rows were written but the input has {total_rows} (a bug); the output was not committed",
+            collector.rows
         )));
     }
     let mut metrics = JobMetrics::summarise(&collector, &engine_stats, generation_s);

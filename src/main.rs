@@ -18,8 +18,6 @@ fn init_tracing(format: LogFormat) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.log_format);
-    // The cloud stores' TLS uses rustls with the ring provider (no C/cmake crypto build).
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let result = match &cli.command {
         Command::Run(args) => app::run(RunOptions {
             job: args.job.job.clone(),

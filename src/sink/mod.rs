@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, Float64Builder, RecordBatch, StringBuilder, StructArray, UInt32Builder, UInt64Builder};
+use arrow::array::{ArrayRef, Float64Builder, RecordBatch, StringBuilder, StructArray, UInt32Builder};
 use arrow::datatypes::{DataType, Field, Fields, Schema, SchemaRef};
 use object_store::buffered::BufWriter;
 use object_store::path::Path;
@@ -128,7 +128,7 @@ pub fn metrics_schema() -> Schema {
 }
 
 fn with_metadata(schema: Schema, run: &RunMetadata) -> SchemaRef {
-    Arc::new(schema.with_metadata(run.pairs().into_iter().collect()))
+    Arc::new(schema.with_metadata(run.pairs().into_iter().collect::<std::collections::HashMap<_, _>>()))
 }
 
 fn properties() -> WriterProperties {
@@ -181,9 +181,9 @@ impl Output {
 
     pub fn results_writer(&self, run: &RunMetadata) -> Result<ResultsWriter, SinkError> {
         let upload = BufWriter::new(self.location.store.clone(), self.path(RESULTS_FILE));
-        let writer = AsyncArrowWriter::try_new(upload, with_metadata(results_schema(), run), Some(properties()))
-            .map_err(self.write_err(RESULTS_FILE))?;
-        Ok(ResultsWriter { writer, pending: Vec::with_capacity(ROWS_PER_BATCH), url: self.display(RESULTS_FILE), rows: 0 })
+        let schema = with_metadata(results_schema(), run);
+        let writer = AsyncArrowWriter::try_new(upload, schema.clone(), Some(properties())).map_err(self.write_err(RESULTS_FILE))?;
+        Ok(ResultsWriter { writer, schema, pending: Vec::with_capacity(ROWS_PER_BATCH), url: self.display(RESULTS_FILE), rows: 0 })
     }
 
     pub async fn write_metrics(&self, m: &JobMetrics, run: &RunMetadata) -> Result<(), SinkError> {
@@ -243,6 +243,7 @@ impl Output {
 /// Streams result rows into `results.parquet`.
 pub struct ResultsWriter {
     writer: AsyncArrowWriter<BufWriter>,
+    schema: SchemaRef,
     pending: Vec<Outcome>,
     url: String,
     rows: u64,
@@ -266,7 +267,7 @@ impl ResultsWriter {
         if self.pending.is_empty() {
             return Ok(());
         }
-        let batch = results_batch(&self.pending, self.writer.schema().clone())
+        let batch = results_batch(&self.pending, self.schema.clone())
             .map_err(|e| SinkError::Write { url: self.url.clone(), source: Box::new(e) })?;
         self.pending.clear();
         self.writer.write(&batch).await.map_err(|e| SinkError::Write { url: self.url.clone(), source: Box::new(e) })

@@ -5,7 +5,6 @@
 //! than object_store's 30 s whole-request default.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
@@ -60,6 +59,16 @@ fn env_unset(name: &str) -> bool {
     std::env::var_os(name).is_none()
 }
 
+/// The cloud stores' TLS is rustls with the ring provider (no C/cmake crypto build); it is installed once, before
+/// the first client is built.
+fn install_crypto_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // An error means another provider is installed already, which serves as well.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
 /// Resolves a local path or a URL to a store. Local relative paths are taken from the current directory.
 pub fn resolve(url: &str) -> Result<Location, StoreError> {
     let bad = |e: Box<dyn std::error::Error + Send + Sync>| StoreError::BadUrl { url: url.into(), source: e };
@@ -74,6 +83,7 @@ pub fn resolve(url: &str) -> Result<Location, StoreError> {
         let path = Path::from_absolute_path(&absolute).map_err(|e| bad(e.into()))?;
         return Ok(Location { store: Arc::new(LocalFileSystem::new()), path, url: url.into() });
     }
+    install_crypto_provider();
     let parsed = Url::parse(url).map_err(|e| bad(e.into()))?;
     let (scheme, path) = ObjectStoreScheme::parse(&parsed).map_err(|e| bad(e.into()))?;
     let build = |e| StoreError::Build { url: url.into(), source: e };
