@@ -26,7 +26,8 @@ TICKETS = [
 out = pathlib.Path(__file__).resolve().parent.parent / "jobs" / "data" / "tickets.parquet"
 table = pa.table({
     "id": [f"ticket-{i + 1:03d}" for i in range(len(TICKETS))],
-    "prompt": [f"Summarise this support ticket in one sentence.\n\n{t}" for t in TICKETS],
+    # SmolLM2-135M follows an instruction after the text better than before it.
+    "prompt": [f"Support ticket:\n{t}\n\nSummarise the ticket above in one short sentence." for t in TICKETS],
 })
 pq.write_table(table, out, compression="snappy")
 print(f"wrote {out} ({table.num_rows} rows)")

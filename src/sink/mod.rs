@@ -131,8 +131,12 @@ fn with_metadata(schema: Schema, run: &RunMetadata) -> SchemaRef {
     Arc::new(schema.with_metadata(run.pairs().into_iter().collect::<std::collections::HashMap<_, _>>()))
 }
 
-fn properties() -> WriterProperties {
+/// Writer settings; the run's facts go in the Parquet footer's key/value metadata (and, through the Arrow
+/// schema, into the Arrow schema's metadata for Arrow readers).
+fn properties(run: &RunMetadata) -> WriterProperties {
+    let kv = run.pairs().into_iter().map(|(k, v)| parquet::file::metadata::KeyValue::new(k, v)).collect();
     WriterProperties::builder()
+        .set_key_value_metadata(Some(kv))
         .set_compression(Compression::ZSTD(ZstdLevel::default()))
         .set_max_row_group_row_count(Some(ROWS_PER_ROW_GROUP))
         .build()
@@ -182,7 +186,7 @@ impl Output {
     pub fn results_writer(&self, run: &RunMetadata) -> Result<ResultsWriter, SinkError> {
         let upload = BufWriter::new(self.location.store.clone(), self.path(RESULTS_FILE));
         let schema = with_metadata(results_schema(), run);
-        let writer = AsyncArrowWriter::try_new(upload, schema.clone(), Some(properties())).map_err(self.write_err(RESULTS_FILE))?;
+        let writer = AsyncArrowWriter::try_new(upload, schema.clone(), Some(properties(run))).map_err(self.write_err(RESULTS_FILE))?;
         Ok(ResultsWriter { writer, schema, pending: Vec::with_capacity(ROWS_PER_BATCH), url: self.display(RESULTS_FILE), rows: 0 })
     }
 
@@ -221,7 +225,7 @@ impl Output {
         ];
         let batch = RecordBatch::try_new(schema.clone(), columns).map_err(self.write_err(METRICS_FILE))?;
         let upload = BufWriter::new(self.location.store.clone(), self.path(METRICS_FILE));
-        let mut writer = AsyncArrowWriter::try_new(upload, schema, Some(properties())).map_err(self.write_err(METRICS_FILE))?;
+        let mut writer = AsyncArrowWriter::try_new(upload, schema, Some(properties(run))).map_err(self.write_err(METRICS_FILE))?;
         writer.write(&batch).await.map_err(self.write_err(METRICS_FILE))?;
         writer.close().await.map_err(self.write_err(METRICS_FILE))?;
         Ok(())
