@@ -57,6 +57,17 @@ fn runtime() -> Result<tokio::runtime::Runtime, Error> {
         .map_err(|e| Error::Internal(format!("cannot start the I/O runtime: {e}")))
 }
 
+/// Limits the engine's CPU threads: rayon's global pool (attention, tokenization) and candle's kernels, which
+/// size their pool from `RAYON_NUM_THREADS`. Called before any thread pool exists.
+fn limit_threads(threads: usize) {
+    // `set_var` is sound only while no other thread reads the environment; this runs on the main thread
+    // before the I/O runtime, the engine or any pool is started.
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    if rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().is_err() {
+        tracing::warn!(threads, "the thread pool was already started; runtime.threads not applied to it");
+    }
+}
+
 /// sha256 of a file, lower-case hex.
 pub fn sha256_file(path: &Path) -> Result<String, ModelError> {
     let open = |source| ModelError::Open { path: path.into(), source };
@@ -88,6 +99,9 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let started = Instant::now();
     let job = Job::load(&options.job, &options.overrides)?;
     let _span = info_span!("job", file = %job.file.display()).entered();
+    if let Some(threads) = job.runtime.threads {
+        limit_threads(threads);
+    }
     let rt = runtime()?;
 
     let (input, output) = rt.block_on(async { Ok::<_, Error>((Input::open(&job.input).await?, Output::open(&job.output.url).await?)) })?;
@@ -273,6 +287,7 @@ fn progress_bar(enabled: bool, total: u64) -> ProgressBar {
             .expect("the template is valid")
             .progress_chars("=> "),
     );
+    bar.set_message("starting");
     bar.enable_steady_tick(Duration::from_millis(200));
     bar
 }

@@ -146,7 +146,9 @@ fn stop_strings_and_max_new_tokens_end_generation() {
 
 #[test]
 fn every_input_row_appears_exactly_once_and_bad_rows_become_error_rows() {
-    let dir = scratch("rows");
+    // A dot-directory above the input must not hide it (only names below the listed prefix are skipped).
+    let dir = scratch("rows").join(".nightly");
+    std::fs::create_dir_all(&dir).unwrap();
     let long_prompt = "lorem ipsum ".repeat(5000);
     let a_ids = ids("a", 7);
     write_parquet(
@@ -193,13 +195,17 @@ fn every_input_row_appears_exactly_once_and_bad_rows_become_error_rows() {
 fn rows_without_an_id_column_get_file_and_row_number_ids() {
     let dir = scratch("no-id");
     write_parquet(&dir.join("in.parquet"), vec![("prompt", strings(&[Some("Say hi."), Some("Say bye.")]))]);
+    // Under a prefix, `_`-prefixed names are not data (Hive/Spark convention), nor are non-Parquet files.
+    std::fs::create_dir_all(dir.join("_staging")).unwrap();
+    write_parquet(&dir.join("_staging/partial.parquet"), vec![("prompt", strings(&[Some("Not data.")]))]);
+    std::fs::write(dir.join("README.txt"), "not data").unwrap();
     let out = dir.join("out");
     let job = dir.join("job.toml");
     std::fs::write(
         &job,
         format!(
             "[input]\nurl = {:?}\n[model]\npath = {:?}\n[generation]\nmax_new_tokens = 4\n[output]\nurl = {:?}\n",
-            dir.join("in.parquet").to_str().unwrap(),
+            format!("file://{}/", dir.display()),
             model_path().to_str().unwrap(),
             out.to_str().unwrap()
         ),

@@ -161,8 +161,11 @@ async fn list(url: &str) -> Result<(Location, Vec<ObjectMeta>), SourceError> {
             .store
             .list(Some(&prefix))
             .try_filter(|m| {
-                let relative = m.location.prefix_match(&prefix).map(|parts| parts.map(|p| p.as_ref().to_string()).collect::<Vec<_>>().join("/"));
-                std::future::ready(relative.is_some_and(|r| pattern.matches_with(&r, options) && !hidden(&m.location)))
+                let relative = relative_parts(&m.location, &prefix);
+                let keep = !relative.is_empty()
+                    && !hidden(&relative)
+                    && pattern.matches_with(&relative.join("/"), options);
+                std::future::ready(keep)
             })
             .try_collect()
             .await
@@ -181,11 +184,15 @@ async fn list(url: &str) -> Result<(Location, Vec<ObjectMeta>), SourceError> {
             Err(source) => return Err(list_err(source)),
         }
     }
-    // A prefix: every Parquet file under it, skipping `_SUCCESS`-style and hidden names.
+    // A prefix: every Parquet file under it, skipping `_SUCCESS`-style and hidden names below the prefix.
+    let prefix = location.path.clone();
     let mut metas: Vec<ObjectMeta> = location
         .store
-        .list(Some(&location.path))
-        .try_filter(|m| std::future::ready(m.location.as_ref().ends_with(".parquet") && !hidden(&m.location)))
+        .list(Some(&prefix))
+        .try_filter(|m| {
+            let keep = m.location.as_ref().ends_with(".parquet") && !hidden(&relative_parts(&m.location, &prefix));
+            std::future::ready(keep)
+        })
         .try_collect()
         .await
         .or_else(|e| match e {
@@ -199,8 +206,14 @@ async fn list(url: &str) -> Result<(Location, Vec<ObjectMeta>), SourceError> {
     Ok((location, metas))
 }
 
-fn hidden(path: &Path) -> bool {
-    path.parts().any(|p| p.as_ref().starts_with(['_', '.']))
+/// The path segments of `path` below `prefix`.
+fn relative_parts(path: &Path, prefix: &Path) -> Vec<String> {
+    path.prefix_match(prefix).map(|parts| parts.map(|p| p.as_ref().to_string()).collect()).unwrap_or_default()
+}
+
+/// Hive/Spark convention: names starting with `_` or `.` (`_SUCCESS`, `_temporary/`, `.crc`) are not data.
+fn hidden(relative: &[String]) -> bool {
+    relative.iter().any(|p| p.starts_with(['_', '.']))
 }
 
 #[derive(Clone, Copy)]
