@@ -2,6 +2,7 @@
 //! files, and a real S3 server (moto) on 127.0.0.1.
 
 mod support;
+mod engine;
 mod tokenizer;
 
 use std::collections::BTreeMap;

@@ -88,3 +88,22 @@ fn decoding_round_trips_text() {
         assert_eq!(pre.tokenizer().decode(&ids, true).unwrap(), text);
     }
 }
+
+#[test]
+fn generation_ends_at_the_models_end_of_turn_tokens() {
+    let info = nightshift::engine::model::inspect(&model_path()).unwrap();
+    let params = nightshift::job::GenerationParams {
+        max_new_tokens: 1,
+        temperature: 0.0,
+        top_p: 1.0,
+        top_k: 0,
+        seed: 0,
+        stop: vec![],
+    };
+    let rules = nightshift::engine::StopRules::new(&info.vocab, &params);
+    // llama.cpp's end-of-generation set for this model is {0 <|endoftext|>, 2 <|im_end|>, 4 <reponame>}; the last
+    // ends fill-in-the-middle code completions, which chat jobs never produce.
+    let mut ends: Vec<u32> = rules.end_tokens.into_iter().collect();
+    ends.sort();
+    assert_eq!(ends, vec![0, 2]);
+}

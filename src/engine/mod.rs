@@ -118,7 +118,7 @@ impl StopRules {
     pub fn new(vocab: &crate::tokenize::VocabMetadata, params: &GenerationParams) -> StopRules {
         let mut end_tokens: HashSet<u32> = [vocab.eos, vocab.eot].into_iter().flatten().collect();
         for (id, token) in vocab.tokens.iter().enumerate() {
-            if vocab.token_types.get(id) == Some(&3) && END_OF_TURN_TOKENS.contains(&token.as_str()) {
+            if vocab.token_types.get(id) == Some(&crate::tokenize::vocab::TOKEN_TYPE_CONTROL) && END_OF_TURN_TOKENS.contains(&token.as_str()) {
                 end_tokens.insert(id as u32);
             }
         }

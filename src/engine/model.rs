@@ -17,6 +17,9 @@ use rayon::prelude::*;
 use super::ModelError;
 use crate::tokenize::VocabMetadata;
 
+/// The longest context a model may declare; far beyond today's models, small enough to bound allocations.
+const MAX_CONTEXT: usize = 1 << 22;
+
 /// Hyper-parameters of a llama-family decoder, from the model's metadata.
 #[derive(Clone, Debug)]
 pub struct ModelConfig {
@@ -196,8 +199,12 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         head_dim,
         architecture,
     };
-    if config.context_length == 0 || config.layers == 0 {
-        return Err(ModelError::Metadata("context length and layer count must be positive".into()));
+    // Bounds that keep a malformed file from asking for absurd allocations (the RoPE table is sized by context).
+    if config.context_length == 0 || config.context_length > MAX_CONTEXT || config.layers == 0 || config.layers > 1024 {
+        return Err(ModelError::Metadata(format!(
+            "context length {} or layer count {} is out of range",
+            config.context_length, config.layers
+        )));
     }
     let vocab = VocabMetadata {
         kind: content

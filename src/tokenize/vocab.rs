@@ -29,8 +29,8 @@ pub struct VocabMetadata {
     pub chat_template: Option<String>,
 }
 
-const TOKEN_TYPE_CONTROL: i32 = 3;
-const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+pub const TOKEN_TYPE_CONTROL: i32 = 3;
+pub const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
 /// GPT-2's split rule, as in `tokenizers`' ByteLevel pre-tokenizer.
 fn byte_level(use_regex: bool) -> Value {
