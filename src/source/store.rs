@@ -55,8 +55,17 @@ fn retry() -> RetryConfig {
 const REQUEST_TIMEOUT: &str = "300s";
 const CONNECT_TIMEOUT: &str = "10s";
 
-fn env_unset(name: &str) -> bool {
-    std::env::var_os(name).is_none()
+/// Sets the request and connect timeouts on a store builder, unless the environment sets them
+/// (`<PREFIX>_TIMEOUT`, `<PREFIX>_CONNECT_TIMEOUT`, which `from_env` has read already).
+fn with_timeouts<B>(mut builder: B, env_prefix: &str, set: impl Fn(B, ClientConfigKey, &str) -> B) -> B {
+    for (key, name, value) in
+        [(ClientConfigKey::Timeout, "TIMEOUT", REQUEST_TIMEOUT), (ClientConfigKey::ConnectTimeout, "CONNECT_TIMEOUT", CONNECT_TIMEOUT)]
+    {
+        if std::env::var_os(format!("{env_prefix}_{name}")).is_none() {
+            builder = set(builder, key, value);
+        }
+    }
+    builder
 }
 
 /// The cloud stores' TLS is rustls with the ring provider (no C/cmake crypto build); it is installed once, before
@@ -89,33 +98,18 @@ pub fn resolve(url: &str) -> Result<Location, StoreError> {
     let build = |e| StoreError::Build { url: url.into(), source: e };
     let store: Arc<dyn ObjectStore> = match scheme {
         ObjectStoreScheme::AmazonS3 => {
-            let mut b = AmazonS3Builder::from_env().with_url(url).with_retry(retry());
-            if env_unset("AWS_TIMEOUT") {
-                b = b.with_config(AmazonS3ConfigKey::Client(ClientConfigKey::Timeout), REQUEST_TIMEOUT);
-            }
-            if env_unset("AWS_CONNECT_TIMEOUT") {
-                b = b.with_config(AmazonS3ConfigKey::Client(ClientConfigKey::ConnectTimeout), CONNECT_TIMEOUT);
-            }
+            let b = AmazonS3Builder::from_env().with_url(url).with_retry(retry());
+            let b = with_timeouts(b, "AWS", |b, key, value| b.with_config(AmazonS3ConfigKey::Client(key), value));
             Arc::new(b.build().map_err(build)?)
         }
         ObjectStoreScheme::GoogleCloudStorage => {
-            let mut b = GoogleCloudStorageBuilder::from_env().with_url(url).with_retry(retry());
-            if env_unset("GOOGLE_TIMEOUT") {
-                b = b.with_config(GoogleConfigKey::Client(ClientConfigKey::Timeout), REQUEST_TIMEOUT);
-            }
-            if env_unset("GOOGLE_CONNECT_TIMEOUT") {
-                b = b.with_config(GoogleConfigKey::Client(ClientConfigKey::ConnectTimeout), CONNECT_TIMEOUT);
-            }
+            let b = GoogleCloudStorageBuilder::from_env().with_url(url).with_retry(retry());
+            let b = with_timeouts(b, "GOOGLE", |b, key, value| b.with_config(GoogleConfigKey::Client(key), value));
             Arc::new(b.build().map_err(build)?)
         }
         ObjectStoreScheme::MicrosoftAzure => {
-            let mut b = MicrosoftAzureBuilder::from_env().with_url(url).with_retry(retry());
-            if env_unset("AZURE_TIMEOUT") {
-                b = b.with_config(AzureConfigKey::Client(ClientConfigKey::Timeout), REQUEST_TIMEOUT);
-            }
-            if env_unset("AZURE_CONNECT_TIMEOUT") {
-                b = b.with_config(AzureConfigKey::Client(ClientConfigKey::ConnectTimeout), CONNECT_TIMEOUT);
-            }
+            let b = MicrosoftAzureBuilder::from_env().with_url(url).with_retry(retry());
+            let b = with_timeouts(b, "AZURE", |b, key, value| b.with_config(AzureConfigKey::Client(key), value));
             Arc::new(b.build().map_err(build)?)
         }
         other => {
