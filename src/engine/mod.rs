@@ -103,6 +103,9 @@ pub struct BatchConfig {
     pub max_batch_tokens: usize,
 }
 
+/// Answer tokens a sequence's KV cache is reserved for at admission.
+const INITIAL_ANSWER_TOKENS: usize = 256;
+
 /// Token texts that end a turn in common chat formats; a control token with one of these names stops generation
 /// even when the model's metadata names a different EOS token.
 const END_OF_TURN_TOKENS: &[&str] = &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>"];
@@ -227,7 +230,9 @@ impl Engine for BatchEngine {
     fn admit(&mut self, request: Request) {
         let cfg = &self.model.config;
         let max_new_tokens = (self.params.max_new_tokens as usize).min(cfg.context_length.saturating_sub(request.tokens.len()));
-        let cache = KvCache::new(cfg, request.tokens.len() + max_new_tokens);
+        // Reserve for the prompt and a typical answer; a longer answer grows the cache. Reserving for the full
+        // `max_new_tokens` of every sequence would hold memory most rows never use.
+        let cache = KvCache::new(cfg, request.tokens.len() + max_new_tokens.min(INITIAL_ANSWER_TOKENS));
         let rng = Rng::new(sampling::row_seed(self.params.seed, &request.id));
         self.running.push(Sequence {
             pending: request.tokens.clone(),
@@ -244,8 +249,6 @@ impl Engine for BatchEngine {
             first_token: None,
         });
         self.stats.peak_running = self.stats.peak_running.max(self.running.len());
-        let kv: usize = self.running.iter().map(|s| s.cache.bytes()).sum();
-        self.stats.peak_kv_bytes = self.stats.peak_kv_bytes.max(kv);
     }
 
     fn has_work(&self) -> bool {
@@ -282,6 +285,8 @@ impl Engine for BatchEngine {
             self.model.forward(&mut segments).map_err(|e| EngineError(e.to_string()))?
         };
         let now = Instant::now();
+        let kv: usize = self.running.iter().map(|s| s.cache.bytes()).sum();
+        self.stats.peak_kv_bytes = self.stats.peak_kv_bytes.max(kv);
         self.stats.steps += 1;
         self.stats.prefill_tokens += prefill_tokens as u64;
         self.stats.decode_tokens += decode_tokens as u64;
