@@ -14,8 +14,9 @@
 //!    candle.
 //! 5. [`sink`]: the results and metrics Parquet files and the completion marker.
 //!
-//! [`metrics`] holds the plain structs filled as the job runs; [`app`] wires the stages together with bounded
-//! channels; [`cli`] is the command line.
+//! [`row`] holds the per-row types every stage shares (prompts, row errors, finish reasons); [`metrics`] the plain
+//! structs filled as the job runs; [`app`] wires the stages together with bounded channels and threads; [`cli`] is
+//! the command line; [`error`] maps failures to documented exit codes.
 
 pub mod app;
 pub mod cli;
