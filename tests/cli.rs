@@ -338,6 +338,10 @@ fn bad_inputs_fail_with_a_clear_message_and_exit_code() {
     let job = job_file(&dir, good.to_str().unwrap(), out_s, "max_new_tokens = 4\ntop_p = 1.5", "");
     assert_fails(&nightshift(&["run", job.to_str().unwrap()], &[]), 2, &["generation.top_p"], &out);
     assert_fails(&nightshift(&["run", dir.join("nope.toml").to_str().unwrap()], &[]), 2, &["nope.toml"], &out);
+    let text = std::fs::read_to_string(job_file(&dir, good.to_str().unwrap(), out_s, "max_new_tokens = 4", "")).unwrap();
+    let job = dir.join("no-template.toml");
+    std::fs::write(&job, text.replace("id_column = \"id\"", "id_column = \"id\"\nsystem_prompt = \"Be brief.\"").replace("[model]", "[model]\nchat_template = \"none\"")).unwrap();
+    assert_fails(&nightshift(&["run", job.to_str().unwrap()], &[]), 2, &["input.system_prompt", "chat template"], &out);
 
     // An output location that cannot be written (a path through a regular file): exit 5.
     let blocker = dir.join("blocker");
