@@ -92,3 +92,39 @@ pub fn build(meta: &VocabMetadata) -> Result<Tokenizer, TokenizerError> {
     });
     spec.to_string().parse::<Tokenizer>().map_err(|e| TokenizerError::Invalid(e.to_string()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny(kind: &str, pre: Option<&str>) -> VocabMetadata {
+        VocabMetadata {
+            kind: kind.into(),
+            pre: pre.map(Into::into),
+            tokens: ["a", "b", "ab", "1", "2", "<|end|>", "12"].map(String::from).to_vec(),
+            token_types: vec![1, 1, 1, 1, 1, TOKEN_TYPE_CONTROL, 1],
+            merges: vec!["a b".into(), "1 2".into()],
+            ..VocabMetadata::default()
+        }
+    }
+
+    #[test]
+    fn other_tokenizer_kinds_and_pre_tokenizers_are_refused_by_name() {
+        let e = build(&tiny("llama", None)).unwrap_err().to_string();
+        assert!(e.contains("`llama`"), "{e}");
+        let e = build(&tiny("gpt2", Some("llama-bpe"))).unwrap_err().to_string();
+        assert!(e.contains("`llama-bpe`"), "{e}");
+    }
+
+    #[test]
+    fn merges_digits_and_control_tokens_apply() {
+        let t = build(&tiny("gpt2", Some("smollm"))).unwrap();
+        assert_eq!(t.encode_fast("ab", false).unwrap().get_ids(), &[2]);
+        // smollm isolates every digit before BPE, so the "1 2" merge never applies; plain GPT-2 splitting merges it.
+        assert_eq!(t.encode_fast("12", false).unwrap().get_ids(), &[3, 4]);
+        let gpt2 = build(&tiny("gpt2", Some("gpt2"))).unwrap();
+        assert_eq!(gpt2.encode_fast("12", false).unwrap().get_ids(), &[6]);
+        assert_eq!(t.encode_fast("ab<|end|>", false).unwrap().get_ids(), &[2, 5]);
+        assert_eq!(t.decode(&[2, 5], true).unwrap(), "ab");
+    }
+}
