@@ -50,7 +50,7 @@ pub enum Error {
 impl Error {
     pub fn exit(&self) -> Exit {
         match self {
-            Error::Job(_) | Error::Tokenizer(crate::tokenize::TokenizerError::NeedsTemplate { .. }) => Exit::InvalidJob,
+            Error::Job(_) => Exit::InvalidJob,
             Error::Source(_) => Exit::InvalidInput,
             Error::Model(_) | Error::Tokenizer(_) => Exit::InvalidModel,
             Error::Sink(_) => Exit::OutputFailed,

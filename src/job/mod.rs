@@ -245,6 +245,15 @@ impl Job {
             other => return Err(invalid("model.chat_template", format!("must be \"auto\" or \"none\", got {other:?}"))),
         };
 
+        if chat_template == ChatTemplateChoice::None {
+            if file.input.system_prompt.is_some() {
+                return Err(invalid("input.system_prompt", "needs a chat template, but `model.chat_template` is \"none\"".into()));
+            }
+            if matches!(prompt, PromptColumn::Messages(_)) {
+                return Err(invalid("input.messages_column", "needs a chat template, but `model.chat_template` is \"none\"".into()));
+            }
+        }
+
         let g = file.generation;
         let max_new_tokens = match g.max_new_tokens {
             n if n >= 1 && n <= MAX_NEW_TOKENS_LIMIT as i64 => n as u32,
@@ -398,6 +407,16 @@ url = "out/"
     fn wrong_type_is_rejected_with_its_location() {
         let m = message(&MINIMAL.replace("max_new_tokens = 16", "max_new_tokens = \"many\""));
         assert!(m.contains("max_new_tokens"), "{m}");
+    }
+
+    #[test]
+    fn system_prompt_and_messages_need_a_chat_template() {
+        let none = MINIMAL.replace("path = \"models/m.gguf\"", "path = \"m\"\nchat_template = \"none\"");
+        parse(&none).unwrap();
+        let m = message(&none.replace("url = \"data/in.parquet\"", "url = \"x\"\nsystem_prompt = \"Be brief.\""));
+        assert!(m.contains("input.system_prompt") && m.contains("chat template"), "{m}");
+        let m = message(&none.replace("url = \"data/in.parquet\"", "url = \"x\"\nmessages_column = \"m\""));
+        assert!(m.contains("input.messages_column") && m.contains("chat template"), "{m}");
     }
 
     #[test]

@@ -10,7 +10,7 @@ pub mod vocab;
 use rayon::prelude::*;
 use tokenizers::Tokenizer;
 
-use crate::job::{ChatTemplateChoice, InputSpec, PromptColumn};
+use crate::job::{ChatTemplateChoice, InputSpec};
 use crate::row::{ErrorCode, Message, Prompt, RowError};
 use crate::source::SourceRow;
 pub use template::ChatTemplate;
@@ -28,8 +28,6 @@ pub enum TokenizerError {
     Template(String),
     #[error("the model has no chat template; set `model.chat_template = \"none\"` to tokenize prompts as they are")]
     NoTemplate,
-    #[error("`{key}` needs a chat template, but `model.chat_template` is \"none\"")]
-    NeedsTemplate { key: &'static str },
 }
 
 /// A row ready for the engine, or the reason it is not.
@@ -62,15 +60,8 @@ impl Preprocessor {
                 let source = vocab.chat_template.as_deref().ok_or(TokenizerError::NoTemplate)?;
                 Some(ChatTemplate::new(source, token(vocab.bos), token(vocab.eos))?)
             }
-            ChatTemplateChoice::None => {
-                if input.system_prompt.is_some() {
-                    return Err(TokenizerError::NeedsTemplate { key: "input.system_prompt" });
-                }
-                if matches!(input.prompt, PromptColumn::Messages(_)) {
-                    return Err(TokenizerError::NeedsTemplate { key: "input.messages_column" });
-                }
-                None
-            }
+            // A job without a template has neither a system prompt nor a messages column (`Job::parse`).
+            ChatTemplateChoice::None => None,
         };
         Ok(Preprocessor {
             tokenizer,
@@ -90,7 +81,9 @@ impl Preprocessor {
         let Some(template) = &self.template else {
             return match prompt {
                 Prompt::Text(text) => Ok(text.clone()),
-                Prompt::Messages(_) => unreachable!("a messages column without a template is rejected in `new`"),
+                Prompt::Messages(_) => {
+                    Err(RowError::new(ErrorCode::TemplateError, "a conversation needs a chat template; the job disables it"))
+                }
             };
         };
         let mut messages = Vec::new();
