@@ -7,23 +7,30 @@
 //! Stages talk through bounded channels, so memory stays bounded for any input size. When a stage fails, it drops
 //! its channel ends; the stages before it see a closed channel and stop, and the job returns the first error
 //! without writing `_SUCCESS`.
+//!
+//! The source reads the plan's uncommitted units in order; every row carries its unit and position, and the sink
+//! commits a unit as soon as its last row is in. A rerun of the same job skips committed units.
 
+use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::io::Read;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc as std_mpsc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
-use tracing::{debug, info, info_span};
+use tracing::{debug, info, info_span, warn};
 
-use crate::engine::{self, BatchConfig, BatchEngine, Engine, Model, ModelError, Request, StopRules};
-use crate::error::Error;
-use crate::job::{Job, Overrides};
+use crate::engine::{self, BatchConfig, BatchEngine, Engine, EngineStats, Model, ModelError, Request, StopRules};
+use crate::error::{Error, Exit};
+use crate::job::{ChatTemplateChoice, Job, Overrides, PromptColumn};
 use crate::metrics::{Collector, JobMetrics};
-use crate::sink::{self, Outcome, Output, RunMetadata};
+use crate::plan::{Fingerprint, Plan, Unit, OUTPUT_FORMAT_VERSION};
+use crate::sink::{self, Commit, Finalized, Manifest, Outcome, Output, RunMetadata};
 use crate::source::{Input, SourceRow};
 use crate::tokenize::Preprocessor;
 
@@ -39,11 +46,26 @@ pub struct RunOptions {
     pub show: usize,
 }
 
+/// How a run ended, when it did not fail.
+#[derive(Debug, PartialEq, Eq)]
+pub enum RunStatus {
+    /// This run committed the last units and finalized the output.
+    Complete,
+    /// The output was complete before this run started; nothing was done.
+    AlreadyComplete,
+}
+
 /// What a finished run reports to the command line.
 #[derive(Debug)]
 pub struct RunReport {
-    pub results_url: String,
-    pub metrics_url: String,
+    pub status: RunStatus,
+    pub output_url: String,
+    pub manifest_url: String,
+    pub manifest: Manifest,
+    /// Units this run committed, and units committed before it (by earlier or concurrent attempts).
+    pub units_committed: usize,
+    pub units_skipped: usize,
+    /// This run's figures (all rows it generated, across units).
     pub metrics: JobMetrics,
     pub sample: Vec<Outcome>,
 }
@@ -95,6 +117,82 @@ fn check_model_file(job: &Job) -> Result<String, ModelError> {
     Ok(actual)
 }
 
+fn sha256_hex(text: &str) -> String {
+    format!("{:x}", Sha256::digest(text.as_bytes()))
+}
+
+/// What makes this run's results what they are: model, prompt construction, parameters, input snapshot.
+fn fingerprint(job: &Job, model_sha256: &str, template: Option<&str>, input: &Input) -> Fingerprint {
+    let prompt = serde_json::json!({
+        "id_column": job.input.id_column,
+        "prompt_column": match &job.input.prompt { PromptColumn::Text(c) => Some(c), PromptColumn::Messages(_) => None },
+        "messages_column": match &job.input.prompt { PromptColumn::Messages(c) => Some(c), PromptColumn::Text(_) => None },
+        "chat_template_sha256": match job.model.chat_template {
+            ChatTemplateChoice::Auto => template.map(sha256_hex),
+            ChatTemplateChoice::None => None,
+        },
+        "system_prompt_sha256": job.input.system_prompt.as_deref().map(sha256_hex),
+        "truncate": job.input.truncate,
+        "parameters": job.input.parameters,
+    });
+    Fingerprint {
+        format_version: OUTPUT_FORMAT_VERSION,
+        model_sha256: model_sha256.into(),
+        prompt,
+        generation: serde_json::to_value(&job.generation).expect("parameters serialise"),
+        input: input.snapshot(),
+    }
+}
+
+/// SIGTERM / SIGINT handling. The first signal asks the job to drain: no new rows are admitted, running sequences
+/// may finish until the grace deadline, complete units are committed, and the process exits "partial, resumable".
+/// A second signal exits at once.
+#[derive(Default)]
+pub struct Drain {
+    requested: AtomicBool,
+    deadline: std::sync::Mutex<Option<Instant>>,
+}
+
+impl Drain {
+    pub fn start(&self, grace: Duration) {
+        *self.deadline.lock().expect("not poisoned") = Some(Instant::now() + grace);
+        self.requested.store(true, Ordering::SeqCst);
+    }
+
+    pub fn requested(&self) -> bool {
+        self.requested.load(Ordering::SeqCst)
+    }
+
+    pub fn past_deadline(&self) -> bool {
+        self.requested() && self.deadline.lock().expect("not poisoned").is_some_and(|d| Instant::now() >= d)
+    }
+}
+
+fn watch_signals(rt: &tokio::runtime::Runtime, drain: Arc<Drain>, grace: Duration) -> Result<(), Error> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let _guard = rt.enter();
+    let cannot = |e: std::io::Error| Error::Internal(format!("cannot install signal handlers: {e}"));
+    let mut term = signal(SignalKind::terminate()).map_err(cannot)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(cannot)?;
+    rt.spawn(async move {
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        warn!(grace_s = grace.as_secs_f64(), "signal received: admitting no more rows; finishing running sequences and committing complete units (a second signal exits at once)");
+        drain.start(grace);
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        eprintln!("error: second signal: exiting at once; committed units are kept, rerun the job to resume");
+        std::process::exit(Exit::Partial as i32);
+    });
+    Ok(())
+}
+
+/// A unit's rows as they arrive, in input order once complete.
+struct UnitBuffer {
+    rows: Vec<Option<Outcome>>,
+    filled: u32,
+    collector: Collector,
+    first_ready: Option<Instant>,
+}
+
 pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let started = Instant::now();
     let job = Job::load(&options.job, &options.overrides)?;
@@ -103,13 +201,62 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         limit_threads(threads);
     }
     let rt = runtime()?;
+    let drain = Arc::new(Drain::default());
+    watch_signals(&rt, drain.clone(), job.runtime.drain_grace)?;
 
     let (input, output) = rt.block_on(async { Ok::<_, Error>((Input::open(&job.input).await?, Output::open(&job.output.url).await?)) })?;
     info!(url = input.url(), files = input.file_urls().len(), rows = input.total_rows(), "input opened");
 
+    // The plan: this job's fingerprint against the one stored at the output, if any.
+    let model_sha256 = check_model_file(&job)?;
+    let model_meta = engine::model::inspect(&job.model.path)?;
+    let ours = fingerprint(&job, &model_sha256, model_meta.vocab.chat_template.as_deref(), &input);
+    let plan = rt.block_on(async {
+        let plan = match output.read_plan().await? {
+            Some(stored) => stored,
+            None => {
+                // Only a new plan reads every id: a stored plan was checked when it was made.
+                input.check_unique_ids().await?;
+                output.create_plan(&Plan::new(ours.clone(), job.output.unit_rows)).await?
+            }
+        };
+        output.check_same_job(&plan, &ours)?;
+        Ok::<_, Error>(plan)
+    })?;
+    let run = RunMetadata {
+        model_sha256,
+        model: job.model.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        job: job.file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        fingerprint: plan.fingerprint.digest(),
+        attempt: sink::new_attempt(),
+    };
+    let report = |status, manifest: Manifest, units_committed, units_skipped, metrics, sample| RunReport {
+        status,
+        output_url: output.url().into(),
+        manifest_url: output.display(sink::MANIFEST_FILE),
+        manifest,
+        units_committed,
+        units_skipped,
+        metrics,
+        sample,
+    };
+    if rt.block_on(output.is_complete())? {
+        let manifest = match rt.block_on(output.finalize())? {
+            Finalized::AlreadyComplete(m) | Finalized::Done(m) => m,
+        };
+        info!(output = output.url(), "the output is complete already; nothing to do");
+        return Ok(report(RunStatus::AlreadyComplete, manifest, 0, plan.units.len(), JobMetrics::default(), Vec::new()));
+    }
+    let committed = rt.block_on(output.markers())?;
+    let pending: Vec<Unit> = plan.units.iter().filter(|u| !committed.contains_key(&u.id)).cloned().collect();
+    let units_skipped = plan.units.len() - pending.len();
+    info!(
+        units = plan.units.len(), committed = units_skipped, pending = pending.len(), attempt = %run.attempt,
+        fingerprint = %run.fingerprint, "plan"
+    );
+
     let device = engine::select_device(&job.runtime.device)?;
     let load_started = Instant::now();
-    let model_sha256 = check_model_file(&job)?;
     let (model, model_info) = Model::load(&job.model.path, &device)?;
     let model_load_s = load_started.elapsed().as_secs_f64();
     let cfg = &model_info.config;
@@ -118,7 +265,8 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         context = cfg.context_length, weights_mib = model.weight_bytes() >> 20, seconds = format!("{model_load_s:.2}"),
         "model loaded"
     );
-    let preprocessor = Preprocessor::new(&model_info.vocab, &job.model.chat_template, &job.input, cfg.context_length)?;
+    let preprocessor =
+        Preprocessor::new(&model_info.vocab, &job.model.chat_template, &job.input, cfg.context_length, job.generation.max_new_tokens)?;
     let stop = StopRules::new(&model_info.vocab, &job.generation);
     let tokenizer = preprocessor.tokenizer().clone();
     let weights_bytes = model.weight_bytes() as u64;
@@ -126,31 +274,50 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let batch = BatchConfig { max_seqs: job.runtime.max_seqs, max_batch_tokens: job.runtime.max_batch_tokens };
     info!(max_seqs = batch.max_seqs, max_batch_tokens = batch.max_batch_tokens, kv_bytes_per_token = kv_per_token, "engine configured");
     let engine = BatchEngine::new(model, tokenizer, job.generation.clone(), stop, batch.clone());
+    let engine_stats = Arc::new(std::sync::Mutex::new(EngineStats::default()));
 
-    let run = RunMetadata {
-        model_sha256,
-        model: job.model.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
-        job: job.file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
-    };
-    let mut results = output.results_writer(&run)?;
-    let total_rows = input.total_rows();
-    let progress = progress_bar(options.progress, total_rows);
+    let pending_rows: u64 = pending.iter().map(|u| u.rows as u64).sum();
+    let progress = progress_bar(options.progress, pending_rows);
 
     // Channels: source -> tokenize -> engine -> sink, and tokenize -> sink for rows that fail before the engine.
     let (source_tx, mut source_rx) = mpsc::channel::<Vec<SourceRow>>(SOURCE_DEPTH);
     let (request_tx, request_rx) = std_mpsc::sync_channel::<Request>(batch.max_seqs * 2);
     let (sink_tx, mut sink_rx) = mpsc::channel::<Outcome>(batch.max_seqs * 4);
 
-    let source_task = rt.spawn(input.stream(source_tx));
+    let source_units = pending.clone();
+    let source_output = output.clone();
+    let source_drain = drain.clone();
+    let source_task = rt.spawn(async move {
+        for unit in &source_units {
+            if source_drain.requested() {
+                break;
+            }
+            // Another attempt may have committed it since the run started.
+            if source_output.is_committed(unit.id).await? {
+                debug!(unit = unit.id, "committed by another attempt meanwhile; skipped");
+                continue;
+            }
+            if !input.stream_unit(unit, &source_tx).await? {
+                break;
+            }
+        }
+        Ok::<_, Error>(())
+    });
     let tokenize_sink = sink_tx.clone();
+    let tokenize_drain = drain.clone();
     let tokenize_thread = std::thread::Builder::new()
         .name("nightshift-tokenize".into())
         .spawn(move || {
             while let Some(rows) = source_rx.blocking_recv() {
+                if tokenize_drain.requested() {
+                    return;
+                }
                 for row in preprocessor.prepare_batch(rows) {
                     let sent = match row.tokens {
-                        Ok(tokens) => request_tx.send(Request { id: row.id, tokens, arrival: Instant::now() }).is_ok(),
-                        Err(error) => tokenize_sink.blocking_send(Outcome::Failed { id: row.id, error }).is_ok(),
+                        Ok(tokens) => request_tx
+                            .send(Request { id: row.id, tag: row.tag, params: row.params, tokens, arrival: Instant::now() })
+                            .is_ok(),
+                        Err(error) => tokenize_sink.blocking_send(Outcome::Failed { id: row.id, tag: row.tag, error }).is_ok(),
                     };
                     if !sent {
                         return;
@@ -160,34 +327,74 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         })
         .map_err(|e| Error::Internal(format!("cannot start the tokenizer thread: {e}")))?;
     let generation_started = Instant::now();
+    let engine_drain = drain.clone();
+    let shared_stats = engine_stats.clone();
     let engine_thread = std::thread::Builder::new()
         .name("nightshift-engine".into())
-        .spawn(move || drive(engine, request_rx, sink_tx))
+        .spawn(move || drive(engine, request_rx, sink_tx, &engine_drain, &shared_stats))
         .map_err(|e| Error::Internal(format!("cannot start the engine thread: {e}")))?;
 
     let show = options.show;
+    let units_by_id: HashMap<u32, Unit> = pending.iter().map(|u| (u.id, u.clone())).collect();
     let sink_result = rt.block_on(async {
-        let mut collector = Collector::default();
+        let mut total = Collector::default();
         let mut sample = Vec::new();
+        let mut open: HashMap<u32, UnitBuffer> = HashMap::new();
+        let mut committed_units = 0usize;
         while let Some(outcome) = sink_rx.recv().await {
+            let tag = outcome.tag();
+            let unit = units_by_id.get(&tag.unit).ok_or_else(|| Error::Internal(format!("a row of unit {} that is not pending (a bug)", tag.unit)))?;
+            let buffer = open.entry(tag.unit).or_insert_with(|| UnitBuffer {
+                rows: vec![None; unit.rows as usize],
+                filled: 0,
+                collector: Collector::default(),
+                first_ready: None,
+            });
             match &outcome {
-                Outcome::Completed(c) => collector.completed(c),
-                Outcome::Failed { id, error } => {
+                Outcome::Completed(c) => {
+                    total.completed(c);
+                    buffer.collector.completed(c);
+                    let ready = Instant::now().checked_sub(Duration::from_secs_f64(c.e2e_s)).unwrap_or(generation_started);
+                    buffer.first_ready = Some(buffer.first_ready.map_or(ready, |r| r.min(ready)));
+                }
+                Outcome::Failed { id, error, .. } => {
                     debug!(id = %id, code = %error.code, "row errored");
-                    collector.errored();
+                    total.errored();
+                    buffer.collector.errored();
                 }
             }
             if sample.len() < show {
                 sample.push(outcome.clone());
             }
-            results.push(outcome).await?;
+            let slot = buffer.rows.get_mut(tag.offset as usize).ok_or_else(|| Error::Internal(format!("row {tag:?} is outside its unit (a bug)")))?;
+            if slot.replace(outcome).is_some() {
+                return Err(Error::Internal(format!("row {tag:?} arrived twice (a bug)")));
+            }
+            buffer.filled += 1;
             progress.inc(1);
             let elapsed = generation_started.elapsed().as_secs_f64();
             if elapsed > 0.0 {
-                progress.set_message(format!("{:.1} output tok/s", collector.completion_tokens as f64 / elapsed));
+                progress.set_message(format!("{:.1} output tok/s", total.completion_tokens as f64 / elapsed));
+            }
+            if buffer.filled == unit.rows {
+                let buffer = open.remove(&tag.unit).expect("the buffer is open");
+                let rows: Vec<Outcome> = buffer.rows.into_iter().map(|r| r.expect("every row is filled")).collect();
+                let generation_s = buffer.first_ready.map_or(0.0, |t| t.elapsed().as_secs_f64());
+                let stats = engine_stats.lock().expect("not poisoned").clone();
+                let mut metrics = JobMetrics::summarise(&buffer.collector, &stats, generation_s);
+                metrics.model_load_s = model_load_s;
+                metrics.weights_bytes = weights_bytes;
+                metrics.job_s = started.elapsed().as_secs_f64();
+                match output.commit_unit(unit, &run, &rows, &metrics).await? {
+                    Commit::Won => {
+                        committed_units += 1;
+                        info!(unit = unit.id, rows = unit.rows, "unit committed");
+                    }
+                    Commit::Lost => warn!(unit = unit.id, "another attempt committed this unit first; this attempt's copy was discarded"),
+                }
             }
         }
-        Ok::<_, Error>((collector, sample))
+        Ok::<_, Error>((total, sample, committed_units, open.len()))
     });
     // Whatever happened, the engine and tokenizer threads end once their channels close.
     drop(sink_rx);
@@ -196,54 +403,57 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let source_result = rt.block_on(source_task).map_err(|e| Error::Internal(format!("the source task failed: {e}")))?;
     // The first real cause wins: a source error explains a short engine run, an engine error a short sink run.
     source_result?;
-    let engine_stats = engine_result.map_err(Error::Engine)?;
-    let (collector, sample) = sink_result?;
+    let final_stats = engine_result.map_err(Error::Engine)?;
+    let (collector, sample, units_committed, unfinished) = sink_result?;
     let generation_s = generation_started.elapsed().as_secs_f64();
     progress.finish_and_clear();
 
-    if collector.rows != total_rows {
-        return Err(Error::Internal(format!(
-            "{} rows were written but the input has {total_rows} (a bug); the output was not committed",
-            collector.rows
-        )));
-    }
-    let mut metrics = JobMetrics::summarise(&collector, &engine_stats, generation_s);
+    let mut metrics = JobMetrics::summarise(&collector, &final_stats, generation_s);
     metrics.model_load_s = model_load_s;
     metrics.weights_bytes = weights_bytes;
-    rt.block_on(async {
-        results.close().await?;
-        metrics.job_s = started.elapsed().as_secs_f64();
-        output.write_metrics(&metrics, &run).await?;
-        let summary = serde_json::json!({
-            "nightshift_version": env!("CARGO_PKG_VERSION"),
-            "rows": metrics.rows,
-            "succeeded_rows": metrics.succeeded_rows,
-            "errored_rows": metrics.errored_rows,
-            "files": [sink::RESULTS_FILE, sink::METRICS_FILE],
-            "model_sha256": run.model_sha256,
-        });
-        output.commit(&summary).await
-    })?;
+    metrics.job_s = started.elapsed().as_secs_f64();
+    if drain.requested() {
+        let done = rt.block_on(output.markers())?.len();
+        if done < plan.units.len() {
+            return Err(Error::Interrupted { committed: done, total: plan.units.len(), unfinished });
+        }
+    }
+    let manifest = match rt.block_on(output.finalize())? {
+        Finalized::Done(m) | Finalized::AlreadyComplete(m) => m,
+    };
     info!(
-        rows = metrics.rows, errored = metrics.errored_rows, output_tokens_per_s = format!("{:.1}", metrics.output_tokens_per_s),
+        rows = manifest.rows, errored = manifest.errored_rows, output_tokens_per_s = format!("{:.1}", metrics.output_tokens_per_s),
         seconds = format!("{:.1}", metrics.job_s), "job complete"
     );
-    Ok(RunReport {
-        results_url: output.display(sink::RESULTS_FILE),
-        metrics_url: output.display(sink::METRICS_FILE),
-        metrics,
-        sample,
-    })
+    Ok(report(RunStatus::Complete, manifest, units_committed, units_skipped, metrics, sample))
+}
+
+/// `nightshift finalize`: completes an output whose units are all committed.
+pub fn finalize(url: &str) -> Result<(Finalized, String), Error> {
+    let rt = runtime()?;
+    let output = Output::resolve(url)?;
+    let finalized = rt.block_on(output.finalize())?;
+    Ok((finalized, output.display(sink::MANIFEST_FILE)))
 }
 
 /// The engine thread's loop: admit while there is room, step, send completions. Blocks for input only when idle.
+/// On a drain request it admits nothing more and stops at the grace deadline, dropping unfinished sequences
+/// (their units are not committed, and a rerun redoes them).
 fn drive(
     mut engine: BatchEngine,
     requests: std_mpsc::Receiver<Request>,
     sink: mpsc::Sender<Outcome>,
-) -> Result<engine::EngineStats, engine::EngineError> {
+    drain: &Drain,
+    shared: &std::sync::Mutex<EngineStats>,
+) -> Result<EngineStats, engine::EngineError> {
     let mut open = true;
     loop {
+        if drain.requested() {
+            open = false;
+            if drain.past_deadline() {
+                return Ok(engine.stats().clone());
+            }
+        }
         while open && engine.free_places() > 0 {
             let next = if engine.has_work() {
                 match requests.try_recv() {
@@ -255,7 +465,15 @@ fn drive(
                     }
                 }
             } else {
-                requests.recv().map_err(|_| open = false).ok()
+                // Idle: wait for input, waking up now and then to notice a drain request.
+                match requests.recv_timeout(Duration::from_millis(100)) {
+                    Ok(r) => Some(r),
+                    Err(std_mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(std_mpsc::RecvTimeoutError::Disconnected) => {
+                        open = false;
+                        None
+                    }
+                }
             };
             match next {
                 Some(request) => engine.admit(request),
@@ -268,7 +486,9 @@ fn drive(
             }
             return Ok(engine.stats().clone());
         }
-        for completion in engine.step()? {
+        let completions = engine.step()?;
+        *shared.lock().expect("not poisoned") = engine.stats().clone();
+        for completion in completions {
             if sink.blocking_send(Outcome::Completed(completion)).is_err() {
                 // The sink failed; its error is the one reported.
                 return Ok(engine.stats().clone());
@@ -307,7 +527,7 @@ pub fn validate(job_path: &Path, overrides: &Overrides) -> Result<ValidateReport
     let job = Job::load(job_path, overrides)?;
     let rt = runtime()?;
     let input = rt.block_on(Input::open(&job.input))?;
-    crate::source::store::resolve(&job.output.url).map_err(|e| Error::Sink(e.into()))?;
+    Output::resolve(&job.output.url)?;
     let model = engine::model::inspect(&job.model.path)?;
     if let Some(expected) = &job.model.sha256 {
         let actual = sha256_file(&job.model.path)?;
@@ -315,6 +535,6 @@ pub fn validate(job_path: &Path, overrides: &Overrides) -> Result<ValidateReport
             return Err(ModelError::Checksum { path: job.model.path.clone(), expected: expected.clone(), actual }.into());
         }
     }
-    Preprocessor::new(&model.vocab, &job.model.chat_template, &job.input, model.config.context_length)?;
+    Preprocessor::new(&model.vocab, &job.model.chat_template, &job.input, model.config.context_length, job.generation.max_new_tokens)?;
     Ok(ValidateReport { input_files: input.file_urls(), rows: input.total_rows(), model, output_url: job.output.url })
 }

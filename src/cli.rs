@@ -4,7 +4,8 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::app::{RunReport, ValidateReport};
+use crate::app::{RunReport, RunStatus, ValidateReport};
+use crate::sink::{Finalized, Manifest};
 use crate::job::Overrides;
 use crate::sink::Outcome;
 
@@ -30,6 +31,15 @@ pub enum Command {
     Run(RunArgs),
     /// Check a job file, the input's columns and the model's metadata, without generating or writing.
     Validate(JobArgs),
+    /// Complete an output whose units are all committed: remove uncommitted attempts' files, write
+    /// `_manifest.json` and `_SUCCESS`. Safe to run repeatedly and concurrently; exits 75 while units are missing.
+    Finalize(FinalizeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct FinalizeArgs {
+    /// The job's output URL or path.
+    pub output: String,
 }
 
 #[derive(Debug, Args)]
@@ -81,22 +91,50 @@ fn shorten(text: &str, max_chars: usize) -> String {
     }
 }
 
+fn print_manifest(m: &Manifest, manifest_url: &str) {
+    println!("manifest: {manifest_url}");
+    println!(
+        "rows: {} ({} succeeded, {} errored) in {} unit(s)  prompt tokens: {}  output tokens: {}",
+        m.rows,
+        m.succeeded_rows,
+        m.errored_rows,
+        m.units.len(),
+        m.prompt_tokens,
+        m.completion_tokens
+    );
+}
+
 pub fn print_run(report: &RunReport) {
     let m = &report.metrics;
-    println!("results: {}", report.results_url);
-    println!("metrics: {}", report.metrics_url);
+    println!("output: {}", report.output_url);
+    if report.status == RunStatus::AlreadyComplete {
+        println!("the output is complete already: nothing to do");
+        print_manifest(&report.manifest, &report.manifest_url);
+        return;
+    }
+    print_manifest(&report.manifest, &report.manifest_url);
+    println!("units: {} committed by this run, {} before it", report.units_committed, report.units_skipped);
     println!(
-        "rows: {} ({} succeeded, {} errored)  prompt tokens: {}  output tokens: {}",
-        m.rows, m.succeeded_rows, m.errored_rows, m.prompt_tokens, m.completion_tokens
-    );
-    println!(
-        "throughput: {:.2} requests/s, {:.1} total tokens/s, {:.1} output tokens/s over {:.1} s (model load {:.1} s)",
-        m.requests_per_s, m.total_tokens_per_s, m.output_tokens_per_s, m.generation_s, m.model_load_s
+        "this run: {} rows, {:.2} requests/s, {:.1} total tokens/s, {:.1} output tokens/s over {:.1} s (model load {:.1} s)",
+        m.rows, m.requests_per_s, m.total_tokens_per_s, m.output_tokens_per_s, m.generation_s, m.model_load_s
     );
     for outcome in &report.sample {
         match outcome {
             Outcome::Completed(c) => println!("  [{}] ({}) {}", c.id, c.finish_reason.as_str(), shorten(&c.text, 160)),
-            Outcome::Failed { id, error } => println!("  [{id}] error {}: {}", error.code, error.message),
+            Outcome::Failed { id, error, .. } => println!("  [{id}] error {}: {}", error.code, error.message),
+        }
+    }
+}
+
+pub fn print_finalize(finalized: &Finalized, manifest_url: &str) {
+    match finalized {
+        Finalized::Done(m) => {
+            println!("finalized: every unit is committed");
+            print_manifest(m, manifest_url);
+        }
+        Finalized::AlreadyComplete(m) => {
+            println!("the output is complete already");
+            print_manifest(m, manifest_url);
         }
     }
 }

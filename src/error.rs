@@ -19,8 +19,11 @@ pub enum Exit {
     InvalidInput = 3,
     /// The model file is missing, unreadable or unsupported.
     InvalidModel = 4,
-    /// The output location cannot be written, or already holds a completed job.
+    /// The output location cannot be written, or holds a different job's output.
     OutputFailed = 5,
+    /// Partial and resumable: the job was interrupted (SIGTERM, SIGINT) after committing what it finished, or
+    /// `finalize` found units not yet committed. Running the same job again finishes it. (75 is `EX_TEMPFAIL`.)
+    Partial = 75,
 }
 
 impl From<Exit> for ExitCode {
@@ -43,6 +46,11 @@ pub enum Error {
     Sink(#[from] crate::sink::SinkError),
     #[error("the engine failed")]
     Engine(#[source] crate::engine::EngineError),
+    #[error(
+        "interrupted: {committed} of {total} units are committed ({unfinished} unfinished unit(s) discarded); run \
+         the same job again to resume"
+    )]
+    Interrupted { committed: usize, total: usize, unfinished: usize },
     #[error("{0}")]
     Internal(String),
 }
@@ -53,6 +61,7 @@ impl Error {
             Error::Job(_) => Exit::InvalidJob,
             Error::Source(_) => Exit::InvalidInput,
             Error::Model(_) | Error::Tokenizer(_) => Exit::InvalidModel,
+            Error::Sink(crate::sink::SinkError::Incomplete { .. }) | Error::Interrupted { .. } => Exit::Partial,
             Error::Sink(_) => Exit::OutputFailed,
             Error::Engine(_) | Error::Internal(_) => Exit::Failed,
         }

@@ -12,7 +12,11 @@
 //!    sequences or error rows.
 //! 4. [`engine`]: the model (candle), its KV cache, sampling and the batching loop; the only place that knows
 //!    candle.
-//! 5. [`sink`]: the results and metrics Parquet files and the completion marker.
+//! 5. [`sink`]: per-unit result and metrics Parquet files, create-once commit markers, and finalize (manifest
+//!    and `_SUCCESS`).
+//!
+//! [`plan`] is the run's plan (input snapshot, units, job fingerprint) stored at the output, which makes reruns
+//! resume instead of starting over.
 //!
 //! [`row`] holds the per-row types every stage shares (prompts, row errors, finish reasons); [`metrics`] the plain
 //! structs filled as the job runs; [`app`] wires the stages together with bounded channels and threads; [`cli`] is
@@ -24,6 +28,7 @@ pub mod engine;
 pub mod error;
 pub mod job;
 pub mod metrics;
+pub mod plan;
 pub mod row;
 pub mod sink;
 pub mod source;

@@ -27,6 +27,7 @@ fn main() -> ExitCode {
         })
         .map(|r| cli::print_run(&r)),
         Command::Validate(args) => app::validate(&args.job, &args.overrides()).map(|r| cli::print_validate(&r)),
+        Command::Finalize(args) => app::finalize(&args.output).map(|(f, url)| cli::print_finalize(&f, &url)),
     };
     match result {
         Ok(()) => Exit::Complete.into(),

@@ -15,8 +15,10 @@ pub enum ErrorCode {
     InvalidMessages,
     /// The chat template failed to render for this row.
     TemplateError,
-    /// The prompt has more tokens than the model's context allows.
+    /// The prompt has more tokens than the model's context allows (and `input.truncate` is not set).
     PromptTooLong,
+    /// A per-row generation parameter (from an `[input.parameters]` column) is out of range.
+    InvalidParameters,
     /// The engine failed on this row.
     EngineError,
 }
@@ -29,6 +31,7 @@ impl ErrorCode {
             ErrorCode::InvalidMessages => "invalid_messages",
             ErrorCode::TemplateError => "template_error",
             ErrorCode::PromptTooLong => "prompt_too_long",
+            ErrorCode::InvalidParameters => "invalid_parameters",
             ErrorCode::EngineError => "engine_error",
         }
     }
@@ -50,6 +53,24 @@ impl RowError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
         RowError { code, message: message.into() }
     }
+}
+
+/// Where a row belongs in the output: its unit of the plan and its position in that unit. Travels with the row
+/// through every stage so the sink can put results back in input order and commit a unit once all its rows are in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RowTag {
+    pub unit: u32,
+    pub offset: u32,
+}
+
+/// Generation parameters a row sets for itself (from `[input.parameters]` columns); `None` keeps the job's.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RowParams {
+    pub max_new_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub seed: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -17,7 +17,7 @@ use candle_core::Device;
 use tokenizers::Tokenizer;
 
 use crate::job::{DeviceChoice, GenerationParams};
-use crate::row::FinishReason;
+use crate::row::{FinishReason, RowParams, RowTag};
 use crate::tokenize::TextStream;
 pub use model::{KvCache, Model, ModelConfig, ModelInfo, Segment};
 use sampling::Rng;
@@ -53,6 +53,9 @@ pub fn select_device(choice: &DeviceChoice) -> Result<Device, ModelError> {
 #[derive(Clone, Debug)]
 pub struct Request {
     pub id: String,
+    pub tag: RowTag,
+    /// The row's own generation parameters, over the job's.
+    pub params: RowParams,
     pub tokens: Vec<u32>,
     /// When the row was ready for the engine; queue time and TTFT are measured from here.
     pub arrival: Instant,
@@ -62,6 +65,7 @@ pub struct Request {
 #[derive(Clone, Debug)]
 pub struct Completion {
     pub id: String,
+    pub tag: RowTag,
     pub text: String,
     pub finish_reason: FinishReason,
     pub prompt_tokens: u32,
@@ -141,6 +145,7 @@ struct Sequence {
     text: String,
     /// The text was cut at a stop string; `text` is the output.
     cut_at_stop_string: bool,
+    params: GenerationParams,
     rng: Rng,
     admitted: Instant,
     first_token: Option<Instant>,
@@ -209,6 +214,7 @@ impl BatchEngine {
         let first = seq.first_token.unwrap_or(now);
         let tpot_s = (seq.sampled > 1).then(|| (now - first).as_secs_f64() / (seq.sampled - 1) as f64);
         Completion {
+            tag: seq.request.tag,
             id: seq.request.id,
             text,
             finish_reason: reason,
@@ -229,11 +235,12 @@ impl Engine for BatchEngine {
 
     fn admit(&mut self, request: Request) {
         let cfg = &self.model.config;
-        let max_new_tokens = (self.params.max_new_tokens as usize).min(cfg.context_length.saturating_sub(request.tokens.len()));
+        let params = self.params.for_row(&request.params);
+        let max_new_tokens = (params.max_new_tokens as usize).min(cfg.context_length.saturating_sub(request.tokens.len()));
         // Reserve for the prompt and a typical answer; a longer answer grows the cache. Reserving for the full
         // `max_new_tokens` of every sequence would hold memory most rows never use.
         let cache = KvCache::new(cfg, request.tokens.len() + max_new_tokens.min(INITIAL_ANSWER_TOKENS));
-        let rng = Rng::new(sampling::row_seed(self.params.seed, &request.id));
+        let rng = Rng::new(sampling::row_seed(params.seed, &request.id));
         self.running.push(Sequence {
             pending: request.tokens.clone(),
             request,
@@ -244,6 +251,7 @@ impl Engine for BatchEngine {
             stream: TextStream::default(),
             text: String::new(),
             cut_at_stop_string: false,
+            params,
             rng,
             admitted: Instant::now(),
             first_token: None,
@@ -294,7 +302,7 @@ impl Engine for BatchEngine {
         let mut finished = Vec::new();
         for (&index, row) in chosen.iter().zip(&logits) {
             let seq = &mut self.running[index];
-            let token = sampling::sample(row, &self.params, &mut seq.rng);
+            let token = sampling::sample(row, &seq.params, &mut seq.rng);
             if let Some(reason) = self.advance(index, token, now) {
                 finished.push((index, reason));
             }

@@ -48,6 +48,20 @@ struct InputSection {
     prompt_column: Option<String>,
     messages_column: Option<String>,
     system_prompt: Option<String>,
+    truncate: Option<String>,
+    #[serde(default)]
+    parameters: ParametersSection,
+}
+
+/// Per-row overrides of generation parameters: generation key = input column.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ParametersSection {
+    max_new_tokens: Option<String>,
+    temperature: Option<String>,
+    top_p: Option<String>,
+    top_k: Option<String>,
+    seed: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -79,6 +93,7 @@ struct GenerationSection {
 #[serde(deny_unknown_fields)]
 struct OutputSection {
     url: String,
+    unit_rows: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -88,6 +103,7 @@ struct RuntimeSection {
     max_seqs: Option<i64>,
     max_batch_tokens: Option<i64>,
     threads: Option<i64>,
+    drain_grace_s: Option<f64>,
 }
 
 /// Where prompts come from and how a row becomes a conversation.
@@ -99,6 +115,47 @@ pub struct InputSpec {
     pub id_column: Option<String>,
     pub prompt: PromptColumn,
     pub system_prompt: Option<String>,
+    /// What to do with a prompt longer than the context allows.
+    pub truncate: Truncate,
+    /// Input columns that override generation parameters row by row.
+    pub parameters: ParameterColumns,
+}
+
+/// Prompts longer than the model's context: an error row (the default), or cut to fit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Truncate {
+    None,
+    /// Drop the start of the last user message (keep its end).
+    Left,
+    /// Drop the end of the last user message (keep its start).
+    Right,
+}
+
+/// Optional input columns holding per-row generation parameters; a null value means the job's value.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ParameterColumns {
+    pub max_new_tokens: Option<String>,
+    pub temperature: Option<String>,
+    pub top_p: Option<String>,
+    pub top_k: Option<String>,
+    pub seed: Option<String>,
+}
+
+impl ParameterColumns {
+    /// (generation key, column) for every mapped parameter.
+    pub fn columns(&self) -> Vec<(&'static str, &str)> {
+        [
+            ("max_new_tokens", &self.max_new_tokens),
+            ("temperature", &self.temperature),
+            ("top_p", &self.top_p),
+            ("top_k", &self.top_k),
+            ("seed", &self.seed),
+        ]
+        .into_iter()
+        .filter_map(|(k, c)| c.as_deref().map(|c| (k, c)))
+        .collect()
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -134,7 +191,7 @@ pub enum ChatTemplateChoice {
 }
 
 /// Sampling and stopping parameters, valid by construction.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct GenerationParams {
     pub max_new_tokens: u32,
     /// 0 means greedy.
@@ -146,6 +203,53 @@ pub struct GenerationParams {
     /// Job seed; each row's seed derives from (seed, row id), so a row's sample does not depend on its batch.
     pub seed: u64,
     pub stop: Vec<String>,
+}
+
+impl GenerationParams {
+    /// The parameters for one row: the job's, with the row's own values where it sets them.
+    pub fn for_row(&self, row: &crate::row::RowParams) -> GenerationParams {
+        GenerationParams {
+            max_new_tokens: row.max_new_tokens.unwrap_or(self.max_new_tokens),
+            temperature: row.temperature.unwrap_or(self.temperature),
+            top_p: row.top_p.unwrap_or(self.top_p),
+            top_k: row.top_k.unwrap_or(self.top_k),
+            seed: row.seed.unwrap_or(self.seed),
+            stop: self.stop.clone(),
+        }
+    }
+}
+
+/// Range checks shared by the job file and per-row parameter columns, so both give the same message.
+pub fn check_max_new_tokens(n: i64) -> Result<u32, String> {
+    if n >= 1 && n <= MAX_NEW_TOKENS_LIMIT as i64 {
+        Ok(n as u32)
+    } else {
+        Err(format!("must be in 1..={MAX_NEW_TOKENS_LIMIT}, got {n}"))
+    }
+}
+
+pub fn check_temperature(t: f64) -> Result<f32, String> {
+    if t.is_finite() && t >= 0.0 {
+        Ok(t as f32)
+    } else {
+        Err(format!("must be a number >= 0, got {t}"))
+    }
+}
+
+pub fn check_top_p(p: f64) -> Result<f32, String> {
+    if p > 0.0 && p <= 1.0 {
+        Ok(p as f32)
+    } else {
+        Err(format!("must be in (0, 1], got {p}"))
+    }
+}
+
+pub fn check_top_k(k: i64) -> Result<u32, String> {
+    if (0..=u32::MAX as i64).contains(&k) {
+        Ok(k as u32)
+    } else {
+        Err(format!("must be >= 0 (0 disables it), got {k}"))
+    }
 }
 
 /// The largest `max_new_tokens` accepted: far beyond any context this runner supports, small enough that a typo
@@ -168,11 +272,19 @@ pub struct RuntimeSpec {
     pub max_batch_tokens: usize,
     /// CPU threads for the engine; `None` uses every core.
     pub threads: Option<usize>,
+    /// After SIGTERM or SIGINT, how long running sequences may go on to finish their units.
+    pub drain_grace: std::time::Duration,
 }
 
 impl Default for RuntimeSpec {
     fn default() -> Self {
-        RuntimeSpec { device: DeviceChoice::Auto, max_seqs: 32, max_batch_tokens: 2048, threads: None }
+        RuntimeSpec {
+            device: DeviceChoice::Auto,
+            max_seqs: 32,
+            max_batch_tokens: 2048,
+            threads: None,
+            drain_grace: std::time::Duration::from_secs(30),
+        }
     }
 }
 
@@ -180,6 +292,12 @@ impl Default for RuntimeSpec {
 pub struct OutputSpec {
     /// A directory-like location: a local path, `file://`, `s3://`, `gs://` or `az://` URL.
     pub url: String,
+    /// Rows per unit: the granule of commits and of resuming after a kill.
+    pub unit_rows: u32,
+}
+
+impl OutputSpec {
+    pub const DEFAULT_UNIT_ROWS: u32 = 2048;
 }
 
 /// A checked job, ready for the stages.
@@ -255,22 +373,10 @@ impl Job {
         }
 
         let g = file.generation;
-        let max_new_tokens = match g.max_new_tokens {
-            n if n >= 1 && n <= MAX_NEW_TOKENS_LIMIT as i64 => n as u32,
-            n => return Err(invalid("generation.max_new_tokens", format!("must be in 1..={MAX_NEW_TOKENS_LIMIT}, got {n}"))),
-        };
-        let temperature = match g.temperature.unwrap_or(0.0) {
-            t if t.is_finite() && t >= 0.0 => t as f32,
-            t => return Err(invalid("generation.temperature", format!("must be a number >= 0, got {t}"))),
-        };
-        let top_p = match g.top_p.unwrap_or(1.0) {
-            p if p > 0.0 && p <= 1.0 => p as f32,
-            p => return Err(invalid("generation.top_p", format!("must be in (0, 1], got {p}"))),
-        };
-        let top_k = match g.top_k.unwrap_or(0) {
-            k if (0..=u32::MAX as i64).contains(&k) => k as u32,
-            k => return Err(invalid("generation.top_k", format!("must be >= 0 (0 disables it), got {k}"))),
-        };
+        let max_new_tokens = check_max_new_tokens(g.max_new_tokens).map_err(|p| invalid("generation.max_new_tokens", p))?;
+        let temperature = check_temperature(g.temperature.unwrap_or(0.0)).map_err(|p| invalid("generation.temperature", p))?;
+        let top_p = check_top_p(g.top_p.unwrap_or(1.0)).map_err(|p| invalid("generation.top_p", p))?;
+        let top_k = check_top_k(g.top_k.unwrap_or(0)).map_err(|p| invalid("generation.top_k", p))?;
         if let Some(i) = g.stop.iter().position(|s| s.is_empty()) {
             return Err(invalid("generation.stop", format!("entry {i} is an empty string")));
         }
@@ -278,6 +384,28 @@ impl Job {
         let output_url = overrides.output_url.clone().unwrap_or(file.output.url);
         if output_url.trim().is_empty() {
             return Err(invalid("output.url", "must not be empty".into()));
+        }
+        let unit_rows = match file.output.unit_rows {
+            None => OutputSpec::DEFAULT_UNIT_ROWS,
+            Some(n) if (1..=1 << 24).contains(&n) => n as u32,
+            Some(n) => return Err(invalid("output.unit_rows", format!("must be in 1..={}, got {n}", 1 << 24))),
+        };
+        let truncate = match file.input.truncate.as_deref().unwrap_or("none") {
+            "none" => Truncate::None,
+            "left" => Truncate::Left,
+            "right" => Truncate::Right,
+            other => return Err(invalid("input.truncate", format!("must be \"none\", \"left\" or \"right\", got {other:?}"))),
+        };
+        let p = file.input.parameters;
+        let parameters = ParameterColumns {
+            max_new_tokens: p.max_new_tokens,
+            temperature: p.temperature,
+            top_p: p.top_p,
+            top_k: p.top_k,
+            seed: p.seed,
+        };
+        if parameters.columns().iter().any(|(_, c)| c.is_empty()) {
+            return Err(invalid("input.parameters", "column names must not be empty".into()));
         }
 
         let defaults = RuntimeSpec::default();
@@ -311,6 +439,11 @@ impl Job {
                 None => None,
                 Some(n) => Some(positive("runtime.threads", Some(n), 1)?),
             },
+            drain_grace: match r.drain_grace_s {
+                None => defaults.drain_grace,
+                Some(s) if s.is_finite() && (0.0..=86_400.0).contains(&s) => std::time::Duration::from_secs_f64(s),
+                Some(s) => return Err(invalid("runtime.drain_grace_s", format!("must be in 0..=86400 seconds, got {s}"))),
+            },
         };
 
         Ok(Job {
@@ -321,6 +454,8 @@ impl Job {
                 id_column: file.input.id_column,
                 prompt,
                 system_prompt: file.input.system_prompt,
+                truncate,
+                parameters,
             },
             model: ModelSpec { path: PathBuf::from(model_path), sha256, chat_template },
             generation: GenerationParams {
@@ -331,7 +466,7 @@ impl Job {
                 seed: g.seed.unwrap_or(0),
                 stop: g.stop,
             },
-            output: OutputSpec { url: output_url },
+            output: OutputSpec { url: output_url, unit_rows },
             runtime,
         })
     }

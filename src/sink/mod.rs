@@ -1,49 +1,80 @@
-//! Output: the results and metrics Parquet files and the completion marker.
+//! Output: per-unit result and metrics files, commit markers, and the finalize step.
 //!
-//! Layout under the output URL:
+//! Layout under the output URL (`../shared/DESIGN.md`, section 5):
 //! ```text
-//! OUT/results.parquet   one row per input row (schemas/results.json)
-//! OUT/metrics.parquet   one row of job figures (schemas/metrics.json)
-//! OUT/_SUCCESS          written last, create-once: its presence means the two files above are complete
+//! OUT/_plan.json                                  create-once: input snapshot, units, job fingerprint
+//! OUT/data/shard=0/u<unit>-a<attempt>.parquet     a unit's result rows, in input order (schemas/results.json)
+//! OUT/metrics/shard=0/u<unit>-a<attempt>.parquet  a unit's figures, one row (schemas/metrics.json)
+//! OUT/_commits/shard=0/u<unit>.json               create-once marker: the unit is committed, by these two files
+//! OUT/_manifest.json                              create-once, by finalize: every committed file, and totals
+//! OUT/_SUCCESS                                    create-once, written last
 //! ```
-//! Files are uploaded as a whole (a single PUT, or a multipart upload completed only at the end; locally a staging
-//! file renamed at the end), so a killed job never leaves a file that looks complete. Readers wait for `_SUCCESS`.
+//! Data file names are unique per attempt and never overwritten, so two attempts at one unit (a zombie, a
+//! requeued pod, two processes started by mistake) cannot replace each other's bytes; the create-once marker
+//! decides which attempt's files count, and the loser deletes its own. A unit's rows are buffered until the unit
+//! is complete and then uploaded as whole files, so a killed process leaves at most an orphan file that no
+//! marker names, which finalize removes. Readers use `_manifest.json`.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use arrow::array::{ArrayRef, Float64Builder, RecordBatch, StringBuilder, StructArray, UInt32Builder};
 use arrow::datatypes::{DataType, Field, Fields, Schema, SchemaRef};
+use futures::TryStreamExt;
 use object_store::buffered::BufWriter;
 use object_store::path::Path;
-use object_store::{ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 use parquet::arrow::AsyncArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
+use serde::{Deserialize, Serialize};
 
 use crate::engine::Completion;
 use crate::metrics::JobMetrics;
-use crate::row::{FinishReason, RowError};
+use crate::plan::{Plan, Unit};
+use crate::row::{FinishReason, RowError, RowTag};
 use crate::source::{store, Location, StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error("output `{url}` already holds a completed job (`_SUCCESS` exists); choose another output or remove it")]
-    AlreadyComplete { url: String },
     #[error("output `{url}` is not writable")]
     NotWritable { url: String, #[source] source: object_store::Error },
     #[error("cannot write `{url}`")]
     Write { url: String, #[source] source: Box<dyn std::error::Error + Send + Sync> },
+    #[error("cannot read `{url}`")]
+    Read { url: String, #[source] source: Box<dyn std::error::Error + Send + Sync> },
+    #[error(
+        "output `{url}` belongs to a different job ({differences}); resuming into it would mix results, so \
+         write to a new output, or remove this one to start over"
+    )]
+    DifferentJob { url: String, differences: String },
+    #[error("output `{url}` has no `_plan.json`: it was not written by a run of this nightshift")]
+    NoPlan { url: String },
+    #[error(
+        "output `{url}` is incomplete: {missing} of {total} units are not committed (first: {first}); run the \
+         job again to finish them"
+    )]
+    Incomplete { url: String, missing: usize, total: usize, first: String },
 }
 
-pub const RESULTS_FILE: &str = "results.parquet";
-pub const METRICS_FILE: &str = "metrics.parquet";
+pub const PLAN_FILE: &str = "_plan.json";
+pub const MANIFEST_FILE: &str = "_manifest.json";
 pub const SUCCESS_FILE: &str = "_SUCCESS";
+const COMMITS_DIR: &str = "_commits";
+const DATA_DIR: &str = "data";
+const METRICS_DIR: &str = "metrics";
+/// Every process runs shard 0 of a one-shard plan until scale-out (issue 8) assigns shards.
+const SHARD: u32 = 0;
 
-/// Rows buffered before they are encoded; bounds the writer's memory along with the row group size.
+/// Rows encoded per Arrow batch when a unit is written.
 const ROWS_PER_BATCH: usize = 512;
 const ROWS_PER_ROW_GROUP: usize = 8192;
+/// Attempts at a commit marker's conditional put after transient errors (object_store does not retry
+/// conditional puts itself: they are not idempotent).
+const COMMIT_TRIES: u32 = 6;
 
 /// Facts about the run stored in each file's key/value metadata.
 #[derive(Clone, Debug)]
@@ -51,6 +82,9 @@ pub struct RunMetadata {
     pub model_sha256: String,
     pub model: String,
     pub job: String,
+    /// The plan's fingerprint digest: every file of one output carries the same one.
+    pub fingerprint: String,
+    pub attempt: String,
 }
 
 impl RunMetadata {
@@ -60,6 +94,8 @@ impl RunMetadata {
             ("nightshift.model_sha256".into(), self.model_sha256.clone()),
             ("nightshift.model".into(), self.model.clone()),
             ("nightshift.job".into(), self.job.clone()),
+            ("nightshift.fingerprint".into(), self.fingerprint.clone()),
+            ("nightshift.attempt".into(), self.attempt.clone()),
         ]
     }
 }
@@ -68,14 +104,73 @@ impl RunMetadata {
 #[derive(Clone, Debug)]
 pub enum Outcome {
     Completed(Completion),
-    Failed { id: String, error: RowError },
+    Failed { id: String, tag: RowTag, error: RowError },
+}
+
+impl Outcome {
+    pub fn tag(&self) -> RowTag {
+        match self {
+            Outcome::Completed(c) => c.tag,
+            Outcome::Failed { tag, .. } => *tag,
+        }
+    }
+}
+
+/// `_commits/shard=S/u<unit>.json`: which attempt's files hold a unit, and its counts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Marker {
+    pub unit: u32,
+    pub shard: u32,
+    pub attempt: String,
+    /// Paths relative to the output root.
+    pub results: String,
+    pub metrics: String,
+    pub rows: u64,
+    pub succeeded_rows: u64,
+    pub errored_rows: u64,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+/// `_manifest.json`: the committed output, for readers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub nightshift_version: String,
+    pub fingerprint: String,
+    pub rows: u64,
+    pub succeeded_rows: u64,
+    pub errored_rows: u64,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    /// Result files in unit order (input order), relative to the output root.
+    pub results: Vec<String>,
+    pub metrics: Vec<String>,
+    pub units: Vec<Marker>,
+}
+
+/// How a unit's commit ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Commit {
+    /// This attempt's files are the unit's.
+    Won,
+    /// Another attempt committed the unit first; this attempt's files were deleted.
+    Lost,
+}
+
+/// What finalize found.
+#[derive(Debug)]
+pub enum Finalized {
+    /// This call wrote (or completed) the manifest and `_SUCCESS`.
+    Done(Manifest),
+    /// `_SUCCESS` was there already.
+    AlreadyComplete(Manifest),
 }
 
 fn error_fields() -> Fields {
     Fields::from(vec![Field::new("code", DataType::Utf8, false), Field::new("message", DataType::Utf8, false)])
 }
 
-/// The Arrow schema of `results.parquet`, described field by field in `schemas/results.json`.
+/// The Arrow schema of the result files, described field by field in `schemas/results.json`.
 pub fn results_schema() -> Schema {
     Schema::new(vec![
         Field::new("id", DataType::Utf8, false),
@@ -92,12 +187,14 @@ pub fn results_schema() -> Schema {
     ])
 }
 
-/// The Arrow schema of `metrics.parquet`, described field by field in `schemas/metrics.json`.
+/// The Arrow schema of the metrics files, described field by field in `schemas/metrics.json`.
 pub fn metrics_schema() -> Schema {
     let u = |name: &str| Field::new(name, DataType::UInt64, false);
     let f = |name: &str| Field::new(name, DataType::Float64, false);
     let o = |name: &str| Field::new(name, DataType::Float64, true);
     Schema::new(vec![
+        u("unit"),
+        Field::new("attempt", DataType::Utf8, false),
         u("rows"),
         u("succeeded_rows"),
         u("errored_rows"),
@@ -142,60 +239,233 @@ fn properties(run: &RunMetadata) -> WriterProperties {
         .build()
 }
 
-/// An output location, checked before any work starts.
+fn create() -> PutOptions {
+    PutOptions { mode: PutMode::Create, ..Default::default() }
+}
+
+/// A fresh attempt id: unique per process start, so attempts never share a file name.
+pub fn new_attempt() -> String {
+    use sha2::{Digest, Sha256};
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let seed = format!("{nanos}:{}:{:?}", std::process::id(), std::thread::current().id());
+    format!("{:x}", Sha256::digest(seed.as_bytes()))[..16].to_string()
+}
+
+/// An output location.
+#[derive(Clone)]
 pub struct Output {
     location: Location,
 }
 
 impl Output {
-    /// Resolves the output URL, refuses one that already holds a completed job, and proves it is writable with a
-    /// small probe object, so a bad location fails in seconds rather than after hours of generation.
+    /// Resolves the output URL and proves it is writable with a small probe object, so a bad location fails in
+    /// seconds rather than after hours of generation.
     pub async fn open(url: &str) -> Result<Output, SinkError> {
-        let location = store::resolve(url)?;
-        let output = Output { location };
-        match output.location.store.head(&output.path(SUCCESS_FILE)).await {
-            Ok(_) => return Err(SinkError::AlreadyComplete { url: url.into() }),
-            Err(object_store::Error::NotFound { .. }) => {}
-            Err(source) => return Err(SinkError::NotWritable { url: url.into(), source }),
-        }
-        let probe = output.path(&format!("_nightshift_probe_{}", std::process::id()));
+        let output = Output::resolve(url)?;
+        let probe = output.path(&format!("_nightshift_probe_{}", new_attempt()));
         let not_writable = |source| SinkError::NotWritable { url: url.into(), source };
-        output.location.store.put(&probe, PutPayload::from_static(b"probe")).await.map_err(not_writable)?;
-        output.location.store.delete(&probe).await.map_err(not_writable)?;
+        output.store().put(&probe, PutPayload::from_static(b"probe")).await.map_err(not_writable)?;
+        output.store().delete(&probe).await.map_err(not_writable)?;
         Ok(output)
+    }
+
+    /// Resolves the output URL without touching it.
+    pub fn resolve(url: &str) -> Result<Output, SinkError> {
+        Ok(Output { location: store::resolve(url)? })
     }
 
     pub fn url(&self) -> &str {
         &self.location.url
     }
 
-    fn path(&self, name: &str) -> Path {
-        self.location.path.clone().join(name)
+    fn store(&self) -> &Arc<dyn ObjectStore> {
+        &self.location.store
+    }
+
+    fn path(&self, relative: &str) -> Path {
+        let mut path = self.location.path.clone();
+        for part in relative.split('/') {
+            path = path.join(part);
+        }
+        path
     }
 
     /// The user-facing URL of a file under the output.
-    pub fn display(&self, name: &str) -> String {
-        self.location.display(&self.path(name))
+    pub fn display(&self, relative: &str) -> String {
+        self.location.display(&self.path(relative))
     }
 
-    fn write_err<E: std::error::Error + Send + Sync + 'static>(&self, name: &str) -> impl Fn(E) -> SinkError + '_ {
-        let url = self.display(name);
+    fn write_err<E: std::error::Error + Send + Sync + 'static>(&self, relative: &str) -> impl Fn(E) -> SinkError + '_ {
+        let url = self.display(relative);
         move |e| SinkError::Write { url: url.clone(), source: Box::new(e) }
     }
 
-    pub fn results_writer(&self, run: &RunMetadata) -> Result<ResultsWriter, SinkError> {
-        let upload = BufWriter::new(self.location.store.clone(), self.path(RESULTS_FILE));
-        let schema = with_metadata(results_schema(), run);
-        let writer = AsyncArrowWriter::try_new(upload, schema.clone(), Some(properties(run))).map_err(self.write_err(RESULTS_FILE))?;
-        Ok(ResultsWriter { writer, schema, pending: Vec::with_capacity(ROWS_PER_BATCH), url: self.display(RESULTS_FILE), rows: 0 })
+    fn write_error(&self, relative: &str, e: impl std::error::Error + Send + Sync + 'static) -> SinkError {
+        SinkError::Write { url: self.display(relative), source: Box::new(e) }
     }
 
-    pub async fn write_metrics(&self, m: &JobMetrics, run: &RunMetadata) -> Result<(), SinkError> {
+    /// Reads a small JSON object, `None` when it does not exist.
+    async fn read_json<T: serde::de::DeserializeOwned>(&self, relative: &str) -> Result<Option<T>, SinkError> {
+        let read_err = |e: Box<dyn std::error::Error + Send + Sync>| SinkError::Read { url: self.display(relative), source: e };
+        let bytes = match self.store().get(&self.path(relative)).await {
+            Ok(r) => r.bytes().await.map_err(|e| read_err(e.into()))?,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(read_err(e.into())),
+        };
+        serde_json::from_slice(&bytes).map(Some).map_err(|e| read_err(e.into()))
+    }
+
+    /// Writes a small JSON object create-once. `Ok(false)` when it already exists.
+    async fn create_json<T: Serialize>(&self, relative: &str, value: &T) -> Result<bool, SinkError> {
+        let payload = PutPayload::from(serde_json::to_vec_pretty(value).expect("plain data serialises"));
+        let mut delay = Duration::from_millis(200);
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self.store().put_opts(&self.path(relative), payload.clone(), create()).await {
+                Ok(_) => return Ok(true),
+                Err(object_store::Error::AlreadyExists { .. }) => return Ok(false),
+                Err(e) if tries >= COMMIT_TRIES => return Err(self.write_err(relative)(e)),
+                Err(e) => {
+                    tracing::warn!(file = %self.display(relative), error = %e, "create-once put failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+            }
+        }
+    }
+
+    pub async fn read_plan(&self) -> Result<Option<Plan>, SinkError> {
+        self.read_json(PLAN_FILE).await
+    }
+
+    /// Writes `plan` unless a plan is there already; returns the plan in force (the stored one if any), which the
+    /// caller checks against its own fingerprint.
+    pub async fn create_plan(&self, plan: &Plan) -> Result<Plan, SinkError> {
+        if self.create_json(PLAN_FILE, plan).await? {
+            return Ok(plan.clone());
+        }
+        self.read_plan().await?.ok_or_else(|| SinkError::NoPlan { url: self.url().into() })
+    }
+
+    /// Refuses a plan made by a different job.
+    pub fn check_same_job(&self, stored: &Plan, ours: &crate::plan::Fingerprint) -> Result<(), SinkError> {
+        let differences = stored.fingerprint.differences(ours);
+        if differences.is_empty() {
+            Ok(())
+        } else {
+            Err(SinkError::DifferentJob { url: self.url().into(), differences: differences.join("; ") })
+        }
+    }
+
+    pub async fn is_complete(&self) -> Result<bool, SinkError> {
+        match self.store().head(&self.path(SUCCESS_FILE)).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(SinkError::Read { url: self.display(SUCCESS_FILE), source: e.into() }),
+        }
+    }
+
+    fn marker_path(unit: u32) -> String {
+        format!("{COMMITS_DIR}/shard={SHARD}/u{unit:06}.json")
+    }
+
+    pub async fn is_committed(&self, unit: u32) -> Result<bool, SinkError> {
+        let relative = Output::marker_path(unit);
+        match self.store().head(&self.path(&relative)).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(SinkError::Read { url: self.display(&relative), source: e.into() }),
+        }
+    }
+
+    /// Every commit marker, by unit.
+    pub async fn markers(&self) -> Result<BTreeMap<u32, Marker>, SinkError> {
+        let dir = self.path(COMMITS_DIR);
+        let read_err = |e: object_store::Error| SinkError::Read { url: self.display(COMMITS_DIR), source: e.into() };
+        let listed: Vec<_> = self.store().list(Some(&dir)).try_collect().await.map_err(read_err)?;
+        let mut markers = BTreeMap::new();
+        for meta in listed {
+            let name = meta.location.filename().unwrap_or_default();
+            if !name.ends_with(".json") {
+                continue;
+            }
+            let relative = meta.location.prefix_match(&self.location.path).map(|p| p.map(|s| s.as_ref().to_string()).collect::<Vec<_>>().join("/"));
+            let Some(relative) = relative else { continue };
+            if let Some(marker) = self.read_json::<Marker>(&relative).await? {
+                markers.insert(marker.unit, marker);
+            }
+        }
+        Ok(markers)
+    }
+
+    /// Uploads a complete unit's results (in input order) and metrics under attempt-unique names, then commits it
+    /// with a create-once marker. When another attempt committed the unit first, deletes this attempt's files.
+    pub async fn commit_unit(
+        &self,
+        unit: &Unit,
+        run: &RunMetadata,
+        outcomes: &[Outcome],
+        metrics: &JobMetrics,
+    ) -> Result<Commit, SinkError> {
+        let stem = format!("shard={SHARD}/u{:06}-a{}.parquet", unit.id, run.attempt);
+        let results = format!("{DATA_DIR}/{stem}");
+        let metrics_file = format!("{METRICS_DIR}/{stem}");
+        self.write_results(&results, run, outcomes).await?;
+        self.write_metrics(&metrics_file, unit.id, metrics, run).await?;
+        let marker = Marker {
+            unit: unit.id,
+            shard: SHARD,
+            attempt: run.attempt.clone(),
+            results: results.clone(),
+            metrics: metrics_file.clone(),
+            rows: metrics.rows,
+            succeeded_rows: metrics.succeeded_rows,
+            errored_rows: metrics.errored_rows,
+            prompt_tokens: metrics.prompt_tokens,
+            completion_tokens: metrics.completion_tokens,
+        };
+        let relative = Output::marker_path(unit.id);
+        if self.create_json(&relative, &marker).await? {
+            return Ok(Commit::Won);
+        }
+        // The marker exists. If it names this attempt, an earlier try whose response was lost did succeed.
+        let stored: Option<Marker> = self.read_json(&relative).await?;
+        if stored.as_ref().is_some_and(|m| m.attempt == run.attempt) {
+            return Ok(Commit::Won);
+        }
+        for file in [&results, &metrics_file] {
+            if let Err(e) = self.store().delete(&self.path(file)).await {
+                tracing::warn!(file = %self.display(file), error = %e, "cannot delete a losing attempt's file; finalize removes it");
+            }
+        }
+        Ok(Commit::Lost)
+    }
+
+    async fn write_results(&self, relative: &str, run: &RunMetadata, outcomes: &[Outcome]) -> Result<(), SinkError> {
+        let schema = with_metadata(results_schema(), run);
+        let upload = BufWriter::new(self.store().clone(), self.path(relative));
+        let mut writer = AsyncArrowWriter::try_new(upload, schema.clone(), Some(properties(run))).map_err(|e| self.write_error(relative, e))?;
+        for chunk in outcomes.chunks(ROWS_PER_BATCH) {
+            let batch = results_batch(chunk, schema.clone()).map_err(|e| self.write_error(relative, e))?;
+            if let Err(e) = writer.write(&batch).await {
+                // Abort a started multipart upload instead of leaving its parts behind.
+                let _ = writer.into_inner().abort().await;
+                return Err(self.write_error(relative, e));
+            }
+        }
+        writer.close().await.map_err(|e| self.write_error(relative, e))?;
+        Ok(())
+    }
+
+    async fn write_metrics(&self, relative: &str, unit: u32, m: &JobMetrics, run: &RunMetadata) -> Result<(), SinkError> {
         let schema = with_metadata(metrics_schema(), run);
         let u = |v: u64| Arc::new(arrow::array::UInt64Array::from(vec![v])) as ArrayRef;
         let f = |v: f64| Arc::new(arrow::array::Float64Array::from(vec![v])) as ArrayRef;
         let o = |v: Option<f64>| Arc::new(arrow::array::Float64Array::from(vec![v])) as ArrayRef;
         let columns = vec![
+            u(unit as u64),
+            Arc::new(arrow::array::StringArray::from(vec![run.attempt.as_str()])) as ArrayRef,
             u(m.rows),
             u(m.succeeded_rows),
             u(m.errored_rows),
@@ -223,65 +493,94 @@ impl Output {
             u(m.weights_bytes),
             u(m.peak_rss_bytes),
         ];
-        let batch = RecordBatch::try_new(schema.clone(), columns).map_err(self.write_err(METRICS_FILE))?;
-        let upload = BufWriter::new(self.location.store.clone(), self.path(METRICS_FILE));
-        let mut writer = AsyncArrowWriter::try_new(upload, schema, Some(properties(run))).map_err(self.write_err(METRICS_FILE))?;
-        writer.write(&batch).await.map_err(self.write_err(METRICS_FILE))?;
-        writer.close().await.map_err(self.write_err(METRICS_FILE))?;
+        let batch = RecordBatch::try_new(schema.clone(), columns).map_err(|e| self.write_error(relative, e))?;
+        let upload = BufWriter::new(self.store().clone(), self.path(relative));
+        let mut writer = AsyncArrowWriter::try_new(upload, schema, Some(properties(run))).map_err(|e| self.write_error(relative, e))?;
+        writer.write(&batch).await.map_err(|e| self.write_error(relative, e))?;
+        writer.close().await.map_err(|e| self.write_error(relative, e))?;
         Ok(())
     }
 
-    /// Writes `_SUCCESS` (create-once), marking the output complete.
-    pub async fn commit(&self, summary: &serde_json::Value) -> Result<(), SinkError> {
-        let payload = PutPayload::from(serde_json::to_vec_pretty(summary).expect("JSON values serialise"));
-        let options = PutOptions { mode: PutMode::Create, ..Default::default() };
-        self.location
-            .store
-            .put_opts(&self.path(SUCCESS_FILE), payload, options)
-            .await
-            .map_err(self.write_err(SUCCESS_FILE))?;
-        Ok(())
+    /// Checks that every unit of the plan is committed, removes files no marker names (a killed attempt's, a
+    /// losing attempt's), then writes `_manifest.json` and `_SUCCESS`, both create-once. Safe to run repeatedly
+    /// and from several processes at once.
+    pub async fn finalize(&self) -> Result<Finalized, SinkError> {
+        let plan = self.read_plan().await?.ok_or_else(|| SinkError::NoPlan { url: self.url().into() })?;
+        if self.is_complete().await? {
+            if let Some(manifest) = self.read_json::<Manifest>(MANIFEST_FILE).await? {
+                return Ok(Finalized::AlreadyComplete(manifest));
+            }
+        }
+        let markers = self.markers().await?;
+        let missing: Vec<u32> = plan.units.iter().map(|u| u.id).filter(|id| !markers.contains_key(id)).collect();
+        if !missing.is_empty() {
+            let first = missing.iter().take(5).map(|u| format!("u{u:06}")).collect::<Vec<_>>().join(", ");
+            return Err(SinkError::Incomplete { url: self.url().into(), missing: missing.len(), total: plan.units.len(), first });
+        }
+        let units: Vec<Marker> = plan.units.iter().map(|u| markers[&u.id].clone()).collect();
+        let rows: u64 = units.iter().map(|m| m.rows).sum();
+        if rows != plan.total_rows() {
+            return Err(SinkError::Write {
+                url: self.display(COMMITS_DIR),
+                source: format!("the commits hold {rows} rows but the plan has {} (a bug)", plan.total_rows()).into(),
+            });
+        }
+        self.remove_orphans(&units).await?;
+        let manifest = Manifest {
+            nightshift_version: env!("CARGO_PKG_VERSION").into(),
+            fingerprint: plan.fingerprint.digest(),
+            rows,
+            succeeded_rows: units.iter().map(|m| m.succeeded_rows).sum(),
+            errored_rows: units.iter().map(|m| m.errored_rows).sum(),
+            prompt_tokens: units.iter().map(|m| m.prompt_tokens).sum(),
+            completion_tokens: units.iter().map(|m| m.completion_tokens).sum(),
+            results: units.iter().map(|m| m.results.clone()).collect(),
+            metrics: units.iter().map(|m| m.metrics.clone()).collect(),
+            units,
+        };
+        if !self.create_json(MANIFEST_FILE, &manifest).await? {
+            // Another finalize got there first; it must have seen the same commits, since markers never change.
+            let stored: Option<Manifest> = self.read_json(MANIFEST_FILE).await?;
+            if stored.as_ref().map(|m| (&m.results, m.rows)) != Some((&manifest.results, manifest.rows)) {
+                return Err(SinkError::Write {
+                    url: self.display(MANIFEST_FILE),
+                    source: "an existing manifest names other files than the commit markers".into(),
+                });
+            }
+        }
+        let summary = serde_json::json!({
+            "nightshift_version": env!("CARGO_PKG_VERSION"),
+            "rows": manifest.rows,
+            "succeeded_rows": manifest.succeeded_rows,
+            "errored_rows": manifest.errored_rows,
+            "manifest": MANIFEST_FILE,
+        });
+        self.create_json(SUCCESS_FILE, &summary).await?;
+        Ok(Finalized::Done(manifest))
     }
-}
 
-/// Streams result rows into `results.parquet`.
-pub struct ResultsWriter {
-    writer: AsyncArrowWriter<BufWriter>,
-    schema: SchemaRef,
-    pending: Vec<Outcome>,
-    url: String,
-    rows: u64,
-}
-
-impl ResultsWriter {
-    pub async fn push(&mut self, outcome: Outcome) -> Result<(), SinkError> {
-        self.pending.push(outcome);
-        self.rows += 1;
-        if self.pending.len() >= ROWS_PER_BATCH {
-            self.flush().await?;
+    /// Deletes files under `data/` and `metrics/` that no marker names.
+    async fn remove_orphans(&self, units: &[Marker]) -> Result<(), SinkError> {
+        let keep: std::collections::HashSet<Path> =
+            units.iter().flat_map(|m| [self.path(&m.results), self.path(&m.metrics)]).collect();
+        for dir in [DATA_DIR, METRICS_DIR] {
+            let read_err = |e: object_store::Error| SinkError::Read { url: self.display(dir), source: e.into() };
+            let listed: Vec<_> = self.store().list(Some(&self.path(dir))).try_collect().await.map_err(read_err)?;
+            for meta in listed {
+                if !keep.contains(&meta.location) {
+                    tracing::info!(file = %self.location.display(&meta.location), "removing an uncommitted attempt's file");
+                    match self.store().delete(&meta.location).await {
+                        Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                        Err(e) => return Err(SinkError::Write { url: self.location.display(&meta.location), source: e.into() }),
+                    }
+                }
+            }
         }
         Ok(())
     }
 
-    pub fn rows(&self) -> u64 {
-        self.rows
-    }
-
-    async fn flush(&mut self) -> Result<(), SinkError> {
-        if self.pending.is_empty() {
-            return Ok(());
-        }
-        let batch = results_batch(&self.pending, self.schema.clone())
-            .map_err(|e| SinkError::Write { url: self.url.clone(), source: Box::new(e) })?;
-        self.pending.clear();
-        self.writer.write(&batch).await.map_err(|e| SinkError::Write { url: self.url.clone(), source: Box::new(e) })
-    }
-
-    /// Writes the remaining rows and completes the upload; only now does the file appear.
-    pub async fn close(mut self) -> Result<u64, SinkError> {
-        self.flush().await?;
-        self.writer.close().await.map_err(|e| SinkError::Write { url: self.url.clone(), source: Box::new(e) })?;
-        Ok(self.rows)
+    pub async fn read_manifest(&self) -> Result<Option<Manifest>, SinkError> {
+        self.read_json(MANIFEST_FILE).await
     }
 }
 
@@ -317,7 +616,7 @@ fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<RecordBatch, arr
                 e2e.append_value(c.e2e_s);
                 tpot.append_option(c.tpot_s);
             }
-            Outcome::Failed { id: row_id, error } => {
+            Outcome::Failed { id: row_id, error, .. } => {
                 id.append_value(row_id);
                 status.append_value("errored");
                 code.append_value(error.code.as_str());

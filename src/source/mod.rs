@@ -17,15 +17,16 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
-use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions};
+use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions, RowSelection, RowSelector};
 use parquet::arrow::async_reader::AsyncFileReader;
 use parquet::arrow::{ParquetRecordBatchStreamBuilder, ProjectionMask};
 use parquet::errors::ParquetError;
 use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataReader};
 use tokio::sync::mpsc;
 
-use crate::job::{InputSpec, PromptColumn};
-use crate::row::{ErrorCode, Message, Prompt, RowError};
+use crate::job::{self, InputSpec, PromptColumn};
+use crate::plan::{PlannedFile, Unit};
+use crate::row::{ErrorCode, Message, Prompt, RowError, RowParams, RowTag};
 pub use store::{Location, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -44,13 +45,35 @@ pub enum SourceError {
     ColumnType { url: String, column: String, actual: String, expected: &'static str },
     #[error("cannot read `{url}`")]
     Read { url: String, #[source] source: ParquetError },
+    #[error(
+        "input file `{url}` changed during the run (it no longer matches the version in the plan); units already \
+         committed are kept, but this output cannot be completed: write the new input's results to a new output"
+    )]
+    Changed { url: String },
+    #[error("column `{column}` has duplicate ids ({count} in all), e.g. {examples}; ids must be unique")]
+    DuplicateIds { column: String, count: u64, examples: String },
+}
+
+/// Whether a read failed because the object no longer matches its pinned e_tag (`If-Match` precondition).
+fn is_changed(e: &ParquetError) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if matches!(err.downcast_ref::<object_store::Error>(), Some(object_store::Error::Precondition { .. })) {
+            return true;
+        }
+        source = err.source();
+    }
+    false
 }
 
 /// One input row, as read: an id and either a prompt or the reason the row cannot be used.
 #[derive(Clone, Debug)]
 pub struct SourceRow {
     pub id: String,
+    pub tag: RowTag,
+    /// The prompt, or why the row cannot be used (bad prompt or bad per-row parameters).
     pub prompt: Result<Prompt, RowError>,
+    pub params: RowParams,
 }
 
 /// Rows decoded per batch sent downstream.
@@ -66,6 +89,8 @@ struct InputFile {
     metadata: ArrowReaderMetadata,
     id_index: Option<usize>,
     prompt_index: usize,
+    /// (generation key, column index) of the per-row parameter columns.
+    param_indices: Vec<(&'static str, usize)>,
 }
 
 /// An opened input: its files listed and their footers read and checked.
@@ -74,7 +99,22 @@ pub struct Input {
     location: Location,
     files: Vec<InputFile>,
     prompt: PromptColumn,
+    id_column: Option<String>,
     total_rows: u64,
+}
+
+impl InputFile {
+    fn rows(&self) -> u64 {
+        self.metadata.metadata().file_metadata().num_rows().max(0) as u64
+    }
+
+    fn read_error(&self, source: ParquetError) -> SourceError {
+        if is_changed(&source) {
+            SourceError::Changed { url: self.url.clone() }
+        } else {
+            SourceError::Read { url: self.url.clone(), source }
+        }
+    }
 }
 
 impl Input {
@@ -96,10 +136,72 @@ impl Input {
                 Some(name) => Some(check_column(&url, &schema, name, ColumnKind::Id)?),
                 None => None,
             };
-            files.push(InputFile { meta, url, metadata, id_index, prompt_index });
+            let mut param_indices = Vec::new();
+            for (key, column) in spec.parameters.columns() {
+                let kind = if matches!(key, "temperature" | "top_p") { ColumnKind::Number } else { ColumnKind::Integer };
+                param_indices.push((key, check_column(&url, &schema, column, kind)?));
+            }
+            files.push(InputFile { meta, url, metadata, id_index, prompt_index, param_indices });
         }
-        let total_rows = files.iter().map(|f| f.metadata.metadata().file_metadata().num_rows().max(0) as u64).sum();
-        Ok(Input { location, files, prompt: spec.prompt.clone(), total_rows })
+        let total_rows = files.iter().map(|f| f.rows()).sum();
+        Ok(Input { location, files, prompt: spec.prompt.clone(), id_column: spec.id_column.clone(), total_rows })
+    }
+
+    /// The files as they are now: path, size, e_tag and rows. Compared with the plan on every run.
+    pub fn snapshot(&self) -> Vec<PlannedFile> {
+        self.files
+            .iter()
+            .map(|f| PlannedFile { path: f.meta.location.to_string(), size: f.meta.size, e_tag: f.meta.e_tag.clone(), rows: f.rows() })
+            .collect()
+    }
+
+    /// Reads the id column of every file and refuses duplicates, naming the first few. Ids key the results and
+    /// the per-row seeds, so a duplicate would make two rows indistinguishable. Inputs without an id column get
+    /// unique `<file>:<row>` ids and pass at once.
+    pub async fn check_unique_ids(&self) -> Result<(), SourceError> {
+        let Some(column) = &self.id_column else { return Ok(()) };
+        let mut seen: std::collections::HashMap<String, (usize, u64)> = std::collections::HashMap::new();
+        let mut examples = Vec::new();
+        let mut count = 0u64;
+        for (index, file) in self.files.iter().enumerate() {
+            let id_index = file.id_index.expect("files of an input with an id column have its index");
+            let read_err = |source| SourceError::Read { url: file.url.clone(), source };
+            let reader = PinnedReader { store: self.location.store.clone(), meta: file.meta.clone() };
+            let descr = file.metadata.metadata().file_metadata().schema_descr_ptr();
+            let mut stream = ParquetRecordBatchStreamBuilder::new_with_metadata(reader, file.metadata.clone())
+                .with_projection(ProjectionMask::roots(&descr, [id_index]))
+                .with_batch_size(8192)
+                .build()
+                .map_err(read_err)?;
+            let mut row = 0u64;
+            while let Some(batch) = stream.next().await {
+                let batch = batch.map_err(|e| file.read_error(e))?;
+                let ids = to_strings(batch.column(0)).map_err(read_err)?;
+                for i in 0..ids.len() {
+                    if !ids.is_null(i) {
+                        if let Some(&(first_file, first_row)) = seen.get(ids.value(i)) {
+                            count += 1;
+                            if examples.len() < 5 {
+                                examples.push(format!(
+                                    "{:?} (row {first_row} of `{}` and row {} of `{}`)",
+                                    ids.value(i),
+                                    self.files[first_file].url,
+                                    row + i as u64,
+                                    file.url
+                                ));
+                            }
+                        } else {
+                            seen.insert(ids.value(i).to_string(), (index, row + i as u64));
+                        }
+                    }
+                }
+                row += batch.num_rows() as u64;
+            }
+        }
+        if count > 0 {
+            return Err(SourceError::DuplicateIds { column: column.clone(), count, examples: examples.join(", ") });
+        }
+        Ok(())
     }
 
     /// Rows in all input files, from their footers.
@@ -116,32 +218,54 @@ impl Input {
         &self.location.url
     }
 
-    /// Streams every row of every file, in order, into `tx`. Returns when all rows are sent, or early (without
-    /// error) when the receiver is gone.
-    pub async fn stream(self, tx: mpsc::Sender<Vec<SourceRow>>) -> Result<(), SourceError> {
-        for file in &self.files {
-            let reader = PinnedReader { store: self.location.store.clone(), meta: file.meta.clone() };
-            let descr = file.metadata.metadata().file_metadata().schema_descr_ptr();
-            let mut roots = vec![file.prompt_index];
-            roots.extend(file.id_index);
-            let read_err = |source| SourceError::Read { url: file.url.clone(), source };
-            let mut stream = ParquetRecordBatchStreamBuilder::new_with_metadata(reader, file.metadata.clone())
-                .with_projection(ProjectionMask::roots(&descr, roots))
-                .with_batch_size(BATCH_ROWS)
-                .build()
-                .map_err(read_err)?;
-            let file_name = file.meta.location.filename().unwrap_or_default().to_string();
-            let mut row_number = 0u64;
-            while let Some(batch) = stream.next().await {
-                let batch = batch.map_err(read_err)?;
-                let rows = rows_of(&batch, &self.prompt, file, &file_name, row_number).map_err(read_err)?;
-                row_number += batch.num_rows() as u64;
-                if tx.send(rows).await.is_err() {
-                    return Ok(());
-                }
+    /// Streams the rows of one unit of the plan, in order, into `tx`, tagged with their unit and position.
+    /// Returns `false` (without error) when the receiver is gone.
+    pub async fn stream_unit(&self, unit: &Unit, tx: &mpsc::Sender<Vec<SourceRow>>) -> Result<bool, SourceError> {
+        let file = self.files.get(unit.file).ok_or_else(|| SourceError::NotFound { url: format!("input file {} of the plan", unit.file) })?;
+        let read_err = |source| SourceError::Read { url: file.url.clone(), source };
+        // The row groups the unit overlaps, and the unit's rows within them.
+        let (mut groups, mut first_group_start, mut start) = (Vec::new(), None, 0u64);
+        let end_row = unit.first_row + unit.rows as u64;
+        for (i, rg) in file.metadata.metadata().row_groups().iter().enumerate() {
+            let rows = rg.num_rows().max(0) as u64;
+            if start < end_row && start + rows > unit.first_row {
+                groups.push(i);
+                first_group_start.get_or_insert(start);
+            }
+            start += rows;
+        }
+        let Some(group_start) = first_group_start else { return Ok(true) };
+        let skip = (unit.first_row - group_start) as usize;
+        let selection = RowSelection::from(vec![RowSelector::skip(skip), RowSelector::select(unit.rows as usize)]);
+        let reader = PinnedReader { store: self.location.store.clone(), meta: file.meta.clone() };
+        let descr = file.metadata.metadata().file_metadata().schema_descr_ptr();
+        let mut roots = vec![file.prompt_index];
+        roots.extend(file.id_index);
+        roots.extend(file.param_indices.iter().map(|(_, i)| *i));
+        let mut stream = ParquetRecordBatchStreamBuilder::new_with_metadata(reader, file.metadata.clone())
+            .with_projection(ProjectionMask::roots(&descr, roots))
+            .with_row_groups(groups)
+            .with_row_selection(selection)
+            .with_batch_size(BATCH_ROWS)
+            .build()
+            .map_err(read_err)?;
+        let file_name = file.meta.location.filename().unwrap_or_default().to_string();
+        let mut offset = 0u32;
+        while let Some(batch) = stream.next().await {
+            let batch = batch.map_err(|e| file.read_error(e))?;
+            let rows = rows_of(&batch, &self.prompt, file, &file_name, unit, offset).map_err(read_err)?;
+            offset += batch.num_rows() as u32;
+            if tx.send(rows).await.is_err() {
+                return Ok(false);
             }
         }
-        Ok(())
+        if offset != unit.rows {
+            return Err(read_err(ParquetError::General(format!(
+                "unit {} should have {} rows from row {}, but {offset} were read",
+                unit.id, unit.rows, unit.first_row
+            ))));
+        }
+        Ok(true)
     }
 }
 
@@ -221,6 +345,8 @@ enum ColumnKind {
     Text,
     Messages,
     Id,
+    Integer,
+    Number,
 }
 
 fn is_string(t: &DataType) -> bool {
@@ -237,6 +363,8 @@ fn check_column(url: &str, schema: &Schema, name: &str, kind: ColumnKind) -> Res
         ColumnKind::Text => (is_string(actual), "a string"),
         ColumnKind::Id => (is_string(actual) || actual.is_integer(), "a string or an integer"),
         ColumnKind::Messages => (messages_item(actual).is_some(), "list<struct<role: string, content: string>>"),
+        ColumnKind::Integer => (actual.is_integer(), "an integer"),
+        ColumnKind::Number => (actual.is_integer() || actual.is_floating(), "a number"),
     };
     if !ok {
         return Err(SourceError::ColumnType { url: url.into(), column: name.into(), actual: actual.to_string(), expected });
@@ -264,12 +392,64 @@ fn to_strings(array: &ArrayRef) -> Result<StringArray, ParquetError> {
     Ok(cast.as_string::<i32>().clone())
 }
 
+/// Per-row parameters from the mapped columns, checked with the job file's range rules.
+fn params_of(batch_column: impl Fn(usize) -> Result<ArrayRef, ParquetError>, file: &InputFile, rows: usize) -> Result<Vec<Result<RowParams, RowError>>, ParquetError> {
+    let mut out: Vec<Result<RowParams, RowError>> = vec![Ok(RowParams::default()); rows];
+    let cast = |a: &ArrayRef, t: &DataType| arrow::compute::cast(a, t).map_err(|e| ParquetError::General(e.to_string()));
+    for &(key, index) in &file.param_indices {
+        let column = batch_column(index)?;
+        let bad = |problem: String| RowError::new(ErrorCode::InvalidParameters, format!("{key} {problem}"));
+        if matches!(key, "temperature" | "top_p") {
+            let values = cast(&column, &DataType::Float64)?;
+            let values = values.as_primitive::<arrow::datatypes::Float64Type>();
+            for (i, slot) in out.iter_mut().enumerate() {
+                let Ok(params) = slot else { continue };
+                if values.is_null(i) {
+                    continue;
+                }
+                let v = values.value(i);
+                let checked = if key == "temperature" { job::check_temperature(v) } else { job::check_top_p(v) };
+                match (checked, key) {
+                    (Ok(v), "temperature") => params.temperature = Some(v),
+                    (Ok(v), _) => params.top_p = Some(v),
+                    (Err(p), _) => *slot = Err(bad(p)),
+                }
+            }
+        } else {
+            let values = cast(&column, &DataType::Int64)?;
+            let values = values.as_primitive::<arrow::datatypes::Int64Type>();
+            // A u64 seed above i64::MAX does not survive the cast: it is read as null and the job's seed applies.
+            for (i, slot) in out.iter_mut().enumerate() {
+                let Ok(params) = slot else { continue };
+                if values.is_null(i) {
+                    continue;
+                }
+                let v = values.value(i);
+                let result = match key {
+                    "max_new_tokens" => job::check_max_new_tokens(v).map(|v| params.max_new_tokens = Some(v)),
+                    "top_k" => job::check_top_k(v).map(|v| params.top_k = Some(v)),
+                    _ if v >= 0 => {
+                        params.seed = Some(v as u64);
+                        Ok(())
+                    }
+                    _ => Err(format!("must be >= 0, got {v}")),
+                };
+                if let Err(p) = result {
+                    *slot = Err(bad(p));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
 fn rows_of(
     batch: &RecordBatch,
     prompt: &PromptColumn,
     file: &InputFile,
     file_name: &str,
-    first_row: u64,
+    unit: &Unit,
+    first_offset: u32,
 ) -> Result<Vec<SourceRow>, ParquetError> {
     let schema = batch.schema();
     let column = |index: usize| {
@@ -298,15 +478,22 @@ fn rows_of(
         }
         PromptColumn::Messages(_) => messages_of(&prompt_array)?,
     };
+    let params = params_of(&column, file, batch.num_rows())?;
     Ok(prompts
         .into_iter()
+        .zip(params)
         .enumerate()
-        .map(|(i, prompt)| {
+        .map(|(i, (prompt, params))| {
+            let offset = first_offset + i as u32;
             let id = match &ids {
                 Some(ids) if !ids.is_null(i) => ids.value(i).to_string(),
-                _ => format!("{file_name}:{}", first_row + i as u64),
+                _ => format!("{file_name}:{}", unit.first_row + offset as u64),
             };
-            SourceRow { id, prompt }
+            let (prompt, params) = match params {
+                Ok(params) => (prompt, params),
+                Err(e) => (prompt.and(Err(e)), RowParams::default()),
+            };
+            SourceRow { id, tag: RowTag { unit: unit.id, offset }, prompt, params }
         })
         .collect())
 }

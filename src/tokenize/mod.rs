@@ -10,8 +10,8 @@ pub mod vocab;
 use rayon::prelude::*;
 use tokenizers::Tokenizer;
 
-use crate::job::{ChatTemplateChoice, InputSpec};
-use crate::row::{ErrorCode, Message, Prompt, RowError};
+use crate::job::{ChatTemplateChoice, InputSpec, Truncate};
+use crate::row::{ErrorCode, Message, Prompt, RowError, RowParams, RowTag};
 use crate::source::SourceRow;
 pub use template::ChatTemplate;
 pub use vocab::VocabMetadata;
@@ -34,6 +34,8 @@ pub enum TokenizerError {
 #[derive(Clone, Debug)]
 pub struct PreparedRow {
     pub id: String,
+    pub tag: RowTag,
+    pub params: RowParams,
     pub tokens: Result<Vec<u32>, RowError>,
 }
 
@@ -44,6 +46,9 @@ pub struct Preprocessor {
     system_prompt: Option<String>,
     bos: Option<u32>,
     context_length: usize,
+    truncate: Truncate,
+    /// The job's `max_new_tokens`, for rows that do not set their own: truncation leaves room for the answer.
+    max_new_tokens: u32,
 }
 
 impl Preprocessor {
@@ -52,6 +57,7 @@ impl Preprocessor {
         choice: &ChatTemplateChoice,
         input: &InputSpec,
         context_length: usize,
+        max_new_tokens: u32,
     ) -> Result<Preprocessor, TokenizerError> {
         let tokenizer = vocab::build(vocab)?;
         let token = |id: Option<u32>| id.and_then(|id| vocab.tokens.get(id as usize).cloned()).unwrap_or_default();
@@ -69,6 +75,8 @@ impl Preprocessor {
             system_prompt: input.system_prompt.clone(),
             bos: vocab.bos.filter(|_| vocab.add_bos),
             context_length,
+            truncate: input.truncate,
+            max_new_tokens,
         })
     }
 
@@ -116,18 +124,67 @@ impl Preprocessor {
     }
 
     pub fn prepare(&self, row: SourceRow) -> PreparedRow {
+        let max_new_tokens = row.params.max_new_tokens.unwrap_or(self.max_new_tokens) as usize;
         let tokens = row.prompt.and_then(|prompt| {
             let tokens = self.encode(&self.render(&prompt)?)?;
             // At least one position must remain for the first generated token.
-            if tokens.len() >= self.context_length {
+            if tokens.len() < self.context_length {
+                return Ok(tokens);
+            }
+            if self.truncate == Truncate::None {
                 return Err(RowError::new(
                     ErrorCode::PromptTooLong,
-                    format!("the prompt has {} tokens; the model's context is {} tokens", tokens.len(), self.context_length),
+                    format!(
+                        "the prompt has {} tokens; the model's context is {} tokens (set `input.truncate` to cut long prompts)",
+                        tokens.len(),
+                        self.context_length
+                    ),
                 ));
             }
-            Ok(tokens)
+            // Leave room for the answer: its full length, up to half the context.
+            let limit = self.context_length - max_new_tokens.min(self.context_length / 2).max(1);
+            self.truncated(prompt, tokens.len(), limit)
         });
-        PreparedRow { id: row.id, tokens }
+        PreparedRow { id: row.id, tag: row.tag, params: row.params, tokens }
+    }
+
+    /// Cuts the last user message (the text a summarisation or extraction row carries) from the left or the right
+    /// until the rendered prompt has at most `limit` tokens; the chat template's own tokens are never cut.
+    fn truncated(&self, mut prompt: Prompt, mut total: usize, limit: usize) -> Result<Vec<u32>, RowError> {
+        for _ in 0..4 {
+            let content = match &mut prompt {
+                Prompt::Text(text) => text,
+                Prompt::Messages(messages) => match messages.iter_mut().rev().find(|m| m.role == "user") {
+                    Some(m) => &mut m.content,
+                    None => break,
+                },
+            };
+            let ids = self
+                .tokenizer
+                .encode_fast(content.as_str(), false)
+                .map_err(|e| RowError::new(ErrorCode::TemplateError, format!("tokenization failed: {e}")))?
+                .get_ids()
+                .to_vec();
+            // Two tokens of slack: a cut can change how the text next to it merges.
+            let keep = ids.len().saturating_sub(total.saturating_sub(limit) + 2);
+            if keep == 0 {
+                break;
+            }
+            let kept = match self.truncate {
+                Truncate::Left => &ids[ids.len() - keep..],
+                _ => &ids[..keep],
+            };
+            *content = self.tokenizer.decode(kept, false).map_err(|e| RowError::new(ErrorCode::TemplateError, e.to_string()))?;
+            let tokens = self.encode(&self.render(&prompt)?)?;
+            if tokens.len() <= limit {
+                return Ok(tokens);
+            }
+            total = tokens.len();
+        }
+        Err(RowError::new(
+            ErrorCode::PromptTooLong,
+            format!("the prompt cannot be cut to fit the context of {} tokens: the rest of it is too long", self.context_length),
+        ))
     }
 
     /// Prepares a batch of rows in parallel, keeping their order.
