@@ -4,6 +4,7 @@
 mod support;
 mod engine;
 mod tokenizer;
+mod reliability;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -48,7 +49,7 @@ fn sample_job_writes_sensible_summaries() {
     let out = dir.join("out");
     let run = nightshift(&["run", "jobs/summarise.toml", "--output", out.to_str().unwrap(), "--show", "3"], &[]);
     run.assert_ok();
-    assert!(run.stdout.contains("results: ") && run.stdout.contains("results.parquet"), "{}", run.stdout);
+    assert!(run.stdout.contains("manifest: ") && run.stdout.contains("_manifest.json"), "{}", run.stdout);
     assert!(run.stdout.contains("[ticket-"), "the run prints a few results: {}", run.stdout);
     let rows = read_results(&out);
     assert_eq!(rows.len(), 12);
@@ -80,7 +81,7 @@ fn sample_job_writes_sensible_summaries() {
         }
     }
     assert!(on_topic >= 9, "only {on_topic} of 12 summaries mention their ticket's subject");
-    let meta = kv_metadata(&out.join("results.parquet"));
+    let meta = kv_metadata_of(OutputStore::local(&out).first_results_file());
     assert_eq!(meta["nightshift.model_sha256"], "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53");
     assert_eq!(meta["nightshift.version"], env!("CARGO_PKG_VERSION"));
     let metrics = read_metrics(&out);
@@ -283,7 +284,7 @@ fn assert_fails(run: &Run, code: i32, names: &[&str], out: &std::path::Path) {
         assert!(run.stderr.contains(name), "stderr does not name {name:?}:\n{}", run.stderr);
     }
     assert!(!out.join("_SUCCESS").exists(), "a failed run wrote _SUCCESS");
-    assert!(!out.join("results.parquet").exists(), "a failed run wrote results.parquet");
+    assert!(!out.join("data").exists(), "a failed run wrote results");
 }
 
 #[test]
@@ -349,14 +350,21 @@ fn bad_inputs_fail_with_a_clear_message_and_exit_code() {
     let job = job_file(&dir, good.to_str().unwrap(), blocker.join("out").to_str().unwrap(), "max_new_tokens = 4", "");
     assert_fails(&nightshift(&["run", job.to_str().unwrap()], &[]), 5, &["blocker/out", "not writable"], &blocker.join("out"));
 
-    // An output that already holds a completed job is refused: exit 5, and the completed output is untouched.
+    // Running a completed job again does nothing and succeeds; a different job pointed at its output is refused
+    // (exit 5, naming what differs), and the completed output is untouched.
     let job = job_file(&dir, good.to_str().unwrap(), out_s, "max_new_tokens = 4", "");
     nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
-    let before = std::fs::read(out.join("results.parquet")).unwrap();
+    let before = std::fs::read(out.join("_manifest.json")).unwrap();
+    let rows = read_results(&out);
     let run = nightshift(&["run", job.to_str().unwrap()], &[]);
+    run.assert_ok();
+    assert!(run.stdout.contains("complete already"), "{}", run.stdout);
+    let other = job_file(&dir, good.to_str().unwrap(), out_s, "max_new_tokens = 5", "");
+    let run = nightshift(&["run", other.to_str().unwrap()], &[]);
     assert_eq!(run.code, 5, "{}", run.stderr);
-    assert!(run.stderr.contains("already holds a completed job"), "{}", run.stderr);
-    assert_eq!(std::fs::read(out.join("results.parquet")).unwrap(), before);
+    assert!(run.stderr.contains("different job") && run.stderr.contains("generation.max_new_tokens 4 vs 5"), "{}", run.stderr);
+    assert_eq!(std::fs::read(out.join("_manifest.json")).unwrap(), before);
+    assert_eq!(read_results(&out), rows);
 }
 
 #[test]
@@ -395,13 +403,13 @@ fn s3_round_trip_through_a_moto_server() {
     let job = job_file(&dir, "s3://nightly/in/2026-11-29/*.parquet", "s3://nightly/out/2026-11-29/", "max_new_tokens = 8", "");
     nightshift(&["run", job.to_str().unwrap()], &env_refs).assert_ok();
 
-    let get = |key: &str| rt.block_on(async { store.get(&key.into()).await.unwrap().bytes().await.unwrap() });
-    let success: serde_json::Value = serde_json::from_slice(&get("out/2026-11-29/_SUCCESS")).unwrap();
+    let output = OutputStore::s3(&moto, "nightly", "out/2026-11-29");
+    let success: serde_json::Value = serde_json::from_slice(&output.get("_SUCCESS").unwrap()).unwrap();
     assert_eq!(success["rows"], 3);
-    let rows = parse_results(get("out/2026-11-29/results.parquet"));
+    let rows = output.results();
     assert_eq!(rows.keys().cloned().collect::<Vec<_>>(), ids("s", 3));
     assert!(rows.values().all(|r| r.status == "succeeded" && r.completion_tokens > 0));
-    assert!(!get("out/2026-11-29/metrics.parquet").is_empty());
+    assert_eq!(output.metrics().len(), 1);
 
     // A missing object on S3 is named in the error.
     let run = nightshift(&["run", job.to_str().unwrap(), "--input", "s3://nightly/in/absent.parquet", "--output", "s3://nightly/out2/"], &env_refs);

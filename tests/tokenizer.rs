@@ -15,8 +15,10 @@ fn preprocessor(system_prompt: Option<&str>) -> Preprocessor {
         id_column: None,
         prompt: PromptColumn::Text("prompt".into()),
         system_prompt: system_prompt.map(Into::into),
+        truncate: nightshift::job::Truncate::None,
+        parameters: Default::default(),
     };
-    Preprocessor::new(&info.vocab, &ChatTemplateChoice::Auto, &input, info.config.context_length).unwrap()
+    Preprocessor::new(&info.vocab, &ChatTemplateChoice::Auto, &input, info.config.context_length, 16).unwrap()
 }
 
 fn reference() -> Vec<(String, bool, Vec<u32>)> {

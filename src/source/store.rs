@@ -46,9 +46,20 @@ impl Location {
     }
 }
 
-/// Retries with exponential backoff (object_store's defaults: 10 retries, up to 3 minutes in all).
+/// Retries with jittered exponential backoff. object_store's default (10 retries from 100 ms) gives up after a
+/// few seconds of a store being unreachable; a nightly job should ride out a minute or two of an endpoint
+/// restarting or throttling. 20 retries from 250 ms, each wait at most 20 s, within object_store's 3-minute
+/// bound (requests are retried without re-signing, so the bound stays under 5 minutes).
 fn retry() -> RetryConfig {
-    RetryConfig::default()
+    RetryConfig {
+        backoff: object_store::BackoffConfig {
+            init_backoff: std::time::Duration::from_millis(250),
+            max_backoff: std::time::Duration::from_secs(20),
+            base: 2.0,
+        },
+        max_retries: 20,
+        retry_timeout: std::time::Duration::from_secs(180),
+    }
 }
 
 /// Whole-request timeout when the environment sets none: long enough for a large column chunk on a slow link.

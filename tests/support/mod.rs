@@ -10,6 +10,9 @@ use std::sync::Arc;
 
 use arrow::array::{Array, ArrayRef, AsArray, RecordBatch};
 use arrow::datatypes::{DataType, Field, Schema, UInt32Type};
+use futures::TryStreamExt;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, ObjectStoreExt};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::ArrowWriter;
 
@@ -70,9 +73,15 @@ pub fn job_file(dir: &Path, input: &str, output: &str, generation: &str, extra: 
 }
 
 pub fn write_parquet(path: &Path, columns: Vec<(&str, ArrayRef)>) {
+    write_parquet_groups(path, columns, None)
+}
+
+/// Writes Parquet with row groups of at most `group_rows` rows (the writer's default when `None`).
+pub fn write_parquet_groups(path: &Path, columns: Vec<(&str, ArrayRef)>, group_rows: Option<usize>) {
     let fields: Vec<Field> = columns.iter().map(|(n, a)| Field::new(*n, a.data_type().clone(), true)).collect();
     let batch = RecordBatch::try_new(Arc::new(Schema::new(fields)), columns.into_iter().map(|(_, a)| a).collect()).unwrap();
-    let mut writer = ArrowWriter::try_new(File::create(path).unwrap(), batch.schema(), None).unwrap();
+    let props = parquet::file::properties::WriterProperties::builder().set_max_row_group_row_count(group_rows).build();
+    let mut writer = ArrowWriter::try_new(File::create(path).unwrap(), batch.schema(), Some(props)).unwrap();
     writer.write(&batch).unwrap();
     writer.close().unwrap();
 }
@@ -131,14 +140,161 @@ pub fn parse_results(bytes: bytes::Bytes) -> BTreeMap<String, ResultRow> {
     rows
 }
 
+/// Reads a local output through its manifest: every committed result file, in unit order.
 pub fn read_results(out: &Path) -> BTreeMap<String, ResultRow> {
-    assert!(out.join("_SUCCESS").exists(), "no _SUCCESS in {}", out.display());
-    parse_results(std::fs::read(out.join("results.parquet")).unwrap().into())
+    OutputStore::local(out).results()
 }
 
-/// Key/value metadata of a Parquet file.
-pub fn kv_metadata(path: &Path) -> BTreeMap<String, String> {
-    let builder = ParquetRecordBatchReaderBuilder::try_new(File::open(path).unwrap()).unwrap();
+/// The metrics row of a local output that has exactly one unit, as (column, value as f64).
+pub fn read_metrics(out: &Path) -> BTreeMap<String, Option<f64>> {
+    let mut rows = OutputStore::local(out).metrics();
+    assert_eq!(rows.len(), 1, "expected one unit");
+    rows.remove(0)
+}
+
+fn metrics_rows(bytes: bytes::Bytes) -> Vec<BTreeMap<String, Option<f64>>> {
+    let reader = ParquetRecordBatchReaderBuilder::try_new(bytes).unwrap().build().unwrap();
+    let mut rows = Vec::new();
+    for batch in reader {
+        let batch = batch.unwrap();
+        for i in 0..batch.num_rows() {
+            let mut out = BTreeMap::new();
+            for (field, column) in batch.schema().fields().iter().zip(batch.columns()) {
+                let value = match column.data_type() {
+                    DataType::UInt64 => Some(column.as_primitive::<arrow::datatypes::UInt64Type>().value(i) as f64),
+                    DataType::Float64 => {
+                        let a = column.as_primitive::<arrow::datatypes::Float64Type>();
+                        (!a.is_null(i)).then(|| a.value(i))
+                    }
+                    DataType::Utf8 => continue,
+                    other => panic!("unexpected metrics type {other}"),
+                };
+                out.insert(field.name().clone(), value);
+            }
+            rows.push(out);
+        }
+    }
+    rows
+}
+
+/// An output location read back with object_store, the same way for a local directory and for S3.
+pub struct OutputStore {
+    store: Arc<dyn ObjectStore>,
+    root: ObjectPath,
+    rt: tokio::runtime::Runtime,
+}
+
+impl OutputStore {
+    pub fn local(dir: &Path) -> OutputStore {
+        let absolute = std::path::absolute(dir).unwrap();
+        OutputStore::new(Arc::new(object_store::local::LocalFileSystem::new()), ObjectPath::from_absolute_path(&absolute).unwrap())
+    }
+
+    /// A prefix in a bucket of a moto server.
+    pub fn s3(moto: &Moto, bucket: &str, prefix: &str) -> OutputStore {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let store = object_store::aws::AmazonS3Builder::new()
+            .with_endpoint(&moto.endpoint)
+            .with_allow_http(true)
+            .with_access_key_id("test")
+            .with_secret_access_key("test")
+            .with_region("us-east-1")
+            .with_bucket_name(bucket)
+            .build()
+            .unwrap();
+        OutputStore::new(Arc::new(store), ObjectPath::from(prefix))
+    }
+
+    fn new(store: Arc<dyn ObjectStore>, root: ObjectPath) -> OutputStore {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        OutputStore { store, root, rt }
+    }
+
+    fn path(&self, relative: &str) -> ObjectPath {
+        relative.split('/').fold(self.root.clone(), |p, part| p.join(part))
+    }
+
+    pub fn get(&self, relative: &str) -> Option<bytes::Bytes> {
+        self.rt.block_on(async {
+            match self.store.get(&self.path(relative)).await {
+                Ok(r) => Some(r.bytes().await.unwrap()),
+                Err(object_store::Error::NotFound { .. }) => None,
+                Err(e) => panic!("cannot read {relative}: {e}"),
+            }
+        })
+    }
+
+    pub fn put(&self, relative: &str, bytes: Vec<u8>) {
+        self.rt.block_on(self.store.put(&self.path(relative), bytes.into())).unwrap();
+    }
+
+    pub fn exists(&self, relative: &str) -> bool {
+        self.get(relative).is_some()
+    }
+
+    /// Paths (relative to the root) of the visible objects under `relative`, sorted.
+    pub fn list(&self, relative: &str) -> Vec<String> {
+        let prefix = self.path(relative);
+        let mut names: Vec<String> = self.rt.block_on(async {
+            self.store
+                .list(Some(&prefix))
+                .map_ok(|m| m.location.prefix_match(&self.root).unwrap().map(|p| p.as_ref().to_string()).collect::<Vec<_>>().join("/"))
+                .try_collect()
+                .await
+                .unwrap_or_default()
+        });
+        names.sort();
+        names
+    }
+
+    pub fn manifest(&self) -> serde_json::Value {
+        assert!(self.exists("_SUCCESS"), "the output has no _SUCCESS");
+        serde_json::from_slice(&self.get("_manifest.json").expect("_SUCCESS without _manifest.json")).unwrap()
+    }
+
+    /// Every result row named by the manifest, asserting ids are unique across files.
+    pub fn results(&self) -> BTreeMap<String, ResultRow> {
+        let manifest = self.manifest();
+        let mut rows = BTreeMap::new();
+        for file in manifest["results"].as_array().unwrap() {
+            for (id, row) in parse_results(self.get(file.as_str().unwrap()).expect("a manifest file is missing")) {
+                assert!(rows.insert(id.clone(), row).is_none(), "id {id} appears in two result files");
+            }
+        }
+        assert_eq!(rows.len() as u64, manifest["rows"].as_u64().unwrap());
+        rows
+    }
+
+    /// The ids in the order the manifest's files hold them.
+    pub fn ids_in_order(&self) -> Vec<String> {
+        let manifest = self.manifest();
+        let mut ids = Vec::new();
+        for file in manifest["results"].as_array().unwrap() {
+            let reader = ParquetRecordBatchReaderBuilder::try_new(self.get(file.as_str().unwrap()).unwrap()).unwrap().build().unwrap();
+            for batch in reader {
+                let batch = batch.unwrap();
+                let id = batch.column_by_name("id").unwrap().as_string::<i32>().clone();
+                ids.extend((0..batch.num_rows()).map(|i| id.value(i).to_string()));
+            }
+        }
+        ids
+    }
+
+    pub fn metrics(&self) -> Vec<BTreeMap<String, Option<f64>>> {
+        let manifest = self.manifest();
+        manifest["metrics"].as_array().unwrap().iter().flat_map(|f| metrics_rows(self.get(f.as_str().unwrap()).unwrap())).collect()
+    }
+
+    /// The first result file named by the manifest (for its metadata).
+    pub fn first_results_file(&self) -> bytes::Bytes {
+        let manifest = self.manifest();
+        self.get(manifest["results"][0].as_str().unwrap()).unwrap()
+    }
+}
+
+/// Key/value metadata of Parquet bytes.
+pub fn kv_metadata_of(bytes: bytes::Bytes) -> BTreeMap<String, String> {
+    let builder = ParquetRecordBatchReaderBuilder::try_new(bytes).unwrap();
     builder
         .metadata()
         .file_metadata()
@@ -149,23 +305,88 @@ pub fn kv_metadata(path: &Path) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// The first row of the metrics file as (column, value as f64).
-pub fn read_metrics(out: &Path) -> BTreeMap<String, Option<f64>> {
-    let reader = ParquetRecordBatchReaderBuilder::try_new(File::open(out.join("metrics.parquet")).unwrap()).unwrap().build().unwrap();
-    let batch = reader.into_iter().next().unwrap().unwrap();
-    let mut out = BTreeMap::new();
-    for (field, column) in batch.schema().fields().iter().zip(batch.columns()) {
-        let value = match column.data_type() {
-            DataType::UInt64 => Some(column.as_primitive::<arrow::datatypes::UInt64Type>().value(0) as f64),
-            DataType::Float64 => {
-                let a = column.as_primitive::<arrow::datatypes::Float64Type>();
-                (!a.is_null(0)).then(|| a.value(0))
-            }
-            other => panic!("unexpected metrics type {other}"),
-        };
-        out.insert(field.name().clone(), value);
+/// A tiny llama model with random weights, written as GGUF (Q8_0 matrices, the layout the real model runs in),
+/// with a byte-level BPE vocabulary of the 256 byte tokens, a few merges, ChatML control tokens and a ChatML
+/// template. Its outputs are noise, but deterministic: fast for tests of batching, commits and resuming.
+pub fn write_tiny_model(path: &Path) {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+    let (d, layers, heads, kv_heads, ff) = (64usize, 2usize, 4usize, 2usize, 128usize);
+    let hd = d / heads;
+
+    // GPT-2's byte-to-character mapping: printable bytes map to themselves, the others to U+0100 and up.
+    let mut byte_chars = Vec::new();
+    let mut next = 256u32;
+    for b in 0u32..256 {
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        byte_chars.push(char::from_u32(if printable { b } else { let c = next; next += 1; c }).unwrap().to_string());
     }
-    out
+    let mut tokens = byte_chars.clone();
+    let merges = ["Ġ t", "h e", "Ġ a"];
+    tokens.extend(merges.iter().map(|m| m.replace(' ', "")));
+    let specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+    let eos = tokens.len() as u32;
+    tokens.extend(specials.iter().map(|s| s.to_string()));
+    let mut types = vec![1i32; tokens.len() - specials.len()];
+    types.extend([3, 3, 3]);
+    let vocab = tokens.len();
+
+    let mut state = 0x9e3779b97f4a7c15u64;
+    let mut random = |rows: usize, cols: usize, scale: f32| -> Tensor {
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+            })
+            .collect();
+        Tensor::from_vec(values, (rows, cols), &Device::Cpu).unwrap()
+    };
+    let q8 = |t: Tensor| QTensor::quantize(&t, GgmlDType::Q8_0).unwrap();
+    let ones = || QTensor::quantize(&Tensor::ones(d, candle_core::DType::F32, &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
+    let mut tensors: Vec<(String, QTensor)> = vec![("token_embd.weight".into(), q8(random(vocab, d, 1.0)))];
+    for i in 0..layers {
+        let s = 1.0 / (d as f32).sqrt();
+        tensors.push((format!("blk.{i}.attn_q.weight"), q8(random(heads * hd, d, s))));
+        tensors.push((format!("blk.{i}.attn_k.weight"), q8(random(kv_heads * hd, d, s))));
+        tensors.push((format!("blk.{i}.attn_v.weight"), q8(random(kv_heads * hd, d, s))));
+        tensors.push((format!("blk.{i}.attn_output.weight"), q8(random(d, heads * hd, s))));
+        tensors.push((format!("blk.{i}.ffn_gate.weight"), q8(random(ff, d, s))));
+        tensors.push((format!("blk.{i}.ffn_up.weight"), q8(random(ff, d, s))));
+        tensors.push((format!("blk.{i}.ffn_down.weight"), q8(random(d, ff, 1.0 / (ff as f32).sqrt()))));
+        tensors.push((format!("blk.{i}.attn_norm.weight"), ones()));
+        tensors.push((format!("blk.{i}.ffn_norm.weight"), ones()));
+    }
+    tensors.push(("output_norm.weight".into(), ones()));
+    tensors.push(("output.weight".into(), q8(random(vocab, d, 4.0 / (d as f32).sqrt()))));
+
+    use gguf_file::Value;
+    let strings = |v: &[String]| Value::Array(v.iter().map(|s| Value::String(s.clone())).collect());
+    let template = "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let metadata: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("general.name", Value::String("tiny-random".into())),
+        ("llama.context_length", Value::U32(256)),
+        ("llama.embedding_length", Value::U32(d as u32)),
+        ("llama.block_count", Value::U32(layers as u32)),
+        ("llama.feed_forward_length", Value::U32(ff as u32)),
+        ("llama.attention.head_count", Value::U32(heads as u32)),
+        ("llama.attention.head_count_kv", Value::U32(kv_heads as u32)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("llama.rope.freq_base", Value::F32(10000.0)),
+        ("tokenizer.ggml.model", Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre", Value::String("gpt2".into())),
+        ("tokenizer.ggml.tokens", strings(&tokens)),
+        ("tokenizer.ggml.merges", strings(&merges.iter().map(|m| m.to_string()).collect::<Vec<_>>())),
+        ("tokenizer.ggml.token_type", Value::Array(types.into_iter().map(Value::I32).collect())),
+        ("tokenizer.ggml.eos_token_id", Value::U32(eos + 2)),
+        ("tokenizer.chat_template", Value::String(template.into())),
+    ];
+    let metadata_refs: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut file = std::io::BufWriter::new(File::create(path).unwrap());
+    gguf_file::write(&mut file, &metadata_refs, &tensor_refs).unwrap();
 }
 
 /// A moto S3 server on 127.0.0.1, stopped when dropped.
@@ -222,5 +443,69 @@ impl Drop for Moto {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A TCP proxy on 127.0.0.1 in front of another port, which can be taken down (connections refused, open ones
+/// cut) and brought back on the same port: a store outage as clients see it, while the server behind keeps its
+/// state (moto keeps objects only in memory, so stopping moto itself would lose them).
+pub struct Proxy {
+    pub port: u16,
+    up: Arc<std::sync::atomic::AtomicBool>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Proxy {
+    pub fn start(upstream: u16) -> Proxy {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let up = Arc::new(AtomicBool::new(true));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (up2, stop2) = (up.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut listener = Some(listener);
+            let open: Arc<std::sync::Mutex<Vec<std::net::TcpStream>>> = Default::default();
+            while !stop2.load(Ordering::SeqCst) {
+                if !up2.load(Ordering::SeqCst) {
+                    listener = None;
+                    for s in open.lock().unwrap().drain(..) {
+                        let _ = s.shutdown(std::net::Shutdown::Both);
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                    continue;
+                }
+                let l = listener.get_or_insert_with(|| std::net::TcpListener::bind(("127.0.0.1", port)).expect("the proxy port is free again"));
+                l.set_nonblocking(true).unwrap();
+                match l.accept() {
+                    Ok((client, _)) => {
+                        client.set_nonblocking(false).unwrap();
+                        let Ok(server) = std::net::TcpStream::connect(("127.0.0.1", upstream)) else { continue };
+                        let mut guard = open.lock().unwrap();
+                        guard.push(client.try_clone().unwrap());
+                        guard.push(server.try_clone().unwrap());
+                        for (mut from, mut to) in [(client.try_clone().unwrap(), server.try_clone().unwrap()), (server, client)] {
+                            std::thread::spawn(move || {
+                                let _ = std::io::copy(&mut from, &mut to);
+                                let _ = to.shutdown(std::net::Shutdown::Write);
+                            });
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(std::time::Duration::from_millis(2)),
+                    Err(_) => {}
+                }
+            }
+        });
+        Proxy { port, up, stop }
+    }
+
+    pub fn set_up(&self, up: bool) {
+        self.up.store(up, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 }

@@ -1,0 +1,444 @@
+//! Never lose or duplicate a row: unit commits, resume after kill -9, two processes at once, SIGTERM drain, a
+//! store outage, and bad input. The commit tests are one suite run against two stores: a local directory and a
+//! moto S3 server. A tiny random-weight model keeps the thousands of rows fast; its outputs are noise, but
+//! deterministic, so an interrupted job can be compared with an uninterrupted one row by row.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arrow::array::{ArrayRef, Float64Array, Int64Array};
+
+use crate::support::*;
+
+const ROWS: usize = 2000;
+const UNIT_ROWS: usize = 100;
+const UNITS: usize = ROWS / UNIT_ROWS;
+/// Input row groups that do not line up with units, so units start and end inside row groups.
+const GROUP_ROWS: usize = 350;
+
+const WORDS: &[&str] = &["printer", "refund", "login", "invoice", "crash", "network", "password", "laptop", "email", "order", "delivery"];
+
+fn row_ids(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("r{i:05}")).collect()
+}
+
+fn row_prompts(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{i}: {} {}", WORDS[i % 11], WORDS[(i * 7 + 3) % 11])).collect()
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Store {
+    Local,
+    S3,
+}
+
+/// One test's world: a scratch directory, the tiny model, the input, and the store the job reads and writes.
+struct World {
+    dir: PathBuf,
+    model: PathBuf,
+    store: Store,
+    moto: Option<Moto>,
+    proxy: Option<Proxy>,
+}
+
+impl World {
+    fn new(name: &str, store: Store) -> World {
+        let dir = scratch(name);
+        let model = dir.join("tiny.gguf");
+        write_tiny_model(&model);
+        let input = dir.join("in.parquet");
+        let ids = row_ids(ROWS);
+        let prompts = row_prompts(ROWS);
+        let prompt_refs: Vec<&str> = prompts.iter().map(String::as_str).collect();
+        write_parquet_groups(&input, support_prompts(&ids, &prompt_refs), Some(GROUP_ROWS));
+        let mut world = World { dir, model, store, moto: None, proxy: None };
+        if store == Store::S3 {
+            let moto = Moto::start();
+            moto.create_bucket("nightly");
+            OutputStore::s3(&moto, "nightly", "in").put("part-0.parquet", std::fs::read(&input).unwrap());
+            world.moto = Some(moto);
+        }
+        world
+    }
+
+    /// Puts a proxy between the job and moto; jobs started afterwards go through it.
+    fn with_proxy(mut self) -> World {
+        let port: u16 = self.moto.as_ref().unwrap().endpoint.rsplit(':').next().unwrap().parse().unwrap();
+        self.proxy = Some(Proxy::start(port));
+        self
+    }
+
+    fn input_url(&self) -> String {
+        match self.store {
+            Store::Local => self.dir.join("in.parquet").to_string_lossy().into_owned(),
+            Store::S3 => "s3://nightly/in/part-0.parquet".into(),
+        }
+    }
+
+    fn output_url(&self, name: &str) -> String {
+        match self.store {
+            Store::Local => self.dir.join(name).to_string_lossy().into_owned(),
+            Store::S3 => format!("s3://nightly/{}/{name}", self.dir.file_name().unwrap().to_string_lossy()),
+        }
+    }
+
+    /// Reads an output directly (never through the proxy).
+    fn output(&self, name: &str) -> OutputStore {
+        match self.store {
+            Store::Local => OutputStore::local(&self.dir.join(name)),
+            Store::S3 => OutputStore::s3(self.moto.as_ref().unwrap(), "nightly", &format!("{}/{name}", self.dir.file_name().unwrap().to_string_lossy())),
+        }
+    }
+
+    /// A job file over the world's input, writing to output `name`; `runtime` is appended to `[runtime]`.
+    fn job(&self, name: &str, runtime: &str) -> PathBuf {
+        let path = self.dir.join(format!("{name}.toml"));
+        let text = format!(
+            "[input]\nurl = {:?}\nid_column = \"id\"\n\n[model]\npath = {:?}\n\n[generation]\nmax_new_tokens = 12\n\n\
+             [output]\nurl = {:?}\nunit_rows = {UNIT_ROWS}\n\n[runtime]\nthreads = 1\n{runtime}\n",
+            self.input_url(),
+            self.model.to_string_lossy(),
+            self.output_url(name),
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    fn command(&self, job: &Path) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nightshift"));
+        cmd.args(["run", job.to_str().unwrap()]).current_dir(repo()).env("RUST_LOG", "warn");
+        if let Some(moto) = &self.moto {
+            for (k, v) in moto.env() {
+                cmd.env(k, v);
+            }
+            if let Some(proxy) = &self.proxy {
+                cmd.env("AWS_ENDPOINT", format!("http://127.0.0.1:{}", proxy.port));
+            }
+        }
+        cmd
+    }
+
+    fn spawn(&self, job: &Path) -> Child {
+        self.command(job).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+    }
+
+    fn run(&self, job: &Path) -> Run {
+        finish(self.spawn(job))
+    }
+
+    /// The uninterrupted run every interrupted one must equal, and how long it took.
+    fn reference(&self) -> (BTreeMap<String, ResultRow>, Duration) {
+        let started = Instant::now();
+        self.run(&self.job("reference", "")).assert_ok();
+        let took = started.elapsed();
+        let rows = self.output("reference").results();
+        assert_eq!(rows.len(), ROWS);
+        (rows, took)
+    }
+}
+
+fn support_prompts(ids: &[String], prompts: &[&str]) -> Vec<(&'static str, ArrayRef)> {
+    crate::support::prompts(ids, prompts)
+}
+
+fn finish(child: Child) -> Run {
+    let out = child.wait_with_output().unwrap();
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn signal(child: &Child, name: &str) {
+    let status = Command::new("kill").args([&format!("-{name}"), &child.id().to_string()]).status().unwrap();
+    assert!(status.success(), "kill -{name} failed");
+}
+
+/// Waits until the output has at least one commit marker; false if the process ended first.
+fn wait_for_first_commit(child: &mut Child, output: &OutputStore) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline {
+        if !output.list("_commits").is_empty() {
+            return true;
+        }
+        if child.try_wait().unwrap().is_some() {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    panic!("no unit was committed within 120 s");
+}
+
+/// The final output equals the reference row by row, in input order, with one committed file per unit.
+fn assert_complete_and_equal(output: &OutputStore, reference: &BTreeMap<String, ResultRow>) {
+    let rows = output.results();
+    assert_eq!(rows.len(), reference.len(), "row count");
+    for (id, want) in reference {
+        let got = rows.get(id).unwrap_or_else(|| panic!("row {id} is missing"));
+        assert_eq!((&got.text, got.completion_tokens, &got.finish_reason), (&want.text, want.completion_tokens, &want.finish_reason), "row {id}");
+    }
+    assert_eq!(output.ids_in_order(), row_ids(ROWS), "results are in input order");
+    assert_eq!(output.list("_commits").len(), UNITS, "one marker per unit");
+    assert_eq!(output.list("data").len(), UNITS, "one result file per unit: {:?}", output.list("data"));
+    assert_eq!(output.list("metrics").len(), UNITS, "one metrics file per unit");
+    let metrics = output.metrics();
+    assert_eq!(metrics.iter().map(|m| m["rows"].unwrap()).sum::<f64>(), ROWS as f64);
+}
+
+/// A small deterministic generator for kill moments; the seed is printed so a failure can be replayed.
+fn moments(seed: u64, n: usize, max: Duration) -> Vec<Duration> {
+    let mut state = seed | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            max.mul_f64((state >> 11) as f64 / (1u64 << 53) as f64)
+        })
+        .collect()
+}
+
+fn kill_nine_at_random_moments_then_resume(store: Store) {
+    let world = World::new(&format!("kill9-{store:?}").to_lowercase(), store);
+    let (reference, took) = world.reference();
+    let seed = std::env::var("NIGHTSHIFT_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    });
+    eprintln!("kill -9 moments: seed {seed} (NIGHTSHIFT_TEST_SEED={seed} replays them); uninterrupted run {took:?}");
+    let job = world.job("killed", "");
+    let output = world.output("killed");
+    let mut completed_before_kill = 0;
+    // Each run lives for a random part of an eighth of the whole job: the 20 runs together get through about
+    // half of it, so every kill lands on unfinished work (before the plan, mid-unit, mid-upload, mid-commit).
+    for (i, moment) in moments(seed, 20, took / 8).into_iter().enumerate() {
+        let mut child = world.spawn(&job);
+        std::thread::sleep(moment);
+        // SIGKILL: no handler runs, nothing is flushed.
+        let _ = child.kill();
+        let run = finish(child);
+        if run.code == 0 {
+            completed_before_kill += 1;
+        }
+        assert!(run.code == 0 || run.code == -1, "run {i} failed on its own (seed {seed}): {}", run.stderr);
+    }
+    let committed = output.list("_commits").len();
+    eprintln!("after 20 kills: {committed} of {UNITS} units committed, {completed_before_kill} run(s) completed");
+    assert!(committed > 0, "no unit was committed in 20 runs: the kills came too early to test anything (seed {seed})");
+    if !output.exists("_SUCCESS") {
+        // finalize refuses an incomplete output with the resumable exit code and names what is missing.
+        let run = nightshift(&["finalize", &world.output_url("killed")], &env_of(&world));
+        assert_eq!(run.code, 75, "finalize of an incomplete output: {}", run.stderr);
+        assert!(run.stderr.contains("not committed"), "{}", run.stderr);
+    }
+    let mut reruns = 0;
+    while !output.exists("_SUCCESS") {
+        reruns += 1;
+        assert!(reruns <= 3, "the job did not complete after 3 reruns (seed {seed})");
+        world.run(&job).assert_ok();
+    }
+    assert_complete_and_equal(&output, &reference);
+    // finalize of a complete output is a no-op that succeeds.
+    let run = nightshift(&["finalize", &world.output_url("killed")], &env_of(&world));
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(run.stdout.contains("complete already"), "{}", run.stdout);
+}
+
+fn env_of(world: &World) -> Vec<(&'static str, &str)> {
+    match &world.moto {
+        Some(moto) => moto.env().into_iter().map(|(k, v)| (k, &*Box::leak(v.into_boxed_str()))).collect(),
+        None => Vec::new(),
+    }
+}
+
+#[test]
+fn kill_nine_at_random_moments_then_resume_local() {
+    kill_nine_at_random_moments_then_resume(Store::Local);
+}
+
+#[test]
+fn kill_nine_at_random_moments_then_resume_s3() {
+    kill_nine_at_random_moments_then_resume(Store::S3);
+}
+
+fn two_processes_at_once_commit_each_unit_once(store: Store) {
+    let world = World::new(&format!("two-{store:?}").to_lowercase(), store);
+    let (reference, _) = world.reference();
+    let job = world.job("twice", "");
+    let (a, b) = (world.spawn(&job), world.spawn(&job));
+    let (a, b) = (finish(a), finish(b));
+    a.assert_ok();
+    b.assert_ok();
+    assert_complete_and_equal(&world.output("twice"), &reference);
+}
+
+#[test]
+fn two_processes_at_once_commit_each_unit_once_local() {
+    two_processes_at_once_commit_each_unit_once(Store::Local);
+}
+
+#[test]
+fn two_processes_at_once_commit_each_unit_once_s3() {
+    two_processes_at_once_commit_each_unit_once(Store::S3);
+}
+
+fn sigterm_drains_and_exits_resumable(store: Store) {
+    let world = World::new(&format!("sigterm-{store:?}").to_lowercase(), store);
+    let (reference, _) = world.reference();
+    // Two sequences at a time keeps the job running long enough to be signalled mid-way.
+    let job = world.job("drained", "max_seqs = 2");
+    let output = world.output("drained");
+    let mut child = world.spawn(&job);
+    assert!(wait_for_first_commit(&mut child, &output), "the job ended before its first commit was seen");
+    signal(&child, "TERM");
+    let run = finish(child);
+    assert_eq!(run.code, 75, "SIGTERM exits with the resumable code\n{}", run.stderr);
+    assert!(run.stderr.contains("interrupted") && run.stderr.contains("resume"), "{}", run.stderr);
+    assert!(!output.exists("_SUCCESS"));
+    let committed = output.list("_commits").len();
+    assert!((1..UNITS).contains(&committed), "{committed} units committed");
+    world.run(&job).assert_ok();
+    assert_complete_and_equal(&output, &reference);
+}
+
+#[test]
+fn sigterm_drains_and_exits_resumable_local() {
+    sigterm_drains_and_exits_resumable(Store::Local);
+}
+
+#[test]
+fn sigterm_drains_and_exits_resumable_s3() {
+    sigterm_drains_and_exits_resumable(Store::S3);
+}
+
+#[test]
+fn s3_outage_mid_job_is_retried_or_resumed() {
+    let world = World::new("outage", Store::S3).with_proxy();
+    let (reference, _) = world.reference();
+    let job = world.job("outage", "max_seqs = 2");
+    let output = world.output("outage");
+    let mut child = world.spawn(&job);
+    assert!(wait_for_first_commit(&mut child, &output), "the job ended before its first commit was seen");
+    world.proxy.as_ref().unwrap().set_up(false);
+    std::thread::sleep(Duration::from_secs(3));
+    world.proxy.as_ref().unwrap().set_up(true);
+    // Reads, uploads and create-once commits all retry with backoff through the outage: the job completes.
+    finish(child).assert_ok();
+    assert_complete_and_equal(&output, &reference);
+}
+
+#[test]
+fn input_rewritten_mid_run_fails_loudly_and_a_rerun_is_refused() {
+    let world = World::new("rewritten", Store::Local);
+    let job = world.job("out", "max_seqs = 2");
+    let output = world.output("out");
+    let mut child = world.spawn(&job);
+    assert!(wait_for_first_commit(&mut child, &output), "the job ended before its first commit was seen");
+    // Freeze the job, replace its input, let it go on: its next read of the input must fail.
+    signal(&child, "STOP");
+    let ids = row_ids(ROWS);
+    let prompts: Vec<&str> = vec!["A different night's ticket."; ROWS];
+    write_parquet_groups(&world.dir.join("in.parquet"), support_prompts(&ids, &prompts), Some(GROUP_ROWS));
+    signal(&child, "CONT");
+    let run = finish(child);
+    assert_eq!(run.code, 3, "{}", run.stderr);
+    assert!(run.stderr.contains("in.parquet") && run.stderr.contains("changed during the run"), "{}", run.stderr);
+    assert!(!output.exists("_SUCCESS"));
+    // The rerun sees an input that is not the planned one and refuses to mix the two.
+    let run = world.run(&job);
+    assert_eq!(run.code, 5, "{}", run.stderr);
+    assert!(run.stderr.contains("different job") && run.stderr.contains("input files"), "{}", run.stderr);
+}
+
+#[test]
+fn duplicate_ids_are_refused_before_any_generation() {
+    let dir = scratch("duplicate-ids");
+    let model = dir.join("tiny.gguf");
+    write_tiny_model(&model);
+    let input = dir.join("in.parquet");
+    let ids: Vec<String> = ["a", "b", "a", "c", "b", "d"].iter().map(|s| s.to_string()).collect();
+    write_parquet(&input, prompts(&ids, &["one", "two", "three", "four", "five", "six"]));
+    let out = dir.join("out");
+    let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 4", "");
+    let run = nightshift(&["run", job.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]);
+    assert_eq!(run.code, 3, "{}", run.stderr);
+    assert!(run.stderr.contains("duplicate ids (2 in all)") && run.stderr.contains("\"a\" (row 0"), "{}", run.stderr);
+    assert!(!out.join("_plan.json").exists() && !out.join("data").exists(), "nothing is planned or written");
+}
+
+#[test]
+fn per_row_parameters_override_the_job_and_bad_values_become_error_rows() {
+    let dir = scratch("row-parameters");
+    let model = dir.join("tiny.gguf");
+    write_tiny_model(&model);
+    let input = dir.join("in.parquet");
+    let ids = row_ids(7);
+    let texts = row_prompts(7);
+    let mut columns = prompts(&ids, &texts.iter().map(String::as_str).collect::<Vec<_>>());
+    columns.push(("max_tokens", Arc::new(Int64Array::from(vec![Some(3), None, Some(0), Some(1 << 20), None, None, Some(2)])) as ArrayRef));
+    columns.push(("temp", Arc::new(Float64Array::from(vec![None, None, None, None, Some(-1.0), None, Some(0.8)])) as ArrayRef));
+    columns.push(("nucleus", Arc::new(Float64Array::from(vec![None, None, None, None, None, Some(1.5), None])) as ArrayRef));
+    write_parquet(&input, columns);
+    let out = dir.join("out");
+    let extra = "[input.parameters]\nmax_new_tokens = \"max_tokens\"\ntemperature = \"temp\"\ntop_p = \"nucleus\"\n";
+    let text = std::fs::read_to_string(job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 20", ""))
+        .unwrap()
+        .replace("[model]", &format!("{extra}\n[model]"));
+    let job = dir.join("params.toml");
+    std::fs::write(&job, text).unwrap();
+    nightshift(&["run", job.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]).assert_ok();
+    let rows = read_results(&out);
+    let error = |id: &str| (rows[id].error_code.as_deref().map(String::from), rows[id].error_message.clone().unwrap_or_default());
+    assert_eq!(rows["r00000"].status, "succeeded");
+    assert!(rows["r00000"].completion_tokens <= 3, "{:?}", rows["r00000"]);
+    assert_eq!(rows["r00001"].status, "succeeded", "a null value keeps the job's parameters");
+    assert!(rows["r00006"].completion_tokens <= 2);
+    for (id, needle) in [("r00002", "max_new_tokens must be in 1..="), ("r00003", "max_new_tokens must be in 1..="), ("r00004", "temperature must be a number >= 0, got -1"), ("r00005", "top_p must be in (0, 1], got 1.5")] {
+        let (code, message) = error(id);
+        assert_eq!(code.as_deref(), Some("invalid_parameters"), "{id}");
+        assert!(message.contains(needle), "{id}: {message}");
+    }
+    // A mapped column of the wrong type is refused before generation, naming it.
+    let text = std::fs::read_to_string(&job).unwrap().replace("top_p = \"nucleus\"", "top_k = \"nucleus\"");
+    std::fs::write(&job, text).unwrap();
+    let run = nightshift(&["run", job.to_str().unwrap(), "--model", model.to_str().unwrap(), "--output", dir.join("out2").to_str().unwrap()], &[]);
+    assert_eq!(run.code, 3, "{}", run.stderr);
+    assert!(run.stderr.contains("column `nucleus`") && run.stderr.contains("expected an integer"), "{}", run.stderr);
+}
+
+#[test]
+fn over_long_prompts_are_error_rows_unless_truncation_is_asked_for() {
+    let dir = scratch("truncate");
+    let model = dir.join("tiny.gguf");
+    write_tiny_model(&model);
+    let input = dir.join("in.parquet");
+    let long = "word ".repeat(400);
+    write_parquet(&input, prompts(&row_ids(2), &["A short ticket.", &long]));
+    let run_with = |name: &str, truncate: Option<&str>| {
+        let out = dir.join(name);
+        let extra = truncate.map(|t| format!("truncate = {t:?}\n")).unwrap_or_default();
+        let text = std::fs::read_to_string(job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 16", ""))
+            .unwrap()
+            .replace("id_column = \"id\"", &format!("id_column = \"id\"\n{extra}"));
+        let job = dir.join(format!("{name}.toml"));
+        std::fs::write(&job, text).unwrap();
+        nightshift(&["run", job.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]).assert_ok();
+        read_results(&out)
+    };
+    let rows = run_with("default", None);
+    assert_eq!(rows["r00000"].status, "succeeded");
+    assert_eq!(rows["r00001"].error_code.as_deref(), Some("prompt_too_long"));
+    assert!(rows["r00001"].error_message.as_deref().unwrap().contains("input.truncate"));
+    for side in ["left", "right"] {
+        let rows = run_with(side, Some(side));
+        let row = &rows["r00001"];
+        assert_eq!(row.status, "succeeded", "{side}: {row:?}");
+        // The tiny model's context is 256: the cut prompt leaves room for all 16 new tokens.
+        let prompt_tokens = row.prompt_tokens.unwrap();
+        assert!((200..=240).contains(&prompt_tokens), "{side}: {prompt_tokens} prompt tokens");
+        assert_eq!(rows["r00000"], run_with("default-again", None)["r00000"], "short prompts are untouched");
+    }
+}
