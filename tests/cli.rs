@@ -188,9 +188,13 @@ fn every_input_row_appears_exactly_once_and_bad_rows_become_error_rows() {
     }
     let succeeded = rows.values().filter(|r| r.status == "succeeded").count();
     assert_eq!(succeeded, 7);
-    let metrics = read_metrics(&out);
-    assert_eq!(metrics["rows"], Some(10.0));
-    assert_eq!(metrics["errored_rows"], Some(3.0));
+    // One unit per input file; results come back in input order.
+    let output = OutputStore::local(&out);
+    assert_eq!(output.ids_in_order(), expected);
+    let metrics = output.metrics();
+    assert_eq!(metrics.len(), 2);
+    assert_eq!(metrics.iter().map(|m| m["rows"].unwrap()).sum::<f64>(), 10.0);
+    assert_eq!(metrics.iter().map(|m| m["errored_rows"].unwrap()).sum::<f64>(), 3.0);
 }
 
 #[test]

@@ -315,7 +315,29 @@ fn sigterm_drains_and_exits_resumable_s3() {
 }
 
 #[test]
-fn s3_outage_mid_job_is_retried_or_resumed() {
+fn a_second_signal_exits_at_once_and_the_rerun_completes() {
+    let world = World::new("second-signal", Store::Local);
+    let (reference, _) = world.reference();
+    // A long grace period: only the second signal can end this run quickly.
+    let job = world.job("twice-signalled", "max_seqs = 2\ndrain_grace_s = 600");
+    let output = world.output("twice-signalled");
+    let mut child = world.spawn(&job);
+    assert!(wait_for_first_commit(&mut child, &output), "the job ended before its first commit was seen");
+    signal(&child, "INT");
+    std::thread::sleep(Duration::from_millis(20));
+    signal(&child, "TERM");
+    let started = Instant::now();
+    let run = finish(child);
+    assert_eq!(run.code, 75, "{}", run.stderr);
+    assert!(run.stderr.contains("second signal"), "{}", run.stderr);
+    assert!(started.elapsed() < Duration::from_secs(30), "the second signal did not exit at once");
+    assert!(!output.exists("_SUCCESS"));
+    world.run(&job).assert_ok();
+    assert_complete_and_equal(&output, &reference);
+}
+
+#[test]
+fn s3_outage_mid_job_is_ridden_out_by_retries() {
     let world = World::new("outage", Store::S3).with_proxy();
     let (reference, _) = world.reference();
     let job = world.job("outage", "max_seqs = 2");

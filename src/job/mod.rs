@@ -561,6 +561,41 @@ url = "out/"
     }
 
     #[test]
+    fn reliability_keys_have_defaults_and_are_checked() {
+        let job = parse(MINIMAL).unwrap();
+        assert_eq!(job.output.unit_rows, OutputSpec::DEFAULT_UNIT_ROWS);
+        assert_eq!(job.runtime.drain_grace, std::time::Duration::from_secs(30));
+        assert_eq!(job.input.truncate, Truncate::None);
+        assert!(job.input.parameters.columns().is_empty());
+        let text = MINIMAL
+            .replace("url = \"out/\"", "url = \"out/\"\nunit_rows = 100")
+            .replace("url = \"data/in.parquet\"", "url = \"x\"\ntruncate = \"left\"\n[input.parameters]\ntemperature = \"t\"\nmax_new_tokens = \"n\"");
+        let job = parse(&format!("{text}\n[runtime]\ndrain_grace_s = 2.5")).unwrap();
+        assert_eq!(job.output.unit_rows, 100);
+        assert_eq!(job.input.truncate, Truncate::Left);
+        assert_eq!(job.input.parameters.columns(), vec![("max_new_tokens", "n"), ("temperature", "t")]);
+        assert_eq!(job.runtime.drain_grace, std::time::Duration::from_millis(2500));
+        for (text, key) in [
+            (MINIMAL.replace("url = \"out/\"", "url = \"out/\"\nunit_rows = 0"), "output.unit_rows"),
+            (MINIMAL.replace("url = \"data/in.parquet\"", "url = \"x\"\ntruncate = \"middle\""), "input.truncate"),
+            (format!("{MINIMAL}\n[runtime]\ndrain_grace_s = -1.0"), "runtime.drain_grace_s"),
+            (MINIMAL.replace("url = \"data/in.parquet\"", "url = \"x\"\n[input.parameters]\nmin_p = \"p\""), "min_p"),
+        ] {
+            let m = message(&text);
+            assert!(m.contains(key), "expected {key} in: {m}");
+        }
+    }
+
+    #[test]
+    fn row_parameters_override_only_what_they_set() {
+        let job = parse(MINIMAL).unwrap();
+        let row = crate::row::RowParams { temperature: Some(0.5), max_new_tokens: Some(3), ..Default::default() };
+        let p = job.generation.for_row(&row);
+        assert_eq!((p.temperature, p.max_new_tokens, p.top_p, p.seed), (0.5, 3, job.generation.top_p, job.generation.seed));
+        assert_eq!(job.generation.for_row(&Default::default()), job.generation);
+    }
+
+    #[test]
     fn overrides_take_precedence() {
         let o = Overrides {
             input_url: Some("s3://b/in.parquet".into()),
