@@ -221,6 +221,9 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
             }
         };
         output.check_same_job(&plan, &ours)?;
+        if plan.unit_rows != job.output.unit_rows {
+            warn!(planned = plan.unit_rows, asked = job.output.unit_rows, "output.unit_rows differs from the stored plan's; the plan's units are kept");
+        }
         Ok::<_, Error>(plan)
     })?;
     let run = RunMetadata {

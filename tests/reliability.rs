@@ -29,6 +29,21 @@ fn row_prompts(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{i}: {} {}", WORDS[i % 11], WORDS[(i * 7 + 3) % 11])).collect()
 }
 
+/// One suite, two stores: a test per store for a function that takes the store.
+macro_rules! on_both_stores {
+    ($suite:ident, $local:ident, $s3:ident) => {
+        #[test]
+        fn $local() {
+            $suite(Store::Local);
+        }
+
+        #[test]
+        fn $s3() {
+            $suite(Store::S3);
+        }
+    };
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Store {
     Local,
@@ -230,7 +245,7 @@ fn kill_nine_at_random_moments_then_resume(store: Store) {
     assert!(committed > 0, "no unit was committed in 20 runs: the kills came too early to test anything (seed {seed})");
     if !output.exists("_SUCCESS") {
         // finalize refuses an incomplete output with the resumable exit code and names what is missing.
-        let run = nightshift(&["finalize", &world.output_url("killed")], &env_of(&world));
+        let run = finalize(&world, "killed");
         assert_eq!(run.code, 75, "finalize of an incomplete output: {}", run.stderr);
         assert!(run.stderr.contains("not committed"), "{}", run.stderr);
     }
@@ -242,27 +257,19 @@ fn kill_nine_at_random_moments_then_resume(store: Store) {
     }
     assert_complete_and_equal(&output, &reference);
     // finalize of a complete output is a no-op that succeeds.
-    let run = nightshift(&["finalize", &world.output_url("killed")], &env_of(&world));
+    let run = finalize(&world, "killed");
     assert_eq!(run.code, 0, "{}", run.stderr);
     assert!(run.stdout.contains("complete already"), "{}", run.stdout);
 }
 
-fn env_of(world: &World) -> Vec<(&'static str, &str)> {
-    match &world.moto {
-        Some(moto) => moto.env().into_iter().map(|(k, v)| (k, &*Box::leak(v.into_boxed_str()))).collect(),
-        None => Vec::new(),
-    }
+/// `nightshift finalize` on one of the world's outputs.
+fn finalize(world: &World, name: &str) -> Run {
+    let env = world.moto.as_ref().map(|m| m.env()).unwrap_or_default();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    nightshift(&["finalize", &world.output_url(name)], &env)
 }
 
-#[test]
-fn kill_nine_at_random_moments_then_resume_local() {
-    kill_nine_at_random_moments_then_resume(Store::Local);
-}
-
-#[test]
-fn kill_nine_at_random_moments_then_resume_s3() {
-    kill_nine_at_random_moments_then_resume(Store::S3);
-}
+on_both_stores!(kill_nine_at_random_moments_then_resume, kill_nine_at_random_moments_then_resume_local, kill_nine_at_random_moments_then_resume_s3);
 
 fn two_processes_at_once_commit_each_unit_once(store: Store) {
     let world = World::new(&format!("two-{store:?}").to_lowercase(), store);
@@ -275,15 +282,7 @@ fn two_processes_at_once_commit_each_unit_once(store: Store) {
     assert_complete_and_equal(&world.output("twice"), &reference);
 }
 
-#[test]
-fn two_processes_at_once_commit_each_unit_once_local() {
-    two_processes_at_once_commit_each_unit_once(Store::Local);
-}
-
-#[test]
-fn two_processes_at_once_commit_each_unit_once_s3() {
-    two_processes_at_once_commit_each_unit_once(Store::S3);
-}
+on_both_stores!(two_processes_at_once_commit_each_unit_once, two_processes_at_once_commit_each_unit_once_local, two_processes_at_once_commit_each_unit_once_s3);
 
 fn sigterm_drains_and_exits_resumable(store: Store) {
     let world = World::new(&format!("sigterm-{store:?}").to_lowercase(), store);
@@ -304,15 +303,7 @@ fn sigterm_drains_and_exits_resumable(store: Store) {
     assert_complete_and_equal(&output, &reference);
 }
 
-#[test]
-fn sigterm_drains_and_exits_resumable_local() {
-    sigterm_drains_and_exits_resumable(Store::Local);
-}
-
-#[test]
-fn sigterm_drains_and_exits_resumable_s3() {
-    sigterm_drains_and_exits_resumable(Store::S3);
-}
+on_both_stores!(sigterm_drains_and_exits_resumable, sigterm_drains_and_exits_resumable_local, sigterm_drains_and_exits_resumable_s3);
 
 #[test]
 fn a_second_signal_exits_at_once_and_the_rerun_completes() {
