@@ -250,8 +250,8 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         info!(output = output.url(), "the output is complete already; nothing to do");
         return Ok(report(RunStatus::AlreadyComplete, manifest, 0, plan.units.len(), JobMetrics::default(), Vec::new()));
     }
-    let committed = rt.block_on(output.markers())?;
-    let pending: Vec<Unit> = plan.units.iter().filter(|u| !committed.contains_key(&u.id)).cloned().collect();
+    let committed = rt.block_on(output.committed_units())?;
+    let pending: Vec<Unit> = plan.units.iter().filter(|u| !committed.contains(&u.id)).cloned().collect();
     let units_skipped = plan.units.len() - pending.len();
     info!(
         units = plan.units.len(), committed = units_skipped, pending = pending.len(), attempt = %run.attempt,
@@ -404,10 +404,20 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let engine_result = engine_thread.join().map_err(|_| Error::Internal("the engine thread panicked (a bug)".into()))?;
     let _ = tokenize_thread.join();
     let source_result = rt.block_on(source_task).map_err(|e| Error::Internal(format!("the source task failed: {e}")))?;
+    // The output was writable when the run started (the probe), so a read or write of it failing now, after
+    // object_store's retries, is an outage: what is committed stays, and the job can be resumed.
+    let units_total = plan.units.len();
+    let resumable = |e: Error, committed_now: usize| match e {
+        Error::Sink(source @ (sink::SinkError::Read { .. } | sink::SinkError::Write { .. })) => {
+            Error::StoreFailed { committed: units_skipped + committed_now, total: units_total, source }
+        }
+        other => other,
+    };
     // The first real cause wins: a source error explains a short engine run, an engine error a short sink run.
-    source_result?;
+    let committed_by_sink = sink_result.as_ref().map(|r| r.2).unwrap_or(0);
+    source_result.map_err(|e| resumable(e, committed_by_sink))?;
     let final_stats = engine_result.map_err(Error::Engine)?;
-    let (collector, sample, units_committed, unfinished) = sink_result?;
+    let (collector, sample, units_committed, unfinished) = sink_result.map_err(|e| resumable(e, 0))?;
     let generation_s = generation_started.elapsed().as_secs_f64();
     progress.finish_and_clear();
 
@@ -416,12 +426,12 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     metrics.weights_bytes = weights_bytes;
     metrics.job_s = started.elapsed().as_secs_f64();
     if drain.requested() {
-        let done = rt.block_on(output.markers())?.len();
+        let done = rt.block_on(output.committed_units())?.len();
         if done < plan.units.len() {
             return Err(Error::Interrupted { committed: done, total: plan.units.len(), unfinished });
         }
     }
-    let manifest = match rt.block_on(output.finalize())? {
+    let manifest = match rt.block_on(output.finalize()).map_err(|e| resumable(e.into(), units_committed))? {
         Finalized::Done(m) | Finalized::AlreadyComplete(m) => m,
     };
     info!(

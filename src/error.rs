@@ -51,6 +51,11 @@ pub enum Error {
          the same job again to resume"
     )]
     Interrupted { committed: usize, total: usize, unfinished: usize },
+    #[error(
+        "the output store failed mid-run, after retries; {committed} of {total} units are committed and kept: run \
+         the same job again to resume"
+    )]
+    StoreFailed { committed: usize, total: usize, #[source] source: crate::sink::SinkError },
     #[error("{0}")]
     Internal(String),
 }
@@ -61,7 +66,9 @@ impl Error {
             Error::Job(_) => Exit::InvalidJob,
             Error::Source(_) => Exit::InvalidInput,
             Error::Model(_) | Error::Tokenizer(_) => Exit::InvalidModel,
-            Error::Sink(crate::sink::SinkError::Incomplete { .. }) | Error::Interrupted { .. } => Exit::Partial,
+            Error::Sink(crate::sink::SinkError::Incomplete { .. }) | Error::Interrupted { .. } | Error::StoreFailed { .. } => {
+                Exit::Partial
+            }
             Error::Sink(_) => Exit::OutputFailed,
             Error::Engine(_) | Error::Internal(_) => Exit::Failed,
         }

@@ -379,6 +379,17 @@ impl Output {
         }
     }
 
+    /// The ids of the committed units, from the markers' names alone (one listing, no reads).
+    pub async fn committed_units(&self) -> Result<std::collections::BTreeSet<u32>, SinkError> {
+        let dir = self.path(COMMITS_DIR);
+        let read_err = |e: object_store::Error| SinkError::Read { url: self.display(COMMITS_DIR), source: e.into() };
+        let listed: Vec<_> = self.store().list(Some(&dir)).try_collect().await.map_err(read_err)?;
+        Ok(listed
+            .iter()
+            .filter_map(|m| m.location.filename()?.strip_prefix('u')?.strip_suffix(".json")?.parse().ok())
+            .collect())
+    }
+
     /// Every commit marker, by unit.
     pub async fn markers(&self) -> Result<BTreeMap<u32, Marker>, SinkError> {
         let dir = self.path(COMMITS_DIR);
