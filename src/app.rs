@@ -207,10 +207,24 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let (input, output) = rt.block_on(async { Ok::<_, Error>((Input::open(&job.input).await?, Output::open(&job.output.url).await?)) })?;
     info!(url = input.url(), files = input.file_urls().len(), rows = input.total_rows(), "input opened");
 
-    // The plan: this job's fingerprint against the one stored at the output, if any.
+    // Everything that can fail on the model or its tokenizer fails before a plan is written: a plan made by a run
+    // that could never start would refuse the corrected job.
     let model_sha256 = check_model_file(&job)?;
-    let model_meta = engine::model::inspect(&job.model.path)?;
-    let ours = fingerprint(&job, &model_sha256, model_meta.vocab.chat_template.as_deref(), &input);
+    let device = engine::select_device(&job.runtime.device)?;
+    let load_started = Instant::now();
+    let (model, model_info) = Model::load(&job.model.path, &device)?;
+    let model_load_s = load_started.elapsed().as_secs_f64();
+    let cfg = &model_info.config;
+    info!(
+        path = %job.model.path.display(), architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size,
+        context = cfg.context_length, weights_mib = model.weight_bytes() >> 20, seconds = format!("{model_load_s:.2}"),
+        "model loaded"
+    );
+    let preprocessor =
+        Preprocessor::new(&model_info.vocab, &job.model.chat_template, &job.input, cfg.context_length, job.generation.max_new_tokens)?;
+
+    // The plan: this job's fingerprint against the one stored at the output, if any.
+    let ours = fingerprint(&job, &model_sha256, model_info.vocab.chat_template.as_deref(), &input);
     let plan = rt.block_on(async {
         let plan = match output.read_plan().await? {
             Some(stored) => stored,
@@ -258,18 +272,6 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         fingerprint = %run.fingerprint, "plan"
     );
 
-    let device = engine::select_device(&job.runtime.device)?;
-    let load_started = Instant::now();
-    let (model, model_info) = Model::load(&job.model.path, &device)?;
-    let model_load_s = load_started.elapsed().as_secs_f64();
-    let cfg = &model_info.config;
-    info!(
-        path = %job.model.path.display(), architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size,
-        context = cfg.context_length, weights_mib = model.weight_bytes() >> 20, seconds = format!("{model_load_s:.2}"),
-        "model loaded"
-    );
-    let preprocessor =
-        Preprocessor::new(&model_info.vocab, &job.model.chat_template, &job.input, cfg.context_length, job.generation.max_new_tokens)?;
     let stop = StopRules::new(&model_info.vocab, &job.generation);
     let tokenizer = preprocessor.tokenizer().clone();
     let weights_bytes = model.weight_bytes() as u64;

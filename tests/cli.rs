@@ -289,6 +289,8 @@ fn assert_fails(run: &Run, code: i32, names: &[&str], out: &std::path::Path) {
     }
     assert!(!out.join("_SUCCESS").exists(), "a failed run wrote _SUCCESS");
     assert!(!out.join("data").exists(), "a failed run wrote results");
+    // A run that could never start writes no plan, which would otherwise refuse the corrected job.
+    assert!(!out.join("_plan.json").exists(), "a run that failed before generating wrote a plan");
 }
 
 #[test]
