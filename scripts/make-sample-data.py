@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Writes jobs/data/tickets.parquet, the sample input of jobs/summarise.toml (committed; rerun to change it).
+"""Writes jobs/data/tickets.parquet, the sample input of jobs/summarise.toml (`prompt`) and jobs/embed.toml (`text`)
+(committed; rerun to change it).
 
 Needs pyarrow (pip install pyarrow); nightshift itself does not.
 """
@@ -28,6 +29,8 @@ table = pa.table({
     "id": [f"ticket-{i + 1:03d}" for i in range(len(TICKETS))],
     # SmolLM2-135M follows an instruction after the text better than before it.
     "prompt": [f"Support ticket:\n{t}\n\nSummarise the ticket above in one short sentence." for t in TICKETS],
+    # The ticket alone, for embedding jobs.
+    "text": TICKETS,
 })
 pq.write_table(table, out, compression="snappy")
 print(f"wrote {out} ({table.num_rows} rows)")

@@ -27,12 +27,13 @@ use tracing::{debug, info, info_span, warn};
 
 use crate::engine::{self, BatchConfig, BatchEngine, Engine, EngineStats, Model, ModelError, Request, StopRules};
 use crate::error::{Error, Exit};
-use crate::job::{ChatTemplateChoice, Job, Overrides, PromptColumn};
+use crate::encoder::Encoder;
+use crate::job::{ChatTemplateChoice, Job, JobKind, Overrides, PromptColumn};
 use crate::metrics::{Collector, JobMetrics};
 use crate::plan::{Fingerprint, Plan, Unit, OUTPUT_FORMAT_VERSION};
-use crate::sink::{self, Commit, Finalized, Manifest, Outcome, Output, RunMetadata};
+use crate::sink::{self, Commit, Embedded, Finalized, Manifest, Outcome, Output, ResultsLayout, RunMetadata};
 use crate::source::{Input, SourceRow};
-use crate::tokenize::Preprocessor;
+use crate::tokenize::{EncoderPreprocessor, Prepare, Preprocessor};
 
 /// Source batches in flight between the reader and the tokenizer.
 const SOURCE_DEPTH: usize = 4;
@@ -124,6 +125,7 @@ fn sha256_hex(text: &str) -> String {
 /// What makes this run's results what they are: model, prompt construction, parameters, input snapshot.
 fn fingerprint(job: &Job, model_sha256: &str, template: Option<&str>, input: &Input) -> Fingerprint {
     let prompt = serde_json::json!({
+        "kind": job.kind,
         "id_column": job.input.id_column,
         "prompt_column": match &job.input.prompt { PromptColumn::Text(c) => Some(c), PromptColumn::Messages(_) => None },
         "messages_column": match &job.input.prompt { PromptColumn::Messages(c) => Some(c), PromptColumn::Text(_) => None },
@@ -139,7 +141,10 @@ fn fingerprint(job: &Job, model_sha256: &str, template: Option<&str>, input: &In
         format_version: OUTPUT_FORMAT_VERSION,
         model_sha256: model_sha256.into(),
         prompt,
-        generation: serde_json::to_value(&job.generation).expect("parameters serialise"),
+        generation: match job.kind {
+            JobKind::Generate => serde_json::to_value(&job.generation).expect("parameters serialise"),
+            JobKind::Embed => serde_json::Value::Null,
+        },
         input: input.snapshot(),
     }
 }
@@ -209,22 +214,16 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
 
     // Everything that can fail on the model or its tokenizer fails before a plan is written: a plan made by a run
     // that could never start would refuse the corrected job.
-    let model_sha256 = check_model_file(&job)?;
     let device = engine::select_device(&job.runtime.device)?;
     let load_started = Instant::now();
-    let (model, model_info) = Model::load(&job.model.path, &device)?;
+    let loaded = load_worker(&job, &device)?;
     let model_load_s = load_started.elapsed().as_secs_f64();
-    let cfg = &model_info.config;
-    info!(
-        path = %job.model.path.display(), architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size,
-        context = cfg.context_length, weights_mib = model.weight_bytes() >> 20, seconds = format!("{model_load_s:.2}"),
-        "model loaded"
-    );
-    let preprocessor =
-        Preprocessor::new(&model_info.vocab, &job.model.chat_template, &job.input, cfg.context_length, job.generation.max_new_tokens)?;
+    info!(path = %job.model.path.display(), weights_mib = loaded.weights_bytes >> 20, seconds = format!("{model_load_s:.2}"), "model loaded");
+    let Loaded { worker, prepare, model_sha256, template, weights_bytes, layout } = loaded;
+    let weights_bytes = weights_bytes as u64;
 
     // The plan: this job's fingerprint against the one stored at the output, if any.
-    let ours = fingerprint(&job, &model_sha256, model_info.vocab.chat_template.as_deref(), &input);
+    let ours = fingerprint(&job, &model_sha256, template.as_deref(), &input);
     let plan = rt.block_on(async {
         let plan = match output.read_plan().await? {
             Some(stored) => stored,
@@ -241,6 +240,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         Ok::<_, Error>(plan)
     })?;
     let run = RunMetadata {
+        layout,
         model_sha256,
         model: job.model.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
         job: job.file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
@@ -272,13 +272,8 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         fingerprint = %run.fingerprint, "plan"
     );
 
-    let stop = StopRules::new(&model_info.vocab, &job.generation);
-    let tokenizer = preprocessor.tokenizer().clone();
-    let weights_bytes = model.weight_bytes() as u64;
-    let kv_per_token = cfg.kv_bytes_per_token();
     let batch = BatchConfig { max_seqs: job.runtime.max_seqs, max_batch_tokens: job.runtime.max_batch_tokens };
-    info!(max_seqs = batch.max_seqs, max_batch_tokens = batch.max_batch_tokens, kv_bytes_per_token = kv_per_token, "engine configured");
-    let engine = BatchEngine::new(model, tokenizer, job.generation.clone(), stop, batch.clone());
+    info!(max_seqs = batch.max_seqs, max_batch_tokens = batch.max_batch_tokens, "engine configured");
     let engine_stats = Arc::new(std::sync::Mutex::new(EngineStats::default()));
 
     let pending_rows: u64 = pending.iter().map(|u| u.rows as u64).sum();
@@ -286,7 +281,12 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
 
     // Channels: source -> tokenize -> engine -> sink, and tokenize -> sink for rows that fail before the engine.
     let (source_tx, mut source_rx) = mpsc::channel::<Vec<SourceRow>>(SOURCE_DEPTH);
-    let (request_tx, request_rx) = std_mpsc::sync_channel::<Request>(batch.max_seqs * 2);
+    // An encoder sorts a window of queued rows by length before batching them, so it gets a deeper queue.
+    let queue = match worker {
+        Worker::Generate(_) => batch.max_seqs * 2,
+        Worker::Embed(_) => EMBED_WINDOW,
+    };
+    let (request_tx, request_rx) = std_mpsc::sync_channel::<Request>(queue);
     let (sink_tx, mut sink_rx) = mpsc::channel::<Outcome>(batch.max_seqs * 4);
 
     let source_units = pending.clone();
@@ -317,7 +317,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
                 if tokenize_drain.requested() {
                     return;
                 }
-                for row in preprocessor.prepare_batch(rows) {
+                for row in prepare.prepare_all(rows) {
                     let sent = match row.tokens {
                         Ok(tokens) => request_tx
                             .send(Request { id: row.id, tag: row.tag, params: row.params, tokens, arrival: Instant::now() })
@@ -336,7 +336,10 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let shared_stats = engine_stats.clone();
     let engine_thread = std::thread::Builder::new()
         .name("nightshift-engine".into())
-        .spawn(move || drive(engine, request_rx, sink_tx, &engine_drain, &shared_stats))
+        .spawn(move || match worker {
+            Worker::Generate(engine) => drive(engine, request_rx, sink_tx, &engine_drain, &shared_stats),
+            Worker::Embed(encoder) => drive_encoder(&encoder, &batch, request_rx, sink_tx, &engine_drain, &shared_stats),
+        })
         .map_err(|e| Error::Internal(format!("cannot start the engine thread: {e}")))?;
 
     let show = options.show;
@@ -360,6 +363,12 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
                     total.completed(c);
                     buffer.collector.completed(c);
                     let ready = Instant::now().checked_sub(Duration::from_secs_f64(c.e2e_s)).unwrap_or(generation_started);
+                    buffer.first_ready = Some(buffer.first_ready.map_or(ready, |r| r.min(ready)));
+                }
+                Outcome::Embedded(e) => {
+                    total.embedded(e.prompt_tokens, e.e2e_s);
+                    buffer.collector.embedded(e.prompt_tokens, e.e2e_s);
+                    let ready = Instant::now().checked_sub(Duration::from_secs_f64(e.e2e_s)).unwrap_or(generation_started);
                     buffer.first_ready = Some(buffer.first_ready.map_or(ready, |r| r.min(ready)));
                 }
                 Outcome::Failed { id, error, .. } => {
@@ -441,6 +450,148 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         seconds = format!("{:.1}", metrics.job_s), "job complete"
     );
     Ok(report(RunStatus::Complete, manifest, units_committed, units_skipped, metrics, sample))
+}
+
+/// The model side of a job: a decoder's batching engine or an encoder.
+enum Worker {
+    Generate(BatchEngine),
+    Embed(Encoder),
+}
+
+struct Loaded {
+    worker: Worker,
+    prepare: Box<dyn Prepare>,
+    model_sha256: String,
+    /// The chat template, for the fingerprint.
+    template: Option<String>,
+    weights_bytes: usize,
+    layout: ResultsLayout,
+}
+
+/// Rows an encoder sorts by length at a time before cutting them into batches.
+const EMBED_WINDOW: usize = 512;
+
+/// sha256 over an encoder directory's files (name and content), for the fingerprint. `model.sha256`, when set,
+/// is checked against `model.safetensors`.
+fn check_model_dir(job: &Job) -> Result<String, ModelError> {
+    let mut hasher = Sha256::new();
+    for file in crate::encoder::model_files(&job.model.path) {
+        let sha = sha256_file(&file)?;
+        if file.file_name().is_some_and(|n| n == "model.safetensors") {
+            if let Some(expected) = job.model.sha256.as_ref().filter(|e| **e != sha) {
+                return Err(ModelError::Checksum { path: file, expected: expected.clone(), actual: sha });
+            }
+        }
+        hasher.update(file.strip_prefix(&job.model.path).unwrap_or(&file).to_string_lossy().as_bytes());
+        hasher.update(sha.as_bytes());
+    }
+    Ok(format!("{:x}", hasher.finalize()))
+}
+
+fn load_worker(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
+    match job.kind {
+        JobKind::Generate => {
+            let model_sha256 = check_model_file(job)?;
+            let (model, info) = Model::load(&job.model.path, device)?;
+            let cfg = &info.config;
+            info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
+                kv_bytes_per_token = cfg.kv_bytes_per_token(), "decoder");
+            let preprocessor =
+                Preprocessor::new(&info.vocab, &job.model.chat_template, &job.input, cfg.context_length, job.generation.max_new_tokens)?;
+            let stop = StopRules::new(&info.vocab, &job.generation);
+            let batch = BatchConfig { max_seqs: job.runtime.max_seqs, max_batch_tokens: job.runtime.max_batch_tokens };
+            let weights_bytes = model.weight_bytes();
+            let engine = BatchEngine::new(model, preprocessor.tokenizer().clone(), job.generation.clone(), stop, batch);
+            Ok(Loaded {
+                worker: Worker::Generate(engine),
+                prepare: Box::new(preprocessor),
+                model_sha256,
+                template: info.vocab.chat_template.clone(),
+                weights_bytes,
+                layout: ResultsLayout::Generate,
+            })
+        }
+        JobKind::Embed => {
+            let model_sha256 = check_model_dir(job)?;
+            let encoder = Encoder::load(&job.model.path, device)?;
+            let info = &encoder.info;
+            info!(layers = info.config.num_hidden_layers, dimensions = info.dimensions, pooling = ?info.pooling,
+                normalize = info.normalize, max_tokens = info.max_tokens, "encoder");
+            let tokenizer = crate::encoder::tokenizer(&job.model.path)?;
+            let prepare = EncoderPreprocessor::new(tokenizer, info.max_tokens, job.input.truncate)?;
+            Ok(Loaded {
+                layout: ResultsLayout::Embed { dimensions: info.dimensions },
+                weights_bytes: encoder.weight_bytes(),
+                worker: Worker::Embed(encoder),
+                prepare: Box::new(prepare),
+                model_sha256,
+                template: None,
+            })
+        }
+    }
+}
+
+/// The encoder thread's loop: take a window of queued rows, sort it by length, cut it into batches of at most
+/// `max_seqs` rows and `max_batch_tokens` padded tokens, embed each batch, send the vectors.
+fn drive_encoder(
+    encoder: &Encoder,
+    config: &BatchConfig,
+    requests: std_mpsc::Receiver<Request>,
+    sink: mpsc::Sender<Outcome>,
+    drain: &Drain,
+    shared: &std::sync::Mutex<EngineStats>,
+) -> Result<EngineStats, engine::EngineError> {
+    let mut stats = EngineStats::default();
+    loop {
+        if drain.requested() {
+            return Ok(stats);
+        }
+        let first = match requests.recv_timeout(Duration::from_millis(100)) {
+            Ok(r) => r,
+            Err(std_mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(std_mpsc::RecvTimeoutError::Disconnected) => return Ok(stats),
+        };
+        let mut window = vec![first];
+        while window.len() < EMBED_WINDOW {
+            match requests.try_recv() {
+                Ok(r) => window.push(r),
+                Err(_) => break,
+            }
+        }
+        window.sort_by_key(|r| r.tokens.len());
+        let mut start = 0;
+        while start < window.len() {
+            // Sorted ascending, so the last row of a batch is its longest.
+            let mut end = start + 1;
+            while end < window.len()
+                && end - start < config.max_seqs
+                && (end - start + 1) * window[end].tokens.len() <= config.max_batch_tokens
+            {
+                end += 1;
+            }
+            let batch = &window[start..end];
+            let rows: Vec<&[u32]> = batch.iter().map(|r| r.tokens.as_slice()).collect();
+            let vectors = encoder.embed(&rows).map_err(|e| engine::EngineError::new(e.to_string()))?;
+            let now = Instant::now();
+            stats.steps += 1;
+            stats.prefill_tokens += (batch.len() * batch[batch.len() - 1].tokens.len()) as u64;
+            stats.peak_running = stats.peak_running.max(batch.len());
+            *shared.lock().expect("not poisoned") = stats.clone();
+            for (request, vector) in batch.iter().zip(vectors) {
+                let embedded = Embedded {
+                    id: request.id.clone(),
+                    tag: request.tag,
+                    vector,
+                    prompt_tokens: request.tokens.len() as u32,
+                    e2e_s: (now - request.arrival).as_secs_f64(),
+                };
+                if sink.blocking_send(Outcome::Embedded(embedded)).is_err() {
+                    return Ok(stats);
+                }
+            }
+            start = end;
+        }
+    }
 }
 
 /// `nightshift finalize`: completes an output whose units are all committed.
@@ -532,8 +683,15 @@ fn progress_bar(enabled: bool, total: u64) -> ProgressBar {
 pub struct ValidateReport {
     pub input_files: Vec<String>,
     pub rows: u64,
-    pub model: engine::ModelInfo,
+    pub model: ModelSummary,
     pub output_url: String,
+}
+
+/// The model as `validate` found it.
+#[derive(Debug)]
+pub enum ModelSummary {
+    Decoder(engine::ModelInfo),
+    Encoder(crate::encoder::EncoderInfo),
 }
 
 /// Checks the job file, the input's files and columns, and the model's metadata, tokenizer and chat template,
@@ -543,13 +701,19 @@ pub fn validate(job_path: &Path, overrides: &Overrides) -> Result<ValidateReport
     let rt = runtime()?;
     let input = rt.block_on(Input::open(&job.input))?;
     Output::resolve(&job.output.url)?;
-    let model = engine::model::inspect(&job.model.path)?;
-    if let Some(expected) = &job.model.sha256 {
-        let actual = sha256_file(&job.model.path)?;
-        if *expected != actual {
-            return Err(ModelError::Checksum { path: job.model.path.clone(), expected: expected.clone(), actual }.into());
+    let model = match job.kind {
+        JobKind::Generate => {
+            let model = engine::model::inspect(&job.model.path)?;
+            check_model_file(&job)?;
+            Preprocessor::new(&model.vocab, &job.model.chat_template, &job.input, model.config.context_length, job.generation.max_new_tokens)?;
+            ModelSummary::Decoder(model)
         }
-    }
-    Preprocessor::new(&model.vocab, &job.model.chat_template, &job.input, model.config.context_length, job.generation.max_new_tokens)?;
+        JobKind::Embed => {
+            let info = crate::encoder::inspect(&job.model.path)?;
+            check_model_dir(&job)?;
+            EncoderPreprocessor::new(crate::encoder::tokenizer(&job.model.path)?, info.max_tokens, job.input.truncate)?;
+            ModelSummary::Encoder(info)
+        }
+    };
     Ok(ValidateReport { input_files: input.file_urls(), rows: input.total_rows(), model, output_url: job.output.url })
 }

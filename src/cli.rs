@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::app::{RunReport, RunStatus, ValidateReport};
+use crate::app::{ModelSummary, RunReport, RunStatus, ValidateReport};
 use crate::sink::{Finalized, Manifest};
 use crate::job::Overrides;
 use crate::sink::Outcome;
@@ -121,6 +121,10 @@ pub fn print_run(report: &RunReport) {
     for outcome in &report.sample {
         match outcome {
             Outcome::Completed(c) => println!("  [{}] ({}) {}", c.id, c.finish_reason.as_str(), shorten(&c.text, 160)),
+            Outcome::Embedded(e) => {
+                let head: Vec<String> = e.vector.iter().take(4).map(|v| format!("{v:.4}")).collect();
+                println!("  [{}] {} tokens -> [{}, ...] ({} dimensions)", e.id, e.prompt_tokens, head.join(", "), e.vector.len())
+            }
             Outcome::Failed { id, error, .. } => println!("  [{id}] error {}: {}", error.code, error.message),
         }
     }
@@ -140,7 +144,6 @@ pub fn print_finalize(finalized: &Finalized, manifest_url: &str) {
 }
 
 pub fn print_validate(report: &ValidateReport) {
-    let c = &report.model.config;
     println!("job is valid");
     println!("input: {} file(s), {} rows", report.input_files.len(), report.rows);
     for f in report.input_files.iter().take(5) {
@@ -149,24 +152,47 @@ pub fn print_validate(report: &ValidateReport) {
     if report.input_files.len() > 5 {
         println!("  ... and {} more", report.input_files.len() - 5);
     }
-    println!(
-        "model: {} ({}), {} layers, hidden {}, {} heads ({} kv), context {}, vocabulary {}",
-        c.name.as_deref().unwrap_or("unnamed"),
-        c.architecture,
-        c.layers,
-        c.hidden_size,
-        c.heads,
-        c.kv_heads,
-        c.context_length,
-        c.vocab_size
-    );
-    let types: Vec<String> = report.model.tensor_types.iter().map(|(t, n)| format!("{t} x{n}")).collect();
-    println!("tensors: {}", types.join(", "));
-    println!(
-        "tokenizer: {} / {}, chat template: {}",
-        report.model.vocab.kind,
-        report.model.vocab.pre.as_deref().unwrap_or("default"),
-        if report.model.vocab.chat_template.is_some() { "yes" } else { "no" }
-    );
+    match &report.model {
+        ModelSummary::Decoder(model) => {
+            let c = &model.config;
+            println!(
+                "model: {} ({}), {} layers, hidden {}, {} heads ({} kv), context {}, vocabulary {}",
+                c.name.as_deref().unwrap_or("unnamed"),
+                c.architecture,
+                c.layers,
+                c.hidden_size,
+                c.heads,
+                c.kv_heads,
+                c.context_length,
+                c.vocab_size
+            );
+            let types: Vec<String> = model.tensor_types.iter().map(|(t, n)| format!("{t} x{n}")).collect();
+            println!("tensors: {}", types.join(", "));
+            println!(
+                "tokenizer: {} / {}, chat template: {}",
+                model.vocab.kind,
+                model.vocab.pre.as_deref().unwrap_or("default"),
+                if model.vocab.chat_template.is_some() { "yes" } else { "no" }
+            );
+        }
+        ModelSummary::Encoder(info) => {
+            let c = &info.config;
+            println!(
+                "model: encoder ({}), {} layers, hidden {}, {} heads, vocabulary {}",
+                c.model_type.as_deref().unwrap_or("bert"),
+                c.num_hidden_layers,
+                c.hidden_size,
+                c.num_attention_heads,
+                c.vocab_size
+            );
+            println!(
+                "embedding: {} dimensions, {:?} pooling{}, at most {} tokens per row",
+                info.dimensions,
+                info.pooling,
+                if info.normalize { ", normalised" } else { "" },
+                info.max_tokens
+            );
+        }
+    }
     println!("output: {}", report.output_url);
 }

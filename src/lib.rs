@@ -10,8 +10,8 @@
 //! 2. [`source`]: object-store URLs, listing, and streamed Parquet reading (memory bounded by a row group).
 //! 3. [`tokenize`]: the tokenizer and chat template from the model's metadata; prompts become validated token
 //!    sequences or error rows.
-//! 4. [`engine`]: the model (candle), its KV cache, sampling and the batching loop; the only place that knows
-//!    candle.
+//! 4. [`engine`]: the decoder (candle), its KV cache, sampling and the batching loop; [`encoder`]: the BERT-family
+//!    encoder of embedding jobs. The only places that know candle.
 //! 5. [`sink`]: per-unit result and metrics Parquet files, create-once commit markers, and finalize (manifest
 //!    and `_SUCCESS`).
 //!
@@ -24,6 +24,7 @@
 
 pub mod app;
 pub mod cli;
+pub mod encoder;
 pub mod engine;
 pub mod error;
 pub mod job;

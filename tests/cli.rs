@@ -5,6 +5,7 @@ mod support;
 mod engine;
 mod tokenizer;
 mod reliability;
+mod embed;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -42,6 +42,12 @@ pub enum ModelError {
 #[error("forward pass failed: {0}")]
 pub struct EngineError(String);
 
+impl EngineError {
+    pub fn new(message: impl Into<String>) -> Self {
+        EngineError(message.into())
+    }
+}
+
 pub fn select_device(choice: &DeviceChoice) -> Result<Device, ModelError> {
     match choice {
         DeviceChoice::Auto | DeviceChoice::Cpu => Ok(Device::Cpu),

@@ -19,12 +19,14 @@ pub enum JobError {
     Invalid { path: PathBuf, key: &'static str, problem: String },
 }
 
-/// What a job does. Only generation exists today; `embed` and `seq2seq` are planned.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+/// What a job does: generate text with a decoder, or embed rows with an encoder. (`seq2seq` is planned.)
+#[derive(Clone, Copy, Debug, Default, Deserialize, serde::Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum JobKind {
     #[default]
     Generate,
+    /// One vector per row from an encoder-only model (BERT family); no generation.
+    Embed,
 }
 
 #[derive(Debug, Deserialize)]
@@ -34,7 +36,7 @@ struct JobFile {
     kind: JobKind,
     input: InputSection,
     model: ModelSection,
-    generation: GenerationSection,
+    generation: Option<GenerationSection>,
     output: OutputSection,
     #[serde(default)]
     runtime: RuntimeSection,
@@ -62,6 +64,13 @@ struct ParametersSection {
     top_p: Option<String>,
     top_k: Option<String>,
     seed: Option<String>,
+}
+
+impl ParametersSection {
+    /// True when no column is mapped.
+    fn is_empty(&self) -> bool {
+        [&self.max_new_tokens, &self.temperature, &self.top_p, &self.top_k, &self.seed].iter().all(|c| c.is_none())
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -372,7 +381,25 @@ impl Job {
             }
         }
 
-        let g = file.generation;
+        let g = match (file.kind, file.generation) {
+            (JobKind::Generate, Some(g)) => g,
+            (JobKind::Generate, None) => {
+                return Err(invalid("generation", "is required: a `[generation]` section with `max_new_tokens`".into()))
+            }
+            (JobKind::Embed, Some(_)) => return Err(invalid("generation", "has no meaning for `kind = \"embed\"` jobs".into())),
+            (JobKind::Embed, None) => {
+                for (set, key) in [
+                    (matches!(prompt, PromptColumn::Messages(_)), "input.messages_column"),
+                    (file.input.system_prompt.is_some(), "input.system_prompt"),
+                    (!file.input.parameters.is_empty(), "input.parameters"),
+                ] {
+                    if set {
+                        return Err(invalid(key, "has no meaning for `kind = \"embed\"` jobs".into()));
+                    }
+                }
+                GenerationSection { max_new_tokens: 1, temperature: None, top_p: None, top_k: None, seed: None, stop: Vec::new() }
+            }
+        };
         let max_new_tokens = check_max_new_tokens(g.max_new_tokens).map_err(|p| invalid("generation.max_new_tokens", p))?;
         let temperature = check_temperature(g.temperature.unwrap_or(0.0)).map_err(|p| invalid("generation.temperature", p))?;
         let top_p = check_top_p(g.top_p.unwrap_or(1.0)).map_err(|p| invalid("generation.top_p", p))?;

@@ -27,6 +27,14 @@ impl Collector {
         self.tpot_s.extend(c.tpot_s);
     }
 
+    /// A row embedded: its tokens count as prompt tokens; it has no time to first token.
+    pub fn embedded(&mut self, prompt_tokens: u32, e2e_s: f64) {
+        self.rows += 1;
+        self.succeeded += 1;
+        self.prompt_tokens += prompt_tokens as u64;
+        self.e2e_s.push(e2e_s);
+    }
+
     pub fn errored(&mut self) {
         self.rows += 1;
         self.errored += 1;

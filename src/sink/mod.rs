@@ -76,9 +76,17 @@ const ROWS_PER_ROW_GROUP: usize = 8192;
 /// conditional puts itself: they are not idempotent).
 const COMMIT_TRIES: u32 = 6;
 
+/// What result rows hold: generated text, or embeddings of a fixed length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResultsLayout {
+    Generate,
+    Embed { dimensions: usize },
+}
+
 /// Facts about the run stored in each file's key/value metadata.
 #[derive(Clone, Debug)]
 pub struct RunMetadata {
+    pub layout: ResultsLayout,
     pub model_sha256: String,
     pub model: String,
     pub job: String,
@@ -104,13 +112,26 @@ impl RunMetadata {
 #[derive(Clone, Debug)]
 pub enum Outcome {
     Completed(Completion),
+    Embedded(Embedded),
     Failed { id: String, tag: RowTag, error: RowError },
+}
+
+/// A row's embedding.
+#[derive(Clone, Debug)]
+pub struct Embedded {
+    pub id: String,
+    pub tag: RowTag,
+    pub vector: Vec<f32>,
+    pub prompt_tokens: u32,
+    /// From the row being ready for the encoder to its vector.
+    pub e2e_s: f64,
 }
 
 impl Outcome {
     pub fn tag(&self) -> RowTag {
         match self {
             Outcome::Completed(c) => c.tag,
+            Outcome::Embedded(e) => e.tag,
             Outcome::Failed { tag, .. } => *tag,
         }
     }
@@ -184,6 +205,19 @@ pub fn results_schema() -> Schema {
         Field::new("ttft_s", DataType::Float64, true),
         Field::new("e2e_s", DataType::Float64, true),
         Field::new("tpot_s", DataType::Float64, true),
+    ])
+}
+
+/// The Arrow schema of an embedding job's result files, described field by field in `schemas/embeddings.json`.
+pub fn embeddings_schema(dimensions: usize) -> Schema {
+    let item = Arc::new(Field::new("item", DataType::Float32, false));
+    Schema::new(vec![
+        Field::new("id", DataType::Utf8, false),
+        Field::new("status", DataType::Utf8, false),
+        Field::new("error", DataType::Struct(error_fields()), true),
+        Field::new("embedding", DataType::FixedSizeList(item, dimensions as i32), true),
+        Field::new("prompt_tokens", DataType::UInt32, true),
+        Field::new("e2e_s", DataType::Float64, true),
     ])
 }
 
@@ -454,11 +488,21 @@ impl Output {
     }
 
     async fn write_results(&self, relative: &str, run: &RunMetadata, outcomes: &[Outcome]) -> Result<(), SinkError> {
-        let schema = with_metadata(results_schema(), run);
+        let schema = with_metadata(
+            match run.layout {
+                ResultsLayout::Generate => results_schema(),
+                ResultsLayout::Embed { dimensions } => embeddings_schema(dimensions),
+            },
+            run,
+        );
         let upload = BufWriter::new(self.store().clone(), self.path(relative));
         let mut writer = AsyncArrowWriter::try_new(upload, schema.clone(), Some(properties(run))).map_err(|e| self.write_error(relative, e))?;
         for chunk in outcomes.chunks(ROWS_PER_BATCH) {
-            let batch = results_batch(chunk, schema.clone()).map_err(|e| self.write_error(relative, e))?;
+            let batch = match run.layout {
+                ResultsLayout::Generate => results_batch(chunk, schema.clone()),
+                ResultsLayout::Embed { dimensions } => embeddings_batch(chunk, schema.clone(), dimensions),
+            }
+            .map_err(|e| self.write_error(relative, e))?;
             if let Err(e) = writer.write(&batch).await {
                 // Abort a started multipart upload instead of leaving its parts behind.
                 let _ = writer.into_inner().abort().await;
@@ -595,6 +639,71 @@ impl Output {
     }
 }
 
+fn embeddings_batch(rows: &[Outcome], schema: SchemaRef, dimensions: usize) -> Result<RecordBatch, arrow::error::ArrowError> {
+    use arrow::array::{FixedSizeListBuilder, Float32Builder};
+    let n = rows.len();
+    let mut id = StringBuilder::with_capacity(n, n * 16);
+    let mut status = StringBuilder::with_capacity(n, n * 9);
+    let mut code = StringBuilder::new();
+    let mut message = StringBuilder::new();
+    let mut error_valid = Vec::with_capacity(n);
+    let item = Field::new("item", DataType::Float32, false);
+    let mut vectors = FixedSizeListBuilder::with_capacity(Float32Builder::with_capacity(n * dimensions), dimensions as i32, n)
+        .with_field(Arc::new(item));
+    let mut tokens = UInt32Builder::with_capacity(n);
+    let mut e2e = Float64Builder::with_capacity(n);
+    for row in rows {
+        match row {
+            Outcome::Embedded(e) => {
+                if e.vector.len() != dimensions {
+                    return Err(arrow::error::ArrowError::InvalidArgumentError(format!(
+                        "row {} has {} dimensions, expected {dimensions} (a bug)",
+                        e.id,
+                        e.vector.len()
+                    )));
+                }
+                id.append_value(&e.id);
+                status.append_value("succeeded");
+                code.append_value("");
+                message.append_value("");
+                error_valid.push(false);
+                vectors.values().append_slice(&e.vector);
+                vectors.append(true);
+                tokens.append_value(e.prompt_tokens);
+                e2e.append_value(e.e2e_s);
+            }
+            Outcome::Failed { id: row_id, error, .. } => {
+                id.append_value(row_id);
+                status.append_value("errored");
+                code.append_value(error.code.as_str());
+                message.append_value(&error.message);
+                error_valid.push(true);
+                vectors.values().append_slice(&vec![0.0; dimensions]);
+                vectors.append(false);
+                tokens.append_null();
+                e2e.append_null();
+            }
+            Outcome::Completed(c) => {
+                return Err(arrow::error::ArrowError::InvalidArgumentError(format!("row {} is a completion in an embedding job (a bug)", c.id)))
+            }
+        }
+    }
+    let error = StructArray::try_new(
+        error_fields(),
+        vec![Arc::new(code.finish()) as ArrayRef, Arc::new(message.finish())],
+        Some(error_valid.into()),
+    )?;
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(id.finish()),
+        Arc::new(status.finish()),
+        Arc::new(error),
+        Arc::new(vectors.finish()),
+        Arc::new(tokens.finish()),
+        Arc::new(e2e.finish()),
+    ];
+    RecordBatch::try_new(schema, columns)
+}
+
 fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<RecordBatch, arrow::error::ArrowError> {
     let n = rows.len();
     let mut id = StringBuilder::with_capacity(n, n * 16);
@@ -626,6 +735,9 @@ fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<RecordBatch, arr
                 ttft.append_value(c.ttft_s);
                 e2e.append_value(c.e2e_s);
                 tpot.append_option(c.tpot_s);
+            }
+            Outcome::Embedded(e) => {
+                return Err(arrow::error::ArrowError::InvalidArgumentError(format!("row {} is an embedding in a generation job (a bug)", e.id)))
             }
             Outcome::Failed { id: row_id, error, .. } => {
                 id.append_value(row_id);
@@ -675,6 +787,7 @@ mod tests {
                 "Struct<{}>",
                 fields.iter().map(|f| format!("{}: {}", f.name(), type_name(f.data_type()))).collect::<Vec<_>>().join(", ")
             ),
+            DataType::FixedSizeList(item, _) => format!("FixedSizeList<{}, dimensions>", type_name(item.data_type())),
             other => format!("{other:?}"),
         }
     }
@@ -700,6 +813,11 @@ mod tests {
     #[test]
     fn results_schema_matches_schemas_dir() {
         check(&results_schema(), "results.json");
+    }
+
+    #[test]
+    fn embeddings_schema_matches_schemas_dir() {
+        check(&embeddings_schema(384), "embeddings.json");
     }
 
     #[test]

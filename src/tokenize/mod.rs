@@ -187,9 +187,74 @@ impl Preprocessor {
         ))
     }
 
+}
+
+/// Turns source rows into prepared rows; the tokenizer thread runs one of these for either job kind.
+pub trait Prepare: Send + Sync {
+    fn prepare(&self, row: SourceRow) -> PreparedRow;
+
     /// Prepares a batch of rows in parallel, keeping their order.
-    pub fn prepare_batch(&self, rows: Vec<SourceRow>) -> Vec<PreparedRow> {
+    fn prepare_all(&self, rows: Vec<SourceRow>) -> Vec<PreparedRow> {
         rows.into_par_iter().map(|row| self.prepare(row)).collect()
+    }
+}
+
+impl Prepare for Preprocessor {
+    fn prepare(&self, row: SourceRow) -> PreparedRow {
+        Preprocessor::prepare(self, row)
+    }
+}
+
+/// Rows -> token ids for an encoder: the text as it is (no chat template), with the model's special tokens
+/// (`[CLS] ... [SEP]`), checked against the model's maximum length.
+pub struct EncoderPreprocessor {
+    tokenizer: Tokenizer,
+    /// The same tokenizer, cutting rows to `max_tokens` from the side `input.truncate` names.
+    truncating: Option<Tokenizer>,
+    max_tokens: usize,
+}
+
+impl EncoderPreprocessor {
+    pub fn new(tokenizer: Tokenizer, max_tokens: usize, truncate: Truncate) -> Result<Self, TokenizerError> {
+        use tokenizers::{TruncationDirection, TruncationParams, TruncationStrategy};
+        let truncating = match truncate {
+            Truncate::None => None,
+            side => {
+                let mut t = tokenizer.clone();
+                let direction = if side == Truncate::Left { TruncationDirection::Left } else { TruncationDirection::Right };
+                t.with_truncation(Some(TruncationParams { max_length: max_tokens, direction, strategy: TruncationStrategy::LongestFirst, stride: 0 }))
+                    .map_err(|e| TokenizerError::Invalid(e.to_string()))?;
+                Some(t)
+            }
+        };
+        Ok(EncoderPreprocessor { tokenizer, truncating, max_tokens })
+    }
+}
+
+impl Prepare for EncoderPreprocessor {
+    fn prepare(&self, row: SourceRow) -> PreparedRow {
+        let tokens = row.prompt.and_then(|prompt| {
+            let Prompt::Text(text) = prompt else {
+                return Err(RowError::new(ErrorCode::InvalidMessages, "an embedding row is a text, not a conversation"));
+            };
+            let tokenizer = self.truncating.as_ref().unwrap_or(&self.tokenizer);
+            let encoding = tokenizer
+                .encode_fast(text.as_str(), true)
+                .map_err(|e| RowError::new(ErrorCode::TemplateError, format!("tokenization failed: {e}")))?;
+            let ids = encoding.get_ids();
+            if ids.len() > self.max_tokens {
+                return Err(RowError::new(
+                    ErrorCode::PromptTooLong,
+                    format!(
+                        "the row has {} tokens; the model takes at most {} (set `input.truncate` to cut long rows)",
+                        ids.len(),
+                        self.max_tokens
+                    ),
+                ));
+            }
+            Ok(ids.to_vec())
+        });
+        PreparedRow { id: row.id, tag: row.tag, params: row.params, tokens }
     }
 }
 
