@@ -614,6 +614,21 @@ url = "out/"
     }
 
     #[test]
+    fn embed_jobs_have_no_generation_section_and_no_conversations() {
+        let embed = format!("kind = \"embed\"\n{}", MINIMAL.replace("[generation]\nmax_new_tokens = 16\n", ""));
+        assert_eq!(parse(&embed).unwrap().kind, JobKind::Embed);
+        let m = message(&format!("kind = \"embed\"\n{MINIMAL}"));
+        assert!(m.contains("`generation`") && m.contains("embed"), "{m}");
+        let m = message(&embed.replace("url = \"data/in.parquet\"", "url = \"x\"\nmessages_column = \"m\""));
+        assert!(m.contains("input.messages_column"), "{m}");
+        let m = message(&embed.replace("url = \"data/in.parquet\"", "url = \"x\"\n[input.parameters]\ntemperature = \"t\""));
+        assert!(m.contains("input.parameters"), "{m}");
+        // A generation job without `[generation]` is told what is missing.
+        let m = message(&MINIMAL.replace("[generation]\nmax_new_tokens = 16\n", ""));
+        assert!(m.contains("generation") && m.contains("max_new_tokens"), "{m}");
+    }
+
+    #[test]
     fn row_parameters_override_only_what_they_set() {
         let job = parse(MINIMAL).unwrap();
         let row = crate::row::RowParams { temperature: Some(0.5), max_new_tokens: Some(3), ..Default::default() };
