@@ -82,7 +82,7 @@ fn runtime() -> Result<tokio::runtime::Runtime, Error> {
 
 /// Limits the engine's CPU threads: rayon's global pool (attention, tokenization) and candle's kernels, which
 /// size their pool from `RAYON_NUM_THREADS`. Called before any thread pool exists.
-fn limit_threads(threads: usize) {
+pub fn limit_threads(threads: usize) {
     // `set_var` is sound only while no other thread reads the environment; this runs on the main thread
     // before the I/O runtime, the engine or any pool is started.
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
@@ -559,17 +559,9 @@ fn drive_encoder(
             }
         }
         window.sort_by_key(|r| r.tokens.len());
-        let mut start = 0;
-        while start < window.len() {
-            // Sorted ascending, so the last row of a batch is its longest.
-            let mut end = start + 1;
-            while end < window.len()
-                && end - start < config.max_seqs
-                && (end - start + 1) * window[end].tokens.len() <= config.max_batch_tokens
-            {
-                end += 1;
-            }
-            let batch = &window[start..end];
+        let lengths: Vec<usize> = window.iter().map(|r| r.tokens.len()).collect();
+        for range in crate::encoder::length_batches(&lengths, config.max_seqs, config.max_batch_tokens) {
+            let batch = &window[range];
             let rows: Vec<&[u32]> = batch.iter().map(|r| r.tokens.as_slice()).collect();
             let vectors = encoder.embed(&rows).map_err(|e| engine::EngineError::new(e.to_string()))?;
             let now = Instant::now();
@@ -589,7 +581,6 @@ fn drive_encoder(
                     return Ok(stats);
                 }
             }
-            start = end;
         }
     }
 }

@@ -34,6 +34,82 @@ pub enum Command {
     /// Complete an output whose units are all committed: remove uncommitted attempts' files, write
     /// `_manifest.json` and `_SUCCESS`. Safe to run repeatedly and concurrently; exits 75 while units are missing.
     Finalize(FinalizeArgs),
+    /// Measure throughput on a synthetic workload (in-process, no object-store I/O).
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// An embedding model: rows/s and tokens/s over rows of random lengths, batched as embedding jobs batch them.
+    Embed(EmbedBenchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct EmbedBenchArgs {
+    /// The encoder's Hugging Face directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    #[arg(long, default_value_t = 2000)]
+    pub rows: usize,
+    /// Shortest row, in tokens.
+    #[arg(long, default_value_t = 16)]
+    pub min_tokens: usize,
+    /// Longest row, in tokens (at most the model's limit).
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Rows per batch.
+    #[arg(long, default_value_t = 32)]
+    pub max_seqs: usize,
+    /// Padded tokens per batch.
+    #[arg(long, default_value_t = 4096)]
+    pub max_batch_tokens: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// CPU threads (default: every core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl EmbedBenchArgs {
+    pub fn options(&self) -> crate::bench::EmbedBenchOptions {
+        crate::bench::EmbedBenchOptions {
+            model: self.model.clone(),
+            rows: self.rows,
+            min_tokens: self.min_tokens,
+            max_tokens: self.max_tokens,
+            max_seqs: self.max_seqs,
+            max_batch_tokens: self.max_batch_tokens,
+            seed: self.seed,
+        }
+    }
+}
+
+pub fn print_embed_bench(report: &crate::bench::EmbedBenchReport, json: bool) {
+    if json {
+        println!("{}", serde_json::to_string(report).expect("plain data serialises"));
+        return;
+    }
+    println!("model: {} ({} dimensions)", report.model, report.dimensions);
+    println!(
+        "workload: {} rows, {} tokens ({:.1} per row), {} batches, packing efficiency {:.1} %",
+        report.rows,
+        report.tokens,
+        report.tokens as f64 / report.rows as f64,
+        report.batches,
+        report.packing_efficiency * 100.0
+    );
+    println!(
+        "throughput: {:.1} rows/s, {:.0} tokens/s over {:.2} s (tokenization {:.2} s, not included); peak RSS {} MiB",
+        report.rows_per_s,
+        report.tokens_per_s,
+        report.embed_s,
+        report.tokenize_s,
+        report.peak_rss_bytes >> 20
+    );
 }
 
 #[derive(Debug, Args)]

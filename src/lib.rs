@@ -19,10 +19,12 @@
 //! resume instead of starting over.
 //!
 //! [`row`] holds the per-row types every stage shares (prompts, row errors, finish reasons); [`metrics`] the plain
-//! structs filled as the job runs; [`app`] wires the stages together with bounded channels and threads; [`cli`] is
-//! the command line; [`error`] maps failures to documented exit codes.
+//! structs filled as the job runs; [`bench`] the synthetic throughput benchmarks; [`app`] wires the stages together
+//! with bounded channels and threads; [`cli`] is the command line; [`error`] maps failures to documented exit
+//! codes.
 
 pub mod app;
+pub mod bench;
 pub mod cli;
 pub mod encoder;
 pub mod engine;

@@ -28,6 +28,12 @@ fn main() -> ExitCode {
         .map(|r| cli::print_run(&r)),
         Command::Validate(args) => app::validate(&args.job, &args.overrides()).map(|r| cli::print_validate(&r)),
         Command::Finalize(args) => app::finalize(&args.output).map(|(f, url)| cli::print_finalize(&f, &url)),
+        Command::Bench(cli::BenchCommand::Embed(args)) => {
+            if let Some(threads) = args.threads {
+                app::limit_threads(threads);
+            }
+            nightshift::bench::embed(&args.options()).map(|r| cli::print_embed_bench(&r, args.json))
+        }
     };
     match result {
         Ok(()) => Exit::Complete.into(),

@@ -215,3 +215,20 @@ fn read_results_codes(out: &std::path::Path) -> BTreeMap<String, Option<String>>
     }
     rows
 }
+
+#[test]
+fn bench_embed_reports_throughput_on_a_synthetic_workload() {
+    let run = nightshift(
+        &["bench", "embed", "--model", minilm().to_str().unwrap(), "--rows", "40", "--min-tokens", "8", "--max-tokens", "64", "--json"],
+        &[],
+    );
+    run.assert_ok();
+    let report: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+    assert_eq!(report["rows"], 40);
+    assert_eq!(report["dimensions"], 384);
+    let tokens = report["tokens"].as_f64().unwrap();
+    assert!((40.0 * 8.0 * 0.8..=40.0 * 64.0 * 1.2).contains(&tokens), "{report}");
+    let packing = report["packing_efficiency"].as_f64().unwrap();
+    assert!(packing > 0.5 && packing <= 1.0, "{report}");
+    assert!(report["tokens_per_s"].as_f64().unwrap() > 0.0 && report["batches"].as_u64().unwrap() >= 2, "{report}");
+}
