@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Writes jobs/data/tickets.parquet, the sample input of jobs/summarise.toml (`prompt`) and jobs/embed.toml (`text`)
-(committed; rerun to change it).
+"""Writes jobs/data/tickets.parquet, the sample input of jobs/summarise.toml (`prompt`), jobs/embed.toml (`text`)
+and jobs/seq2seq.toml (`t5_prompt`) (committed; rerun to change it).
 
 Needs pyarrow (pip install pyarrow); nightshift itself does not.
 """
@@ -31,6 +31,8 @@ table = pa.table({
     "prompt": [f"Support ticket:\n{t}\n\nSummarise the ticket above in one short sentence." for t in TICKETS],
     # The ticket alone, for embedding jobs.
     "text": TICKETS,
+    # T5's task prefix and the ticket, for seq2seq jobs.
+    "t5_prompt": [f"summarize: {t}" for t in TICKETS],
 })
 pq.write_table(table, out, compression="snappy")
 print(f"wrote {out} ({table.num_rows} rows)")

@@ -142,7 +142,7 @@ fn fingerprint(job: &Job, model_sha256: &str, template: Option<&str>, input: &In
         model_sha256: model_sha256.into(),
         prompt,
         generation: match job.kind {
-            JobKind::Generate => serde_json::to_value(&job.generation).expect("parameters serialise"),
+            JobKind::Generate | JobKind::Seq2seq => serde_json::to_value(&job.generation).expect("parameters serialise"),
             JobKind::Embed => serde_json::Value::Null,
         },
         input: input.snapshot(),
@@ -283,7 +283,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let (source_tx, mut source_rx) = mpsc::channel::<Vec<SourceRow>>(SOURCE_DEPTH);
     // An encoder sorts a window of queued rows by length before batching them, so it gets a deeper queue.
     let queue = match worker {
-        Worker::Generate(_) => batch.max_seqs * 2,
+        Worker::Generate(_) | Worker::Seq2seq(_) => batch.max_seqs * 2,
         Worker::Embed(_) => EMBED_WINDOW,
     };
     let (request_tx, request_rx) = std_mpsc::sync_channel::<Request>(queue);
@@ -339,6 +339,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         .spawn(move || match worker {
             Worker::Generate(engine) => drive(engine, request_rx, sink_tx, &engine_drain, &shared_stats),
             Worker::Embed(encoder) => drive_encoder(&encoder, &batch, request_rx, sink_tx, &engine_drain, &shared_stats),
+            Worker::Seq2seq(engine) => drive(engine, request_rx, sink_tx, &engine_drain, &shared_stats),
         })
         .map_err(|e| Error::Internal(format!("cannot start the engine thread: {e}")))?;
 
@@ -456,6 +457,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
 enum Worker {
     Generate(BatchEngine),
     Embed(Encoder),
+    Seq2seq(crate::seq2seq::Seq2SeqEngine),
 }
 
 struct Loaded {
@@ -507,6 +509,24 @@ fn load_worker(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error>
                 prepare: Box::new(preprocessor),
                 model_sha256,
                 template: info.vocab.chat_template.clone(),
+                weights_bytes,
+                layout: ResultsLayout::Generate,
+            })
+        }
+        JobKind::Seq2seq => {
+            let model_sha256 = check_model_dir(job)?;
+            let model = crate::seq2seq::T5::load(&job.model.path, device)?;
+            let c = &model.config;
+            info!(layers = c.num_layers, decoder_layers = c.decoder_layers(), d_model = c.d_model, heads = c.num_heads, "encoder-decoder");
+            let tokenizer = crate::encoder::tokenizer(&job.model.path)?;
+            let prepare = EncoderPreprocessor::new(tokenizer.clone(), crate::seq2seq::MAX_SOURCE_TOKENS, job.input.truncate)?;
+            let weights_bytes = model.weight_bytes();
+            let engine = crate::seq2seq::Seq2SeqEngine::new(model, tokenizer, job.generation.clone(), job.runtime.max_seqs);
+            Ok(Loaded {
+                worker: Worker::Seq2seq(engine),
+                prepare: Box::new(prepare),
+                model_sha256,
+                template: None,
                 weights_bytes,
                 layout: ResultsLayout::Generate,
             })
@@ -596,8 +616,8 @@ pub fn finalize(url: &str) -> Result<(Finalized, String), Error> {
 /// The engine thread's loop: admit while there is room, step, send completions. Blocks for input only when idle.
 /// On a drain request it admits nothing more and stops at the grace deadline, dropping unfinished sequences
 /// (their units are not committed, and a rerun redoes them).
-fn drive(
-    mut engine: BatchEngine,
+fn drive<E: Engine>(
+    mut engine: E,
     requests: std_mpsc::Receiver<Request>,
     sink: mpsc::Sender<Outcome>,
     drain: &Drain,
@@ -683,6 +703,7 @@ pub struct ValidateReport {
 pub enum ModelSummary {
     Decoder(engine::ModelInfo),
     Encoder(crate::encoder::EncoderInfo),
+    Seq2seq(crate::seq2seq::T5Config),
 }
 
 /// Checks the job file, the input's files and columns, and the model's metadata, tokenizer and chat template,
@@ -698,6 +719,16 @@ pub fn validate(job_path: &Path, overrides: &Overrides) -> Result<ValidateReport
             check_model_file(&job)?;
             Preprocessor::new(&model.vocab, &job.model.chat_template, &job.input, model.config.context_length, job.generation.max_new_tokens)?;
             ModelSummary::Decoder(model)
+        }
+        JobKind::Seq2seq => {
+            check_model_dir(&job)?;
+            let config: crate::seq2seq::T5Config = serde_json::from_slice(
+                &std::fs::read(job.model.path.join("config.json"))
+                    .map_err(|source| ModelError::Open { path: job.model.path.join("config.json"), source })?,
+            )
+            .map_err(|e| ModelError::Format { path: job.model.path.join("config.json"), message: e.to_string() })?;
+            EncoderPreprocessor::new(crate::encoder::tokenizer(&job.model.path)?, crate::seq2seq::MAX_SOURCE_TOKENS, job.input.truncate)?;
+            ModelSummary::Seq2seq(config)
         }
         JobKind::Embed => {
             let info = crate::encoder::inspect(&job.model.path)?;

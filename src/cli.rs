@@ -251,6 +251,14 @@ pub fn print_validate(report: &ValidateReport) {
                 if model.vocab.chat_template.is_some() { "yes" } else { "no" }
             );
         }
+        ModelSummary::Seq2seq(c) => println!(
+            "model: encoder-decoder (t5), {} encoder and {} decoder layers, d_model {}, {} heads, vocabulary {}",
+            c.num_layers,
+            c.decoder_layers(),
+            c.d_model,
+            c.num_heads,
+            c.vocab_size
+        ),
         ModelSummary::Encoder(info) => {
             let c = &info.config;
             println!(

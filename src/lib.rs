@@ -11,7 +11,8 @@
 //! 3. [`tokenize`]: the tokenizer and chat template from the model's metadata; prompts become validated token
 //!    sequences or error rows.
 //! 4. [`engine`]: the decoder (candle), its KV cache, sampling and the batching loop; [`encoder`]: the BERT-family
-//!    encoder of embedding jobs. The only places that know candle.
+//!    encoder of embedding jobs; [`seq2seq`]: the T5 encoder-decoder and its engine. The only places that know
+//!    candle.
 //! 5. [`sink`]: per-unit result and metrics Parquet files, create-once commit markers, and finalize (manifest
 //!    and `_SUCCESS`).
 //!
@@ -33,6 +34,7 @@ pub mod job;
 pub mod metrics;
 pub mod plan;
 pub mod row;
+pub mod seq2seq;
 pub mod sink;
 pub mod source;
 pub mod tokenize;

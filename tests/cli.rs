@@ -6,6 +6,7 @@ mod engine;
 mod tokenizer;
 mod reliability;
 mod embed;
+mod seq2seq;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -140,7 +140,15 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>, M
 
 /// The model files of a directory that decide its outputs, in a fixed order (for the job's fingerprint).
 pub fn model_files(dir: &Path) -> Vec<PathBuf> {
-    ["config.json", "model.safetensors", "tokenizer.json", "modules.json", "1_Pooling/config.json", "sentence_bert_config.json"]
+    [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "modules.json",
+        "1_Pooling/config.json",
+        "sentence_bert_config.json",
+        "generation_config.json",
+    ]
         .iter()
         .map(|f| dir.join(f))
         .filter(|p| p.exists())

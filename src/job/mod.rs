@@ -19,7 +19,8 @@ pub enum JobError {
     Invalid { path: PathBuf, key: &'static str, problem: String },
 }
 
-/// What a job does: generate text with a decoder, or embed rows with an encoder. (`seq2seq` is planned.)
+/// What a job does: generate text with a decoder, embed rows with an encoder, or generate with an
+/// encoder-decoder.
 #[derive(Clone, Copy, Debug, Default, Deserialize, serde::Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum JobKind {
@@ -27,6 +28,8 @@ pub enum JobKind {
     Generate,
     /// One vector per row from an encoder-only model (BERT family); no generation.
     Embed,
+    /// Generation with an encoder-decoder model (T5 family): the row is the source text, no chat template.
+    Seq2seq,
 }
 
 #[derive(Debug, Deserialize)]
@@ -381,9 +384,19 @@ impl Job {
             }
         }
 
+        if file.kind == JobKind::Seq2seq {
+            for (set, key) in [
+                (matches!(prompt, PromptColumn::Messages(_)), "input.messages_column"),
+                (file.input.system_prompt.is_some(), "input.system_prompt"),
+            ] {
+                if set {
+                    return Err(invalid(key, "has no meaning for `kind = \"seq2seq\"` jobs (no chat template)".into()));
+                }
+            }
+        }
         let g = match (file.kind, file.generation) {
-            (JobKind::Generate, Some(g)) => g,
-            (JobKind::Generate, None) => {
+            (JobKind::Generate | JobKind::Seq2seq, Some(g)) => g,
+            (JobKind::Generate | JobKind::Seq2seq, None) => {
                 return Err(invalid("generation", "is required: a `[generation]` section with `max_new_tokens`".into()))
             }
             (JobKind::Embed, Some(_)) => return Err(invalid("generation", "has no meaning for `kind = \"embed\"` jobs".into())),
@@ -614,7 +627,7 @@ url = "out/"
     }
 
     #[test]
-    fn embed_jobs_have_no_generation_section_and_no_conversations() {
+    fn embed_and_seq2seq_jobs_are_checked_for_what_they_cannot_use() {
         let embed = format!("kind = \"embed\"\n{}", MINIMAL.replace("[generation]\nmax_new_tokens = 16\n", ""));
         assert_eq!(parse(&embed).unwrap().kind, JobKind::Embed);
         let m = message(&format!("kind = \"embed\"\n{MINIMAL}"));
@@ -623,6 +636,11 @@ url = "out/"
         assert!(m.contains("input.messages_column"), "{m}");
         let m = message(&embed.replace("url = \"data/in.parquet\"", "url = \"x\"\n[input.parameters]\ntemperature = \"t\""));
         assert!(m.contains("input.parameters"), "{m}");
+        // A seq2seq job generates, so it needs `[generation]`, but it has no chat template.
+        let seq2seq = format!("kind = \"seq2seq\"\n{MINIMAL}");
+        assert_eq!(parse(&seq2seq).unwrap().kind, JobKind::Seq2seq);
+        let m = message(&seq2seq.replace("url = \"data/in.parquet\"", "url = \"x\"\nsystem_prompt = \"Be brief.\""));
+        assert!(m.contains("input.system_prompt") && m.contains("seq2seq"), "{m}");
         // A generation job without `[generation]` is told what is missing.
         let m = message(&MINIMAL.replace("[generation]\nmax_new_tokens = 16\n", ""));
         assert!(m.contains("generation") && m.contains("max_new_tokens"), "{m}");
