@@ -114,19 +114,27 @@ fn hidden_states_equal_candle_transformers_bert_on_the_same_weights() {
 
 /// The `embedding` column of a local output's result files, by id.
 fn read_embeddings(out: &std::path::Path) -> BTreeMap<String, Option<Vec<f32>>> {
-    let output = OutputStore::local(out);
-    let manifest = output.manifest();
     let mut rows = BTreeMap::new();
-    for file in manifest["results"].as_array().unwrap() {
-        let bytes = output.get(file.as_str().unwrap()).unwrap();
-        for batch in ParquetRecordBatchReaderBuilder::try_new(bytes).unwrap().build().unwrap() {
-            let batch = batch.unwrap();
-            let ids = batch.column_by_name("id").unwrap().as_string::<i32>().clone();
-            let vectors = batch.column_by_name("embedding").unwrap().as_fixed_size_list().clone();
-            for i in 0..batch.num_rows() {
-                let vector = (!vectors.is_null(i)).then(|| vectors.value(i).as_primitive::<Float32Type>().values().to_vec());
-                rows.insert(ids.value(i).to_string(), vector);
-            }
+    for batch in OutputStore::local(out).result_batches() {
+        let ids = batch.column_by_name("id").unwrap().as_string::<i32>().clone();
+        let vectors = batch.column_by_name("embedding").unwrap().as_fixed_size_list().clone();
+        for i in 0..batch.num_rows() {
+            let vector = (!vectors.is_null(i)).then(|| vectors.value(i).as_primitive::<Float32Type>().values().to_vec());
+            rows.insert(ids.value(i).to_string(), vector);
+        }
+    }
+    rows
+}
+
+/// Error codes of a local output's rows, by id (None for succeeded rows).
+fn read_results_codes(out: &std::path::Path) -> BTreeMap<String, Option<String>> {
+    let mut rows = BTreeMap::new();
+    for batch in OutputStore::local(out).result_batches() {
+        let ids = batch.column_by_name("id").unwrap().as_string::<i32>().clone();
+        let error = batch.column_by_name("error").unwrap().as_struct().clone();
+        let code = error.column_by_name("code").unwrap().as_string::<i32>().clone();
+        for i in 0..batch.num_rows() {
+            rows.insert(ids.value(i).to_string(), (!error.is_null(i)).then(|| code.value(i).to_string()));
         }
     }
     rows
@@ -194,26 +202,6 @@ fn embed_job_bad_rows_and_bad_job_files() {
     // A GGUF file is not an encoder directory: exit 4.
     let run = nightshift(&["run", job("gguf", "", "").to_str().unwrap(), "--model", model_path().to_str().unwrap()], &[]);
     assert_eq!(run.code, 4, "{}", run.stderr);
-}
-
-/// Error codes of a local output's rows, by id (None for succeeded rows).
-fn read_results_codes(out: &std::path::Path) -> BTreeMap<String, Option<String>> {
-    let output = OutputStore::local(out);
-    let manifest = output.manifest();
-    let mut rows = BTreeMap::new();
-    for file in manifest["results"].as_array().unwrap() {
-        let bytes = output.get(file.as_str().unwrap()).unwrap();
-        for batch in ParquetRecordBatchReaderBuilder::try_new(bytes).unwrap().build().unwrap() {
-            let batch = batch.unwrap();
-            let ids = batch.column_by_name("id").unwrap().as_string::<i32>().clone();
-            let error = batch.column_by_name("error").unwrap().as_struct().clone();
-            let code = error.column_by_name("code").unwrap().as_string::<i32>().clone();
-            for i in 0..batch.num_rows() {
-                rows.insert(ids.value(i).to_string(), (!error.is_null(i)).then(|| code.value(i).to_string()));
-            }
-        }
-    }
-    rows
 }
 
 #[test]

@@ -38,19 +38,8 @@ pub fn write_tiny_t5(dir: &Path, gated: bool) {
     });
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).unwrap()).unwrap();
 
-    let mut state = if gated { 0x51u64 } else { 0x7eu64 };
-    let mut random = |dims: &[usize], scale: f32| -> Tensor {
-        let n: usize = dims.iter().product();
-        let values: Vec<f32> = (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect();
-        Tensor::from_vec(values, dims, &Device::Cpu).unwrap()
-    };
+    let mut rng = RandomTensors::new(if gated { 0x51 } else { 0x7e });
+    let mut random = |dims: &[usize], scale: f32| -> Tensor { rng.tensor(dims, scale) };
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
     let s = 1.0 / (d as f32).sqrt();
     tensors.insert("shared.weight".into(), random(&[vocab, d], 1.0));

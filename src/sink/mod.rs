@@ -639,14 +639,63 @@ impl Output {
     }
 }
 
+/// The `id`, `status` and `error` columns every results schema starts with.
+struct RowColumns {
+    id: StringBuilder,
+    status: StringBuilder,
+    code: StringBuilder,
+    message: StringBuilder,
+    error_valid: Vec<bool>,
+}
+
+impl RowColumns {
+    fn with_capacity(n: usize) -> Self {
+        RowColumns {
+            id: StringBuilder::with_capacity(n, n * 16),
+            status: StringBuilder::with_capacity(n, n * 9),
+            code: StringBuilder::new(),
+            message: StringBuilder::new(),
+            error_valid: Vec::with_capacity(n),
+        }
+    }
+
+    fn succeeded(&mut self, id: &str) {
+        self.id.append_value(id);
+        self.status.append_value("succeeded");
+        self.code.append_value("");
+        self.message.append_value("");
+        self.error_valid.push(false);
+    }
+
+    fn errored(&mut self, id: &str, error: &RowError) {
+        self.id.append_value(id);
+        self.status.append_value("errored");
+        self.code.append_value(error.code.as_str());
+        self.message.append_value(&error.message);
+        self.error_valid.push(true);
+    }
+
+    /// The three columns, followed by `rest`.
+    fn finish(mut self, rest: Vec<ArrayRef>) -> Result<Vec<ArrayRef>, arrow::error::ArrowError> {
+        let error = StructArray::try_new(
+            error_fields(),
+            vec![Arc::new(self.code.finish()) as ArrayRef, Arc::new(self.message.finish())],
+            Some(self.error_valid.into()),
+        )?;
+        let mut columns: Vec<ArrayRef> = vec![Arc::new(self.id.finish()), Arc::new(self.status.finish()), Arc::new(error)];
+        columns.extend(rest);
+        Ok(columns)
+    }
+}
+
+fn wrong_kind(id: &str, what: &str) -> arrow::error::ArrowError {
+    arrow::error::ArrowError::InvalidArgumentError(format!("row {id} is {what} (a bug)"))
+}
+
 fn embeddings_batch(rows: &[Outcome], schema: SchemaRef, dimensions: usize) -> Result<RecordBatch, arrow::error::ArrowError> {
     use arrow::array::{FixedSizeListBuilder, Float32Builder};
     let n = rows.len();
-    let mut id = StringBuilder::with_capacity(n, n * 16);
-    let mut status = StringBuilder::with_capacity(n, n * 9);
-    let mut code = StringBuilder::new();
-    let mut message = StringBuilder::new();
-    let mut error_valid = Vec::with_capacity(n);
+    let mut base = RowColumns::with_capacity(n);
     let item = Field::new("item", DataType::Float32, false);
     let mut vectors = FixedSizeListBuilder::with_capacity(Float32Builder::with_capacity(n * dimensions), dimensions as i32, n)
         .with_field(Arc::new(item));
@@ -656,61 +705,31 @@ fn embeddings_batch(rows: &[Outcome], schema: SchemaRef, dimensions: usize) -> R
         match row {
             Outcome::Embedded(e) => {
                 if e.vector.len() != dimensions {
-                    return Err(arrow::error::ArrowError::InvalidArgumentError(format!(
-                        "row {} has {} dimensions, expected {dimensions} (a bug)",
-                        e.id,
-                        e.vector.len()
-                    )));
+                    return Err(wrong_kind(&e.id, &format!("a vector of {} dimensions, not {dimensions},", e.vector.len())));
                 }
-                id.append_value(&e.id);
-                status.append_value("succeeded");
-                code.append_value("");
-                message.append_value("");
-                error_valid.push(false);
+                base.succeeded(&e.id);
                 vectors.values().append_slice(&e.vector);
                 vectors.append(true);
                 tokens.append_value(e.prompt_tokens);
                 e2e.append_value(e.e2e_s);
             }
-            Outcome::Failed { id: row_id, error, .. } => {
-                id.append_value(row_id);
-                status.append_value("errored");
-                code.append_value(error.code.as_str());
-                message.append_value(&error.message);
-                error_valid.push(true);
+            Outcome::Failed { id, error, .. } => {
+                base.errored(id, error);
                 vectors.values().append_slice(&vec![0.0; dimensions]);
                 vectors.append(false);
                 tokens.append_null();
                 e2e.append_null();
             }
-            Outcome::Completed(c) => {
-                return Err(arrow::error::ArrowError::InvalidArgumentError(format!("row {} is a completion in an embedding job (a bug)", c.id)))
-            }
+            Outcome::Completed(c) => return Err(wrong_kind(&c.id, "a completion in an embedding job")),
         }
     }
-    let error = StructArray::try_new(
-        error_fields(),
-        vec![Arc::new(code.finish()) as ArrayRef, Arc::new(message.finish())],
-        Some(error_valid.into()),
-    )?;
-    let columns: Vec<ArrayRef> = vec![
-        Arc::new(id.finish()),
-        Arc::new(status.finish()),
-        Arc::new(error),
-        Arc::new(vectors.finish()),
-        Arc::new(tokens.finish()),
-        Arc::new(e2e.finish()),
-    ];
+    let columns = base.finish(vec![Arc::new(vectors.finish()), Arc::new(tokens.finish()), Arc::new(e2e.finish())])?;
     RecordBatch::try_new(schema, columns)
 }
 
 fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<RecordBatch, arrow::error::ArrowError> {
     let n = rows.len();
-    let mut id = StringBuilder::with_capacity(n, n * 16);
-    let mut status = StringBuilder::with_capacity(n, n * 9);
-    let mut code = StringBuilder::new();
-    let mut message = StringBuilder::new();
-    let mut error_valid = Vec::with_capacity(n);
+    let mut base = RowColumns::with_capacity(n);
     let mut text = StringBuilder::new();
     let mut finish = StringBuilder::with_capacity(n, n * 6);
     let mut prompt_tokens = UInt32Builder::with_capacity(n);
@@ -722,11 +741,7 @@ fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<RecordBatch, arr
     for row in rows {
         match row {
             Outcome::Completed(c) => {
-                id.append_value(&c.id);
-                status.append_value("succeeded");
-                code.append_value("");
-                message.append_value("");
-                error_valid.push(false);
+                base.succeeded(&c.id);
                 text.append_value(&c.text);
                 finish.append_value(c.finish_reason.as_str());
                 prompt_tokens.append_value(c.prompt_tokens);
@@ -736,15 +751,8 @@ fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<RecordBatch, arr
                 e2e.append_value(c.e2e_s);
                 tpot.append_option(c.tpot_s);
             }
-            Outcome::Embedded(e) => {
-                return Err(arrow::error::ArrowError::InvalidArgumentError(format!("row {} is an embedding in a generation job (a bug)", e.id)))
-            }
-            Outcome::Failed { id: row_id, error, .. } => {
-                id.append_value(row_id);
-                status.append_value("errored");
-                code.append_value(error.code.as_str());
-                message.append_value(&error.message);
-                error_valid.push(true);
+            Outcome::Failed { id, error, .. } => {
+                base.errored(id, error);
                 text.append_null();
                 finish.append_value(FinishReason::Error.as_str());
                 prompt_tokens.append_null();
@@ -754,17 +762,10 @@ fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<RecordBatch, arr
                 e2e.append_null();
                 tpot.append_null();
             }
+            Outcome::Embedded(e) => return Err(wrong_kind(&e.id, "an embedding in a generation job")),
         }
     }
-    let error = StructArray::try_new(
-        error_fields(),
-        vec![Arc::new(code.finish()) as ArrayRef, Arc::new(message.finish())],
-        Some(error_valid.into()),
-    )?;
-    let columns: Vec<ArrayRef> = vec![
-        Arc::new(id.finish()),
-        Arc::new(status.finish()),
-        Arc::new(error),
+    let columns = base.finish(vec![
         Arc::new(text.finish()),
         Arc::new(finish.finish()),
         Arc::new(prompt_tokens.finish()),
@@ -773,7 +774,7 @@ fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<RecordBatch, arr
         Arc::new(ttft.finish()),
         Arc::new(e2e.finish()),
         Arc::new(tpot.finish()),
-    ];
+    ])?;
     RecordBatch::try_new(schema, columns)
 }
 

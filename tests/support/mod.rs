@@ -305,6 +305,41 @@ pub fn kv_metadata_of(bytes: bytes::Bytes) -> BTreeMap<String, String> {
         .collect()
 }
 
+/// Deterministic pseudo-random tensors (xorshift64), uniform in `[-scale, scale]`, for random-weight test models.
+pub struct RandomTensors(u64);
+
+impl RandomTensors {
+    pub fn new(seed: u64) -> Self {
+        RandomTensors(seed | 1)
+    }
+
+    pub fn tensor(&mut self, dims: &[usize], scale: f32) -> candle_core::Tensor {
+        let n: usize = dims.iter().product();
+        let values: Vec<f32> = (0..n)
+            .map(|_| {
+                self.0 ^= self.0 << 13;
+                self.0 ^= self.0 >> 7;
+                self.0 ^= self.0 << 17;
+                ((self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+            })
+            .collect();
+        candle_core::Tensor::from_vec(values, dims, &candle_core::Device::Cpu).unwrap()
+    }
+}
+
+impl OutputStore {
+    /// Every result batch of a committed output, in manifest order.
+    pub fn result_batches(&self) -> Vec<RecordBatch> {
+        let manifest = self.manifest();
+        let mut batches = Vec::new();
+        for file in manifest["results"].as_array().unwrap() {
+            let bytes = self.get(file.as_str().unwrap()).expect("a manifest file is missing");
+            batches.extend(ParquetRecordBatchReaderBuilder::try_new(bytes).unwrap().build().unwrap().map(|b| b.unwrap()));
+        }
+        batches
+    }
+}
+
 /// A tiny llama model with random weights, written as GGUF (Q8_0 matrices, the layout the real model runs in),
 /// with a byte-level BPE vocabulary of the 256 byte tokens, a few merges, ChatML control tokens and a ChatML
 /// template. Its outputs are noise, but deterministic: fast for tests of batching, commits and resuming.
@@ -331,18 +366,8 @@ pub fn write_tiny_model(path: &Path) {
     types.extend([3, 3, 3]);
     let vocab = tokens.len();
 
-    let mut state = 0x9e3779b97f4a7c15u64;
-    let mut random = |rows: usize, cols: usize, scale: f32| -> Tensor {
-        let values: Vec<f32> = (0..rows * cols)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect();
-        Tensor::from_vec(values, (rows, cols), &Device::Cpu).unwrap()
-    };
+    let mut rng = RandomTensors::new(0x9e3779b97f4a7c15);
+    let mut random = |rows: usize, cols: usize, scale: f32| -> Tensor { rng.tensor(&[rows, cols], scale) };
     let q8 = |t: Tensor| QTensor::quantize(&t, GgmlDType::Q8_0).unwrap();
     let ones = || QTensor::quantize(&Tensor::ones(d, candle_core::DType::F32, &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
     let mut tensors: Vec<(String, QTensor)> = vec![("token_embd.weight".into(), q8(random(vocab, d, 1.0)))];
