@@ -21,8 +21,8 @@ const WORDS: &[&str] = &[
     "download", "page", "customers", "gave", "up", "room", "hdmi", "week", "end",
 ];
 
-/// Writes a random-weight T5 directory: config.json, model.safetensors and a word-level tokenizer.json whose
-/// post-processor appends `</s>`, as T5's does. `gated` picks gated-GELU feed-forward layers and an untied
+/// Writes a random-weight T5 directory: config.json, model.safetensors and a SentencePiece-style (Unigram,
+/// Metaspace) tokenizer.json whose post-processor appends `</s>`, as T5's does. `gated` picks gated-GELU feed-forward layers and an untied
 /// output projection (the T5 v1.1 layout); otherwise ReLU and tied embeddings (the original T5 layout).
 pub fn write_tiny_t5(dir: &Path, gated: bool) {
     std::fs::create_dir_all(dir).unwrap();
@@ -76,26 +76,27 @@ pub fn write_tiny_t5(dir: &Path, gated: bool) {
     }
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
 
-    let mut words = serde_json::Map::new();
-    for (i, w) in ["<pad>", "</s>", "<unk>"].iter().chain(WORDS).enumerate() {
-        words.insert(w.to_string(), i.into());
-    }
+    // A SentencePiece-style tokenizer as T5's: a Unigram model over "▁word" pieces, Metaspace splitting and
+    // decoding, `</s>` appended by the post-processor.
+    let mut pieces = vec![serde_json::json!(["<pad>", 0.0]), serde_json::json!(["</s>", 0.0]), serde_json::json!(["<unk>", 0.0])];
+    pieces.extend(WORDS.iter().enumerate().map(|(i, w)| serde_json::json!([format!("\u{2581}{w}"), -1.0 - i as f64 / 100.0])));
     let special = |id: usize, content: &str| {
         serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true})
     };
+    let metaspace = serde_json::json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "always", "split": true});
     let tokenizer = serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null,
         "added_tokens": [special(0, "<pad>"), special(1, "</s>"), special(2, "<unk>")],
         "normalizer": {"type": "Lowercase"},
-        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "pre_tokenizer": metaspace,
         "post_processor": {
             "type": "TemplateProcessing",
             "single": [{"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": "</s>", "type_id": 0}}],
             "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}, {"SpecialToken": {"id": "</s>", "type_id": 1}}],
             "special_tokens": {"</s>": {"id": "</s>", "ids": [1], "tokens": ["</s>"]}}
         },
-        "decoder": null,
-        "model": {"type": "WordLevel", "vocab": words, "unk_token": "<unk>"}
+        "decoder": metaspace,
+        "model": {"type": "Unigram", "unk_id": 2, "vocab": pieces, "byte_fallback": false}
     });
     std::fs::write(dir.join("tokenizer.json"), serde_json::to_string(&tokenizer).unwrap()).unwrap();
 }
@@ -209,7 +210,7 @@ fn seq2seq_job_runs_end_to_end_through_the_cli() {
     let model = dir.join("t5");
     write_tiny_t5(&model, true);
     let ids: Vec<String> = (0..24).map(|i| format!("s{i:02}")).collect();
-    let texts: Vec<String> = (0..24).map(|i| format!("summarise ticket {} the {} {} since morning", i, WORDS[i % 40], WORDS[(i * 7) % 50])).collect();
+    let texts: Vec<String> = (0..24).map(|i| format!("summarise ticket the {} {} since morning", WORDS[i % 40], WORDS[(i * 7) % 50])).collect();
     let mut prompts: Vec<Option<&str>> = texts.iter().map(|t| Some(t.as_str())).collect();
     prompts[5] = None;
     write_parquet(&dir.join("in.parquet"), vec![("id", strings(&ids.iter().map(|s| Some(s.as_str())).collect::<Vec<_>>())), ("prompt", strings(&prompts))]);
