@@ -696,6 +696,8 @@ pub struct ValidateReport {
     pub rows: u64,
     pub model: ModelSummary,
     pub output_url: String,
+    /// `new`, resumable (how far), or complete; a different job's output is an error instead.
+    pub output_state: String,
 }
 
 /// The model as `validate` found it.
@@ -706,36 +708,49 @@ pub enum ModelSummary {
     Seq2seq(crate::seq2seq::T5Config),
 }
 
-/// Checks the job file, the input's files and columns, and the model's metadata, tokenizer and chat template,
-/// without loading weights, generating or writing anything.
+/// Checks the job file, the input's files and columns, the model's metadata, tokenizer and chat template, and
+/// whether the output holds this job's plan (or a different job's), without loading weights, generating or writing
+/// anything.
 pub fn validate(job_path: &Path, overrides: &Overrides) -> Result<ValidateReport, Error> {
     let job = Job::load(job_path, overrides)?;
     let rt = runtime()?;
     let input = rt.block_on(Input::open(&job.input))?;
-    Output::resolve(&job.output.url)?;
-    let model = match job.kind {
+    let output = Output::resolve(&job.output.url)?;
+    let (model, model_sha256, template) = match job.kind {
         JobKind::Generate => {
             let model = engine::model::inspect(&job.model.path)?;
-            check_model_file(&job)?;
+            let sha = check_model_file(&job)?;
             Preprocessor::new(&model.vocab, &job.model.chat_template, &job.input, model.config.context_length, job.generation.max_new_tokens)?;
-            ModelSummary::Decoder(model)
+            let template = model.vocab.chat_template.clone();
+            (ModelSummary::Decoder(model), sha, template)
         }
         JobKind::Seq2seq => {
-            check_model_dir(&job)?;
+            let sha = check_model_dir(&job)?;
             let config: crate::seq2seq::T5Config = serde_json::from_slice(
                 &std::fs::read(job.model.path.join("config.json"))
                     .map_err(|source| ModelError::Open { path: job.model.path.join("config.json"), source })?,
             )
             .map_err(|e| ModelError::Format { path: job.model.path.join("config.json"), message: e.to_string() })?;
             EncoderPreprocessor::new(crate::encoder::tokenizer(&job.model.path)?, crate::seq2seq::MAX_SOURCE_TOKENS, job.input.truncate)?;
-            ModelSummary::Seq2seq(config)
+            (ModelSummary::Seq2seq(config), sha, None)
         }
         JobKind::Embed => {
             let info = crate::encoder::inspect(&job.model.path)?;
-            check_model_dir(&job)?;
+            let sha = check_model_dir(&job)?;
             EncoderPreprocessor::new(crate::encoder::tokenizer(&job.model.path)?, info.max_tokens, job.input.truncate)?;
-            ModelSummary::Encoder(info)
+            (ModelSummary::Encoder(info), sha, None)
         }
     };
-    Ok(ValidateReport { input_files: input.file_urls(), rows: input.total_rows(), model, output_url: job.output.url })
+    // What a run would do with the output: start it, resume it, find it complete, or refuse it.
+    let ours = fingerprint(&job, &model_sha256, template.as_deref(), &input);
+    let output_state = rt.block_on(async {
+        let Some(plan) = output.read_plan().await? else { return Ok::<_, Error>("new".to_string()) };
+        output.check_same_job(&plan, &ours)?;
+        if output.is_complete().await? {
+            return Ok("complete: a run does nothing".to_string());
+        }
+        let committed = output.committed_units().await?.len();
+        Ok(format!("a run resumes it: {committed} of {} units committed", plan.units.len()))
+    })?;
+    Ok(ValidateReport { input_files: input.file_urls(), rows: input.total_rows(), model, output_url: job.output.url, output_state })
 }

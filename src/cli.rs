@@ -278,5 +278,5 @@ pub fn print_validate(report: &ValidateReport) {
             );
         }
     }
-    println!("output: {}", report.output_url);
+    println!("output: {} ({})", report.output_url, report.output_state);
 }

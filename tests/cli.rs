@@ -367,7 +367,14 @@ fn bad_inputs_fail_with_a_clear_message_and_exit_code() {
     let run = nightshift(&["run", job.to_str().unwrap()], &[]);
     run.assert_ok();
     assert!(run.stdout.contains("complete already"), "{}", run.stdout);
+    let run = nightshift(&["validate", job.to_str().unwrap()], &[]);
+    run.assert_ok();
+    assert!(run.stdout.contains("(complete: a run does nothing)"), "{}", run.stdout);
     let other = job_file(&dir, good.to_str().unwrap(), out_s, "max_new_tokens = 5", "");
+    // validate reports the clash before any run.
+    let run = nightshift(&["validate", other.to_str().unwrap()], &[]);
+    assert_eq!(run.code, 5, "{}", run.stderr);
+    assert!(run.stderr.contains("different job"), "{}", run.stderr);
     let run = nightshift(&["run", other.to_str().unwrap()], &[]);
     assert_eq!(run.code, 5, "{}", run.stderr);
     assert!(run.stderr.contains("different job") && run.stderr.contains("generation.max_new_tokens 4 vs 5"), "{}", run.stderr);
@@ -385,6 +392,7 @@ fn validate_checks_job_input_and_model_without_writing() {
     assert!(run.stdout.contains("12 rows"), "{}", run.stdout);
     assert!(run.stdout.contains("context 8192"), "{}", run.stdout);
     assert!(run.stdout.contains("smollm"), "{}", run.stdout);
+    assert!(run.stdout.contains("(new)"), "{}", run.stdout);
     assert!(!out.exists(), "validate wrote to the output");
     let run = nightshift(&["validate", "jobs/summarise.toml", "--input", "jobs/data/missing.parquet"], &[]);
     assert_eq!(run.code, 3, "{}", run.stderr);

@@ -123,8 +123,12 @@ impl World {
     }
 
     fn command(&self, job: &Path) -> Command {
+        self.command_for("run", job)
+    }
+
+    fn command_for(&self, verb: &str, job: &Path) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_nightshift"));
-        cmd.args(["run", job.to_str().unwrap()]).current_dir(repo()).env("RUST_LOG", "warn");
+        cmd.args([verb, job.to_str().unwrap()]).current_dir(repo()).env("RUST_LOG", "warn");
         if let Some(moto) = &self.moto {
             for (k, v) in moto.env() {
                 cmd.env(k, v);
@@ -248,6 +252,10 @@ fn kill_nine_at_random_moments_then_resume(store: Store) {
         let run = finalize(&world, "killed");
         assert_eq!(run.code, 75, "finalize of an incomplete output: {}", run.stderr);
         assert!(run.stderr.contains("not committed"), "{}", run.stderr);
+        // validate tells how far a rerun will resume from.
+        let out = world.command_for("validate", &job).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains(&format!("a run resumes it: {committed} of {UNITS} units committed")), "{stdout}");
     }
     let mut reruns = 0;
     while !output.exists("_SUCCESS") {
