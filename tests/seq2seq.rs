@@ -256,6 +256,15 @@ fn seq2seq_job_runs_end_to_end_through_the_cli() {
     let (a, b) = (sampled("sampled-1", "1"), sampled("sampled-8", "8"));
     assert_eq!(a, b);
     assert_ne!(a, one.iter().map(|(id, r)| (id.clone(), r.text.clone())).collect::<Vec<_>>(), "sampling differs from greedy");
+    // A stop string ends a row where it first appears, and is not part of the output.
+    let greedy = one["s00"].text.clone().unwrap();
+    let word = greedy.split(' ').nth(2).expect("the greedy output has three words");
+    let stop = format!(" {word}");
+    write_job_with("stopped", &format!("stop = [{stop:?}]"));
+    nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    let stopped = &read_results(&dir.join("stopped"))["s00"];
+    assert_eq!(stopped.text.as_deref(), Some(&greedy[..greedy.find(&stop).unwrap()]), "{greedy:?}");
+    assert_eq!(stopped.finish_reason, "stop");
     write_job("out");
     // The job is resumable like any other: a rerun finds it complete; validate describes the model.
     let run = nightshift(&["run", job.to_str().unwrap()], &[]);

@@ -139,6 +139,30 @@ impl StopRules {
     }
 }
 
+/// Watches a sequence's generated text for stop strings. Text is detokenized incrementally, and each new piece is
+/// searched together with the tail of the earlier text that a stop string could straddle, so a step costs the
+/// same however long the output already is.
+#[derive(Debug, Default)]
+pub struct StopScan {
+    stream: TextStream,
+    text: String,
+}
+
+impl StopScan {
+    /// Adds a generated token; when a stop string is now complete, returns the output cut before it.
+    pub fn push(&mut self, tokenizer: &Tokenizer, token: u32, stops: &[String]) -> Option<String> {
+        let longest = stops.iter().map(String::len).max()?;
+        let before = self.text.len();
+        self.text.push_str(&self.stream.push(tokenizer, token));
+        let mut from = before.saturating_sub(longest.saturating_sub(1));
+        while !self.text.is_char_boundary(from) {
+            from -= 1;
+        }
+        let at = stops.iter().filter_map(|s| self.text[from..].find(s.as_str()).map(|i| from + i)).min()?;
+        Some(self.text[..at].to_string())
+    }
+}
+
 struct Sequence {
     request: Request,
     /// Tokens to feed in the next step: the prompt before prefill, then the last sampled token.
@@ -147,10 +171,9 @@ struct Sequence {
     generated: Vec<u32>,
     sampled: u32,
     max_new_tokens: usize,
-    stream: TextStream,
-    text: String,
-    /// The text was cut at a stop string; `text` is the output.
-    cut_at_stop_string: bool,
+    stop_scan: StopScan,
+    /// The output, when a stop string ended it.
+    cut_text: Option<String>,
     params: GenerationParams,
     rng: Rng,
     admitted: Instant,
@@ -165,13 +188,11 @@ pub struct BatchEngine {
     config: BatchConfig,
     running: Vec<Sequence>,
     stats: EngineStats,
-    longest_stop: usize,
 }
 
 impl BatchEngine {
     pub fn new(model: Model, tokenizer: Tokenizer, params: GenerationParams, stop: StopRules, config: BatchConfig) -> Self {
-        let longest_stop = stop.strings.iter().map(|s| s.len()).max().unwrap_or(0);
-        BatchEngine { model, tokenizer, params, stop, config, running: Vec::new(), stats: EngineStats::default(), longest_stop }
+        BatchEngine { model, tokenizer, params, stop, config, running: Vec::new(), stats: EngineStats::default() }
     }
 
     pub fn model(&self) -> &Model {
@@ -188,19 +209,9 @@ impl BatchEngine {
             return Some(FinishReason::Stop);
         }
         seq.generated.push(token);
-        if self.longest_stop > 0 {
-            let before = seq.text.len();
-            seq.text.push_str(&seq.stream.push(&self.tokenizer, token));
-            let mut from = before.saturating_sub(self.longest_stop.saturating_sub(1));
-            while !seq.text.is_char_boundary(from) {
-                from -= 1;
-            }
-            let hit = self.stop.strings.iter().filter_map(|s| seq.text[from..].find(s.as_str()).map(|i| from + i)).min();
-            if let Some(at) = hit {
-                seq.text.truncate(at);
-                seq.cut_at_stop_string = true;
-                return Some(FinishReason::Stop);
-            }
+        if let Some(text) = seq.stop_scan.push(&self.tokenizer, token, &self.stop.strings) {
+            seq.cut_text = Some(text);
+            return Some(FinishReason::Stop);
         }
         if seq.generated.len() >= seq.max_new_tokens || seq.cache.len() + 1 > context {
             return Some(FinishReason::Length);
@@ -211,11 +222,7 @@ impl BatchEngine {
 
     fn finish(&mut self, index: usize, reason: FinishReason, now: Instant) -> Completion {
         let seq = self.running.swap_remove(index);
-        let text = if seq.cut_at_stop_string {
-            seq.text
-        } else {
-            self.tokenizer.decode(&seq.generated, true).unwrap_or_default()
-        };
+        let text = seq.cut_text.unwrap_or_else(|| self.tokenizer.decode(&seq.generated, true).unwrap_or_default());
         let arrival = seq.request.arrival;
         let first = seq.first_token.unwrap_or(now);
         let tpot_s = (seq.sampled > 1).then(|| (now - first).as_secs_f64() / (seq.sampled - 1) as f64);
@@ -254,9 +261,8 @@ impl Engine for BatchEngine {
             generated: Vec::new(),
             sampled: 0,
             max_new_tokens,
-            stream: TextStream::default(),
-            text: String::new(),
-            cut_at_stop_string: false,
+            stop_scan: StopScan::default(),
+            cut_text: None,
             params,
             rng,
             admitted: Instant::now(),

@@ -13,7 +13,7 @@ use std::time::Instant;
 use tokenizers::Tokenizer;
 
 use crate::engine::sampling::{self, Rng};
-use crate::engine::{Completion, Engine, EngineError, EngineStats, Request};
+use crate::engine::{Completion, Engine, EngineError, EngineStats, Request, StopScan};
 use crate::job::GenerationParams;
 use crate::row::FinishReason;
 pub use model::{DecoderState, T5Config, T5};
@@ -28,7 +28,11 @@ struct Sequence {
     /// The decoder's next input: the start token, then each sampled token.
     next: u32,
     generated: Vec<u32>,
-    text: Option<String>,
+    /// Tokens sampled, the end-of-sequence token included.
+    sampled: u32,
+    stop_scan: StopScan,
+    /// The output, when a stop string ended it.
+    cut_text: Option<String>,
     params: GenerationParams,
     rng: Rng,
     admitted: Instant,
@@ -69,7 +73,9 @@ impl Seq2SeqEngine {
                 request,
                 state,
                 generated: Vec::new(),
-                text: None,
+                sampled: 0,
+                stop_scan: StopScan::default(),
+                cut_text: None,
                 params,
                 rng,
                 admitted,
@@ -83,17 +89,15 @@ impl Seq2SeqEngine {
     fn advance(&mut self, index: usize, token: u32, now: Instant) -> Option<FinishReason> {
         let eos = self.model.config.eos_token_id as u32;
         let seq = &mut self.running[index];
+        seq.sampled += 1;
         seq.first_token.get_or_insert(now);
         if token == eos {
             return Some(FinishReason::Stop);
         }
         seq.generated.push(token);
-        if !seq.params.stop.is_empty() {
-            let text = self.tokenizer.decode(&seq.generated, true).unwrap_or_default();
-            if let Some(at) = seq.params.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
-                seq.text = Some(text[..at].to_string());
-                return Some(FinishReason::Stop);
-            }
+        if let Some(text) = seq.stop_scan.push(&self.tokenizer, token, &seq.params.stop) {
+            seq.cut_text = Some(text);
+            return Some(FinishReason::Stop);
         }
         if seq.generated.len() >= seq.params.max_new_tokens as usize {
             return Some(FinishReason::Length);
@@ -104,8 +108,8 @@ impl Seq2SeqEngine {
 
     fn finish(&mut self, index: usize, reason: FinishReason, now: Instant) -> Completion {
         let seq = self.running.swap_remove(index);
-        let sampled = seq.generated.len() as u32 + u32::from(reason == FinishReason::Stop && seq.text.is_none());
-        let text = seq.text.unwrap_or_else(|| self.tokenizer.decode(&seq.generated, true).unwrap_or_default());
+        let sampled = seq.sampled;
+        let text = seq.cut_text.unwrap_or_else(|| self.tokenizer.decode(&seq.generated, true).unwrap_or_default());
         let arrival = seq.request.arrival;
         let first = seq.first_token.unwrap_or(now);
         Completion {

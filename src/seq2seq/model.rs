@@ -148,6 +148,11 @@ pub struct T5 {
     decoder_norm: Tensor,
     /// `[buckets][heads]`, read per position in the decoder's plain-Rust attention.
     decoder_bias: Vec<f32>,
+    /// Position buckets, computed at load time. Every distance at or beyond `relative_attention_max_distance`
+    /// falls in the last bucket, so distances are clamped to it. Encoder: by `relative + max_distance` for
+    /// relative in `-max_distance..=max_distance`; decoder: by how far back the key is, `0..=max_distance`.
+    encoder_buckets: Vec<u32>,
+    decoder_buckets: Vec<usize>,
     lm_head: Tensor,
     logit_scale: f64,
 }
@@ -225,8 +230,14 @@ impl T5 {
             return Err(ModelError::Architecture(format!("{kind} (seq2seq jobs support: t5)")));
         }
         let c = &config;
-        if c.num_heads == 0 || c.d_kv == 0 || c.num_layers == 0 || c.num_layers > 256 || c.decoder_layers() == 0 || c.decoder_layers() > 256 || c.relative_attention_num_buckets < 4 {
-            return Err(ModelError::Metadata(format!("inconsistent T5 shape: {} heads, d_kv {}, {} layers", c.num_heads, c.d_kv, c.num_layers)));
+        if c.num_heads == 0 || c.d_kv == 0 || c.num_layers == 0 || c.num_layers > 256 || c.decoder_layers() == 0 || c.decoder_layers() > 256 || c.relative_attention_num_buckets < 4
+            || c.relative_attention_max_distance <= c.relative_attention_num_buckets / 2
+            || c.relative_attention_max_distance > 1 << 16
+        {
+            return Err(ModelError::Metadata(format!(
+                "inconsistent T5 shape: {} heads, d_kv {}, {} layers, {} position buckets up to distance {}",
+                c.num_heads, c.d_kv, c.num_layers, c.relative_attention_num_buckets, c.relative_attention_max_distance
+            )));
         }
         let path = dir.join("model.safetensors");
         let fmt = |e: candle_core::Error| ModelError::Format { path: path.clone(), message: e.to_string() };
@@ -295,7 +306,24 @@ impl T5 {
         };
         let decoder_bias = decoder_bias.flatten_all().and_then(|t| t.to_vec1::<f32>()).map_err(|e| ModelError::Metadata(e.to_string()))?;
         let logit_scale = if c.tie_word_embeddings { (d as f64).powf(-0.5) } else { 1.0 };
-        Ok(T5 { device: device.clone(), shared, encoder, encoder_norm, encoder_bias, decoder, decoder_norm, decoder_bias, lm_head, logit_scale, config })
+        let (max, n) = (c.relative_attention_max_distance as i64, c.relative_attention_num_buckets);
+        let encoder_buckets = (-max..=max).map(|r| relative_bucket(r, true, n, max as usize) as u32).collect();
+        let decoder_buckets = (0..=max).map(|back| relative_bucket(-back, false, n, max as usize)).collect();
+        Ok(T5 {
+            device: device.clone(),
+            shared,
+            encoder,
+            encoder_norm,
+            encoder_bias,
+            decoder,
+            decoder_norm,
+            decoder_bias,
+            encoder_buckets,
+            decoder_buckets,
+            lm_head,
+            logit_scale,
+            config,
+        })
     }
 
     /// Encodes a padded batch; returns each row's encoder output, `[row length, d_model]`.
@@ -315,9 +343,10 @@ impl T5 {
         }
         let ids = Tensor::from_vec(ids, b * l, &self.device)?;
         let mask = Tensor::from_vec(mask, (b, 1, 1, l), &self.device)?;
-        let buckets: Vec<u32> = (0..l)
-            .flat_map(|i| (0..l).map(move |j| (i, j)))
-            .map(|(i, j)| relative_bucket(j as i64 - i as i64, true, c.relative_attention_num_buckets, c.relative_attention_max_distance) as u32)
+        let max = c.relative_attention_max_distance as i64;
+        let buckets: Vec<u32> = (0..l as i64)
+            .flat_map(|i| (0..l as i64).map(move |j| (j - i).clamp(-max, max)))
+            .map(|r| self.encoder_buckets[(r + max) as usize])
             .collect();
         let buckets = Tensor::from_vec(buckets, l * l, &self.device)?;
         // [l*l, heads] -> [1, heads, l, l]
@@ -384,9 +413,9 @@ impl T5 {
                 state.self_keys[layer].extend_from_slice(&k[i]);
                 state.self_values[layer].extend_from_slice(&v[i]);
                 let len = state.len + 1;
-                let query_pos = state.len as i64;
+                let last = self.decoder_buckets.len() - 1;
                 let bias = |head: usize, p: usize| {
-                    let bucket = relative_bucket(p as i64 - query_pos, false, c.relative_attention_num_buckets, c.relative_attention_max_distance);
+                    let bucket = self.decoder_buckets[(state.len - p).min(last)];
                     self.decoder_bias[bucket * h + head]
                 };
                 attend(&q[i], &state.self_keys[layer], &state.self_values[layer], len, h, dk, bias, &mut context[i * inner..(i + 1) * inner]);
@@ -429,6 +458,17 @@ impl T5 {
 #[cfg(test)]
 mod tests {
     use super::relative_bucket;
+
+    #[test]
+    fn buckets_saturate_at_the_max_distance_so_tables_can_clamp() {
+        for bidirectional in [true, false] {
+            let last = relative_bucket(-128, bidirectional, 32, 128);
+            for far in [129, 500, 100_000] {
+                assert_eq!(relative_bucket(-far, bidirectional, 32, 128), last);
+            }
+        }
+        assert_eq!(relative_bucket(128, true, 32, 128), relative_bucket(100_000, true, 32, 128));
+    }
 
     #[test]
     fn buckets_follow_the_reference_rule() {
