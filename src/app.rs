@@ -195,7 +195,17 @@ struct UnitBuffer {
     rows: Vec<Option<Outcome>>,
     filled: u32,
     collector: Collector,
+    /// When the unit's earliest row was ready for the engine.
     first_ready: Option<Instant>,
+}
+
+impl UnitBuffer {
+    /// Notes a row that just finished, `e2e_s` after it was ready.
+    fn row_took(&mut self, e2e_s: f64) {
+        let now = Instant::now();
+        let ready = now.checked_sub(Duration::from_secs_f64(e2e_s)).unwrap_or(now);
+        self.first_ready = Some(self.first_ready.map_or(ready, |r| r.min(ready)));
+    }
 }
 
 pub fn run(options: RunOptions) -> Result<RunReport, Error> {
@@ -363,14 +373,12 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
                 Outcome::Completed(c) => {
                     total.completed(c);
                     buffer.collector.completed(c);
-                    let ready = Instant::now().checked_sub(Duration::from_secs_f64(c.e2e_s)).unwrap_or(generation_started);
-                    buffer.first_ready = Some(buffer.first_ready.map_or(ready, |r| r.min(ready)));
+                    buffer.row_took(c.e2e_s);
                 }
                 Outcome::Embedded(e) => {
                     total.embedded(e.prompt_tokens, e.e2e_s);
                     buffer.collector.embedded(e.prompt_tokens, e.e2e_s);
-                    let ready = Instant::now().checked_sub(Duration::from_secs_f64(e.e2e_s)).unwrap_or(generation_started);
-                    buffer.first_ready = Some(buffer.first_ready.map_or(ready, |r| r.min(ready)));
+                    buffer.row_took(e.e2e_s);
                 }
                 Outcome::Failed { id, error, .. } => {
                     debug!(id = %id, code = %error.code, "row errored");
