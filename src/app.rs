@@ -30,6 +30,7 @@ use crate::error::{Error, Exit};
 use crate::encoder::Encoder;
 use crate::job::{ChatTemplateChoice, Job, JobKind, Overrides, PromptColumn};
 use crate::metrics::{Collector, JobMetrics};
+use crate::plan::shard::{self, Assignment, ShardArg};
 use crate::plan::{Fingerprint, Plan, Unit, OUTPUT_FORMAT_VERSION};
 use crate::sink::{self, Commit, Embedded, Finalized, Manifest, Outcome, Output, ResultsLayout, RunMetadata};
 use crate::source::{Input, SourceRow};
@@ -45,6 +46,8 @@ pub struct RunOptions {
     pub progress: bool,
     /// Result rows to keep for the caller to show.
     pub show: usize,
+    /// `--shard`: which units this process runs (default: all).
+    pub shard: Option<ShardArg>,
 }
 
 /// How a run ended, when it did not fail.
@@ -54,6 +57,9 @@ pub enum RunStatus {
     Complete,
     /// The output was complete before this run started; nothing was done.
     AlreadyComplete,
+    /// This process's shard is committed; other shards are not yet, so the output is not finalized (the last
+    /// shard to finish, or `nightshift finalize`, does it).
+    ShardDone { missing: String },
 }
 
 /// What a finished run reports to the command line.
@@ -62,7 +68,10 @@ pub struct RunReport {
     pub status: RunStatus,
     pub output_url: String,
     pub manifest_url: String,
-    pub manifest: Manifest,
+    /// The output's manifest, once it is complete.
+    pub manifest: Option<Manifest>,
+    /// Which units this process ran.
+    pub assignment: Assignment,
     /// Units this run committed, and units committed before it (by earlier or concurrent attempts).
     pub units_committed: usize,
     pub units_skipped: usize,
@@ -211,7 +220,11 @@ impl UnitBuffer {
 pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let started = Instant::now();
     let job = Job::load(&options.job, &options.overrides)?;
-    let _span = info_span!("job", file = %job.file.display()).entered();
+    let assignment = shard::resolve(options.shard.as_ref(), job.output.shards, |name| std::env::var(name).ok())?;
+    let _span = info_span!("job", file = %job.file.display(), shard = %assignment).entered();
+    if let Assignment::One { from, .. } = &assignment {
+        info!(from = %from, "running {assignment}");
+    }
     if let Some(threads) = job.runtime.threads {
         limit_threads(threads);
     }
@@ -240,10 +253,25 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
             None => {
                 // Only a new plan reads every id: a stored plan was checked when it was made.
                 input.check_unique_ids().await?;
-                output.create_plan(&Plan::new(ours.clone(), job.output.unit_rows)).await?
+                let shards = match &assignment {
+                    Assignment::One { count, .. } => *count,
+                    Assignment::All => job.output.shards.unwrap_or(1),
+                };
+                let new = Plan::new(ours.clone(), job.output.unit_rows, shards, |file, first_row, rows| {
+                    estimated_tokens(&job, input.prompt_bytes(file, first_row, rows), rows)
+                });
+                if new.units.len() < shards as usize {
+                    warn!(units = new.units.len(), shards, "fewer units than shards: the last shards have nothing to do (lower output.unit_rows)");
+                }
+                output.create_plan(&new).await?
             }
         };
         output.check_same_job(&plan, &ours)?;
+        if let Assignment::One { count, .. } = &assignment {
+            if *count != plan.shards {
+                return Err(sink::SinkError::ShardCount { url: output.url().into(), planned: plan.shards, asked: assignment.to_string() }.into());
+            }
+        }
         if plan.unit_rows != job.output.unit_rows {
             warn!(planned = plan.unit_rows, asked = job.output.unit_rows, "output.unit_rows differs from the stored plan's; the plan's units are kept");
         }
@@ -257,11 +285,12 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         fingerprint: plan.fingerprint.digest(),
         attempt: sink::new_attempt(),
     };
-    let report = |status, manifest: Manifest, units_committed, units_skipped, metrics, sample| RunReport {
+    let report = |status, manifest: Option<Manifest>, units_committed, units_skipped, metrics, sample| RunReport {
         status,
         output_url: output.url().into(),
         manifest_url: output.display(sink::MANIFEST_FILE),
         manifest,
+        assignment: assignment.clone(),
         units_committed,
         units_skipped,
         metrics,
@@ -272,14 +301,15 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
             Finalized::AlreadyComplete(m) | Finalized::Done(m) => m,
         };
         info!(output = output.url(), "the output is complete already; nothing to do");
-        return Ok(report(RunStatus::AlreadyComplete, manifest, 0, plan.units.len(), JobMetrics::default(), Vec::new()));
+        return Ok(report(RunStatus::AlreadyComplete, Some(manifest), 0, plan.units.len(), JobMetrics::default(), Vec::new()));
     }
     let committed = rt.block_on(output.committed_units())?;
-    let pending: Vec<Unit> = plan.units.iter().filter(|u| !committed.contains(&u.id)).cloned().collect();
-    let units_skipped = plan.units.len() - pending.len();
+    let ours_units: Vec<&Unit> = plan.units.iter().filter(|u| assignment.includes(u.shard)).collect();
+    let pending: Vec<Unit> = ours_units.iter().filter(|u| !committed.contains(&u.id)).map(|u| (*u).clone()).collect();
+    let units_skipped = ours_units.len() - pending.len();
     info!(
-        units = plan.units.len(), committed = units_skipped, pending = pending.len(), attempt = %run.attempt,
-        fingerprint = %run.fingerprint, "plan"
+        units = plan.units.len(), shards = plan.shards, ours = ours_units.len(), committed = units_skipped, pending = pending.len(),
+        attempt = %run.attempt, fingerprint = %run.fingerprint, "plan"
     );
 
     let batch = BatchConfig { max_seqs: job.runtime.max_seqs, max_batch_tokens: job.runtime.max_batch_tokens };
@@ -308,7 +338,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
                 break;
             }
             // Another attempt may have committed it since the run started.
-            if source_output.is_committed(unit.id).await? {
+            if source_output.is_committed(unit).await? {
                 debug!(unit = unit.id, "committed by another attempt meanwhile; skipped");
                 continue;
             }
@@ -426,7 +456,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let source_result = rt.block_on(source_task).map_err(|e| Error::Internal(format!("the source task failed: {e}")))?;
     // The output was writable when the run started (the probe), so a read or write of it failing now, after
     // object_store's retries, is an outage: what is committed stays, and the job can be resumed.
-    let units_total = plan.units.len();
+    let units_total = ours_units.len();
     let resumable = |e: Error, committed_now: usize| match e {
         Error::Sink(source @ (sink::SinkError::Read { .. } | sink::SinkError::Write { .. })) => {
             Error::StoreFailed { committed: units_skipped + committed_now, total: units_total, source }
@@ -446,19 +476,52 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     metrics.weights_bytes = weights_bytes;
     metrics.job_s = started.elapsed().as_secs_f64();
     if drain.requested() {
-        let done = rt.block_on(output.committed_units())?.len();
-        if done < plan.units.len() {
-            return Err(Error::Interrupted { committed: done, total: plan.units.len(), unfinished });
+        let committed = rt.block_on(output.committed_units())?;
+        let done = ours_units.iter().filter(|u| committed.contains(&u.id)).count();
+        if done < ours_units.len() {
+            return Err(Error::Interrupted { committed: done, total: ours_units.len(), what: assignment.to_string(), unfinished });
         }
     }
-    let manifest = match rt.block_on(output.finalize()).map_err(|e| resumable(e.into(), units_committed))? {
-        Finalized::Done(m) | Finalized::AlreadyComplete(m) => m,
+    // Every unit of ours is committed. A shard finalizes the output when it is the last to finish; otherwise
+    // the others (or `nightshift finalize`) will.
+    let finalized = match rt.block_on(output.finalize()) {
+        Ok(Finalized::Done(m) | Finalized::AlreadyComplete(m)) => Ok(m),
+        Err(sink::SinkError::Incomplete { missing, shards, .. }) if matches!(assignment, Assignment::One { .. }) => {
+            Err(format!("{missing} unit(s) of {shards} are not committed yet"))
+        }
+        Err(e) => return Err(resumable(e.into(), units_committed)),
     };
-    info!(
-        rows = manifest.rows, errored = manifest.errored_rows, output_tokens_per_s = format!("{:.1}", metrics.output_tokens_per_s),
-        seconds = format!("{:.1}", metrics.job_s), "job complete"
-    );
-    Ok(report(RunStatus::Complete, manifest, units_committed, units_skipped, metrics, sample))
+    let status = match finalized {
+        Ok(manifest) => {
+            info!(
+                rows = manifest.rows, errored = manifest.errored_rows, output_tokens_per_s = format!("{:.1}", metrics.output_tokens_per_s),
+                seconds = format!("{:.1}", metrics.job_s), "job complete"
+            );
+            return Ok(report(RunStatus::Complete, Some(manifest), units_committed, units_skipped, metrics, sample));
+        }
+        Err(missing) => {
+            info!(waiting_for = %missing, "{assignment} is committed; the output is finalized when the other shards are");
+            RunStatus::ShardDone { missing }
+        }
+    };
+    Ok(report(status, None, units_committed, units_skipped, metrics, sample))
+}
+
+/// The tokens a run of rows is expected to cost, for balancing shards: prompt bytes at about four per token, and
+/// every row's full output budget (decode steps cost far more than prompt tokens, so this errs towards them).
+fn estimated_tokens(job: &Job, prompt_bytes: u64, rows: u32) -> u64 {
+    let output = match job.kind {
+        JobKind::Generate | JobKind::Seq2seq => job.generation.max_new_tokens as u64,
+        JobKind::Embed => 0,
+    };
+    prompt_bytes.div_ceil(4) + rows as u64 * output
+}
+
+/// `nightshift status`: an output's progress per shard.
+pub fn status(url: &str) -> Result<sink::OutputStatus, Error> {
+    let rt = runtime()?;
+    let output = Output::resolve(url)?;
+    Ok(rt.block_on(output.status())?)
 }
 
 /// The model side of a job: a decoder's batching engine or an encoder.
@@ -758,7 +821,8 @@ pub fn validate(job_path: &Path, overrides: &Overrides) -> Result<ValidateReport
             return Ok("complete: a run does nothing".to_string());
         }
         let committed = output.committed_units().await?.len();
-        Ok(format!("a run resumes it: {committed} of {} units committed", plan.units.len()))
+        let shards = if plan.shards > 1 { format!(", in {} shards", plan.shards) } else { String::new() };
+        Ok(format!("a run resumes it: {committed} of {} units committed{shards}", plan.units.len()))
     })?;
     Ok(ValidateReport { input_files: input.file_urls(), rows: input.total_rows(), model, output_url: job.output.url, output_state })
 }

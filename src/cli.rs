@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::app::{ModelSummary, RunReport, RunStatus, ValidateReport};
-use crate::sink::{Finalized, Manifest};
+use crate::sink::{Finalized, Manifest, OutputStatus};
 use crate::job::Overrides;
 use crate::sink::Outcome;
 
@@ -34,6 +34,9 @@ pub enum Command {
     /// Complete an output whose units are all committed: remove uncommitted attempts' files, write
     /// `_manifest.json` and `_SUCCESS`. Safe to run repeatedly and concurrently; exits 75 while units are missing.
     Finalize(FinalizeArgs),
+    /// Show an output's progress per shard: committed and missing units, rows done, throughput (from the metrics
+    /// files). Reads only.
+    Status(StatusArgs),
     /// Measure throughput on a synthetic workload (in-process, no object-store I/O).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -113,6 +116,15 @@ pub fn print_embed_bench(report: &crate::bench::EmbedBenchReport, json: bool) {
 }
 
 #[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The job's output URL or path.
+    pub output: String,
+    /// Print the status as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
 pub struct FinalizeArgs {
     /// The job's output URL or path.
     pub output: String,
@@ -134,6 +146,10 @@ pub struct JobArgs {
     /// Sequences decoded together; overrides `runtime.max_seqs`.
     #[arg(long)]
     pub max_seqs: Option<usize>,
+    /// Shards the plan is cut into when this run writes it; overrides `output.shards`. With `--shard auto`, the
+    /// count for schedulers that do not put it in the environment (a Kubernetes Indexed Job's `completions`).
+    #[arg(long, env = "NIGHTSHIFT_SHARDS")]
+    pub shards: Option<u32>,
 }
 
 impl JobArgs {
@@ -143,6 +159,7 @@ impl JobArgs {
             output_url: self.output.clone(),
             model_path: self.model.clone(),
             max_seqs: self.max_seqs,
+            shards: self.shards,
         }
     }
 }
@@ -157,6 +174,11 @@ pub struct RunArgs {
     /// Never draw a progress bar (it is drawn only on a terminal anyway).
     #[arg(long)]
     pub no_progress: bool,
+    /// Run one shard of the plan: `i/n` (0-based), `i` (with --shards n), `auto` (the index and count from a
+    /// Kubernetes Indexed Job, Slurm array, AWS Batch or Google Cloud Batch array) or `all` (every shard: the
+    /// default).
+    #[arg(long, env = "NIGHTSHIFT_SHARD")]
+    pub shard: Option<crate::plan::shard::ShardArg>,
 }
 
 fn shorten(text: &str, max_chars: usize) -> String {
@@ -185,11 +207,19 @@ pub fn print_run(report: &RunReport) {
     println!("output: {}", report.output_url);
     if report.status == RunStatus::AlreadyComplete {
         println!("the output is complete already: nothing to do");
-        print_manifest(&report.manifest, &report.manifest_url);
+        if let Some(manifest) = &report.manifest {
+            print_manifest(manifest, &report.manifest_url);
+        }
         return;
     }
-    print_manifest(&report.manifest, &report.manifest_url);
-    println!("units: {} committed by this run, {} before it", report.units_committed, report.units_skipped);
+    match (&report.status, &report.manifest) {
+        (RunStatus::ShardDone { missing }, _) => {
+            println!("{} is committed; the output is not finalized yet: {missing}", report.assignment)
+        }
+        (_, Some(manifest)) => print_manifest(manifest, &report.manifest_url),
+        _ => {}
+    }
+    println!("units: {} committed by this run, {} before it ({})", report.units_committed, report.units_skipped, report.assignment);
     println!(
         "this run: {} rows, {:.2} requests/s, {:.1} total tokens/s, {:.1} output tokens/s over {:.1} s (model load {:.1} s)",
         m.rows, m.requests_per_s, m.total_tokens_per_s, m.output_tokens_per_s, m.generation_s, m.model_load_s
@@ -279,4 +309,79 @@ pub fn print_validate(report: &ValidateReport) {
         }
     }
     println!("output: {} ({})", report.output_url, report.output_state);
+}
+
+fn rate(v: Option<f64>) -> String {
+    v.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into())
+}
+
+/// Unit ids as ranges: `u000003-u000005, u000009`.
+fn unit_ranges(units: &[u32], max: usize) -> String {
+    let mut ranges: Vec<(u32, u32)> = Vec::new();
+    for &u in units {
+        match ranges.last_mut() {
+            Some((_, end)) if *end + 1 == u => *end = u,
+            _ => ranges.push((u, u)),
+        }
+    }
+    let mut parts: Vec<String> =
+        ranges.iter().take(max).map(|&(a, b)| if a == b { format!("u{a:06}") } else { format!("u{a:06}-u{b:06}") }).collect();
+    if ranges.len() > max {
+        parts.push(format!("... ({} more ranges)", ranges.len() - max));
+    }
+    parts.join(", ")
+}
+
+pub fn print_status(status: &OutputStatus, json: bool) {
+    if json {
+        println!("{}", serde_json::to_string(status).expect("plain data serialises"));
+        return;
+    }
+    let state = if status.complete {
+        "complete (_SUCCESS written)".to_string()
+    } else if status.committed_units == status.units {
+        "every unit is committed; not finalized yet (run `nightshift finalize`)".to_string()
+    } else {
+        format!("incomplete: {} of {} units committed", status.committed_units, status.units)
+    };
+    println!("output: {}", status.url);
+    println!("state: {state}");
+    println!(
+        "plan: {} units in {} shard(s), {} rows ({} committed), fingerprint {}",
+        status.units,
+        status.shards.len(),
+        status.rows,
+        status.committed_rows,
+        status.fingerprint
+    );
+    println!(
+        "{:>5}  {:>11}  {:>17}  {:>13}  {:>8}  {:>9}  {:>10}  {:>8}  missing",
+        "shard", "units", "rows", "output tok", "rows/s", "tok/s", "out tok/s", "attempts"
+    );
+    for s in &status.shards {
+        println!(
+            "{:>5}  {:>11}  {:>17}  {:>13}  {:>8}  {:>9}  {:>10}  {:>8}  {}",
+            s.shard,
+            format!("{}/{}", s.committed_units, s.units),
+            format!("{}/{}", s.committed_rows, s.rows),
+            s.completion_tokens,
+            rate(s.rows_per_s),
+            rate(s.total_tokens_per_s),
+            rate(s.output_tokens_per_s),
+            s.attempts.len(),
+            if s.missing_units.is_empty() { "-".to_string() } else { unit_ranges(&s.missing_units, 4) }
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_units_print_as_ranges() {
+        assert_eq!(unit_ranges(&[3, 4, 5, 9], 4), "u000003-u000005, u000009");
+        assert_eq!(unit_ranges(&[1, 3, 5, 7], 2), "u000001, u000003, ... (2 more ranges)");
+        assert_eq!(unit_ranges(&[], 4), "");
+    }
 }

@@ -44,13 +44,15 @@ pub enum Error {
     Tokenizer(#[from] crate::tokenize::TokenizerError),
     #[error(transparent)]
     Sink(#[from] crate::sink::SinkError),
+    #[error(transparent)]
+    Shard(#[from] crate::plan::shard::ShardError),
     #[error("the engine failed")]
     Engine(#[source] crate::engine::EngineError),
     #[error(
-        "interrupted: {committed} of {total} units are committed ({unfinished} unfinished unit(s) discarded); run \
-         the same job again to resume"
+        "interrupted: {committed} of {total} units of {what} are committed ({unfinished} unfinished unit(s) \
+         discarded); run the same job again to resume"
     )]
-    Interrupted { committed: usize, total: usize, unfinished: usize },
+    Interrupted { committed: usize, total: usize, what: String, unfinished: usize },
     #[error(
         "the output store failed mid-run, after retries; {committed} of {total} units are committed and kept: run \
          the same job again to resume"
@@ -63,7 +65,7 @@ pub enum Error {
 impl Error {
     pub fn exit(&self) -> Exit {
         match self {
-            Error::Job(_) => Exit::InvalidJob,
+            Error::Job(_) | Error::Shard(_) => Exit::InvalidJob,
             Error::Source(_) => Exit::InvalidInput,
             Error::Model(_) | Error::Tokenizer(_) => Exit::InvalidModel,
             Error::Sink(crate::sink::SinkError::Incomplete { .. }) | Error::Interrupted { .. } | Error::StoreFailed { .. } => {

@@ -24,9 +24,11 @@ fn main() -> ExitCode {
             overrides: args.job.overrides(),
             progress: !args.no_progress,
             show: args.show,
+            shard: args.shard.clone(),
         })
         .map(|r| cli::print_run(&r)),
         Command::Validate(args) => app::validate(&args.job, &args.overrides()).map(|r| cli::print_validate(&r)),
+        Command::Status(args) => app::status(&args.output).map(|s| cli::print_status(&s, args.json)),
         Command::Finalize(args) => app::finalize(&args.output).map(|(f, url)| cli::print_finalize(&f, &url)),
         Command::Bench(cli::BenchCommand::Embed(args)) => {
             if let Some(threads) = args.threads {

@@ -106,6 +106,7 @@ struct GenerationSection {
 struct OutputSection {
     url: String,
     unit_rows: Option<i64>,
+    shards: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -306,6 +307,9 @@ pub struct OutputSpec {
     pub url: String,
     /// Rows per unit: the granule of commits and of resuming after a kill.
     pub unit_rows: u32,
+    /// Shards the plan is split into, when the command line does not say (`--shard i/n`, or a scheduler's
+    /// array size under `--shard auto`).
+    pub shards: Option<u32>,
 }
 
 impl OutputSpec {
@@ -331,6 +335,8 @@ pub struct Overrides {
     pub output_url: Option<String>,
     pub model_path: Option<String>,
     pub max_seqs: Option<usize>,
+    /// Overrides `output.shards`.
+    pub shards: Option<u32>,
 }
 
 impl Job {
@@ -430,6 +436,11 @@ impl Job {
             Some(n) if (1..=1 << 24).contains(&n) => n as u32,
             Some(n) => return Err(invalid("output.unit_rows", format!("must be in 1..={}, got {n}", 1 << 24))),
         };
+        let shards = match overrides.shards.map(i64::from).or(file.output.shards) {
+            None => None,
+            Some(n) if (1..=100_000).contains(&n) => Some(n as u32),
+            Some(n) => return Err(invalid("output.shards", format!("must be in 1..=100000, got {n}"))),
+        };
         let truncate = match file.input.truncate.as_deref().unwrap_or("none") {
             "none" => Truncate::None,
             "left" => Truncate::Left,
@@ -506,7 +517,7 @@ impl Job {
                 seed: g.seed.unwrap_or(0),
                 stop: g.stop,
             },
-            output: OutputSpec { url: output_url, unit_rows },
+            output: OutputSpec { url: output_url, unit_rows, shards },
             runtime,
         })
     }
@@ -612,11 +623,15 @@ url = "out/"
             .replace("url = \"data/in.parquet\"", "url = \"x\"\ntruncate = \"left\"\n[input.parameters]\ntemperature = \"t\"\nmax_new_tokens = \"n\"");
         let job = parse(&format!("{text}\n[runtime]\ndrain_grace_s = 2.5")).unwrap();
         assert_eq!(job.output.unit_rows, 100);
+        assert_eq!(job.output.shards, None);
+        let sharded = parse(&MINIMAL.replace("url = \"out/\"", "url = \"out/\"\nshards = 8")).unwrap();
+        assert_eq!(sharded.output.shards, Some(8));
         assert_eq!(job.input.truncate, Truncate::Left);
         assert_eq!(job.input.parameters.columns(), vec![("max_new_tokens", "n"), ("temperature", "t")]);
         assert_eq!(job.runtime.drain_grace, std::time::Duration::from_millis(2500));
         for (text, key) in [
             (MINIMAL.replace("url = \"out/\"", "url = \"out/\"\nunit_rows = 0"), "output.unit_rows"),
+            (MINIMAL.replace("url = \"out/\"", "url = \"out/\"\nshards = 0"), "output.shards"),
             (MINIMAL.replace("url = \"data/in.parquet\"", "url = \"x\"\ntruncate = \"middle\""), "input.truncate"),
             (format!("{MINIMAL}\n[runtime]\ndrain_grace_s = -1.0"), "runtime.drain_grace_s"),
             (MINIMAL.replace("url = \"data/in.parquet\"", "url = \"x\"\n[input.parameters]\nmin_p = \"p\""), "min_p"),
@@ -662,8 +677,10 @@ url = "out/"
             output_url: Some("s3://b/out/".into()),
             model_path: Some("other.gguf".into()),
             max_seqs: Some(3),
+            shards: Some(6),
         };
-        let job = Job::parse(MINIMAL, Path::new("job.toml"), &o).unwrap();
+        let job = Job::parse(&MINIMAL.replace("url = \"out/\"", "url = \"out/\"\nshards = 8"), Path::new("job.toml"), &o).unwrap();
+        assert_eq!(job.output.shards, Some(6));
         assert_eq!(job.input.url, "s3://b/in.parquet");
         assert_eq!(job.output.url, "s3://b/out/");
         assert_eq!(job.model.path, PathBuf::from("other.gguf"));

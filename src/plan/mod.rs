@@ -8,6 +8,8 @@
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+pub mod shard;
+
 /// Bumped when the output layout or the results schema changes incompatibly.
 pub const OUTPUT_FORMAT_VERSION: u32 = 1;
 
@@ -29,6 +31,12 @@ pub struct Unit {
     pub file: usize,
     pub first_row: u64,
     pub rows: u32,
+    /// The shard the unit belongs to (plans written before sharding have one shard, 0).
+    #[serde(default)]
+    pub shard: u32,
+    /// Estimated prompt and output tokens, which the shards are balanced by.
+    #[serde(default)]
+    pub estimated_tokens: u64,
 }
 
 /// What makes two runs the same job: the same rows, prompts, model and parameters give the same results.
@@ -102,26 +110,45 @@ pub struct Plan {
     pub nightshift_version: String,
     pub fingerprint: Fingerprint,
     pub unit_rows: u32,
+    /// How many shards the units are split into (see [`shard`]); every process of the job agrees on it.
+    #[serde(default = "one_shard")]
+    pub shards: u32,
     pub units: Vec<Unit>,
 }
 
+fn one_shard() -> u32 {
+    1
+}
+
 impl Plan {
-    /// Cuts every file into units of at most `unit_rows` rows; units never span files.
-    pub fn new(fingerprint: Fingerprint, unit_rows: u32) -> Plan {
+    /// Cuts every file into units of at most `unit_rows` rows (units never span files) and the units into `shards`
+    /// contiguous shards balanced by `estimate(file, first_row, rows)`, the estimated tokens of a run of rows.
+    pub fn new(fingerprint: Fingerprint, unit_rows: u32, shards: u32, estimate: impl Fn(usize, u64, u32) -> u64) -> Plan {
         let mut units = Vec::new();
         for (file, f) in fingerprint.input.iter().enumerate() {
             let mut first_row = 0;
             while first_row < f.rows {
                 let rows = (f.rows - first_row).min(unit_rows as u64) as u32;
-                units.push(Unit { id: units.len() as u32, file, first_row, rows });
+                let estimated_tokens = estimate(file, first_row, rows);
+                units.push(Unit { id: units.len() as u32, file, first_row, rows, shard: 0, estimated_tokens });
                 first_row += rows as u64;
             }
         }
-        Plan { nightshift_version: env!("CARGO_PKG_VERSION").into(), fingerprint, unit_rows, units }
+        let shards = shards.max(1);
+        let weights: Vec<u64> = units.iter().map(|u| u.estimated_tokens).collect();
+        for (unit, s) in units.iter_mut().zip(shard::split(&weights, shards)) {
+            unit.shard = s;
+        }
+        Plan { nightshift_version: env!("CARGO_PKG_VERSION").into(), fingerprint, unit_rows, shards, units }
     }
 
     pub fn total_rows(&self) -> u64 {
         self.units.iter().map(|u| u.rows as u64).sum()
+    }
+
+    /// The units of one shard, in order.
+    pub fn shard_units(&self, shard: u32) -> impl Iterator<Item = &Unit> {
+        self.units.iter().filter(move |u| u.shard == shard)
     }
 }
 
@@ -145,11 +172,30 @@ mod tests {
 
     #[test]
     fn units_cover_every_row_once_and_never_span_files() {
-        let plan = Plan::new(fingerprint(&[5, 0, 12]), 4);
+        let plan = Plan::new(fingerprint(&[5, 0, 12]), 4, 1, |_, _, rows| rows as u64);
         let shape: Vec<(usize, u64, u32)> = plan.units.iter().map(|u| (u.file, u.first_row, u.rows)).collect();
         assert_eq!(shape, vec![(0, 0, 4), (0, 4, 1), (2, 0, 4), (2, 4, 4), (2, 8, 4)]);
         assert_eq!(plan.units.iter().map(|u| u.id).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
         assert_eq!(plan.total_rows(), 17);
+    }
+
+    #[test]
+    fn shards_are_stored_per_unit_and_weigh_estimated_tokens() {
+        // File 0's rows are four times as heavy as file 1's: its 2 units weigh what file 1's 8 do.
+        let plan = Plan::new(fingerprint(&[8, 32]), 4, 2, |file, _, rows| rows as u64 * if file == 0 { 4 } else { 1 });
+        assert_eq!(plan.shards, 2);
+        let shards: Vec<u32> = plan.units.iter().map(|u| u.shard).collect();
+        assert_eq!(shards, [0, 0, 1, 1, 1, 1, 1, 1, 1, 1]);
+        assert_eq!(plan.shard_units(0).map(|u| u.estimated_tokens).sum::<u64>(), 32);
+        assert_eq!(plan.shard_units(1).map(|u| u.estimated_tokens).sum::<u64>(), 32);
+    }
+
+    #[test]
+    fn a_plan_written_before_sharding_reads_as_one_shard() {
+        let old = r#"{"nightshift_version":"0.1.0","fingerprint":{"format_version":1,"model_sha256":"ab","prompt":{},
+            "generation":{},"input":[]},"unit_rows":4,"units":[{"id":0,"file":0,"first_row":0,"rows":4}]}"#;
+        let plan: Plan = serde_json::from_str(old).unwrap();
+        assert_eq!((plan.shards, plan.units[0].shard), (1, 0));
     }
 
     #[test]
@@ -166,7 +212,7 @@ mod tests {
 
     #[test]
     fn plan_round_trips_through_json() {
-        let plan = Plan::new(fingerprint(&[3, 7]), 4);
+        let plan = Plan::new(fingerprint(&[3, 7]), 4, 2, |_, _, rows| rows as u64);
         let back: Plan = serde_json::from_str(&serde_json::to_string(&plan).unwrap()).unwrap();
         assert_eq!(back, plan);
     }

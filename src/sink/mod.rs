@@ -3,9 +3,9 @@
 //! Layout under the output URL (`../shared/DESIGN.md`, section 5):
 //! ```text
 //! OUT/_plan.json                                  create-once: input snapshot, units, job fingerprint
-//! OUT/data/shard=0/u<unit>-a<attempt>.parquet     a unit's result rows, in input order (schemas/results.json)
-//! OUT/metrics/shard=0/u<unit>-a<attempt>.parquet  a unit's figures, one row (schemas/metrics.json)
-//! OUT/_commits/shard=0/u<unit>.json               create-once marker: the unit is committed, by these two files
+//! OUT/data/shard=S/u<unit>-a<attempt>.parquet     a unit's result rows, in input order (schemas/results.json)
+//! OUT/metrics/shard=S/u<unit>-a<attempt>.parquet  a unit's figures, one row (schemas/metrics.json)
+//! OUT/_commits/shard=S/u<unit>.json               create-once marker: the unit is committed, by these two files
 //! OUT/_manifest.json                              create-once, by finalize: every committed file, and totals
 //! OUT/_SUCCESS                                    create-once, written last
 //! ```
@@ -13,7 +13,8 @@
 //! requeued pod, two processes started by mistake) cannot replace each other's bytes; the create-once marker
 //! decides which attempt's files count, and the loser deletes its own. A unit's rows are buffered until the unit
 //! is complete and then uploaded as whole files, so a killed process leaves at most an orphan file that no
-//! marker names, which finalize removes. Readers use `_manifest.json`.
+//! marker names, which finalize removes. Readers use `_manifest.json`. `S` is the unit's shard in the plan: a unit
+//! has one shard for the life of the output, so its marker has one name.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -54,10 +55,15 @@ pub enum SinkError {
     #[error("output `{url}` has no `_plan.json`: it was not written by a run of this nightshift")]
     NoPlan { url: String },
     #[error(
-        "output `{url}` is incomplete: {missing} of {total} units are not committed (first: {first}); run the \
-         job again to finish them"
+        "output `{url}` is incomplete: {missing} of {total} units are not committed, in {shards} (first: {first}); \
+         run the job (or those shards) again to finish them"
     )]
-    Incomplete { url: String, missing: usize, total: usize, first: String },
+    Incomplete { url: String, missing: usize, total: usize, shards: String, first: String },
+    #[error(
+        "output `{url}` has a plan cut into {planned} shard(s), but this process was asked for {asked}; every \
+         process of a job must use the plan's shard count (or run `--shard all`)"
+    )]
+    ShardCount { url: String, planned: u32, asked: String },
 }
 
 pub const PLAN_FILE: &str = "_plan.json";
@@ -66,8 +72,6 @@ pub const SUCCESS_FILE: &str = "_SUCCESS";
 const COMMITS_DIR: &str = "_commits";
 const DATA_DIR: &str = "data";
 const METRICS_DIR: &str = "metrics";
-/// Every process runs shard 0 of a one-shard plan until scale-out (issue 8) assigns shards.
-const SHARD: u32 = 0;
 
 /// Rows encoded per Arrow batch when a unit is written.
 const ROWS_PER_BATCH: usize = 512;
@@ -185,6 +189,58 @@ pub enum Finalized {
     Done(Manifest),
     /// `_SUCCESS` was there already.
     AlreadyComplete(Manifest),
+}
+
+/// What `nightshift status` shows: the output's progress, per shard.
+#[derive(Clone, Debug, Serialize)]
+pub struct OutputStatus {
+    pub url: String,
+    /// `_SUCCESS` is written.
+    pub complete: bool,
+    pub fingerprint: String,
+    pub units: usize,
+    pub committed_units: usize,
+    pub rows: u64,
+    pub committed_rows: u64,
+    pub shards: Vec<ShardStatus>,
+}
+
+/// One shard's progress.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ShardStatus {
+    pub shard: u32,
+    pub units: usize,
+    pub committed_units: usize,
+    /// Uncommitted units, in order.
+    pub missing_units: Vec<u32>,
+    pub rows: u64,
+    pub committed_rows: u64,
+    pub errored_rows: u64,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    /// The plan's estimate for the whole shard (prompt and output tokens).
+    pub estimated_tokens: u64,
+    /// The attempts (processes) whose units are committed.
+    pub attempts: Vec<String>,
+    /// Seconds of those attempts' time, up to their last commit, that went to this shard's committed units.
+    pub busy_s: f64,
+    pub rows_per_s: Option<f64>,
+    pub total_tokens_per_s: Option<f64>,
+    pub output_tokens_per_s: Option<f64>,
+}
+
+/// A metrics file's attempt and `job_s` (the attempt's age when it committed the unit).
+fn metrics_timing(bytes: bytes::Bytes) -> Result<(String, f64), Box<dyn std::error::Error + Send + Sync>> {
+    use arrow::array::{Array, AsArray};
+    let mut reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(bytes)?.build()?;
+    let batch = reader.next().ok_or("the metrics file has no rows")??;
+    let column = |name: &str| batch.column_by_name(name).ok_or_else(|| format!("the metrics file has no `{name}` column"));
+    let attempt = column("attempt")?.as_string_opt::<i32>().ok_or("`attempt` is not a string column")?;
+    let job_s = column("job_s")?.as_primitive_opt::<arrow::datatypes::Float64Type>().ok_or("`job_s` is not a float column")?;
+    if batch.num_rows() == 0 || attempt.is_null(0) || job_s.is_null(0) {
+        return Err("the metrics file's row is empty".into());
+    }
+    Ok((attempt.value(0).to_string(), job_s.value(0)))
 }
 
 fn error_fields() -> Fields {
@@ -400,11 +456,11 @@ impl Output {
         }
     }
 
-    fn marker_path(unit: u32) -> String {
-        format!("{COMMITS_DIR}/shard={SHARD}/u{unit:06}.json")
+    fn marker_path(unit: &Unit) -> String {
+        format!("{COMMITS_DIR}/shard={}/u{:06}.json", unit.shard, unit.id)
     }
 
-    pub async fn is_committed(&self, unit: u32) -> Result<bool, SinkError> {
+    pub async fn is_committed(&self, unit: &Unit) -> Result<bool, SinkError> {
         let relative = Output::marker_path(unit);
         match self.store().head(&self.path(&relative)).await {
             Ok(_) => Ok(true),
@@ -453,14 +509,14 @@ impl Output {
         outcomes: &[Outcome],
         metrics: &JobMetrics,
     ) -> Result<Commit, SinkError> {
-        let stem = format!("shard={SHARD}/u{:06}-a{}.parquet", unit.id, run.attempt);
+        let stem = format!("shard={}/u{:06}-a{}.parquet", unit.shard, unit.id, run.attempt);
         let results = format!("{DATA_DIR}/{stem}");
         let metrics_file = format!("{METRICS_DIR}/{stem}");
         self.write_results(&results, run, outcomes).await?;
         self.write_metrics(&metrics_file, unit.id, metrics, run).await?;
         let marker = Marker {
             unit: unit.id,
-            shard: SHARD,
+            shard: unit.shard,
             attempt: run.attempt.clone(),
             results: results.clone(),
             metrics: metrics_file.clone(),
@@ -470,7 +526,7 @@ impl Output {
             prompt_tokens: metrics.prompt_tokens,
             completion_tokens: metrics.completion_tokens,
         };
-        let relative = Output::marker_path(unit.id);
+        let relative = Output::marker_path(unit);
         if self.create_json(&relative, &marker).await? {
             return Ok(Commit::Won);
         }
@@ -567,10 +623,17 @@ impl Output {
             }
         }
         let markers = self.markers().await?;
-        let missing: Vec<u32> = plan.units.iter().map(|u| u.id).filter(|id| !markers.contains_key(id)).collect();
+        let missing: Vec<&Unit> = plan.units.iter().filter(|u| !markers.contains_key(&u.id)).collect();
         if !missing.is_empty() {
-            let first = missing.iter().take(5).map(|u| format!("u{u:06}")).collect::<Vec<_>>().join(", ");
-            return Err(SinkError::Incomplete { url: self.url().into(), missing: missing.len(), total: plan.units.len(), first });
+            let first = missing.iter().take(5).map(|u| format!("u{:06}", u.id)).collect::<Vec<_>>().join(", ");
+            let shards: std::collections::BTreeSet<u32> = missing.iter().map(|u| u.shard).collect();
+            let shards = if plan.shards == 1 {
+                "the job's one shard".to_string()
+            } else {
+                let list = shards.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", ");
+                format!("shard(s) {list} of {}", plan.shards)
+            };
+            return Err(SinkError::Incomplete { url: self.url().into(), missing: missing.len(), total: plan.units.len(), shards, first });
         }
         let units: Vec<Marker> = plan.units.iter().map(|u| markers[&u.id].clone()).collect();
         let rows: u64 = units.iter().map(|m| m.rows).sum();
@@ -632,6 +695,83 @@ impl Output {
             }
         }
         Ok(())
+    }
+
+    /// Progress per shard, from the plan, the commit markers and the committed units' metrics files (nothing is
+    /// written). Throughput is rows and tokens over busy time: each attempt's time from its start to its last
+    /// commit, shared among its units by commit order (each unit gets the time since the attempt's previous
+    /// commit), so start-up and model loading count against the first unit.
+    pub async fn status(&self) -> Result<OutputStatus, SinkError> {
+        use futures::StreamExt;
+        let plan = self.read_plan().await?.ok_or_else(|| SinkError::NoPlan { url: self.url().into() })?;
+        let complete = self.is_complete().await?;
+        let markers = self.markers().await?;
+        // (unit, attempt, job_s at commit) for every committed unit.
+        let timings: Vec<(u32, String, f64)> = futures::stream::iter(markers.values().cloned())
+            .map(|m| async move {
+                let bytes = self.read_bytes(&m.metrics).await?;
+                let (attempt, job_s) = metrics_timing(bytes).map_err(|e| SinkError::Read { url: self.display(&m.metrics), source: e })?;
+                Ok::<_, SinkError>((m.unit, attempt, job_s))
+            })
+            .buffer_unordered(16)
+            .try_collect()
+            .await?;
+        let mut by_attempt: BTreeMap<&str, Vec<(f64, u32)>> = BTreeMap::new();
+        for (unit, attempt, job_s) in &timings {
+            by_attempt.entry(attempt.as_str()).or_default().push((*job_s, *unit));
+        }
+        let mut busy: BTreeMap<u32, f64> = BTreeMap::new();
+        for commits in by_attempt.values_mut() {
+            commits.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let mut before = 0.0;
+            for (job_s, unit) in commits.iter() {
+                busy.insert(*unit, (job_s - before).max(0.0));
+                before = *job_s;
+            }
+        }
+        let mut shards: Vec<ShardStatus> = (0..plan.shards).map(|shard| ShardStatus { shard, ..Default::default() }).collect();
+        for unit in &plan.units {
+            let Some(s) = shards.get_mut(unit.shard as usize) else { continue };
+            s.units += 1;
+            s.rows += unit.rows as u64;
+            s.estimated_tokens += unit.estimated_tokens;
+            match markers.get(&unit.id) {
+                Some(m) => {
+                    s.committed_units += 1;
+                    s.committed_rows += m.rows;
+                    s.errored_rows += m.errored_rows;
+                    s.prompt_tokens += m.prompt_tokens;
+                    s.completion_tokens += m.completion_tokens;
+                    s.busy_s += busy.get(&unit.id).copied().unwrap_or(0.0);
+                    if !s.attempts.contains(&m.attempt) {
+                        s.attempts.push(m.attempt.clone());
+                    }
+                }
+                None => s.missing_units.push(unit.id),
+            }
+        }
+        for s in &mut shards {
+            if s.busy_s > 0.0 {
+                s.rows_per_s = Some(s.committed_rows as f64 / s.busy_s);
+                s.total_tokens_per_s = Some((s.prompt_tokens + s.completion_tokens) as f64 / s.busy_s);
+                s.output_tokens_per_s = Some(s.completion_tokens as f64 / s.busy_s);
+            }
+        }
+        Ok(OutputStatus {
+            url: self.url().into(),
+            complete,
+            fingerprint: plan.fingerprint.digest(),
+            units: plan.units.len(),
+            committed_units: markers.len(),
+            rows: plan.total_rows(),
+            committed_rows: markers.values().map(|m| m.rows).sum(),
+            shards,
+        })
+    }
+
+    async fn read_bytes(&self, relative: &str) -> Result<bytes::Bytes, SinkError> {
+        let read_err = |e: object_store::Error| SinkError::Read { url: self.display(relative), source: e.into() };
+        self.store().get(&self.path(relative)).await.map_err(read_err)?.bytes().await.map_err(read_err)
     }
 
     pub async fn read_manifest(&self) -> Result<Option<Manifest>, SinkError> {

@@ -204,6 +204,27 @@ impl Input {
         Ok(())
     }
 
+    /// The prompt column's uncompressed bytes in rows `first_row..first_row + rows` of file `file`, estimated from
+    /// the footer alone: each row group's column-chunk size, shared evenly among its rows. Used to balance shards.
+    pub fn prompt_bytes(&self, file: usize, first_row: u64, rows: u32) -> u64 {
+        let Some(f) = self.files.get(file) else { return 0 };
+        let name = self.prompt.name();
+        let end = first_row + rows as u64;
+        let mut start = 0u64;
+        let mut bytes = 0f64;
+        for rg in f.metadata.metadata().row_groups() {
+            let n = rg.num_rows().max(0) as u64;
+            let overlap = end.min(start + n).saturating_sub(first_row.max(start));
+            if overlap > 0 {
+                // A messages column is several leaf columns under one root.
+                let size: i64 = rg.columns().iter().filter(|c| c.column_path().parts().first().is_some_and(|p| p == name)).map(|c| c.uncompressed_size()).sum();
+                bytes += size.max(0) as f64 * overlap as f64 / n as f64;
+            }
+            start += n;
+        }
+        bytes.round() as u64
+    }
+
     /// Rows in all input files, from their footers.
     pub fn total_rows(&self) -> u64 {
         self.total_rows
