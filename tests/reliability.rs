@@ -144,6 +144,20 @@ impl World {
         self.command(job).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
     }
 
+    /// `nightshift run JOB ARGS` with extra environment variables (a scheduler's).
+    fn spawn_with(&self, job: &Path, args: &[&str], env: &[(&str, &str)]) -> Child {
+        let mut cmd = self.command(job);
+        cmd.args(args).envs(env.iter().copied()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.spawn().unwrap()
+    }
+
+    /// `nightshift VERB ARGS` against the world's store (finalize, status).
+    fn tool(&self, args: &[&str]) -> Run {
+        let env = self.moto.as_ref().map(|m| m.env()).unwrap_or_default();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        nightshift(args, &env)
+    }
+
     fn run(&self, job: &Path) -> Run {
         finish(self.spawn(job))
     }
@@ -179,9 +193,14 @@ fn signal(child: &Child, name: &str) {
 
 /// Waits until the output has at least one commit marker; false if the process ended first.
 fn wait_for_first_commit(child: &mut Child, output: &OutputStore) -> bool {
+    wait_for_commit_under(child, output, "_commits")
+}
+
+/// Waits until a commit marker appears under `dir`; false if the process ended first.
+fn wait_for_commit_under(child: &mut Child, output: &OutputStore, dir: &str) -> bool {
     let deadline = Instant::now() + Duration::from_secs(120);
     while Instant::now() < deadline {
-        if !output.list("_commits").is_empty() {
+        if !output.list(dir).is_empty() {
             return true;
         }
         if child.try_wait().unwrap().is_some() {
@@ -272,9 +291,7 @@ fn kill_nine_at_random_moments_then_resume(store: Store) {
 
 /// `nightshift finalize` on one of the world's outputs.
 fn finalize(world: &World, name: &str) -> Run {
-    let env = world.moto.as_ref().map(|m| m.env()).unwrap_or_default();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    nightshift(&["finalize", &world.output_url(name)], &env)
+    world.tool(&["finalize", &world.output_url(name)])
 }
 
 on_both_stores!(kill_nine_at_random_moments_then_resume, kill_nine_at_random_moments_then_resume_local, kill_nine_at_random_moments_then_resume_s3);
@@ -475,4 +492,199 @@ fn over_long_prompts_are_error_rows_unless_truncation_is_asked_for() {
         assert!((200..=240).contains(&prompt_tokens), "{side}: {prompt_tokens} prompt tokens");
         assert_eq!(rows["r00000"], run_with("default-again", None)["r00000"], "short prompts are untouched");
     }
+}
+
+/// Four shard processes at once against moto, each started the way a scheduler starts it; one is killed -9 and
+/// rerun; finalize refuses the output until every shard is in, and two finalizes at once both succeed.
+#[test]
+fn four_shards_in_parallel_on_s3_with_one_killed_and_rerun() {
+    let world = World::new("shards-s3", Store::S3);
+    let (reference, _) = world.reference();
+    let job = world.job("sharded", "");
+    let output = world.output("sharded");
+    // Shards 0 and 1 by flag, shard 2 from a Slurm array's variables (`--array=1-4`: ids start at 1), shard 3 from
+    // a Kubernetes Indexed Job's index with the count from NIGHTSHIFT_SHARDS. All four race to write the plan.
+    let slurm = [("SLURM_ARRAY_TASK_ID", "3"), ("SLURM_ARRAY_TASK_MIN", "1"), ("SLURM_ARRAY_TASK_COUNT", "4")];
+    let kubernetes = [("JOB_COMPLETION_INDEX", "3"), ("NIGHTSHIFT_SHARDS", "4")];
+    let others = vec![
+        world.spawn_with(&job, &["--shard", "0/4"], &[]),
+        world.spawn_with(&job, &["--shard", "1/4"], &[]),
+        world.spawn_with(&job, &["--shard", "auto"], &slurm),
+    ];
+    let mut victim = world.spawn_with(&job, &["--shard", "auto"], &kubernetes);
+    assert!(wait_for_commit_under(&mut victim, &output, "_commits/shard=3"), "shard 3 ended before its first commit");
+    let _ = victim.kill();
+    finish(victim);
+    for (i, child) in others.into_iter().enumerate() {
+        let run = finish(child);
+        run.assert_ok();
+        assert!(run.stdout.contains(&format!("shard {i}/4")), "shard {i}: {}", run.stdout);
+    }
+    let plan: serde_json::Value = serde_json::from_slice(&output.get("_plan.json").unwrap()).unwrap();
+    assert_eq!(plan["shards"], 4);
+    let shard_of: Vec<u64> = plan["units"].as_array().unwrap().iter().map(|u| u["shard"].as_u64().unwrap()).collect();
+    assert!(shard_of.windows(2).all(|w| w[1] == w[0] || w[1] == w[0] + 1), "shards are contiguous runs of units: {shard_of:?}");
+    assert_eq!((shard_of[0], shard_of[UNITS - 1]), (0, 3));
+    for s in 0..3 {
+        let units = shard_of.iter().filter(|&&x| x == s).count();
+        assert_eq!(output.list(&format!("_commits/shard={s}")).len(), units, "shard {s} is committed");
+    }
+    assert!(!output.exists("_SUCCESS"), "no _SUCCESS while shard 3 is missing");
+
+    // finalize names the missing shard and exits "partial"; status shows which units are missing and how fast
+    // the finished shards ran.
+    let run = finalize(&world, "sharded");
+    assert_eq!(run.code, 75, "{}", run.stderr);
+    assert!(run.stderr.contains("shard(s) 3 of 4"), "{}", run.stderr);
+    let run = world.tool(&["status", &world.output_url("sharded"), "--json"]);
+    run.assert_ok();
+    let status: serde_json::Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(status["complete"], false);
+    for s in status["shards"].as_array().unwrap() {
+        let shard = s["shard"].as_u64().unwrap();
+        let planned = shard_of.iter().filter(|&&x| x == shard).count() as u64;
+        assert_eq!(s["units"].as_u64().unwrap(), planned);
+        if shard < 3 {
+            assert_eq!(s["committed_units"].as_u64().unwrap(), planned, "{s}");
+            assert_eq!(s["missing_units"].as_array().unwrap().len(), 0);
+            assert!(s["rows_per_s"].as_f64().unwrap() > 0.0 && s["output_tokens_per_s"].as_f64().unwrap() > 0.0, "{s}");
+            assert_eq!(s["attempts"].as_array().unwrap().len(), 1, "{s}");
+        } else {
+            let missing = s["missing_units"].as_array().unwrap().len() as u64;
+            assert!(missing >= 1 && missing + s["committed_units"].as_u64().unwrap() == planned, "{s}");
+        }
+    }
+    let run = world.tool(&["status", &world.output_url("sharded")]);
+    run.assert_ok();
+    assert!(run.stdout.contains("incomplete") && run.stdout.contains("4 shard(s)"), "{}", run.stdout);
+
+    // A process of another job, or with another shard count, is refused: it would mix results or split the plan
+    // differently.
+    let other = world.dir.join("other.toml");
+    std::fs::write(&other, std::fs::read_to_string(&job).unwrap().replace("max_new_tokens = 12", "max_new_tokens = 13")).unwrap();
+    let run = finish(world.spawn_with(&other, &["--shard", "3/4"], &[]));
+    assert_eq!(run.code, 5, "{}", run.stderr);
+    assert!(run.stderr.contains("different job") && run.stderr.contains("max_new_tokens"), "{}", run.stderr);
+    let run = finish(world.spawn_with(&job, &["--shard", "3/8"], &[]));
+    assert_eq!(run.code, 5, "{}", run.stderr);
+    assert!(run.stderr.contains("cut into 4 shard(s)"), "{}", run.stderr);
+
+    // The rerun of shard 3 resumes it; as the last shard to finish, it finalizes the output.
+    let run = finish(world.spawn_with(&job, &["--shard", "auto"], &kubernetes));
+    run.assert_ok();
+    assert!(run.stdout.contains("manifest:"), "the last shard finalizes: {}", run.stdout);
+    assert_complete_and_equal(&output, &reference);
+
+    // Two finalizes at once on an output whose units are all committed but not finalized (the last shard killed
+    // between its last commit and its finalize): both succeed and agree.
+    output.delete("_SUCCESS");
+    output.delete("_manifest.json");
+    let finalizers: Vec<_> = (0..2)
+        .map(|_| {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_nightshift"));
+            cmd.args(["finalize", &world.output_url("sharded")]).envs(world.moto.as_ref().unwrap().env());
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+        })
+        .collect();
+    for child in finalizers {
+        let run = finish(child);
+        run.assert_ok();
+        assert!(run.stdout.contains("rows: 2000"), "{}", run.stdout);
+    }
+    assert_complete_and_equal(&output, &reference);
+    let run = world.tool(&["status", &world.output_url("sharded"), "--json"]);
+    let status: serde_json::Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!((status["complete"].as_bool(), status["committed_rows"].as_u64()), (Some(true), Some(ROWS as u64)));
+}
+
+/// The Slurm example as written: two array tasks run `jobs/cluster/slurm-shards.sbatch` (Slurm's variables set by
+/// hand, a stand-in `scontrol` that records its arguments); the time-limit signal reaches nightshift through the
+/// batch shell, the task asks to be requeued, the requeued task completes, and the finalize script succeeds.
+#[test]
+fn slurm_example_forwards_the_time_limit_signal_and_requeues_the_shard() {
+    let world = World::new("slurm-example", Store::Local);
+    let (reference, _) = world.reference();
+    let job = world.job("slurm", "max_seqs = 2");
+    let output = world.output("slurm");
+    let bin = world.dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let requeued = world.dir.join("requeued.txt");
+    let scontrol = bin.join("scontrol");
+    std::fs::write(&scontrol, format!("#!/bin/sh\necho \"$@\" >> {:?}\n", requeued.to_str().unwrap())).unwrap();
+    std::fs::set_permissions(&scontrol, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let task = |id: &str| {
+        let mut cmd = Command::new("bash");
+        cmd.arg(repo().join("jobs/cluster/slurm-shards.sbatch")).arg(&job).arg("--shards").arg("2");
+        cmd.current_dir(repo()).env("RUST_LOG", "warn").env("PATH", &path).env("NIGHTSHIFT", env!("CARGO_BIN_EXE_nightshift"));
+        cmd.envs([("SLURM_ARRAY_JOB_ID", "4242"), ("SLURM_ARRAY_TASK_ID", id), ("SLURM_ARRAY_TASK_MIN", "0"), ("SLURM_ARRAY_TASK_COUNT", "2")]);
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+    };
+    let first = task("0");
+    let mut second = task("1");
+    assert!(wait_for_commit_under(&mut second, &output, "_commits/shard=1"), "task 1 ended before its first commit");
+    // Slurm's `--signal=B:TERM@300` signals the batch shell, not its children.
+    signal(&second, "TERM");
+    let run = finish(second);
+    assert_eq!(run.code, 75, "{}", run.stderr);
+    assert!(run.stderr.contains("requeueing 4242_1"), "{}", run.stderr);
+    assert_eq!(std::fs::read_to_string(&requeued).unwrap().trim(), "requeue 4242_1");
+    finish(first).assert_ok();
+    assert!(!output.exists("_SUCCESS"));
+    // The requeued task resumes shard 1 and, finishing last, finalizes the output.
+    finish(task("1")).assert_ok();
+    assert_complete_and_equal(&output, &reference);
+    let out = Command::new("bash")
+        .arg(repo().join("jobs/cluster/slurm-finalize.sbatch"))
+        .arg(world.output_url("slurm"))
+        .env("NIGHTSHIFT", env!("CARGO_BIN_EXE_nightshift"))
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("complete already") && stdout.contains("state: complete"), "{stdout}");
+}
+
+/// The Kubernetes and AWS Batch examples agree with the binary: the cluster job file validates, the shard counts
+/// in each example match, and the exit codes they fail fast on are the permanent ones.
+#[test]
+fn cluster_examples_agree_with_the_binary() {
+    let world = World::new("cluster-examples", Store::Local);
+    let run = nightshift(
+        &[
+            "validate",
+            "jobs/cluster/nightly.toml",
+            "--input",
+            world.input_url().as_str(),
+            "--output",
+            world.dir.join("out").to_str().unwrap(),
+            "--model",
+            world.model.to_str().unwrap(),
+        ],
+        &[],
+    );
+    run.assert_ok();
+    let read = |f: &str| std::fs::read_to_string(repo().join("jobs/cluster").join(f)).unwrap();
+    let nightly = read("nightly.toml");
+    let shards: u32 = nightly.lines().find_map(|l| l.strip_prefix("shards = ")).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    let k8s = read("kubernetes.yaml");
+    let completions = k8s.lines().find_map(|l| l.trim().strip_prefix("completions: ")).unwrap();
+    assert_eq!(completions.split_whitespace().next(), Some(shards.to_string().as_str()));
+    assert!(k8s.contains(&format!("--shards={shards}")) && k8s.contains("--shard=auto"), "{k8s}");
+    // Exits 2-5 are permanent (a bad job file, input, model or output): retrying cannot help. 75 and 1 are retried.
+    assert!(k8s.contains("values: [2, 3, 4, 5]"), "{k8s}");
+    let batch: serde_json::Value = serde_json::from_str(&read("aws-batch-job-definition.json")).unwrap();
+    let retried: Vec<&str> = batch["retryStrategy"]["evaluateOnExit"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["action"] == "RETRY")
+        .filter_map(|c| c["onExitCode"].as_str())
+        .collect();
+    assert_eq!(retried, ["75", "1"]);
+    let command: Vec<&str> = batch["containerProperties"]["command"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert_eq!(&command[..2], ["run", "/etc/nightshift/nightly.toml"]);
+    assert!(command.windows(2).any(|w| w == ["--shard", "auto"]));
+    assert!(read("Dockerfile").contains("COPY jobs/cluster/nightly.toml /etc/nightshift/nightly.toml"));
 }

@@ -228,6 +228,10 @@ impl OutputStore {
         self.rt.block_on(self.store.put(&self.path(relative), bytes.into())).unwrap();
     }
 
+    pub fn delete(&self, relative: &str) {
+        self.rt.block_on(self.store.delete(&self.path(relative))).unwrap();
+    }
+
     pub fn exists(&self, relative: &str) -> bool {
         self.get(relative).is_some()
     }
