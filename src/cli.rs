@@ -213,6 +213,9 @@ pub fn print_run(report: &RunReport) {
         return;
     }
     match (&report.status, &report.manifest) {
+        (RunStatus::ShardDone { missing }, _) if report.units_committed + report.units_skipped == 0 => {
+            println!("{} has no units (the plan has fewer units than shards); the output is not finalized yet: {missing}", report.assignment)
+        }
         (RunStatus::ShardDone { missing }, _) => {
             println!("{} is committed; the output is not finalized yet: {missing}", report.assignment)
         }
