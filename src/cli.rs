@@ -44,8 +44,113 @@ pub enum Command {
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
+    /// A decoder: requests/s, total and output tokens/s, TTFT and TPOT percentiles and peak memory on an offline
+    /// workload of synthetic prompts (every request ready at the start).
+    Generate(GenerateBenchArgs),
     /// An embedding model: rows/s and tokens/s over rows of random lengths, batched as embedding jobs batch them.
     Embed(EmbedBenchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateBenchArgs {
+    /// The decoder's GGUF file.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// `fixed`: end of sequence ignored, every row generates its drawn length; `natural`: rows stop at the end
+    /// of turn.
+    #[arg(long, value_enum, default_value_t = crate::bench::Workload::Fixed)]
+    pub workload: crate::bench::Workload,
+    #[arg(long, default_value_t = 64)]
+    pub rows: usize,
+    /// Shortest prompt, in tokens with the chat template.
+    #[arg(long, default_value_t = 100)]
+    pub min_prompt: usize,
+    #[arg(long, default_value_t = 1000)]
+    pub max_prompt: usize,
+    /// Fewest new tokens a row asks for.
+    #[arg(long, default_value_t = 32)]
+    pub min_new: usize,
+    #[arg(long, default_value_t = 256)]
+    pub max_new: usize,
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 32)]
+    pub max_seqs: usize,
+    /// Prompt tokens prefilled in one step.
+    #[arg(long, default_value_t = 2048)]
+    pub max_batch_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// CPU threads (default: every core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Write the workload's requests (token ids, output lengths) to this file, one JSON object per line, for a
+    /// peer to run the same requests (`scripts/bench-llama-server.py`).
+    #[arg(long)]
+    pub save_workload: Option<PathBuf>,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl GenerateBenchArgs {
+    pub fn options(&self) -> crate::bench::GenerateBenchOptions {
+        crate::bench::GenerateBenchOptions {
+            model: self.model.clone(),
+            workload: self.workload,
+            rows: self.rows,
+            min_prompt: self.min_prompt,
+            max_prompt: self.max_prompt,
+            min_new: self.min_new,
+            max_new: self.max_new,
+            max_seqs: self.max_seqs,
+            max_batch_tokens: self.max_batch_tokens,
+            temperature: self.temperature,
+            seed: self.seed,
+            save_workload: self.save_workload.clone(),
+        }
+    }
+}
+
+pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
+    if json {
+        println!("{}", serde_json::to_string(r).expect("plain data serialises"));
+        return;
+    }
+    println!("model: {} ({:?} workload, {} rows, max_seqs {}, max_batch_tokens {})", r.model, r.workload, r.rows, r.max_seqs, r.max_batch_tokens);
+    println!(
+        "tokens: {} prompt ({:.0} per row), {} output ({:.0} per row)",
+        r.prompt_tokens,
+        r.prompt_tokens as f64 / r.rows.max(1) as f64,
+        r.output_tokens,
+        r.output_tokens as f64 / r.rows.max(1) as f64
+    );
+    println!(
+        "throughput: {:.2} requests/s, {:.1} total tokens/s, {:.1} output tokens/s over {:.1} s ({} steps)",
+        r.requests_per_s, r.total_tokens_per_s, r.output_tokens_per_s, r.seconds, r.steps
+    );
+    println!(
+        "steps: prefill {:.1} s ({:.1} prompt tok/s, decode tokens riding along), decode-only {:.1} s ({:.1} tok/s)",
+        r.prefill_s, r.prefill_tokens_per_s, r.decode_s, r.decode_tokens_per_s
+    );
+    println!(
+        "latency: TTFT p50 {:.3} s, p90 {:.3} s, p99 {:.3} s (from admission); TPOT p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms",
+        r.ttft_p50_s,
+        r.ttft_p90_s,
+        r.ttft_p99_s,
+        r.tpot_p50_s * 1e3,
+        r.tpot_p90_s * 1e3,
+        r.tpot_p99_s * 1e3
+    );
+    println!(
+        "memory: peak RSS {} MiB, weights {} MiB, peak KV cache {} MiB, at most {} sequences at once",
+        r.peak_rss_bytes >> 20,
+        r.weights_bytes >> 20,
+        r.peak_kv_cache_bytes >> 20,
+        r.peak_running
+    );
 }
 
 #[derive(Debug, Args)]

@@ -16,6 +16,7 @@ fn init_tracing(format: LogFormat) {
 }
 
 fn main() -> ExitCode {
+    app::tune_cpu_threads();
     let cli = Cli::parse();
     init_tracing(cli.log_format);
     let result = match &cli.command {
@@ -30,6 +31,12 @@ fn main() -> ExitCode {
         Command::Validate(args) => app::validate(&args.job, &args.overrides()).map(|r| cli::print_validate(&r)),
         Command::Status(args) => app::status(&args.output).map(|s| cli::print_status(&s, args.json)),
         Command::Finalize(args) => app::finalize(&args.output).map(|(f, url)| cli::print_finalize(&f, &url)),
+        Command::Bench(cli::BenchCommand::Generate(args)) => {
+            if let Some(threads) = args.threads {
+                app::limit_threads(threads);
+            }
+            nightshift::bench::generate(&args.options()).map(|r| cli::print_generate_bench(&r, args.json))
+        }
         Command::Bench(cli::BenchCommand::Embed(args)) => {
             if let Some(threads) = args.threads {
                 app::limit_threads(threads);

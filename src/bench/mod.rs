@@ -1,6 +1,8 @@
 //! `nightshift bench`: throughput on a synthetic workload, measured in-process (no object-store I/O), reported as
-//! the figures users compare. Embedding jobs are benchmarked here; generation benchmarks (fixed-length and
-//! natural-stop workloads, TTFT and TPOT percentiles) join with the engine issue.
+//! the figures users compare: [`generate`] for decoders, [`embed`] for embedding models.
+
+mod generate;
+pub use generate::{generate, GenerateBenchOptions, GenerateBenchReport, Workload};
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -13,7 +15,7 @@ use crate::engine::ModelError;
 use crate::error::Error;
 
 /// Words the synthetic rows are made of: support-ticket English, so the tokenizer sees realistic text.
-const WORDS: &[&str] = &[
+pub(crate) const WORDS: &[&str] = &[
     "the", "printer", "on", "third", "floor", "jams", "every", "time", "someone", "prints", "more", "than", "ten", "pages",
     "I", "was", "charged", "twice", "for", "my", "subscription", "please", "refund", "duplicate", "payment", "after",
     "latest", "update", "mobile", "app", "crashes", "as", "soon", "open", "settings", "screen", "our", "team", "cannot",

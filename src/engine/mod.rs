@@ -19,7 +19,7 @@ use tokenizers::Tokenizer;
 use crate::job::{DeviceChoice, GenerationParams};
 use crate::row::{FinishReason, RowParams, RowTag};
 use crate::tokenize::TextStream;
-pub use model::{KvCache, Model, ModelConfig, ModelInfo, Segment};
+pub use model::{KvCache, Layout, Model, ModelConfig, ModelInfo, Segment};
 use sampling::Rng;
 
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +90,11 @@ pub struct EngineStats {
     pub decode_tokens: u64,
     pub peak_running: usize,
     pub peak_kv_bytes: usize,
+    /// Seconds in steps that prefilled prompt tokens (some may also have decoded), and in decode-only steps.
+    pub prefill_s: f64,
+    pub decode_s: f64,
+    /// Tokens of the decode-only steps (`decode_s`).
+    pub decode_only_tokens: u64,
 }
 
 /// What a continuous-batching engine offers the job loop.
@@ -293,6 +298,7 @@ impl Engine for BatchEngine {
         if chosen.is_empty() {
             return Ok(Vec::new());
         }
+        let started = Instant::now();
         let logits = {
             let chosen_set: HashSet<usize> = chosen.iter().copied().collect();
             let mut segments: Vec<Segment<'_>> = self
@@ -305,6 +311,13 @@ impl Engine for BatchEngine {
             self.model.forward(&mut segments).map_err(|e| EngineError(e.to_string()))?
         };
         let now = Instant::now();
+        let took = (now - started).as_secs_f64();
+        if prefill_tokens > 0 {
+            self.stats.prefill_s += took;
+        } else {
+            self.stats.decode_s += took;
+            self.stats.decode_only_tokens += decode_tokens as u64;
+        }
         let kv: usize = self.running.iter().map(|s| s.cache.bytes()).sum();
         self.stats.peak_kv_bytes = self.stats.peak_kv_bytes.max(kv);
         self.stats.steps += 1;

@@ -68,6 +68,10 @@ struct Layer {
 pub struct Model {
     pub config: ModelConfig,
     device: Device,
+    /// Widths as laid out in memory: the hidden state and the attention output, each zero-padded to a multiple of
+    /// 256 on CPU (see [`Layout`]); equal to the model's widths otherwise.
+    width: usize,
+    attn_width: usize,
     embedding: Tensor,
     layers: Vec<Layer>,
     output_norm: Tensor,
@@ -77,25 +81,59 @@ pub struct Model {
     rope_sin: Vec<f32>,
 }
 
-/// The keys and values of one sequence, all layers: `[layer][position][kv_head][head_dim]`, grown as the sequence
-/// is extended. Capacity is reserved once at admission, so a sequence never reallocates while it decodes.
+/// Positions per block of the KV cache: the width of the score vectors in attention.
+const BLOCK: usize = 16;
+
+/// The keys and values of one sequence, all layers, in blocks of [`BLOCK`] positions. Per layer, keys are
+/// `[block][kv_head][head_dim][BLOCK]` (each block transposed, so one query's scores against a block are
+/// `head_dim` multiply-adds of `BLOCK`-wide vectors, with no horizontal sums) and values are
+/// `[block][kv_head][BLOCK][head_dim]`; a block's unused positions are zero. Grown a block at a time; capacity is
+/// reserved at admission, so a sequence rarely reallocates while it decodes.
 #[derive(Debug)]
 pub struct KvCache {
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
-    row: usize,
+    len: usize,
+    kv_heads: usize,
+    head_dim: usize,
 }
 
 impl KvCache {
     pub fn new(config: &ModelConfig, capacity_tokens: usize) -> KvCache {
-        let row = config.kv_heads * config.head_dim;
-        let alloc = || (0..config.layers).map(|_| Vec::with_capacity(capacity_tokens * row)).collect();
-        KvCache { keys: alloc(), values: alloc(), row }
+        let block = config.kv_heads * config.head_dim * BLOCK;
+        let alloc = || (0..config.layers).map(|_| Vec::with_capacity(capacity_tokens.div_ceil(BLOCK) * block)).collect();
+        KvCache { keys: alloc(), values: alloc(), len: 0, kv_heads: config.kv_heads, head_dim: config.head_dim }
     }
 
     /// Positions held (the sequence's length so far).
     pub fn len(&self) -> usize {
-        self.keys.first().map_or(0, |k| k.len() / self.row)
+        self.len
+    }
+
+    fn block_floats(&self) -> usize {
+        self.kv_heads * self.head_dim * BLOCK
+    }
+
+    /// Stores the keys and values of positions `start..` of one layer, `[token][kv_head][head_dim]` each.
+    fn write(&mut self, layer: usize, start: usize, k: &[f32], v: &[f32]) {
+        let (hd, row, bf) = (self.head_dim, self.kv_heads * self.head_dim, self.block_floats());
+        let tokens = k.len() / row;
+        let needed = (start + tokens).div_ceil(BLOCK) * bf;
+        if self.keys[layer].len() < needed {
+            self.keys[layer].resize(needed, 0.0);
+            self.values[layer].resize(needed, 0.0);
+        }
+        let (keys, values) = (&mut self.keys[layer], &mut self.values[layer]);
+        for t in 0..tokens {
+            let (b, c) = ((start + t) / BLOCK, (start + t) % BLOCK);
+            for h in 0..self.kv_heads {
+                let src = t * row + h * hd;
+                for d in 0..hd {
+                    keys[b * bf + (h * hd + d) * BLOCK + c] = k[src + d];
+                }
+                values[b * bf + (h * BLOCK + c) * hd..][..hd].copy_from_slice(&v[src..src + hd]);
+            }
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -229,16 +267,123 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
     Ok(ModelInfo { config, vocab, tensor_types: counts.into_iter().collect() })
 }
 
-/// The weight layout matmuls run fastest in on this device. candle's CPU kernels for Q4_0 and Q4_1 are scalar
-/// (about 20 GFLOP/s); the same weights as Q8_0 run on its SIMD dot products at about twice that rate, and
-/// Q8_0 represents every Q4 value to within half a step of 1/127 of its block's range, far inside the Q4 error.
-fn cpu_layout(t: QTensor, device: &Device) -> candle_core::Result<QTensor> {
-    use candle_core::quantized::GgmlDType;
-    if device.is_cpu() && matches!(t.dtype(), GgmlDType::Q4_0 | GgmlDType::Q4_1) && t.shape().dims().last().is_some_and(|k| k % 32 == 0) {
-        QTensor::quantize(&t.dequantize(device)?, GgmlDType::Q8_0)
-    } else {
-        Ok(t)
+/// How weights are laid out for the matmul kernels of this device.
+///
+/// On CPU, candle's fast kernels (repacked tiles on AVX-512 VNNI) take Q8_0, Q6_K and Q4_K weights whose inner
+/// dimension K is a multiple of 256 and whose row count is a multiple of 16; anything else falls back to generic
+/// dot products at a fifth of the speed or less (Q4_1, the GGUF's own type, is scalar). SmolLM2's hidden size is
+/// 576. So the model is laid out padded: the hidden state, the attention output and the feed-forward state are
+/// zero-padded to a multiple of 256 from the embedding on, every matrix gets zero columns (and zero rows where
+/// its output feeds the hidden state), and the weights are requantized. Padded columns stay exactly zero through
+/// the residual stream: zero rows produce zeros, SiLU(0) x 0 is 0, and the RMSNorm weights' padding is zero. The
+/// norms divide by the padded width, which the weights and epsilon are rescaled for (`padded_norm`), so the
+/// model computes the same function; the price is a third more multiply-adds at K = 576 for kernels several times
+/// faster (`../shared/reference/cpu-matmul.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Weights as stored in the file, unpadded.
+    AsStored,
+    /// Unpadded, with Q4_0 and Q4_1 matrices requantized to Q8_0: candle's CPU kernels for those two are scalar,
+    /// and Q8_0's generic ones twice as fast. For models too small for padding to pay (it would more than add a
+    /// third to a width).
+    Q8,
+    /// Padded to multiples of 256; the layers' matrices requantized to the first type, the output projection to
+    /// the second.
+    Padded(candle_core::quantized::GgmlDType, candle_core::quantized::GgmlDType),
+}
+
+impl Layout {
+    /// The layout for a model on a device: on CPU, layers in padded Q4_K and the output projection in padded
+    /// Q6_K (Q4_K would add 8.7 % error to it; candle's Q8_0 has no fast kernel here), unless padding would add more
+    /// than a third to a width (then [`Layout::Q8`]); as stored elsewhere.
+    /// `NIGHTSHIFT_CPU_WEIGHTS=q4k|q6k|q8_0|q8|as-stored` chooses another, for benchmarks and comparisons.
+    pub fn choose(device: &Device, config: &ModelConfig) -> Layout {
+        use candle_core::quantized::GgmlDType;
+        if !device.is_cpu() {
+            return Layout::AsStored;
+        }
+        match std::env::var("NIGHTSHIFT_CPU_WEIGHTS").as_deref() {
+            Ok("as-stored") => return Layout::AsStored,
+            Ok("q8") => return Layout::Q8,
+            Ok("q6k") => return Layout::Padded(GgmlDType::Q6K, GgmlDType::Q6K),
+            Ok("q8_0") => return Layout::Padded(GgmlDType::Q8_0, GgmlDType::Q8_0),
+            Ok("q4k") => return Layout::Padded(GgmlDType::Q4K, GgmlDType::Q6K),
+            _ => {}
+        }
+        let padded = Layout::Padded(GgmlDType::Q4K, GgmlDType::Q6K);
+        let worth = |w: usize| padded.pad(w) * 3 <= w * 4;
+        if worth(config.hidden_size) && worth(config.heads * config.head_dim) && worth(config.ffn_size) {
+            padded
+        } else {
+            Layout::Q8
+        }
     }
+
+    fn pad(self, width: usize) -> usize {
+        match self {
+            Layout::AsStored | Layout::Q8 => width,
+            Layout::Padded(..) => width.div_ceil(256) * 256,
+        }
+    }
+
+    /// The same layout, with the output projection's type for the layers too.
+    fn for_output(self) -> Layout {
+        match self {
+            Layout::Padded(_, output) => Layout::Padded(output, output),
+            other => other,
+        }
+    }
+}
+
+/// A weight matrix `[n, k]` laid out as `[n_pad, k_pad]`, zero-filled, requantized.
+fn lay_out(t: QTensor, n_pad: usize, k_pad: usize, layout: Layout, device: &Device) -> candle_core::Result<QTensor> {
+    use candle_core::quantized::GgmlDType;
+    let dtype = match layout {
+        Layout::AsStored => return Ok(t),
+        Layout::Q8 if matches!(t.dtype(), GgmlDType::Q4_0 | GgmlDType::Q4_1) && t.shape().dims().last().is_some_and(|k| k % 32 == 0) => {
+            return QTensor::quantize(&t.dequantize(device)?, GgmlDType::Q8_0);
+        }
+        Layout::Q8 => return Ok(t),
+        Layout::Padded(dtype, _) => dtype,
+    };
+    let (n, k) = t.shape().dims2()?;
+    let w = t.dequantize(device)?;
+    let w = if k_pad > k { w.pad_with_zeros(1, 0, k_pad - k)? } else { w };
+    let w = if n_pad > n { w.pad_with_zeros(0, 0, n_pad - n)? } else { w };
+    quantize_rows(&w, dtype, device)
+}
+
+/// `QTensor::quantize`, in parallel over chunks of rows (quantization blocks run along rows, so the chunks'
+/// bytes concatenate into the whole matrix's). K-quants search each block's scales, which makes requantizing
+/// the output projection alone take a second on one core.
+fn quantize_rows(w: &Tensor, dtype: candle_core::quantized::GgmlDType, device: &Device) -> candle_core::Result<QTensor> {
+    const ROWS: usize = 1024;
+    let (n, k) = w.dims2()?;
+    if n <= ROWS {
+        return QTensor::quantize(w, dtype);
+    }
+    // Each chunk gets its own storage: `QTensor::quantize` reads a tensor's storage from its start, so a narrowed
+    // view would quantize the wrong rows.
+    let values = w.flatten_all()?.to_vec1::<f32>()?;
+    let chunks: Vec<Vec<u8>> = (0..n.div_ceil(ROWS))
+        .into_par_iter()
+        .map(|c| {
+            let rows = ROWS.min(n - c * ROWS);
+            let chunk = Tensor::from_slice(&values[c * ROWS * k..(c * ROWS + rows) * k], (rows, k), &Device::Cpu)?;
+            QTensor::quantize(&chunk, dtype).and_then(|q| q.data().map(|d| d.into_owned()))
+        })
+        .collect::<candle_core::Result<_>>()?;
+    candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &chunks.concat(), vec![n, k], device)
+}
+
+/// An RMSNorm weight `[d]` for a hidden state padded to `width`: zeros in the padding, and scaled so that the
+/// mean over the padded width (smaller by d / width) gives the model's result with epsilon scaled the same way.
+fn padded_norm(w: Tensor, width: usize) -> candle_core::Result<Tensor> {
+    let d = w.dims1()?;
+    if width == d {
+        return Ok(w);
+    }
+    (w * (d as f64 / width as f64).sqrt())?.pad_with_zeros(0, 0, width - d)
 }
 
 /// Reads a model file's metadata (architecture, shapes, tokenizer) without loading its weights.
@@ -248,10 +393,16 @@ pub fn inspect(path: &Path) -> Result<ModelInfo, ModelError> {
 }
 
 impl Model {
-    /// Loads a GGUF llama-family model onto `device`.
+    /// Loads a GGUF llama-family model onto `device`, laid out for its kernels.
     pub fn load(path: &Path, device: &Device) -> Result<(Model, ModelInfo), ModelError> {
+        Model::load_with(path, device, None)
+    }
+
+    /// Loads a GGUF llama-family model with the given weight layout (`None`: [`Layout::choose`]'s).
+    pub fn load_with(path: &Path, device: &Device, layout: Option<Layout>) -> Result<(Model, ModelInfo), ModelError> {
         let (mut file, content) = read_content(path)?;
         let info = info_of(&content)?;
+        let layout = layout.unwrap_or_else(|| Layout::choose(device, &info.config));
         let config = info.config.clone();
         let fmt = |e: candle_core::Error| ModelError::Format { path: path.into(), message: e.to_string() };
         let mut qtensor = |name: &str| -> Result<QTensor, ModelError> {
@@ -267,29 +418,46 @@ impl Model {
             Ok(())
         };
         let (d, hd) = (config.hidden_size, config.head_dim);
+        let (width, attn_width, ffn_width) = (layout.pad(d), layout.pad(config.heads * hd), layout.pad(config.ffn_size));
         let embedding_q = qtensor("token_embd.weight")?;
         expect(&embedding_q, "token_embd.weight", &[config.vocab_size, d])?;
-        let embedding = embedding_q.dequantize(device).map_err(fmt)?;
-        let mut layers = Vec::with_capacity(config.layers);
+        let embedding = embedding_q.dequantize(device).and_then(|e| e.pad_with_zeros(1, 0, width - d)).map_err(fmt)?;
+        // Every layer's matrices are read first, then laid out (requantized) in parallel: it is most of load time.
+        let (q, kv, f) = (config.heads * hd, config.kv_heads * hd, config.ffn_size);
+        // (name, shape in the file, laid-out [rows, columns]), in the order `Layer` takes them.
+        let shapes: [(&str, [usize; 2], [usize; 2]); 7] = [
+            ("attn_q", [q, d], [q, width]),
+            ("attn_k", [kv, d], [kv, width]),
+            ("attn_v", [kv, d], [kv, width]),
+            ("attn_output", [d, q], [width, attn_width]),
+            ("ffn_gate", [f, d], [ffn_width, width]),
+            ("ffn_up", [f, d], [ffn_width, width]),
+            ("ffn_down", [d, f], [width, ffn_width]),
+        ];
+        let mut raw = Vec::with_capacity(config.layers * shapes.len());
         for i in 0..config.layers {
-            let mut matrix = |suffix: &str, dims: &[usize]| -> Result<QMatMul, ModelError> {
+            for (suffix, dims, pad) in shapes {
                 let name = format!("blk.{i}.{suffix}.weight");
                 let t = qtensor(&name)?;
-                expect(&t, &name, dims)?;
-                QMatMul::from_qtensor(cpu_layout(t, device).map_err(fmt)?).map_err(fmt)
-            };
-            let wq = matrix("attn_q", &[config.heads * hd, d])?;
-            let wk = matrix("attn_k", &[config.kv_heads * hd, d])?;
-            let wv = matrix("attn_v", &[config.kv_heads * hd, d])?;
-            let wo = matrix("attn_output", &[d, config.heads * hd])?;
-            let w_gate = matrix("ffn_gate", &[config.ffn_size, d])?;
-            let w_up = matrix("ffn_up", &[config.ffn_size, d])?;
-            let w_down = matrix("ffn_down", &[d, config.ffn_size])?;
+                expect(&t, &name, &dims)?;
+                raw.push((t, pad));
+            }
+        }
+        let laid_out: Vec<QMatMul> = raw
+            .into_par_iter()
+            .map(|(t, pad)| lay_out(t, pad[0], pad[1], layout, device).and_then(QMatMul::from_qtensor))
+            .collect::<candle_core::Result<_>>()
+            .map_err(fmt)?;
+        let mut matrices = laid_out.into_iter();
+        let mut layers = Vec::with_capacity(config.layers);
+        for i in 0..config.layers {
+            let mut next = || matrices.next().expect("seven matrices per layer");
+            let (wq, wk, wv, wo, w_gate, w_up, w_down) = (next(), next(), next(), next(), next(), next(), next());
             let mut norm = |suffix: &str| -> Result<Tensor, ModelError> {
                 let name = format!("blk.{i}.{suffix}.weight");
                 let t = qtensor(&name)?;
                 expect(&t, &name, &[d])?;
-                t.dequantize(device).map_err(fmt)
+                t.dequantize(device).and_then(|w| padded_norm(w, width)).map_err(fmt)
             };
             let attn_norm = norm("attn_norm")?;
             let ffn_norm = norm("ffn_norm")?;
@@ -297,7 +465,7 @@ impl Model {
         }
         let output_norm = qtensor("output_norm.weight")?;
         expect(&output_norm, "output_norm.weight", &[d])?;
-        let output_norm = output_norm.dequantize(device).map_err(fmt)?;
+        let output_norm = output_norm.dequantize(device).and_then(|w| padded_norm(w, width)).map_err(fmt)?;
         // Tied embeddings: without `output.weight`, the embedding matrix is the output projection.
         let lm_head = match content.tensor_infos.contains_key("output.weight") {
             true => {
@@ -307,7 +475,7 @@ impl Model {
             }
             false => embedding_q,
         };
-        let lm_head = QMatMul::from_qtensor(lm_head).map_err(fmt)?;
+        let lm_head = QMatMul::from_qtensor(lay_out(lm_head, config.vocab_size, width, layout.for_output(), device).map_err(fmt)?).map_err(fmt)?;
 
         let half = hd / 2;
         let mut rope_cos = Vec::with_capacity(config.context_length * half);
@@ -320,7 +488,18 @@ impl Model {
                 rope_sin.push(angle.sin() as f32);
             }
         }
-        let model = Model { config, device: device.clone(), embedding, layers, output_norm, lm_head, rope_cos, rope_sin };
+        let model = Model {
+            config,
+            device: device.clone(),
+            width,
+            attn_width,
+            embedding,
+            layers,
+            output_norm,
+            lm_head,
+            rope_cos,
+            rope_sin,
+        };
         Ok((model, info))
     }
 
@@ -364,29 +543,34 @@ impl Model {
         let ids = Tensor::from_vec(tokens, n, &self.device)?;
         let mut x = self.embedding.index_select(&ids, 0)?;
         let (hd, kv_row) = (cfg.head_dim, cfg.kv_heads * cfg.head_dim);
+        // RMSNorm over the padded width, with epsilon scaled as the weights were (see `padded_norm`).
+        let eps = cfg.rms_eps * (cfg.hidden_size as f32 / self.width as f32);
         for (li, layer) in self.layers.iter().enumerate() {
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
-            let mut q = layer.wq.forward(&h)?.flatten_all()?.to_vec1::<f32>()?;
-            let mut k = layer.wk.forward(&h)?.flatten_all()?.to_vec1::<f32>()?;
-            let v = layer.wv.forward(&h)?.flatten_all()?.to_vec1::<f32>()?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let [q, k, v] = matmuls(&h, [&layer.wq, &layer.wk, &layer.wv])?;
+            let mut q = q.flatten_all()?.to_vec1::<f32>()?;
+            let mut k = k.flatten_all()?.to_vec1::<f32>()?;
+            let v = v.flatten_all()?.to_vec1::<f32>()?;
             for (t, &pos) in positions.iter().enumerate() {
                 self.rope(&mut q[t * cfg.heads * hd..(t + 1) * cfg.heads * hd], pos);
                 self.rope(&mut k[t * kv_row..(t + 1) * kv_row], pos);
             }
             let mut offset = 0;
             for s in segments.iter_mut() {
-                let len = s.tokens.len();
-                s.cache.keys[li].extend_from_slice(&k[offset * kv_row..(offset + len) * kv_row]);
-                s.cache.values[li].extend_from_slice(&v[offset * kv_row..(offset + len) * kv_row]);
+                let (len, start) = (s.tokens.len(), s.cache.len);
+                s.cache.write(li, start, &k[offset * kv_row..(offset + len) * kv_row], &v[offset * kv_row..(offset + len) * kv_row]);
                 offset += len;
             }
             let attn = self.attention(li, &q, segments);
-            let attn = Tensor::from_vec(attn, (n, cfg.heads * hd), &self.device)?;
+            let attn = Tensor::from_vec(attn, (n, self.attn_width), &self.device)?;
             x = (x + layer.wo.forward(&attn)?)?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps)?;
-            let gate = candle_nn::ops::silu(&layer.w_gate.forward(&h)?)?;
-            let ff = layer.w_down.forward(&(gate * layer.w_up.forward(&h)?)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+            let [gate, up] = matmuls(&h, [&layer.w_gate, &layer.w_up])?;
+            let ff = layer.w_down.forward(&(candle_nn::ops::silu(&gate)? * up)?)?;
             x = (x + ff)?;
+        }
+        for s in segments.iter_mut() {
+            s.cache.len += s.tokens.len();
         }
         let mut last = Vec::with_capacity(segments.len());
         let mut end = 0u32;
@@ -396,8 +580,14 @@ impl Model {
         }
         let last = Tensor::from_vec(last, segments.len(), &self.device)?;
         let x = x.index_select(&last, 0)?;
-        let x = candle_nn::ops::rms_norm(&x, &self.output_norm, cfg.rms_eps)?;
-        self.lm_head.forward(&x)?.to_dtype(DType::F32)?.to_vec2::<f32>()
+        let x = candle_nn::ops::rms_norm(&x, &self.output_norm, eps)?;
+        // candle's Q6_K takes its fast kernel only for two rows or more, and the two kernels round differently:
+        // a lone row gets a zero row beside it, so a sequence's logits never depend on how many share its step.
+        let rows = x.dim(0)?;
+        let x = if rows == 1 { Tensor::cat(&[&x, &x.zeros_like()?], 0)? } else { x };
+        let mut logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        logits.truncate(rows);
+        Ok(logits)
     }
 
     /// Rotary embedding of one token's heads, pairs of adjacent values (GGUF llama weights are permuted for it).
@@ -414,65 +604,137 @@ impl Model {
         }
     }
 
-    /// Causal attention of every segment's new queries over its cache, one task per (segment, query head).
-    /// Grouped-query attention reads each kv head in place for all the query heads that share it.
+    /// Causal attention of every segment's new queries over its cache (which already holds their own keys and
+    /// values, past its `len`). One task per (segment, kv head, tile of up to [`TILE`] new tokens): the task
+    /// streams the kv head's blocks once for every query head that shares it (grouped-query attention without
+    /// copies) and every token of the tile, with an online softmax. Sequences of different lengths never need
+    /// padding or masks between them, and a row's result depends only on its own sequence.
     fn attention(&self, layer: usize, q: &[f32], segments: &[Segment<'_>]) -> Vec<f32> {
         let cfg = &self.config;
-        let (hd, heads, group) = (cfg.head_dim, cfg.heads, cfg.heads / cfg.kv_heads);
-        let kv_row = cfg.kv_heads * hd;
-        let q_row = heads * hd;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
         let mut starts = Vec::with_capacity(segments.len());
         let mut offset = 0;
         for s in segments {
             starts.push(offset);
             offset += s.tokens.len();
         }
-        let tasks: Vec<(usize, usize)> = (0..segments.len()).flat_map(|s| (0..heads).map(move |h| (s, h))).collect();
-        let results: Vec<Vec<f32>> = tasks
-            .par_iter()
-            .map(|&(si, h)| {
-                let s = &segments[si];
-                let (keys, values) = (&s.cache.keys[layer], &s.cache.values[layer]);
-                let total = keys.len() / kv_row;
-                let new = s.tokens.len();
-                let kv = h / group;
-                let mut out = vec![0f32; new * hd];
-                let mut scores = Vec::with_capacity(total);
-                for t in 0..new {
-                    let qv = &q[(starts[si] + t) * q_row + h * hd..][..hd];
-                    let visible = total - new + t + 1;
-                    scores.clear();
-                    let mut max = f32::NEG_INFINITY;
-                    for j in 0..visible {
-                        let kj = &keys[j * kv_row + kv * hd..][..hd];
-                        let dot = qv.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
-                        max = max.max(dot);
-                        scores.push(dot);
-                    }
-                    let mut sum = 0f32;
-                    for sc in scores.iter_mut() {
-                        *sc = (*sc - max).exp();
-                        sum += *sc;
-                    }
-                    let o = &mut out[t * hd..(t + 1) * hd];
-                    for (j, &w) in scores.iter().enumerate() {
-                        let vj = &values[j * kv_row + kv * hd..][..hd];
-                        let w = w / sum;
-                        for (oi, vi) in o.iter_mut().zip(vj) {
-                            *oi += w * vi;
-                        }
-                    }
-                }
-                out
+        let tasks: Vec<(usize, usize, usize)> = (0..segments.len())
+            .flat_map(|si| {
+                let tiles = segments[si].tokens.len().div_ceil(TILE);
+                (0..cfg.kv_heads).flat_map(move |kv| (0..tiles).map(move |tile| (si, kv, tile * TILE)))
             })
             .collect();
-        let mut attn = vec![0f32; offset * q_row];
-        for (&(si, h), out) in tasks.iter().zip(results) {
-            for t in 0..segments[si].tokens.len() {
-                attn[(starts[si] + t) * q_row + h * hd..][..hd].copy_from_slice(&out[t * hd..(t + 1) * hd]);
+        let results: Vec<Vec<f32>> =
+            tasks.par_iter().map(|&(si, kv, t0)| self.attend_tile(layer, q, starts[si], &segments[si], kv, t0)).collect();
+        // Rows as wide as the laid-out attention output, the padding zero.
+        let row = self.attn_width;
+        let mut attn = vec![0f32; offset * row];
+        for (&(si, kv, t0), out) in tasks.iter().zip(results) {
+            // `out` is [token][group][head_dim]; query head `kv * group + g` uses kv head `kv`.
+            for (i, chunk) in out.chunks_exact(group * hd).enumerate() {
+                attn[(starts[si] + t0 + i) * row + kv * group * hd..][..group * hd].copy_from_slice(chunk);
             }
         }
         attn
+    }
+
+    /// Attention of new tokens `t0..t0 + TILE` of one segment (those that exist), every query head of kv head
+    /// `kv`: `[token][group][head_dim]`.
+    fn attend_tile(&self, layer: usize, q: &[f32], start: usize, s: &Segment<'_>, kv: usize, t0: usize) -> Vec<f32> {
+        let cfg = &self.config;
+        let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
+        let q_row = cfg.heads * hd;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let new = s.tokens.len();
+        let total = s.cache.len + new;
+        let t1 = (t0 + TILE).min(new);
+        let rows = (t1 - t0) * group;
+        let bf = s.cache.block_floats();
+        let (keys, values) = (&s.cache.keys[layer], &s.cache.values[layer]);
+        // Row r is token t0 + r / group, query head kv * group + r % group; it sees positions below `visible`.
+        let visible = |r: usize| total - new + t0 + r / group + 1;
+        let query = |r: usize| &q[(start + t0 + r / group) * q_row + (kv * group + r % group) * hd..][..hd];
+        let mut max = vec![f32::NEG_INFINITY; rows];
+        let mut sum = vec![0f32; rows];
+        let mut out = vec![0f32; rows * hd];
+        for b in 0..visible(rows - 1).div_ceil(BLOCK) {
+            let kt = &keys[b * bf + kv * hd * BLOCK..][..hd * BLOCK];
+            let vb = &values[b * bf + kv * BLOCK * hd..][..BLOCK * hd];
+            for r in 0..rows {
+                let valid = visible(r).saturating_sub(b * BLOCK).min(BLOCK);
+                if valid == 0 {
+                    continue;
+                }
+                let qv = query(r);
+                let mut scores = [0f32; BLOCK];
+                for (d, &qd) in qv.iter().enumerate() {
+                    let k = &kt[d * BLOCK..(d + 1) * BLOCK];
+                    for c in 0..BLOCK {
+                        scores[c] += qd * k[c];
+                    }
+                }
+                let block_max = scores[..valid].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+                let new_max = max[r].max(block_max);
+                let correction = (max[r] - new_max).exp();
+                let o = &mut out[r * hd..(r + 1) * hd];
+                if correction != 1.0 {
+                    for x in o.iter_mut() {
+                        *x *= correction;
+                    }
+                }
+                sum[r] *= correction;
+                for c in 0..valid {
+                    let p = (scores[c] * scale - new_max).exp();
+                    sum[r] += p;
+                    for (x, v) in o.iter_mut().zip(&vb[c * hd..(c + 1) * hd]) {
+                        *x += p * v;
+                    }
+                }
+                max[r] = new_max;
+            }
+        }
+        for (o, s) in out.chunks_exact_mut(hd).zip(&sum) {
+            let inv = 1.0 / s;
+            for x in o {
+                *x *= inv;
+            }
+        }
+        out
+    }
+}
+
+/// New tokens per attention task: each kv block read serves this many tokens times the query group.
+const TILE: usize = 8;
+
+/// Products of one input with several weight matrices (q, k and v; gate and up). On CPU with same-type
+/// quantized weights, candle quantizes the input once and runs them in one parallel region; otherwise one by one.
+fn matmuls<const N: usize>(x: &Tensor, weights: [&QMatMul; N]) -> candle_core::Result<[Tensor; N]> {
+    let tensors: Option<Vec<&QTensor>> = weights.iter().map(|w| if let QMatMul::QTensor(t) = w { Some(t.as_ref()) } else { None }).collect();
+    if let Some(tensors) = tensors {
+        if let Some(outs) = QTensor::gemv_fused_shared_lhs(&tensors, x)? {
+            if let Ok(outs) = <[Tensor; N]>::try_from(outs) {
+                return Ok(outs);
+            }
+        }
+    }
+    let outs: Vec<Tensor> = weights.iter().map(|w| w.forward(x)).collect::<candle_core::Result<_>>()?;
+    Ok(outs.try_into().unwrap_or_else(|_| unreachable!("one output per weight")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::GgmlDType;
+
+    #[test]
+    fn quantizing_in_row_chunks_gives_the_whole_matrix_bytes() {
+        let device = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (2500, 768), &device).unwrap();
+        for dtype in [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0] {
+            let whole = QTensor::quantize(&w, dtype).unwrap();
+            let chunked = quantize_rows(&w, dtype, &device).unwrap();
+            assert_eq!(chunked.shape().dims(), &[2500, 768]);
+            assert!(whole.data().unwrap() == chunked.data().unwrap(), "{dtype:?}");
+        }
     }
 }

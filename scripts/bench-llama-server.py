@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Runs a saved `nightshift bench generate --save-workload FILE` workload through llama.cpp's llama-server.
+
+Starts llama-server on the same GGUF with continuous batching and SLOTS parallel slots, sends every request at
+once (as an offline batch would), waits for all of them, and prints the figures nightshift's bench prints:
+requests/s, total and output tokens/s. Standard library only.
+
+  scripts/bench-llama-server.py --server PATH/llama-server --model models/X.gguf --workload w.jsonl --slots 16 --threads 2
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def post(url, body, timeout):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--workload", required=True)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--port", type=int, default=18080)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    rows = [json.loads(line) for line in open(args.workload) if line.strip()]
+    longest = max(len(r["prompt"]) + r["max_new"] for r in rows)
+    # Each slot gets its own context of the longest request.
+    ctx = args.slots * (longest + 16)
+    cmd = [args.server, "-m", args.model, "-t", str(args.threads), "-tb", str(args.threads), "-np", str(args.slots),
+           "-c", str(ctx), "-b", "2048", "-ub", "512", "--cont-batching", "--port", str(args.port), "--host", "127.0.0.1",
+           "--no-webui", "--log-disable"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{args.port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except Exception:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                sys.exit(f"llama-server did not start: {' '.join(cmd)}")
+            time.sleep(0.5)
+
+        def one(row):
+            body = {"prompt": row["prompt"], "n_predict": row["max_new"], "ignore_eos": row["ignore_eos"],
+                    "temperature": 0.0, "cache_prompt": False}
+            r = post(base + "/completion", body, timeout=7200)
+            return r["tokens_evaluated"], r["tokens_predicted"]
+
+        started = time.time()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(rows)) as pool:
+            results = list(pool.map(one, rows))
+        seconds = time.time() - started
+    finally:
+        server.terminate()
+        server.wait()
+    prompt = sum(p for p, _ in results)
+    output = sum(o for _, o in results)
+    report = {
+        "peer": "llama-server", "slots": args.slots, "rows": len(rows), "prompt_tokens": prompt, "output_tokens": output,
+        "seconds": seconds, "requests_per_s": len(rows) / seconds, "total_tokens_per_s": (prompt + output) / seconds,
+        "output_tokens_per_s": output / seconds,
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"llama-server, {args.slots} slots: {len(rows)} rows, {prompt} prompt and {output} output tokens in {seconds:.1f} s: "
+              f"{report['requests_per_s']:.2f} requests/s, {report['total_tokens_per_s']:.1f} total tokens/s, "
+              f"{report['output_tokens_per_s']:.1f} output tokens/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+//! `nightshift bench generate`: the decoder engine on a synthetic offline workload, reporting what vLLM's and
+//! SGLang's offline throughput benchmarks report (requests/s, total and output tokens/s) plus time to first token,
+//! time per output token and peak memory.
+//!
+//! Every request is ready at the start, as in an offline batch job. Prompts are support-ticket English wrapped in
+//! the model's chat template, with lengths drawn uniformly from a range; each row's output length is drawn too.
+//! In the `fixed` workload the end-of-sequence token and stop strings are ignored, so every row generates exactly
+//! its drawn length (the figures then depend only on the engine); in the `natural` workload rows stop as a job's
+//! would, at the drawn length at most.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use super::WORDS;
+use crate::engine::{self, BatchConfig, BatchEngine, Completion, Engine, Model, Request, StopRules};
+use crate::error::Error;
+use crate::job::{ChatTemplateChoice, GenerationParams, InputSpec, ParameterColumns, PromptColumn, Truncate};
+use crate::metrics::percentile;
+use crate::row::{Prompt, RowParams, RowTag};
+use crate::tokenize::Preprocessor;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Workload {
+    /// End-of-sequence and stop strings ignored: every row generates its drawn length.
+    Fixed,
+    /// Rows stop at the model's end of turn, at their drawn length at most.
+    Natural,
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerateBenchOptions {
+    pub model: PathBuf,
+    pub workload: Workload,
+    pub rows: usize,
+    /// Prompt lengths, in tokens with the chat template, drawn uniformly from this range.
+    pub min_prompt: usize,
+    pub max_prompt: usize,
+    /// Output lengths (`max_new_tokens` of each row), drawn uniformly from this range.
+    pub min_new: usize,
+    pub max_new: usize,
+    pub max_seqs: usize,
+    pub max_batch_tokens: usize,
+    pub temperature: f32,
+    pub seed: u64,
+    /// Where to write the workload (one JSON object per row: `prompt` token ids, `max_new`, `ignore_eos`), so a
+    /// peer can be run on exactly the same requests.
+    pub save_workload: Option<PathBuf>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct GenerateBenchReport {
+    pub model: String,
+    pub workload: Workload,
+    pub rows: usize,
+    pub max_seqs: usize,
+    pub max_batch_tokens: usize,
+    pub prompt_tokens: u64,
+    pub output_tokens: u64,
+    pub seconds: f64,
+    pub requests_per_s: f64,
+    pub total_tokens_per_s: f64,
+    pub output_tokens_per_s: f64,
+    /// Prompt tokens over the seconds of steps that prefilled, and output tokens over decode-only steps.
+    pub prefill_tokens_per_s: f64,
+    pub decode_tokens_per_s: f64,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+    pub steps: u64,
+    /// From a row's admission to its first token (queueing behind other rows is not included).
+    pub ttft_p50_s: f64,
+    pub ttft_p90_s: f64,
+    pub ttft_p99_s: f64,
+    pub tpot_p50_s: f64,
+    pub tpot_p90_s: f64,
+    pub tpot_p99_s: f64,
+    pub peak_running: usize,
+    pub peak_kv_cache_bytes: usize,
+    pub weights_bytes: usize,
+    pub peak_rss_bytes: u64,
+}
+
+/// Prompt and output lengths drawn from the ranges, and the prompts' text: a fixed instruction and ticket words.
+fn workload(options: &GenerateBenchOptions, pre: &Preprocessor, limit: usize) -> Result<Vec<(Vec<u32>, u32)>, Error> {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(options.seed);
+    let render = |words: &[&str]| -> Result<Vec<u32>, Error> {
+        let text = format!("Summarise this support ticket in two sentences.\n\n{}", words.join(" "));
+        pre.render(&Prompt::Text(text)).and_then(|t| pre.encode(&t)).map_err(|e| Error::Internal(format!("bench prompt: {}", e.message)))
+    };
+    // The template's own tokens, and the tokenizer's rate on these words.
+    let sample: Vec<&str> = (0..2000).map(|_| WORDS[rng.random_range(0..WORDS.len())]).collect();
+    let overhead = render(&[])?.len();
+    let per_word = (render(&sample)?.len() - overhead) as f64 / 2000.0;
+    let mut rows = Vec::with_capacity(options.rows);
+    for _ in 0..options.rows {
+        let new = rng.random_range(options.min_new..=options.max_new);
+        let target = rng.random_range(options.min_prompt..=options.max_prompt).min(limit.saturating_sub(new)).max(overhead + 1);
+        let words = ((target - overhead) as f64 / per_word).round().max(1.0) as usize;
+        let words: Vec<&str> = (0..words).map(|_| WORDS[rng.random_range(0..WORDS.len())]).collect();
+        let mut tokens = render(&words)?;
+        // Land within a token or two of the target: the word rate is an average.
+        tokens.truncate(limit.saturating_sub(new).max(1));
+        rows.push((tokens, new as u32));
+    }
+    Ok(rows)
+}
+
+pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, Error> {
+    if options.rows == 0 || options.min_prompt == 0 || options.min_prompt > options.max_prompt || options.min_new == 0 || options.min_new > options.max_new {
+        return Err(Error::Internal("bench generate needs --rows >= 1, 1 <= --min-prompt <= --max-prompt and 1 <= --min-new <= --max-new".into()));
+    }
+    let device = engine::select_device(&crate::job::DeviceChoice::Auto)?;
+    let (model, info) = Model::load(&options.model, &device)?;
+    let context = model.config.context_length;
+    let input = InputSpec {
+        url: String::new(),
+        id_column: None,
+        prompt: PromptColumn::Text("prompt".into()),
+        system_prompt: None,
+        truncate: Truncate::None,
+        parameters: ParameterColumns::default(),
+    };
+    let pre = Preprocessor::new(&info.vocab, &ChatTemplateChoice::Auto, &input, context, options.max_new as u32)?;
+    let rows = workload(options, &pre, context)?;
+    if let Some(path) = &options.save_workload {
+        let lines: Vec<String> = rows
+            .iter()
+            .map(|(prompt, new)| {
+                serde_json::json!({"prompt": prompt, "max_new": new, "ignore_eos": options.workload == Workload::Fixed}).to_string()
+            })
+            .collect();
+        std::fs::write(path, lines.join("\n") + "\n").map_err(|e| Error::Internal(format!("cannot write {}: {e}", path.display())))?;
+    }
+    let params = GenerationParams {
+        max_new_tokens: options.max_new as u32,
+        temperature: options.temperature,
+        top_p: 1.0,
+        top_k: 0,
+        seed: options.seed,
+        stop: Vec::new(),
+    };
+    let stop = match options.workload {
+        Workload::Fixed => StopRules { end_tokens: Default::default(), strings: Vec::new() },
+        Workload::Natural => StopRules::new(&info.vocab, &params),
+    };
+    let weights_bytes = model.weight_bytes();
+    let config = BatchConfig { max_seqs: options.max_seqs, max_batch_tokens: options.max_batch_tokens };
+    let mut engine = BatchEngine::new(model, pre.tokenizer().clone(), params, stop, config);
+
+    let started = Instant::now();
+    let mut queue = rows.iter().enumerate();
+    let mut done: Vec<Completion> = Vec::with_capacity(rows.len());
+    let mut open = true;
+    loop {
+        while open && engine.free_places() > 0 {
+            match queue.next() {
+                Some((i, (tokens, new))) => engine.admit(Request {
+                    id: format!("bench-{i}"),
+                    tag: RowTag { unit: 0, offset: i as u32 },
+                    params: RowParams { max_new_tokens: Some(*new), ..Default::default() },
+                    tokens: tokens.clone(),
+                    arrival: Instant::now(),
+                }),
+                None => open = false,
+            }
+        }
+        if !engine.has_work() {
+            break;
+        }
+        done.extend(engine.step().map_err(Error::Engine)?);
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let stats = engine.stats().clone();
+    let prompt_tokens: u64 = done.iter().map(|c| c.prompt_tokens as u64).sum();
+    let output_tokens: u64 = done.iter().map(|c| c.completion_tokens as u64).sum();
+    let ttft: Vec<f64> = done.iter().map(|c| c.ttft_s).collect();
+    let tpot: Vec<f64> = done.iter().filter_map(|c| c.tpot_s).collect();
+    let p = |v: &[f64], q: f64| percentile(v, q).unwrap_or(0.0);
+    Ok(GenerateBenchReport {
+        model: options.model.display().to_string(),
+        workload: options.workload,
+        rows: done.len(),
+        max_seqs: options.max_seqs,
+        max_batch_tokens: options.max_batch_tokens,
+        prompt_tokens,
+        output_tokens,
+        seconds,
+        requests_per_s: done.len() as f64 / seconds,
+        total_tokens_per_s: (prompt_tokens + output_tokens) as f64 / seconds,
+        output_tokens_per_s: output_tokens as f64 / seconds,
+        prefill_tokens_per_s: stats.prefill_tokens as f64 / stats.prefill_s.max(1e-9),
+        decode_tokens_per_s: if stats.decode_s > 0.0 { stats.decode_only_tokens as f64 / stats.decode_s } else { 0.0 },
+        prefill_s: stats.prefill_s,
+        decode_s: stats.decode_s,
+        steps: stats.steps,
+        ttft_p50_s: p(&ttft, 50.0),
+        ttft_p90_s: p(&ttft, 90.0),
+        ttft_p99_s: p(&ttft, 99.0),
+        tpot_p50_s: p(&tpot, 50.0),
+        tpot_p90_s: p(&tpot, 90.0),
+        tpot_p99_s: p(&tpot, 99.0),
+        peak_running: stats.peak_running,
+        peak_kv_cache_bytes: stats.peak_kv_bytes,
+        weights_bytes,
+        peak_rss_bytes: crate::metrics::peak_rss_bytes().unwrap_or(0),
+    })
+}
