@@ -432,3 +432,38 @@ fn s3_round_trip_through_a_moto_server() {
     assert_eq!(run.code, 3, "{}", run.stderr);
     assert!(run.stderr.contains("s3://nightly/in/absent.parquet"), "{}", run.stderr);
 }
+
+/// `bench generate` on the tiny model: in the fixed workload every row generates exactly the length it drew (the
+/// saved workload says which), prompts land in the asked range, and the figures add up.
+#[test]
+fn bench_generate_fixed_workload_generates_every_drawn_token() {
+    let dir = scratch("bench-generate");
+    let model = dir.join("tiny.gguf");
+    write_tiny_model(&model);
+    let saved = dir.join("workload.jsonl");
+    let run = nightshift(
+        &[
+            "bench", "generate", "--model", model.to_str().unwrap(), "--rows", "6", "--min-prompt", "100", "--max-prompt", "160",
+            "--min-new", "4", "--max-new", "12", "--max-seqs", "4", "--json", "--save-workload", saved.to_str().unwrap(),
+        ],
+        &[],
+    );
+    run.assert_ok();
+    let report: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&saved).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 6);
+    let drawn: u64 = rows.iter().map(|r| r["max_new"].as_u64().unwrap()).sum();
+    let prompt: u64 = rows.iter().map(|r| r["prompt"].as_array().unwrap().len() as u64).sum();
+    for r in &rows {
+        let len = r["prompt"].as_array().unwrap().len();
+        // Words are drawn to a length at the tokenizer's average rate, so a prompt lands near its target.
+        assert!((90..=176).contains(&len), "prompt of {len} tokens");
+        assert_eq!(r["ignore_eos"], true);
+    }
+    assert_eq!(report["rows"], 6);
+    assert_eq!(report["output_tokens"].as_u64(), Some(drawn), "{report}");
+    assert_eq!(report["prompt_tokens"].as_u64(), Some(prompt));
+    assert!(report["peak_running"].as_u64().unwrap() <= 4);
+    let total = report["total_tokens_per_s"].as_f64().unwrap() * report["seconds"].as_f64().unwrap();
+    assert!((total - (drawn + prompt) as f64).abs() < 1.0, "{report}");
+}

@@ -114,3 +114,30 @@ fn padded_cpu_layout_predicts_real_text_like_the_stored_weights() {
         assert!(same >= 0.8, "{layout:?}: argmax agreement {same}");
     }
 }
+
+/// A prompt spanning several attention tiles (8 tokens) and KV blocks (16 positions): prefilled in one pass, in
+/// uneven pieces, and token by token, it gives the same next-token logits.
+#[test]
+fn long_prefill_equals_pieces_and_token_by_token_decode() {
+    let (model, _) = Model::load(&model_path(), &Device::Cpu).unwrap();
+    let cfg = model.config.clone();
+    let prompt: Vec<u32> = A.iter().chain(B).chain(A).chain(B).chain(A).copied().collect();
+    assert_eq!(prompt.len(), 38);
+    let mut whole = KvCache::new(&cfg, 8);
+    let one_pass = model.forward(&mut [Segment { tokens: &prompt, cache: &mut whole }]).unwrap().remove(0);
+    let mut pieces = KvCache::new(&cfg, 8);
+    let mut last = Vec::new();
+    for piece in [&prompt[..5], &prompt[5..21], &prompt[21..22], &prompt[22..]] {
+        last = model.forward(&mut [Segment { tokens: piece, cache: &mut pieces }]).unwrap().remove(0);
+    }
+    let diff = max_abs_diff(&one_pass, &last);
+    assert!(diff <= 1e-4, "one pass and pieces differ by {diff}");
+    let mut stepwise = KvCache::new(&cfg, 8);
+    for token in &prompt {
+        last = model.forward(&mut [Segment { tokens: std::slice::from_ref(token), cache: &mut stepwise }]).unwrap().remove(0);
+    }
+    let diff = max_abs_diff(&one_pass, &last);
+    assert!(diff <= 1e-4, "one pass and token-by-token differ by {diff}");
+    assert_eq!(whole.len(), prompt.len());
+    assert!(whole.bytes() >= 38 * cfg.kv_bytes_per_token(), "the cache grew past its reservation");
+}

@@ -101,7 +101,7 @@ fn workload(options: &GenerateBenchOptions, pre: &Preprocessor, limit: usize) ->
         let words = ((target - overhead) as f64 / per_word).round().max(1.0) as usize;
         let words: Vec<&str> = (0..words).map(|_| WORDS[rng.random_range(0..WORDS.len())]).collect();
         let mut tokens = render(&words)?;
-        // Land within a token or two of the target: the word rate is an average.
+        // The word rate is an average, so a prompt lands near its target, not on it; it always fits the context.
         tokens.truncate(limit.saturating_sub(new).max(1));
         rows.push((tokens, new as u32));
     }
