@@ -496,27 +496,21 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     }
     // Every unit of ours is committed. A shard finalizes the output when it is the last to finish; otherwise
     // the others (or `nightshift finalize`) will.
-    let finalized = match rt.block_on(output.finalize()) {
-        Ok(Finalized::Done(m) | Finalized::AlreadyComplete(m)) => Ok(m),
-        Err(sink::SinkError::Incomplete { missing, shards, .. }) if matches!(assignment, Assignment::One { .. }) => {
-            Err(format!("{missing} unit(s) of {shards} are not committed yet"))
-        }
-        Err(e) => return Err(resumable(e.into(), units_committed)),
-    };
-    let status = match finalized {
-        Ok(manifest) => {
+    match rt.block_on(output.finalize()) {
+        Ok(Finalized::Done(manifest) | Finalized::AlreadyComplete(manifest)) => {
             info!(
                 rows = manifest.rows, errored = manifest.errored_rows, output_tokens_per_s = format!("{:.1}", metrics.output_tokens_per_s),
                 seconds = format!("{:.1}", metrics.job_s), "job complete"
             );
-            return Ok(report(RunStatus::Complete, Some(manifest), units_committed, units_skipped, metrics, sample));
+            Ok(report(RunStatus::Complete, Some(manifest), units_committed, units_skipped, metrics, sample))
         }
-        Err(missing) => {
+        Err(sink::SinkError::Incomplete { missing, shards, .. }) if matches!(assignment, Assignment::One { .. }) => {
+            let missing = format!("{missing} unit(s) of {shards} are not committed yet");
             info!(waiting_for = %missing, "{assignment} is committed; the output is finalized when the other shards are");
-            RunStatus::ShardDone { missing }
+            Ok(report(RunStatus::ShardDone { missing }, None, units_committed, units_skipped, metrics, sample))
         }
-    };
-    Ok(report(status, None, units_committed, units_skipped, metrics, sample))
+        Err(e) => Err(resumable(e.into(), units_committed)),
+    }
 }
 
 /// The tokens a run of rows is expected to cost, for balancing shards: prompt bytes at about four per token, and

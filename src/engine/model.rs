@@ -3,8 +3,9 @@
 //! One forward pass takes a list of [`Segment`]s: each is a run of new tokens of one sequence, starting at that
 //! sequence's current length. A prefill is a segment of a whole prompt; a decode step is a segment of one token;
 //! several of both are packed into one pass, so every weight matrix is read once per step for all of them.
-//! Matrix products run on candle's quantized kernels; attention runs over the [`KvCache`] of each sequence in
-//! plain Rust, parallel over (segment, head), so sequences of different lengths never need padding or masks.
+//! Matrix products run on candle's quantized kernels, with the weights laid out for them at load ([`Layout`]);
+//! attention runs over the blocked [`KvCache`] of each sequence in plain Rust, parallel over (segment, kv head,
+//! tile of new tokens), so sequences of different lengths never need padding or masks.
 
 use std::fs::File;
 use std::path::Path;

@@ -229,18 +229,17 @@ pub struct ShardStatus {
     pub output_tokens_per_s: Option<f64>,
 }
 
-/// A metrics file's attempt and `job_s` (the attempt's age when it committed the unit).
-fn metrics_timing(bytes: bytes::Bytes) -> Result<(String, f64), Box<dyn std::error::Error + Send + Sync>> {
+/// A metrics file's `job_s`: the attempt's age when it committed the unit.
+fn metrics_job_s(bytes: bytes::Bytes) -> Result<f64, Box<dyn std::error::Error + Send + Sync>> {
     use arrow::array::{Array, AsArray};
     let mut reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(bytes)?.build()?;
     let batch = reader.next().ok_or("the metrics file has no rows")??;
-    let column = |name: &str| batch.column_by_name(name).ok_or_else(|| format!("the metrics file has no `{name}` column"));
-    let attempt = column("attempt")?.as_string_opt::<i32>().ok_or("`attempt` is not a string column")?;
-    let job_s = column("job_s")?.as_primitive_opt::<arrow::datatypes::Float64Type>().ok_or("`job_s` is not a float column")?;
-    if batch.num_rows() == 0 || attempt.is_null(0) || job_s.is_null(0) {
+    let job_s = batch.column_by_name("job_s").ok_or("the metrics file has no `job_s` column")?;
+    let job_s = job_s.as_primitive_opt::<arrow::datatypes::Float64Type>().ok_or("`job_s` is not a float column")?;
+    if batch.num_rows() == 0 || job_s.is_null(0) {
         return Err("the metrics file's row is empty".into());
     }
-    Ok((attempt.value(0).to_string(), job_s.value(0)))
+    Ok(job_s.value(0))
 }
 
 fn error_fields() -> Fields {
@@ -710,8 +709,9 @@ impl Output {
         let timings: Vec<(u32, String, f64)> = futures::stream::iter(markers.values().cloned())
             .map(|m| async move {
                 let bytes = self.read_bytes(&m.metrics).await?;
-                let (attempt, job_s) = metrics_timing(bytes).map_err(|e| SinkError::Read { url: self.display(&m.metrics), source: e })?;
-                Ok::<_, SinkError>((m.unit, attempt, job_s))
+                let job_s = metrics_job_s(bytes).map_err(|e| SinkError::Read { url: self.display(&m.metrics), source: e })?;
+                // The marker names the attempt whose files these are.
+                Ok::<_, SinkError>((m.unit, m.attempt, job_s))
             })
             .buffer_unordered(16)
             .try_collect()
