@@ -34,6 +34,7 @@ pub mod job;
 pub mod metrics;
 pub mod plan;
 pub mod row;
+pub mod schedule;
 pub mod seq2seq;
 pub mod sink;
 pub mod source;
