@@ -570,7 +570,8 @@ fn check_model_dir(job: &Job) -> Result<String, ModelError> {
 fn load_worker(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
     match job.kind {
         JobKind::Generate => {
-            let model_sha256 = check_model_file(job)?;
+            // A Hugging Face directory is fingerprinted by its files, like the encoders' directories.
+            let model_sha256 = if job.model.path.is_dir() { check_model_dir(job)? } else { check_model_file(job)? };
             let (model, info) = Model::load(&job.model.path, device)?;
             let cfg = &info.config;
             info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
@@ -796,7 +797,7 @@ pub fn validate(job_path: &Path, overrides: &Overrides) -> Result<ValidateReport
     let (model, model_sha256, template) = match job.kind {
         JobKind::Generate => {
             let model = engine::model::inspect(&job.model.path)?;
-            let sha = check_model_file(&job)?;
+            let sha = if job.model.path.is_dir() { check_model_dir(&job)? } else { check_model_file(&job)? };
             Preprocessor::new(&model.vocab, &job.model.chat_template, &job.input, model.config.context_length, job.generation.max_new_tokens)?;
             let template = model.vocab.chat_template.clone();
             (ModelSummary::Decoder(model), sha, template)

@@ -5,6 +5,8 @@ use nightshift::engine::{KvCache, Model, Segment};
 
 use crate::support::model_path;
 
+mod hf;
+
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)

@@ -138,9 +138,11 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>, M
     }
 }
 
-/// The model files of a directory that decide its outputs, in a fixed order (for the job's fingerprint).
+/// The model files of a directory that decide its outputs, in a fixed order (for the job's fingerprint): an
+/// encoder's, a seq2seq model's or a decoder's (whose tokenizer_config.json and chat_template.jinja set its
+/// special tokens and template, and whose weights may be shards named by an index).
 pub fn model_files(dir: &Path) -> Vec<PathBuf> {
-    [
+    let mut files: Vec<PathBuf> = [
         "config.json",
         "model.safetensors",
         "tokenizer.json",
@@ -148,11 +150,23 @@ pub fn model_files(dir: &Path) -> Vec<PathBuf> {
         "1_Pooling/config.json",
         "sentence_bert_config.json",
         "generation_config.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "model.safetensors.index.json",
     ]
         .iter()
         .map(|f| dir.join(f))
         .filter(|p| p.exists())
-        .collect()
+        .collect();
+    let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors") && p.file_name().is_some_and(|n| n != "model.safetensors"))
+        .collect();
+    shards.sort();
+    files.extend(shards);
+    files
 }
 
 /// Reads the configuration, pooling and limits of an encoder directory, without its weights.

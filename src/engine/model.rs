@@ -1,4 +1,6 @@
-//! The llama-family decoder over GGUF weights, with per-token positions and a KV cache held outside the model.
+//! The llama-family decoder, with per-token positions and a KV cache held outside the model. Weights come from a
+//! GGUF file or a Hugging Face directory ([`hf`]); [`inspect`] and [`Model::load`] tell them apart by whether the
+//! path is a directory.
 //!
 //! One forward pass takes a list of [`Segment`]s: each is a run of new tokens of one sequence, starting at that
 //! sequence's current length. A prefill is a segment of a whole prompt; a decode step is a segment of one token;
@@ -18,6 +20,11 @@ use rayon::prelude::*;
 use super::ModelError;
 use crate::tokenize::VocabMetadata;
 
+// A child of this module, so that it builds `Model` and `Layer` from their private fields; the file sits beside
+// this one.
+#[path = "hf.rs"]
+pub mod hf;
+
 /// The longest context a model may declare; far beyond today's models, small enough to bound allocations.
 const MAX_CONTEXT: usize = 1 << 22;
 
@@ -35,7 +42,20 @@ pub struct ModelConfig {
     pub ffn_size: usize,
     pub rms_eps: f32,
     pub rope_base: f32,
+    /// Llama 3's rescaling of the RoPE frequencies, when the checkpoint declares it.
+    pub rope_scaling: Option<RopeScaling>,
     pub vocab_size: usize,
+}
+
+/// Llama 3's RoPE frequency scaling (`rope_scaling.rope_type = "llama3"`): wavelengths longer than
+/// `original_context / low_freq_factor` are stretched by `factor`, shorter than `original_context /
+/// high_freq_factor` kept, and those between interpolated.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_context: usize,
 }
 
 impl ModelConfig {
@@ -60,10 +80,41 @@ struct Layer {
     wk: QMatMul,
     wv: QMatMul,
     wo: QMatMul,
+    /// Biases of the q, k and v projections (Qwen2; llama checkpoints with `attention_bias`), `[rows]` each.
+    qkv_bias: Option<[Tensor; 3]>,
+    /// Bias of the output projection (llama and Qwen3 checkpoints with `attention_bias`).
+    wo_bias: Option<Tensor>,
+    /// Per-head RMSNorm weights of queries and keys, `[head_dim]` each, applied before RoPE (Qwen3).
+    qk_norm: Option<[Tensor; 2]>,
     ffn_norm: Tensor,
     w_gate: QMatMul,
     w_up: QMatMul,
     w_down: QMatMul,
+}
+
+impl Layer {
+    /// Queries, keys and values of the normed hidden states `h`, `[tokens][heads x head_dim]` each, before RoPE.
+    fn qkv(&self, h: &Tensor, head_dim: usize, eps: f32) -> candle_core::Result<[Tensor; 3]> {
+        let [q, k, v] = matmuls(h, [&self.wq, &self.wk, &self.wv])?;
+        let [q, k, v] = match &self.qkv_bias {
+            Some([bq, bk, bv]) => [q.broadcast_add(bq)?, k.broadcast_add(bk)?, v.broadcast_add(bv)?],
+            None => [q, k, v],
+        };
+        let Some([q_norm, k_norm]) = &self.qk_norm else { return Ok([q, k, v]) };
+        let per_head = |x: Tensor, w: &Tensor| -> candle_core::Result<Tensor> {
+            let (n, width) = x.dims2()?;
+            candle_nn::ops::rms_norm(&x.reshape((n * width / head_dim, head_dim))?, w, eps)?.reshape((n, width))
+        };
+        Ok([per_head(q, q_norm)?, per_head(k, k_norm)?, v])
+    }
+
+    fn output(&self, attn: &Tensor) -> candle_core::Result<Tensor> {
+        let out = product(&self.wo, attn)?;
+        match &self.wo_bias {
+            Some(b) => out.broadcast_add(b),
+            None => Ok(out),
+        }
+    }
 }
 
 pub struct Model {
@@ -80,6 +131,38 @@ pub struct Model {
     /// cos and sin of position x frequency, `[context_length][head_dim / 2]` each.
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
+}
+
+/// The weights of a [`Model`], as a loader hands them over.
+struct Weights {
+    embedding: Tensor,
+    layers: Vec<Layer>,
+    output_norm: Tensor,
+    lm_head: QMatMul,
+    /// The attention output's width in memory (the input width of each layer's `wo`).
+    attn_width: usize,
+}
+
+/// The rotary frequency of each pair of a head's values, `base^(-2i / head_dim)`, with Llama 3's rescaling when
+/// the model declares it (as Hugging Face's `_compute_llama3_parameters`).
+fn rope_frequencies(config: &ModelConfig) -> Vec<f64> {
+    let hd = config.head_dim;
+    (0..hd / 2)
+        .map(|i| {
+            let freq = 1.0 / (config.rope_base as f64).powf(2.0 * i as f64 / hd as f64);
+            let Some(s) = config.rope_scaling else { return freq };
+            let wavelength = 2.0 * std::f64::consts::PI / freq;
+            let original = s.original_context as f64;
+            if wavelength < original / s.high_freq_factor {
+                freq
+            } else if wavelength > original / s.low_freq_factor {
+                freq / s.factor
+            } else {
+                let smooth = (original / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                (1.0 - smooth) * freq / s.factor + smooth * freq
+            }
+        })
+        .collect()
 }
 
 /// Positions per block of the KV cache: the width of the score vectors in attention.
@@ -231,6 +314,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         ffn_size: meta_usize(content, &a("feed_forward_length"))?,
         rms_eps: meta_f32(content, &a("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
         rope_base: meta_f32(content, &a("rope.freq_base")).unwrap_or(10_000.0),
+        rope_scaling: None,
         vocab_size: tokens.len(),
         hidden_size,
         heads,
@@ -260,6 +344,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         chat_template: content.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok().cloned()),
         tokens,
         token_types,
+        tokenizer: None,
     };
     let mut counts = std::collections::BTreeMap::new();
     for info in content.tensor_infos.values() {
@@ -387,20 +472,29 @@ fn padded_norm(w: Tensor, width: usize) -> candle_core::Result<Tensor> {
     (w * (d as f64 / width as f64).sqrt())?.pad_with_zeros(0, 0, width - d)
 }
 
-/// Reads a model file's metadata (architecture, shapes, tokenizer) without loading its weights.
+/// Reads a model's metadata (architecture, shapes, tokenizer) without loading its weights: a GGUF file, or a
+/// Hugging Face directory (whose tensors' names and shapes are checked too).
 pub fn inspect(path: &Path) -> Result<ModelInfo, ModelError> {
+    if path.is_dir() {
+        return hf::inspect(path);
+    }
     let (_, content) = read_content(path)?;
     info_of(&content)
 }
 
 impl Model {
-    /// Loads a GGUF llama-family model onto `device`, laid out for its kernels.
+    /// Loads a llama-family model onto `device`: a GGUF file laid out for its kernels, or a Hugging Face
+    /// directory ([`hf`]).
     pub fn load(path: &Path, device: &Device) -> Result<(Model, ModelInfo), ModelError> {
         Model::load_with(path, device, None)
     }
 
-    /// Loads a GGUF llama-family model with the given weight layout (`None`: [`Layout::choose`]'s).
+    /// Loads a GGUF llama-family model with the given weight layout (`None`: [`Layout::choose`]'s). A Hugging Face
+    /// directory has one layout, dense f32 weights, and ignores `layout`.
     pub fn load_with(path: &Path, device: &Device, layout: Option<Layout>) -> Result<(Model, ModelInfo), ModelError> {
+        if path.is_dir() {
+            return hf::load(path, device);
+        }
         let (mut file, content) = read_content(path)?;
         let info = info_of(&content)?;
         let layout = layout.unwrap_or_else(|| Layout::choose(device, &info.config));
@@ -462,7 +556,7 @@ impl Model {
             };
             let attn_norm = norm("attn_norm")?;
             let ffn_norm = norm("ffn_norm")?;
-            layers.push(Layer { attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down });
+            layers.push(Layer { attn_norm, wq, wk, wv, wo, qkv_bias: None, wo_bias: None, qk_norm: None, ffn_norm, w_gate, w_up, w_down });
         }
         let output_norm = qtensor("output_norm.weight")?;
         expect(&output_norm, "output_norm.weight", &[d])?;
@@ -478,21 +572,28 @@ impl Model {
         };
         let lm_head = QMatMul::from_qtensor(lay_out(lm_head, config.vocab_size, width, layout.for_output(), device).map_err(fmt)?).map_err(fmt)?;
 
-        let half = hd / 2;
-        let mut rope_cos = Vec::with_capacity(config.context_length * half);
-        let mut rope_sin = Vec::with_capacity(config.context_length * half);
+        let weights = Weights { embedding, layers, output_norm, lm_head, attn_width };
+        Ok((Model::assemble(config, device, weights), info))
+    }
+
+    /// A model from its weights, with the RoPE tables of its configuration. `weights.embedding`'s width is the
+    /// hidden state's width in memory.
+    fn assemble(config: ModelConfig, device: &Device, weights: Weights) -> Model {
+        let Weights { embedding, layers, output_norm, lm_head, attn_width } = weights;
+        let frequencies = rope_frequencies(&config);
+        let mut rope_cos = Vec::with_capacity(config.context_length * frequencies.len());
+        let mut rope_sin = Vec::with_capacity(config.context_length * frequencies.len());
         for pos in 0..config.context_length {
-            for i in 0..half {
-                let freq = 1.0 / (config.rope_base as f64).powf(2.0 * i as f64 / hd as f64);
+            for freq in &frequencies {
                 let angle = pos as f64 * freq;
                 rope_cos.push(angle.cos() as f32);
                 rope_sin.push(angle.sin() as f32);
             }
         }
-        let model = Model {
+        Model {
+            width: embedding.dims().last().copied().unwrap_or(config.hidden_size),
             config,
             device: device.clone(),
-            width,
             attn_width,
             embedding,
             layers,
@@ -500,25 +601,34 @@ impl Model {
             lm_head,
             rope_cos,
             rope_sin,
-        };
-        Ok((model, info))
+        }
     }
 
-    /// Bytes of weights held on the device (quantized sizes as stored).
+    /// Bytes of weights held on the device (quantized sizes as stored; a tied output projection once).
     pub fn weight_bytes(&self) -> usize {
         let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let q = |m: &QMatMul| match m {
             QMatMul::QTensor(t) => t.storage_size_in_bytes(),
             QMatMul::Tensor(t) | QMatMul::TensorF16(t) => dense(t),
         };
+        let lm_head = match &self.lm_head {
+            QMatMul::Tensor(t) if t.id() == self.embedding.id() => 0,
+            other => q(other),
+        };
+        let extras = |l: &Layer| {
+            l.qkv_bias.iter().flatten().chain(&l.wo_bias).chain(l.qk_norm.iter().flatten()).map(dense).sum::<usize>()
+        };
         dense(&self.embedding)
             + dense(&self.output_norm)
-            + q(&self.lm_head)
+            + lm_head
             + self
                 .layers
                 .iter()
                 .map(|l| {
-                    dense(&l.attn_norm) + dense(&l.ffn_norm) + [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].into_iter().map(q).sum::<usize>()
+                    dense(&l.attn_norm)
+                        + dense(&l.ffn_norm)
+                        + extras(l)
+                        + [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].into_iter().map(q).sum::<usize>()
                 })
                 .sum::<usize>()
     }
@@ -548,7 +658,7 @@ impl Model {
         let eps = cfg.rms_eps * (cfg.hidden_size as f32 / self.width as f32);
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let [q, k, v] = matmuls(&h, [&layer.wq, &layer.wk, &layer.wv])?;
+            let [q, k, v] = layer.qkv(&h, hd, cfg.rms_eps)?;
             let mut q = q.flatten_all()?.to_vec1::<f32>()?;
             let mut k = k.flatten_all()?.to_vec1::<f32>()?;
             let v = v.flatten_all()?.to_vec1::<f32>()?;
@@ -564,10 +674,10 @@ impl Model {
             }
             let attn = self.attention(li, &q, segments);
             let attn = Tensor::from_vec(attn, (n, self.attn_width), &self.device)?;
-            x = (x + layer.wo.forward(&attn)?)?;
+            x = (x + layer.output(&attn)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
             let [gate, up] = matmuls(&h, [&layer.w_gate, &layer.w_up])?;
-            let ff = layer.w_down.forward(&(candle_nn::ops::silu(&gate)? * up)?)?;
+            let ff = product(&layer.w_down, &(candle_nn::ops::silu(&gate)? * up)?)?;
             x = (x + ff)?;
         }
         for s in segments.iter_mut() {
@@ -586,12 +696,13 @@ impl Model {
         // a lone row gets a zero row beside it, so a sequence's logits never depend on how many share its step.
         let rows = x.dim(0)?;
         let x = if rows == 1 { Tensor::cat(&[&x, &x.zeros_like()?], 0)? } else { x };
-        let mut logits = self.lm_head.forward(&x)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let mut logits = product(&self.lm_head, &x)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         logits.truncate(rows);
         Ok(logits)
     }
 
-    /// Rotary embedding of one token's heads, pairs of adjacent values (GGUF llama weights are permuted for it).
+    /// Rotary embedding of one token's heads, pairs of adjacent values (GGUF llama weights are permuted for it, and
+    /// Hugging Face ones at load, see [`hf`]).
     fn rope(&self, heads: &mut [f32], pos: usize) {
         let half = self.config.head_dim / 2;
         let cos = &self.rope_cos[pos * half..(pos + 1) * half];
@@ -707,6 +818,22 @@ impl Model {
 /// New tokens per attention task: each kv block read serves this many tokens times the query group.
 const TILE: usize = 8;
 
+/// The fewest rows a dense (f32) matrix product is computed with. candle's f32 matmul (the gemm crate) takes
+/// other kernels for a few rows (a matrix-vector product for one row; measured: up to four rows at narrow widths),
+/// which round differently, so a sequence's values would depend on how many rows share its step; fewer rows are
+/// padded with zero rows. A lone decode step computes eight rows instead of one, which costs little while reading
+/// the weights, the same for both, dominates.
+const DENSE_MIN_ROWS: usize = 8;
+
+/// `w.forward(x)`, with dense weights computing at least [`DENSE_MIN_ROWS`] rows.
+fn product(w: &QMatMul, x: &Tensor) -> candle_core::Result<Tensor> {
+    let rows = x.dim(0)?;
+    match w {
+        QMatMul::Tensor(_) if rows < DENSE_MIN_ROWS => w.forward(&x.pad_with_zeros(0, 0, DENSE_MIN_ROWS - rows)?)?.narrow(0, 0, rows),
+        _ => w.forward(x),
+    }
+}
+
 /// Products of one input with several weight matrices (q, k and v; gate and up). On CPU with same-type
 /// quantized weights, candle quantizes the input once and runs them in one parallel region; otherwise one by one.
 fn matmuls<const N: usize>(x: &Tensor, weights: [&QMatMul; N]) -> candle_core::Result<[Tensor; N]> {
@@ -718,7 +845,7 @@ fn matmuls<const N: usize>(x: &Tensor, weights: [&QMatMul; N]) -> candle_core::R
             }
         }
     }
-    let outs: Vec<Tensor> = weights.iter().map(|w| w.forward(x)).collect::<candle_core::Result<_>>()?;
+    let outs: Vec<Tensor> = weights.iter().map(|w| product(w, x)).collect::<candle_core::Result<_>>()?;
     Ok(outs.try_into().unwrap_or_else(|_| unreachable!("one output per weight")))
 }
 

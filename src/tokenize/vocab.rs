@@ -1,4 +1,5 @@
-//! A `tokenizers` tokenizer built from the vocabulary in a model file's metadata (GGUF `tokenizer.ggml.*`).
+//! A `tokenizers` tokenizer built from the vocabulary in a model file's metadata (GGUF `tokenizer.ggml.*`), or
+//! the one a Hugging Face model directory ships (`tokenizer.json`), used as it is.
 //!
 //! Only byte-level BPE (`tokenizer.ggml.model = "gpt2"`) is supported, with the pre-tokenizers whose split rules
 //! are known exactly. An unknown pre-tokenizer is an error, never a silent fallback to plain GPT-2 splitting:
@@ -27,6 +28,10 @@ pub struct VocabMetadata {
     pub eot: Option<u32>,
     pub add_bos: bool,
     pub chat_template: Option<String>,
+    /// A complete tokenizer that came with the model (a Hugging Face `tokenizer.json`): [`build`] returns it, and
+    /// `kind`, `pre` and `merges` only describe it. `tokens` and `token_types` are still filled from it (added
+    /// special tokens as control tokens), for the stop rules and the chat template's BOS/EOS texts.
+    pub tokenizer: Option<std::sync::Arc<Tokenizer>>,
 }
 
 pub const TOKEN_TYPE_CONTROL: i32 = 3;
@@ -51,6 +56,9 @@ fn pre_tokenizer(pre: &str) -> Result<Value, TokenizerError> {
 }
 
 pub fn build(meta: &VocabMetadata) -> Result<Tokenizer, TokenizerError> {
+    if let Some(tokenizer) = &meta.tokenizer {
+        return Ok(Tokenizer::clone(tokenizer));
+    }
     if meta.kind != "gpt2" {
         return Err(TokenizerError::UnsupportedKind(meta.kind.clone()));
     }

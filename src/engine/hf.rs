@@ -1,0 +1,669 @@
+//! Llama-family decoders from Hugging Face model directories: `config.json`, the weights in safetensors (one
+//! `model.safetensors`, or the shards that `model.safetensors.index.json` names), `tokenizer.json`, and, when
+//! present, `tokenizer_config.json` (chat template, BOS and EOS tokens, `add_bos_token`), `chat_template.jinja`
+//! and `generation_config.json` (end tokens).
+//!
+//! Variants, from config.json's `model_type` (or `architectures`):
+//! - `llama` (Llama 2 and 3, SmolLM): Llama 3's `rope_scaling` (`rope_type = "llama3"`) is applied to the RoPE
+//!   frequencies; `attention_bias` adds biases to q, k, v and o.
+//! - `mistral`: `head_dim` may differ from `hidden_size / num_attention_heads`.
+//! - `qwen2`: biases on q, k and v.
+//! - `qwen3`: per-head RMSNorm of queries and keys before RoPE; `head_dim` must be given.
+//!
+//! and tied input and output embeddings (`tie_word_embeddings`) in any of them.
+//!
+//! Weights are converted to f32 at load (f16 and bf16 exactly) and multiplied as dense f32 matrices by candle's
+//! gemm: the model computes what the checkpoint holds, with no requantization (the GGUF path's [`super::Layout`]),
+//! at 4 bytes per weight, twice a bf16 checkpoint's size in memory.
+//!
+//! RoPE: Hugging Face checkpoints rotate pairs of values `(i, i + head_dim / 2)` ("rotate half"); the forward
+//! pass rotates adjacent pairs `(2i, 2i + 1)`, as GGUF's llama weights are permuted for. So the rows of the q and
+//! k projections (with their biases, and Qwen3's q and k norm weights) are permuted at load, within each head,
+//! to put row `i + head_dim / 2` next to row `i` ([`interleave_halves`]). Attention scores are dot products of
+//! a query and a key permuted alike, so they are unchanged; values are not touched.
+//!
+//! Sliding-window attention (Mistral v0.1's `sliding_window`, Qwen's `use_sliding_window`) is not implemented:
+//! the context is capped at the window instead, where full attention computes the same function.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::QMatMul;
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Tensor};
+use serde::Deserialize;
+use serde_json::Value;
+use tokenizers::Tokenizer;
+
+use super::{Layer, Model, ModelConfig, ModelInfo, RopeScaling, Weights, MAX_CONTEXT};
+use crate::engine::ModelError;
+use crate::tokenize::vocab::{VocabMetadata, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED};
+
+/// The keys of `config.json` this loader reads; the rest are ignored.
+#[derive(Debug, Deserialize)]
+struct HfConfig {
+    #[serde(default)]
+    model_type: Option<String>,
+    #[serde(default)]
+    architectures: Option<Vec<String>>,
+    #[serde(default, rename = "_name_or_path")]
+    name_or_path: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    #[serde(default)]
+    num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    head_dim: Option<usize>,
+    max_position_embeddings: usize,
+    vocab_size: usize,
+    #[serde(default)]
+    rms_norm_eps: Option<f64>,
+    #[serde(default)]
+    rope_theta: Option<f64>,
+    #[serde(default)]
+    rope_scaling: Option<Value>,
+    #[serde(default)]
+    tie_word_embeddings: Option<bool>,
+    #[serde(default)]
+    hidden_act: Option<String>,
+    #[serde(default)]
+    attention_bias: Option<bool>,
+    #[serde(default)]
+    mlp_bias: Option<bool>,
+    #[serde(default)]
+    sliding_window: Option<usize>,
+    #[serde(default)]
+    use_sliding_window: Option<bool>,
+    #[serde(default)]
+    bos_token_id: Option<Value>,
+    #[serde(default)]
+    eos_token_id: Option<Value>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+}
+
+impl Family {
+    fn name(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Mistral => "mistral",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+        }
+    }
+
+    fn of(config: &HfConfig) -> Result<Family, ModelError> {
+        let by_type = |t: &str| match t {
+            "llama" => Some(Family::Llama),
+            "mistral" => Some(Family::Mistral),
+            "qwen2" => Some(Family::Qwen2),
+            "qwen3" => Some(Family::Qwen3),
+            _ => None,
+        };
+        let by_class = |c: &str| match c {
+            "LlamaForCausalLM" => Some(Family::Llama),
+            "MistralForCausalLM" => Some(Family::Mistral),
+            "Qwen2ForCausalLM" => Some(Family::Qwen2),
+            "Qwen3ForCausalLM" => Some(Family::Qwen3),
+            _ => None,
+        };
+        let class = config.architectures.as_ref().and_then(|a| a.first());
+        let found = match (&config.model_type, class) {
+            (Some(t), _) => by_type(t).ok_or_else(|| t.clone()),
+            (None, Some(c)) => by_class(c).ok_or_else(|| c.clone()),
+            (None, None) => Err("none given".to_string()),
+        };
+        found.map_err(|name| ModelError::Architecture(format!("{name} (Hugging Face directories: llama, mistral, qwen2, qwen3)")))
+    }
+}
+
+/// Which optional tensors a checkpoint has, from its family and config.
+#[derive(Clone, Copy, Debug)]
+struct Variant {
+    qkv_bias: bool,
+    wo_bias: bool,
+    qk_norm: bool,
+    tied: bool,
+}
+
+fn invalid(message: String) -> ModelError {
+    ModelError::Metadata(format!("config.json: {message}"))
+}
+
+/// The model's configuration and variant from `config.json`, every value checked before anything is allocated
+/// from it.
+fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), ModelError> {
+    let family = Family::of(c)?;
+    let heads = c.num_attention_heads;
+    let kv_heads = c.num_key_value_heads.unwrap_or(heads);
+    if heads == 0 || heads > 1024 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(invalid(format!("{heads} attention heads and {kv_heads} key/value heads do not fit")));
+    }
+    let head_dim = match (c.head_dim, family) {
+        (Some(hd), _) => hd,
+        (None, Family::Qwen3) => return Err(invalid("a qwen3 model must give `head_dim`".into())),
+        (None, _) if c.hidden_size.is_multiple_of(heads) => c.hidden_size / heads,
+        (None, _) => return Err(invalid(format!("hidden size {} is not a multiple of {heads} heads", c.hidden_size))),
+    };
+    if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > 1024 {
+        return Err(invalid(format!("head size {head_dim} must be even, between 2 and 1024")));
+    }
+    let bounded = [
+        ("hidden_size", c.hidden_size, 1 << 16),
+        ("intermediate_size", c.intermediate_size, 1 << 20),
+        ("num_hidden_layers", c.num_hidden_layers, 1024),
+        ("vocab_size", c.vocab_size, 1 << 22),
+        ("max_position_embeddings", c.max_position_embeddings, MAX_CONTEXT),
+    ];
+    for (key, value, max) in bounded {
+        if value == 0 || value > max {
+            return Err(invalid(format!("`{key}` is {value}, outside 1..={max}")));
+        }
+    }
+    if let Some(act) = c.hidden_act.as_deref().filter(|a| *a != "silu") {
+        return Err(invalid(format!("hidden_act `{act}` is not supported (silu only)")));
+    }
+    if c.mlp_bias == Some(true) {
+        return Err(invalid("`mlp_bias` is not supported".into()));
+    }
+    let rms_eps = c.rms_norm_eps.unwrap_or(1e-6);
+    let rope_base = c.rope_theta.unwrap_or(10_000.0);
+    if !(rms_eps.is_finite() && rms_eps > 0.0 && rope_base.is_finite() && rope_base > 1.0) {
+        return Err(invalid(format!("rms_norm_eps {rms_eps} or rope_theta {rope_base} is out of range")));
+    }
+    let rope_scaling = rope_scaling(c.rope_scaling.as_ref())?;
+    // Sliding-window attention equals full attention over a context no longer than the window.
+    let window = match family {
+        Family::Mistral => c.sliding_window,
+        Family::Qwen2 | Family::Qwen3 => c.sliding_window.filter(|_| c.use_sliding_window == Some(true)),
+        Family::Llama => None,
+    };
+    let mut context_length = c.max_position_embeddings;
+    if let Some(w) = window.filter(|&w| w < context_length) {
+        if w == 0 {
+            return Err(invalid("`sliding_window` is 0".into()));
+        }
+        tracing::info!(window = w, declared = context_length, "context capped at the sliding window");
+        context_length = w;
+    }
+    // The RoPE tables take 8 bytes per position and pair of values.
+    if context_length * head_dim > 1 << 28 {
+        return Err(invalid(format!("a context of {context_length} positions with head size {head_dim} is too large")));
+    }
+    let attention_bias = c.attention_bias.unwrap_or(false);
+    let variant = Variant {
+        qkv_bias: family == Family::Qwen2 || (attention_bias && family != Family::Mistral),
+        wo_bias: attention_bias && matches!(family, Family::Llama | Family::Qwen3),
+        qk_norm: family == Family::Qwen3,
+        tied: c.tie_word_embeddings.unwrap_or(false),
+    };
+    let name = c.name_or_path.clone().filter(|n| !n.is_empty()).or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()));
+    let config = ModelConfig {
+        architecture: family.name().to_string(),
+        name,
+        context_length,
+        hidden_size: c.hidden_size,
+        layers: c.num_hidden_layers,
+        heads,
+        kv_heads,
+        head_dim,
+        ffn_size: c.intermediate_size,
+        rms_eps: rms_eps as f32,
+        rope_base: rope_base as f32,
+        rope_scaling,
+        vocab_size: c.vocab_size,
+    };
+    Ok((config, variant))
+}
+
+fn rope_scaling(value: Option<&Value>) -> Result<Option<RopeScaling>, ModelError> {
+    let Some(object) = value.filter(|v| !v.is_null()) else { return Ok(None) };
+    let kind = object.get("rope_type").or_else(|| object.get("type")).and_then(Value::as_str).unwrap_or("default");
+    match kind {
+        "default" => return Ok(None),
+        "llama3" => {}
+        other => return Err(invalid(format!("rope_scaling type `{other}` is not supported (supported: llama3)"))),
+    }
+    let number = |key: &str| -> Result<f64, ModelError> {
+        object
+            .get(key)
+            .and_then(Value::as_f64)
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .ok_or_else(|| invalid(format!("rope_scaling.{key} must be a positive number")))
+    };
+    let scaling = RopeScaling {
+        factor: number("factor")?,
+        low_freq_factor: number("low_freq_factor")?,
+        high_freq_factor: number("high_freq_factor")?,
+        original_context: number("original_max_position_embeddings")? as usize,
+    };
+    if scaling.high_freq_factor <= scaling.low_freq_factor || scaling.original_context == 0 {
+        return Err(invalid("rope_scaling needs high_freq_factor > low_freq_factor and a context of 1 or more".into()));
+    }
+    Ok(Some(scaling))
+}
+
+fn read_json(path: &Path) -> Result<Option<Value>, ModelError> {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| ModelError::Metadata(format!("`{}` is not valid JSON: {e}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(ModelError::Open { path: path.into(), source }),
+    }
+}
+
+fn unreadable(path: &Path, error: impl std::fmt::Display) -> ModelError {
+    ModelError::Open { path: path.into(), source: std::io::Error::new(std::io::ErrorKind::InvalidData, error.to_string()) }
+}
+
+/// The safetensors files of a checkpoint, memory-mapped, and which file holds each tensor.
+struct Shards {
+    files: Vec<(PathBuf, MmapedSafetensors)>,
+    routing: HashMap<String, usize>,
+}
+
+impl Shards {
+    /// `model.safetensors.index.json`'s shards when the index exists, `model.safetensors` otherwise.
+    fn open(dir: &Path) -> Result<Shards, ModelError> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let paths: Vec<PathBuf> = match read_json(&index_path)? {
+            Some(index) => {
+                let map = index.get("weight_map").and_then(Value::as_object).ok_or_else(|| {
+                    ModelError::Metadata(format!("`{}` has no `weight_map` object", index_path.display()))
+                })?;
+                let mut names = BTreeSet::new();
+                for file in map.values() {
+                    let file = file.as_str().filter(|f| Path::new(f).file_name() == Some(std::ffi::OsStr::new(f)));
+                    let file = file.ok_or_else(|| {
+                        ModelError::Metadata(format!("`{}` names a shard that is not a file name in the directory", index_path.display()))
+                    })?;
+                    names.insert(file.to_string());
+                }
+                names.into_iter().map(|f| dir.join(f)).collect()
+            }
+            None => vec![dir.join("model.safetensors")],
+        };
+        let mut files = Vec::with_capacity(paths.len());
+        let mut routing = HashMap::new();
+        for path in paths {
+            if !path.is_file() {
+                return Err(ModelError::Open { path, source: std::io::ErrorKind::NotFound.into() });
+            }
+            // SAFETY: the mapping is only read, and a checkpoint is not rewritten while a job reads it; candle
+            // checks the header's offsets against the file's length, so a truncated file is an error here.
+            let mapped = unsafe { MmapedSafetensors::new(&path) }.map_err(|e| unreadable(&path, e))?;
+            for (name, _) in mapped.tensors() {
+                routing.insert(name, files.len());
+            }
+            files.push((path, mapped));
+        }
+        Ok(Shards { files, routing })
+    }
+
+    /// Shape and dtype of a tensor, without reading its data.
+    fn describe(&self, name: &str) -> Option<(Vec<usize>, String)> {
+        let &index = self.routing.get(name)?;
+        let view = self.files[index].1.get(name).ok()?;
+        Some((view.shape().to_vec(), format!("{:?}", view.dtype()).to_lowercase()))
+    }
+
+    fn load(&self, name: &str, device: &Device) -> Result<Tensor, ModelError> {
+        let index = *self.routing.get(name).ok_or_else(|| ModelError::Metadata(format!("tensor `{name}` is missing")))?;
+        let (path, mapped) = &self.files[index];
+        mapped.load(name, device).and_then(|t| t.to_dtype(DType::F32)).map_err(|e| unreadable(path, e))
+    }
+
+    /// Tensor dtypes and how many tensors have each.
+    fn dtype_counts(&self) -> Vec<(String, usize)> {
+        let mut counts = BTreeMap::new();
+        for (_, mapped) in &self.files {
+            for (_, view) in mapped.tensors() {
+                *counts.entry(format!("{:?}", view.dtype()).to_lowercase()).or_insert(0) += 1;
+            }
+        }
+        counts.into_iter().collect()
+    }
+}
+
+/// Every tensor the model reads, with its shape, in load order.
+fn expected_tensors(c: &ModelConfig, v: Variant) -> Vec<(String, Vec<usize>)> {
+    let (d, hd, f) = (c.hidden_size, c.head_dim, c.ffn_size);
+    let (q, kv) = (c.heads * hd, c.kv_heads * hd);
+    let mut out = vec![("model.embed_tokens.weight".to_string(), vec![c.vocab_size, d]), ("model.norm.weight".to_string(), vec![d])];
+    if !v.tied {
+        out.push(("lm_head.weight".into(), vec![c.vocab_size, d]));
+    }
+    for i in 0..c.layers {
+        let mut add = |suffix: &str, dims: Vec<usize>| out.push((format!("model.layers.{i}.{suffix}"), dims));
+        add("input_layernorm.weight", vec![d]);
+        add("post_attention_layernorm.weight", vec![d]);
+        add("self_attn.q_proj.weight", vec![q, d]);
+        add("self_attn.k_proj.weight", vec![kv, d]);
+        add("self_attn.v_proj.weight", vec![kv, d]);
+        add("self_attn.o_proj.weight", vec![d, q]);
+        if v.qkv_bias {
+            add("self_attn.q_proj.bias", vec![q]);
+            add("self_attn.k_proj.bias", vec![kv]);
+            add("self_attn.v_proj.bias", vec![kv]);
+        }
+        if v.wo_bias {
+            add("self_attn.o_proj.bias", vec![d]);
+        }
+        if v.qk_norm {
+            add("self_attn.q_norm.weight", vec![hd]);
+            add("self_attn.k_norm.weight", vec![hd]);
+        }
+        add("mlp.gate_proj.weight", vec![f, d]);
+        add("mlp.up_proj.weight", vec![f, d]);
+        add("mlp.down_proj.weight", vec![d, f]);
+    }
+    out
+}
+
+/// A checkpoint directory with its configuration, tokenizer and tensor headers read and checked.
+struct Checkpoint {
+    info: ModelInfo,
+    variant: Variant,
+    shards: Shards,
+}
+
+impl Checkpoint {
+    fn open(dir: &Path) -> Result<Checkpoint, ModelError> {
+        let config_path = dir.join("config.json");
+        let raw = read_json(&config_path)?.ok_or_else(|| ModelError::Open { path: config_path.clone(), source: std::io::ErrorKind::NotFound.into() })?;
+        let hf: HfConfig = serde_json::from_value(raw).map_err(|e| invalid(e.to_string()))?;
+        let (config, variant) = model_config(&hf, dir)?;
+        let shards = Shards::open(dir)?;
+        for (name, dims) in expected_tensors(&config, variant) {
+            let (shape, dtype) = shards.describe(&name).ok_or_else(|| ModelError::Metadata(format!("tensor `{name}` is missing")))?;
+            if shape != dims {
+                return Err(ModelError::Metadata(format!("tensor `{name}` has shape {shape:?}, expected {dims:?}")));
+            }
+            if !matches!(dtype.as_str(), "f32" | "f16" | "bf16") {
+                return Err(ModelError::Metadata(format!("tensor `{name}` is {dtype}; supported: f32, f16, bf16")));
+            }
+        }
+        let vocab = vocab(dir, &hf, config.vocab_size)?;
+        let info = ModelInfo { config, vocab, tensor_types: shards.dtype_counts() };
+        Ok(Checkpoint { info, variant, shards })
+    }
+}
+
+/// Reads a Hugging Face directory's configuration and tokenizer, and checks its tensors' names and shapes,
+/// without reading weights.
+pub fn inspect(dir: &Path) -> Result<ModelInfo, ModelError> {
+    Checkpoint::open(dir).map(|c| c.info)
+}
+
+/// Loads a Hugging Face directory's decoder onto `device`, weights in f32.
+pub fn load(dir: &Path, device: &Device) -> Result<(Model, ModelInfo), ModelError> {
+    let Checkpoint { info, variant, shards } = Checkpoint::open(dir)?;
+    let config = info.config.clone();
+    let hd = config.head_dim;
+    let load = |name: &str| shards.load(name, device);
+    let rotary = |name: &str| load(name).and_then(|t| interleave_halves(&t, hd).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}"))));
+    let dense = |t: Tensor| QMatMul::Tensor(t);
+    let embedding = load("model.embed_tokens.weight")?;
+    let mut layers = Vec::with_capacity(config.layers);
+    for i in 0..config.layers {
+        let p = |suffix: &str| format!("model.layers.{i}.{suffix}");
+        let qkv_bias = match variant.qkv_bias {
+            true => Some([rotary(&p("self_attn.q_proj.bias"))?, rotary(&p("self_attn.k_proj.bias"))?, load(&p("self_attn.v_proj.bias"))?]),
+            false => None,
+        };
+        let qk_norm = match variant.qk_norm {
+            true => Some([rotary(&p("self_attn.q_norm.weight"))?, rotary(&p("self_attn.k_norm.weight"))?]),
+            false => None,
+        };
+        layers.push(Layer {
+            attn_norm: load(&p("input_layernorm.weight"))?,
+            wq: dense(rotary(&p("self_attn.q_proj.weight"))?),
+            wk: dense(rotary(&p("self_attn.k_proj.weight"))?),
+            wv: dense(load(&p("self_attn.v_proj.weight"))?),
+            wo: dense(load(&p("self_attn.o_proj.weight"))?),
+            qkv_bias,
+            wo_bias: if variant.wo_bias { Some(load(&p("self_attn.o_proj.bias"))?) } else { None },
+            qk_norm,
+            ffn_norm: load(&p("post_attention_layernorm.weight"))?,
+            w_gate: dense(load(&p("mlp.gate_proj.weight"))?),
+            w_up: dense(load(&p("mlp.up_proj.weight"))?),
+            w_down: dense(load(&p("mlp.down_proj.weight"))?),
+        });
+    }
+    let output_norm = load("model.norm.weight")?;
+    let lm_head = match variant.tied {
+        true => dense(embedding.clone()),
+        false => dense(load("lm_head.weight")?),
+    };
+    let weights = Weights { embedding, layers, output_norm, lm_head, attn_width: config.heads * hd };
+    Ok((Model::assemble(config, device, weights), info))
+}
+
+/// Reorders the rows of a tensor whose first dimension is `heads x head_dim` (a q or k projection, its bias, a
+/// per-head norm weight) within each head, from Hugging Face's rotate-half pairing to adjacent pairs: row `2i`
+/// takes row `i` and row `2i + 1` takes row `i + head_dim / 2`.
+fn interleave_halves(t: &Tensor, head_dim: usize) -> candle_core::Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let rows = dims.first().copied().unwrap_or(0);
+    let columns: usize = dims[1..].iter().product();
+    t.reshape((rows / head_dim, 2, head_dim / 2, columns))?.transpose(1, 2)?.contiguous()?.reshape(dims)
+}
+
+/// A special token as tokenizer_config.json writes it: a string, `{"content": ...}`, or null.
+fn token_text(value: Option<&Value>) -> Option<String> {
+    match value? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(String::from),
+        _ => None,
+    }
+}
+
+/// Token ids as config files write them: one id, a list, or null.
+fn token_ids(value: Option<&Value>) -> Vec<u32> {
+    match value {
+        Some(Value::Number(n)) => n.as_u64().map(|id| id as u32).into_iter().collect(),
+        Some(Value::Array(ids)) => ids.iter().filter_map(Value::as_u64).map(|id| id as u32).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// The chat template: `chat_template.jinja` when present (newer exports), else tokenizer_config.json's
+/// `chat_template`, a string or a list of named templates (the one named `default`, or the first).
+fn chat_template(dir: &Path, tokenizer_config: Option<&Value>) -> Result<Option<String>, ModelError> {
+    let jinja = dir.join("chat_template.jinja");
+    match std::fs::read_to_string(&jinja) {
+        Ok(text) => return Ok(Some(text)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => return Err(ModelError::Open { path: jinja, source }),
+    }
+    Ok(match tokenizer_config.and_then(|t| t.get("chat_template")) {
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(Value::Array(named)) => {
+            let template = |t: &Value| t.get("template").and_then(Value::as_str).map(String::from);
+            named.iter().find(|t| t.get("name").and_then(Value::as_str) == Some("default")).or(named.first()).and_then(template)
+        }
+        _ => None,
+    })
+}
+
+/// The tokenizer and its special tokens. BOS is tokenizer_config.json's `bos_token` (config.json's
+/// `bos_token_id` when the key is absent), added when `add_bos_token` says so or, without that key, when
+/// tokenizer.json's post-processor adds it. End tokens: tokenizer_config.json's `eos_token` (the chat template's
+/// EOS), then generation_config.json's and config.json's `eos_token_id`s (one or a list); the first two become
+/// `eos` and `eot`. Added special tokens are control tokens, so the stop rules also see the usual end-of-turn
+/// tokens.
+fn vocab(dir: &Path, config: &HfConfig, vocab_size: usize) -> Result<VocabMetadata, ModelError> {
+    let path = dir.join("tokenizer.json");
+    if !path.is_file() {
+        return Err(ModelError::Open { path, source: std::io::ErrorKind::NotFound.into() });
+    }
+    let mut tokenizer =
+        Tokenizer::from_file(&path).map_err(|e| ModelError::Metadata(format!("`{}` is not a valid tokenizer: {e}", path.display())))?;
+    tokenizer.with_padding(None);
+    tokenizer.with_truncation(None).map_err(|e| ModelError::Metadata(format!("`{}`: {e}", path.display())))?;
+    let tokenizer_config = read_json(&dir.join("tokenizer_config.json"))?;
+    let generation_config = read_json(&dir.join("generation_config.json"))?;
+    let special = |key: &str| tokenizer_config.as_ref().and_then(|t| token_text(t.get(key))).and_then(|s| tokenizer.token_to_id(&s));
+
+    let bos = match tokenizer_config.as_ref().is_some_and(|t| t.get("bos_token").is_some()) {
+        true => special("bos_token"),
+        false => token_ids(config.bos_token_id.as_ref()).first().copied(),
+    };
+    let add_bos = match tokenizer_config.as_ref().and_then(|t| t.get("add_bos_token")).and_then(Value::as_bool) {
+        Some(add) => add,
+        None => bos.is_some_and(|bos| {
+            let with = tokenizer.encode_fast("a", true).map(|e| e.get_ids().first().copied());
+            let without = tokenizer.encode_fast("a", false).map(|e| e.get_ids().first().copied());
+            matches!((with, without), (Ok(Some(first)), Ok(w)) if first == bos && w != Some(bos))
+        }),
+    };
+    let mut ends: Vec<u32> = special("eos_token").into_iter().collect();
+    let generation_ends = token_ids(generation_config.as_ref().and_then(|g| g.get("eos_token_id")));
+    for id in generation_ends.into_iter().chain(token_ids(config.eos_token_id.as_ref())) {
+        if !ends.contains(&id) {
+            ends.push(id);
+        }
+    }
+    if ends.len() > 2 {
+        tracing::debug!(?ends, "end tokens past the first two stop generation only when they are end-of-turn control tokens");
+    }
+
+    let ids = tokenizer.get_vocab(true);
+    let size = ids.values().max().map_or(0, |&m| m as usize + 1);
+    if size > vocab_size {
+        return Err(ModelError::Metadata(format!(
+            "tokenizer.json has token id {}, outside the model's vocabulary of {vocab_size}",
+            size - 1
+        )));
+    }
+    let mut tokens = vec![String::new(); size];
+    for (token, id) in ids {
+        tokens[id as usize] = token;
+    }
+    let mut token_types = vec![1; size];
+    for (id, added) in tokenizer.get_added_tokens_decoder() {
+        if let Some(t) = token_types.get_mut(id as usize) {
+            *t = if added.special { TOKEN_TYPE_CONTROL } else { TOKEN_TYPE_USER_DEFINED };
+        }
+    }
+    use tokenizers::ModelWrapper;
+    let kind = match tokenizer.get_model() {
+        ModelWrapper::BPE(_) => "bpe",
+        ModelWrapper::WordPiece(_) => "wordpiece",
+        ModelWrapper::WordLevel(_) => "wordlevel",
+        ModelWrapper::Unigram(_) => "unigram",
+    };
+    Ok(VocabMetadata {
+        kind: kind.into(),
+        pre: Some("tokenizer.json".into()),
+        tokens,
+        token_types,
+        merges: Vec::new(),
+        bos,
+        eos: ends.first().copied(),
+        eot: ends.get(1).copied(),
+        add_bos,
+        chat_template: chat_template(dir, tokenizer_config.as_ref())?,
+        tokenizer: Some(std::sync::Arc::new(tokenizer)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(json: Value) -> Result<(ModelConfig, Variant), ModelError> {
+        let hf: HfConfig = serde_json::from_value(json).map_err(|e| invalid(e.to_string()))?;
+        model_config(&hf, Path::new("tiny"))
+    }
+
+    fn base() -> Value {
+        serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "vocab_size": 300
+        })
+    }
+
+    fn with(key: &str, value: Value) -> Value {
+        let mut c = base();
+        c[key] = value;
+        c
+    }
+
+    #[test]
+    fn interleaving_halves_turns_rotate_half_rope_into_adjacent_pair_rope() {
+        let (hd, half, heads) = (8usize, 4usize, 2usize);
+        let x: Vec<f32> = (0..heads * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+        let (cos, sin): (Vec<f32>, Vec<f32>) = (0..half).map(|i| ((i as f32 + 1.0).cos(), (i as f32 + 1.0).sin())).unzip();
+        // Rotate half, as Hugging Face does: pairs (i, i + half).
+        let mut reference = x.clone();
+        for h in 0..heads {
+            for i in 0..half {
+                let (a, b) = (x[h * hd + i], x[h * hd + i + half]);
+                reference[h * hd + i] = a * cos[i] - b * sin[i];
+                reference[h * hd + i + half] = a * sin[i] + b * cos[i];
+            }
+        }
+        let permuted = interleave_halves(&Tensor::from_vec(x, heads * hd, &Device::Cpu).unwrap(), hd).unwrap();
+        let mut adjacent = permuted.to_vec1::<f32>().unwrap();
+        for h in 0..heads {
+            for i in 0..half {
+                let (a, b) = (adjacent[h * hd + 2 * i], adjacent[h * hd + 2 * i + 1]);
+                adjacent[h * hd + 2 * i] = a * cos[i] - b * sin[i];
+                adjacent[h * hd + 2 * i + 1] = a * sin[i] + b * cos[i];
+            }
+        }
+        let back = interleave_halves(&Tensor::from_vec(reference, heads * hd, &Device::Cpu).unwrap(), hd).unwrap();
+        assert_eq!(adjacent, back.to_vec1::<f32>().unwrap());
+    }
+
+    #[test]
+    fn variants_follow_model_type_and_flags() {
+        let (c, v) = config(base()).unwrap();
+        assert_eq!((c.architecture.as_str(), c.head_dim, v.qkv_bias, v.qk_norm, v.tied), ("llama", 16, false, false, false));
+        let (_, v) = config(with("model_type", "qwen2".into())).unwrap();
+        assert!(v.qkv_bias && !v.wo_bias);
+        let mut qwen3 = with("model_type", "qwen3".into());
+        qwen3["head_dim"] = 32.into();
+        qwen3["tie_word_embeddings"] = true.into();
+        let (c, v) = config(qwen3).unwrap();
+        assert!(v.qk_norm && v.tied && c.head_dim == 32);
+        let mut classes = base();
+        classes.as_object_mut().unwrap().remove("model_type");
+        classes["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+        classes["sliding_window"] = 128.into();
+        let (c, _) = config(classes).unwrap();
+        assert_eq!((c.architecture.as_str(), c.context_length), ("mistral", 128), "the context is capped at the window");
+    }
+
+    #[test]
+    fn bad_config_values_are_errors_that_name_the_key() {
+        let cases = [
+            (with("model_type", "gemma".into()), "gemma"),
+            (with("num_attention_heads", 3.into()), "heads"),
+            (with("num_hidden_layers", 0.into()), "num_hidden_layers"),
+            (with("vocab_size", (1u64 << 40).into()), "vocab_size"),
+            (with("max_position_embeddings", (1u64 << 30).into()), "max_position_embeddings"),
+            (with("head_dim", 7.into()), "head size 7"),
+            (with("hidden_act", "gelu".into()), "hidden_act"),
+            (with("rms_norm_eps", (-1.0).into()), "rms_norm_eps"),
+            (with("rope_scaling", serde_json::json!({"rope_type": "yarn", "factor": 4.0})), "yarn"),
+            (with("rope_scaling", serde_json::json!({"rope_type": "llama3", "factor": 8.0})), "low_freq_factor"),
+            (with("hidden_size", "wide".into()), "invalid type"),
+            (with("model_type", "qwen3".into()), "head_dim"),
+        ];
+        for (json, needle) in cases {
+            let e = config(json).unwrap_err().to_string();
+            assert!(e.contains(needle), "{e:?} does not mention {needle:?}");
+        }
+    }
+}
