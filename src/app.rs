@@ -324,8 +324,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         attempt = %run.attempt, fingerprint = %run.fingerprint, "plan"
     );
 
-    let batch = BatchConfig { max_seqs: job.runtime.max_seqs, max_batch_tokens: job.runtime.max_batch_tokens };
-    info!(max_seqs = batch.max_seqs, max_batch_tokens = batch.max_batch_tokens, "engine configured");
+    let batch = job.runtime.clone();
     let engine_stats = Arc::new(std::sync::Mutex::new(EngineStats::default()));
 
     let pending_rows: u64 = pending.iter().map(|u| u.rows as u64).sum();
@@ -576,10 +575,24 @@ fn load_worker(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error>
             let cfg = &info.config;
             info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
                 kv_bytes_per_token = cfg.kv_bytes_per_token(), "decoder");
+            let kv_bytes = engine::kv_cache_bytes(job.runtime.kv_cache_memory);
+            let batch = BatchConfig::new(job.runtime.max_seqs, job.runtime.max_batch_tokens, kv_bytes, cfg);
+            let longest = batch.max_sequence_tokens(cfg);
+            info!(
+                max_seqs = batch.max_seqs, max_batch_tokens = batch.max_batch_tokens,
+                kv_cache_mib = (batch.kv_blocks * engine::KvCache::block_bytes(cfg)) >> 20, kv_tokens = batch.kv_tokens(),
+                tokens_per_seq_at_max_seqs = batch.kv_tokens() / batch.max_seqs, longest_sequence = longest,
+                "engine configured: {} sequences fit at {} tokens each, before preemption",
+                batch.kv_tokens() / longest.max(1), longest
+            );
+            if longest < cfg.context_length {
+                warn!(context = cfg.context_length, longest, "the KV cache budget holds less than the model's context; longer rows fail with prompt_too_long (raise runtime.kv_cache_memory)");
+            }
+            // Prompts are checked against the longest sequence the engine can run, so one that can never fit is an
+            // error row at tokenization, not a stall.
             let preprocessor =
-                Preprocessor::new(&info.vocab, &job.model.chat_template, &job.input, cfg.context_length, job.generation.max_new_tokens)?;
+                Preprocessor::new(&info.vocab, &job.model.chat_template, &job.input, longest, job.generation.max_new_tokens)?;
             let stop = StopRules::new(&info.vocab, &job.generation);
-            let batch = BatchConfig { max_seqs: job.runtime.max_seqs, max_batch_tokens: job.runtime.max_batch_tokens };
             let weights_bytes = model.weight_bytes();
             let engine = BatchEngine::new(model, preprocessor.tokenizer().clone(), job.generation.clone(), stop, batch);
             Ok(Loaded {
@@ -633,7 +646,7 @@ fn load_worker(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error>
 /// `max_seqs` rows and `max_batch_tokens` padded tokens, embed each batch, send the vectors.
 fn drive_encoder(
     encoder: &Encoder,
-    config: &BatchConfig,
+    config: &crate::job::RuntimeSpec,
     requests: std_mpsc::Receiver<Request>,
     sink: mpsc::Sender<Outcome>,
     drain: &Drain,
@@ -731,7 +744,14 @@ fn drive<E: Engine>(
                 }
             };
             match next {
-                Some(request) => engine.admit(request),
+                Some(request) => {
+                    let (id, tag) = (request.id.clone(), request.tag);
+                    if let Err(error) = engine.admit(request) {
+                        if sink.blocking_send(Outcome::Failed { id, tag, error }).is_err() {
+                            return Ok(engine.stats().clone());
+                        }
+                    }
+                }
                 None => break,
             }
         }
@@ -832,4 +852,157 @@ pub fn validate(job_path: &Path, overrides: &Overrides) -> Result<ValidateReport
         Ok(format!("a run resumes it: {committed} of {} units committed{shards}", plan.units.len()))
     })?;
     Ok(ValidateReport { input_files: input.file_urls(), rows: input.total_rows(), model, output_url: job.output.url, output_state })
+}
+
+/// What `nightshift plan` found.
+#[derive(Debug, serde::Serialize)]
+pub struct JobPlanReport {
+    pub rows: u64,
+    /// Rows that tokenized, and their prompt tokens (chat template included).
+    pub ok_rows: u64,
+    pub prompt_tokens: u64,
+    /// Output tokens if every row generated its `max_new_tokens`.
+    pub max_output_tokens: u64,
+    pub histogram: crate::plan::report::Histogram,
+    /// Prompts too long for the context and the KV cache budget: count and the first few ids.
+    pub over_length_rows: u64,
+    pub over_length_ids: Vec<String>,
+    /// Other rows that fail before the engine, by error code.
+    pub other_errors: Vec<(String, u64)>,
+    pub max_seqs: usize,
+    pub max_batch_tokens: usize,
+    pub kv_cache_bytes: u64,
+    pub kv_tokens: usize,
+    pub longest_sequence: usize,
+    /// Sequences of the job's mean length (prompt and all its output) the KV cache holds at once.
+    pub sequences_fit: usize,
+    pub weights_bytes: usize,
+    pub simulation: crate::plan::report::Simulation,
+    pub calibration: Option<crate::plan::report::Calibration>,
+    pub estimated_seconds: Option<f64>,
+}
+
+/// `nightshift plan`: tokenizes every row (in parallel), reports the lengths, the schedule the engine would make
+/// and its KV cache fit, and times a short calibration run on the job's first rows. Writes nothing anywhere.
+pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize) -> Result<JobPlanReport, Error> {
+    use crate::plan::report;
+    let job = Job::load(job_path, overrides)?;
+    if job.kind != JobKind::Generate {
+        return Err(Error::Job(crate::job::JobError::Invalid {
+            path: job.file.clone(),
+            key: "kind",
+            problem: "`nightshift plan` plans generate jobs; embed and seq2seq jobs have no decode schedule to plan".into(),
+        }));
+    }
+    if let Some(threads) = job.runtime.threads {
+        limit_threads(threads);
+    }
+    let rt = runtime()?;
+    let input = rt.block_on(Input::open(&job.input))?;
+    let device = engine::select_device(&job.runtime.device)?;
+    let Loaded { worker, prepare, weights_bytes, .. } = load_worker(&job, &device)?;
+    let Worker::Generate(mut engine) = worker else { unreachable!("a generate job loads a decoder") };
+    let batch = engine.config().clone();
+    let model_config = engine.model().config.clone();
+
+    // Every row, a unit per file at a time, tokenized in parallel.
+    let mut lengths: Vec<(usize, usize)> = Vec::new();
+    let mut calibration_requests: Vec<Request> = Vec::new();
+    let (mut rows, mut over_length_rows, mut over_length_ids) = (0u64, 0u64, Vec::new());
+    let mut other_errors: std::collections::BTreeMap<String, u64> = Default::default();
+    let (tx, mut rx) = mpsc::channel::<Vec<SourceRow>>(SOURCE_DEPTH);
+    let files = input.snapshot();
+    let reader = {
+        let input = &input;
+        async move {
+            for (file, f) in files.iter().enumerate() {
+                let mut first_row = 0;
+                while first_row < f.rows {
+                    let n = (f.rows - first_row).min(1 << 16) as u32;
+                    let unit = Unit { id: 0, file, first_row, rows: n, shard: 0, estimated_tokens: 0 };
+                    if !input.stream_unit(&unit, &tx).await? {
+                        return Ok(());
+                    }
+                    first_row += n as u64;
+                }
+            }
+            drop(tx);
+            Ok::<_, Error>(())
+        }
+    };
+    let consume = async {
+        while let Some(batch_rows) = rx.recv().await {
+            for row in prepare.prepare_all(batch_rows) {
+                rows += 1;
+                match row.tokens {
+                    Ok(tokens) => {
+                        let max_new = row.params.max_new_tokens.unwrap_or(job.generation.max_new_tokens) as usize;
+                        lengths.push((tokens.len(), max_new.min(batch.max_sequence_tokens(&model_config).saturating_sub(tokens.len()))));
+                        if calibration_requests.len() < calibration_rows {
+                            calibration_requests.push(Request { id: row.id, tag: row.tag, params: row.params, tokens, arrival: Instant::now() });
+                        }
+                    }
+                    Err(e) if e.code == crate::row::ErrorCode::PromptTooLong => {
+                        over_length_rows += 1;
+                        if over_length_ids.len() < 5 {
+                            over_length_ids.push(row.id);
+                        }
+                    }
+                    Err(e) => *other_errors.entry(e.code.as_str().to_string()).or_default() += 1,
+                }
+            }
+        }
+    };
+    let (read, ()) = rt.block_on(async { tokio::join!(reader, consume) });
+    read?;
+
+    let histogram = report::Histogram::new(&lengths.iter().map(|l| l.0).collect::<Vec<_>>());
+    let prompt_tokens: u64 = lengths.iter().map(|l| l.0 as u64).sum();
+    let max_output_tokens: u64 = lengths.iter().map(|l| l.1 as u64).sum();
+    let mean_sequence = (prompt_tokens + max_output_tokens).div_ceil(lengths.len().max(1) as u64).max(1) as usize;
+    let schedule = batch.schedule();
+    let simulation = report::simulate(&lengths, &schedule);
+
+    // Calibration: the first rows, at most 32 new tokens each, through the real engine.
+    let calibration = (!calibration_requests.is_empty()).then(|| {
+        let started = Instant::now();
+        let n = calibration_requests.len();
+        for mut request in calibration_requests {
+            request.params.max_new_tokens = Some(request.params.max_new_tokens.unwrap_or(job.generation.max_new_tokens).min(32));
+            request.arrival = Instant::now();
+            engine.admit(request).map_err(|e| Error::Internal(format!("calibration row refused: {}", e.message)))?;
+        }
+        while engine.has_work() {
+            engine.step().map_err(Error::Engine)?;
+        }
+        let s = engine.stats();
+        Ok::<_, Error>(report::Calibration {
+            rows: n,
+            prefill_tokens_per_s: if s.prefill_s > 0.0 { s.prefill_tokens as f64 / s.prefill_s } else { 0.0 },
+            decode_tokens_per_s: if s.decode_s > 0.0 { s.decode_only_tokens as f64 / s.decode_s } else { 0.0 },
+            seconds: started.elapsed().as_secs_f64(),
+        })
+    });
+    let calibration = calibration.transpose()?;
+    let estimated_seconds = calibration.as_ref().and_then(|c| report::estimate_seconds(&simulation, c));
+    Ok(JobPlanReport {
+        rows,
+        ok_rows: lengths.len() as u64,
+        prompt_tokens,
+        max_output_tokens,
+        histogram,
+        over_length_rows,
+        over_length_ids,
+        other_errors: other_errors.into_iter().collect(),
+        max_seqs: batch.max_seqs,
+        max_batch_tokens: batch.max_batch_tokens,
+        kv_cache_bytes: (batch.kv_blocks * engine::KvCache::block_bytes(&model_config)) as u64,
+        kv_tokens: batch.kv_tokens(),
+        longest_sequence: batch.max_sequence_tokens(&model_config),
+        sequences_fit: batch.kv_tokens() / mean_sequence,
+        weights_bytes,
+        simulation,
+        calibration,
+        estimated_seconds,
+    })
 }

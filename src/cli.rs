@@ -31,6 +31,10 @@ pub enum Command {
     Run(RunArgs),
     /// Check a job file, the input's columns and the model's metadata, without generating or writing.
     Validate(JobArgs),
+    /// Plan a generate job without running it: tokenize every row, show the prompt-length histogram and
+    /// over-length rows, the schedule the engine would make (length buckets, prefill steps, KV cache fit,
+    /// preemptions) and a duration estimate from a short calibration run. Nothing touches the output.
+    Plan(PlanArgs),
     /// Complete an output whose units are all committed: remove uncommitted attempts' files, write
     /// `_manifest.json` and `_SUCCESS`. Safe to run repeatedly and concurrently; exits 75 while units are missing.
     Finalize(FinalizeArgs),
@@ -78,6 +82,9 @@ pub struct GenerateBenchArgs {
     /// Prompt tokens prefilled in one step.
     #[arg(long, default_value_t = 2048)]
     pub max_batch_tokens: usize,
+    /// KV cache budget: a size ("2GiB") or a share of the memory available after the model loads ("50%").
+    #[arg(long, default_value = "50%", value_parser = crate::job::MemoryBudget::parse)]
+    pub kv_cache_memory: crate::job::MemoryBudget,
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
@@ -107,6 +114,7 @@ impl GenerateBenchArgs {
             max_new: self.max_new,
             max_seqs: self.max_seqs,
             max_batch_tokens: self.max_batch_tokens,
+            kv_cache_memory: self.kv_cache_memory,
             temperature: self.temperature,
             seed: self.seed,
             save_workload: self.save_workload.clone(),
@@ -136,7 +144,7 @@ pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
         r.prefill_s, r.prefill_tokens_per_s, r.decode_s, r.decode_tokens_per_s
     );
     println!(
-        "latency: TTFT p50 {:.3} s, p90 {:.3} s, p99 {:.3} s (from admission); TPOT p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms",
+        "latency: TTFT p50 {:.3} s, p90 {:.3} s, p99 {:.3} s (from entering the engine's queue); TPOT p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms",
         r.ttft_p50_s,
         r.ttft_p90_s,
         r.ttft_p99_s,
@@ -150,6 +158,13 @@ pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
         r.weights_bytes >> 20,
         r.peak_kv_cache_bytes >> 20,
         r.peak_running
+    );
+    println!(
+        "kv cache: {} of {} blocks at peak, {} preemptions, packing efficiency {:.1} %",
+        r.peak_kv_blocks,
+        r.kv_blocks,
+        r.preemptions,
+        r.packing_efficiency * 100.0
     );
 }
 
@@ -233,6 +248,88 @@ pub struct StatusArgs {
 pub struct FinalizeArgs {
     /// The job's output URL or path.
     pub output: String,
+}
+
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// Rows of the job run (32 new tokens at most each) to measure prefill and decode speed; 0 skips it.
+    #[arg(long, default_value_t = 16)]
+    pub calibration_rows: usize,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `42 s`, `17 min 5 s`, `3 h 12 min`.
+fn duration(seconds: f64) -> String {
+    let s = seconds.round() as u64;
+    match s {
+        0..60 => format!("{s} s"),
+        60..3600 => format!("{} min {} s", s / 60, s % 60),
+        _ => format!("{} h {} min", s / 3600, s % 3600 / 60),
+    }
+}
+
+pub fn print_plan(r: &crate::app::JobPlanReport, json: bool) {
+    if json {
+        println!("{}", serde_json::to_string(r).expect("plain data serialises"));
+        return;
+    }
+    let mean = |tokens: u64, rows: u64| if rows > 0 { tokens as f64 / rows as f64 } else { 0.0 };
+    println!("rows: {} ({} ready for the engine)", r.rows, r.ok_rows);
+    println!(
+        "prompt tokens: {} ({:.0} per row); output tokens: at most {} ({:.0} per row)",
+        r.prompt_tokens,
+        mean(r.prompt_tokens, r.ok_rows),
+        r.max_output_tokens,
+        mean(r.max_output_tokens, r.ok_rows)
+    );
+    println!("prompt lengths (tokens, chat template included):");
+    let widest = r.histogram.buckets.iter().map(|b| b.2).max().unwrap_or(1).max(1);
+    for &(lo, hi, rows, tokens) in &r.histogram.buckets {
+        let bar = "#".repeat(((rows * 40).div_ceil(widest)) as usize);
+        println!("  {lo:>6} - {hi:<6} {rows:>8} rows {tokens:>10} tokens  {bar}");
+    }
+    if r.over_length_rows > 0 {
+        println!(
+            "over-length: {} rows longer than {} tokens (error rows, prompt_too_long); first: {}",
+            r.over_length_rows,
+            r.longest_sequence.saturating_sub(1),
+            r.over_length_ids.join(", ")
+        );
+    } else {
+        println!("over-length: none (longest allowed prompt {} tokens)", r.longest_sequence.saturating_sub(1));
+    }
+    for (code, n) in &r.other_errors {
+        println!("other errors: {n} rows {code}");
+    }
+    println!(
+        "kv cache: {} MiB = {} tokens; {} sequences of the mean length fit at once (max_seqs {}); weights {} MiB",
+        r.kv_cache_bytes >> 20,
+        r.kv_tokens,
+        r.sequences_fit,
+        r.max_seqs,
+        r.weights_bytes >> 20
+    );
+    let s = &r.simulation;
+    println!(
+        "schedule (every row generating max_new_tokens): {} steps, {} with prefills (max_batch_tokens {}), {:.1} sequences decoding per step, peak {} KV blocks, {} preemptions ({} tokens recomputed)",
+        s.steps, s.prefill_steps, r.max_batch_tokens, s.mean_running, s.peak_kv_blocks, s.preemptions, s.recomputed_tokens
+    );
+    match (&r.calibration, r.estimated_seconds) {
+        (Some(c), Some(secs)) => println!(
+            "estimate: at most {}, from {} calibration rows in {:.1} s: prefill {:.0} tokens/s, decode {:.0} tokens/s",
+            duration(secs),
+            c.rows,
+            c.seconds,
+            c.prefill_tokens_per_s,
+            c.decode_tokens_per_s
+        ),
+        (Some(c), None) => println!("estimate: none (the {} calibration rows gave no decode-only steps to time)", c.rows),
+        (None, _) => println!("estimate: none (no calibration run)"),
+    }
 }
 
 #[derive(Debug, Args)]

@@ -29,6 +29,7 @@ fn main() -> ExitCode {
         })
         .map(|r| cli::print_run(&r)),
         Command::Validate(args) => app::validate(&args.job, &args.overrides()).map(|r| cli::print_validate(&r)),
+        Command::Plan(args) => app::plan_job(&args.job.job, &args.job.overrides(), args.calibration_rows).map(|r| cli::print_plan(&r, args.json)),
         Command::Status(args) => app::status(&args.output).map(|s| cli::print_status(&s, args.json)),
         Command::Finalize(args) => app::finalize(&args.output).map(|(f, url)| cli::print_finalize(&f, &url)),
         Command::Bench(cli::BenchCommand::Generate(args)) => {

@@ -467,3 +467,92 @@ fn bench_generate_fixed_workload_generates_every_drawn_token() {
     let total = report["total_tokens_per_s"].as_f64().unwrap() * report["seconds"].as_f64().unwrap();
     assert!((total - (drawn + prompt) as f64).abs() < 1.0, "{report}");
 }
+
+/// SmolLM2-135M's KV cache per block of 16 positions: 30 layers x (keys + values) x 3 kv heads x 64 x 4 bytes x 16.
+const SMOLLM2_KV_BLOCK_BYTES: u64 = 30 * 2 * 3 * 64 * 4 * 16;
+
+const LONG_ANSWERS: &[&str] = &[
+    "Write a long story about a dragon who learns to bake bread.",
+    "Describe in detail how a bicycle works.",
+    "Write a long letter to a friend about your summer holiday.",
+    "Explain step by step how to plant a vegetable garden.",
+    "Tell a long story about a lighthouse keeper and a storm.",
+    "Describe a busy market in a big city in detail.",
+];
+
+#[test]
+fn a_small_kv_cache_preempts_and_recomputes_with_the_same_greedy_outputs() {
+    let dir = scratch("preempt");
+    let input = dir.join("in.parquet");
+    write_parquet(&input, support::prompts(&ids("l", LONG_ANSWERS.len()), LONG_ANSWERS));
+    let run = |name: &str, kv: &str| {
+        let out = dir.join(name);
+        let sub = dir.join(format!("{name}-job"));
+        std::fs::create_dir_all(&sub).unwrap();
+        let extra = format!("[runtime]\nmax_seqs = 8\nkv_cache_memory = {kv}");
+        let job = job_file(&sub, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 96\ntemperature = 0.0", &extra);
+        nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+        (texts(&read_results(&out)), read_metrics(&out))
+    };
+    // Prompts of about 40 tokens (3 blocks) and answers of up to 96: 14 blocks admit three at once, and they
+    // outgrow the budget as they decode.
+    let (small, small_metrics) = run("small", &(14 * SMOLLM2_KV_BLOCK_BYTES).to_string());
+    let (ample, ample_metrics) = run("ample", "\"1GiB\"");
+    assert_eq!(small.len(), LONG_ANSWERS.len());
+    assert!(small.values().all(|r| r.2 != "error"), "{small:?}");
+    assert!(small_metrics["preemptions"].unwrap() > 0.0, "{small_metrics:?}");
+    assert!(small_metrics["recomputed_tokens"].unwrap() > 0.0, "{small_metrics:?}");
+    assert_eq!(small_metrics["kv_cache_blocks"], Some(14.0));
+    assert!(small_metrics["kv_utilisation_peak"].unwrap() <= 1.0);
+    assert!(small_metrics["packing_efficiency"].unwrap() < 1.0, "recomputation is waste");
+    assert_eq!(ample_metrics["preemptions"], Some(0.0));
+    assert_eq!(ample_metrics["packing_efficiency"], Some(1.0));
+    assert!(ample_metrics["prefill_s"].unwrap() > 0.0 && ample_metrics["decode_s"].unwrap() > 0.0, "{ample_metrics:?}");
+    // A preempted sequence is prefilled again with what it generated, and goes on where it stopped.
+    assert_eq!(small, ample);
+}
+
+#[test]
+fn plan_reports_lengths_over_length_rows_schedule_and_estimate_without_touching_the_output() {
+    let dir = scratch("plan");
+    let input = dir.join("in.parquet");
+    let mut prompts: Vec<String> = QUESTIONS.iter().map(|q| q.to_string()).collect();
+    // Two prompts far longer than the KV cache below allows.
+    prompts.push("Summarise: ".to_string() + &"the printer on floor three is jammed again and nobody knows why. ".repeat(40));
+    prompts.push("Explain: ".to_string() + &"a cache holds recent data close to where it is used. ".repeat(40));
+    let refs: Vec<&str> = prompts.iter().map(String::as_str).collect();
+    let row_ids = ids("p", refs.len());
+    write_parquet(&input, support::prompts(&row_ids, &refs));
+    let out = dir.join("out");
+    // 12 blocks: 192 tokens, so every question fits (with room to preempt) and the long prompts do not.
+    let extra = format!("[runtime]\nmax_seqs = 4\nkv_cache_memory = {}", 12 * SMOLLM2_KV_BLOCK_BYTES);
+    let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 64", &extra);
+    let run = nightshift(&["plan", job.to_str().unwrap(), "--calibration-rows", "2", "--json"], &[]);
+    run.assert_ok();
+    let r: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+    assert_eq!(r["rows"], 8, "{r}");
+    assert_eq!(r["ok_rows"], 6, "{r}");
+    assert_eq!(r["over_length_rows"], 2, "{r}");
+    assert_eq!(r["over_length_ids"], serde_json::json!(["p006", "p007"]));
+    assert_eq!(r["kv_tokens"], 192);
+    let buckets = r["histogram"]["buckets"].as_array().unwrap();
+    let rows: u64 = buckets.iter().map(|b| b[2].as_u64().unwrap()).sum();
+    let tokens: u64 = buckets.iter().map(|b| b[3].as_u64().unwrap()).sum();
+    assert_eq!(rows, 6);
+    assert_eq!(tokens, r["prompt_tokens"].as_u64().unwrap());
+    let sim = &r["simulation"];
+    // Six rows of 64 new tokens: each row's first token comes from its prefill, and so does the next token of a
+    // preempted row, from its second prefill.
+    assert_eq!(sim["decode_tokens"].as_u64().unwrap() + sim["preemptions"].as_u64().unwrap(), 6 * 63, "{r}");
+    assert_eq!(sim["prefill_tokens"].as_u64().unwrap(), tokens + sim["recomputed_tokens"].as_u64().unwrap());
+    assert!(sim["preemptions"].as_u64().unwrap() > 0, "four sequences of ~100 tokens outgrow 192: {r}");
+    assert!(sim["peak_kv_blocks"].as_u64().unwrap() <= 12);
+    assert_eq!(r["calibration"]["rows"], 2);
+    assert!(r["estimated_seconds"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(!out.exists(), "plan wrote to the output");
+    // The text report names the same facts.
+    let run = nightshift(&["plan", job.to_str().unwrap(), "--calibration-rows", "0"], &[]);
+    run.assert_ok();
+    assert!(run.stdout.contains("over-length: 2 rows") && run.stdout.contains("p006, p007"), "{}", run.stdout);
+    assert!(run.stdout.contains("estimate: none"), "{}", run.stdout);
+}

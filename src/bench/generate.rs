@@ -44,6 +44,7 @@ pub struct GenerateBenchOptions {
     pub max_new: usize,
     pub max_seqs: usize,
     pub max_batch_tokens: usize,
+    pub kv_cache_memory: crate::job::MemoryBudget,
     pub temperature: f32,
     pub seed: u64,
     /// Where to write the workload (one JSON object per row: `prompt` token ids, `max_new`, `ignore_eos`), so a
@@ -70,7 +71,7 @@ pub struct GenerateBenchReport {
     pub prefill_s: f64,
     pub decode_s: f64,
     pub steps: u64,
-    /// From a row's admission to its first token (queueing behind other rows is not included).
+    /// From a row's entering the engine's queue (up to `max_seqs` rows wait beside the running ones) to its first token.
     pub ttft_p50_s: f64,
     pub ttft_p90_s: f64,
     pub ttft_p99_s: f64,
@@ -79,6 +80,12 @@ pub struct GenerateBenchReport {
     pub tpot_p99_s: f64,
     pub peak_running: usize,
     pub peak_kv_cache_bytes: usize,
+    /// The KV cache budget in blocks of 16 positions, and the most in use at once.
+    pub kv_blocks: usize,
+    pub peak_kv_blocks: usize,
+    pub preemptions: u64,
+    /// Useful tokens over tokens computed (recomputation after preemption is the waste).
+    pub packing_efficiency: f64,
     pub weights_bytes: usize,
     pub peak_rss_bytes: u64,
 }
@@ -147,7 +154,8 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         Workload::Natural => StopRules::new(&info.vocab, &params),
     };
     let weights_bytes = model.weight_bytes();
-    let config = BatchConfig { max_seqs: options.max_seqs, max_batch_tokens: options.max_batch_tokens };
+    let kv_bytes = crate::engine::kv_cache_bytes(options.kv_cache_memory);
+    let config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, &model.config);
     let mut engine = BatchEngine::new(model, pre.tokenizer().clone(), params, stop, config);
 
     let started = Instant::now();
@@ -157,13 +165,15 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
     loop {
         while open && engine.free_places() > 0 {
             match queue.next() {
-                Some((i, (tokens, new))) => engine.admit(Request {
-                    id: format!("bench-{i}"),
-                    tag: RowTag { unit: 0, offset: i as u32 },
-                    params: RowParams { max_new_tokens: Some(*new), ..Default::default() },
-                    tokens: tokens.clone(),
-                    arrival: Instant::now(),
-                }),
+                Some((i, (tokens, new))) => engine
+                    .admit(Request {
+                        id: format!("bench-{i}"),
+                        tag: RowTag { unit: 0, offset: i as u32 },
+                        params: RowParams { max_new_tokens: Some(*new), ..Default::default() },
+                        tokens: tokens.clone(),
+                        arrival: Instant::now(),
+                    })
+                    .map_err(|e| Error::Engine(crate::engine::EngineError::new(format!("workload row {i}: {}", e.message))))?,
                 None => open = false,
             }
         }
@@ -204,6 +214,10 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         tpot_p99_s: p(&tpot, 99.0),
         peak_running: stats.peak_running,
         peak_kv_cache_bytes: stats.peak_kv_bytes,
+        kv_blocks: stats.kv_blocks,
+        peak_kv_blocks: stats.peak_kv_blocks,
+        preemptions: stats.preemptions,
+        packing_efficiency: stats.packing_efficiency().unwrap_or(1.0),
         weights_bytes,
         peak_rss_bytes: crate::metrics::peak_rss_bytes().unwrap_or(0),
     })

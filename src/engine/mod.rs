@@ -9,7 +9,7 @@
 pub mod model;
 pub mod sampling;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -17,9 +17,10 @@ use candle_core::Device;
 use tokenizers::Tokenizer;
 
 use crate::job::{DeviceChoice, GenerationParams};
-use crate::row::{FinishReason, RowParams, RowTag};
+use crate::row::{ErrorCode, FinishReason, RowError, RowParams, RowTag};
+use crate::schedule::{Scheduler, SeqId};
 use crate::tokenize::TextStream;
-pub use model::{KvCache, Layout, Model, ModelConfig, ModelInfo, Segment};
+pub use model::{KvCache, KV_BLOCK_TOKENS, Layout, Model, ModelConfig, ModelInfo, Segment};
 use sampling::Rng;
 
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +54,12 @@ pub fn select_device(choice: &DeviceChoice) -> Result<Device, ModelError> {
         DeviceChoice::Auto | DeviceChoice::Cpu => Ok(Device::Cpu),
         DeviceChoice::Cuda(n) => Err(ModelError::NoCuda(format!("cuda:{n}"))),
     }
+}
+
+/// The KV cache budget in bytes: a size as given, or a fraction of the memory available now (call it after the
+/// model has loaded, so the weights are not counted twice).
+pub fn kv_cache_bytes(budget: crate::job::MemoryBudget) -> u64 {
+    budget.resolve(crate::metrics::available_memory_bytes().unwrap_or(4 << 30))
 }
 
 /// A tokenized row for the engine.
@@ -95,14 +102,36 @@ pub struct EngineStats {
     pub decode_s: f64,
     /// Tokens of the decode-only steps (`decode_s`).
     pub decode_only_tokens: u64,
+    /// Sequences preempted when the KV cache ran short, and the tokens prefilled again for them.
+    pub preemptions: u64,
+    pub recomputed_tokens: u64,
+    /// KV cache blocks in the budget, the most in use at once, and the mean in use per step.
+    pub kv_blocks: usize,
+    pub peak_kv_blocks: usize,
+    pub mean_kv_blocks: f64,
+}
+
+impl EngineStats {
+    /// Useful tokens over tokens computed: prompt tokens prefilled again after preemption are computed twice.
+    /// `None` for engines without a block KV cache (embed, seq2seq), which do not count them.
+    pub fn packing_efficiency(&self) -> Option<f64> {
+        let computed = self.prefill_tokens + self.decode_tokens;
+        (computed > 0 && self.kv_blocks > 0).then(|| (computed - self.recomputed_tokens.min(computed)) as f64 / computed as f64)
+    }
+
+    /// Peak and mean KV cache blocks in use over the budget.
+    pub fn kv_utilisation(&self) -> Option<(f64, f64)> {
+        (self.kv_blocks > 0).then(|| (self.peak_kv_blocks as f64 / self.kv_blocks as f64, self.mean_kv_blocks / self.kv_blocks as f64))
+    }
 }
 
 /// What a continuous-batching engine offers the job loop.
 pub trait Engine {
     /// Requests that can be admitted now.
     fn free_places(&self) -> usize;
-    /// Admits a request; it is prefilled in a coming step. Callers respect [`Engine::free_places`].
-    fn admit(&mut self, request: Request);
+    /// Admits a request; it is prefilled in a coming step. Callers respect [`Engine::free_places`]. A request the
+    /// engine can never run (its prompt does not fit the KV cache budget) is refused with a row error.
+    fn admit(&mut self, request: Request) -> Result<(), RowError>;
     /// Whether any admitted sequence is unfinished.
     fn has_work(&self) -> bool;
     /// Runs one forward pass and returns the sequences that finished in it.
@@ -116,9 +145,44 @@ pub struct BatchConfig {
     pub max_seqs: usize,
     /// Prompt tokens prefilled in one step; a longer prompt is prefilled alone.
     pub max_batch_tokens: usize,
+    /// KV cache blocks of [`KV_BLOCK_TOKENS`] positions, shared by all sequences.
+    pub kv_blocks: usize,
 }
 
-/// Answer tokens a sequence's KV cache is reserved for at admission.
+impl BatchConfig {
+    /// The configuration for a KV cache budget of `kv_bytes`.
+    pub fn new(max_seqs: usize, max_batch_tokens: usize, kv_bytes: u64, model: &ModelConfig) -> BatchConfig {
+        let kv_blocks = (kv_bytes / KvCache::block_bytes(model).max(1) as u64).min(u32::MAX as u64) as usize;
+        BatchConfig { max_seqs, max_batch_tokens, kv_blocks: kv_blocks.max(1) }
+    }
+
+    /// Tokens the KV cache budget holds, all sequences together.
+    pub fn kv_tokens(&self) -> usize {
+        self.kv_blocks * KV_BLOCK_TOKENS
+    }
+
+    /// The longest sequence (prompt and output) that can run: the model's context, or less when the KV cache
+    /// budget holds less.
+    pub fn max_sequence_tokens(&self, model: &ModelConfig) -> usize {
+        model.context_length.min(self.kv_tokens())
+    }
+
+    /// The scheduler's configuration.
+    pub fn schedule(&self) -> crate::schedule::Config {
+        crate::schedule::Config {
+            max_seqs: self.max_seqs,
+            max_batch_tokens: self.max_batch_tokens,
+            block_tokens: KV_BLOCK_TOKENS,
+            kv_blocks: self.kv_blocks,
+            // Prefill as soon as a place is free: on these kernels a step's cost grows with its tokens, so
+            // holding places empty to gather prefills only loses decode throughput.
+            min_prefill_places: 1,
+            max_decode_steps_between_prefills: 8,
+        }
+    }
+}
+
+/// Answer tokens a sequence's block table is sized for at admission (blocks themselves are taken as it grows).
 const INITIAL_ANSWER_TOKENS: usize = 256;
 
 /// Token texts that end a turn in common chat formats; a control token with one of these names stops generation
@@ -181,7 +245,8 @@ struct Sequence {
     cut_text: Option<String>,
     params: GenerationParams,
     rng: Rng,
-    admitted: Instant,
+    /// When its prefill began (the end of its queue time).
+    admitted: Option<Instant>,
     first_token: Option<Instant>,
 }
 
@@ -191,23 +256,32 @@ pub struct BatchEngine {
     params: GenerationParams,
     stop: StopRules,
     config: BatchConfig,
-    running: Vec<Sequence>,
+    scheduler: Scheduler,
+    /// Admitted sequences, running or waiting (a waiting one has an empty cache).
+    seqs: HashMap<SeqId, Sequence>,
+    next_id: SeqId,
     stats: EngineStats,
 }
 
 impl BatchEngine {
     pub fn new(model: Model, tokenizer: Tokenizer, params: GenerationParams, stop: StopRules, config: BatchConfig) -> Self {
-        BatchEngine { model, tokenizer, params, stop, config, running: Vec::new(), stats: EngineStats::default() }
+        let scheduler = Scheduler::new(config.schedule());
+        let stats = EngineStats { kv_blocks: config.kv_blocks, ..EngineStats::default() };
+        BatchEngine { model, tokenizer, params, stop, config, scheduler, seqs: HashMap::new(), next_id: 0, stats }
     }
 
     pub fn model(&self) -> &Model {
         &self.model
     }
 
+    pub fn config(&self) -> &BatchConfig {
+        &self.config
+    }
+
     /// Applies a sampled token to a sequence; returns why it finished, if it did.
-    fn advance(&mut self, index: usize, token: u32, now: Instant) -> Option<FinishReason> {
-        let context = self.model.config.context_length;
-        let seq = &mut self.running[index];
+    fn advance(&mut self, id: SeqId, token: u32, now: Instant) -> Option<FinishReason> {
+        let limit = self.config.max_sequence_tokens(&self.model.config);
+        let seq = self.seqs.get_mut(&id).expect("a scheduled sequence exists");
         seq.sampled += 1;
         seq.first_token.get_or_insert(now);
         if self.stop.end_tokens.contains(&token) {
@@ -218,15 +292,16 @@ impl BatchEngine {
             seq.cut_text = Some(text);
             return Some(FinishReason::Stop);
         }
-        if seq.generated.len() >= seq.max_new_tokens || seq.cache.len() + 1 > context {
+        if seq.generated.len() >= seq.max_new_tokens || seq.cache.len() + 1 > limit {
             return Some(FinishReason::Length);
         }
         seq.pending = vec![token];
         None
     }
 
-    fn finish(&mut self, index: usize, reason: FinishReason, now: Instant) -> Completion {
-        let seq = self.running.swap_remove(index);
+    fn finish(&mut self, id: SeqId, reason: FinishReason, now: Instant) -> Completion {
+        self.scheduler.finish(id);
+        let seq = self.seqs.remove(&id).expect("a finished sequence exists");
         let text = seq.cut_text.unwrap_or_else(|| self.tokenizer.decode(&seq.generated, true).unwrap_or_default());
         let arrival = seq.request.arrival;
         let first = seq.first_token.unwrap_or(now);
@@ -238,7 +313,7 @@ impl BatchEngine {
             finish_reason: reason,
             prompt_tokens: seq.request.tokens.len() as u32,
             completion_tokens: seq.sampled,
-            queue_s: (seq.admitted - arrival).as_secs_f64(),
+            queue_s: (seq.admitted.unwrap_or(now) - arrival).as_secs_f64(),
             ttft_s: (first - arrival).as_secs_f64(),
             e2e_s: (now - arrival).as_secs_f64(),
             tpot_s,
@@ -248,93 +323,115 @@ impl BatchEngine {
 
 impl Engine for BatchEngine {
     fn free_places(&self) -> usize {
-        self.config.max_seqs.saturating_sub(self.running.len())
+        // Up to `max_seqs` wait beside the running ones, so the scheduler can pick prompts of similar lengths
+        // and refill a place the moment it frees.
+        (2 * self.config.max_seqs).saturating_sub(self.seqs.len())
     }
 
-    fn admit(&mut self, request: Request) {
-        let cfg = &self.model.config;
+    fn admit(&mut self, request: Request) -> Result<(), RowError> {
+        let limit = self.config.max_sequence_tokens(&self.model.config);
         let params = self.params.for_row(&request.params);
-        let max_new_tokens = (params.max_new_tokens as usize).min(cfg.context_length.saturating_sub(request.tokens.len()));
-        // Reserve for the prompt and a typical answer; a longer answer grows the cache. Reserving for the full
-        // `max_new_tokens` of every sequence would hold memory most rows never use.
-        let cache = KvCache::new(cfg, request.tokens.len() + max_new_tokens.min(INITIAL_ANSWER_TOKENS));
+        let prompt = request.tokens.len();
+        let max_new_tokens = (params.max_new_tokens as usize).min(limit.saturating_sub(prompt));
+        if prompt == 0 || prompt >= limit {
+            return Err(RowError::new(
+                ErrorCode::PromptTooLong,
+                format!("the prompt has {prompt} tokens; the model's context and the KV cache budget allow {}", limit.saturating_sub(1)),
+            ));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.scheduler.push(id, prompt, max_new_tokens).map_err(|e| RowError::new(ErrorCode::PromptTooLong, e.to_string()))?;
+        let cache = KvCache::new(&self.model.config, prompt + max_new_tokens.min(INITIAL_ANSWER_TOKENS));
         let rng = Rng::new(sampling::row_seed(params.seed, &request.id));
-        self.running.push(Sequence {
-            pending: request.tokens.clone(),
-            request,
-            cache,
-            generated: Vec::new(),
-            sampled: 0,
-            max_new_tokens,
-            stop_scan: StopScan::default(),
-            cut_text: None,
-            params,
-            rng,
-            admitted: Instant::now(),
-            first_token: None,
-        });
-        self.stats.peak_running = self.stats.peak_running.max(self.running.len());
+        self.seqs.insert(
+            id,
+            Sequence {
+                pending: request.tokens.clone(),
+                request,
+                cache,
+                generated: Vec::new(),
+                sampled: 0,
+                max_new_tokens,
+                stop_scan: StopScan::default(),
+                cut_text: None,
+                params,
+                rng,
+                admitted: None,
+                first_token: None,
+            },
+        );
+        Ok(())
     }
 
     fn has_work(&self) -> bool {
-        !self.running.is_empty()
+        !self.seqs.is_empty()
     }
 
     fn step(&mut self) -> Result<Vec<Completion>, EngineError> {
-        // Every running sequence decodes one token; waiting prompts join while the prefill budget allows (the
-        // first always does, so a prompt longer than the budget still runs, alone).
-        let mut chosen = Vec::new();
-        let mut prefill_tokens = 0;
-        let mut decode_tokens = 0;
-        for (i, seq) in self.running.iter().enumerate() {
-            if !seq.cache.is_empty() {
-                decode_tokens += 1;
-                chosen.push(i);
-            } else if prefill_tokens == 0 || prefill_tokens + seq.pending.len() <= self.config.max_batch_tokens {
-                prefill_tokens += seq.pending.len();
-                chosen.push(i);
-            }
+        let plan = self.scheduler.next_step();
+        for id in &plan.preempted {
+            // Dropped, to be prefilled again with its prompt and everything it generated (the last sampled token
+            // included: it was not fed yet).
+            let seq = self.seqs.get_mut(id).expect("a preempted sequence exists");
+            seq.cache = KvCache::new(&self.model.config, 0);
+            seq.pending = seq.request.tokens.iter().chain(&seq.generated).copied().collect();
         }
-        if chosen.is_empty() {
-            return Ok(Vec::new());
+        if plan.is_empty() {
+            if self.seqs.is_empty() {
+                return Ok(Vec::new());
+            }
+            // The scheduler always runs something while sequences wait (a lone one always fits the budget it was
+            // admitted under); failing loudly beats spinning.
+            return Err(EngineError(format!("the scheduler made no progress with {} sequences waiting (a bug)", self.seqs.len())));
         }
         let started = Instant::now();
+        for (id, tokens) in &plan.prefill {
+            let seq = self.seqs.get_mut(id).expect("a scheduled sequence exists");
+            debug_assert_eq!(seq.pending.len(), *tokens);
+            seq.admitted.get_or_insert(started);
+        }
+        let order: Vec<SeqId> = plan.decode.iter().copied().chain(plan.prefill.iter().map(|p| p.0)).collect();
         let logits = {
-            let chosen_set: HashSet<usize> = chosen.iter().copied().collect();
-            let mut segments: Vec<Segment<'_>> = self
-                .running
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| chosen_set.contains(i))
-                .map(|(_, s)| Segment { tokens: &s.pending, cache: &mut s.cache })
-                .collect();
+            let wanted: HashMap<SeqId, usize> = order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+            let mut chosen: Vec<(usize, &mut Sequence)> =
+                self.seqs.iter_mut().filter_map(|(id, s)| wanted.get(id).map(|&i| (i, s))).collect();
+            chosen.sort_by_key(|c| c.0);
+            let mut segments: Vec<Segment<'_>> =
+                chosen.into_iter().map(|(_, s)| Segment { tokens: &s.pending, cache: &mut s.cache }).collect();
             self.model.forward(&mut segments).map_err(|e| EngineError(e.to_string()))?
         };
         let now = Instant::now();
         let took = (now - started).as_secs_f64();
+        let (prefill_tokens, decode_tokens) = (plan.prefill_tokens(), plan.decode.len());
         if prefill_tokens > 0 {
             self.stats.prefill_s += took;
         } else {
             self.stats.decode_s += took;
             self.stats.decode_only_tokens += decode_tokens as u64;
         }
-        let kv: usize = self.running.iter().map(|s| s.cache.bytes()).sum();
+        let kv: usize = self.seqs.values().map(|s| s.cache.bytes()).sum();
         self.stats.peak_kv_bytes = self.stats.peak_kv_bytes.max(kv);
         self.stats.steps += 1;
         self.stats.prefill_tokens += prefill_tokens as u64;
         self.stats.decode_tokens += decode_tokens as u64;
+        let running = self.scheduler.running();
+        self.stats.peak_running = self.stats.peak_running.max(running);
+        let s = self.scheduler.stats();
+        self.stats.preemptions = s.preemptions;
+        self.stats.recomputed_tokens = s.recomputed_tokens;
+        self.stats.peak_kv_blocks = s.peak_blocks;
+        self.stats.mean_kv_blocks = s.block_steps as f64 / s.steps.max(1) as f64;
 
         let mut finished = Vec::new();
-        for (&index, row) in chosen.iter().zip(&logits) {
-            let seq = &mut self.running[index];
+        for (&id, row) in order.iter().zip(&logits) {
+            let seq = self.seqs.get_mut(&id).expect("a scheduled sequence exists");
             let token = sampling::sample(row, &seq.params, &mut seq.rng);
-            if let Some(reason) = self.advance(index, token, now) {
-                finished.push((index, reason));
+            if let Some(reason) = self.advance(id, token, now) {
+                finished.push((id, reason));
             }
         }
-        // Remove from the back so the remaining indices stay valid.
-        finished.sort_by(|a, b| b.0.cmp(&a.0));
-        Ok(finished.into_iter().map(|(index, reason)| self.finish(index, reason, now)).collect())
+        Ok(finished.into_iter().map(|(id, reason)| self.finish(id, reason, now)).collect())
     }
 
     fn stats(&self) -> &EngineStats {

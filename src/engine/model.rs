@@ -168,25 +168,33 @@ fn rope_frequencies(config: &ModelConfig) -> Vec<f64> {
 /// Positions per block of the KV cache: the width of the score vectors in attention.
 const BLOCK: usize = 16;
 
-/// The keys and values of one sequence, all layers, in blocks of [`BLOCK`] positions. Per layer, keys are
-/// `[block][kv_head][head_dim][BLOCK]` (each block transposed, so one query's scores against a block are
-/// `head_dim` multiply-adds of `BLOCK`-wide vectors, with no horizontal sums) and values are
-/// `[block][kv_head][BLOCK][head_dim]`; a block's unused positions are zero. Grown a block at a time; capacity is
-/// reserved at admission, so a sequence rarely reallocates while it decodes.
+/// Positions per KV cache block, for the scheduler's accounting.
+pub const KV_BLOCK_TOKENS: usize = BLOCK;
+
+/// The keys and values of one sequence, all layers, in blocks of [`BLOCK`] positions, each block its own
+/// allocation. Per layer and block, keys are `[kv_head][head_dim][BLOCK]` (transposed, so one query's scores
+/// against a block are `head_dim` multiply-adds of `BLOCK`-wide vectors, with no horizontal sums) and values are
+/// `[kv_head][BLOCK][head_dim]`; a block's unused positions are zero. A sequence grows a block at a time without
+/// copying what it holds, and holds exactly the blocks the scheduler booked for it.
 #[derive(Debug)]
 pub struct KvCache {
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
+    keys: Vec<Vec<Box<[f32]>>>,
+    values: Vec<Vec<Box<[f32]>>>,
     len: usize,
     kv_heads: usize,
     head_dim: usize,
 }
 
 impl KvCache {
+    /// An empty cache with room in its block tables for `capacity_tokens` (blocks are allocated as they fill).
     pub fn new(config: &ModelConfig, capacity_tokens: usize) -> KvCache {
-        let block = config.kv_heads * config.head_dim * BLOCK;
-        let alloc = || (0..config.layers).map(|_| Vec::with_capacity(capacity_tokens.div_ceil(BLOCK) * block)).collect();
+        let alloc = || (0..config.layers).map(|_| Vec::with_capacity(capacity_tokens.div_ceil(BLOCK))).collect();
         KvCache { keys: alloc(), values: alloc(), len: 0, kv_heads: config.kv_heads, head_dim: config.head_dim }
+    }
+
+    /// Bytes of one block across all layers (f32 keys and values).
+    pub fn block_bytes(config: &ModelConfig) -> usize {
+        config.kv_bytes_per_token() * BLOCK
     }
 
     /// Positions held (the sequence's length so far).
@@ -202,20 +210,21 @@ impl KvCache {
     fn write(&mut self, layer: usize, start: usize, k: &[f32], v: &[f32]) {
         let (hd, row, bf) = (self.head_dim, self.kv_heads * self.head_dim, self.block_floats());
         let tokens = k.len() / row;
-        let needed = (start + tokens).div_ceil(BLOCK) * bf;
-        if self.keys[layer].len() < needed {
-            self.keys[layer].resize(needed, 0.0);
-            self.values[layer].resize(needed, 0.0);
-        }
+        let needed = (start + tokens).div_ceil(BLOCK);
         let (keys, values) = (&mut self.keys[layer], &mut self.values[layer]);
+        while keys.len() < needed {
+            keys.push(vec![0f32; bf].into_boxed_slice());
+            values.push(vec![0f32; bf].into_boxed_slice());
+        }
         for t in 0..tokens {
             let (b, c) = ((start + t) / BLOCK, (start + t) % BLOCK);
+            let (kb, vb) = (&mut keys[b], &mut values[b]);
             for h in 0..self.kv_heads {
                 let src = t * row + h * hd;
                 for d in 0..hd {
-                    keys[b * bf + (h * hd + d) * BLOCK + c] = k[src + d];
+                    kb[(h * hd + d) * BLOCK + c] = k[src + d];
                 }
-                values[b * bf + (h * BLOCK + c) * hd..][..hd].copy_from_slice(&v[src..src + hd]);
+                vb[(h * BLOCK + c) * hd..][..hd].copy_from_slice(&v[src..src + hd]);
             }
         }
     }
@@ -224,8 +233,13 @@ impl KvCache {
         self.len() == 0
     }
 
+    /// Blocks held (per layer; the same in every layer).
+    pub fn blocks(&self) -> usize {
+        self.keys.first().map_or(0, Vec::len)
+    }
+
     pub fn bytes(&self) -> usize {
-        self.keys.iter().chain(&self.values).map(|v| v.capacity() * std::mem::size_of::<f32>()).sum()
+        self.keys.iter().chain(&self.values).map(|blocks| blocks.len() * self.block_floats() * std::mem::size_of::<f32>()).sum()
     }
 }
 
@@ -761,7 +775,6 @@ impl Model {
         let total = s.cache.len + new;
         let t1 = (t0 + TILE).min(new);
         let rows = (t1 - t0) * group;
-        let bf = s.cache.block_floats();
         let (keys, values) = (&s.cache.keys[layer], &s.cache.values[layer]);
         // Row r is token t0 + r / group, query head kv * group + r % group; it sees positions below `visible`.
         let visible = |r: usize| total - new + t0 + r / group + 1;
@@ -770,8 +783,8 @@ impl Model {
         let mut sum = vec![0f32; rows];
         let mut out = vec![0f32; rows * hd];
         for b in 0..visible(rows - 1).div_ceil(BLOCK) {
-            let kt = &keys[b * bf + kv * hd * BLOCK..][..hd * BLOCK];
-            let vb = &values[b * bf + kv * BLOCK * hd..][..BLOCK * hd];
+            let kt = &keys[b][kv * hd * BLOCK..][..hd * BLOCK];
+            let vb = &values[b][kv * BLOCK * hd..][..BLOCK * hd];
             for r in 0..rows {
                 let valid = visible(r).saturating_sub(b * BLOCK).min(BLOCK);
                 if valid == 0 {

@@ -81,6 +81,17 @@ pub struct JobMetrics {
     pub decode_tokens: u64,
     pub max_running_seqs: u64,
     pub peak_kv_cache_bytes: u64,
+    /// Seconds of steps that prefilled (decode tokens may ride along) and of decode-only steps.
+    pub prefill_s: f64,
+    pub decode_s: f64,
+    /// Useful tokens over tokens computed; `None` for engines that do not count them.
+    pub packing_efficiency: Option<f64>,
+    /// The KV cache budget in blocks of 16 positions, and the peak and mean share in use.
+    pub kv_cache_blocks: u64,
+    pub kv_utilisation_peak: Option<f64>,
+    pub kv_utilisation_mean: Option<f64>,
+    pub preemptions: u64,
+    pub recomputed_tokens: u64,
     pub weights_bytes: u64,
     pub peak_rss_bytes: u64,
 }
@@ -111,6 +122,14 @@ impl JobMetrics {
             decode_tokens: engine.decode_tokens,
             max_running_seqs: engine.peak_running as u64,
             peak_kv_cache_bytes: engine.peak_kv_bytes as u64,
+            prefill_s: engine.prefill_s,
+            decode_s: engine.decode_s,
+            packing_efficiency: engine.packing_efficiency(),
+            kv_cache_blocks: engine.kv_blocks as u64,
+            kv_utilisation_peak: engine.kv_utilisation().map(|u| u.0),
+            kv_utilisation_mean: engine.kv_utilisation().map(|u| u.1),
+            preemptions: engine.preemptions,
+            recomputed_tokens: engine.recomputed_tokens,
             peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
             ..JobMetrics::default()
         }
@@ -123,6 +142,28 @@ pub fn peak_rss_bytes() -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+/// Memory this process may still take: the system's `MemAvailable`, or less where a cgroup (a container's or a
+/// Slurm job's limit) leaves less. `None` where neither can be read.
+pub fn available_memory_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
+    });
+    let read = |path: &str| std::fs::read_to_string(path).ok().and_then(|s| s.trim().parse::<u64>().ok());
+    // cgroup v2, then v1 (whose "no limit" is a huge number, which `min` ignores).
+    let cgroup = match (read("/sys/fs/cgroup/memory.max"), read("/sys/fs/cgroup/memory.current")) {
+        (Some(max), Some(current)) => Some(max.saturating_sub(current)),
+        _ => match (read("/sys/fs/cgroup/memory/memory.limit_in_bytes"), read("/sys/fs/cgroup/memory/memory.usage_in_bytes")) {
+            (Some(max), Some(current)) => Some(max.saturating_sub(current)),
+            _ => None,
+        },
+    };
+    match (meminfo, cgroup) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
 }
 
 #[cfg(test)]
@@ -142,5 +183,11 @@ mod tests {
     #[test]
     fn peak_rss_is_read_on_linux() {
         assert!(peak_rss_bytes().unwrap() > 1 << 20);
+    }
+
+    #[test]
+    fn available_memory_is_read_on_linux() {
+        let a = available_memory_bytes().unwrap();
+        assert!(a > 1 << 20 && a < 1 << 50, "{a}");
     }
 }

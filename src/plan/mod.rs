@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+pub mod report;
 pub mod shard;
 
 /// Bumped when the output layout or the results schema changes incompatibly.

@@ -132,8 +132,9 @@ impl Engine for Seq2SeqEngine {
         self.max_seqs.saturating_sub(self.running.len() + self.waiting.len())
     }
 
-    fn admit(&mut self, request: Request) {
+    fn admit(&mut self, request: Request) -> Result<(), crate::row::RowError> {
         self.waiting.push((request, Instant::now()));
+        Ok(())
     }
 
     fn has_work(&self) -> bool {

@@ -1,0 +1,151 @@
+//! What `nightshift plan` works out from a job's tokenized rows, before anything runs: the prompt-length histogram,
+//! the schedule the engine's scheduler would make (simulated with the scheduler itself), and a duration estimate
+//! from a short calibration run. Pure code over integers and measured rates.
+
+use serde::Serialize;
+
+use crate::schedule::{Config, Scheduler};
+
+/// Prompt lengths in power-of-two buckets: `1..=16`, `17..=32`, `33..=64`, ...
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Histogram {
+    /// (lowest length, highest length, rows, tokens), for the buckets between the shortest and longest prompt.
+    pub buckets: Vec<(usize, usize, u64, u64)>,
+}
+
+impl Histogram {
+    pub fn new(lengths: &[usize]) -> Histogram {
+        let bucket = |len: usize| (usize::BITS - len.max(1).saturating_sub(1).leading_zeros()).max(4) as usize;
+        let (Some(lo), Some(hi)) = (lengths.iter().map(|&l| bucket(l)).min(), lengths.iter().map(|&l| bucket(l)).max()) else {
+            return Histogram::default();
+        };
+        let mut buckets: Vec<(usize, usize, u64, u64)> =
+            (lo..=hi).map(|b| (if b == 4 { 1 } else { (1 << (b - 1)) + 1 }, 1 << b, 0, 0)).collect();
+        for &l in lengths {
+            let slot = &mut buckets[bucket(l) - lo];
+            slot.2 += 1;
+            slot.3 += l as u64;
+        }
+        Histogram { buckets }
+    }
+}
+
+/// The schedule the engine would run, if every row generated its `max_new_tokens` (an upper bound: rows that
+/// stop early free their places sooner).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Simulation {
+    pub steps: u64,
+    /// Steps that prefill at least one prompt.
+    pub prefill_steps: u64,
+    pub prefill_tokens: u64,
+    pub decode_tokens: u64,
+    pub preemptions: u64,
+    pub recomputed_tokens: u64,
+    pub peak_kv_blocks: usize,
+    /// Mean sequences decoding per step.
+    pub mean_running: f64,
+}
+
+/// Runs the scheduler over rows of (prompt tokens, new tokens), each generating exactly its new tokens.
+pub fn simulate(rows: &[(usize, usize)], config: &Config) -> Simulation {
+    let mut scheduler = Scheduler::new(config.clone());
+    let mut remaining = Vec::with_capacity(rows.len());
+    for (id, &(prompt, new)) in rows.iter().enumerate() {
+        let new = new.max(1);
+        // Rows too long for the budget are error rows in a run: they never reach the scheduler.
+        if scheduler.push(id as u64, prompt, new).is_ok() {
+            remaining.push(new);
+        } else {
+            remaining.push(0);
+        }
+    }
+    let mut sim = Simulation::default();
+    let mut running_sum = 0u64;
+    while scheduler.waiting() + scheduler.running() > 0 {
+        let step = scheduler.next_step();
+        sim.steps += 1;
+        if !step.prefill.is_empty() {
+            sim.prefill_steps += 1;
+        }
+        sim.prefill_tokens += step.prefill_tokens() as u64;
+        sim.decode_tokens += step.decode.len() as u64;
+        running_sum += step.decode.len() as u64;
+        for id in step.decode.iter().chain(step.prefill.iter().map(|p| &p.0)) {
+            let left = &mut remaining[*id as usize];
+            *left -= 1;
+            if *left == 0 {
+                scheduler.finish(*id);
+            }
+        }
+    }
+    let stats = scheduler.stats();
+    sim.preemptions = stats.preemptions;
+    sim.recomputed_tokens = stats.recomputed_tokens;
+    sim.peak_kv_blocks = stats.peak_blocks;
+    sim.mean_running = running_sum as f64 / sim.steps.max(1) as f64;
+    sim
+}
+
+/// Rates measured by a short run of the job's own rows.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Calibration {
+    pub rows: usize,
+    /// Prompt tokens per second of steps that prefilled.
+    pub prefill_tokens_per_s: f64,
+    /// Tokens per second of decode-only steps, at the calibration's batch.
+    pub decode_tokens_per_s: f64,
+    pub seconds: f64,
+}
+
+/// Seconds the simulated schedule takes at the calibrated rates.
+pub fn estimate_seconds(sim: &Simulation, calibration: &Calibration) -> Option<f64> {
+    if calibration.prefill_tokens_per_s <= 0.0 || calibration.decode_tokens_per_s <= 0.0 {
+        return None;
+    }
+    Some(sim.prefill_tokens as f64 / calibration.prefill_tokens_per_s + sim.decode_tokens as f64 / calibration.decode_tokens_per_s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_powers_of_two_from_sixteen() {
+        let h = Histogram::new(&[1, 16, 17, 100, 128, 129]);
+        assert_eq!(h.buckets, vec![(1, 16, 2, 17), (17, 32, 1, 17), (33, 64, 0, 0), (65, 128, 2, 228), (129, 256, 1, 129)]);
+        assert_eq!(Histogram::new(&[]).buckets, vec![]);
+    }
+
+    fn config(kv_blocks: usize) -> Config {
+        Config { max_seqs: 4, max_batch_tokens: 64, block_tokens: 16, kv_blocks, min_prefill_places: 1, max_decode_steps_between_prefills: 8 }
+    }
+
+    #[test]
+    fn simulation_counts_every_token_once_without_preemption() {
+        let rows = vec![(30, 5), (10, 1), (40, 8), (20, 3), (5, 2)];
+        let sim = simulate(&rows, &config(1000));
+        assert_eq!(sim.prefill_tokens, 105);
+        // Each row's first token comes from its prefill; the rest are decode steps.
+        assert_eq!(sim.decode_tokens, (5 - 1) + (8 - 1) + (3 - 1) + (2 - 1));
+        assert_eq!(sim.preemptions, 0);
+        assert!(sim.peak_kv_blocks >= 4);
+    }
+
+    #[test]
+    fn a_tight_budget_shows_preemptions_and_recomputation() {
+        // Four rows of 40 + 60 tokens = 7 blocks each at the end; 16 blocks hold two at most.
+        let rows = vec![(40, 60); 4];
+        let sim = simulate(&rows, &config(16));
+        assert!(sim.preemptions > 0, "{sim:?}");
+        assert_eq!(sim.prefill_tokens, 160 + sim.recomputed_tokens);
+        assert!(sim.peak_kv_blocks <= 16);
+    }
+
+    #[test]
+    fn the_estimate_adds_prefill_and_decode_time() {
+        let sim = Simulation { prefill_tokens: 1000, decode_tokens: 300, ..Default::default() };
+        let cal = Calibration { rows: 1, prefill_tokens_per_s: 500.0, decode_tokens_per_s: 100.0, seconds: 1.0 };
+        assert_eq!(estimate_seconds(&sim, &cal), Some(5.0));
+        assert_eq!(estimate_seconds(&sim, &Calibration::default()), None);
+    }
+}
