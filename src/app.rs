@@ -388,7 +388,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let engine_thread = std::thread::Builder::new()
         .name("nightshift-engine".into())
         .spawn(move || match worker {
-            Worker::Generate(engine) => drive(engine, request_rx, sink_tx, &engine_drain, &shared_stats),
+            Worker::Generate(engine) => drive(*engine, request_rx, sink_tx, &engine_drain, &shared_stats),
             Worker::Embed(encoder) => drive_encoder(&encoder, &batch, request_rx, sink_tx, &engine_drain, &shared_stats),
             Worker::Seq2seq(engine) => drive(engine, request_rx, sink_tx, &engine_drain, &shared_stats),
         })
@@ -530,8 +530,10 @@ pub fn status(url: &str) -> Result<sink::OutputStatus, Error> {
 }
 
 /// The model side of a job: a decoder's batching engine or an encoder.
+// One per process, built once: the size of its largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Worker {
-    Generate(BatchEngine),
+    Generate(Box<BatchEngine>),
     Embed(Encoder),
     Seq2seq(crate::seq2seq::Seq2SeqEngine),
 }
@@ -596,7 +598,7 @@ fn load_worker(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error>
             let weights_bytes = model.weight_bytes();
             let engine = BatchEngine::new(model, preprocessor.tokenizer().clone(), job.generation.clone(), stop, batch);
             Ok(Loaded {
-                worker: Worker::Generate(engine),
+                worker: Worker::Generate(Box::new(engine)),
                 prepare: Box::new(preprocessor),
                 model_sha256,
                 template: info.vocab.chat_template.clone(),
@@ -800,6 +802,7 @@ pub struct ValidateReport {
 
 /// The model as `validate` found it.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // one per `validate`
 pub enum ModelSummary {
     Decoder(engine::ModelInfo),
     Encoder(crate::encoder::EncoderInfo),
@@ -901,7 +904,8 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
     let input = rt.block_on(Input::open(&job.input))?;
     let device = engine::select_device(&job.runtime.device)?;
     let Loaded { worker, prepare, weights_bytes, .. } = load_worker(&job, &device)?;
-    let Worker::Generate(mut engine) = worker else { unreachable!("a generate job loads a decoder") };
+    let Worker::Generate(engine) = worker else { unreachable!("a generate job loads a decoder") };
+    let mut engine = *engine;
     let batch = engine.config().clone();
     let model_config = engine.model().config.clone();
 

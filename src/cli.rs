@@ -82,8 +82,9 @@ pub struct GenerateBenchArgs {
     /// Prompt tokens prefilled in one step.
     #[arg(long, default_value_t = 2048)]
     pub max_batch_tokens: usize,
-    /// KV cache budget: a size ("2GiB") or a share of the memory available after the model loads ("50%").
-    #[arg(long, default_value = "50%", value_parser = crate::job::MemoryBudget::parse)]
+    /// KV cache budget: a size ("2GiB"), a share of the memory available after the model loads ("40%"), or
+    /// "auto" (50 %), as `runtime.kv_cache_memory`.
+    #[arg(long, default_value = "auto", value_parser = crate::job::MemoryBudget::parse)]
     pub kv_cache_memory: crate::job::MemoryBudget,
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0)]

@@ -181,7 +181,7 @@ pub fn inspect(dir: &Path) -> Result<EncoderInfo, ModelError> {
         .ok_or_else(|| ModelError::Open { path: dir.join("config.json"), source: std::io::ErrorKind::NotFound.into() })?;
     match config.model_type.as_deref() {
         None | Some("bert") => {}
-        Some(other) => return Err(ModelError::Architecture(format!("{other} (embedding jobs support: bert)"))),
+        Some(other) => return Err(ModelError::Architecture { name: other.to_string(), supported: "bert for embedding jobs" }),
     }
     if let Some(kind) = config.position_embedding_type.as_deref().filter(|k| *k != "absolute") {
         return Err(ModelError::Metadata(format!("position_embedding_type `{kind}` is not supported (absolute only)")));

@@ -121,7 +121,7 @@ impl Family {
             (None, Some(c)) => by_class(c).ok_or_else(|| c.clone()),
             (None, None) => Err("none given".to_string()),
         };
-        found.map_err(|name| ModelError::Architecture(format!("{name} (Hugging Face directories: llama, mistral, qwen2, qwen3)")))
+        found.map_err(|name| ModelError::Architecture { name, supported: "llama, mistral, qwen2 and qwen3 in Hugging Face directories" })
     }
 }
 
@@ -499,7 +499,7 @@ fn chat_template(dir: &Path, tokenizer_config: Option<&Value>) -> Result<Option<
 /// `bos_token_id` when the key is absent), added when `add_bos_token` says so or, without that key, when
 /// tokenizer.json's post-processor adds it. End tokens: tokenizer_config.json's `eos_token` (the chat template's
 /// EOS), then generation_config.json's and config.json's `eos_token_id`s (one or a list); the first two become
-/// `eos` and `eot`. Added special tokens are control tokens, so the stop rules also see the usual end-of-turn
+/// `eos` and `eot`, the rest `more_ends`. Added special tokens are control tokens, so the stop rules also see the usual end-of-turn
 /// tokens.
 fn vocab(dir: &Path, config: &HfConfig, vocab_size: usize) -> Result<VocabMetadata, ModelError> {
     let path = dir.join("tokenizer.json");
@@ -532,9 +532,6 @@ fn vocab(dir: &Path, config: &HfConfig, vocab_size: usize) -> Result<VocabMetada
         if !ends.contains(&id) {
             ends.push(id);
         }
-    }
-    if ends.len() > 2 {
-        tracing::debug!(?ends, "end tokens past the first two stop generation only when they are end-of-turn control tokens");
     }
 
     let ids = tokenizer.get_vocab(true);
@@ -571,6 +568,7 @@ fn vocab(dir: &Path, config: &HfConfig, vocab_size: usize) -> Result<VocabMetada
         bos,
         eos: ends.first().copied(),
         eot: ends.get(1).copied(),
+        more_ends: ends.iter().skip(2).copied().collect(),
         add_bos,
         chat_template: chat_template(dir, tokenizer_config.as_ref())?,
         tokenizer: Some(std::sync::Arc::new(tokenizer)),

@@ -29,8 +29,8 @@ pub enum ModelError {
     Open { path: PathBuf, #[source] source: std::io::Error },
     #[error("`{path}` is not a valid GGUF model file: {message}")]
     Format { path: PathBuf, message: String },
-    #[error("model architecture `{0}` is not supported (supported: llama)")]
-    Architecture(String),
+    #[error("model architecture `{name}` is not supported (supported: {supported})")]
+    Architecture { name: String, supported: &'static str },
     #[error("the model's metadata is invalid: {0}")]
     Metadata(String),
     #[error("model file `{path}` has sha256 {actual}, but the job expects {expected}")]
@@ -198,7 +198,7 @@ pub struct StopRules {
 
 impl StopRules {
     pub fn new(vocab: &crate::tokenize::VocabMetadata, params: &GenerationParams) -> StopRules {
-        let mut end_tokens: HashSet<u32> = [vocab.eos, vocab.eot].into_iter().flatten().collect();
+        let mut end_tokens: HashSet<u32> = [vocab.eos, vocab.eot].into_iter().flatten().chain(vocab.more_ends.iter().copied()).collect();
         for (id, token) in vocab.tokens.iter().enumerate() {
             if vocab.token_types.get(id) == Some(&crate::tokenize::vocab::TOKEN_TYPE_CONTROL) && END_OF_TURN_TOKENS.contains(&token.as_str()) {
                 end_tokens.insert(id as u32);

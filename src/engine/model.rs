@@ -296,7 +296,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         .map_err(|_| ModelError::Metadata("`general.architecture` is not a string".into()))?
         .clone();
     if architecture != "llama" {
-        return Err(ModelError::Architecture(architecture));
+        return Err(ModelError::Architecture { name: architecture, supported: "llama in GGUF files" });
     }
     let a = |k: &str| format!("{architecture}.{k}");
     let hidden_size = meta_usize(content, &a("embedding_length"))?;
@@ -354,6 +354,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         bos: meta_u32(content, "tokenizer.ggml.bos_token_id"),
         eos: meta_u32(content, "tokenizer.ggml.eos_token_id"),
         eot: meta_u32(content, "tokenizer.ggml.eot_token_id"),
+        more_ends: Vec::new(),
         add_bos: content.metadata.get("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(false),
         chat_template: content.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok().cloned()),
         tokens,

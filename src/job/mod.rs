@@ -312,9 +312,12 @@ impl MemoryBudget {
     /// The KV cache's default: half of the memory available after the model has loaded.
     pub const DEFAULT_KV: MemoryBudget = MemoryBudget::Fraction(0.5);
 
-    /// Parses `"4GiB"`, `"512 MiB"`, `"2GB"`, `"1000000"` or `"40%"`.
+    /// Parses `"4GiB"`, `"512 MiB"`, `"2GB"`, `"1000000"`, `"40%"` or `"auto"` (the KV cache's default).
     pub fn parse(text: &str) -> Result<MemoryBudget, String> {
         let t = text.trim();
+        if t == "auto" {
+            return Ok(MemoryBudget::DEFAULT_KV);
+        }
         if let Some(p) = t.strip_suffix('%') {
             return match p.trim().parse::<f64>() {
                 Ok(p) if p > 0.0 && p <= 100.0 => Ok(MemoryBudget::Fraction(p / 100.0)),
@@ -337,7 +340,7 @@ impl MemoryBudget {
         };
         match number.parse::<f64>() {
             Ok(n) if n > 0.0 && (n * scale).is_finite() && n * scale >= 1.0 => Ok(MemoryBudget::Bytes((n * scale) as u64)),
-            _ => Err(format!("must be a positive size such as \"4GiB\" or \"40%\", got {text:?}")),
+            _ => Err(format!("must be \"auto\", a positive size such as \"4GiB\" or a percentage such as \"40%\", got {text:?}")),
         }
     }
 
@@ -762,6 +765,7 @@ url = "out/"
         assert_eq!(MemoryBudget::parse("1.5GB"), Ok(MemoryBudget::Bytes(1_500_000_000)));
         assert_eq!(MemoryBudget::parse("40%"), Ok(MemoryBudget::Fraction(0.4)));
         assert_eq!(MemoryBudget::parse("1000"), Ok(MemoryBudget::Bytes(1000)));
+        assert_eq!(MemoryBudget::parse("auto"), Ok(MemoryBudget::DEFAULT_KV));
         for bad in ["", "0", "-3GB", "4 parsecs", "0%", "150%", "GiB"] {
             assert!(MemoryBudget::parse(bad).is_err(), "{bad}");
         }

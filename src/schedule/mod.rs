@@ -271,7 +271,7 @@ impl Scheduler {
             }
             let fits_tokens = chosen.is_empty() || tokens + w.tokens <= c.max_batch_tokens;
             let blocks = c.blocks_for(w.tokens);
-            let fits_blocks = blocks + reserve + 1 <= self.free_blocks || (self.running.is_empty() && chosen.is_empty() && blocks <= self.free_blocks);
+            let fits_blocks = blocks + reserve < self.free_blocks || (self.running.is_empty() && chosen.is_empty() && blocks <= self.free_blocks);
             if !fits_blocks && chosen.is_empty() {
                 // The oldest does not fit: nothing overtakes it.
                 return;
@@ -481,7 +481,7 @@ mod tests {
                 && s.running() < config.max_seqs
                 && s.waiting.values().next().is_some_and(|w| {
                     let blocks = config.blocks_for(w.tokens);
-                    blocks + s.running() + 1 <= s.free_blocks() || (s.running() == 0 && blocks <= s.free_blocks())
+                    blocks + s.running() < s.free_blocks() || (s.running() == 0 && blocks <= s.free_blocks())
                 });
             if held_back {
                 assert!(s.running() > 0, "seed {seed}: a fitting sequence waits while nothing runs");

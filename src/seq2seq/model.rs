@@ -227,7 +227,7 @@ impl T5 {
             Err(source) => return Err(ModelError::Open { path: config_path, source }),
         };
         if let Some(kind) = config.model_type.as_deref().filter(|k| *k != "t5") {
-            return Err(ModelError::Architecture(format!("{kind} (seq2seq jobs support: t5)")));
+            return Err(ModelError::Architecture { name: kind.to_string(), supported: "t5 for seq2seq jobs" });
         }
         let c = &config;
         if c.num_heads == 0 || c.d_kv == 0 || c.num_layers == 0 || c.num_layers > 256 || c.decoder_layers() == 0 || c.decoder_layers() > 256 || c.relative_attention_num_buckets < 4

@@ -26,6 +26,8 @@ pub struct VocabMetadata {
     pub eos: Option<u32>,
     /// Extra end-of-generation tokens (e.g. `<|im_end|>` when it is not the EOS token).
     pub eot: Option<u32>,
+    /// Further end-of-generation tokens (a Hugging Face `generation_config.json` may list several).
+    pub more_ends: Vec<u32>,
     pub add_bos: bool,
     pub chat_template: Option<String>,
     /// A complete tokenizer that came with the model (a Hugging Face `tokenizer.json`): [`build`] returns it, and

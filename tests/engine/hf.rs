@@ -320,3 +320,21 @@ fn a_generate_job_runs_on_a_hugging_face_directory() {
     assert!(run.stderr.contains("config.json") && run.stderr.contains("3 attention heads"), "{}", run.stderr);
     assert!(!dir.join("out-broken/_plan.json").exists() && !dir.join("out-broken/data").exists(), "a run that cannot load its model wrote output");
 }
+
+#[test]
+fn every_end_token_a_directory_names_stops_generation() {
+    let dir = tiny("ends", HfVariant::Qwen2);
+    // Llama 3.1 style: several end tokens in generation_config.json. 258 is an ordinary merge token, so only the
+    // list makes it stop generation.
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [261, 259, 258]}"#).unwrap();
+    let info = nightshift::engine::model::inspect(&dir).unwrap();
+    let im_end = info.vocab.tokens.iter().position(|t| t == "<|im_end|>").unwrap() as u32;
+    assert_eq!(im_end, 261);
+    // tokenizer_config.json's eos_token first, then the list's others.
+    assert_eq!((info.vocab.eos, info.vocab.eot, info.vocab.more_ends.clone()), (Some(261), Some(259), vec![258]));
+    let params = nightshift::job::GenerationParams { max_new_tokens: 1, temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0, stop: vec![] };
+    let stop = nightshift::engine::StopRules::new(&info.vocab, &params);
+    for id in [261, 259, 258] {
+        assert!(stop.end_tokens.contains(&id), "{id} does not stop generation");
+    }
+}
