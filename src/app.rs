@@ -324,7 +324,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         attempt = %run.attempt, fingerprint = %run.fingerprint, "plan"
     );
 
-    let batch = job.runtime.clone();
+    let runtime = job.runtime.clone();
     let engine_stats = Arc::new(std::sync::Mutex::new(EngineStats::default()));
 
     let pending_rows: u64 = pending.iter().map(|u| u.rows as u64).sum();
@@ -334,11 +334,11 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let (source_tx, mut source_rx) = mpsc::channel::<Vec<SourceRow>>(SOURCE_DEPTH);
     // An encoder sorts a window of queued rows by length before batching them, so it gets a deeper queue.
     let queue = match worker {
-        Worker::Generate(_) | Worker::Seq2seq(_) => batch.max_seqs * 2,
+        Worker::Generate(_) | Worker::Seq2seq(_) => runtime.max_seqs * 2,
         Worker::Embed(_) => EMBED_WINDOW,
     };
     let (request_tx, request_rx) = std_mpsc::sync_channel::<Request>(queue);
-    let (sink_tx, mut sink_rx) = mpsc::channel::<Outcome>(batch.max_seqs * 4);
+    let (sink_tx, mut sink_rx) = mpsc::channel::<Outcome>(runtime.max_seqs * 4);
 
     let source_units = pending.clone();
     let source_output = output.clone();
@@ -389,7 +389,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         .name("nightshift-engine".into())
         .spawn(move || match worker {
             Worker::Generate(engine) => drive(*engine, request_rx, sink_tx, &engine_drain, &shared_stats),
-            Worker::Embed(encoder) => drive_encoder(&encoder, &batch, request_rx, sink_tx, &engine_drain, &shared_stats),
+            Worker::Embed(encoder) => drive_encoder(&encoder, &runtime, request_rx, sink_tx, &engine_drain, &shared_stats),
             Worker::Seq2seq(engine) => drive(engine, request_rx, sink_tx, &engine_drain, &shared_stats),
         })
         .map_err(|e| Error::Internal(format!("cannot start the engine thread: {e}")))?;
@@ -908,6 +908,7 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
     let mut engine = *engine;
     let batch = engine.config().clone();
     let model_config = engine.model().config.clone();
+    let longest = batch.max_sequence_tokens(&model_config);
 
     // Every row, a unit per file at a time, tokenized in parallel.
     let mut lengths: Vec<(usize, usize)> = Vec::new();
@@ -940,8 +941,8 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
                 rows += 1;
                 match row.tokens {
                     Ok(tokens) => {
-                        let max_new = row.params.max_new_tokens.unwrap_or(job.generation.max_new_tokens) as usize;
-                        lengths.push((tokens.len(), max_new.min(batch.max_sequence_tokens(&model_config).saturating_sub(tokens.len()))));
+                        let max_new = job.generation.for_row(&row.params).max_new_tokens as usize;
+                        lengths.push((tokens.len(), max_new.min(longest.saturating_sub(tokens.len()))));
                         if calibration_requests.len() < calibration_rows {
                             calibration_requests.push(Request { id: row.id, tag: row.tag, params: row.params, tokens, arrival: Instant::now() });
                         }
@@ -972,7 +973,7 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
         let started = Instant::now();
         let n = calibration_requests.len();
         for mut request in calibration_requests {
-            request.params.max_new_tokens = Some(request.params.max_new_tokens.unwrap_or(job.generation.max_new_tokens).min(32));
+            request.params.max_new_tokens = Some(job.generation.for_row(&request.params).max_new_tokens.min(32));
             request.arrival = Instant::now();
             engine.admit(request).map_err(|e| Error::Internal(format!("calibration row refused: {}", e.message)))?;
         }
@@ -982,8 +983,8 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
         let s = engine.stats();
         Ok::<_, Error>(report::Calibration {
             rows: n,
-            prefill_tokens_per_s: if s.prefill_s > 0.0 { s.prefill_tokens as f64 / s.prefill_s } else { 0.0 },
-            decode_tokens_per_s: if s.decode_s > 0.0 { s.decode_only_tokens as f64 / s.decode_s } else { 0.0 },
+            prefill_tokens_per_s: s.prefill_tokens_per_s(),
+            decode_tokens_per_s: s.decode_tokens_per_s(),
             seconds: started.elapsed().as_secs_f64(),
         })
     });
@@ -1002,7 +1003,7 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
         max_batch_tokens: batch.max_batch_tokens,
         kv_cache_bytes: (batch.kv_blocks * engine::KvCache::block_bytes(&model_config)) as u64,
         kv_tokens: batch.kv_tokens(),
-        longest_sequence: batch.max_sequence_tokens(&model_config),
+        longest_sequence: longest,
         sequences_fit: batch.kv_tokens() / mean_sequence,
         weights_bytes,
         simulation,

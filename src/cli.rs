@@ -57,7 +57,7 @@ pub enum BenchCommand {
 
 #[derive(Debug, Args)]
 pub struct GenerateBenchArgs {
-    /// The decoder's GGUF file.
+    /// The decoder: a GGUF file or a Hugging Face directory.
     #[arg(long)]
     pub model: PathBuf,
     /// `fixed`: end of sequence ignored, every row generates its drawn length; `natural`: rows stop at the end

@@ -119,6 +119,16 @@ impl EngineStats {
         (computed > 0 && self.kv_blocks > 0).then(|| (computed - self.recomputed_tokens.min(computed)) as f64 / computed as f64)
     }
 
+    /// Prompt tokens per second of steps that prefilled; 0 before any.
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        if self.prefill_s > 0.0 { self.prefill_tokens as f64 / self.prefill_s } else { 0.0 }
+    }
+
+    /// Tokens per second of decode-only steps; 0 before any.
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        if self.decode_s > 0.0 { self.decode_only_tokens as f64 / self.decode_s } else { 0.0 }
+    }
+
     /// Peak and mean KV cache blocks in use over the budget.
     pub fn kv_utilisation(&self) -> Option<(f64, f64)> {
         (self.kv_blocks > 0).then(|| (self.peak_kv_blocks as f64 / self.kv_blocks as f64, self.mean_kv_blocks / self.kv_blocks as f64))
@@ -410,8 +420,6 @@ impl Engine for BatchEngine {
             self.stats.decode_s += took;
             self.stats.decode_only_tokens += decode_tokens as u64;
         }
-        let kv: usize = self.seqs.values().map(|s| s.cache.bytes()).sum();
-        self.stats.peak_kv_bytes = self.stats.peak_kv_bytes.max(kv);
         self.stats.steps += 1;
         self.stats.prefill_tokens += prefill_tokens as u64;
         self.stats.decode_tokens += decode_tokens as u64;
@@ -421,6 +429,10 @@ impl Engine for BatchEngine {
         self.stats.preemptions = s.preemptions;
         self.stats.recomputed_tokens = s.recomputed_tokens;
         self.stats.peak_kv_blocks = s.peak_blocks;
+        // After a step, the sequences hold exactly the blocks booked for it: the scheduler books the positions the
+        // step writes, and a block is allocated when its first position is written.
+        debug_assert_eq!(self.seqs.values().map(|s| s.cache.blocks()).sum::<usize>(), self.scheduler.used_blocks());
+        self.stats.peak_kv_bytes = s.peak_blocks * KvCache::block_bytes(&self.model.config);
         self.stats.mean_kv_blocks = s.block_steps as f64 / s.steps.max(1) as f64;
 
         let mut finished = Vec::new();

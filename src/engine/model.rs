@@ -237,10 +237,6 @@ impl KvCache {
     pub fn blocks(&self) -> usize {
         self.keys.first().map_or(0, Vec::len)
     }
-
-    pub fn bytes(&self) -> usize {
-        self.keys.iter().chain(&self.values).map(|blocks| blocks.len() * self.block_floats() * std::mem::size_of::<f32>()).sum()
-    }
 }
 
 /// New tokens of one sequence for one forward pass.

@@ -86,6 +86,8 @@ struct Waiting {
     tokens: usize,
     /// Tokens of KV cache the sequence may reach (prompt plus its output limit).
     max_tokens: usize,
+    /// Preempted: its prefill recomputes tokens it had already run.
+    recompute: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -120,8 +122,6 @@ pub struct Scheduler {
     free_blocks: usize,
     next_order: u64,
     decode_steps_since_prefill: usize,
-    /// Preempted sequences not yet prefilled again, by id: their recompute counts as waste.
-    recomputing: std::collections::HashSet<SeqId>,
     stats: Stats,
 }
 
@@ -140,7 +140,6 @@ impl Scheduler {
             running: Vec::new(),
             next_order: 0,
             decode_steps_since_prefill: 0,
-            recomputing: Default::default(),
             stats: Stats::default(),
         }
     }
@@ -176,7 +175,7 @@ impl Scheduler {
         if prompt == 0 || needed > self.config.capacity_tokens() {
             return Err(TooLong { needed, capacity: self.config.capacity_tokens() });
         }
-        self.waiting.insert(self.next_order, Waiting { id, tokens: prompt, max_tokens: needed });
+        self.waiting.insert(self.next_order, Waiting { id, tokens: prompt, max_tokens: needed, recompute: false });
         self.next_order += 1;
         Ok(())
     }
@@ -189,7 +188,6 @@ impl Scheduler {
         } else {
             self.waiting.retain(|_, w| w.id != id);
         }
-        self.recomputing.remove(&id);
     }
 
     /// Plans the next forward pass and books its KV blocks. The engine runs exactly this step, then reports the
@@ -230,8 +228,7 @@ impl Scheduler {
             self.free_blocks += r.blocks;
             self.stats.preemptions += 1;
             // It holds `len` positions and has one sampled token not yet fed: all of them are prefilled again.
-            self.waiting.insert(r.order, Waiting { id: r.id, tokens: r.len + 1, max_tokens: r.max_tokens });
-            self.recomputing.insert(r.id);
+            self.waiting.insert(r.order, Waiting { id: r.id, tokens: r.len + 1, max_tokens: r.max_tokens, recompute: true });
             step.preempted.push(r.id);
         }
         for r in &mut self.running {
@@ -285,7 +282,7 @@ impl Scheduler {
         }
         for order in chosen {
             let w = self.waiting.remove(&order).expect("chosen from waiting");
-            if self.recomputing.remove(&w.id) {
+            if w.recompute {
                 self.stats.recomputed_tokens += w.tokens as u64;
             }
             self.running.push(Running { id: w.id, order, len: w.tokens, blocks: self.config.blocks_for(w.tokens), max_tokens: w.max_tokens });
