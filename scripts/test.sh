@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/fetch-models.sh
-python3 -m pip install --quiet --disable-pip-version-check 'moto[server]>=5.1,<6'
+python3 -m pip install --quiet --disable-pip-version-check 'moto[server]>=5.1,<6' 'jsonschema>=4.18,<5'
 python3 -c 'import moto.server' # fail here, clearly, if moto cannot be imported
 
 cargo test --locked "$@"

@@ -371,7 +371,14 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
                 for row in prepare.prepare_all(rows) {
                     let sent = match row.tokens {
                         Ok(tokens) => request_tx
-                            .send(Request { id: row.id, tag: row.tag, params: row.params, tokens, arrival: Instant::now() })
+                            .send(Request {
+                                id: row.id,
+                                tag: row.tag,
+                                params: row.params,
+                                tokens,
+                                completion: row.completion,
+                                arrival: Instant::now(),
+                            })
                             .is_ok(),
                         Err(error) => tokenize_sink.blocking_send(Outcome::Failed { id: row.id, tag: row.tag, error }).is_ok(),
                     };
@@ -594,9 +601,11 @@ fn load_worker(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error>
             // error row at tokenization, not a stall.
             let preprocessor =
                 Preprocessor::new(&info.vocab, &job.model.chat_template, &job.input, longest, job.generation.max_new_tokens)?;
-            let stop = StopRules::new(&info.vocab, &job.generation);
+            let stop = StopRules::new(&info.vocab);
             let weights_bytes = model.weight_bytes();
-            let engine = BatchEngine::new(model, preprocessor.tokenizer().clone(), job.generation.clone(), stop, batch);
+            let mut engine = BatchEngine::new(model, preprocessor.tokenizer().clone(), job.generation.clone(), stop, batch);
+            // The job's own parameters against the model: its stop token ids, its n, its JSON Schema compiled.
+            engine.check_params(&job.generation).map_err(|(key, problem)| crate::job::JobError::Invalid { path: job.file.clone(), key, problem })?;
             Ok(Loaded {
                 worker: Worker::Generate(Box::new(engine)),
                 prepare: Box::new(preprocessor),
@@ -763,10 +772,14 @@ fn drive<E: Engine>(
             }
             return Ok(engine.stats().clone());
         }
-        let completions = engine.step()?;
+        let results = engine.step()?;
         *shared.lock().expect("not poisoned") = engine.stats().clone();
-        for completion in completions {
-            if sink.blocking_send(Outcome::Completed(completion)).is_err() {
+        for result in results {
+            let outcome = match result {
+                Ok(completion) => Outcome::Completed(completion),
+                Err((request, error)) => Outcome::Failed { id: request.id, tag: request.tag, error },
+            };
+            if sink.blocking_send(outcome).is_err() {
                 // The sink failed; its error is the one reported.
                 return Ok(engine.stats().clone());
             }
@@ -941,10 +954,25 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
                 rows += 1;
                 match row.tokens {
                     Ok(tokens) => {
-                        let max_new = job.generation.for_row(&row.params).max_new_tokens as usize;
-                        lengths.push((tokens.len(), max_new.min(longest.saturating_sub(tokens.len()))));
+                        let Ok(params) = job.generation.for_row(&row.params) else {
+                            *other_errors.entry(crate::row::ErrorCode::InvalidParameters.as_str().to_string()).or_default() += 1;
+                            continue;
+                        };
+                        // A scoring row's completion is prefilled with its prompt; nothing is generated.
+                        let (prompt, max_new) = match &row.completion {
+                            Some(c) => (tokens.len() + c.len(), 0),
+                            None => (tokens.len(), params.max_new_tokens as usize),
+                        };
+                        lengths.push((prompt, max_new.min(longest.saturating_sub(prompt))));
                         if calibration_requests.len() < calibration_rows {
-                            calibration_requests.push(Request { id: row.id, tag: row.tag, params: row.params, tokens, arrival: Instant::now() });
+                            calibration_requests.push(Request {
+                                id: row.id,
+                                tag: row.tag,
+                                params: row.params,
+                                tokens,
+                                completion: row.completion,
+                                arrival: Instant::now(),
+                            });
                         }
                     }
                     Err(e) if e.code == crate::row::ErrorCode::PromptTooLong => {
@@ -973,7 +1001,9 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
         let started = Instant::now();
         let n = calibration_requests.len();
         for mut request in calibration_requests {
-            request.params.max_new_tokens = Some(job.generation.for_row(&request.params).max_new_tokens.min(32));
+            let max_new = job.generation.for_row(&request.params).map_or(1, |p| p.max_new_tokens);
+            request.params.max_new_tokens = Some(max_new.min(32));
+            request.params.min_new_tokens = request.params.min_new_tokens.map(|m| m.min(32));
             request.arrival = Instant::now();
             engine.admit(request).map_err(|e| Error::Internal(format!("calibration row refused: {}", e.message)))?;
         }

@@ -432,7 +432,16 @@ pub fn print_run(report: &RunReport) {
     );
     for outcome in &report.sample {
         match outcome {
-            Outcome::Completed(c) => println!("  [{}] ({}) {}", c.id, c.finish_reason.as_str(), shorten(&c.text, 160)),
+            Outcome::Completed(c) => {
+                for choice in &c.choices {
+                    let index = if c.choices.len() > 1 { format!("#{} ", choice.index) } else { String::new() };
+                    let text = match choice.cumulative_logprob {
+                        Some(lp) if choice.finish_reason == crate::row::FinishReason::Scored => format!("logprob {lp:.4}"),
+                        _ => shorten(&choice.text, 160),
+                    };
+                    println!("  [{}] {index}({}) {text}", c.id, choice.finish_reason.as_str());
+                }
+            }
             Outcome::Embedded(e) => {
                 let head: Vec<String> = e.vector.iter().take(4).map(|v| format!("{v:.4}")).collect();
                 println!("  [{}] {} tokens -> [{}, ...] ({} dimensions)", e.id, e.prompt_tokens, head.join(", "), e.vector.len())

@@ -19,6 +19,8 @@ pub enum ErrorCode {
     PromptTooLong,
     /// A per-row generation parameter (from an `[input.parameters]` column) is out of range.
     InvalidParameters,
+    /// A scoring job's completion is null or empty.
+    InvalidCompletion,
     /// The engine failed on this row.
     EngineError,
 }
@@ -32,6 +34,7 @@ impl ErrorCode {
             ErrorCode::TemplateError => "template_error",
             ErrorCode::PromptTooLong => "prompt_too_long",
             ErrorCode::InvalidParameters => "invalid_parameters",
+            ErrorCode::InvalidCompletion => "invalid_completion",
             ErrorCode::EngineError => "engine_error",
         }
     }
@@ -64,13 +67,27 @@ pub struct RowTag {
 }
 
 /// Generation parameters a row sets for itself (from `[input.parameters]` columns); `None` keeps the job's.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+/// Each is checked with the job file's rule when it is read, so a bad value becomes an error row.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct RowParams {
     pub max_new_tokens: Option<u32>,
+    pub min_new_tokens: Option<u32>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub stop: Option<Vec<String>>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub include_stop_str_in_output: Option<bool>,
+    pub ignore_eos: Option<bool>,
     pub seed: Option<u64>,
+    pub n: Option<u32>,
+    pub logprobs: Option<u32>,
+    /// A JSON Schema, as JSON text.
+    pub json_schema: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -93,6 +110,10 @@ pub enum FinishReason {
     Stop,
     /// `max_new_tokens`, or the end of the model's context.
     Length,
+    /// A row with a JSON Schema reached `max_new_tokens` (or the context's end) before its JSON was complete.
+    IncompleteJson,
+    /// A prompt-scoring row: its completion was scored, nothing was generated.
+    Scored,
     /// The row failed; see its error.
     Error,
 }
@@ -102,6 +123,8 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::IncompleteJson => "incomplete_json",
+            FinishReason::Scored => "scored",
             FinishReason::Error => "error",
         }
     }

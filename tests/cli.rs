@@ -7,6 +7,7 @@ mod tokenizer;
 mod reliability;
 mod embed;
 mod seq2seq;
+mod sampling;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

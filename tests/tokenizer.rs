@@ -17,6 +17,7 @@ fn preprocessor(system_prompt: Option<&str>) -> Preprocessor {
         system_prompt: system_prompt.map(Into::into),
         truncate: nightshift::job::Truncate::None,
         parameters: Default::default(),
+        completion_column: None,
     };
     Preprocessor::new(&info.vocab, &ChatTemplateChoice::Auto, &input, info.config.context_length, 16).unwrap()
 }
@@ -94,15 +95,7 @@ fn decoding_round_trips_text() {
 #[test]
 fn generation_ends_at_the_models_end_of_turn_tokens() {
     let info = nightshift::engine::model::inspect(&model_path()).unwrap();
-    let params = nightshift::job::GenerationParams {
-        max_new_tokens: 1,
-        temperature: 0.0,
-        top_p: 1.0,
-        top_k: 0,
-        seed: 0,
-        stop: vec![],
-    };
-    let rules = nightshift::engine::StopRules::new(&info.vocab, &params);
+    let rules = nightshift::engine::StopRules::new(&info.vocab);
     // llama.cpp's end-of-generation set for this model is {0 <|endoftext|>, 2 <|im_end|>, 4 <reponame>}; the last
     // ends fill-in-the-middle code completions, which chat jobs never produce.
     let mut ends: Vec<u32> = rules.end_tokens.into_iter().collect();

@@ -129,6 +129,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         system_prompt: None,
         truncate: Truncate::None,
         parameters: ParameterColumns::default(),
+        completion_column: None,
     };
     let pre = Preprocessor::new(&info.vocab, &ChatTemplateChoice::Auto, &input, context, options.max_new as u32)?;
     let rows = workload(options, &pre, context)?;
@@ -144,15 +145,11 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
     let params = GenerationParams {
         max_new_tokens: options.max_new as u32,
         temperature: options.temperature,
-        top_p: 1.0,
-        top_k: 0,
         seed: options.seed,
-        stop: Vec::new(),
+        ignore_eos: options.workload == Workload::Fixed,
+        ..GenerationParams::default()
     };
-    let stop = match options.workload {
-        Workload::Fixed => StopRules { end_tokens: Default::default(), strings: Vec::new() },
-        Workload::Natural => StopRules::new(&info.vocab, &params),
-    };
+    let stop = StopRules::new(&info.vocab);
     let weights_bytes = model.weight_bytes();
     let kv_bytes = crate::engine::kv_cache_bytes(options.kv_cache_memory);
     let config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, &model.config);
@@ -171,6 +168,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
                         tag: RowTag { unit: 0, offset: i as u32 },
                         params: RowParams { max_new_tokens: Some(*new), ..Default::default() },
                         tokens: tokens.clone(),
+                        completion: None,
                         arrival: Instant::now(),
                     })
                     .map_err(|e| Error::Engine(crate::engine::EngineError::new(format!("workload row {i}: {}", e.message))))?,
@@ -180,12 +178,14 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         if !engine.has_work() {
             break;
         }
-        done.extend(engine.step().map_err(Error::Engine)?);
+        for result in engine.step().map_err(Error::Engine)? {
+            done.push(result.map_err(|(r, e)| Error::Engine(crate::engine::EngineError::new(format!("{}: {}", r.id, e.message))))?);
+        }
     }
     let seconds = started.elapsed().as_secs_f64();
     let stats = engine.stats().clone();
     let prompt_tokens: u64 = done.iter().map(|c| c.prompt_tokens as u64).sum();
-    let output_tokens: u64 = done.iter().map(|c| c.completion_tokens as u64).sum();
+    let output_tokens: u64 = done.iter().map(|c| c.completion_tokens() as u64).sum();
     let ttft: Vec<f64> = done.iter().map(|c| c.ttft_s).collect();
     let tpot: Vec<f64> = done.iter().filter_map(|c| c.tpot_s).collect();
     let p = |v: &[f64], q: f64| percentile(v, q).unwrap_or(0.0);

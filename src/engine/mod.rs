@@ -6,11 +6,13 @@
 //! token of every running sequence into a single forward pass, and a finished sequence's place is free for the
 //! next request in the very next step.
 
+pub mod constraint;
 pub mod model;
 pub mod sampling;
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::Device;
@@ -70,24 +72,75 @@ pub struct Request {
     /// The row's own generation parameters, over the job's.
     pub params: RowParams,
     pub tokens: Vec<u32>,
+    /// A scoring row: the completion's tokens, scored after the prompt; nothing is generated.
+    pub completion: Option<Vec<u32>>,
     /// When the row was ready for the engine; queue time and TTFT are measured from here.
     pub arrival: Instant,
 }
 
-/// A finished sequence.
+/// The log-probability of one token, with the most likely alternatives at its position.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct TokenLogprob {
+    pub token_id: u32,
+    /// The token's text (a piece of a multi-byte character decodes as U+FFFD).
+    pub token: String,
+    pub logprob: f32,
+    /// Most likely first; empty when no alternatives were asked for.
+    pub top: Vec<TopLogprob>,
+}
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct TopLogprob {
+    pub token_id: u32,
+    pub token: String,
+    pub logprob: f32,
+}
+
+/// One generated answer of a row (a row with `n` > 1 has several).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Choice {
+    pub index: u32,
+    /// The text; empty for a scoring row.
+    pub text: String,
+    #[serde(serialize_with = "finish_reason_str")]
+    pub finish_reason: FinishReason,
+    /// Tokens generated (the end token included), or the tokens of the completion scored.
+    pub completion_tokens: u32,
+    /// Per output token, when asked for (`logprobs`), and always for a scoring row.
+    pub logprobs: Option<Vec<TokenLogprob>>,
+    /// The sum of the output tokens' log-probabilities, when they were computed.
+    pub cumulative_logprob: Option<f64>,
+}
+
+fn finish_reason_str<S: serde::Serializer>(r: &FinishReason, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(r.as_str())
+}
+
+/// What one step of the engine produced for a row: its result, or the error that failed it.
+pub type RowResult = Result<Completion, (Request, RowError)>;
+
+/// A finished row: every choice done.
 #[derive(Clone, Debug)]
 pub struct Completion {
     pub id: String,
     pub tag: RowTag,
-    pub text: String,
-    pub finish_reason: FinishReason,
+    /// At least one, by index.
+    pub choices: Vec<Choice>,
+    /// The parameters the row ran with (the job's, with the row's own values).
+    pub params: GenerationParams,
     pub prompt_tokens: u32,
-    pub completion_tokens: u32,
     pub queue_s: f64,
     pub ttft_s: f64,
     pub e2e_s: f64,
     /// Mean time per output token after the first; `None` for a single-token output.
     pub tpot_s: Option<f64>,
+}
+
+impl Completion {
+    /// Tokens generated for the row, all choices together.
+    pub fn completion_tokens(&self) -> u32 {
+        self.choices.iter().map(|c| c.completion_tokens).sum()
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -144,8 +197,8 @@ pub trait Engine {
     fn admit(&mut self, request: Request) -> Result<(), RowError>;
     /// Whether any admitted sequence is unfinished.
     fn has_work(&self) -> bool;
-    /// Runs one forward pass and returns the sequences that finished in it.
-    fn step(&mut self) -> Result<Vec<Completion>, EngineError>;
+    /// Runs one forward pass and returns the rows that finished in it (or failed: a row error, with its request).
+    fn step(&mut self) -> Result<Vec<RowResult>, EngineError>;
     fn stats(&self) -> &EngineStats;
 }
 
@@ -203,18 +256,19 @@ const END_OF_TURN_TOKENS: &[&str] = &["<|im_end|>", "<|endoftext|>", "<|eot_id|>
 #[derive(Clone, Debug)]
 pub struct StopRules {
     pub end_tokens: HashSet<u32>,
-    pub strings: Vec<String>,
+    /// The model's EOS token, when it names one.
+    pub eos: Option<u32>,
 }
 
 impl StopRules {
-    pub fn new(vocab: &crate::tokenize::VocabMetadata, params: &GenerationParams) -> StopRules {
+    pub fn new(vocab: &crate::tokenize::VocabMetadata) -> StopRules {
         let mut end_tokens: HashSet<u32> = [vocab.eos, vocab.eot].into_iter().flatten().chain(vocab.more_ends.iter().copied()).collect();
         for (id, token) in vocab.tokens.iter().enumerate() {
             if vocab.token_types.get(id) == Some(&crate::tokenize::vocab::TOKEN_TYPE_CONTROL) && END_OF_TURN_TOKENS.contains(&token.as_str()) {
                 end_tokens.insert(id as u32);
             }
         }
-        StopRules { end_tokens, strings: params.stop.clone() }
+        StopRules { end_tokens, eos: vocab.eos }
     }
 }
 
@@ -228,22 +282,29 @@ pub struct StopScan {
 }
 
 impl StopScan {
-    /// Adds a generated token; when a stop string is now complete, returns the output cut before it.
-    pub fn push(&mut self, tokenizer: &Tokenizer, token: u32, stops: &[String]) -> Option<String> {
+    /// Adds a generated token; when a stop string is now complete (and `active`: `min_new_tokens` are out),
+    /// returns the output cut before it, or after it when `include` asks to keep it.
+    pub fn push(&mut self, tokenizer: &Tokenizer, token: u32, stops: &[String], active: bool, include: bool) -> Option<String> {
         let longest = stops.iter().map(String::len).max()?;
         let before = self.text.len();
         self.text.push_str(&self.stream.push(tokenizer, token));
+        if !active {
+            return None;
+        }
         let mut from = before.saturating_sub(longest.saturating_sub(1));
         while !self.text.is_char_boundary(from) {
             from -= 1;
         }
-        let at = stops.iter().filter_map(|s| self.text[from..].find(s.as_str()).map(|i| from + i)).min()?;
-        Some(self.text[..at].to_string())
+        let (at, stop) = stops.iter().filter_map(|s| self.text[from..].find(s.as_str()).map(|i| (from + i, s))).min_by_key(|m| m.0)?;
+        Some(self.text[..if include { at + stop.len() } else { at }].to_string())
     }
 }
 
+/// One choice of one row, running or waiting in the scheduler.
 struct Sequence {
-    request: Request,
+    /// The row it belongs to (the id of the row's first sequence).
+    group: SeqId,
+    index: u32,
     /// Tokens to feed in the next step: the prompt before prefill, then the last sampled token.
     pending: Vec<u32>,
     cache: KvCache,
@@ -253,11 +314,33 @@ struct Sequence {
     stop_scan: StopScan,
     /// The output, when a stop string ended it.
     cut_text: Option<String>,
-    params: GenerationParams,
     rng: Rng,
-    /// When its prefill began (the end of its queue time).
+    /// How often each token occurs in the output; kept only when a penalty needs it.
+    counts: HashMap<u32, u32>,
+    logprobs: Option<Vec<TokenLogprob>>,
+    cumulative_logprob: f64,
+    constraint: Option<constraint::Constraint>,
+    /// Choices still to fork from this sequence right after its prefill (`n - 1` for a row's first sequence).
+    forks: u32,
+}
+
+/// A row in the engine: its request, its parameters and its finished choices.
+struct Group {
+    request: Request,
+    params: GenerationParams,
+    /// Whether the penalties need the output's token counts.
+    counts: bool,
+    /// The prompt's distinct tokens, for a repetition penalty (empty without one).
+    penalty_prompt: Vec<u32>,
+    grammar: Option<Arc<constraint::Grammar>>,
+    choices: Vec<Option<Choice>>,
+    /// Choices not finished yet.
+    live: usize,
+    /// When its prefill began (the end of its queue time), and its first token.
     admitted: Option<Instant>,
     first_token: Option<Instant>,
+    /// The most tokens any choice sampled, for the time per output token.
+    most_sampled: u32,
 }
 
 pub struct BatchEngine {
@@ -269,6 +352,9 @@ pub struct BatchEngine {
     scheduler: Scheduler,
     /// Admitted sequences, running or waiting (a waiting one has an empty cache).
     seqs: HashMap<SeqId, Sequence>,
+    groups: HashMap<SeqId, Group>,
+    /// Grammars of JSON Schemas, built on first use.
+    grammars: Option<constraint::Grammars>,
     next_id: SeqId,
     stats: EngineStats,
 }
@@ -277,7 +363,19 @@ impl BatchEngine {
     pub fn new(model: Model, tokenizer: Tokenizer, params: GenerationParams, stop: StopRules, config: BatchConfig) -> Self {
         let scheduler = Scheduler::new(config.schedule());
         let stats = EngineStats { kv_blocks: config.kv_blocks, ..EngineStats::default() };
-        BatchEngine { model, tokenizer, params, stop, config, scheduler, seqs: HashMap::new(), next_id: 0, stats }
+        BatchEngine {
+            model,
+            tokenizer,
+            params,
+            stop,
+            config,
+            scheduler,
+            seqs: HashMap::new(),
+            groups: HashMap::new(),
+            grammars: None,
+            next_id: 0,
+            stats,
+        }
     }
 
     pub fn model(&self) -> &Model {
@@ -288,62 +386,223 @@ impl BatchEngine {
         &self.config
     }
 
-    /// Applies a sampled token to a sequence; returns why it finished, if it did.
-    fn advance(&mut self, id: SeqId, token: u32, now: Instant) -> Option<FinishReason> {
-        let limit = self.config.max_sequence_tokens(&self.model.config);
-        let seq = self.seqs.get_mut(&id).expect("a scheduled sequence exists");
-        seq.sampled += 1;
-        seq.first_token.get_or_insert(now);
-        if self.stop.end_tokens.contains(&token) {
-            return Some(FinishReason::Stop);
+    /// The compiled grammar of a JSON Schema (cached by its text). Err: why the schema cannot be used.
+    pub fn grammar(&mut self, schema: &str) -> Result<Arc<constraint::Grammar>, String> {
+        if self.grammars.is_none() {
+            let mut ends: Vec<u32> = self.stop.end_tokens.iter().copied().collect();
+            ends.sort_unstable();
+            // The model's EOS first: the grammar allows it when the JSON is complete.
+            if let Some(eos) = self.stop.eos.filter(|e| ends.contains(e)) {
+                ends.retain(|&e| e != eos);
+                ends.insert(0, eos);
+            }
+            self.grammars = Some(constraint::Grammars::new(&self.tokenizer, self.model.config.vocab_size, &ends)?);
         }
-        seq.generated.push(token);
-        if let Some(text) = seq.stop_scan.push(&self.tokenizer, token, &self.stop.strings) {
-            seq.cut_text = Some(text);
-            return Some(FinishReason::Stop);
-        }
-        if seq.generated.len() >= seq.max_new_tokens || seq.cache.len() + 1 > limit {
-            return Some(FinishReason::Length);
-        }
-        seq.pending = vec![token];
-        None
+        self.grammars.as_mut().expect("built above").compile(schema)
     }
 
-    fn finish(&mut self, id: SeqId, reason: FinishReason, now: Instant) -> Completion {
+    /// Checks what the job file's rules cannot know: token ids against the vocabulary, `n` against the places,
+    /// and the JSON Schema against the grammar engine. Err: (job file key, problem).
+    pub fn check_params(&mut self, params: &GenerationParams) -> Result<Option<Arc<constraint::Grammar>>, (&'static str, String)> {
+        let vocab = self.model.config.vocab_size;
+        if let Some(bad) = params.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(("generation.stop_token_ids", format!("has {bad}, outside the model's vocabulary of {vocab} tokens")));
+        }
+        if params.n as usize > self.config.max_seqs {
+            return Err(("generation.n", format!("is {}, more than runtime.max_seqs = {} (the choices of a row run together)", params.n, self.config.max_seqs)));
+        }
+        match &params.json_schema {
+            None => Ok(None),
+            Some(schema) => self.grammar(schema).map(Some).map_err(|e| ("generation.json_schema", format!("cannot be used: {e}"))),
+        }
+    }
+
+    fn new_sequence(&self, group: SeqId, index: u32, pending: Vec<u32>, cache: KvCache, max_new_tokens: usize) -> Result<Sequence, String> {
+        let g = &self.groups[&group];
+        let constraint = g.grammar.as_deref().map(constraint::Constraint::new).transpose()?;
+        Ok(Sequence {
+            group,
+            index,
+            pending,
+            cache,
+            generated: Vec::new(),
+            sampled: 0,
+            max_new_tokens,
+            stop_scan: StopScan::default(),
+            cut_text: None,
+            rng: Rng::new(sampling::choice_seed(g.params.seed, &g.request.id, index)),
+            counts: HashMap::new(),
+            logprobs: g.params.logprobs.map(|_| Vec::new()),
+            cumulative_logprob: 0.0,
+            constraint,
+            forks: 0,
+        })
+    }
+
+    /// Reported log-probabilities of `token` at a position with these (raw) logits.
+    fn token_logprob(&self, logits: &[f32], token: u32, top: u32) -> TokenLogprob {
+        let (logprob, alternatives) = sampling::logprobs(logits, token, top as usize);
+        let text = |t: u32| self.tokenizer.decode(&[t], false).unwrap_or_default();
+        TokenLogprob {
+            token_id: token,
+            token: text(token),
+            logprob,
+            top: alternatives.into_iter().map(|(t, lp)| TopLogprob { token_id: t, token: text(t), logprob: lp }).collect(),
+        }
+    }
+
+    /// Chooses a sequence's next token from its logits: penalties, masks (`min_new_tokens`, the JSON grammar),
+    /// then greedy or sampling; records its log-probability when asked.
+    fn choose(&mut self, id: SeqId, mut logits: Vec<f32>) -> Result<u32, String> {
+        let seq = self.seqs.get(&id).expect("a scheduled sequence exists");
+        let group = &self.groups[&seq.group];
+        let p = &group.params;
+        let min_active = (seq.sampled as usize) < p.min_new_tokens as usize;
+        if p.is_plain_greedy() && !min_active {
+            // The fast path: no copy, no pass over the logits beyond the argmax.
+            return Ok(sampling::argmax(&logits));
+        }
+        let raw = p.logprobs.map(|k| (k, logits.clone()));
+        sampling::apply_penalties(&mut logits, p, &group.penalty_prompt, &seq.counts);
+        let seq = self.seqs.get_mut(&id).expect("a scheduled sequence exists");
+        if let Some(c) = &mut seq.constraint {
+            c.mask(&mut logits)?;
+        }
+        if min_active {
+            // End tokens and stop token ids are held back until `min_new_tokens`, unless nothing else is allowed.
+            let ends = self.stop.end_tokens.iter().filter(|_| !p.ignore_eos).chain(&p.stop_token_ids);
+            let held: Vec<(usize, f32)> = ends.filter_map(|&t| logits.get(t as usize).map(|&l| (t as usize, l))).collect();
+            for &(t, _) in &held {
+                logits[t] = f32::NEG_INFINITY;
+            }
+            if logits.iter().all(|l| *l == f32::NEG_INFINITY) {
+                for (t, l) in held {
+                    logits[t] = l;
+                }
+            }
+        }
+        let token = sampling::sample(&logits, p, &mut seq.rng);
+        if let Some((k, raw)) = raw {
+            let lp = self.token_logprob(&raw, token, k);
+            let seq = self.seqs.get_mut(&id).expect("a scheduled sequence exists");
+            seq.cumulative_logprob += lp.logprob as f64;
+            seq.logprobs.as_mut().expect("logprobs were asked for").push(lp);
+        }
+        Ok(token)
+    }
+
+    /// Applies a sampled token to a sequence; returns why it finished, if it did.
+    fn advance(&mut self, id: SeqId, token: u32, now: Instant) -> Result<Option<FinishReason>, String> {
+        let limit = self.config.max_sequence_tokens(&self.model.config);
+        let seq = self.seqs.get_mut(&id).expect("a scheduled sequence exists");
+        let group = self.groups.get_mut(&seq.group).expect("a sequence's group exists");
+        let p = &group.params;
+        seq.sampled += 1;
+        group.first_token.get_or_insert(now);
+        group.most_sampled = group.most_sampled.max(seq.sampled);
+        // `choose` lets an end token through only after `min_new_tokens`, or when nothing else was allowed.
+        if (!p.ignore_eos && self.stop.end_tokens.contains(&token)) || p.stop_token_ids.contains(&token) {
+            return Ok(Some(FinishReason::Stop));
+        }
+        // Stop strings count from the token that completes `min_new_tokens` (as vLLM).
+        let min_done = seq.sampled >= p.min_new_tokens;
+        seq.generated.push(token);
+        if group.counts {
+            *seq.counts.entry(token).or_insert(0) += 1;
+        }
+        if let Some(c) = &mut seq.constraint {
+            c.consume(token)?;
+        }
+        if let Some(text) = seq.stop_scan.push(&self.tokenizer, token, &p.stop, min_done, p.include_stop_str_in_output) {
+            seq.cut_text = Some(text);
+            return Ok(Some(FinishReason::Stop));
+        }
+        if seq.constraint.as_ref().is_some_and(|c| c.is_stopped()) {
+            return Ok(Some(FinishReason::Stop));
+        }
+        if seq.generated.len() >= seq.max_new_tokens || seq.cache.len() + 1 > limit {
+            let complete = seq.constraint.as_mut().is_none_or(|c| c.is_accepting());
+            return Ok(Some(if complete { FinishReason::Length } else { FinishReason::IncompleteJson }));
+        }
+        seq.pending = vec![token];
+        Ok(None)
+    }
+
+    /// Finishes one choice; returns the row's result when it was the last.
+    fn finish(&mut self, id: SeqId, reason: FinishReason, now: Instant) -> Option<Result<Completion, (Request, RowError)>> {
         self.scheduler.finish(id);
         let seq = self.seqs.remove(&id).expect("a finished sequence exists");
-        let text = seq.cut_text.unwrap_or_else(|| self.tokenizer.decode(&seq.generated, true).unwrap_or_default());
-        let arrival = seq.request.arrival;
-        let first = seq.first_token.unwrap_or(now);
-        let tpot_s = (seq.sampled > 1).then(|| (now - first).as_secs_f64() / (seq.sampled - 1) as f64);
-        Completion {
-            tag: seq.request.tag,
-            id: seq.request.id,
+        let group = self.groups.get_mut(&seq.group).expect("a sequence's group exists");
+        let text = match (reason, seq.cut_text) {
+            (FinishReason::Scored, _) => String::new(),
+            (_, Some(text)) => text,
+            (_, None) => self.tokenizer.decode(&seq.generated, true).unwrap_or_default(),
+        };
+        let computed = seq.logprobs.is_some();
+        group.choices[seq.index as usize] = Some(Choice {
+            index: seq.index,
             text,
             finish_reason: reason,
-            prompt_tokens: seq.request.tokens.len() as u32,
             completion_tokens: seq.sampled,
-            queue_s: (seq.admitted.unwrap_or(now) - arrival).as_secs_f64(),
+            logprobs: seq.logprobs,
+            cumulative_logprob: computed.then_some(seq.cumulative_logprob),
+        });
+        group.live -= 1;
+        if group.live > 0 {
+            return None;
+        }
+        let group = self.groups.remove(&seq.group).expect("checked above");
+        Some(self.complete(group, now))
+    }
+
+    /// The row's result from its finished choices; a choice that failed fails the row.
+    fn complete(&self, group: Group, now: Instant) -> Result<Completion, (Request, RowError)> {
+        let arrival = group.request.arrival;
+        let first = group.first_token.unwrap_or(now);
+        let choices: Vec<Choice> = group.choices.into_iter().map(|c| c.expect("every choice finished")).collect();
+        Ok(Completion {
+            tag: group.request.tag,
+            prompt_tokens: group.request.tokens.len() as u32,
+            id: group.request.id,
+            choices,
+            params: group.params,
+            queue_s: (group.admitted.unwrap_or(now) - arrival).as_secs_f64(),
             ttft_s: (first - arrival).as_secs_f64(),
             e2e_s: (now - arrival).as_secs_f64(),
-            tpot_s,
+            tpot_s: (group.most_sampled > 1).then(|| (now - first).as_secs_f64() / (group.most_sampled - 1) as f64),
+        })
+    }
+
+    /// Fails a whole row (every choice) with an error found while it ran.
+    fn fail(&mut self, group: SeqId, message: String) -> (Request, RowError) {
+        let ids: Vec<SeqId> = self.seqs.iter().filter(|(_, s)| s.group == group).map(|(&id, _)| id).collect();
+        for id in ids {
+            self.scheduler.finish(id);
+            self.seqs.remove(&id);
         }
+        let g = self.groups.remove(&group).expect("a failing row's group exists");
+        (g.request, RowError::new(ErrorCode::EngineError, message))
     }
 }
 
 impl Engine for BatchEngine {
     fn free_places(&self) -> usize {
         // Up to `max_seqs` wait beside the running ones, so the scheduler can pick prompts of similar lengths
-        // and refill a place the moment it frees.
-        (2 * self.config.max_seqs).saturating_sub(self.seqs.len())
+        // and refill a place the moment it frees. A row's choices take a place each.
+        let booked: usize = self.groups.values().map(|g| g.live).sum();
+        (2 * self.config.max_seqs).saturating_sub(booked)
     }
 
     fn admit(&mut self, request: Request) -> Result<(), RowError> {
+        let bad = |m: String| RowError::new(ErrorCode::InvalidParameters, m);
+        let params = self.params.for_row(&request.params).map_err(bad)?;
+        let grammar = self.check_params(&params).map_err(|(key, problem)| bad(format!("{} {problem}", key.trim_start_matches("generation."))))?;
         let limit = self.config.max_sequence_tokens(&self.model.config);
-        let params = self.params.for_row(&request.params);
-        let prompt = request.tokens.len();
-        let max_new_tokens = (params.max_new_tokens as usize).min(limit.saturating_sub(prompt));
-        if prompt == 0 || prompt >= limit {
+        let completion = request.completion.as_deref().unwrap_or(&[]);
+        let prompt = request.tokens.len() + completion.len();
+        let scoring = request.completion.is_some();
+        let max_new_tokens = if scoring { 0 } else { (params.max_new_tokens as usize).min(limit.saturating_sub(prompt)) };
+        if request.tokens.is_empty() || prompt >= limit + scoring as usize {
             return Err(RowError::new(
                 ErrorCode::PromptTooLong,
                 format!("the prompt has {prompt} tokens; the model's context and the KV cache budget allow {}", limit.saturating_sub(1)),
@@ -351,26 +610,37 @@ impl Engine for BatchEngine {
         }
         let id = self.next_id;
         self.next_id += 1;
-        self.scheduler.push(id, prompt, max_new_tokens).map_err(|e| RowError::new(ErrorCode::PromptTooLong, e.to_string()))?;
-        let cache = KvCache::new(&self.model.config, prompt + max_new_tokens.min(INITIAL_ANSWER_TOKENS));
-        let rng = Rng::new(sampling::row_seed(params.seed, &request.id));
-        self.seqs.insert(
+        let n = if scoring { 1 } else { params.n };
+        self.scheduler
+            .push_group(id, prompt, max_new_tokens, n as usize)
+            .map_err(|e| RowError::new(ErrorCode::PromptTooLong, e.to_string()))?;
+        let pending: Vec<u32> = request.tokens.iter().chain(completion).copied().collect();
+        let counts = params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 || params.repetition_penalty != 1.0;
+        let mut penalty_prompt = Vec::new();
+        if params.repetition_penalty != 1.0 {
+            penalty_prompt = request.tokens.clone();
+            penalty_prompt.sort_unstable();
+            penalty_prompt.dedup();
+        }
+        self.groups.insert(
             id,
-            Sequence {
-                pending: request.tokens.clone(),
+            Group {
                 request,
-                cache,
-                generated: Vec::new(),
-                sampled: 0,
-                max_new_tokens,
-                stop_scan: StopScan::default(),
-                cut_text: None,
                 params,
-                rng,
+                counts,
+                penalty_prompt,
+                grammar,
+                choices: vec![None; n as usize],
+                live: n as usize,
                 admitted: None,
                 first_token: None,
+                most_sampled: 0,
             },
         );
+        let cache = KvCache::new(&self.model.config, prompt + max_new_tokens.min(INITIAL_ANSWER_TOKENS));
+        let mut seq = self.new_sequence(id, 0, pending, cache, max_new_tokens).map_err(bad)?;
+        seq.forks = n - 1;
+        self.seqs.insert(id, seq);
         Ok(())
     }
 
@@ -378,14 +648,14 @@ impl Engine for BatchEngine {
         !self.seqs.is_empty()
     }
 
-    fn step(&mut self) -> Result<Vec<Completion>, EngineError> {
+    fn step(&mut self) -> Result<Vec<RowResult>, EngineError> {
         let plan = self.scheduler.next_step();
         for id in &plan.preempted {
             // Dropped, to be prefilled again with its prompt and everything it generated (the last sampled token
             // included: it was not fed yet).
             let seq = self.seqs.get_mut(id).expect("a preempted sequence exists");
             seq.cache = KvCache::new(&self.model.config, 0);
-            seq.pending = seq.request.tokens.iter().chain(&seq.generated).copied().collect();
+            seq.pending = self.groups[&seq.group].request.tokens.iter().chain(&seq.generated).copied().collect();
         }
         if plan.is_empty() {
             if self.seqs.is_empty() {
@@ -399,9 +669,20 @@ impl Engine for BatchEngine {
         for (id, tokens) in &plan.prefill {
             let seq = self.seqs.get_mut(id).expect("a scheduled sequence exists");
             debug_assert_eq!(seq.pending.len(), *tokens);
-            seq.admitted.get_or_insert(started);
+            self.groups.get_mut(&seq.group).expect("a sequence's group exists").admitted.get_or_insert(started);
         }
         let order: Vec<SeqId> = plan.decode.iter().copied().chain(plan.prefill.iter().map(|p| p.0)).collect();
+        // A scoring row needs the logits after each completion token: its last `completion + 1` positions.
+        let outputs: Vec<usize> = order
+            .iter()
+            .map(|id| {
+                let seq = &self.seqs[id];
+                match &self.groups[&seq.group].request.completion {
+                    Some(c) if seq.cache.len() == 0 => c.len() + 1,
+                    _ => 1,
+                }
+            })
+            .collect();
         let logits = {
             let wanted: HashMap<SeqId, usize> = order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
             let mut chosen: Vec<(usize, &mut Sequence)> =
@@ -409,7 +690,7 @@ impl Engine for BatchEngine {
             chosen.sort_by_key(|c| c.0);
             let mut segments: Vec<Segment<'_>> =
                 chosen.into_iter().map(|(_, s)| Segment { tokens: &s.pending, cache: &mut s.cache }).collect();
-            self.model.forward(&mut segments).map_err(|e| EngineError(e.to_string()))?
+            self.model.forward_outputs(&mut segments, &outputs).map_err(|e| EngineError(e.to_string()))?
         };
         let now = Instant::now();
         let took = (now - started).as_secs_f64();
@@ -423,27 +704,79 @@ impl Engine for BatchEngine {
         self.stats.steps += 1;
         self.stats.prefill_tokens += prefill_tokens as u64;
         self.stats.decode_tokens += decode_tokens as u64;
+
+        let mut results = Vec::new();
+        let mut finished = Vec::new();
+        let mut failed: Vec<(SeqId, String)> = Vec::new();
+        for (&id, mut rows) in order.iter().zip(logits) {
+            let group = self.seqs[&id].group;
+            if failed.iter().any(|f| f.0 == group) {
+                continue;
+            }
+            if let Some(completion) = self.groups[&group].request.completion.clone() {
+                // Scoring: the log-probability of each completion token after the tokens before it.
+                let top = self.groups[&group].params.logprobs.unwrap_or(0);
+                let scored: Vec<TokenLogprob> = completion.iter().zip(&rows).map(|(&t, row)| self.token_logprob(row, t, top)).collect();
+                let seq = self.seqs.get_mut(&id).expect("a scheduled sequence exists");
+                seq.cumulative_logprob = scored.iter().map(|l| l.logprob as f64).sum();
+                seq.sampled = scored.len() as u32;
+                seq.logprobs = Some(scored);
+                self.groups.get_mut(&group).expect("checked above").first_token.get_or_insert(now);
+                finished.push((id, FinishReason::Scored));
+                continue;
+            }
+            let mut row = rows.pop().expect("one row of logits per sequence");
+            // A row's first prefill forks its other choices: copies of its cache, each sampling on its own.
+            let mut ids = vec![id];
+            let forks = std::mem::take(&mut self.seqs.get_mut(&id).expect("a scheduled sequence exists").forks);
+            for index in 1..=forks {
+                let child = self.next_id;
+                self.next_id += 1;
+                let parent = &self.seqs[&id];
+                let (cache, max_new) = (parent.cache.clone(), parent.max_new_tokens);
+                match self.new_sequence(group, index, Vec::new(), cache, max_new) {
+                    Ok(seq) => {
+                        self.scheduler.fork(id, child);
+                        self.seqs.insert(child, seq);
+                        ids.push(child);
+                    }
+                    Err(e) => failed.push((group, e)),
+                }
+            }
+            let last = ids.len() - 1;
+            for (k, seq_id) in ids.into_iter().enumerate() {
+                let logits = if k == last { std::mem::take(&mut row) } else { row.clone() };
+                let step = self.choose(seq_id, logits).and_then(|token| self.advance(seq_id, token, now));
+                match step {
+                    Ok(Some(reason)) => finished.push((seq_id, reason)),
+                    Ok(None) => {}
+                    Err(e) => failed.push((group, e)),
+                }
+            }
+        }
+        // After a step, the sequences hold exactly the blocks booked for it: the scheduler books the positions the
+        // step writes, and a block is allocated when its first position is written.
+        debug_assert_eq!(self.seqs.values().map(|s| s.cache.blocks()).sum::<usize>(), self.scheduler.cached_blocks());
         let running = self.scheduler.running();
         self.stats.peak_running = self.stats.peak_running.max(running);
         let s = self.scheduler.stats();
         self.stats.preemptions = s.preemptions;
         self.stats.recomputed_tokens = s.recomputed_tokens;
         self.stats.peak_kv_blocks = s.peak_blocks;
-        // After a step, the sequences hold exactly the blocks booked for it: the scheduler books the positions the
-        // step writes, and a block is allocated when its first position is written.
-        debug_assert_eq!(self.seqs.values().map(|s| s.cache.blocks()).sum::<usize>(), self.scheduler.used_blocks());
         self.stats.peak_kv_bytes = s.peak_blocks * KvCache::block_bytes(&self.model.config);
         self.stats.mean_kv_blocks = s.block_steps as f64 / s.steps.max(1) as f64;
 
-        let mut finished = Vec::new();
-        for (&id, row) in order.iter().zip(&logits) {
-            let seq = self.seqs.get_mut(&id).expect("a scheduled sequence exists");
-            let token = sampling::sample(row, &seq.params, &mut seq.rng);
-            if let Some(reason) = self.advance(id, token, now) {
-                finished.push((id, reason));
+        for (group, message) in failed {
+            if self.groups.contains_key(&group) {
+                results.push(Err(self.fail(group, message)));
             }
         }
-        Ok(finished.into_iter().map(|(id, reason)| self.finish(id, reason, now)).collect())
+        for (id, reason) in finished {
+            if self.seqs.contains_key(&id) {
+                results.extend(self.finish(id, reason, now));
+            }
+        }
+        Ok(results)
     }
 
     fn stats(&self) -> &EngineStats {

@@ -176,7 +176,7 @@ pub const KV_BLOCK_TOKENS: usize = BLOCK;
 /// against a block are `head_dim` multiply-adds of `BLOCK`-wide vectors, with no horizontal sums) and values are
 /// `[kv_head][BLOCK][head_dim]`; a block's unused positions are zero. A sequence grows a block at a time without
 /// copying what it holds, and holds exactly the blocks the scheduler booked for it.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct KvCache {
     keys: Vec<Vec<Box<[f32]>>>,
     values: Vec<Vec<Box<[f32]>>>,
@@ -647,7 +647,17 @@ impl Model {
     /// Runs the new tokens of every segment through the model, appending their keys and values to each segment's
     /// cache, and returns the logits after the last token of each segment, `[segments][vocab]`.
     pub fn forward(&self, segments: &mut [Segment<'_>]) -> candle_core::Result<Vec<Vec<f32>>> {
+        let outputs = vec![1; segments.len()];
+        Ok(self.forward_outputs(segments, &outputs)?.into_iter().map(|mut rows| rows.remove(0)).collect())
+    }
+
+    /// As [`Model::forward`], with the logits of the last `outputs[i]` positions of segment `i` (in position
+    /// order): prompt scoring needs the next-token distribution after every token of a completion.
+    pub fn forward_outputs(&self, segments: &mut [Segment<'_>], outputs: &[usize]) -> candle_core::Result<Vec<Vec<Vec<f32>>>> {
         let cfg = &self.config;
+        if outputs.len() != segments.len() || segments.iter().zip(outputs).any(|(s, &o)| o == 0 || o > s.tokens.len()) {
+            candle_core::bail!("each segment needs between 1 and its token count of outputs");
+        }
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         for s in segments.iter() {
@@ -694,13 +704,14 @@ impl Model {
         for s in segments.iter_mut() {
             s.cache.len += s.tokens.len();
         }
-        let mut last = Vec::with_capacity(segments.len());
+        let mut last = Vec::with_capacity(outputs.iter().sum());
         let mut end = 0u32;
-        for s in segments.iter() {
+        for (s, &o) in segments.iter().zip(outputs) {
             end += s.tokens.len() as u32;
-            last.push(end - 1);
+            last.extend(end - o as u32..end);
         }
-        let last = Tensor::from_vec(last, segments.len(), &self.device)?;
+        let count = last.len();
+        let last = Tensor::from_vec(last, count, &self.device)?;
         let x = x.index_select(&last, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &self.output_norm, eps)?;
         // candle's Q6_K takes its fast kernel only for two rows or more, and the two kernels round differently:
@@ -709,7 +720,8 @@ impl Model {
         let x = if rows == 1 { Tensor::cat(&[&x, &x.zeros_like()?], 0)? } else { x };
         let mut logits = product(&self.lm_head, &x)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         logits.truncate(rows);
-        Ok(logits)
+        let mut logits = logits.into_iter();
+        Ok(outputs.iter().map(|&o| logits.by_ref().take(o).collect()).collect())
     }
 
     /// Rotary embedding of one token's heads, pairs of adjacent values (GGUF llama weights are permuted for it, and

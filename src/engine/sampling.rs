@@ -1,7 +1,11 @@
-//! Token selection from logits: greedy, or temperature with top-k and top-p, each row with its own RNG.
+//! Token selection from logits, in vLLM's order: penalties (repetition, presence, frequency), then greedy, or
+//! temperature with min-p, top-k and top-p; each choice of each row with its own RNG. Also the log-probabilities
+//! reported for chosen tokens and their alternatives.
 //!
-//! A row's RNG is seeded from (job seed, row id) and advanced only by that row's own samples, so its output never
-//! depends on which rows share its batch or in which order rows arrive.
+//! A row's RNG is seeded from (job seed, row id, choice) and advanced only by that choice's own samples, so its
+//! output never depends on which rows share its batch or in which order rows arrive.
+
+use std::collections::HashMap;
 
 use sha2::{Digest, Sha256};
 
@@ -12,6 +16,20 @@ pub fn row_seed(job_seed: u64, row_id: &str) -> u64 {
     let mut hasher = Sha256::new();
     hasher.update(job_seed.to_le_bytes());
     hasher.update(row_id.as_bytes());
+    let digest = hasher.finalize();
+    u64::from_le_bytes(digest[..8].try_into().expect("sha256 has 32 bytes"))
+}
+
+/// The seed of one choice of a row: the row's seed for the first (so `n = 1` samples as before), and
+/// sha256(job seed, row id, choice) for the others.
+pub fn choice_seed(job_seed: u64, row_id: &str, choice: u32) -> u64 {
+    if choice == 0 {
+        return row_seed(job_seed, row_id);
+    }
+    let mut hasher = Sha256::new();
+    hasher.update(job_seed.to_le_bytes());
+    hasher.update(row_id.as_bytes());
+    hasher.update(choice.to_le_bytes());
     let digest = hasher.finalize();
     u64::from_le_bytes(digest[..8].try_into().expect("sha256 has 32 bytes"))
 }
@@ -50,6 +68,55 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// Applies the repetition, presence and frequency penalties as vLLM defines them: the repetition penalty divides
+/// the positive logits (multiplies the negative ones) of every token in the prompt or the output; the presence
+/// penalty is subtracted once from every token in the output, the frequency penalty once per occurrence.
+/// `output` counts the output's tokens; `prompt` holds the prompt's distinct tokens (only needed for the
+/// repetition penalty).
+pub fn apply_penalties(logits: &mut [f32], params: &GenerationParams, prompt: &[u32], output: &HashMap<u32, u32>) {
+    let r = params.repetition_penalty;
+    let penalise = |l: f32| if l > 0.0 { l / r } else { l * r };
+    if r != 1.0 {
+        for &t in prompt {
+            if let Some(l) = logits.get_mut(t as usize) {
+                // A prompt token also in the output is penalised once, below.
+                if !output.contains_key(&t) {
+                    *l = penalise(*l);
+                }
+            }
+        }
+    }
+    for (&t, &count) in output {
+        let Some(l) = logits.get_mut(t as usize) else { continue };
+        if r != 1.0 {
+            *l = penalise(*l);
+        }
+        *l -= params.presence_penalty + params.frequency_penalty * count as f32;
+    }
+}
+
+/// The log-probability of `token` under `logits` (a log-softmax), and the `top` most likely tokens with theirs,
+/// most likely first (ties by token id).
+pub fn logprobs(logits: &[f32], token: u32, top: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let lse = max as f64 + sum.ln();
+    let lp = |l: f32| (l as f64 - lse) as f32;
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if best.len() == top && l <= best[top - 1].1 {
+                continue;
+            }
+            let at = best.partition_point(|&(_, b)| b >= l);
+            best.insert(at, (i as u32, l));
+            best.truncate(top);
+        }
+    }
+    let chosen = logits.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY);
+    (lp(chosen), best.into_iter().map(|(t, l)| (t, lp(l))).collect())
+}
+
 /// Picks the next token of one row.
 pub fn sample(logits: &[f32], params: &GenerationParams, rng: &mut Rng) -> u32 {
     if params.temperature == 0.0 || params.top_k == 1 {
@@ -71,6 +138,12 @@ pub fn sample(logits: &[f32], params: &GenerationParams, rng: &mut Rng) -> u32 {
     for c in candidates.iter_mut() {
         c.1 = (c.1 - max).exp();
         total += c.1;
+    }
+    if params.min_p > 0.0 {
+        // Weights are probabilities over the most likely one's, which is 1.
+        let keep = candidates.partition_point(|c| c.1 >= params.min_p as f64).max(1);
+        candidates.truncate(keep);
+        total = candidates.iter().map(|c| c.1).sum();
     }
     if params.top_p < 1.0 {
         let limit = params.top_p as f64 * total;
@@ -101,7 +174,51 @@ mod tests {
     use super::*;
 
     fn params(temperature: f32, top_k: u32, top_p: f32) -> GenerationParams {
-        GenerationParams { max_new_tokens: 1, temperature, top_p, top_k, seed: 0, stop: vec![] }
+        GenerationParams { max_new_tokens: 1, temperature, top_p, top_k, ..GenerationParams::default() }
+    }
+
+    #[test]
+    fn min_p_drops_tokens_below_its_share_of_the_most_likely() {
+        // Probabilities over the best at t=1: 1, e^-1 = 0.37, e^-2 = 0.14, e^-3 = 0.05. min_p 0.2 keeps two.
+        let logits = [3.0, 2.0, 1.0, 0.0];
+        let p = GenerationParams { min_p: 0.2, ..params(1.0, 0, 1.0) };
+        let mut rng = Rng::new(13);
+        let mut seen = [0usize; 4];
+        for _ in 0..5000 {
+            seen[sample(&logits, &p, &mut rng) as usize] += 1;
+        }
+        assert_eq!(seen[2] + seen[3], 0, "{seen:?}");
+        assert!(seen[1] > 1000, "{seen:?}");
+    }
+
+    #[test]
+    fn penalties_follow_their_definitions() {
+        let p = GenerationParams { repetition_penalty: 2.0, presence_penalty: 0.5, frequency_penalty: 0.25, ..params(0.0, 0, 1.0) };
+        let mut logits = vec![4.0, -4.0, 4.0, 4.0, 1.0];
+        // Token 0 in the prompt only, 1 in the prompt and twice in the output, 2 three times in the output only.
+        let output = HashMap::from([(1, 2), (2, 3)]);
+        apply_penalties(&mut logits, &p, &[0, 1], &output);
+        assert_eq!(logits, vec![2.0, -8.0 - 0.5 - 0.5, 2.0 - 0.5 - 0.75, 4.0, 1.0]);
+        // Penalties change the greedy choice: token 3 now leads.
+        assert_eq!(argmax(&logits), 3);
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_the_top_alternatives_in_order() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, f32::NEG_INFINITY];
+        let (lp, top) = logprobs(&logits, 2, 3);
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        assert!((lp as f64 - (2.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3, 2]);
+        assert!((top.iter().map(|t| (t.1 as f64).exp()).sum::<f64>() - (2.0 * 3f64.exp() + 2f64.exp()) / z).abs() < 1e-6);
+        assert_eq!(logprobs(&logits, 4, 0), (f32::NEG_INFINITY, vec![]));
+    }
+
+    #[test]
+    fn choices_have_their_own_seeds_and_the_first_is_the_rows() {
+        assert_eq!(choice_seed(3, "r", 0), row_seed(3, "r"));
+        assert_ne!(choice_seed(3, "r", 1), choice_seed(3, "r", 2));
+        assert_ne!(choice_seed(3, "r", 1), row_seed(3, "r"));
     }
 
     #[test]

@@ -20,8 +20,13 @@ impl Collector {
     pub fn completed(&mut self, c: &Completion) {
         self.rows += 1;
         self.succeeded += 1;
-        self.prompt_tokens += c.prompt_tokens as u64;
-        self.completion_tokens += c.completion_tokens as u64;
+        // A scoring row's completion is read, not generated: its tokens count as prompt tokens.
+        if c.choices[0].finish_reason == crate::row::FinishReason::Scored {
+            self.prompt_tokens += (c.prompt_tokens + c.completion_tokens()) as u64;
+        } else {
+            self.prompt_tokens += c.prompt_tokens as u64;
+            self.completion_tokens += c.completion_tokens() as u64;
+        }
         self.ttft_s.push(c.ttft_s);
         self.e2e_s.push(c.e2e_s);
         self.tpot_s.extend(c.tpot_s);

@@ -18,6 +18,10 @@
 //! - **Refill.** A finished sequence's place and blocks are free for the very next step. Prefills may be gathered
 //!   ([`Config::min_prefill_places`]) so that decoding is interrupted by fewer, larger prefills, but a waiting
 //!   sequence that fits is never held back for more than [`Config::max_decode_steps_between_prefills`] steps.
+//! - **Groups.** A row that asks for several choices is queued once with its width ([`Scheduler::push_group`]):
+//!   it is admitted only with a place and the prompt's blocks for every choice, is prefilled once, and right after
+//!   that prefill the engine forks it ([`Scheduler::fork`]) into independent sequences that copy its cache. Each
+//!   choice is then scheduled, preempted and recomputed like any other sequence.
 
 use std::collections::BTreeMap;
 
@@ -88,6 +92,8 @@ struct Waiting {
     max_tokens: usize,
     /// Preempted: its prefill recomputes tokens it had already run.
     recompute: bool,
+    /// Sequences it becomes after its prefill (choices of one prompt); 1 for most.
+    width: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -99,6 +105,8 @@ struct Running {
     len: usize,
     blocks: usize,
     max_tokens: usize,
+    /// Blocks booked at admission for the copies [`Scheduler::fork`] makes, not yet handed to them.
+    fork_blocks: usize,
 }
 
 /// Counters for the job's metrics.
@@ -168,23 +176,50 @@ impl Scheduler {
         self.config.kv_blocks - self.free_blocks
     }
 
+    /// Blocks held by sequences' caches: the used ones less those booked for forks not made yet.
+    pub fn cached_blocks(&self) -> usize {
+        self.used_blocks() - self.running.iter().map(|r| r.fork_blocks).sum::<usize>()
+    }
+
     /// Queues a sequence of `prompt` tokens that may generate up to `max_new` more. A sequence whose prompt and
     /// output limit exceed the whole budget is refused: it could be preempted forever.
     pub fn push(&mut self, id: SeqId, prompt: usize, max_new: usize) -> Result<(), TooLong> {
+        self.push_group(id, prompt, max_new, 1)
+    }
+
+    /// Queues a prompt that becomes `width` sequences after its prefill (see [`Scheduler::fork`]). Refused when
+    /// one sequence exceeds the budget, or the prompt's blocks for all of them do (they could never start).
+    /// `width` is at most `max_seqs`.
+    pub fn push_group(&mut self, id: SeqId, prompt: usize, max_new: usize, width: usize) -> Result<(), TooLong> {
+        assert!(width >= 1 && width <= self.config.max_seqs, "width {width} with max_seqs {}", self.config.max_seqs);
         let needed = prompt + max_new;
-        if prompt == 0 || needed > self.config.capacity_tokens() {
-            return Err(TooLong { needed, capacity: self.config.capacity_tokens() });
+        let capacity = self.config.capacity_tokens();
+        if prompt == 0 || needed > capacity || width * self.config.blocks_for(prompt) > self.config.kv_blocks {
+            return Err(TooLong { needed: needed.max(width * prompt), capacity });
         }
-        self.waiting.insert(self.next_order, Waiting { id, tokens: prompt, max_tokens: needed, recompute: false });
+        self.waiting.insert(self.next_order, Waiting { id, tokens: prompt, max_tokens: needed, recompute: false, width });
         self.next_order += 1;
         Ok(())
+    }
+
+    /// Starts `child` as a copy of `parent` right after the parent's prefill (before the next step): same
+    /// positions, blocks from those booked for the group at admission. The child is newer than every running
+    /// sequence, so it is the first preempted.
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) {
+        let i = self.running.iter().position(|r| r.id == parent).expect("fork of a running sequence");
+        let blocks = self.config.blocks_for(self.running[i].len);
+        assert!(self.running[i].fork_blocks >= blocks, "fork beyond the group's width");
+        self.running[i].fork_blocks -= blocks;
+        let r = Running { id: child, order: self.next_order, fork_blocks: 0, ..self.running[i].clone() };
+        self.next_order += 1;
+        self.running.push(r);
     }
 
     /// A sequence finished (or failed): its place and blocks are free.
     pub fn finish(&mut self, id: SeqId) {
         if let Some(i) = self.running.iter().position(|r| r.id == id) {
             let r = self.running.swap_remove(i);
-            self.free_blocks += r.blocks;
+            self.free_blocks += r.blocks + r.fork_blocks;
         } else {
             self.waiting.retain(|_, w| w.id != id);
         }
@@ -225,10 +260,10 @@ impl Scheduler {
             // The newest running sequence; a lone one always fits (its limit was checked against the budget).
             let newest = (0..self.running.len()).max_by_key(|&i| self.running[i].order).expect("blocks are held by running sequences");
             let r = self.running.swap_remove(newest);
-            self.free_blocks += r.blocks;
+            self.free_blocks += r.blocks + r.fork_blocks;
             self.stats.preemptions += 1;
             // It holds `len` positions and has one sampled token not yet fed: all of them are prefilled again.
-            self.waiting.insert(r.order, Waiting { id: r.id, tokens: r.len + 1, max_tokens: r.max_tokens, recompute: true });
+            self.waiting.insert(r.order, Waiting { id: r.id, tokens: r.len + 1, max_tokens: r.max_tokens, recompute: true, width: 1 });
             step.preempted.push(r.id);
         }
         for r in &mut self.running {
@@ -243,7 +278,7 @@ impl Scheduler {
     /// Adds waiting sequences to the step as the rules allow.
     fn admit(&mut self, step: &mut Step) {
         let c = &self.config;
-        let places = c.max_seqs - self.running.len();
+        let mut places = c.max_seqs - self.running.len();
         if self.waiting.is_empty() || places == 0 {
             return;
         }
@@ -263,20 +298,24 @@ impl Scheduler {
         // The head first, then the closest buckets, oldest first within a bucket.
         candidates.sort_by_key(|(o, w)| (*o != head_order, bucket(w.tokens).abs_diff(head_bucket), *o));
         for (order, w) in candidates {
-            if chosen.len() == places {
+            if places == 0 {
                 break;
             }
             let fits_tokens = chosen.is_empty() || tokens + w.tokens <= c.max_batch_tokens;
-            let blocks = c.blocks_for(w.tokens);
-            let fits_blocks = blocks + reserve < self.free_blocks || (self.running.is_empty() && chosen.is_empty() && blocks <= self.free_blocks);
-            if !fits_blocks && chosen.is_empty() {
+            // A group books its prompt's blocks for every sequence it becomes, and a growth block for each.
+            let blocks = w.width * c.blocks_for(w.tokens);
+            let fits_blocks = blocks + reserve + w.width - 1 < self.free_blocks
+                || (self.running.is_empty() && chosen.is_empty() && blocks <= self.free_blocks);
+            let fits_places = w.width <= places;
+            if !(fits_blocks && fits_places) && chosen.is_empty() {
                 // The oldest does not fit: nothing overtakes it.
                 return;
             }
-            if fits_tokens && fits_blocks {
+            if fits_tokens && fits_blocks && fits_places {
                 chosen.push(order);
                 tokens += w.tokens;
-                reserve += 1;
+                reserve += w.width;
+                places -= w.width;
                 self.free_blocks -= blocks;
             }
         }
@@ -285,7 +324,8 @@ impl Scheduler {
             if w.recompute {
                 self.stats.recomputed_tokens += w.tokens as u64;
             }
-            self.running.push(Running { id: w.id, order, len: w.tokens, blocks: self.config.blocks_for(w.tokens), max_tokens: w.max_tokens });
+            let blocks = self.config.blocks_for(w.tokens);
+            self.running.push(Running { id: w.id, order, len: w.tokens, blocks, max_tokens: w.max_tokens, fork_blocks: (w.width - 1) * blocks });
             step.prefill.push((w.id, w.tokens));
         }
     }
@@ -313,6 +353,34 @@ mod tests {
         s.finish(0);
         let third = s.next_step();
         assert_eq!((third.decode.clone(), third.prefill.clone()), (vec![1], vec![(2, 5)]));
+    }
+
+    #[test]
+    fn a_group_waits_for_a_place_and_blocks_per_choice_is_prefilled_once_and_forks() {
+        // 4 places, one running: a group of 4 waits, and nothing overtakes it.
+        let mut s = Scheduler::new(config(4, 100, 100));
+        s.push(0, 5, 10).unwrap();
+        assert_eq!(s.next_step().prefill, vec![(0, 5)]);
+        s.push_group(1, 8, 10, 4).unwrap();
+        s.push(2, 5, 10).unwrap();
+        let step = s.next_step();
+        assert_eq!((step.decode, step.prefill), (vec![0], vec![]));
+        s.finish(0);
+        // Prefilled once, with the prompt's 2 blocks booked for each of the 4 choices.
+        let step = s.next_step();
+        assert_eq!(step.prefill, vec![(1, 8)]);
+        assert_eq!(s.used_blocks(), 8);
+        assert_eq!(s.cached_blocks(), 2);
+        for child in 10..13 {
+            s.fork(1, child);
+        }
+        assert_eq!((s.running(), s.used_blocks(), s.cached_blocks()), (4, 8, 8));
+        let step = s.next_step();
+        assert_eq!(step.decode, vec![1, 10, 11, 12]);
+        // A group needing more blocks than the budget could never start.
+        let mut small = Scheduler::new(config(4, 100, 5));
+        assert!(small.push_group(0, 8, 1, 3).is_err());
+        assert!(small.push_group(0, 8, 1, 2).is_ok());
     }
 
     #[test]
@@ -439,13 +507,23 @@ mod tests {
         let n = 1 + g.below(60);
         // Each sequence: prompt length and how many tokens it will generate (at most its limit).
         let mut plan: HashMap<SeqId, (usize, usize)> = HashMap::new();
+        // Groups (rows with several choices) still to fork after their first prefill: id -> width.
+        let mut widths: HashMap<SeqId, usize> = HashMap::new();
+        let mut total = n;
         for id in 0..n as u64 {
             let prompt = 1 + g.below(capacity / 2);
             let max_new = g.below(capacity - prompt + 1);
             let out = 1 + g.below(max_new.max(1));
-            assert!(s.push(id, prompt, max_new).is_ok(), "seed {seed}");
+            let width = if g.below(4) == 0 { 1 + g.below(config.max_seqs.min(3)) } else { 1 };
+            if width > 1 && s.push_group(id, prompt, max_new, width).is_ok() {
+                widths.insert(id, width);
+                total += width - 1;
+            } else {
+                assert!(s.push(id, prompt, max_new).is_ok(), "seed {seed}");
+            }
             plan.insert(id, (prompt, out.min(max_new.max(1))));
         }
+        let mut next_id = n as u64;
         let mut generated: HashMap<SeqId, usize> = HashMap::new();
         let mut cached: HashMap<SeqId, usize> = HashMap::new();
         let mut finished = HashSet::new();
@@ -453,7 +531,7 @@ mod tests {
         let mut steps_held_back = 0;
         for step_no in 0.. {
             assert!(step_no < 100_000, "seed {seed}: no progress");
-            if finished.len() == n {
+            if finished.len() == total {
                 break;
             }
             let step = s.next_step();
@@ -467,7 +545,7 @@ mod tests {
             );
             // No block leaked or double-counted: the running sequences hold exactly what is not free, and
             // every one holds enough for its positions.
-            let held: usize = s.running.iter().map(|r| r.blocks).sum();
+            let held: usize = s.running.iter().map(|r| r.blocks + r.fork_blocks).sum();
             assert_eq!(held + s.free_blocks(), config.kv_blocks, "seed {seed}: blocks leaked");
             for r in &s.running {
                 assert!(config.blocks_for(r.len) <= r.blocks, "seed {seed}: sequence {} overflows its blocks", r.id);
@@ -477,8 +555,9 @@ mod tests {
             let held_back = step.prefill.is_empty()
                 && s.running() < config.max_seqs
                 && s.waiting.values().next().is_some_and(|w| {
-                    let blocks = config.blocks_for(w.tokens);
-                    blocks + s.running() < s.free_blocks() || (s.running() == 0 && blocks <= s.free_blocks())
+                    let blocks = w.width * config.blocks_for(w.tokens);
+                    w.width <= config.max_seqs - s.running()
+                        && (blocks + s.running() + w.width - 1 < s.free_blocks() || (s.running() == 0 && blocks <= s.free_blocks()))
                 });
             if held_back {
                 assert!(s.running() > 0, "seed {seed}: a fitting sequence waits while nothing runs");
@@ -505,9 +584,29 @@ mod tests {
             for id in &step.decode {
                 *cached.get_mut(id).unwrap_or_else(|| panic!("seed {seed}: {id} decodes without a cache")) += 1;
             }
+            // A group's first prefill is followed by its forks, which copy its cache.
+            let mut sampling: Vec<SeqId> = step.decode.iter().chain(step.prefill.iter().map(|p| &p.0)).copied().collect();
+            for &(id, tokens) in &step.prefill {
+                if let Some(width) = widths.remove(&id) {
+                    for _ in 1..width {
+                        s.fork(id, next_id);
+                        plan.insert(next_id, plan[&id]);
+                        cached.insert(next_id, tokens);
+                        sampling.push(next_id);
+                        next_id += 1;
+                    }
+                }
+            }
+            assert!(s.running.iter().all(|r| r.fork_blocks == 0), "seed {seed}: blocks booked for forks are left over");
+            assert!(s.running() <= config.max_seqs, "seed {seed}: too many running after forks");
+            let held: usize = s.running.iter().map(|r| r.blocks).sum();
+            assert_eq!(held + s.free_blocks(), config.kv_blocks, "seed {seed}: blocks leaked by forks");
+            for r in &s.running {
+                assert!(config.blocks_for(r.len) <= r.blocks, "seed {seed}: sequence {} overflows its blocks", r.id);
+            }
             // Each scheduled sequence samples a token; some finish.
             let mut done = Vec::new();
-            for id in step.decode.iter().chain(step.prefill.iter().map(|p| &p.0)) {
+            for id in &sampling {
                 let g = generated.entry(*id).or_insert(0);
                 *g += 1;
                 if *g >= plan[id].1 {

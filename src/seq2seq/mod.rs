@@ -13,7 +13,7 @@ use std::time::Instant;
 use tokenizers::Tokenizer;
 
 use crate::engine::sampling::{self, Rng};
-use crate::engine::{Completion, Engine, EngineError, EngineStats, Request, StopScan};
+use crate::engine::{Choice, Completion, Engine, EngineError, EngineStats, Request, RowResult, StopScan};
 use crate::job::GenerationParams;
 use crate::row::FinishReason;
 pub use model::{DecoderState, T5Config, T5};
@@ -35,6 +35,8 @@ struct Sequence {
     cut_text: Option<String>,
     params: GenerationParams,
     rng: Rng,
+    /// Output token counts, for the penalties.
+    counts: std::collections::HashMap<u32, u32>,
     admitted: Instant,
     first_token: Option<Instant>,
 }
@@ -66,7 +68,7 @@ impl Seq2SeqEngine {
         self.stats.prefill_tokens += (rows.len() * longest) as u64;
         for ((request, admitted), output) in waiting.into_iter().zip(outputs) {
             let state = self.model.start(&output).map_err(|e| EngineError::new(e.to_string()))?;
-            let params = self.params.for_row(&request.params);
+            let params = self.params.for_row(&request.params).expect("checked at admission");
             let rng = Rng::new(sampling::row_seed(params.seed, &request.id));
             self.running.push(Sequence {
                 next: self.model.config.decoder_start(),
@@ -78,6 +80,7 @@ impl Seq2SeqEngine {
                 cut_text: None,
                 params,
                 rng,
+                counts: Default::default(),
                 admitted,
                 first_token: None,
             });
@@ -95,7 +98,8 @@ impl Seq2SeqEngine {
             return Some(FinishReason::Stop);
         }
         seq.generated.push(token);
-        if let Some(text) = seq.stop_scan.push(&self.tokenizer, token, &seq.params.stop) {
+        *seq.counts.entry(token).or_insert(0) += 1;
+        if let Some(text) = seq.stop_scan.push(&self.tokenizer, token, &seq.params.stop, true, seq.params.include_stop_str_in_output) {
             seq.cut_text = Some(text);
             return Some(FinishReason::Stop);
         }
@@ -115,10 +119,9 @@ impl Seq2SeqEngine {
         Completion {
             tag: seq.request.tag,
             id: seq.request.id,
-            text,
-            finish_reason: reason,
+            choices: vec![Choice { index: 0, text, finish_reason: reason, completion_tokens: sampled, logprobs: None, cumulative_logprob: None }],
+            params: seq.params,
             prompt_tokens: seq.request.tokens.len() as u32,
-            completion_tokens: sampled,
             queue_s: (seq.admitted - arrival).as_secs_f64(),
             ttft_s: (first - arrival).as_secs_f64(),
             e2e_s: (now - arrival).as_secs_f64(),
@@ -133,6 +136,7 @@ impl Engine for Seq2SeqEngine {
     }
 
     fn admit(&mut self, request: Request) -> Result<(), crate::row::RowError> {
+        self.params.for_row(&request.params).map_err(|m| crate::row::RowError::new(crate::row::ErrorCode::InvalidParameters, m))?;
         self.waiting.push((request, Instant::now()));
         Ok(())
     }
@@ -141,7 +145,7 @@ impl Engine for Seq2SeqEngine {
         !self.running.is_empty() || !self.waiting.is_empty()
     }
 
-    fn step(&mut self) -> Result<Vec<Completion>, EngineError> {
+    fn step(&mut self) -> Result<Vec<RowResult>, EngineError> {
         if !self.waiting.is_empty() {
             self.encode_waiting()?;
         }
@@ -160,15 +164,16 @@ impl Engine for Seq2SeqEngine {
         let bytes: usize = self.running.iter().map(|s| s.state.bytes()).sum();
         self.stats.peak_kv_bytes = self.stats.peak_kv_bytes.max(bytes);
         let mut finished = Vec::new();
-        for (index, row) in logits.iter().enumerate() {
+        for (index, mut row) in logits.into_iter().enumerate() {
             let seq = &mut self.running[index];
-            let token = sampling::sample(row, &seq.params, &mut seq.rng);
+            sampling::apply_penalties(&mut row, &seq.params, &[], &seq.counts);
+            let token = sampling::sample(&row, &seq.params, &mut seq.rng);
             if let Some(reason) = self.advance(index, token, now) {
                 finished.push((index, reason));
             }
         }
         finished.sort_by(|a, b| b.0.cmp(&a.0));
-        Ok(finished.into_iter().map(|(index, reason)| self.finish(index, reason, now)).collect())
+        Ok(finished.into_iter().map(|(index, reason)| Ok(self.finish(index, reason, now))).collect())
     }
 
     fn stats(&self) -> &EngineStats {

@@ -260,7 +260,77 @@ pub fn results_schema() -> Schema {
         Field::new("ttft_s", DataType::Float64, true),
         Field::new("e2e_s", DataType::Float64, true),
         Field::new("tpot_s", DataType::Float64, true),
+        Field::new("logprobs", logprobs_type(), true),
+        Field::new("cumulative_logprob", DataType::Float64, true),
+        Field::new("choices", DataType::List(Arc::new(Field::new("item", DataType::Struct(choice_fields()), false))), true),
+        Field::new("params", DataType::Struct(params_fields()), true),
     ])
+}
+
+/// `List<Struct<token_id, token, logprob, top: List<Struct<token_id, token, logprob>>>>`: per output token.
+fn logprobs_type() -> DataType {
+    let alternative = Fields::from(vec![
+        Field::new("token_id", DataType::UInt32, false),
+        Field::new("token", DataType::Utf8, false),
+        Field::new("logprob", DataType::Float32, false),
+    ]);
+    let mut token: Vec<Field> = alternative.iter().map(|f| f.as_ref().clone()).collect();
+    token.push(Field::new("top", DataType::List(Arc::new(Field::new("item", DataType::Struct(alternative), false))), false));
+    DataType::List(Arc::new(Field::new("item", DataType::Struct(Fields::from(token)), false)))
+}
+
+fn choice_fields() -> Fields {
+    Fields::from(vec![
+        Field::new("index", DataType::UInt32, false),
+        Field::new("text", DataType::Utf8, false),
+        Field::new("finish_reason", DataType::Utf8, false),
+        Field::new("completion_tokens", DataType::UInt32, false),
+        Field::new("logprobs", logprobs_type(), true),
+        Field::new("cumulative_logprob", DataType::Float64, true),
+    ])
+}
+
+/// The effective generation parameters of a row, every one of them.
+fn params_fields() -> Fields {
+    let list = |item: DataType| DataType::List(Arc::new(Field::new("item", item, false)));
+    Fields::from(vec![
+        Field::new("max_new_tokens", DataType::UInt32, false),
+        Field::new("min_new_tokens", DataType::UInt32, false),
+        Field::new("temperature", DataType::Float32, false),
+        Field::new("top_p", DataType::Float32, false),
+        Field::new("top_k", DataType::UInt32, false),
+        Field::new("min_p", DataType::Float32, false),
+        Field::new("repetition_penalty", DataType::Float32, false),
+        Field::new("presence_penalty", DataType::Float32, false),
+        Field::new("frequency_penalty", DataType::Float32, false),
+        Field::new("stop", list(DataType::Utf8), false),
+        Field::new("stop_token_ids", list(DataType::UInt32), false),
+        Field::new("include_stop_str_in_output", DataType::Boolean, false),
+        Field::new("ignore_eos", DataType::Boolean, false),
+        Field::new("seed", DataType::UInt64, false),
+        Field::new("n", DataType::UInt32, false),
+        Field::new("logprobs", DataType::UInt32, true),
+        Field::new("json_schema", DataType::Utf8, true),
+    ])
+}
+
+/// The nested columns of one row, as JSON for arrow's JSON decoder: choices, log-probabilities, parameters.
+fn nested_json(c: Option<&Completion>) -> serde_json::Value {
+    let Some(c) = c else { return serde_json::json!({}) };
+    let first = &c.choices[0];
+    let p = &c.params;
+    serde_json::json!({
+        "logprobs": first.logprobs,
+        "cumulative_logprob": first.cumulative_logprob,
+        "choices": (c.choices.len() > 1).then_some(&c.choices),
+        "params": {
+            "max_new_tokens": p.max_new_tokens, "min_new_tokens": p.min_new_tokens, "temperature": p.temperature,
+            "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p, "repetition_penalty": p.repetition_penalty,
+            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty, "stop": p.stop,
+            "stop_token_ids": p.stop_token_ids, "include_stop_str_in_output": p.include_stop_str_in_output,
+            "ignore_eos": p.ignore_eos, "seed": p.seed, "n": p.n, "logprobs": p.logprobs, "json_schema": p.json_schema,
+        },
+    })
 }
 
 /// The Arrow schema of an embedding job's result files, described field by field in `schemas/embeddings.json`.
@@ -898,10 +968,12 @@ fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<RecordBatch, arr
         match row {
             Outcome::Completed(c) => {
                 base.succeeded(&c.id);
-                text.append_value(&c.text);
-                finish.append_value(c.finish_reason.as_str());
+                let first = &c.choices[0];
+                // A scoring row generated no text.
+                text.append_option((first.finish_reason != FinishReason::Scored).then_some(&first.text));
+                finish.append_value(first.finish_reason.as_str());
                 prompt_tokens.append_value(c.prompt_tokens);
-                completion_tokens.append_value(c.completion_tokens);
+                completion_tokens.append_value(c.completion_tokens());
                 queue.append_value(c.queue_s);
                 ttft.append_value(c.ttft_s);
                 e2e.append_value(c.e2e_s);
@@ -931,6 +1003,23 @@ fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<RecordBatch, arr
         Arc::new(e2e.finish()),
         Arc::new(tpot.finish()),
     ])?;
+    // The nested columns through arrow's JSON decoder, which builds lists of structs from serde values.
+    let nested_fields: Vec<_> = schema.fields().iter().skip(columns.len()).cloned().collect();
+    let nested_schema = Arc::new(Schema::new(nested_fields));
+    let mut decoder = arrow::json::ReaderBuilder::new(nested_schema).with_batch_size(n.max(1)).build_decoder()?;
+    let values: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|row| nested_json(match row {
+            Outcome::Completed(c) => Some(c),
+            _ => None,
+        }))
+        .collect();
+    decoder.serialize(&values)?;
+    let mut columns = columns;
+    match decoder.flush()? {
+        Some(nested) => columns.extend(nested.columns().iter().cloned()),
+        None => columns.extend(schema.fields().iter().skip(columns.len()).map(|f| arrow::array::new_empty_array(f.data_type()))),
+    }
     RecordBatch::try_new(schema, columns)
 }
 
@@ -945,6 +1034,7 @@ mod tests {
                 fields.iter().map(|f| format!("{}: {}", f.name(), type_name(f.data_type()))).collect::<Vec<_>>().join(", ")
             ),
             DataType::FixedSizeList(item, _) => format!("FixedSizeList<{}, dimensions>", type_name(item.data_type())),
+            DataType::List(item) => format!("List<{}>", type_name(item.data_type())),
             other => format!("{other:?}"),
         }
     }

@@ -74,6 +74,8 @@ pub struct SourceRow {
     /// The prompt, or why the row cannot be used (bad prompt or bad per-row parameters).
     pub prompt: Result<Prompt, RowError>,
     pub params: RowParams,
+    /// A scoring job's completion text (checked: a null or empty one makes `prompt` an error).
+    pub completion: Option<String>,
 }
 
 /// Rows decoded per batch sent downstream.
@@ -89,8 +91,10 @@ struct InputFile {
     metadata: ArrowReaderMetadata,
     id_index: Option<usize>,
     prompt_index: usize,
-    /// (generation key, column index) of the per-row parameter columns.
-    param_indices: Vec<(&'static str, usize)>,
+    /// (generation key, its type, column index) of the per-row parameter columns.
+    param_indices: Vec<(&'static str, job::ParamType, usize)>,
+    /// The completion column of a scoring job.
+    completion_index: Option<usize>,
 }
 
 /// An opened input: its files listed and their footers read and checked.
@@ -138,10 +142,14 @@ impl Input {
             };
             let mut param_indices = Vec::new();
             for (key, column) in spec.parameters.columns() {
-                let kind = if matches!(key, "temperature" | "top_p") { ColumnKind::Number } else { ColumnKind::Integer };
-                param_indices.push((key, check_column(&url, &schema, column, kind)?));
+                let ty = job::ROW_PARAMETERS.iter().find(|(k, _)| *k == key).expect("columns are known parameters").1;
+                param_indices.push((key, ty, check_column(&url, &schema, column, ColumnKind::Param(ty))?));
             }
-            files.push(InputFile { meta, url, metadata, id_index, prompt_index, param_indices });
+            let completion_index = match &spec.completion_column {
+                Some(name) => Some(check_column(&url, &schema, name, ColumnKind::Text)?),
+                None => None,
+            };
+            files.push(InputFile { meta, url, metadata, id_index, prompt_index, param_indices, completion_index });
         }
         let total_rows = files.iter().map(|f| f.rows()).sum();
         Ok(Input { location, files, prompt: spec.prompt.clone(), id_column: spec.id_column.clone(), total_rows })
@@ -262,7 +270,8 @@ impl Input {
         let descr = file.metadata.metadata().file_metadata().schema_descr_ptr();
         let mut roots = vec![file.prompt_index];
         roots.extend(file.id_index);
-        roots.extend(file.param_indices.iter().map(|(_, i)| *i));
+        roots.extend(file.param_indices.iter().map(|p| p.2));
+        roots.extend(file.completion_index);
         let mut stream = ParquetRecordBatchStreamBuilder::new_with_metadata(reader, file.metadata.clone())
             .with_projection(ProjectionMask::roots(&descr, roots))
             .with_row_groups(groups)
@@ -366,8 +375,7 @@ enum ColumnKind {
     Text,
     Messages,
     Id,
-    Integer,
-    Number,
+    Param(job::ParamType),
 }
 
 fn is_string(t: &DataType) -> bool {
@@ -384,13 +392,27 @@ fn check_column(url: &str, schema: &Schema, name: &str, kind: ColumnKind) -> Res
         ColumnKind::Text => (is_string(actual), "a string"),
         ColumnKind::Id => (is_string(actual) || actual.is_integer(), "a string or an integer"),
         ColumnKind::Messages => (messages_item(actual).is_some(), "list<struct<role: string, content: string>>"),
-        ColumnKind::Integer => (actual.is_integer(), "an integer"),
-        ColumnKind::Number => (actual.is_integer() || actual.is_floating(), "a number"),
+        ColumnKind::Param(ty) => match ty {
+            job::ParamType::Integer => (actual.is_integer(), "an integer"),
+            job::ParamType::Number => (actual.is_integer() || actual.is_floating(), "a number"),
+            job::ParamType::Bool => (*actual == DataType::Boolean, "a boolean"),
+            job::ParamType::Text => (is_string(actual), "a string"),
+            job::ParamType::TextList => (is_string(actual) || list_item(actual).is_some_and(is_string), "a list of strings, or a string"),
+            job::ParamType::IntegerList => (list_item(actual).is_some_and(|t| t.is_integer()), "a list of integers"),
+        },
     };
     if !ok {
         return Err(SourceError::ColumnType { url: url.into(), column: name.into(), actual: actual.to_string(), expected });
     }
     Ok(index)
+}
+
+/// The item type of a list column.
+fn list_item(t: &DataType) -> Option<&DataType> {
+    match t {
+        DataType::List(f) | DataType::LargeList(f) => Some(f.data_type()),
+        _ => None,
+    }
 }
 
 /// The struct type of a messages column's items, if the column has the expected shape.
@@ -415,49 +437,64 @@ fn to_strings(array: &ArrayRef) -> Result<StringArray, ParquetError> {
 
 /// Per-row parameters from the mapped columns, checked with the job file's range rules.
 fn params_of(batch_column: impl Fn(usize) -> Result<ArrayRef, ParquetError>, file: &InputFile, rows: usize) -> Result<Vec<Result<RowParams, RowError>>, ParquetError> {
+    use job::{ParamType, ParamValue};
     let mut out: Vec<Result<RowParams, RowError>> = vec![Ok(RowParams::default()); rows];
-    let cast = |a: &ArrayRef, t: &DataType| arrow::compute::cast(a, t).map_err(|e| ParquetError::General(e.to_string()));
-    for &(key, index) in &file.param_indices {
+    let general = |e: arrow::error::ArrowError| ParquetError::General(e.to_string());
+    for &(key, ty, index) in &file.param_indices {
         let column = batch_column(index)?;
-        let bad = |problem: String| RowError::new(ErrorCode::InvalidParameters, format!("{key} {problem}"));
-        if matches!(key, "temperature" | "top_p") {
-            let values = cast(&column, &DataType::Float64)?;
-            let values = values.as_primitive::<arrow::datatypes::Float64Type>();
-            for (i, slot) in out.iter_mut().enumerate() {
-                let Ok(params) = slot else { continue };
-                if values.is_null(i) {
-                    continue;
-                }
-                let v = values.value(i);
-                let checked = if key == "temperature" { job::check_temperature(v) } else { job::check_top_p(v) };
-                match (checked, key) {
-                    (Ok(v), "temperature") => params.temperature = Some(v),
-                    (Ok(v), _) => params.top_p = Some(v),
-                    (Err(p), _) => *slot = Err(bad(p)),
-                }
+        // Each column as a function from row to value (None for null), read with one cast per batch.
+        let value: Box<dyn Fn(usize) -> Option<ParamValue>> = match ty {
+            ParamType::Integer => {
+                // A u64 seed above i64::MAX does not survive the cast: it is read as null and the job's seed applies.
+                let a = arrow::compute::cast(&column, &DataType::Int64).map_err(general)?;
+                Box::new(move |i| a.is_valid(i).then(|| ParamValue::Integer(a.as_primitive::<arrow::datatypes::Int64Type>().value(i))))
             }
-        } else {
-            let values = cast(&column, &DataType::Int64)?;
-            let values = values.as_primitive::<arrow::datatypes::Int64Type>();
-            // A u64 seed above i64::MAX does not survive the cast: it is read as null and the job's seed applies.
-            for (i, slot) in out.iter_mut().enumerate() {
-                let Ok(params) = slot else { continue };
-                if values.is_null(i) {
-                    continue;
-                }
-                let v = values.value(i);
-                let result = match key {
-                    "max_new_tokens" => job::check_max_new_tokens(v).map(|v| params.max_new_tokens = Some(v)),
-                    "top_k" => job::check_top_k(v).map(|v| params.top_k = Some(v)),
-                    _ if v >= 0 => {
-                        params.seed = Some(v as u64);
-                        Ok(())
+            ParamType::Number => {
+                let a = arrow::compute::cast(&column, &DataType::Float64).map_err(general)?;
+                Box::new(move |i| a.is_valid(i).then(|| ParamValue::Number(a.as_primitive::<arrow::datatypes::Float64Type>().value(i))))
+            }
+            ParamType::Bool => {
+                let a = column.as_boolean().clone();
+                Box::new(move |i| a.is_valid(i).then(|| ParamValue::Bool(a.value(i))))
+            }
+            ParamType::Text => {
+                let a = to_strings(&column)?;
+                Box::new(move |i| a.is_valid(i).then(|| ParamValue::Text(a.value(i).to_string())))
+            }
+            ParamType::TextList if is_string(column.data_type()) => {
+                let a = to_strings(&column)?;
+                Box::new(move |i| a.is_valid(i).then(|| ParamValue::TextList(vec![a.value(i).to_string()])))
+            }
+            ParamType::TextList | ParamType::IntegerList => {
+                let item = if ty == ParamType::TextList { DataType::Utf8 } else { DataType::Int64 };
+                let list = arrow::compute::cast(&column, &DataType::List(Arc::new(arrow::datatypes::Field::new("item", item, true))))
+                    .map_err(general)?;
+                Box::new(move |i| {
+                    let list = list.as_list::<i32>();
+                    if list.is_null(i) {
+                        return None;
                     }
-                    _ => Err(format!("must be >= 0, got {v}")),
-                };
-                if let Err(p) = result {
-                    *slot = Err(bad(p));
-                }
+                    let values = list.value(i);
+                    // A null item cannot be a stop string or a token id: it reads as an empty string or -1, which the
+                    // range rule refuses.
+                    Some(match ty {
+                        ParamType::TextList => {
+                            let v = values.as_string::<i32>();
+                            ParamValue::TextList((0..v.len()).map(|j| if v.is_null(j) { String::new() } else { v.value(j).to_string() }).collect())
+                        }
+                        _ => {
+                            let v = values.as_primitive::<arrow::datatypes::Int64Type>();
+                            ParamValue::IntegerList((0..v.len()).map(|j| if v.is_null(j) { -1 } else { v.value(j) }).collect())
+                        }
+                    })
+                })
+            }
+        };
+        for (i, slot) in out.iter_mut().enumerate() {
+            let Ok(params) = slot else { continue };
+            let Some(v) = value(i) else { continue };
+            if let Err(problem) = job::set_row_param(params, key, v) {
+                *slot = Err(RowError::new(ErrorCode::InvalidParameters, format!("{key} {problem}")));
             }
         }
     }
@@ -500,11 +537,22 @@ fn rows_of(
         PromptColumn::Messages(_) => messages_of(&prompt_array)?,
     };
     let params = params_of(&column, file, batch.num_rows())?;
+    let completions = match file.completion_index {
+        Some(index) => Some(to_strings(&column(index)?)?),
+        None => None,
+    };
     Ok(prompts
         .into_iter()
         .zip(params)
         .enumerate()
         .map(|(i, (prompt, params))| {
+            let completion = completions.as_ref().map(|c| if c.is_null(i) { String::new() } else { c.value(i).to_string() });
+            let prompt = match &completion {
+                Some(c) if c.is_empty() => {
+                    prompt.and(Err(RowError::new(ErrorCode::InvalidCompletion, "the completion to score is null or empty")))
+                }
+                _ => prompt,
+            };
             let offset = first_offset + i as u32;
             let id = match &ids {
                 Some(ids) if !ids.is_null(i) => ids.value(i).to_string(),
@@ -514,7 +562,7 @@ fn rows_of(
                 Ok(params) => (prompt, params),
                 Err(e) => (prompt.and(Err(e)), RowParams::default()),
             };
-            SourceRow { id, tag: RowTag { unit: unit.id, offset }, prompt, params }
+            SourceRow { id, tag: RowTag { unit: unit.id, offset }, prompt, params, completion }
         })
         .collect())
 }

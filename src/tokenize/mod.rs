@@ -37,6 +37,8 @@ pub struct PreparedRow {
     pub tag: RowTag,
     pub params: RowParams,
     pub tokens: Result<Vec<u32>, RowError>,
+    /// A scoring job's completion, tokenized on its own (no special tokens), to follow the prompt's tokens.
+    pub completion: Option<Vec<u32>>,
 }
 
 /// Everything needed to turn a row into tokens: tokenizer, template, limits.
@@ -124,12 +126,29 @@ impl Preprocessor {
     }
 
     pub fn prepare(&self, row: SourceRow) -> PreparedRow {
-        let max_new_tokens = row.params.max_new_tokens.unwrap_or(self.max_new_tokens) as usize;
+        let completion = match row.completion.as_deref().map(|c| self.tokenizer.encode_fast(c, false)) {
+            None => None,
+            Some(Ok(encoding)) => Some(encoding.get_ids().to_vec()),
+            Some(Err(e)) => {
+                let error = RowError::new(ErrorCode::TemplateError, format!("tokenization of the completion failed: {e}"));
+                return PreparedRow { id: row.id, tag: row.tag, params: row.params, tokens: Err(error), completion: None };
+            }
+        };
+        let max_new_tokens = match &completion {
+            Some(c) => c.len(),
+            None => row.params.max_new_tokens.unwrap_or(self.max_new_tokens) as usize,
+        };
         let tokens = row.prompt.and_then(|prompt| {
             let tokens = self.encode(&self.render(&prompt)?)?;
-            // At least one position must remain for the first generated token.
-            if tokens.len() < self.context_length {
+            // At least one position must remain for the first generated token (or all of the completion to score).
+            if tokens.len() + completion.as_ref().map_or(0, |c| c.len().saturating_sub(1)) < self.context_length {
                 return Ok(tokens);
+            }
+            if completion.as_ref().is_some_and(|c| c.len() >= self.context_length / 2) {
+                return Err(RowError::new(
+                    ErrorCode::PromptTooLong,
+                    format!("the completion to score has {} tokens; the model's context is {} tokens", max_new_tokens, self.context_length),
+                ));
             }
             if self.truncate == Truncate::None {
                 return Err(RowError::new(
@@ -145,7 +164,7 @@ impl Preprocessor {
             let limit = self.context_length - max_new_tokens.min(self.context_length / 2).max(1);
             self.truncated(prompt, tokens.len(), limit)
         });
-        PreparedRow { id: row.id, tag: row.tag, params: row.params, tokens }
+        PreparedRow { id: row.id, tag: row.tag, params: row.params, tokens, completion }
     }
 
     /// Cuts the last user message (the text a summarisation or extraction row carries) from the left or the right
@@ -254,7 +273,7 @@ impl Prepare for EncoderPreprocessor {
             }
             Ok(ids.to_vec())
         });
-        PreparedRow { id: row.id, tag: row.tag, params: row.params, tokens }
+        PreparedRow { id: row.id, tag: row.tag, params: row.params, tokens, completion: None }
     }
 }
 

@@ -332,8 +332,7 @@ fn every_end_token_a_directory_names_stops_generation() {
     assert_eq!(im_end, 261);
     // tokenizer_config.json's eos_token first, then the list's others.
     assert_eq!((info.vocab.eos, info.vocab.eot, info.vocab.more_ends.clone()), (Some(261), Some(259), vec![258]));
-    let params = nightshift::job::GenerationParams { max_new_tokens: 1, temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0, stop: vec![] };
-    let stop = nightshift::engine::StopRules::new(&info.vocab, &params);
+    let stop = nightshift::engine::StopRules::new(&info.vocab);
     for id in [261, 259, 258] {
         assert!(stop.end_tokens.contains(&id), "{id} does not stop generation");
     }

@@ -145,6 +145,11 @@ pub fn read_results(out: &Path) -> BTreeMap<String, ResultRow> {
     OutputStore::local(out).results()
 }
 
+/// Result rows of a local output as JSON objects (nested columns included; nulls left out), keyed by id.
+pub fn read_results_json(out: &Path) -> BTreeMap<String, serde_json::Value> {
+    OutputStore::local(out).results_json()
+}
+
 /// The metrics row of a local output that has exactly one unit, as (column, value as f64).
 pub fn read_metrics(out: &Path) -> BTreeMap<String, Option<f64>> {
     let mut rows = OutputStore::local(out).metrics();
@@ -287,6 +292,25 @@ impl OutputStore {
     pub fn metrics(&self) -> Vec<BTreeMap<String, Option<f64>>> {
         let manifest = self.manifest();
         manifest["metrics"].as_array().unwrap().iter().flat_map(|f| metrics_rows(self.get(f.as_str().unwrap()).unwrap())).collect()
+    }
+
+    /// Every result row named by the manifest as JSON (nested columns included), keyed by id.
+    pub fn results_json(&self) -> BTreeMap<String, serde_json::Value> {
+        let manifest = self.manifest();
+        let mut rows = BTreeMap::new();
+        for file in manifest["results"].as_array().unwrap() {
+            let reader = ParquetRecordBatchReaderBuilder::try_new(self.get(file.as_str().unwrap()).unwrap()).unwrap().build().unwrap();
+            for batch in reader {
+                let mut writer = arrow::json::ArrayWriter::new(Vec::new());
+                writer.write(&batch.unwrap()).unwrap();
+                writer.finish().unwrap();
+                let values: Vec<serde_json::Value> = serde_json::from_slice(&writer.into_inner()).unwrap();
+                for v in values {
+                    rows.insert(v["id"].as_str().unwrap().to_string(), v);
+                }
+            }
+        }
+        rows
     }
 
     /// The first result file named by the manifest (for its metadata).
