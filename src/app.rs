@@ -834,7 +834,15 @@ pub fn validate(job_path: &Path, overrides: &Overrides) -> Result<ValidateReport
         JobKind::Generate => {
             let model = engine::model::inspect(&job.model.path)?;
             let sha = if job.model.path.is_dir() { check_model_dir(&job)? } else { check_model_file(&job)? };
-            Preprocessor::new(&model.vocab, &job.model.chat_template, &job.input, model.config.context_length, job.generation.max_new_tokens)?;
+            let pre = Preprocessor::new(&model.vocab, &job.model.chat_template, &job.input, model.config.context_length, job.generation.max_new_tokens)?;
+            // The generation parameters against the model, as a run checks them at start.
+            let invalid = |(key, problem): (&'static str, String)| crate::job::JobError::Invalid { path: job.file.clone(), key, problem };
+            engine::check_params(&job.generation, model.config.vocab_size, job.runtime.max_seqs).map_err(invalid)?;
+            if let Some(schema) = &job.generation.json_schema {
+                engine::grammars(pre.tokenizer(), model.config.vocab_size, &StopRules::new(&model.vocab))
+                    .and_then(|mut g| g.compile(schema).map(drop))
+                    .map_err(|e| invalid(("generation.json_schema", format!("cannot be used: {e}"))))?;
+            }
             let template = model.vocab.chat_template.clone();
             (ModelSummary::Decoder(model), sha, template)
         }

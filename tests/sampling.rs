@@ -392,7 +392,9 @@ fn per_row_schemas_are_compiled_once_and_bad_ones_fail_only_their_row() {
     let input = dir.join("in.parquet");
     write_parquet(&input, vec![id_column(&["a"]), prompt_column(&[FRANCE])]);
     let job = job_file(&dir, input.to_str().unwrap(), dir.join("out").to_str().unwrap(), "max_new_tokens = 8\njson_schema = '{\"type\": \"object\", \"required\": 5}'", "");
-    let run = nightshift(&["run", job.to_str().unwrap()], &[]);
-    assert_eq!(run.code, 2, "{}", run.stderr);
-    assert!(run.stderr.contains("generation.json_schema"), "{}", run.stderr);
+    for command in ["validate", "run"] {
+        let run = nightshift(&[command, job.to_str().unwrap()], &[]);
+        assert_eq!(run.code, 2, "{command}: {}", run.stderr);
+        assert!(run.stderr.contains("generation.json_schema"), "{command}: {}", run.stderr);
+    }
 }

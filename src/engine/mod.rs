@@ -39,6 +39,10 @@ pub enum ModelError {
     Checksum { path: PathBuf, expected: String, actual: String },
     #[error("device `{0}` is not available: this nightshift was built without CUDA support")]
     NoCuda(String),
+    /// The build has CUDA, but the device did not open (no driver, no such GPU, a stub library). `message` is
+    /// candle's error or the text of a panic inside cudarc, which has no error type to keep as a source.
+    #[error("CUDA device `{device}` cannot be opened: {message}")]
+    Cuda { device: String, message: String },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -51,10 +55,46 @@ impl EngineError {
     }
 }
 
+/// The device a job runs on. Without the `cuda` feature `auto` is the CPU and `cuda:N` an error. With it,
+/// `cuda:N` must open, and `auto` is cuda:0 when it opens and otherwise the CPU: the job still runs, only slower,
+/// and the log says which device was chosen and why.
 pub fn select_device(choice: &DeviceChoice) -> Result<Device, ModelError> {
+    #[cfg(not(feature = "cuda"))]
     match choice {
         DeviceChoice::Auto | DeviceChoice::Cpu => Ok(Device::Cpu),
         DeviceChoice::Cuda(n) => Err(ModelError::NoCuda(format!("cuda:{n}"))),
+    }
+
+    #[cfg(feature = "cuda")]
+    {
+        /// cudarc panics instead of returning an error in some cases (a driver library that is missing or lacks
+        /// a symbol), so the panic is caught and becomes a [`ModelError::Cuda`]. The default hook still prints it.
+        fn open_cuda(ordinal: usize) -> Result<Device, ModelError> {
+            let error = |message: String| ModelError::Cuda { device: format!("cuda:{ordinal}"), message };
+            match std::panic::catch_unwind(|| Device::new_cuda(ordinal)) {
+                Ok(Ok(device)) => Ok(device),
+                Ok(Err(e)) => Err(error(e.to_string())),
+                Err(panic) => {
+                    let text = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+                    Err(error(format!("panicked: {}", text.as_deref().unwrap_or("(no message)"))))
+                }
+            }
+        }
+
+        match choice {
+            DeviceChoice::Cpu => Ok(Device::Cpu),
+            DeviceChoice::Cuda(n) => open_cuda(*n),
+            DeviceChoice::Auto => match open_cuda(0) {
+                Ok(device) => {
+                    tracing::info!(device = "cuda:0", "runtime.device = auto: running on cuda:0");
+                    Ok(device)
+                }
+                Err(e) => {
+                    tracing::info!(device = "cpu", reason = %e, "runtime.device = auto: running on the CPU");
+                    Ok(Device::Cpu)
+                }
+            },
+        }
     }
 }
 
@@ -343,6 +383,30 @@ struct Group {
     most_sampled: u32,
 }
 
+/// Checks what the job file's rules cannot know: stop token ids against the model's vocabulary and `n` against
+/// the places (`max_seqs`). Err: (job file key, problem).
+pub fn check_params(params: &GenerationParams, vocab_size: usize, max_seqs: usize) -> Result<(), (&'static str, String)> {
+    if let Some(bad) = params.stop_token_ids.iter().find(|&&t| t as usize >= vocab_size) {
+        return Err(("generation.stop_token_ids", format!("has {bad}, outside the model's vocabulary of {vocab_size} tokens")));
+    }
+    if params.n as usize > max_seqs {
+        return Err(("generation.n", format!("is {}, more than runtime.max_seqs = {max_seqs} (the choices of a row run together)", params.n)));
+    }
+    Ok(())
+}
+
+/// The grammar vocabulary of a model: its tokens, with its end tokens (the EOS first) allowed once a value is
+/// complete.
+pub fn grammars(tokenizer: &Tokenizer, vocab_size: usize, stop: &StopRules) -> Result<constraint::Grammars, String> {
+    let mut ends: Vec<u32> = stop.end_tokens.iter().copied().collect();
+    ends.sort_unstable();
+    if let Some(eos) = stop.eos.filter(|e| ends.contains(e)) {
+        ends.retain(|&e| e != eos);
+        ends.insert(0, eos);
+    }
+    constraint::Grammars::new(tokenizer, vocab_size, &ends)
+}
+
 pub struct BatchEngine {
     model: Model,
     tokenizer: Tokenizer,
@@ -389,28 +453,14 @@ impl BatchEngine {
     /// The compiled grammar of a JSON Schema (cached by its text). Err: why the schema cannot be used.
     pub fn grammar(&mut self, schema: &str) -> Result<Arc<constraint::Grammar>, String> {
         if self.grammars.is_none() {
-            let mut ends: Vec<u32> = self.stop.end_tokens.iter().copied().collect();
-            ends.sort_unstable();
-            // The model's EOS first: the grammar allows it when the JSON is complete.
-            if let Some(eos) = self.stop.eos.filter(|e| ends.contains(e)) {
-                ends.retain(|&e| e != eos);
-                ends.insert(0, eos);
-            }
-            self.grammars = Some(constraint::Grammars::new(&self.tokenizer, self.model.config.vocab_size, &ends)?);
+            self.grammars = Some(grammars(&self.tokenizer, self.model.config.vocab_size, &self.stop)?);
         }
         self.grammars.as_mut().expect("built above").compile(schema)
     }
 
-    /// Checks what the job file's rules cannot know: token ids against the vocabulary, `n` against the places,
-    /// and the JSON Schema against the grammar engine. Err: (job file key, problem).
+    /// [`check_params`], and the JSON Schema compiled (once per distinct schema).
     pub fn check_params(&mut self, params: &GenerationParams) -> Result<Option<Arc<constraint::Grammar>>, (&'static str, String)> {
-        let vocab = self.model.config.vocab_size;
-        if let Some(bad) = params.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(("generation.stop_token_ids", format!("has {bad}, outside the model's vocabulary of {vocab} tokens")));
-        }
-        if params.n as usize > self.config.max_seqs {
-            return Err(("generation.n", format!("is {}, more than runtime.max_seqs = {} (the choices of a row run together)", params.n, self.config.max_seqs)));
-        }
+        check_params(params, self.model.config.vocab_size, self.config.max_seqs)?;
         match &params.json_schema {
             None => Ok(None),
             Some(schema) => self.grammar(schema).map(Some).map_err(|e| ("generation.json_schema", format!("cannot be used: {e}"))),
