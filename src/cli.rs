@@ -44,6 +44,54 @@ pub enum Command {
     /// Measure throughput on a synthetic workload (in-process, no object-store I/O).
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Write a random-weight llama-family model of a published model's shape as a Hugging Face directory
+    /// (safetensors, config, byte-level tokenizer, ChatML template): real shapes where real weights cannot go.
+    SynthModel(SynthModelArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct SynthModelArgs {
+    /// The directory to write (created if needed).
+    pub dir: PathBuf,
+    /// The shape: `llama-3.2-1b`, `smollm2-135m` or `tiny`.
+    #[arg(long, default_value = "llama-3.2-1b")]
+    pub shape: String,
+    /// Weight type: `bf16`, `f16` or `f32`.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl SynthModelArgs {
+    pub fn run(&self) -> Result<crate::synth::SynthReport, crate::error::Error> {
+        let dtype = match self.dtype.as_str() {
+            "bf16" => candle_core::DType::BF16,
+            "f16" => candle_core::DType::F16,
+            "f32" => candle_core::DType::F32,
+            other => return Err(crate::error::Error::Internal(format!("--dtype must be bf16, f16 or f32, got {other:?}"))),
+        };
+        crate::synth::synth_model(&self.dir, &crate::synth::Shape::named(&self.shape)?, dtype, self.seed)
+    }
+}
+
+pub fn print_synth(r: &crate::synth::SynthReport, dir: &std::path::Path) {
+    let s = &r.shape;
+    println!(
+        "wrote {}: {} shape ({} layers, hidden {}, {} heads / {} kv heads, ffn {}, vocab {}), {:.1} M parameters, {} weights, {:.1} MB in {:.1} s",
+        dir.display(),
+        s.name,
+        s.layers,
+        s.hidden,
+        s.heads,
+        s.kv_heads,
+        s.intermediate,
+        s.vocab,
+        r.parameters as f64 / 1e6,
+        r.dtype,
+        r.bytes as f64 / 1e6,
+        r.seconds
+    );
 }
 
 #[derive(Debug, Subcommand)]

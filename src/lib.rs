@@ -38,4 +38,5 @@ pub mod schedule;
 pub mod seq2seq;
 pub mod sink;
 pub mod source;
+pub mod synth;
 pub mod tokenize;
