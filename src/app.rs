@@ -777,7 +777,7 @@ fn drive<E: Engine>(
         for result in results {
             let outcome = match result {
                 Ok(completion) => Outcome::Completed(completion),
-                Err((request, error)) => Outcome::Failed { id: request.id, tag: request.tag, error },
+                Err(f) => Outcome::Failed { id: f.id, tag: f.tag, error: f.error },
             };
             if sink.blocking_send(outcome).is_err() {
                 // The sink failed; its error is the one reported.

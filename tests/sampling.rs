@@ -71,8 +71,10 @@ fn tokens(row: &Value) -> u64 {
     row["completion_tokens"].as_u64().unwrap()
 }
 
-/// (token id, logprob, [(alternative id, logprob)]) per output token.
-fn logprobs(row: &Value) -> Vec<(u64, f64, Vec<(u64, f64)>)> {
+/// One output token: (token id, logprob, [(alternative id, logprob)]).
+type Logprob = (u64, f64, Vec<(u64, f64)>);
+
+fn logprobs(row: &Value) -> Vec<Logprob> {
     row["logprobs"]
         .as_array()
         .unwrap_or_else(|| panic!("no logprobs: {row}"))
@@ -379,7 +381,7 @@ fn per_row_schemas_are_compiled_once_and_bad_ones_fail_only_their_row() {
     let obj: Value = serde_json::from_str(text(&rows["obj"])).unwrap();
     assert!(obj["answer"].is_string() && obj["confidence"].is_i64(), "{obj}");
     let list_value: Value = serde_json::from_str(text(&rows["list"])).unwrap();
-    assert!(validate_with_python(&serde_json::from_str(list).unwrap(), &[list_value.clone()]).is_empty(), "{list_value}");
+    assert!(validate_with_python(&serde_json::from_str(list).unwrap(), std::slice::from_ref(&list_value)).is_empty(), "{list_value}");
     assert!(validate_with_python(&serde_json::from_str(schema).unwrap(), &[obj]).is_empty());
     assert_eq!(rows["bad"]["error"]["code"], "invalid_parameters", "{}", rows["bad"]);
     assert!(rows["bad"]["error"]["message"].as_str().unwrap().contains("json_schema"), "{}", rows["bad"]);

@@ -179,7 +179,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
             break;
         }
         for result in engine.step().map_err(Error::Engine)? {
-            done.push(result.map_err(|(r, e)| Error::Engine(crate::engine::EngineError::new(format!("{}: {}", r.id, e.message))))?);
+            done.push(result.map_err(|f| Error::Engine(crate::engine::EngineError::new(format!("{}: {}", f.id, f.error.message))))?);
         }
     }
     let seconds = started.elapsed().as_secs_f64();

@@ -157,7 +157,15 @@ fn finish_reason_str<S: serde::Serializer>(r: &FinishReason, s: S) -> Result<S::
 }
 
 /// What one step of the engine produced for a row: its result, or the error that failed it.
-pub type RowResult = Result<Completion, (Request, RowError)>;
+pub type RowResult = Result<Completion, RowFailure>;
+
+/// A row that failed in the engine.
+#[derive(Clone, Debug)]
+pub struct RowFailure {
+    pub id: String,
+    pub tag: RowTag,
+    pub error: RowError,
+}
 
 /// A finished row: every choice done.
 #[derive(Clone, Debug)]
@@ -579,7 +587,7 @@ impl BatchEngine {
     }
 
     /// Finishes one choice; returns the row's result when it was the last.
-    fn finish(&mut self, id: SeqId, reason: FinishReason, now: Instant) -> Option<Result<Completion, (Request, RowError)>> {
+    fn finish(&mut self, id: SeqId, reason: FinishReason, now: Instant) -> Option<RowResult> {
         self.scheduler.finish(id);
         let seq = self.seqs.remove(&id).expect("a finished sequence exists");
         let group = self.groups.get_mut(&seq.group).expect("a sequence's group exists");
@@ -606,7 +614,7 @@ impl BatchEngine {
     }
 
     /// The row's result from its finished choices; a choice that failed fails the row.
-    fn complete(&self, group: Group, now: Instant) -> Result<Completion, (Request, RowError)> {
+    fn complete(&self, group: Group, now: Instant) -> RowResult {
         let arrival = group.request.arrival;
         let first = group.first_token.unwrap_or(now);
         let choices: Vec<Choice> = group.choices.into_iter().map(|c| c.expect("every choice finished")).collect();
@@ -624,14 +632,14 @@ impl BatchEngine {
     }
 
     /// Fails a whole row (every choice) with an error found while it ran.
-    fn fail(&mut self, group: SeqId, message: String) -> (Request, RowError) {
+    fn fail(&mut self, group: SeqId, message: String) -> RowFailure {
         let ids: Vec<SeqId> = self.seqs.iter().filter(|(_, s)| s.group == group).map(|(&id, _)| id).collect();
         for id in ids {
             self.scheduler.finish(id);
             self.seqs.remove(&id);
         }
         let g = self.groups.remove(&group).expect("a failing row's group exists");
-        (g.request, RowError::new(ErrorCode::EngineError, message))
+        RowFailure { id: g.request.id, tag: g.request.tag, error: RowError::new(ErrorCode::EngineError, message) }
     }
 }
 
@@ -728,7 +736,7 @@ impl Engine for BatchEngine {
             .map(|id| {
                 let seq = &self.seqs[id];
                 match &self.groups[&seq.group].request.completion {
-                    Some(c) if seq.cache.len() == 0 => c.len() + 1,
+                    Some(c) if seq.cache.is_empty() => c.len() + 1,
                     _ => 1,
                 }
             })

@@ -745,7 +745,7 @@ fn json_schema_of(value: toml::Value) -> Result<String, String> {
         toml::Value::String(s) if s.trim_start().starts_with('{') => check_json_schema(&s),
         toml::Value::String(s) => {
             let path = Path::new(&s);
-            let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
+            let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
             check_json_schema(&text).map_err(|p| format!("`{}` {p}", path.display()))
         }
         other => Err(format!("must be a table, JSON text or a file path, got a {}", other.type_str())),
