@@ -369,18 +369,9 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
                     return;
                 }
                 for row in prepare.prepare_all(rows) {
-                    let sent = match row.tokens {
-                        Ok(tokens) => request_tx
-                            .send(Request {
-                                id: row.id,
-                                tag: row.tag,
-                                params: row.params,
-                                tokens,
-                                completion: row.completion,
-                                arrival: Instant::now(),
-                            })
-                            .is_ok(),
-                        Err(error) => tokenize_sink.blocking_send(Outcome::Failed { id: row.id, tag: row.tag, error }).is_ok(),
+                    let sent = match Request::ready(row) {
+                        Ok(request) => request_tx.send(request).is_ok(),
+                        Err((id, tag, error)) => tokenize_sink.blocking_send(Outcome::Failed { id, tag, error }).is_ok(),
                     };
                     if !sent {
                         return;
@@ -973,14 +964,8 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
                         };
                         lengths.push((prompt, max_new.min(longest.saturating_sub(prompt))));
                         if calibration_requests.len() < calibration_rows {
-                            calibration_requests.push(Request {
-                                id: row.id,
-                                tag: row.tag,
-                                params: row.params,
-                                tokens,
-                                completion: row.completion,
-                                arrival: Instant::now(),
-                            });
+                            let row = crate::tokenize::PreparedRow { tokens: Ok(tokens), ..row };
+                            calibration_requests.extend(Request::ready(row).ok());
                         }
                     }
                     Err(e) if e.code == crate::row::ErrorCode::PromptTooLong => {

@@ -118,6 +118,16 @@ pub struct Request {
     pub arrival: Instant,
 }
 
+impl Request {
+    /// A tokenized row, ready now; or its id, tag and error when it could not be tokenized.
+    pub fn ready(row: crate::tokenize::PreparedRow) -> Result<Request, (String, RowTag, RowError)> {
+        match row.tokens {
+            Ok(tokens) => Ok(Request { id: row.id, tag: row.tag, params: row.params, tokens, completion: row.completion, arrival: Instant::now() }),
+            Err(error) => Err((row.id, row.tag, error)),
+        }
+    }
+}
+
 /// The log-probability of one token, with the most likely alternatives at its position.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct TokenLogprob {
