@@ -376,7 +376,6 @@ struct Sequence {
     /// How often each token occurs in the output; kept only when a penalty needs it.
     counts: HashMap<u32, u32>,
     logprobs: Option<Vec<TokenLogprob>>,
-    cumulative_logprob: f64,
     constraint: Option<constraint::Constraint>,
     /// Choices still to fork from this sequence right after its prefill (`n - 1` for a row's first sequence).
     forks: u32,
@@ -386,8 +385,6 @@ struct Sequence {
 struct Group {
     request: Request,
     params: GenerationParams,
-    /// Whether the penalties need the output's token counts.
-    counts: bool,
     /// The prompt's distinct tokens, for a repetition penalty (empty without one).
     penalty_prompt: Vec<u32>,
     grammar: Option<Arc<constraint::Grammar>>,
@@ -397,8 +394,6 @@ struct Group {
     /// When its prefill began (the end of its queue time), and its first token.
     admitted: Option<Instant>,
     first_token: Option<Instant>,
-    /// The most tokens any choice sampled, for the time per output token.
-    most_sampled: u32,
 }
 
 /// Checks what the job file's rules cannot know: stop token ids against the model's vocabulary and `n` against
@@ -501,7 +496,6 @@ impl BatchEngine {
             rng: Rng::new(sampling::choice_seed(g.params.seed, &g.request.id, index)),
             counts: HashMap::new(),
             logprobs: g.params.logprobs.map(|_| Vec::new()),
-            cumulative_logprob: 0.0,
             constraint,
             forks: 0,
         })
@@ -553,7 +547,6 @@ impl BatchEngine {
         if let Some((k, raw)) = raw {
             let lp = self.token_logprob(&raw, token, k);
             let seq = self.seqs.get_mut(&id).expect("a scheduled sequence exists");
-            seq.cumulative_logprob += lp.logprob as f64;
             seq.logprobs.as_mut().expect("logprobs were asked for").push(lp);
         }
         Ok(token)
@@ -567,7 +560,6 @@ impl BatchEngine {
         let p = &group.params;
         seq.sampled += 1;
         group.first_token.get_or_insert(now);
-        group.most_sampled = group.most_sampled.max(seq.sampled);
         // `choose` lets an end token through only after `min_new_tokens`, or when nothing else was allowed.
         if (!p.ignore_eos && self.stop.end_tokens.contains(&token)) || p.stop_token_ids.contains(&token) {
             return Ok(Some(FinishReason::Stop));
@@ -575,7 +567,7 @@ impl BatchEngine {
         // Stop strings count from the token that completes `min_new_tokens` (as vLLM).
         let min_done = seq.sampled >= p.min_new_tokens;
         seq.generated.push(token);
-        if group.counts {
+        if p.has_penalties() {
             *seq.counts.entry(token).or_insert(0) += 1;
         }
         if let Some(c) = &mut seq.constraint {
@@ -606,14 +598,13 @@ impl BatchEngine {
             (_, Some(text)) => text,
             (_, None) => self.tokenizer.decode(&seq.generated, true).unwrap_or_default(),
         };
-        let computed = seq.logprobs.is_some();
         group.choices[seq.index as usize] = Some(Choice {
             index: seq.index,
             text,
             finish_reason: reason,
             completion_tokens: seq.sampled,
+            cumulative_logprob: seq.logprobs.as_ref().map(|l| l.iter().map(|t| t.logprob as f64).sum()),
             logprobs: seq.logprobs,
-            cumulative_logprob: computed.then_some(seq.cumulative_logprob),
         });
         group.live -= 1;
         if group.live > 0 {
@@ -628,6 +619,7 @@ impl BatchEngine {
         let arrival = group.request.arrival;
         let first = group.first_token.unwrap_or(now);
         let choices: Vec<Choice> = group.choices.into_iter().map(|c| c.expect("every choice finished")).collect();
+        let most_sampled = choices.iter().map(|c| c.completion_tokens).max().unwrap_or(0);
         Ok(Completion {
             tag: group.request.tag,
             prompt_tokens: group.request.tokens.len() as u32,
@@ -637,7 +629,7 @@ impl BatchEngine {
             queue_s: (group.admitted.unwrap_or(now) - arrival).as_secs_f64(),
             ttft_s: (first - arrival).as_secs_f64(),
             e2e_s: (now - arrival).as_secs_f64(),
-            tpot_s: (group.most_sampled > 1).then(|| (now - first).as_secs_f64() / (group.most_sampled - 1) as f64),
+            tpot_s: (most_sampled > 1).then(|| (now - first).as_secs_f64() / (most_sampled - 1) as f64),
         })
     }
 
@@ -670,7 +662,9 @@ impl Engine for BatchEngine {
         let prompt = request.tokens.len() + completion.len();
         let scoring = request.completion.is_some();
         let max_new_tokens = if scoring { 0 } else { (params.max_new_tokens as usize).min(limit.saturating_sub(prompt)) };
-        if request.tokens.is_empty() || prompt >= limit + scoring as usize {
+        // A generating row needs a position left for its first token; a scoring row only its own tokens.
+        let fits = if scoring { prompt <= limit } else { prompt < limit };
+        if request.tokens.is_empty() || !fits {
             return Err(RowError::new(
                 ErrorCode::PromptTooLong,
                 format!("the prompt has {prompt} tokens; the model's context and the KV cache budget allow {}", limit.saturating_sub(1)),
@@ -683,7 +677,6 @@ impl Engine for BatchEngine {
             .push_group(id, prompt, max_new_tokens, n as usize)
             .map_err(|e| RowError::new(ErrorCode::PromptTooLong, e.to_string()))?;
         let pending: Vec<u32> = request.tokens.iter().chain(completion).copied().collect();
-        let counts = params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 || params.repetition_penalty != 1.0;
         let mut penalty_prompt = Vec::new();
         if params.repetition_penalty != 1.0 {
             penalty_prompt = request.tokens.clone();
@@ -695,14 +688,12 @@ impl Engine for BatchEngine {
             Group {
                 request,
                 params,
-                counts,
                 penalty_prompt,
                 grammar,
                 choices: vec![None; n as usize],
                 live: n as usize,
                 admitted: None,
                 first_token: None,
-                most_sampled: 0,
             },
         );
         let cache = KvCache::new(&self.model.config, prompt + max_new_tokens.min(INITIAL_ANSWER_TOKENS));
@@ -781,12 +772,12 @@ impl Engine for BatchEngine {
             if failed.iter().any(|f| f.0 == group) {
                 continue;
             }
-            if let Some(completion) = self.groups[&group].request.completion.clone() {
+            let g = &self.groups[&group];
+            if let Some(completion) = &g.request.completion {
                 // Scoring: the log-probability of each completion token after the tokens before it.
-                let top = self.groups[&group].params.logprobs.unwrap_or(0);
+                let top = g.params.logprobs.unwrap_or(0);
                 let scored: Vec<TokenLogprob> = completion.iter().zip(&rows).map(|(&t, row)| self.token_logprob(row, t, top)).collect();
                 let seq = self.seqs.get_mut(&id).expect("a scheduled sequence exists");
-                seq.cumulative_logprob = scored.iter().map(|l| l.logprob as f64).sum();
                 seq.sampled = scored.len() as u32;
                 seq.logprobs = Some(scored);
                 self.groups.get_mut(&group).expect("checked above").first_token.get_or_insert(now);

@@ -422,14 +422,15 @@ impl GenerationParams {
         Ok(())
     }
 
+    /// Whether a penalty needs the output's token counts.
+    pub fn has_penalties(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
     /// Whether a row's next token is simply the most likely one: no sampling, penalties, constraint or
     /// log-probabilities to compute (the engine's fast path).
     pub fn is_plain_greedy(&self) -> bool {
-        (self.temperature == 0.0 || self.top_k == 1)
-            && self.repetition_penalty == 1.0
-            && self.presence_penalty == 0.0
-            && self.frequency_penalty == 0.0
-            && self.logprobs.is_none()
+        (self.temperature == 0.0 || self.top_k == 1) && !self.has_penalties() && self.logprobs.is_none()
             && self.json_schema.is_none()
     }
 }

@@ -98,7 +98,9 @@ impl Seq2SeqEngine {
             return Some(FinishReason::Stop);
         }
         seq.generated.push(token);
-        *seq.counts.entry(token).or_insert(0) += 1;
+        if seq.params.has_penalties() {
+            *seq.counts.entry(token).or_insert(0) += 1;
+        }
         if let Some(text) = seq.stop_scan.push(&self.tokenizer, token, &seq.params.stop, true, seq.params.include_stop_str_in_output) {
             seq.cut_text = Some(text);
             return Some(FinishReason::Stop);
@@ -166,7 +168,9 @@ impl Engine for Seq2SeqEngine {
         let mut finished = Vec::new();
         for (index, mut row) in logits.into_iter().enumerate() {
             let seq = &mut self.running[index];
-            sampling::apply_penalties(&mut row, &seq.params, &[], &seq.counts);
+            if seq.params.has_penalties() {
+                sampling::apply_penalties(&mut row, &seq.params, &[], &seq.counts);
+            }
             let token = sampling::sample(&row, &seq.params, &mut seq.rng);
             if let Some(reason) = self.advance(index, token, now) {
                 finished.push((index, reason));
