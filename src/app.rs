@@ -571,16 +571,21 @@ fn load_worker(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error>
         JobKind::Generate => {
             // A Hugging Face directory is fingerprinted by its files, like the encoders' directories.
             let model_sha256 = if job.model.path.is_dir() { check_model_dir(job)? } else { check_model_file(job)? };
-            let (model, info) = Model::load(&job.model.path, device)?;
-            let cfg = &info.config;
+            let (mut model, info) = Model::load(&job.model.path, device)?;
+            // The paged path on the CPU, for checking it end to end against the CPU path (accelerators always
+            // run it).
+            if std::env::var_os("NIGHTSHIFT_PAGED").is_some_and(|v| v == "1") && !model.is_paged() {
+                model.use_paged().map_err(|e| Error::Engine(engine::EngineError::new(e.to_string())))?;
+            }
+            let cfg = &model.config.clone();
             info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
                 kv_bytes_per_token = cfg.kv_bytes_per_token(), "decoder");
-            let kv_bytes = engine::kv_cache_bytes(job.runtime.kv_cache_memory);
+            let kv_bytes = engine::kv_cache_bytes(job.runtime.kv_cache_memory, device);
             let batch = BatchConfig::new(job.runtime.max_seqs, job.runtime.max_batch_tokens, kv_bytes, cfg);
             let longest = batch.max_sequence_tokens(cfg);
             info!(
                 max_seqs = batch.max_seqs, max_batch_tokens = batch.max_batch_tokens,
-                kv_cache_mib = (batch.kv_blocks * engine::KvCache::block_bytes(cfg)) >> 20, kv_tokens = batch.kv_tokens(),
+                kv_cache_mib = (batch.kv_blocks * model.kv_block_bytes()) >> 20, kv_tokens = batch.kv_tokens(),
                 tokens_per_seq_at_max_seqs = batch.kv_tokens() / batch.max_seqs, longest_sequence = longest,
                 "engine configured: {} sequences fit at {} tokens each, before preemption",
                 batch.kv_tokens() / longest.max(1), longest
@@ -594,7 +599,7 @@ fn load_worker(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error>
                 Preprocessor::new(&info.vocab, &job.model.chat_template, &job.input, longest, job.generation.max_new_tokens)?;
             let stop = StopRules::new(&info.vocab);
             let weights_bytes = model.weight_bytes();
-            let mut engine = BatchEngine::new(model, preprocessor.tokenizer().clone(), job.generation.clone(), stop, batch);
+            let mut engine = BatchEngine::new(model, preprocessor.tokenizer().clone(), job.generation.clone(), stop, batch).map_err(Error::Engine)?;
             // The job's own parameters against the model: its stop token ids, its n, its JSON Schema compiled.
             engine.check_params(&job.generation).map_err(|(key, problem)| crate::job::JobError::Invalid { path: job.file.clone(), key, problem })?;
             Ok(Loaded {

@@ -6,6 +6,19 @@ use nightshift::engine::{KvCache, Model, Segment};
 use crate::support::model_path;
 
 mod hf;
+mod paged;
+
+/// A tiny random-weight Hugging Face model of every variant, named by variant.
+fn hf_variants(name: &str) -> Vec<(String, std::path::PathBuf)> {
+    crate::support::HfVariant::ALL
+        .into_iter()
+        .map(|variant| {
+            let dir = crate::support::scratch(&format!("hf-{name}-{variant:?}")).join("model");
+            crate::support::write_tiny_hf_model(&dir, variant);
+            (format!("{variant:?}"), dir)
+        })
+        .collect()
+}
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());

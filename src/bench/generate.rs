@@ -151,9 +151,9 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
     };
     let stop = StopRules::new(&info.vocab);
     let weights_bytes = model.weight_bytes();
-    let kv_bytes = crate::engine::kv_cache_bytes(options.kv_cache_memory);
+    let kv_bytes = crate::engine::kv_cache_bytes(options.kv_cache_memory, &device);
     let config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, &model.config);
-    let mut engine = BatchEngine::new(model, pre.tokenizer().clone(), params, stop, config);
+    let mut engine = BatchEngine::new(model, pre.tokenizer().clone(), params, stop, config).map_err(Error::Engine)?;
 
     let started = Instant::now();
     let mut queue = rows.iter().enumerate();

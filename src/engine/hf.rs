@@ -220,6 +220,7 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         rope_base: rope_base as f32,
         rope_scaling,
         vocab_size: c.vocab_size,
+        kv_element_bytes: 4,
     };
     Ok((config, variant))
 }
@@ -316,10 +317,10 @@ impl Shards {
         Some((view.shape().to_vec(), format!("{:?}", view.dtype()).to_lowercase()))
     }
 
-    fn load(&self, name: &str, device: &Device) -> Result<Tensor, ModelError> {
+    fn load(&self, name: &str, device: &Device, dtype: DType) -> Result<Tensor, ModelError> {
         let index = *self.routing.get(name).ok_or_else(|| ModelError::Metadata(format!("tensor `{name}` is missing")))?;
         let (path, mapped) = &self.files[index];
-        mapped.load(name, device).and_then(|t| t.to_dtype(DType::F32)).map_err(|e| unreadable(path, e))
+        mapped.load(name, device).and_then(|t| t.to_dtype(dtype)).map_err(|e| unreadable(path, e))
     }
 
     /// Tensor dtypes and how many tensors have each.
@@ -404,12 +405,30 @@ pub fn inspect(dir: &Path) -> Result<ModelInfo, ModelError> {
     Checkpoint::open(dir).map(|c| c.info)
 }
 
-/// Loads a Hugging Face directory's decoder onto `device`, weights in f32.
-pub fn load(dir: &Path, device: &Device) -> Result<(Model, ModelInfo), ModelError> {
+/// The dtype weights and activations are computed in: f32 on the CPU (candle's CPU gemm has no fast bf16 path),
+/// bf16 on an accelerator (Hugging Face's and vLLM's default for these checkpoints; an f16 checkpoint is
+/// converted, as its range fits). `NIGHTSHIFT_DTYPE=f32|bf16|f16` chooses another, for parity checks.
+pub fn compute_dtype(device: &Device) -> Result<DType, ModelError> {
+    match std::env::var("NIGHTSHIFT_DTYPE").as_deref() {
+        Ok("f32") => Ok(DType::F32),
+        Ok("bf16") => Ok(DType::BF16),
+        Ok("f16") => Ok(DType::F16),
+        Ok(other) if !other.is_empty() => Err(ModelError::Metadata(format!("NIGHTSHIFT_DTYPE is `{other}`; expected f32, bf16 or f16"))),
+        _ if device.is_cpu() => Ok(DType::F32),
+        _ => Ok(DType::BF16),
+    }
+}
+
+/// Loads a Hugging Face directory's decoder onto `device`, weights in `dtype` (`None`: [`compute_dtype`]'s).
+pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model, ModelInfo), ModelError> {
     let Checkpoint { info, variant, shards } = Checkpoint::open(dir)?;
     let config = info.config.clone();
     let hd = config.head_dim;
-    let load = |name: &str| shards.load(name, device);
+    let dtype = match dtype {
+        Some(dtype) => dtype,
+        None => compute_dtype(device)?,
+    };
+    let load = |name: &str| shards.load(name, device, dtype);
     let rotary = |name: &str| load(name).and_then(|t| interleave_halves(&t, hd).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}"))));
     let dense = |t: Tensor| QMatMul::Tensor(t);
     let embedding = load("model.embed_tokens.weight")?;
@@ -445,7 +464,9 @@ pub fn load(dir: &Path, device: &Device) -> Result<(Model, ModelInfo), ModelErro
         false => dense(load("lm_head.weight")?),
     };
     let weights = Weights { embedding, layers, output_norm, lm_head, attn_width: config.heads * hd };
-    Ok((Model::assemble(config, device, weights), info))
+    let model = Model::assemble(config, device, weights)?;
+    let info = ModelInfo { config: model.config.clone(), ..info };
+    Ok((model, info))
 }
 
 /// Reorders the rows of a tensor whose first dimension is `heads x head_dim` (a q or k projection, its bias, a

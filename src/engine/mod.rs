@@ -22,7 +22,7 @@ use crate::job::{DeviceChoice, GenerationParams};
 use crate::row::{ErrorCode, FinishReason, RowError, RowParams, RowTag};
 use crate::schedule::{Scheduler, SeqId};
 use crate::tokenize::TextStream;
-pub use model::{KvCache, KV_BLOCK_TOKENS, Layout, Model, ModelConfig, ModelInfo, Segment};
+pub use model::{KvCache, KV_BLOCK_TOKENS, Layout, Model, ModelConfig, ModelInfo, Segment, StepLogits};
 use sampling::Rng;
 
 #[derive(Debug, thiserror::Error)]
@@ -98,10 +98,21 @@ pub fn select_device(choice: &DeviceChoice) -> Result<Device, ModelError> {
     }
 }
 
-/// The KV cache budget in bytes: a size as given, or a fraction of the memory available now (call it after the
-/// model has loaded, so the weights are not counted twice).
-pub fn kv_cache_bytes(budget: crate::job::MemoryBudget) -> u64 {
-    budget.resolve(crate::metrics::available_memory_bytes().unwrap_or(4 << 30))
+/// The KV cache budget in bytes: a size as given, or a fraction of the memory available now on the device the
+/// cache lives on (host memory for the CPU, the GPU's free memory for CUDA; call it after the model has loaded,
+/// so the weights are not counted twice).
+pub fn kv_cache_bytes(budget: crate::job::MemoryBudget, device: &Device) -> u64 {
+    budget.resolve(device_memory_available(device).unwrap_or(4 << 30))
+}
+
+/// Memory available now on a device: the host's for the CPU, the GPU's free memory for CUDA.
+pub fn device_memory_available(device: &Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = device {
+        return cuda.cuda_stream().context().mem_get_info().ok().map(|(free, _total)| free as u64);
+    }
+    let _ = device;
+    crate::metrics::available_memory_bytes()
 }
 
 /// A tokenized row for the engine.
@@ -437,10 +448,13 @@ pub struct BatchEngine {
 }
 
 impl BatchEngine {
-    pub fn new(model: Model, tokenizer: Tokenizer, params: GenerationParams, stop: StopRules, config: BatchConfig) -> Self {
+    /// An engine over a loaded model. Sizes the paged path's KV pool to the budget (`config.kv_blocks`): fails
+    /// only if the pool was already allocated at another size.
+    pub fn new(model: Model, tokenizer: Tokenizer, params: GenerationParams, stop: StopRules, config: BatchConfig) -> Result<Self, EngineError> {
+        model.set_kv_blocks(config.kv_blocks).map_err(|e| EngineError(e.to_string()))?;
         let scheduler = Scheduler::new(config.schedule());
         let stats = EngineStats { kv_blocks: config.kv_blocks, ..EngineStats::default() };
-        BatchEngine {
+        Ok(BatchEngine {
             model,
             tokenizer,
             params,
@@ -452,7 +466,7 @@ impl BatchEngine {
             grammars: None,
             next_id: 0,
             stats,
-        }
+        })
     }
 
     pub fn model(&self) -> &Model {
@@ -515,11 +529,16 @@ impl BatchEngine {
 
     /// Chooses a sequence's next token from its logits: penalties, masks (`min_new_tokens`, the JSON grammar),
     /// then greedy or sampling; records its log-probability when asked.
-    fn choose(&mut self, id: SeqId, mut logits: Vec<f32>) -> Result<u32, String> {
+    fn choose(&mut self, id: SeqId, logits: StepLogits) -> Result<u32, String> {
         let seq = self.seqs.get(&id).expect("a scheduled sequence exists");
         let group = &self.groups[&seq.group];
         let p = &group.params;
         let min_active = (seq.sampled as usize) < p.min_new_tokens as usize;
+        let mut logits = match logits {
+            // The device chose it: asked for only when the fast path below applies (`greedy_only`).
+            StepLogits::Argmax(token) => return Ok(token),
+            StepLogits::Full(logits) => logits,
+        };
         if p.is_plain_greedy() && !min_active {
             // The fast path: no copy, no pass over the logits beyond the argmax.
             return Ok(sampling::argmax(&logits));
@@ -696,7 +715,7 @@ impl Engine for BatchEngine {
                 first_token: None,
             },
         );
-        let cache = KvCache::new(&self.model.config, prompt + max_new_tokens.min(INITIAL_ANSWER_TOKENS));
+        let cache = self.model.new_cache(prompt + max_new_tokens.min(INITIAL_ANSWER_TOKENS));
         let mut seq = self.new_sequence(id, 0, pending, cache, max_new_tokens).map_err(bad)?;
         seq.forks = n - 1;
         self.seqs.insert(id, seq);
@@ -713,7 +732,7 @@ impl Engine for BatchEngine {
             // Dropped, to be prefilled again with its prompt and everything it generated (the last sampled token
             // included: it was not fed yet).
             let seq = self.seqs.get_mut(id).expect("a preempted sequence exists");
-            seq.cache = KvCache::new(&self.model.config, 0);
+            seq.cache = self.model.new_cache(0);
             seq.pending = self.groups[&seq.group].request.tokens.iter().chain(&seq.generated).copied().collect();
         }
         if plan.is_empty() {
@@ -742,6 +761,16 @@ impl Engine for BatchEngine {
                 }
             })
             .collect();
+        // Sequences whose next token is the plain argmax: the device may choose it and send back only the token.
+        let greedy: Vec<bool> = order
+            .iter()
+            .zip(&outputs)
+            .map(|(id, &o)| {
+                let seq = &self.seqs[id];
+                let g = &self.groups[&seq.group];
+                o == 1 && g.request.completion.is_none() && g.params.is_plain_greedy() && seq.sampled >= g.params.min_new_tokens
+            })
+            .collect();
         let logits = {
             let wanted: HashMap<SeqId, usize> = order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
             let mut chosen: Vec<(usize, &mut Sequence)> =
@@ -749,7 +778,7 @@ impl Engine for BatchEngine {
             chosen.sort_by_key(|c| c.0);
             let mut segments: Vec<Segment<'_>> =
                 chosen.into_iter().map(|(_, s)| Segment { tokens: &s.pending, cache: &mut s.cache }).collect();
-            self.model.forward_outputs(&mut segments, &outputs).map_err(|e| EngineError(e.to_string()))?
+            self.model.forward_step(&mut segments, &outputs, &greedy).map_err(|e| EngineError(e.to_string()))?
         };
         let now = Instant::now();
         let took = (now - started).as_secs_f64();
@@ -776,7 +805,14 @@ impl Engine for BatchEngine {
             if let Some(completion) = &g.request.completion {
                 // Scoring: the log-probability of each completion token after the tokens before it.
                 let top = g.params.logprobs.unwrap_or(0);
-                let scored: Vec<TokenLogprob> = completion.iter().zip(&rows).map(|(&t, row)| self.token_logprob(row, t, top)).collect();
+                let scored: Vec<TokenLogprob> = completion
+                    .iter()
+                    .zip(&rows)
+                    .filter_map(|(&t, row)| match row {
+                        StepLogits::Full(l) => Some(self.token_logprob(l, t, top)),
+                        StepLogits::Argmax(_) => None,
+                    })
+                    .collect();
                 let seq = self.seqs.get_mut(&id).expect("a scheduled sequence exists");
                 seq.sampled = scored.len() as u32;
                 seq.logprobs = Some(scored);
@@ -792,7 +828,14 @@ impl Engine for BatchEngine {
                 let child = self.next_id;
                 self.next_id += 1;
                 let parent = &self.seqs[&id];
-                let (cache, max_new) = (parent.cache.clone(), parent.max_new_tokens);
+                let max_new = parent.max_new_tokens;
+                let cache = match self.model.fork_cache(&parent.cache) {
+                    Ok(cache) => cache,
+                    Err(e) => {
+                        failed.push((group, format!("cannot fork the KV cache: {e}")));
+                        break;
+                    }
+                };
                 match self.new_sequence(group, index, Vec::new(), cache, max_new) {
                     Ok(seq) => {
                         self.scheduler.fork(id, child);
@@ -804,7 +847,7 @@ impl Engine for BatchEngine {
             }
             let last = ids.len() - 1;
             for (k, seq_id) in ids.into_iter().enumerate() {
-                let logits = if k == last { std::mem::take(&mut row) } else { row.clone() };
+                let logits = if k == last { std::mem::replace(&mut row, StepLogits::Full(Vec::new())) } else { row.clone() };
                 let step = self.choose(seq_id, logits).and_then(|token| self.advance(seq_id, token, now));
                 match step {
                     Ok(Some(reason)) => finished.push((seq_id, reason)),
@@ -822,7 +865,7 @@ impl Engine for BatchEngine {
         self.stats.preemptions = s.preemptions;
         self.stats.recomputed_tokens = s.recomputed_tokens;
         self.stats.peak_kv_blocks = s.peak_blocks;
-        self.stats.peak_kv_bytes = s.peak_blocks * KvCache::block_bytes(&self.model.config);
+        self.stats.peak_kv_bytes = s.peak_blocks * self.model.kv_block_bytes();
         self.stats.mean_kv_blocks = s.block_steps as f64 / s.steps.max(1) as f64;
 
         for (group, message) in failed {

@@ -24,6 +24,10 @@ use crate::tokenize::VocabMetadata;
 // this one.
 #[path = "hf.rs"]
 pub mod hf;
+// The device-resident forward pass and its paged KV cache, for accelerators; a child for the same reason.
+#[path = "paged.rs"]
+mod paged;
+pub use paged::StepLogits;
 
 /// The longest context a model may declare; far beyond today's models, small enough to bound allocations.
 const MAX_CONTEXT: usize = 1 << 22;
@@ -45,6 +49,9 @@ pub struct ModelConfig {
     /// Llama 3's rescaling of the RoPE frequencies, when the checkpoint declares it.
     pub rope_scaling: Option<RopeScaling>,
     pub vocab_size: usize,
+    /// Bytes of one KV cache element: 4 (f32) on the CPU path, the activations' dtype on the paged path (2 for
+    /// bf16); set by [`Model::load`].
+    pub kv_element_bytes: usize,
 }
 
 /// Llama 3's RoPE frequency scaling (`rope_scaling.rope_type = "llama3"`): wavelengths longer than
@@ -59,9 +66,9 @@ pub struct RopeScaling {
 }
 
 impl ModelConfig {
-    /// KV cache bytes one token takes across all layers (f32 keys and values).
+    /// KV cache bytes one token takes across all layers (keys and values).
     pub fn kv_bytes_per_token(&self) -> usize {
-        self.layers * 2 * self.kv_heads * self.head_dim * std::mem::size_of::<f32>()
+        self.layers * 2 * self.kv_heads * self.head_dim * self.kv_element_bytes
     }
 }
 
@@ -120,6 +127,8 @@ impl Layer {
 pub struct Model {
     pub config: ModelConfig,
     device: Device,
+    /// The paged path's device state, when the model runs on it (every accelerator; the CPU when asked).
+    paged: Option<paged::Paged>,
     /// Widths as laid out in memory: the hidden state and the attention output, each zero-padded to a multiple of
     /// 256 on CPU (see [`Layout`]); equal to the model's widths otherwise.
     width: usize,
@@ -176,10 +185,14 @@ pub const KV_BLOCK_TOKENS: usize = BLOCK;
 /// against a block are `head_dim` multiply-adds of `BLOCK`-wide vectors, with no horizontal sums) and values are
 /// `[kv_head][BLOCK][head_dim]`; a block's unused positions are zero. A sequence grows a block at a time without
 /// copying what it holds, and holds exactly the blocks the scheduler booked for it.
-#[derive(Clone, Debug)]
+///
+/// On the paged path ([`paged`]) the blocks live in the model's device pool instead, and the cache holds their
+/// ids; [`Model::new_cache`] makes the right kind for a model, [`Model::fork_cache`] copies one.
+#[derive(Debug)]
 pub struct KvCache {
     keys: Vec<Vec<Box<[f32]>>>,
     values: Vec<Vec<Box<[f32]>>>,
+    paged: Option<paged::Blocks>,
     len: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -189,10 +202,10 @@ impl KvCache {
     /// An empty cache with room in its block tables for `capacity_tokens` (blocks are allocated as they fill).
     pub fn new(config: &ModelConfig, capacity_tokens: usize) -> KvCache {
         let alloc = || (0..config.layers).map(|_| Vec::with_capacity(capacity_tokens.div_ceil(BLOCK))).collect();
-        KvCache { keys: alloc(), values: alloc(), len: 0, kv_heads: config.kv_heads, head_dim: config.head_dim }
+        KvCache { keys: alloc(), values: alloc(), paged: None, len: 0, kv_heads: config.kv_heads, head_dim: config.head_dim }
     }
 
-    /// Bytes of one block across all layers (f32 keys and values).
+    /// Bytes of one block across all layers.
     pub fn block_bytes(config: &ModelConfig) -> usize {
         config.kv_bytes_per_token() * BLOCK
     }
@@ -235,7 +248,10 @@ impl KvCache {
 
     /// Blocks held (per layer; the same in every layer).
     pub fn blocks(&self) -> usize {
-        self.keys.first().map_or(0, Vec::len)
+        match &self.paged {
+            Some(blocks) => blocks.len(),
+            None => self.keys.first().map_or(0, Vec::len),
+        }
     }
 }
 
@@ -326,6 +342,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         rope_base: meta_f32(content, &a("rope.freq_base")).unwrap_or(10_000.0),
         rope_scaling: None,
         vocab_size: tokens.len(),
+        kv_element_bytes: 4,
         hidden_size,
         heads,
         kv_heads,
@@ -500,11 +517,17 @@ impl Model {
         Model::load_with(path, device, None)
     }
 
+    /// Loads a Hugging Face directory with its weights and activations in `dtype` (anything but f32 runs the
+    /// paged path, the only one that computes in other dtypes).
+    pub fn load_hf_as(dir: &Path, device: &Device, dtype: DType) -> Result<(Model, ModelInfo), ModelError> {
+        hf::load(dir, device, Some(dtype))
+    }
+
     /// Loads a GGUF llama-family model with the given weight layout (`None`: [`Layout::choose`]'s). A Hugging Face
     /// directory has one layout, dense f32 weights, and ignores `layout`.
     pub fn load_with(path: &Path, device: &Device, layout: Option<Layout>) -> Result<(Model, ModelInfo), ModelError> {
         if path.is_dir() {
-            return hf::load(path, device);
+            return hf::load(path, device, None);
         }
         let (mut file, content) = read_content(path)?;
         let info = info_of(&content)?;
@@ -584,12 +607,14 @@ impl Model {
         let lm_head = QMatMul::from_qtensor(lay_out(lm_head, config.vocab_size, width, layout.for_output(), device).map_err(fmt)?).map_err(fmt)?;
 
         let weights = Weights { embedding, layers, output_norm, lm_head, attn_width };
-        Ok((Model::assemble(config, device, weights), info))
+        let model = Model::assemble(config, device, weights)?;
+        let info = ModelInfo { config: model.config.clone(), ..info };
+        Ok((model, info))
     }
 
     /// A model from its weights, with the RoPE tables of its configuration. `weights.embedding`'s width is the
-    /// hidden state's width in memory.
-    fn assemble(config: ModelConfig, device: &Device, weights: Weights) -> Model {
+    /// hidden state's width in memory. Off the CPU it runs the paged path, its KV cache in the activations' dtype.
+    fn assemble(config: ModelConfig, device: &Device, weights: Weights) -> Result<Model, ModelError> {
         let Weights { embedding, layers, output_norm, lm_head, attn_width } = weights;
         let frequencies = rope_frequencies(&config);
         let mut rope_cos = Vec::with_capacity(config.context_length * frequencies.len());
@@ -601,10 +626,11 @@ impl Model {
                 rope_sin.push(angle.sin() as f32);
             }
         }
-        Model {
+        let mut model = Model {
             width: embedding.dims().last().copied().unwrap_or(config.hidden_size),
             config,
             device: device.clone(),
+            paged: None,
             attn_width,
             embedding,
             layers,
@@ -612,7 +638,77 @@ impl Model {
             lm_head,
             rope_cos,
             rope_sin,
+        };
+        if !device.is_cpu() || model.dtype() != DType::F32 {
+            model.use_paged().map_err(|e| ModelError::Metadata(format!("cannot set up the device KV cache: {e}")))?;
         }
+        Ok(model)
+    }
+
+    /// Switches the model to the paged path ([`paged`]): the KV cache in a device pool and attention in tensor
+    /// ops. Every accelerator runs it; on the CPU it is for checking it against the CPU path. Caches made before
+    /// belong to the other path and are refused by [`Model::forward`].
+    pub fn use_paged(&mut self) -> candle_core::Result<()> {
+        let dtype = self.embedding.dtype();
+        self.paged = Some(paged::Paged::new(&self.config, &self.rope_cos, &self.rope_sin, dtype, &self.device)?);
+        self.config.kv_element_bytes = dtype.size_in_bytes();
+        Ok(())
+    }
+
+    /// Whether the model runs the paged path.
+    pub fn is_paged(&self) -> bool {
+        self.paged.is_some()
+    }
+
+    /// The activations' dtype (and the paged KV cache's).
+    pub fn dtype(&self) -> DType {
+        self.embedding.dtype()
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Sizes the paged path's KV pool, in blocks of [`KV_BLOCK_TOKENS`]: the scheduler's budget, which it never
+    /// books beyond. It is allocated on the device at the first forward pass. A no-op on the CPU path, whose
+    /// blocks are allocated as they fill.
+    pub fn set_kv_blocks(&self, blocks: usize) -> candle_core::Result<()> {
+        match &self.paged {
+            Some(p) => p.set_blocks(blocks),
+            None => Ok(()),
+        }
+    }
+
+    /// An empty KV cache for this model's path, with room in its block tables for `capacity_tokens`.
+    pub fn new_cache(&self, capacity_tokens: usize) -> KvCache {
+        match &self.paged {
+            Some(p) => KvCache { keys: Vec::new(), values: Vec::new(), paged: Some(p.empty()), ..KvCache::new(&self.config, 0) },
+            None => KvCache::new(&self.config, capacity_tokens),
+        }
+    }
+
+    /// A copy of a sequence's cache, for a fork (`n` choices): on the paged path, new pool blocks with the same
+    /// rows, which can fail (the pool is full, a device error).
+    pub fn fork_cache(&self, cache: &KvCache) -> candle_core::Result<KvCache> {
+        match (&self.paged, &cache.paged) {
+            (Some(p), Some(blocks)) => {
+                Ok(KvCache { keys: Vec::new(), values: Vec::new(), paged: Some(p.fork(blocks)?), len: cache.len, kv_heads: cache.kv_heads, head_dim: cache.head_dim })
+            }
+            (None, None) => Ok(KvCache {
+                keys: cache.keys.clone(),
+                values: cache.values.clone(),
+                paged: None,
+                len: cache.len,
+                kv_heads: cache.kv_heads,
+                head_dim: cache.head_dim,
+            }),
+            _ => candle_core::bail!("a KV cache of the other path"),
+        }
+    }
+
+    /// KV cache bytes of one block of [`KV_BLOCK_TOKENS`] positions on this model's path.
+    pub fn kv_block_bytes(&self) -> usize {
+        KvCache::block_bytes(&self.config)
     }
 
     /// Bytes of weights held on the device (quantized sizes as stored; a tied output projection once).
@@ -654,24 +750,33 @@ impl Model {
     /// As [`Model::forward`], with the logits of the last `outputs[i]` positions of segment `i` (in position
     /// order): prompt scoring needs the next-token distribution after every token of a completion.
     pub fn forward_outputs(&self, segments: &mut [Segment<'_>], outputs: &[usize]) -> candle_core::Result<Vec<Vec<Vec<f32>>>> {
+        let rows = self.forward_step(segments, outputs, &[])?;
+        Ok(rows
+            .into_iter()
+            .map(|rows| {
+                rows.into_iter()
+                    .map(|r| match r {
+                        StepLogits::Full(l) => l,
+                        StepLogits::Argmax(_) => unreachable!("no greedy rows were asked for"),
+                    })
+                    .collect()
+            })
+            .collect())
+    }
+
+    /// As [`Model::forward_outputs`], for the engine: `greedy[i]` (where given) says segment `i` (with one
+    /// output) needs only its argmax. The paged path then computes it on the device and reads back one token
+    /// ([`StepLogits::Argmax`]); the CPU path returns logits for every row, its argmax being a pass over them.
+    pub fn forward_step(&self, segments: &mut [Segment<'_>], outputs: &[usize], greedy: &[bool]) -> candle_core::Result<Vec<Vec<StepLogits>>> {
+        if let Some(p) = &self.paged {
+            return self.forward_paged(p, segments, outputs, greedy);
+        }
+        if segments.iter().any(|s| s.cache.paged.is_some()) {
+            candle_core::bail!("a paged KV cache in a CPU-path forward pass");
+        }
+        let (positions, tokens) = self.check_segments(segments, outputs)?;
         let cfg = &self.config;
-        if outputs.len() != segments.len() || segments.iter().zip(outputs).any(|(s, &o)| o == 0 || o > s.tokens.len()) {
-            candle_core::bail!("each segment needs between 1 and its token count of outputs");
-        }
-        let mut tokens = Vec::new();
-        let mut positions = Vec::new();
-        for s in segments.iter() {
-            let start = s.cache.len();
-            if s.tokens.is_empty() || start + s.tokens.len() > cfg.context_length {
-                candle_core::bail!("segment of {} tokens at position {start} does not fit the context", s.tokens.len());
-            }
-            tokens.extend_from_slice(s.tokens);
-            positions.extend(start..start + s.tokens.len());
-        }
         let n = tokens.len();
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            candle_core::bail!("token id {bad} is outside the vocabulary");
-        }
         let ids = Tensor::from_vec(tokens, n, &self.device)?;
         let mut x = self.embedding.index_select(&ids, 0)?;
         let (hd, kv_row) = (cfg.head_dim, cfg.kv_heads * cfg.head_dim);
@@ -704,6 +809,41 @@ impl Model {
         for s in segments.iter_mut() {
             s.cache.len += s.tokens.len();
         }
+        let logits = self.head(&x, segments, outputs)?;
+        let rows = logits.dim(0)?;
+        let mut logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?.into_iter();
+        debug_assert_eq!(rows, outputs.iter().sum::<usize>());
+        Ok(outputs.iter().map(|&o| logits.by_ref().take(o).map(StepLogits::Full).collect()).collect())
+    }
+
+    /// Checks a step's segments (outputs, context, vocabulary); returns every new token's position and id, in
+    /// order.
+    fn check_segments(&self, segments: &[Segment<'_>], outputs: &[usize]) -> candle_core::Result<(Vec<usize>, Vec<u32>)> {
+        let cfg = &self.config;
+        if outputs.len() != segments.len() || segments.iter().zip(outputs).any(|(s, &o)| o == 0 || o > s.tokens.len()) {
+            candle_core::bail!("each segment needs between 1 and its token count of outputs");
+        }
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        for s in segments.iter() {
+            let start = s.cache.len();
+            if s.tokens.is_empty() || start + s.tokens.len() > cfg.context_length {
+                candle_core::bail!("segment of {} tokens at position {start} does not fit the context", s.tokens.len());
+            }
+            tokens.extend_from_slice(s.tokens);
+            positions.extend(start..start + s.tokens.len());
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            candle_core::bail!("token id {bad} is outside the vocabulary");
+        }
+        Ok((positions, tokens))
+    }
+
+    /// Logits of the last `outputs[i]` positions of each segment, `[rows, vocab]` in the activations' dtype,
+    /// from the final hidden states `x` of all the step's tokens.
+    fn head(&self, x: &Tensor, segments: &[Segment<'_>], outputs: &[usize]) -> candle_core::Result<Tensor> {
+        let cfg = &self.config;
+        let eps = cfg.rms_eps * (cfg.hidden_size as f32 / self.width as f32);
         let mut last = Vec::with_capacity(outputs.iter().sum());
         let mut end = 0u32;
         for (s, &o) in segments.iter().zip(outputs) {
@@ -717,11 +857,10 @@ impl Model {
         // candle's Q6_K takes its fast kernel only for two rows or more, and the two kernels round differently:
         // a lone row gets a zero row beside it, so a sequence's logits never depend on how many share its step.
         let rows = x.dim(0)?;
-        let x = if rows == 1 { Tensor::cat(&[&x, &x.zeros_like()?], 0)? } else { x };
-        let mut logits = product(&self.lm_head, &x)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        logits.truncate(rows);
-        let mut logits = logits.into_iter();
-        Ok(outputs.iter().map(|&o| logits.by_ref().take(o).collect()).collect())
+        if rows == 1 && self.device.is_cpu() {
+            return product(&self.lm_head, &Tensor::cat(&[&x, &x.zeros_like()?], 0)?)?.narrow(0, 0, 1);
+        }
+        product(&self.lm_head, &x)
     }
 
     /// Rotary embedding of one token's heads, pairs of adjacent values (GGUF llama weights are permuted for it, and
@@ -851,7 +990,7 @@ const DENSE_MIN_ROWS: usize = 8;
 fn product(w: &QMatMul, x: &Tensor) -> candle_core::Result<Tensor> {
     let rows = x.dim(0)?;
     match w {
-        QMatMul::Tensor(_) if rows < DENSE_MIN_ROWS => w.forward(&x.pad_with_zeros(0, 0, DENSE_MIN_ROWS - rows)?)?.narrow(0, 0, rows),
+        QMatMul::Tensor(_) if rows < DENSE_MIN_ROWS && x.device().is_cpu() => w.forward(&x.pad_with_zeros(0, 0, DENSE_MIN_ROWS - rows)?)?.narrow(0, 0, rows),
         _ => w.forward(x),
     }
 }
