@@ -571,12 +571,7 @@ fn load_worker(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error>
         JobKind::Generate => {
             // A Hugging Face directory is fingerprinted by its files, like the encoders' directories.
             let model_sha256 = if job.model.path.is_dir() { check_model_dir(job)? } else { check_model_file(job)? };
-            let (mut model, info) = Model::load(&job.model.path, device)?;
-            // The paged path on the CPU, for checking it end to end against the CPU path (accelerators always
-            // run it).
-            if std::env::var_os("NIGHTSHIFT_PAGED").is_some_and(|v| v == "1") && !model.is_paged() {
-                model.use_paged().map_err(|e| Error::Engine(engine::EngineError::new(e.to_string())))?;
-            }
+            let (model, info) = Model::load(&job.model.path, device)?;
             let cfg = &model.config.clone();
             info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
                 kv_bytes_per_token = cfg.kv_bytes_per_token(), "decoder");

@@ -101,6 +101,82 @@ pub enum BenchCommand {
     Generate(GenerateBenchArgs),
     /// An embedding model: rows/s and tokens/s over rows of random lengths, batched as embedding jobs batch them.
     Embed(EmbedBenchArgs),
+    /// The device's forward pass (the paged path GPUs run) against the CPU's in f32 on the same weights, and
+    /// batched against one sequence at a time: logit differences and argmax agreement, within stated
+    /// tolerances (exit 1 outside them).
+    Parity(ParityBenchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ParityBenchArgs {
+    /// The decoder: a GGUF file or a Hugging Face directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The device to check: `auto`, `cpu` (the paged path on the CPU), `cuda` or `cuda:N`.
+    #[arg(long, default_value = "auto", value_parser = crate::job::DeviceChoice::parse)]
+    pub device: crate::job::DeviceChoice,
+    /// The device's dtype for a Hugging Face directory: `f32`, `bf16` or `f16` (default: bf16 on a GPU, f32 on
+    /// the CPU).
+    #[arg(long, value_parser = parse_dtype)]
+    pub dtype: Option<candle_core::DType>,
+    /// Prompt lengths in tokens, prefilled together.
+    #[arg(long, value_delimiter = ',', default_value = "7,23,64,150")]
+    pub prompt_lengths: Vec<usize>,
+    /// Greedy decode steps after the prefill.
+    #[arg(long, default_value_t = 16)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_dtype(text: &str) -> Result<candle_core::DType, String> {
+    match text {
+        "f32" => Ok(candle_core::DType::F32),
+        "bf16" => Ok(candle_core::DType::BF16),
+        "f16" => Ok(candle_core::DType::F16),
+        other => Err(format!("must be f32, bf16 or f16, got {other:?}")),
+    }
+}
+
+impl ParityBenchArgs {
+    pub fn options(&self) -> crate::bench::ParityOptions {
+        crate::bench::ParityOptions {
+            model: self.model.clone(),
+            device: self.device.clone(),
+            dtype: self.dtype,
+            prompt_lengths: self.prompt_lengths.clone(),
+            steps: self.steps,
+            seed: self.seed,
+        }
+    }
+}
+
+/// Prints a parity report; an error when a comparison is outside its tolerance.
+pub fn print_parity(r: &crate::bench::ParityReport, json: bool) -> Result<(), crate::error::Error> {
+    if json {
+        println!("{}", serde_json::to_string(r).expect("plain data serialises"));
+    } else {
+        println!("model: {} on {} ({}), prompts {:?} + {} greedy steps", r.model, r.device, r.dtype, r.prompt_lengths, r.steps);
+        for c in &r.comparisons {
+            println!(
+                "{:<34} max |diff| {:.2e} of the largest logit (allowed {:.0e}), argmax agrees at {}/{} (min {:.0} %): {}",
+                c.name,
+                c.max_rel_diff,
+                c.max_rel_diff_allowed,
+                c.argmax_agree,
+                c.positions,
+                c.argmax_agree_min * 100.0,
+                if c.pass { "ok" } else { "OUT OF TOLERANCE" }
+            );
+        }
+    }
+    match r.pass {
+        true => Ok(()),
+        false => Err(crate::error::Error::Internal("parity: a comparison is outside its tolerance".into())),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -142,6 +218,12 @@ pub struct GenerateBenchArgs {
     /// CPU threads (default: every core).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// `auto` (cuda:0 when this build has CUDA and a GPU, else the CPU), `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "auto", value_parser = crate::job::DeviceChoice::parse)]
+    pub device: crate::job::DeviceChoice,
+    /// Rows (8 new tokens each) run before the timed run: a GPU loads its kernels on first use.
+    #[arg(long, default_value_t = 0)]
+    pub warmup_rows: usize,
     /// Write the workload's requests (token ids, output lengths) to this file, one JSON object per line, for a
     /// peer to run the same requests (`scripts/bench-llama-server.py`).
     #[arg(long)]
@@ -167,6 +249,8 @@ impl GenerateBenchArgs {
             temperature: self.temperature,
             seed: self.seed,
             save_workload: self.save_workload.clone(),
+            device: self.device.clone(),
+            warmup_rows: self.warmup_rows,
         }
     }
 }
@@ -176,7 +260,17 @@ pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
         println!("{}", serde_json::to_string(r).expect("plain data serialises"));
         return;
     }
-    println!("model: {} ({:?} workload, {} rows, max_seqs {}, max_batch_tokens {})", r.model, r.workload, r.rows, r.max_seqs, r.max_batch_tokens);
+    println!(
+        "model: {} ({:?} workload, {} rows, max_seqs {}, max_batch_tokens {}) on {} ({}{})",
+        r.model,
+        r.workload,
+        r.rows,
+        r.max_seqs,
+        r.max_batch_tokens,
+        r.device,
+        r.dtype,
+        if r.paged { ", paged KV cache" } else { "" }
+    );
     println!(
         "tokens: {} prompt ({:.0} per row), {} output ({:.0} per row)",
         r.prompt_tokens,

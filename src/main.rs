@@ -38,6 +38,9 @@ fn main() -> ExitCode {
             }
             nightshift::bench::generate(&args.options()).map(|r| cli::print_generate_bench(&r, args.json))
         }
+        Command::Bench(cli::BenchCommand::Parity(args)) => {
+            nightshift::bench::parity(&args.options()).and_then(|r| cli::print_parity(&r, args.json))
+        }
         Command::SynthModel(args) => args.run().map(|r| cli::print_synth(&r, &args.dir)),
         Command::Bench(cli::BenchCommand::Embed(args)) => {
             if let Some(threads) = args.threads {

@@ -50,6 +50,10 @@ pub struct GenerateBenchOptions {
     /// Where to write the workload (one JSON object per row: `prompt` token ids, `max_new`, `ignore_eos`), so a
     /// peer can be run on exactly the same requests.
     pub save_workload: Option<PathBuf>,
+    pub device: crate::job::DeviceChoice,
+    /// Rows run (8 new tokens each) before the timed run, on the same engine configuration: a GPU loads its
+    /// kernels and sets up cuBLAS on first use.
+    pub warmup_rows: usize,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -88,6 +92,12 @@ pub struct GenerateBenchReport {
     pub packing_efficiency: f64,
     pub weights_bytes: usize,
     pub peak_rss_bytes: u64,
+    /// Where and how it ran: `cpu` or `cuda:N`, the activations' dtype, whether on the paged path.
+    pub device: String,
+    pub dtype: String,
+    pub paged: bool,
+    /// A GPU's memory in use at the end (weights, the KV pool, the allocator's cache), from the driver.
+    pub device_memory_in_use_bytes: Option<u64>,
 }
 
 /// Prompt and output lengths drawn from the ranges, and the prompts' text: a fixed instruction and ticket words.
@@ -119,7 +129,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
     if options.rows == 0 || options.min_prompt == 0 || options.min_prompt > options.max_prompt || options.min_new == 0 || options.min_new > options.max_new {
         return Err(Error::Internal("bench generate needs --rows >= 1, 1 <= --min-prompt <= --max-prompt and 1 <= --min-new <= --max-new".into()));
     }
-    let device = engine::select_device(&crate::job::DeviceChoice::Auto)?;
+    let device = engine::select_device(&options.device)?;
     let (model, info) = Model::load(&options.model, &device)?;
     let context = model.config.context_length;
     let input = InputSpec {
@@ -153,35 +163,19 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
     let weights_bytes = model.weight_bytes();
     let kv_bytes = crate::engine::kv_cache_bytes(options.kv_cache_memory, &device);
     let config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, &model.config);
+    let (device_name, dtype, paged) = (describe(&device), format!("{:?}", model.dtype()).to_lowercase(), model.is_paged());
+    let model = match options.warmup_rows {
+        0 => model,
+        n => {
+            let mut engine = BatchEngine::new(model, pre.tokenizer().clone(), params.clone(), stop.clone(), config.clone()).map_err(Error::Engine)?;
+            let warmup: Vec<(Vec<u32>, u32)> = rows.iter().take(n).map(|(p, _)| (p.clone(), 8)).collect();
+            drive(&mut engine, &warmup)?;
+            engine.into_model()
+        }
+    };
     let mut engine = BatchEngine::new(model, pre.tokenizer().clone(), params, stop, config).map_err(Error::Engine)?;
-
     let started = Instant::now();
-    let mut queue = rows.iter().enumerate();
-    let mut done: Vec<Completion> = Vec::with_capacity(rows.len());
-    let mut open = true;
-    loop {
-        while open && engine.free_places() > 0 {
-            match queue.next() {
-                Some((i, (tokens, new))) => engine
-                    .admit(Request {
-                        id: format!("bench-{i}"),
-                        tag: RowTag { unit: 0, offset: i as u32 },
-                        params: RowParams { max_new_tokens: Some(*new), ..Default::default() },
-                        tokens: tokens.clone(),
-                        completion: None,
-                        arrival: Instant::now(),
-                    })
-                    .map_err(|e| Error::Engine(crate::engine::EngineError::new(format!("workload row {i}: {}", e.message))))?,
-                None => open = false,
-            }
-        }
-        if !engine.has_work() {
-            break;
-        }
-        for result in engine.step().map_err(Error::Engine)? {
-            done.push(result.map_err(|f| Error::Engine(crate::engine::EngineError::new(format!("{}: {}", f.id, f.error.message))))?);
-        }
-    }
+    let done = drive(&mut engine, &rows)?;
     let seconds = started.elapsed().as_secs_f64();
     let stats = engine.stats().clone();
     let prompt_tokens: u64 = done.iter().map(|c| c.prompt_tokens as u64).sum();
@@ -220,5 +214,49 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         packing_efficiency: stats.packing_efficiency().unwrap_or(1.0),
         weights_bytes,
         peak_rss_bytes: crate::metrics::peak_rss_bytes().unwrap_or(0),
+        device: device_name,
+        dtype,
+        paged,
+        device_memory_in_use_bytes: crate::engine::device_memory_in_use(&device),
     })
+}
+
+/// `cpu` or `cuda:N`.
+fn describe(device: &candle_core::Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        other => format!("{other:?}").to_lowercase(),
+    }
+}
+
+/// Runs every row through the engine, admitting as places free; the completions in finishing order.
+fn drive(engine: &mut BatchEngine, rows: &[(Vec<u32>, u32)]) -> Result<Vec<Completion>, Error> {
+    let mut queue = rows.iter().enumerate();
+    let mut done: Vec<Completion> = Vec::with_capacity(rows.len());
+    let mut open = true;
+    loop {
+        while open && engine.free_places() > 0 {
+            match queue.next() {
+                Some((i, (tokens, new))) => engine
+                    .admit(Request {
+                        id: format!("bench-{i}"),
+                        tag: RowTag { unit: 0, offset: i as u32 },
+                        params: RowParams { max_new_tokens: Some(*new), ..Default::default() },
+                        tokens: tokens.clone(),
+                        completion: None,
+                        arrival: Instant::now(),
+                    })
+                    .map_err(|e| Error::Engine(crate::engine::EngineError::new(format!("workload row {i}: {}", e.message))))?,
+                None => open = false,
+            }
+        }
+        if !engine.has_work() {
+            break;
+        }
+        for result in engine.step().map_err(Error::Engine)? {
+            done.push(result.map_err(|f| Error::Engine(crate::engine::EngineError::new(format!("{}: {}", f.id, f.error.message))))?);
+        }
+    }
+    Ok(done)
 }

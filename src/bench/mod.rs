@@ -1,8 +1,11 @@
 //! `nightshift bench`: throughput on a synthetic workload, measured in-process (no object-store I/O), reported as
-//! the figures users compare: [`generate`] for decoders, [`embed`] for embedding models.
+//! the figures users compare: [`generate`] for decoders, [`embed`] for embedding models; and [`parity`], the
+//! accelerator path's logits against the CPU's.
 
 mod generate;
+mod parity;
 pub use generate::{generate, GenerateBenchOptions, GenerateBenchReport, Workload};
+pub use parity::{parity, Comparison, ParityOptions, ParityReport};
 
 use std::path::PathBuf;
 use std::time::Instant;

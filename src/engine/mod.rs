@@ -105,6 +105,16 @@ pub fn kv_cache_bytes(budget: crate::job::MemoryBudget, device: &Device) -> u64 
     budget.resolve(device_memory_available(device).unwrap_or(4 << 30))
 }
 
+/// A GPU's memory in use now (all processes), from the driver; `None` for the CPU.
+pub fn device_memory_in_use(device: &Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = device {
+        return cuda.cuda_stream().context().mem_get_info().ok().map(|(free, total)| (total - free) as u64);
+    }
+    let _ = device;
+    None
+}
+
 /// Memory available now on a device: the host's for the CPU, the GPU's free memory for CUDA.
 pub fn device_memory_available(device: &Device) -> Option<u64> {
     #[cfg(feature = "cuda")]
@@ -471,6 +481,12 @@ impl BatchEngine {
 
     pub fn model(&self) -> &Model {
         &self.model
+    }
+
+    /// The model back, for another engine (a benchmark's timed run after its warm-up). Its KV pool keeps its
+    /// size: the next engine must be configured alike.
+    pub fn into_model(self) -> Model {
+        self.model
     }
 
     pub fn config(&self) -> &BatchConfig {

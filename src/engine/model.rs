@@ -639,7 +639,9 @@ impl Model {
             rope_cos,
             rope_sin,
         };
-        if !device.is_cpu() || model.dtype() != DType::F32 {
+        // `NIGHTSHIFT_PAGED=1` runs the paged path on the CPU too: for checking it end to end against the CPU path.
+        let asked = std::env::var_os("NIGHTSHIFT_PAGED").is_some_and(|v| v == "1");
+        if !device.is_cpu() || model.dtype() != DType::F32 || asked {
             model.use_paged().map_err(|e| ModelError::Metadata(format!("cannot set up the device KV cache: {e}")))?;
         }
         Ok(model)

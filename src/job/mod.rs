@@ -556,6 +556,21 @@ pub enum DeviceChoice {
     Cuda(usize),
 }
 
+impl DeviceChoice {
+    /// `auto`, `cpu`, `cuda` (cuda:0) or `cuda:N`, as `runtime.device` and `--device` take it.
+    pub fn parse(text: &str) -> Result<DeviceChoice, String> {
+        match text {
+            "auto" => Ok(DeviceChoice::Auto),
+            "cpu" => Ok(DeviceChoice::Cpu),
+            "cuda" => Ok(DeviceChoice::Cuda(0)),
+            other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+                Some(n) => Ok(DeviceChoice::Cuda(n)),
+                None => Err(format!("must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\", got {other:?}")),
+            },
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct RuntimeSpec {
     pub device: DeviceChoice,
@@ -900,15 +915,7 @@ impl Job {
 
         let defaults = RuntimeSpec::default();
         let r = file.runtime;
-        let device = match r.device.as_deref().unwrap_or("auto") {
-            "auto" => DeviceChoice::Auto,
-            "cpu" => DeviceChoice::Cpu,
-            "cuda" => DeviceChoice::Cuda(0),
-            other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
-                Some(n) => DeviceChoice::Cuda(n),
-                None => return Err(invalid("runtime.device", format!("must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\", got {other:?}"))),
-            },
-        };
+        let device = DeviceChoice::parse(r.device.as_deref().unwrap_or("auto")).map_err(|e| invalid("runtime.device", e))?;
         let positive = |key: &'static str, v: Option<i64>, default: usize| -> Result<usize, JobError> {
             match v {
                 None => Ok(default),
