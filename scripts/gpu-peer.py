@@ -59,7 +59,12 @@ def generate(args):
     from transformers import AutoModelForCausalLM
 
     dev = torch.device("cuda")
-    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16).to(dev).eval()
+    # transformers 5 names the argument `dtype`; 4.x, `torch_dtype`.
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
+    except TypeError:
+        model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16)
+    model = model.to(device=dev, dtype=torch.bfloat16).eval()
     parameters = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(0)
     rows = []

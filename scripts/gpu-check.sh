@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# The standing GPU check: one script, under 8 minutes on an H200, that writes its table and logs to OUT_DIR.
+#
+#   scripts/gpu-check.sh OUT_DIR
+#
+cp "$WORK/$SHAPE/config.json" "$OUT/model-config.json" 2>/dev/null
+
+# (a) parity: `nightshift bench parity`, the GPU's forward pass (the paged path) against the CPU path in f32 on the
+#     same random-weight models, and batched against one sequence at a time, within the tolerances it states;
+# (b) `nightshift bench generate`, fixed-length workload (PROMPT prompt tokens, NEW new tokens per row, end of
+#     sequence ignored), at batch 1, 16, 64 and 256 on a random-weight model of Llama-3.2-1B's shape, bf16;
+# (c) the peer: Hugging Face transformers `generate` on the same safetensors, the same lengths and batches
+#     (scripts/gpu-peer.py generate);
+# (d) the roofline: weight bytes per decode step over the measured copy bandwidth, and 2 x parameters x tokens
+#     over the measured bf16 matmul rate (scripts/gpu-peer.py roofline).
+# Then OUT_DIR/table.md (and the same on stdout, last): the figures side by side, ratios to the peer and to the
+# roofline, the targets (batch 1 decode within 2x of the bandwidth roofline; batch 256 output tokens/s at least
+# 5x transformers').
+#
+# The binary: $NIGHTSHIFT_BIN, else target/cuda/nightshift-cuda, else target/cuda/nightshift-cuda.xz unpacked
+# (scripts/build-cuda.sh builds both). The CUDA libraries come from the driver's folder and the PyTorch venv's
+# CUDA 13 wheels (../shared/reference/cuda-build.md). A dry run without a GPU checks the script itself:
+#   DEVICE=cpu SHAPE=tiny BATCHES=1,4 PARITY_SHAPES=tiny NIGHTSHIFT_BIN=target/release/nightshift \
+#     scripts/gpu-check.sh /tmp/gpu-check
+# (the peer and roofline steps are then skipped when python3 has no CUDA).
+set -uo pipefail
+
+say() { printf '==> %s\n' "$*" >&2; }
+die() { printf 'error: %s\n' "$*" >&2; exit 2; }
+
+[ $# -eq 1 ] || die "usage: scripts/gpu-check.sh OUT_DIR"
+OUT=$(mkdir -p "$1" && cd "$1" && pwd) || die "cannot create $1"
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+DEVICE=${DEVICE:-cuda:0}
+SHAPE=${SHAPE:-llama-3.2-1b}
+PARITY_SHAPES=${PARITY_SHAPES:-smollm2-135m llama-3.2-1b}
+BATCHES=${BATCHES:-1,16,64,256}
+PROMPT=${PROMPT:-128}
+NEW=${NEW:-128}
+WORK=${WORK:-$(mktemp -d /tmp/gpu-check.XXXXXX)}
+mkdir -p "$WORK"
+STARTED=$(date +%s)
+
+# The binary.
+BIN=${NIGHTSHIFT_BIN:-}
+if [ -z "$BIN" ]; then
+  if [ -x "$REPO/target/cuda/nightshift-cuda" ]; then BIN="$REPO/target/cuda/nightshift-cuda"
+  elif [ -f "$REPO/target/cuda/nightshift-cuda.xz" ]; then
+    xz -dc "$REPO/target/cuda/nightshift-cuda.xz" > "$WORK/nightshift" && chmod +x "$WORK/nightshift" && BIN="$WORK/nightshift"
+  else die "no binary: build one with scripts/build-cuda.sh, or set NIGHTSHIFT_BIN"; fi
+fi
+[ -x "$BIN" ] || die "$BIN is not executable"
+
+# The CUDA libraries: the driver's libcuda, and cuBLAS, cuRAND and the runtime from the PyTorch venv's wheels.
+if [ "${DEVICE%%:*}" = cuda ]; then
+  CUBLAS=$(find /opt/torch/.venv -name libcublas.so.13 2>/dev/null | head -1)
+  if [ -z "$CUBLAS" ]; then
+    SITE=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)
+    [ -n "$SITE" ] && CUBLAS=$(find "$SITE" -name libcublas.so.13 2>/dev/null | head -1)
+  fi
+  [ -n "$CUBLAS" ] || say "libcublas.so.13 not found: the binary will not load"
+  export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${CUBLAS:+:$(dirname "$CUBLAS")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+export RUST_LOG=${RUST_LOG:-warn}
+
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "commit: $(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo unknown)"
+  echo "binary: $BIN"
+  echo "device: $DEVICE; bench shape: $SHAPE; batches: $BATCHES; prompt $PROMPT, new $NEW"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 || echo "nvidia-smi: not available"
+  echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+} > "$OUT/env.txt"
+cat "$OUT/env.txt" >&2
+
+# step NAME SECONDS COMMAND...: runs with a time limit, its output to OUT/NAME.log; records its exit status.
+step() {
+  local name=$1 limit=$2; shift 2
+  say "$name (limit ${limit}s): $*"
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc seconds=$(( $(date +%s) - t0 ))" >> "$OUT/steps.txt"
+  [ $rc -eq 0 ] || { say "$name failed (rc $rc); its log:"; tail -20 "$OUT/$name.log" >&2; }
+  return 0
+}
+
+# Models (bf16 safetensors, what the peer loads too).
+for shape in $SHAPE $PARITY_SHAPES; do
+  [ -d "$WORK/$shape" ] || step "synth-$shape" 120 "$BIN" synth-model "$WORK/$shape" --shape "$shape" --dtype bf16 --seed 1
+done
+
+cp "$WORK/$SHAPE/config.json" "$OUT/model-config.json" 2>/dev/null
+
+# (a) parity: f32 on the device (the kernels' own error) and bf16 (what runs by default), on each parity shape.
+for shape in $PARITY_SHAPES; do
+  lengths=7,23,64,150; steps=16
+  [ "$shape" = llama-3.2-1b ] && { lengths=7,23,64; steps=8; }
+  for dtype in f32 bf16; do
+    step "parity-$shape-$dtype" 150 "$BIN" bench parity --model "$WORK/$shape" --device "$DEVICE" --dtype "$dtype" \
+      --prompt-lengths "$lengths" --steps "$steps" --json
+  done
+done
+
+# (b) nightshift: every row ready at the start, batch = rows = max_seqs, the whole batch prefilled at once.
+for b in ${BATCHES//,/ }; do
+  step "bench-$b" 150 "$BIN" bench generate --model "$WORK/$SHAPE" --device "$DEVICE" --workload fixed \
+    --rows "$b" --max-seqs "$b" --min-prompt "$PROMPT" --max-prompt "$PROMPT" --min-new "$NEW" --max-new "$NEW" \
+    --max-batch-tokens $(( b * (PROMPT + 16) > 65536 ? 65536 : b * (PROMPT + 16) )) --kv-cache-memory 8GiB \
+    --warmup-rows 2 --json
+done
+
+# (c) and (d): PyTorch on the same GPU.
+if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  step roofline 90 python3 "$REPO/scripts/gpu-peer.py" roofline --out "$OUT/roofline.json"
+  step peer 240 python3 "$REPO/scripts/gpu-peer.py" generate --model "$WORK/$SHAPE" --batches "$BATCHES" \
+    --prompt-tokens "$PROMPT" --new-tokens "$NEW" --out "$OUT/peer.json"
+else
+  say "python3 has no CUDA-capable torch: the peer and the roofline are skipped"
+  echo "roofline rc=skipped" >> "$OUT/steps.txt"
+  echo "peer rc=skipped" >> "$OUT/steps.txt"
+fi
+
+python3 "$REPO/scripts/gpu-table.py" "$OUT" > "$OUT/table.md" 2> "$OUT/table.log" || say "the table failed: $(cat "$OUT/table.log")"
+echo "total seconds: $(( $(date +%s) - STARTED ))" >> "$OUT/steps.txt"
+cat "$OUT/steps.txt" >&2
+cat "$OUT/table.md"
