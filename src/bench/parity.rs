@@ -77,8 +77,8 @@ fn run_alone(model: &Model, prompts: &[Vec<u32>], steps: usize, tokens: &[Vec<u3
     for (i, prompt) in prompts.iter().enumerate() {
         let mut cache = model.new_cache(prompt.len() + steps);
         let mut logits = vec![model.forward(&mut [Segment { tokens: prompt, cache: &mut cache }])?.remove(0)];
-        for k in 0..steps {
-            logits.push(model.forward(&mut [Segment { tokens: &[tokens[i][k]], cache: &mut cache }])?.remove(0));
+        for &token in &tokens[i][..steps] {
+            logits.push(model.forward(&mut [Segment { tokens: &[token], cache: &mut cache }])?.remove(0));
         }
         trace.push(logits);
     }

@@ -2,16 +2,19 @@
 //! but the step's output (the greedy tokens, one `u32` per sequence, or the logits of the rows that need them).
 //!
 //! The KV cache is a paged pool ([`Pool`]): per layer, one keys tensor and one values tensor of
-//! `[blocks x BLOCK, kv_heads x head_dim]` rows on the device, in the activations' dtype; a sequence's
-//! [`Blocks`] are the pool blocks it holds, in position order (its block table). New keys and values are
-//! scattered into their rows; attention gathers each sequence's rows:
+//! `[kv_heads, blocks x BLOCK, head_dim]` on the device, in the activations' dtype; a position's slot is its
+//! block's id x BLOCK plus its offset in the block, and a sequence's [`Blocks`] are the pool blocks it holds, in
+//! position order (its block table). New keys and values are scattered into their slots; attention gathers
+//! each sequence's slots along the middle dimension, which gives `[kv_heads, positions, head_dim]` with no
+//! transposing copy:
 //!
-//! - the single-token segments of a step (decodes) together: their rows gathered into `[B, kv_heads, L, head_dim]`
-//!   with `L` the longest sequence, scores masked past each sequence's own length, one batched matmul for scores
-//!   and one for values;
+//! - the single-token segments of a step (decodes) together: their slots gathered into
+//!   `[kv_heads, B, L, head_dim]` with `L` the longest sequence, scores masked past each sequence's own length,
+//!   one batched matmul for scores and one for values;
 //! - each longer segment (a prefill) on its own, with a causal mask from the segment's start.
 //!
-//! Queries are grouped by kv head (`[kv_head, group, ...]`), so grouped-query attention needs no copies of keys.
+//! Queries are grouped by kv head (`[kv_head, ..., group, head_dim]`), so grouped-query attention needs no copies
+//! of keys.
 //! RoPE uses candle's interleaved-pair kernel with each token's own position. Scores and the softmax are in
 //! f32 whatever the activations' dtype.
 //!
@@ -42,8 +45,8 @@ pub(super) struct Pool {
     free: Vec<u32>,
     blocks: usize,
     layers: usize,
-    /// `kv_heads x head_dim`: one position's row.
-    row: usize,
+    kv_heads: usize,
+    head_dim: usize,
     dtype: DType,
     device: Device,
 }
@@ -53,7 +56,7 @@ impl Pool {
         if !self.keys.is_empty() {
             return Ok(());
         }
-        let shape = (self.blocks * BLOCK, self.row);
+        let shape = (self.kv_heads, self.blocks * BLOCK, self.head_dim);
         for _ in 0..self.layers {
             self.keys.push(Tensor::zeros(shape, self.dtype, &self.device)?);
             self.values.push(Tensor::zeros(shape, self.dtype, &self.device)?);
@@ -87,7 +90,7 @@ impl Blocks {
         self.ids.len()
     }
 
-    /// The pool row of a position.
+    /// The pool slot of a position.
     fn slot(&self, pos: usize) -> u32 {
         self.ids[pos / BLOCK] * BLOCK as u32 + (pos % BLOCK) as u32
     }
@@ -109,7 +112,8 @@ impl Paged {
             free: Vec::new(),
             blocks: DEFAULT_POOL_BLOCKS,
             layers: model_config.layers,
-            row: model_config.kv_heads * model_config.head_dim,
+            kv_heads: model_config.kv_heads,
+            head_dim: model_config.head_dim,
             dtype,
             device: device.clone(),
         };
@@ -145,9 +149,9 @@ impl Paged {
         let rows = |b: &Blocks| -> Vec<u32> { (0..b.ids.len() * BLOCK).map(|p| b.slot(p)).collect() };
         let n = source.ids.len() * BLOCK;
         let from = Tensor::from_vec(rows(source), n, &pool.device)?;
-        let to = Tensor::from_vec(rows(&copy), (n, 1), &pool.device)?.broadcast_as((n, pool.row))?.contiguous()?;
+        let to = scatter_index(rows(&copy), pool.kv_heads, pool.head_dim, &pool.device)?;
         for t in pool.keys.iter().chain(&pool.values) {
-            t.scatter_set(&to, &t.index_select(&from, 0)?, 0)?;
+            t.scatter_set(&to, &t.index_select(&from, 1)?, 1)?;
         }
         drop(pool);
         Ok(copy)
@@ -166,12 +170,12 @@ pub enum StepLogits {
 /// Attention inputs of a step, built once and used by every layer.
 struct Plan {
     /// Token rows, in the step's order, of the single-token segments; and their gather table `[B x L]` with the
-    /// mask `[B, 1, 1, L]` (0 where visible, -inf past the sequence's length).
+    /// mask `[1, B, 1, L]` (0 where visible, -inf past the sequence's length).
     decode_rows: Vec<u32>,
     decode: Option<(Tensor, Tensor, usize)>,
     /// Per longer segment: first token row, new tokens, gather table `[total]`, causal mask `[new, total]`.
     prefill: Vec<(usize, usize, Tensor, Tensor)>,
-    /// `[tokens, row]`: each new token's pool row, repeated along the row, for `scatter_set`.
+    /// `[kv_heads, tokens, head_dim]`: each new token's slot, for `scatter_set` along the slots.
     write: Tensor,
     /// Where each of the step's token rows is among the concatenated parts, when that is not where it is.
     order: Option<Tensor>,
@@ -186,7 +190,7 @@ impl Model {
         let n = tokens.len();
         let device = &self.device;
         let (hd, kvh, heads) = (cfg.head_dim, cfg.kv_heads, cfg.heads);
-        let (group, row) = (heads / kvh, kvh * hd);
+        let group = heads / kvh;
 
         // Blocks for the new positions, then the step's tables.
         let plan = {
@@ -209,7 +213,7 @@ impl Model {
                 }
             }
             drop(pool);
-            self.plan(segments, row)?
+            self.plan(segments)?
         };
 
         let ids = Tensor::from_vec(tokens, n, device)?;
@@ -225,29 +229,31 @@ impl Model {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let [q, k, v] = layer.qkv(&h, hd, cfg.rms_eps)?;
             let q = candle_nn::rotary_emb::rope_i(&q.reshape((n, heads, 1, hd))?, &cos, &sin)?.reshape((n, heads * hd))?;
-            let k = candle_nn::rotary_emb::rope_i(&k.reshape((n, kvh, 1, hd))?, &cos, &sin)?.reshape((n, row))?;
+            let k = candle_nn::rotary_emb::rope_i(&k.reshape((n, kvh, 1, hd))?, &cos, &sin)?;
             let (keys, values) = (&pool.keys[li], &pool.values[li]);
-            keys.scatter_set(&plan.write, &k.to_dtype(keys.dtype())?, 0)?;
-            values.scatter_set(&plan.write, &v.to_dtype(values.dtype())?.contiguous()?, 0)?;
+            // `[kv_head, token, head_dim]`, the pool's order.
+            let by_head = |t: &Tensor, dtype: DType| t.reshape((n, kvh, hd))?.transpose(0, 1)?.to_dtype(dtype)?.contiguous();
+            keys.scatter_set(&plan.write, &by_head(&k, keys.dtype())?, 1)?;
+            values.scatter_set(&plan.write, &by_head(&v, values.dtype())?, 1)?;
 
             // Attention outputs, `[rows, heads x head_dim]`, decodes first, then each prefill.
             let mut parts = Vec::with_capacity(1 + plan.prefill.len());
             if let Some((table, mask, longest)) = &plan.decode {
                 let b = plan.decode_rows.len();
-                let qd = select_rows(&q, &plan.decode_rows)?.reshape((b, kvh, group, hd))?;
-                let gather = |t: &Tensor| -> candle_core::Result<Tensor> {
-                    t.index_select(table, 0)?.reshape((b, *longest, kvh, hd))?.transpose(1, 2)?.contiguous()
-                };
+                // `[kv_head, B, group, head_dim]` against `[kv_head, B, L, head_dim]`.
+                let qd = select_rows(&q, &plan.decode_rows)?.reshape((b, kvh, group, hd))?.transpose(0, 1)?.contiguous()?;
+                let gather = |t: &Tensor| t.index_select(table, 1)?.reshape((kvh, b, *longest, hd));
                 let (kg, vg) = (gather(keys)?, gather(values)?);
-                let scores = (qd.contiguous()?.matmul(&kg.transpose(2, 3)?)?.to_dtype(DType::F32)? * scale)?.broadcast_add(mask)?;
+                let scores = (qd.to_dtype(kg.dtype())?.matmul(&kg.transpose(2, 3)?)?.to_dtype(DType::F32)? * scale)?.broadcast_add(mask)?;
                 let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(vg.dtype())?;
-                parts.push(p.matmul(&vg)?.reshape((b, heads * hd))?);
+                parts.push(p.matmul(&vg)?.transpose(0, 1)?.contiguous()?.reshape((b, heads * hd))?);
             }
             for (first, new, table, mask) in &plan.prefill {
                 let total = table.dim(0)?;
                 let qs = q.narrow(0, *first, *new)?.reshape((*new, kvh, group, hd))?.permute((1, 2, 0, 3))?.contiguous()?.reshape((kvh, group * new, hd))?;
-                let gather = |t: &Tensor| -> candle_core::Result<Tensor> { t.index_select(table, 0)?.reshape((total, kvh, hd))?.transpose(0, 1)?.contiguous() };
+                let gather = |t: &Tensor| t.index_select(table, 1);
                 let (kg, vg) = (gather(keys)?, gather(values)?);
+                let qs = qs.to_dtype(kg.dtype())?;
                 let scores = (qs.matmul(&kg.t()?)?.to_dtype(DType::F32)? * scale)?.reshape((kvh, group, *new, total))?.broadcast_add(mask)?;
                 let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(vg.dtype())?.reshape((kvh, group * new, total))?;
                 let out = p.matmul(&vg)?.reshape((kvh, group, *new, hd))?.permute((2, 0, 1, 3))?.contiguous()?;
@@ -299,7 +305,7 @@ impl Model {
     }
 
     /// The step's attention tables (after its blocks are allocated; positions from each cache's current length).
-    fn plan(&self, segments: &[Segment<'_>], row: usize) -> candle_core::Result<Plan> {
+    fn plan(&self, segments: &[Segment<'_>]) -> candle_core::Result<Plan> {
         let device = &self.device;
         let mut write = Vec::new();
         let mut decode_rows = Vec::new();
@@ -335,7 +341,7 @@ impl Model {
                         mask.push(if p < *len { 0.0 } else { f32::NEG_INFINITY });
                     }
                 }
-                Some((Tensor::from_vec(table, b * longest, device)?, Tensor::from_vec(mask, (b, 1, 1, longest), device)?, longest))
+                Some((Tensor::from_vec(table, b * longest, device)?, Tensor::from_vec(mask, (1, b, 1, longest), device)?, longest))
             }
         };
         // The parts come back decodes first, then prefills in step order; when that is not the step's order,
@@ -351,10 +357,16 @@ impl Model {
                 Some(Tensor::from_vec(inverse, concatenated.len(), device)?)
             }
         };
-        let n = write.len();
-        let write = Tensor::from_vec(write, (n, 1), device)?.broadcast_as((n, row))?.contiguous()?;
+        let write = scatter_index(write, self.config.kv_heads, self.config.head_dim, device)?;
         Ok(Plan { decode_rows, decode, prefill, write, order })
     }
+}
+
+/// The index tensor for `scatter_set` along the slots of a `[kv_heads, slots, head_dim]` pool: `[kv_heads,
+/// slots.len(), head_dim]`, each slot repeated across heads and values.
+fn scatter_index(slots: Vec<u32>, kv_heads: usize, head_dim: usize, device: &Device) -> candle_core::Result<Tensor> {
+    let n = slots.len();
+    Tensor::from_vec(slots, (1, n, 1), device)?.broadcast_as((kv_heads, n, head_dim))?.contiguous()
 }
 
 /// Rows of a 2-D tensor: a narrow when they are a run, a gather otherwise.
