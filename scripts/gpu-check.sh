@@ -12,7 +12,9 @@ cp "$WORK/$SHAPE/config.json" "$OUT/model-config.json" 2>/dev/null
 # (c) the peer: Hugging Face transformers `generate` on the same safetensors, the same lengths and batches
 #     (scripts/gpu-peer.py generate);
 # (d) the roofline: weight bytes per decode step over the measured copy bandwidth, and 2 x parameters x tokens
-#     over the measured bf16 matmul rate (scripts/gpu-peer.py roofline).
+#     over the measured bf16 matmul rate (scripts/gpu-peer.py roofline);
+# and the GGUF path (candle's CUDA quantized kernels): the same weights as GGUF_TYPE GGUF files, parity on the
+# small shape and throughput at batch 1 and 64 on the large one.
 # Then OUT_DIR/table.md (and the same on stdout, last): the figures side by side, ratios to the peer and to the
 # roofline, the targets (batch 1 decode within 2x of the bandwidth roofline; batch 256 output tokens/s at least
 # 5x transformers').
@@ -35,6 +37,8 @@ DEVICE=${DEVICE:-cuda:0}
 SHAPE=${SHAPE:-llama-3.2-1b}
 PARITY_SHAPES=${PARITY_SHAPES:-smollm2-135m llama-3.2-1b}
 BATCHES=${BATCHES:-1,16,64,256}
+GGUF_TYPE=${GGUF_TYPE:-q4_1}
+GGUF_BATCHES=${GGUF_BATCHES:-1,64}
 PROMPT=${PROMPT:-128}
 NEW=${NEW:-128}
 WORK=${WORK:-$(mktemp -d /tmp/gpu-check.XXXXXX)}
@@ -87,7 +91,7 @@ step() {
 
 # Models (bf16 safetensors, what the peer loads too).
 for shape in $SHAPE $PARITY_SHAPES; do
-  [ -d "$WORK/$shape" ] || step "synth-$shape" 120 "$BIN" synth-model "$WORK/$shape" --shape "$shape" --dtype bf16 --seed 1
+  [ -d "$WORK/$shape" ] || step "synth-$shape" 150 "$BIN" synth-model "$WORK/$shape" --shape "$shape" --dtype bf16 --seed 1 --gguf "$GGUF_TYPE"
 done
 
 cp "$WORK/$SHAPE/config.json" "$OUT/model-config.json" 2>/dev/null
@@ -101,6 +105,9 @@ for shape in $PARITY_SHAPES; do
       --prompt-lengths "$lengths" --steps "$steps" --json
   done
 done
+first_parity=${PARITY_SHAPES%% *}
+step "parity-$first_parity-$GGUF_TYPE" 150 "$BIN" bench parity --model "$WORK/$first_parity/model-$GGUF_TYPE.gguf" \
+  --device "$DEVICE" --prompt-lengths 7,23,64,150 --steps 16 --json
 
 # (b) nightshift: every row ready at the start, batch = rows = max_seqs, the whole batch prefilled at once.
 for b in ${BATCHES//,/ }; do
@@ -108,6 +115,13 @@ for b in ${BATCHES//,/ }; do
     --rows "$b" --max-seqs "$b" --min-prompt "$PROMPT" --max-prompt "$PROMPT" --min-new "$NEW" --max-new "$NEW" \
     --max-batch-tokens $(( b * (PROMPT + 16) > 65536 ? 65536 : b * (PROMPT + 16) )) --kv-cache-memory 8GiB \
     --warmup-rows 2 --json
+done
+
+for b in ${GGUF_BATCHES//,/ }; do
+  step "gguf-bench-$b" 150 "$BIN" bench generate --model "$WORK/$SHAPE/model-$GGUF_TYPE.gguf" --device "$DEVICE" \
+    --workload fixed --rows "$b" --max-seqs "$b" --min-prompt "$PROMPT" --max-prompt "$PROMPT" --min-new "$NEW" \
+    --max-new "$NEW" --max-batch-tokens $(( b * (PROMPT + 16) > 65536 ? 65536 : b * (PROMPT + 16) )) \
+    --kv-cache-memory 8GiB --warmup-rows 2 --json
 done
 
 # (c) and (d): PyTorch on the same GPU.

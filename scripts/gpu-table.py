@@ -117,6 +117,20 @@ def main(out):
             verdicts.append(f"batch 256 output tokens/s at least 5x transformers: "
                             f"{'n/a' if ratio is None else ('met' if ratio >= 5 else 'missed')} ({fmt(ratio, '.2f', 'x')})")
     print()
+    gguf = sorted(glob.glob(os.path.join(out, "gguf-bench-*.log")), key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[0]))
+    if gguf:
+        print("GGUF path (candle's quantized kernels), same shape and workload:\n")
+        print("| batch | output tok/s | decode step | weight bytes | bandwidth floor | x floor |")
+        print("|---|---|---|---|---|---|")
+        for path in gguf:
+            batch = int(re.findall(r"\d+", os.path.basename(path))[0])
+            r = last_json(path)
+            step_ms = batch / r["decode_tokens_per_s"] * 1e3 if r and r.get("decode_tokens_per_s") else None
+            floor_ms = r["weights_bytes"] / bw * 1e3 if r and bw else None
+            x_floor = step_ms / floor_ms if step_ms and floor_ms else None
+            print(f"| {batch} | {fmt(r['output_tokens_per_s'] if r else None, '.0f')} | {fmt(step_ms, '.2f', ' ms')} | "
+                  f"{fmt(r['weights_bytes'] / 1e9 if r else None, '.2f', ' GB')} | {fmt(floor_ms, '.3f', ' ms')} | {fmt(x_floor, '.1f', 'x')} |")
+        print()
     for v in verdicts:
         print(f"- target: {v}")
     steps = open(os.path.join(out, "steps.txt")).read().split("\n") if os.path.exists(os.path.join(out, "steps.txt")) else []

@@ -61,9 +61,24 @@ pub struct SynthModelArgs {
     pub dtype: String,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Also write the weights as a GGUF file of this quantization beside them (`model-<type>.gguf`): `q4_0`,
+    /// `q4_1`, `q8_0`, `q4k`, `q6k`, ... (candle's names), for the GGUF path's kernels.
+    #[arg(long)]
+    pub gguf: Option<String>,
 }
 
 impl SynthModelArgs {
+    /// The GGUF quantization asked for, if any.
+    pub fn gguf_type(&self) -> Result<Option<candle_core::quantized::GgmlDType>, crate::error::Error> {
+        use candle_core::quantized::GgmlDType::*;
+        let Some(name) = self.gguf.as_deref() else { return Ok(None) };
+        let all = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K, F16, F32];
+        all.into_iter()
+            .find(|t| format!("{t:?}").eq_ignore_ascii_case(name))
+            .map(Some)
+            .ok_or_else(|| crate::error::Error::Internal(format!("--gguf must be one of q4_0, q4_1, q5_0, q5_1, q8_0, q2k, q3k, q4k, q5k, q6k, f16, f32; got {name:?}")))
+    }
+
     pub fn run(&self) -> Result<crate::synth::SynthReport, crate::error::Error> {
         let dtype = match self.dtype.as_str() {
             "bf16" => candle_core::DType::BF16,

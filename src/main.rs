@@ -41,7 +41,15 @@ fn main() -> ExitCode {
         Command::Bench(cli::BenchCommand::Parity(args)) => {
             nightshift::bench::parity(&args.options()).and_then(|r| cli::print_parity(&r, args.json))
         }
-        Command::SynthModel(args) => args.run().map(|r| cli::print_synth(&r, &args.dir)),
+        Command::SynthModel(args) => args.gguf_type().and_then(|quant| {
+            let report = args.run()?;
+            cli::print_synth(&report, &args.dir);
+            if let Some(quant) = quant {
+                let (path, bytes) = nightshift::synth::synth_gguf(&args.dir, quant)?;
+                println!("wrote {} ({:.1} MB)", path.display(), bytes as f64 / 1e6);
+            }
+            Ok(())
+        }),
         Command::Bench(cli::BenchCommand::Embed(args)) => {
             if let Some(threads) = args.threads {
                 app::limit_threads(threads);

@@ -8,6 +8,11 @@
 //! The tokenizer is byte-level BPE with GPT-2's 256 byte tokens, ChatML's special tokens, and filler tokens up to
 //! the vocabulary size (reachable only by sampling, never by tokenizing): prompts tokenize to one token per byte,
 //! which is what a synthetic workload needs.
+//!
+//! [`synth_gguf`] writes the same weights as a quantized GGUF file beside them (`--gguf q4_1`), for the GGUF path's
+//! kernels on hosts that cannot receive a real GGUF: q and k rows permuted as llama.cpp's converter does for its
+//! adjacent-pair RoPE, the tokenizer in GGUF metadata. (Llama 3's RoPE scaling is left out: GGUF carries it as a
+//! `rope_freqs` tensor, which nightshift's GGUF loader does not read, so such a file runs plain RoPE.)
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -149,6 +154,93 @@ fn vocabulary(size: usize) -> Result<VocabMetadata, Error> {
     Ok(VocabMetadata { kind: "gpt2".into(), pre: Some("gpt2".into()), tokens, token_types, ..Default::default() })
 }
 
+/// Writes the model in `dir` (written by [`synth_model`]) as `dir/model-<type>.gguf`, its matrices quantized to
+/// `quant` (in parallel), norms in f32. Returns the file's path and size.
+pub fn synth_gguf(dir: &Path, quant: candle_core::quantized::GgmlDType) -> Result<(std::path::PathBuf, u64), Error> {
+    use candle_core::quantized::gguf_file::Value;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use rayon::prelude::*;
+    let fail = |e: &dyn std::fmt::Display| Error::Internal(format!("cannot write a GGUF of `{}`: {e}", dir.display()));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).map_err(|e| fail(&e))?).map_err(|e| fail(&e))?;
+    let get = |key: &str| config[key].as_u64().map(|v| v as usize).ok_or_else(|| fail(&format!("config.json has no `{key}`")));
+    let (d, layers, heads, kv_heads, ffn, vocab, context) = (
+        get("hidden_size")?,
+        get("num_hidden_layers")?,
+        get("num_attention_heads")?,
+        get("num_key_value_heads")?,
+        get("intermediate_size")?,
+        get("vocab_size")?,
+        get("max_position_embeddings")?,
+    );
+    let hd = d / heads;
+    let weights = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).map_err(|e| fail(&e))?;
+    let tensor = |name: &str| -> Result<Tensor, Error> {
+        weights.get(name).ok_or_else(|| fail(&format!("no tensor `{name}`")))?.to_dtype(DType::F32).map_err(|e| fail(&e))
+    };
+    // Hugging Face rotates halves of each head; GGUF's llama weights are permuted for adjacent pairs.
+    let rotary = |name: &str| -> Result<Tensor, Error> {
+        crate::engine::model::hf::interleave_halves(&tensor(name)?, hd).map_err(|e| fail(&e))
+    };
+    let mut dense: Vec<(String, Tensor, GgmlDType)> = Vec::new();
+    dense.push(("token_embd.weight".into(), tensor("model.embed_tokens.weight")?, quant));
+    dense.push(("output_norm.weight".into(), tensor("model.norm.weight")?, GgmlDType::F32));
+    if weights.contains_key("lm_head.weight") {
+        dense.push(("output.weight".into(), tensor("lm_head.weight")?, quant));
+    }
+    for i in 0..layers {
+        let p = |s: &str| format!("model.layers.{i}.{s}");
+        let b = |s: &str| format!("blk.{i}.{s}.weight");
+        dense.push((b("attn_norm"), tensor(&p("input_layernorm.weight"))?, GgmlDType::F32));
+        dense.push((b("ffn_norm"), tensor(&p("post_attention_layernorm.weight"))?, GgmlDType::F32));
+        dense.push((b("attn_q"), rotary(&p("self_attn.q_proj.weight"))?, quant));
+        dense.push((b("attn_k"), rotary(&p("self_attn.k_proj.weight"))?, quant));
+        dense.push((b("attn_v"), tensor(&p("self_attn.v_proj.weight"))?, quant));
+        dense.push((b("attn_output"), tensor(&p("self_attn.o_proj.weight"))?, quant));
+        dense.push((b("ffn_gate"), tensor(&p("mlp.gate_proj.weight"))?, quant));
+        dense.push((b("ffn_up"), tensor(&p("mlp.up_proj.weight"))?, quant));
+        dense.push((b("ffn_down"), tensor(&p("mlp.down_proj.weight"))?, quant));
+    }
+    let quantized: Vec<(String, QTensor)> = dense
+        .into_par_iter()
+        .map(|(name, t, q)| QTensor::quantize(&t, q).map(|t| (name, t)))
+        .collect::<candle_core::Result<_>>()
+        .map_err(|e| fail(&e))?;
+    let vocabulary = vocabulary(vocab)?;
+    let strings = |v: &[String]| Value::Array(v.iter().map(|s| Value::String(s.clone())).collect());
+    let u32_of = |v: usize| Value::U32(v as u32);
+    let metadata: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("general.name", Value::String(format!("synthetic {}", config["_name_or_path"].as_str().unwrap_or("llama")))),
+        ("llama.context_length", u32_of(context)),
+        ("llama.embedding_length", u32_of(d)),
+        ("llama.block_count", u32_of(layers)),
+        ("llama.feed_forward_length", u32_of(ffn)),
+        ("llama.attention.head_count", u32_of(heads)),
+        ("llama.attention.head_count_kv", u32_of(kv_heads)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(config["rms_norm_eps"].as_f64().unwrap_or(1e-5) as f32)),
+        ("llama.rope.freq_base", Value::F32(config["rope_theta"].as_f64().unwrap_or(10_000.0) as f32)),
+        ("tokenizer.ggml.model", Value::String(vocabulary.kind.clone())),
+        ("tokenizer.ggml.pre", Value::String(vocabulary.pre.clone().unwrap_or_default())),
+        ("tokenizer.ggml.tokens", strings(&vocabulary.tokens)),
+        ("tokenizer.ggml.token_type", Value::Array(vocabulary.token_types.iter().map(|&t| Value::I32(t)).collect())),
+        ("tokenizer.ggml.merges", Value::Array(Vec::new())),
+        ("tokenizer.ggml.bos_token_id", Value::U32(256)),
+        ("tokenizer.ggml.eos_token_id", Value::U32(258)),
+        ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
+        ("tokenizer.chat_template", Value::String(CHATML.into())),
+    ];
+    let path = dir.join(format!("model-{}.gguf", format!("{quant:?}").to_lowercase()));
+    let mut file = std::io::BufWriter::new(std::fs::File::create(&path).map_err(|e| fail(&e))?);
+    let meta: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let tensors: Vec<(&str, &QTensor)> = quantized.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    candle_core::quantized::gguf_file::write(&mut file, &meta, &tensors).map_err(|e| fail(&e))?;
+    std::io::Write::flush(&mut file).map_err(|e| fail(&e))?;
+    drop(file);
+    let bytes = std::fs::metadata(&path).map_err(|e| fail(&e))?.len();
+    Ok((path, bytes))
+}
+
 /// What was written.
 #[derive(Debug, serde::Serialize)]
 pub struct SynthReport {
@@ -253,6 +345,19 @@ mod tests {
         let ids = tokenizer.encode("héllo", false).unwrap().get_ids().to_vec();
         assert_eq!(ids.len(), "héllo".len(), "one token per byte");
         assert_eq!(tokenizer.decode(&ids, false).unwrap(), "héllo");
+        // As GGUF: the same function, to quantization (q8_0 here), whichever path loads it.
+        let (gguf, _) = synth_gguf(&dir, candle_core::quantized::GgmlDType::Q8_0).unwrap();
+        let (quantized, gguf_info) = crate::engine::Model::load(&gguf, &Device::Cpu).unwrap();
+        assert_eq!((quantized.config.hidden_size, quantized.config.layers, gguf_info.vocab.eos), (128, 2, Some(258)));
+        let tokens: Vec<u32> = "hello, world".bytes().map(u32::from).collect();
+        let logits = |m: &crate::engine::Model| {
+            let mut cache = m.new_cache(16);
+            m.forward(&mut [crate::engine::Segment { tokens: &tokens, cache: &mut cache }]).unwrap().remove(0)
+        };
+        let (a, b) = (logits(&model), logits(&quantized));
+        let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let diff = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(diff <= 0.05 * scale, "the GGUF computes another function: {diff} of {scale}");
         // The same seed writes the same weights.
         let again = dir.join("again");
         synth_model(&again, &shape, DType::BF16, 7).unwrap();

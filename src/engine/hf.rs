@@ -472,7 +472,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
 /// Reorders the rows of a tensor whose first dimension is `heads x head_dim` (a q or k projection, its bias, a
 /// per-head norm weight) within each head, from Hugging Face's rotate-half pairing to adjacent pairs: row `2i`
 /// takes row `i` and row `2i + 1` takes row `i + head_dim / 2`.
-fn interleave_halves(t: &Tensor, head_dim: usize) -> candle_core::Result<Tensor> {
+pub(crate) fn interleave_halves(t: &Tensor, head_dim: usize) -> candle_core::Result<Tensor> {
     let dims = t.dims().to_vec();
     let rows = dims.first().copied().unwrap_or(0);
     let columns: usize = dims[1..].iter().product();
