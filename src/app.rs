@@ -386,7 +386,11 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let engine_thread = std::thread::Builder::new()
         .name("nightshift-engine".into())
         .spawn(move || match worker {
-            Worker::Generate(engine) => drive(*engine, request_rx, sink_tx, &engine_drain, &shared_stats),
+            Worker::Generate(engine) => {
+                // Every GPU operation of a run happens on this thread from here on.
+                engine.model().bind_to_thread().map_err(|e| engine::EngineError::new(e.to_string()))?;
+                drive(*engine, request_rx, sink_tx, &engine_drain, &shared_stats)
+            }
             Worker::Embed(encoder) => drive_encoder(&encoder, &runtime, request_rx, sink_tx, &engine_drain, &shared_stats),
             Worker::Seq2seq(engine) => drive(engine, request_rx, sink_tx, &engine_drain, &shared_stats),
         })

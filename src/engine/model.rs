@@ -671,6 +671,17 @@ impl Model {
         &self.device
     }
 
+    /// Makes the model's CUDA context current on the calling thread: the engine thread calls it before its first
+    /// step, the weights having been uploaded from the thread that loaded them. (cudarc binds the context on most
+    /// calls too; this makes the engine thread's ownership explicit.) A no-op on the CPU.
+    pub fn bind_to_thread(&self) -> candle_core::Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cuda) = &self.device {
+            cuda.cuda_stream().context().bind_to_thread().map_err(|e| candle_core::Error::Msg(format!("cannot bind the CUDA context: {e}")))?;
+        }
+        Ok(())
+    }
+
     /// Sizes the paged path's KV pool, in blocks of [`KV_BLOCK_TOKENS`]: the scheduler's budget, which it never
     /// books beyond. It is allocated on the device at the first forward pass. A no-op on the CPU path, whose
     /// blocks are allocated as they fill.
