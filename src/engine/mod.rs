@@ -73,7 +73,8 @@ pub fn select_device(choice: &DeviceChoice) -> Result<Device, ModelError> {
             let error = |message: String| ModelError::Cuda { device: format!("cuda:{ordinal}"), message };
             match std::panic::catch_unwind(|| Device::new_cuda(ordinal)) {
                 Ok(Ok(device)) => Ok(device),
-                Ok(Err(e)) => Err(error(e.to_string())),
+                // candle appends a backtrace to its errors' text when RUST_BACKTRACE is set: the first line says it.
+                Ok(Err(e)) => Err(error(e.to_string().lines().next().unwrap_or_default().to_string())),
                 Err(panic) => {
                     let text = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
                     Err(error(format!("panicked: {}", text.as_deref().unwrap_or("(no message)"))))
