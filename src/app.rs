@@ -576,11 +576,11 @@ fn load_worker(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error>
             // A Hugging Face directory is fingerprinted by its files, like the encoders' directories.
             let model_sha256 = if job.model.path.is_dir() { check_model_dir(job)? } else { check_model_file(job)? };
             let (model, info) = Model::load(&job.model.path, device)?;
-            let cfg = &model.config.clone();
+            let cfg = &info.config;
             info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
-                kv_bytes_per_token = cfg.kv_bytes_per_token(), "decoder");
+                kv_bytes_per_token = model.kv_block_bytes() / engine::KV_BLOCK_TOKENS, "decoder");
             let kv_bytes = engine::kv_cache_bytes(job.runtime.kv_cache_memory, device);
-            let batch = BatchConfig::new(job.runtime.max_seqs, job.runtime.max_batch_tokens, kv_bytes, cfg);
+            let batch = BatchConfig::new(job.runtime.max_seqs, job.runtime.max_batch_tokens, kv_bytes, model.kv_block_bytes());
             let longest = batch.max_sequence_tokens(cfg);
             info!(
                 max_seqs = batch.max_seqs, max_batch_tokens = batch.max_batch_tokens,
@@ -1028,7 +1028,7 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
         other_errors: other_errors.into_iter().collect(),
         max_seqs: batch.max_seqs,
         max_batch_tokens: batch.max_batch_tokens,
-        kv_cache_bytes: (batch.kv_blocks * engine::KvCache::block_bytes(&model_config)) as u64,
+        kv_cache_bytes: (batch.kv_blocks * engine.model().kv_block_bytes()) as u64,
         kv_tokens: batch.kv_tokens(),
         longest_sequence: longest,
         sequences_fit: batch.kv_tokens() / mean_sequence,

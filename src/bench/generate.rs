@@ -162,8 +162,8 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
     let stop = StopRules::new(&info.vocab);
     let weights_bytes = model.weight_bytes();
     let kv_bytes = crate::engine::kv_cache_bytes(options.kv_cache_memory, &device);
-    let config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, &model.config);
-    let (device_name, dtype, paged) = (describe(&device), format!("{:?}", model.dtype()).to_lowercase(), model.is_paged());
+    let config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, model.kv_block_bytes());
+    let (device_name, dtype, paged) = (engine::device_name(&device), format!("{:?}", model.dtype()).to_lowercase(), model.is_paged());
     let model = match options.warmup_rows {
         0 => model,
         n => {
@@ -219,15 +219,6 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         paged,
         device_memory_in_use_bytes: crate::engine::device_memory_in_use(&device),
     })
-}
-
-/// `cpu` or `cuda:N`.
-fn describe(device: &candle_core::Device) -> String {
-    match device.location() {
-        candle_core::DeviceLocation::Cpu => "cpu".into(),
-        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
-        other => format!("{other:?}").to_lowercase(),
-    }
 }
 
 /// Runs every row through the engine, admitting as places free; the completions in finishing order.

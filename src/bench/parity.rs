@@ -155,7 +155,7 @@ pub fn parity(options: &ParityOptions) -> Result<ParityReport, Error> {
     ];
     Ok(ParityReport {
         model: options.model.display().to_string(),
-        device: format!("{:?}", device.location()),
+        device: engine::device_name(&device),
         dtype: format!("{:?}", candidate.dtype()).to_lowercase(),
         prompt_lengths: options.prompt_lengths.clone(),
         steps: options.steps,

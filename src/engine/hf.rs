@@ -220,7 +220,6 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         rope_base: rope_base as f32,
         rope_scaling,
         vocab_size: c.vocab_size,
-        kv_element_bytes: 4,
     };
     Ok((config, variant))
 }
@@ -464,9 +463,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
         false => dense(load("lm_head.weight")?),
     };
     let weights = Weights { embedding, layers, output_norm, lm_head, attn_width: config.heads * hd };
-    let model = Model::assemble(config, device, weights)?;
-    let info = ModelInfo { config: model.config.clone(), ..info };
-    Ok((model, info))
+    Ok((Model::assemble(config, device, weights)?, info))
 }
 
 /// Reorders the rows of a tensor whose first dimension is `heads x head_dim` (a q or k projection, its bias, a

@@ -106,24 +106,36 @@ pub fn kv_cache_bytes(budget: crate::job::MemoryBudget, device: &Device) -> u64 
     budget.resolve(device_memory_available(device).unwrap_or(4 << 30))
 }
 
-/// A GPU's memory in use now (all processes), from the driver; `None` for the CPU.
-pub fn device_memory_in_use(device: &Device) -> Option<u64> {
+/// A GPU's free and total memory now, from the driver; `None` for the CPU.
+fn gpu_memory(device: &Device) -> Option<(u64, u64)> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(cuda) = device {
-        return cuda.cuda_stream().context().mem_get_info().ok().map(|(free, total)| (total - free) as u64);
+        return cuda.cuda_stream().context().mem_get_info().ok().map(|(free, total)| (free as u64, total as u64));
     }
     let _ = device;
     None
 }
 
-/// Memory available now on a device: the host's for the CPU, the GPU's free memory for CUDA.
+/// A GPU's memory in use now (all processes); `None` for the CPU.
+pub fn device_memory_in_use(device: &Device) -> Option<u64> {
+    gpu_memory(device).map(|(free, total)| total - free)
+}
+
+/// Memory available now on a device: the GPU's free memory for CUDA, the host's for the CPU.
 pub fn device_memory_available(device: &Device) -> Option<u64> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(cuda) = device {
-        return cuda.cuda_stream().context().mem_get_info().ok().map(|(free, _total)| free as u64);
+    match device {
+        Device::Cpu => crate::metrics::available_memory_bytes(),
+        _ => gpu_memory(device).map(|(free, _)| free),
     }
-    let _ = device;
-    crate::metrics::available_memory_bytes()
+}
+
+/// `cpu` or `cuda:N`, as `runtime.device` names it.
+pub fn device_name(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        other => format!("{other:?}").to_lowercase(),
+    }
 }
 
 /// A tokenized row for the engine.
@@ -293,9 +305,9 @@ pub struct BatchConfig {
 }
 
 impl BatchConfig {
-    /// The configuration for a KV cache budget of `kv_bytes`.
-    pub fn new(max_seqs: usize, max_batch_tokens: usize, kv_bytes: u64, model: &ModelConfig) -> BatchConfig {
-        let kv_blocks = (kv_bytes / KvCache::block_bytes(model).max(1) as u64).min(u32::MAX as u64) as usize;
+    /// The configuration for a KV cache budget of `kv_bytes`, in blocks of `block_bytes` ([`Model::kv_block_bytes`]).
+    pub fn new(max_seqs: usize, max_batch_tokens: usize, kv_bytes: u64, block_bytes: usize) -> BatchConfig {
+        let kv_blocks = (kv_bytes / block_bytes.max(1) as u64).min(u32::MAX as u64) as usize;
         BatchConfig { max_seqs, max_batch_tokens, kv_blocks: kv_blocks.max(1) }
     }
 
@@ -416,6 +428,12 @@ struct Group {
     /// When its prefill began (the end of its queue time), and its first token.
     admitted: Option<Instant>,
     first_token: Option<Instant>,
+}
+
+/// Whether a sequence's next token is the plain argmax of its logits: greedy with nothing that reads or changes
+/// the logits (penalties, logprobs, a grammar), and `min_new_tokens` reached.
+fn takes_argmax(p: &GenerationParams, seq: &Sequence) -> bool {
+    p.is_plain_greedy() && seq.sampled >= p.min_new_tokens
 }
 
 /// Checks what the job file's rules cannot know: stop token ids against the model's vocabulary and `n` against
@@ -552,11 +570,11 @@ impl BatchEngine {
         let p = &group.params;
         let min_active = (seq.sampled as usize) < p.min_new_tokens as usize;
         let mut logits = match logits {
-            // The device chose it: asked for only when the fast path below applies (`greedy_only`).
+            // The device chose it: asked for only where the fast path below applies ([`takes_argmax`]).
             StepLogits::Argmax(token) => return Ok(token),
             StepLogits::Full(logits) => logits,
         };
-        if p.is_plain_greedy() && !min_active {
+        if takes_argmax(p, seq) {
             // The fast path: no copy, no pass over the logits beyond the argmax.
             return Ok(sampling::argmax(&logits));
         }
@@ -785,7 +803,7 @@ impl Engine for BatchEngine {
             .map(|(id, &o)| {
                 let seq = &self.seqs[id];
                 let g = &self.groups[&seq.group];
-                o == 1 && g.request.completion.is_none() && g.params.is_plain_greedy() && seq.sampled >= g.params.min_new_tokens
+                o == 1 && g.request.completion.is_none() && takes_argmax(&g.params, seq)
             })
             .collect();
         let logits = {
@@ -825,9 +843,9 @@ impl Engine for BatchEngine {
                 let scored: Vec<TokenLogprob> = completion
                     .iter()
                     .zip(&rows)
-                    .filter_map(|(&t, row)| match row {
-                        StepLogits::Full(l) => Some(self.token_logprob(l, t, top)),
-                        StepLogits::Argmax(_) => None,
+                    .map(|(&t, row)| match row {
+                        StepLogits::Full(l) => self.token_logprob(l, t, top),
+                        StepLogits::Argmax(_) => unreachable!("scoring rows ask for their logits"),
                     })
                     .collect();
                 let seq = self.seqs.get_mut(&id).expect("a scheduled sequence exists");

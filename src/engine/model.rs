@@ -49,9 +49,6 @@ pub struct ModelConfig {
     /// Llama 3's rescaling of the RoPE frequencies, when the checkpoint declares it.
     pub rope_scaling: Option<RopeScaling>,
     pub vocab_size: usize,
-    /// Bytes of one KV cache element: 4 (f32) on the CPU path, the activations' dtype on the paged path (2 for
-    /// bf16); set by [`Model::load`].
-    pub kv_element_bytes: usize,
 }
 
 /// Llama 3's RoPE frequency scaling (`rope_scaling.rope_type = "llama3"`): wavelengths longer than
@@ -63,13 +60,6 @@ pub struct RopeScaling {
     pub low_freq_factor: f64,
     pub high_freq_factor: f64,
     pub original_context: usize,
-}
-
-impl ModelConfig {
-    /// KV cache bytes one token takes across all layers (keys and values).
-    pub fn kv_bytes_per_token(&self) -> usize {
-        self.layers * 2 * self.kv_heads * self.head_dim * self.kv_element_bytes
-    }
 }
 
 /// What `validate` and `plan` need without loading weights.
@@ -180,34 +170,42 @@ const BLOCK: usize = 16;
 /// Positions per KV cache block, for the scheduler's accounting.
 pub const KV_BLOCK_TOKENS: usize = BLOCK;
 
-/// The keys and values of one sequence, all layers, in blocks of [`BLOCK`] positions, each block its own
-/// allocation. Per layer and block, keys are `[kv_head][head_dim][BLOCK]` (transposed, so one query's scores
-/// against a block are `head_dim` multiply-adds of `BLOCK`-wide vectors, with no horizontal sums) and values are
-/// `[kv_head][BLOCK][head_dim]`; a block's unused positions are zero. A sequence grows a block at a time without
-/// copying what it holds, and holds exactly the blocks the scheduler booked for it.
-///
-/// On the paged path ([`paged`]) the blocks live in the model's device pool instead, and the cache holds their
-/// ids; [`Model::new_cache`] makes the right kind for a model, [`Model::fork_cache`] copies one.
+/// The keys and values of one sequence, all layers: its length, and where they are held ([`Store`]).
+/// [`Model::new_cache`] makes the right kind for a model and [`Model::fork_cache`] copies one; a cache of one path
+/// is refused by the other.
 #[derive(Debug)]
 pub struct KvCache {
+    store: Store,
+    len: usize,
+}
+
+#[derive(Debug)]
+enum Store {
+    Host(HostBlocks),
+    /// On the paged path ([`paged`]) the blocks live in the model's device pool, and the cache holds their ids.
+    Paged(paged::Blocks),
+}
+
+/// The CPU path's cache: in blocks of [`BLOCK`] positions, each block its own allocation. Per layer and block,
+/// keys are `[kv_head][head_dim][BLOCK]` (transposed, so one query's scores against a block are `head_dim`
+/// multiply-adds of `BLOCK`-wide vectors, with no horizontal sums) and values are `[kv_head][BLOCK][head_dim]`; a
+/// block's unused positions are zero. A sequence grows a block at a time without copying what it holds, and
+/// holds exactly the blocks the scheduler booked for it.
+#[derive(Clone, Debug)]
+struct HostBlocks {
     keys: Vec<Vec<Box<[f32]>>>,
     values: Vec<Vec<Box<[f32]>>>,
-    paged: Option<paged::Blocks>,
-    len: usize,
     kv_heads: usize,
     head_dim: usize,
 }
 
 impl KvCache {
-    /// An empty cache with room in its block tables for `capacity_tokens` (blocks are allocated as they fill).
+    /// An empty CPU-path cache with room in its block tables for `capacity_tokens` (blocks are allocated as they
+    /// fill).
     pub fn new(config: &ModelConfig, capacity_tokens: usize) -> KvCache {
         let alloc = || (0..config.layers).map(|_| Vec::with_capacity(capacity_tokens.div_ceil(BLOCK))).collect();
-        KvCache { keys: alloc(), values: alloc(), paged: None, len: 0, kv_heads: config.kv_heads, head_dim: config.head_dim }
-    }
-
-    /// Bytes of one block across all layers.
-    pub fn block_bytes(config: &ModelConfig) -> usize {
-        config.kv_bytes_per_token() * BLOCK
+        let host = HostBlocks { keys: alloc(), values: alloc(), kv_heads: config.kv_heads, head_dim: config.head_dim };
+        KvCache { store: Store::Host(host), len: 0 }
     }
 
     /// Positions held (the sequence's length so far).
@@ -215,6 +213,49 @@ impl KvCache {
         self.len
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Blocks held (per layer; the same in every layer).
+    pub fn blocks(&self) -> usize {
+        match &self.store {
+            Store::Host(host) => host.keys.first().map_or(0, Vec::len),
+            Store::Paged(blocks) => blocks.len(),
+        }
+    }
+
+    /// The CPU path's blocks; the forward pass checks every segment's store before it begins.
+    fn host(&self) -> &HostBlocks {
+        match &self.store {
+            Store::Host(host) => host,
+            Store::Paged(_) => unreachable!("checked at the start of the forward pass"),
+        }
+    }
+
+    fn host_mut(&mut self) -> &mut HostBlocks {
+        match &mut self.store {
+            Store::Host(host) => host,
+            Store::Paged(_) => unreachable!("checked at the start of the forward pass"),
+        }
+    }
+
+    fn paged(&self) -> Option<&paged::Blocks> {
+        match &self.store {
+            Store::Paged(blocks) => Some(blocks),
+            Store::Host(_) => None,
+        }
+    }
+
+    fn paged_mut(&mut self) -> Option<&mut paged::Blocks> {
+        match &mut self.store {
+            Store::Paged(blocks) => Some(blocks),
+            Store::Host(_) => None,
+        }
+    }
+}
+
+impl HostBlocks {
     fn block_floats(&self) -> usize {
         self.kv_heads * self.head_dim * BLOCK
     }
@@ -239,18 +280,6 @@ impl KvCache {
                 }
                 vb[(h * BLOCK + c) * hd..][..hd].copy_from_slice(&v[src..src + hd]);
             }
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Blocks held (per layer; the same in every layer).
-    pub fn blocks(&self) -> usize {
-        match &self.paged {
-            Some(blocks) => blocks.len(),
-            None => self.keys.first().map_or(0, Vec::len),
         }
     }
 }
@@ -342,7 +371,6 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         rope_base: meta_f32(content, &a("rope.freq_base")).unwrap_or(10_000.0),
         rope_scaling: None,
         vocab_size: tokens.len(),
-        kv_element_bytes: 4,
         hidden_size,
         heads,
         kv_heads,
@@ -607,9 +635,7 @@ impl Model {
         let lm_head = QMatMul::from_qtensor(lay_out(lm_head, config.vocab_size, width, layout.for_output(), device).map_err(fmt)?).map_err(fmt)?;
 
         let weights = Weights { embedding, layers, output_norm, lm_head, attn_width };
-        let model = Model::assemble(config, device, weights)?;
-        let info = ModelInfo { config: model.config.clone(), ..info };
-        Ok((model, info))
+        Ok((Model::assemble(config, device, weights)?, info))
     }
 
     /// A model from its weights, with the RoPE tables of its configuration. `weights.embedding`'s width is the
@@ -653,7 +679,8 @@ impl Model {
     pub fn use_paged(&mut self) -> candle_core::Result<()> {
         let dtype = self.embedding.dtype();
         self.paged = Some(paged::Paged::new(&self.config, &self.rope_cos, &self.rope_sin, dtype, &self.device)?);
-        self.config.kv_element_bytes = dtype.size_in_bytes();
+        // Only the CPU path reads the host RoPE tables.
+        (self.rope_cos, self.rope_sin) = (Vec::new(), Vec::new());
         Ok(())
     }
 
@@ -695,7 +722,7 @@ impl Model {
     /// An empty KV cache for this model's path, with room in its block tables for `capacity_tokens`.
     pub fn new_cache(&self, capacity_tokens: usize) -> KvCache {
         match &self.paged {
-            Some(p) => KvCache { keys: Vec::new(), values: Vec::new(), paged: Some(p.empty()), ..KvCache::new(&self.config, 0) },
+            Some(p) => KvCache { store: Store::Paged(p.empty()), len: 0 },
             None => KvCache::new(&self.config, capacity_tokens),
         }
     }
@@ -703,25 +730,20 @@ impl Model {
     /// A copy of a sequence's cache, for a fork (`n` choices): on the paged path, new pool blocks with the same
     /// rows, which can fail (the pool is full, a device error).
     pub fn fork_cache(&self, cache: &KvCache) -> candle_core::Result<KvCache> {
-        match (&self.paged, &cache.paged) {
-            (Some(p), Some(blocks)) => {
-                Ok(KvCache { keys: Vec::new(), values: Vec::new(), paged: Some(p.fork(blocks)?), len: cache.len, kv_heads: cache.kv_heads, head_dim: cache.head_dim })
-            }
-            (None, None) => Ok(KvCache {
-                keys: cache.keys.clone(),
-                values: cache.values.clone(),
-                paged: None,
-                len: cache.len,
-                kv_heads: cache.kv_heads,
-                head_dim: cache.head_dim,
-            }),
+        let store = match (&self.paged, &cache.store) {
+            (Some(p), Store::Paged(blocks)) => Store::Paged(p.fork(blocks)?),
+            (None, Store::Host(host)) => Store::Host(host.clone()),
             _ => candle_core::bail!("a KV cache of the other path"),
-        }
+        };
+        Ok(KvCache { store, len: cache.len })
     }
 
-    /// KV cache bytes of one block of [`KV_BLOCK_TOKENS`] positions on this model's path.
+    /// KV cache bytes of one block of [`KV_BLOCK_TOKENS`] positions on this model's path: f32 on the CPU path,
+    /// the activations' dtype on the paged path (2 bytes for bf16).
     pub fn kv_block_bytes(&self) -> usize {
-        KvCache::block_bytes(&self.config)
+        let element = if self.is_paged() { self.dtype().size_in_bytes() } else { std::mem::size_of::<f32>() };
+        let c = &self.config;
+        c.layers * 2 * c.kv_heads * c.head_dim * element * BLOCK
     }
 
     /// Bytes of weights held on the device (quantized sizes as stored; a tied output projection once).
@@ -784,7 +806,7 @@ impl Model {
         if let Some(p) = &self.paged {
             return self.forward_paged(p, segments, outputs, greedy);
         }
-        if segments.iter().any(|s| s.cache.paged.is_some()) {
+        if segments.iter().any(|s| s.cache.paged().is_some()) {
             candle_core::bail!("a paged KV cache in a CPU-path forward pass");
         }
         let (positions, tokens) = self.check_segments(segments, outputs)?;
@@ -808,7 +830,7 @@ impl Model {
             let mut offset = 0;
             for s in segments.iter_mut() {
                 let (len, start) = (s.tokens.len(), s.cache.len);
-                s.cache.write(li, start, &k[offset * kv_row..(offset + len) * kv_row], &v[offset * kv_row..(offset + len) * kv_row]);
+                s.cache.host_mut().write(li, start, &k[offset * kv_row..(offset + len) * kv_row], &v[offset * kv_row..(offset + len) * kv_row]);
                 offset += len;
             }
             let attn = self.attention(li, &q, segments);
@@ -936,7 +958,8 @@ impl Model {
         let total = s.cache.len + new;
         let t1 = (t0 + TILE).min(new);
         let rows = (t1 - t0) * group;
-        let (keys, values) = (&s.cache.keys[layer], &s.cache.values[layer]);
+        let host = s.cache.host();
+        let (keys, values) = (&host.keys[layer], &host.values[layer]);
         // Row r is token t0 + r / group, query head kv * group + r % group; it sees positions below `visible`.
         let visible = |r: usize| total - new + t0 + r / group + 1;
         let query = |r: usize| &q[(start + t0 + r / group) * q_row + (kv * group + r % group) * hd..][..hd];

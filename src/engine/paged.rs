@@ -136,10 +136,10 @@ impl Paged {
 
     /// A copy of a sequence's blocks (a fork): new blocks holding the same rows.
     pub(super) fn fork(&self, source: &Blocks) -> candle_core::Result<Blocks> {
-        let mut pool = lock(&self.pool);
         if source.ids.is_empty() {
-            return Ok(Blocks { ids: Vec::new(), pool: self.pool.clone() });
+            return Ok(self.empty());
         }
+        let mut pool = lock(&self.pool);
         if pool.free.len() < source.ids.len() {
             candle_core::bail!("the KV pool has {} free blocks, a fork needs {}", pool.free.len(), source.ids.len());
         }
@@ -187,6 +187,9 @@ impl Model {
     pub(super) fn forward_paged(&self, paged: &Paged, segments: &mut [Segment<'_>], outputs: &[usize], greedy: &[bool]) -> candle_core::Result<Vec<Vec<StepLogits>>> {
         let cfg = &self.config;
         let (positions, tokens) = self.check_segments(segments, outputs)?;
+        if segments.iter().any(|s| s.cache.paged().is_none()) {
+            candle_core::bail!("a CPU-path KV cache in a paged forward pass");
+        }
         let n = tokens.len();
         let device = &self.device;
         let (hd, kvh, heads) = (cfg.head_dim, cfg.kv_heads, cfg.heads);
@@ -199,7 +202,7 @@ impl Model {
             let needed: usize = segments
                 .iter()
                 .map(|s| {
-                    let blocks = s.cache.paged.as_ref().map_or(0, Blocks::len);
+                    let blocks = s.cache.paged().map_or(0, Blocks::len);
                     (s.cache.len + s.tokens.len()).div_ceil(BLOCK).saturating_sub(blocks)
                 })
                 .sum();
@@ -207,8 +210,9 @@ impl Model {
                 candle_core::bail!("the KV pool has {} free blocks, the step needs {needed}", pool.free.len());
             }
             for s in segments.iter_mut() {
-                let Some(blocks) = s.cache.paged.as_mut() else { candle_core::bail!("a host KV cache in a paged forward pass") };
-                while blocks.ids.len() < (s.cache.len + s.tokens.len()).div_ceil(BLOCK) {
+                let needed = (s.cache.len + s.tokens.len()).div_ceil(BLOCK);
+                let blocks = s.cache.paged_mut().expect("checked above");
+                while blocks.ids.len() < needed {
                     blocks.ids.push(pool.free.pop().expect("counted above"));
                 }
             }
@@ -231,10 +235,11 @@ impl Model {
             let q = candle_nn::rotary_emb::rope_i(&q.reshape((n, heads, 1, hd))?, &cos, &sin)?.reshape((n, heads * hd))?;
             let k = candle_nn::rotary_emb::rope_i(&k.reshape((n, kvh, 1, hd))?, &cos, &sin)?;
             let (keys, values) = (&pool.keys[li], &pool.values[li]);
-            // `[kv_head, token, head_dim]`, the pool's order.
-            let by_head = |t: &Tensor, dtype: DType| t.reshape((n, kvh, hd))?.transpose(0, 1)?.to_dtype(dtype)?.contiguous();
-            keys.scatter_set(&plan.write, &by_head(&k, keys.dtype())?, 1)?;
-            values.scatter_set(&plan.write, &by_head(&v, values.dtype())?, 1)?;
+            // `[kv_head, token, head_dim]`, the pool's order. (The pool, the queries and the hidden state share the
+            // activations' dtype: the pool is made in the embedding's.)
+            let by_head = |t: &Tensor| t.reshape((n, kvh, hd))?.transpose(0, 1)?.contiguous();
+            keys.scatter_set(&plan.write, &by_head(&k)?, 1)?;
+            values.scatter_set(&plan.write, &by_head(&v)?, 1)?;
 
             // Attention outputs, `[rows, heads x head_dim]`, decodes first, then each prefill.
             let mut parts = Vec::with_capacity(1 + plan.prefill.len());
@@ -244,7 +249,7 @@ impl Model {
                 let qd = select_rows(&q, &plan.decode_rows)?.reshape((b, kvh, group, hd))?.transpose(0, 1)?.contiguous()?;
                 let gather = |t: &Tensor| t.index_select(table, 1)?.reshape((kvh, b, *longest, hd));
                 let (kg, vg) = (gather(keys)?, gather(values)?);
-                let scores = (qd.to_dtype(kg.dtype())?.matmul(&kg.transpose(2, 3)?)?.to_dtype(DType::F32)? * scale)?.broadcast_add(mask)?;
+                let scores = (qd.matmul(&kg.transpose(2, 3)?)?.to_dtype(DType::F32)? * scale)?.broadcast_add(mask)?;
                 let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(vg.dtype())?;
                 parts.push(p.matmul(&vg)?.transpose(0, 1)?.contiguous()?.reshape((b, heads * hd))?);
             }
@@ -253,7 +258,6 @@ impl Model {
                 let qs = q.narrow(0, *first, *new)?.reshape((*new, kvh, group, hd))?.permute((1, 2, 0, 3))?.contiguous()?.reshape((kvh, group * new, hd))?;
                 let gather = |t: &Tensor| t.index_select(table, 1);
                 let (kg, vg) = (gather(keys)?, gather(values)?);
-                let qs = qs.to_dtype(kg.dtype())?;
                 let scores = (qs.matmul(&kg.t()?)?.to_dtype(DType::F32)? * scale)?.reshape((kvh, group, *new, total))?.broadcast_add(mask)?;
                 let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(vg.dtype())?.reshape((kvh, group * new, total))?;
                 let out = p.matmul(&vg)?.reshape((kvh, group, *new, hd))?.permute((2, 0, 1, 3))?.contiguous()?;
@@ -264,7 +268,6 @@ impl Model {
                 Some(order) => attn.index_select(order, 0)?,
                 None => attn,
             };
-            let attn = attn.to_dtype(x.dtype())?;
             let attn = if self.attn_width > heads * hd { attn.pad_with_zeros(1, 0, self.attn_width - heads * hd)? } else { attn };
             x = (x + layer.output(&attn)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
@@ -285,7 +288,7 @@ impl Model {
             at += o;
         }
         let greedy_rows: Vec<u32> = (0..segments.len()).filter(|&i| greedy.get(i) == Some(&true) && outputs[i] == 1).map(|i| first[i] as u32).collect();
-        let full_rows: Vec<u32> = (0..at as u32).filter(|r| !greedy_rows.contains(r)).collect();
+        let full_rows: Vec<u32> = (0..at as u32).filter(|r| greedy_rows.binary_search(r).is_err()).collect();
         let tokens = match greedy_rows.is_empty() {
             true => Vec::new(),
             false => select_rows(&logits, &greedy_rows)?.argmax(D::Minus1)?.to_vec1::<u32>()?,
@@ -313,7 +316,7 @@ impl Model {
         let mut prefill = Vec::new();
         let mut at = 0;
         for s in segments {
-            let blocks = s.cache.paged.as_ref().expect("checked by the caller");
+            let blocks = s.cache.paged().expect("checked by forward_paged");
             let (start, new) = (s.cache.len, s.tokens.len());
             write.extend((start..start + new).map(|p| blocks.slot(p)));
             if new == 1 {
