@@ -7,7 +7,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use crate::app::{ModelSummary, RunReport, RunStatus, ValidateReport};
 use crate::sink::{Finalized, Manifest, OutputStatus};
 use crate::job::Overrides;
-use crate::sink::Outcome;
+use crate::outcome::Outcome;
 
 #[derive(Debug, Parser)]
 #[command(name = "nightshift", version, about = "Offline batch LLM jobs: Parquet prompts in, Parquet results out")]
@@ -603,7 +603,7 @@ pub fn print_run(report: &RunReport) {
                 let head: Vec<String> = e.vector.iter().take(4).map(|v| format!("{v:.4}")).collect();
                 println!("  [{}] {} tokens -> [{}, ...] ({} dimensions)", e.id, e.prompt_tokens, head.join(", "), e.vector.len())
             }
-            Outcome::Failed { id, error, .. } => println!("  [{id}] error {}: {}", error.code, error.message),
+            Outcome::Failed(f) => println!("  [{}] error {}: {}", f.id, f.error.code, f.error.message),
         }
     }
 }

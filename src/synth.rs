@@ -180,7 +180,7 @@ pub fn synth_gguf(dir: &Path, quant: candle_core::quantized::GgmlDType) -> Resul
     };
     // Hugging Face rotates halves of each head; GGUF's llama weights are permuted for adjacent pairs.
     let rotary = |name: &str| -> Result<Tensor, Error> {
-        crate::engine::model::hf::interleave_halves(&tensor(name)?, hd).map_err(|e| fail(&e))
+        crate::engine::models::llama::hf::interleave_halves(&tensor(name)?, hd).map_err(|e| fail(&e))
     };
     let mut dense: Vec<(String, Tensor, GgmlDType)> = Vec::new();
     dense.push(("token_embd.weight".into(), tensor("model.embed_tokens.weight")?, quant));
@@ -351,8 +351,10 @@ mod tests {
         assert_eq!((quantized.config.hidden_size, quantized.config.layers, gguf_info.vocab.eos), (128, 2, Some(258)));
         let tokens: Vec<u32> = "hello, world".bytes().map(u32::from).collect();
         let logits = |m: &crate::engine::Model| {
-            let mut cache = m.new_cache(16);
-            m.forward(&mut [crate::engine::Segment { tokens: &tokens, cache: &mut cache }]).unwrap().remove(0)
+            use crate::engine::Attention;
+            let host = crate::engine::HostAttention::new(m).unwrap();
+            let mut cache = host.new_cache(16);
+            m.forward(&host, &mut [crate::engine::Segment { tokens: &tokens, cache: &mut cache }]).unwrap().remove(0)
         };
         let (a, b) = (logits(&model), logits(&quantized));
         let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use arrow::array::{Array, AsArray};
 use arrow::datatypes::Float32Type;
 use candle_core::{DType, Device, Tensor};
-use nightshift::encoder::{self, Encoder};
+use nightshift::engine::models::bert::{self as encoder, Encoder};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
 use crate::support::*;

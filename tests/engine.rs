@@ -1,7 +1,7 @@
 //! The decoder on the real SmolLM2 weights: one packed forward pass equals the same work done piecewise.
 
 use candle_core::Device;
-use nightshift::engine::{KvCache, Model, Segment};
+use nightshift::engine::{Attention, HostAttention, KvCache, Model, Segment};
 
 use crate::support::model_path;
 
@@ -32,17 +32,17 @@ const B: &[u32] = &[10591, 42, 216, 33, 216, 34, 216, 35, 216, 36];
 #[test]
 fn prefill_equals_token_by_token_decode_and_packing_changes_nothing() {
     let (model, _) = Model::load(&model_path(), &Device::Cpu).unwrap();
-    let cfg = model.config.clone();
+    let host = HostAttention::new(&model).unwrap();
 
     // Whole prompt in one pass.
-    let mut whole = KvCache::new(&cfg, 32);
-    let prefill = model.forward(&mut [Segment { tokens: A, cache: &mut whole }]).unwrap().remove(0);
+    let mut whole = host.new_cache(32);
+    let prefill = model.forward(&host, &mut [Segment { tokens: A, cache: &mut whole }]).unwrap().remove(0);
 
     // The same prompt one token at a time through the KV cache.
-    let mut stepwise = KvCache::new(&cfg, 32);
+    let mut stepwise = host.new_cache(32);
     let mut last = Vec::new();
     for token in A {
-        last = model.forward(&mut [Segment { tokens: std::slice::from_ref(token), cache: &mut stepwise }]).unwrap().remove(0);
+        last = model.forward(&host, &mut [Segment { tokens: std::slice::from_ref(token), cache: &mut stepwise }]).unwrap().remove(0);
     }
     assert_eq!(whole.len(), A.len());
     assert_eq!(stepwise.len(), A.len());
@@ -50,16 +50,16 @@ fn prefill_equals_token_by_token_decode_and_packing_changes_nothing() {
     assert!(diff <= 1e-4, "prefill and token-by-token logits differ by {diff}");
 
     // Two prompts packed into one pass, next to a decode step of a third sequence, give what each gives alone.
-    let mut alone_b = KvCache::new(&cfg, 32);
-    let b_alone = model.forward(&mut [Segment { tokens: B, cache: &mut alone_b }]).unwrap().remove(0);
+    let mut alone_b = host.new_cache(32);
+    let b_alone = model.forward(&host, &mut [Segment { tokens: B, cache: &mut alone_b }]).unwrap().remove(0);
     let next = [nightshift::engine::sampling::argmax(&prefill)];
-    let decode_alone = model.forward(&mut [Segment { tokens: &next, cache: &mut whole }]).unwrap().remove(0);
+    let decode_alone = model.forward(&host, &mut [Segment { tokens: &next, cache: &mut whole }]).unwrap().remove(0);
 
-    let (mut packed_a, mut packed_b) = (KvCache::new(&cfg, 32), KvCache::new(&cfg, 32));
-    model.forward(&mut [Segment { tokens: A, cache: &mut packed_a }]).unwrap();
-    let mut packed_c = KvCache::new(&cfg, 32);
+    let (mut packed_a, mut packed_b) = (host.new_cache(32), host.new_cache(32));
+    model.forward(&host, &mut [Segment { tokens: A, cache: &mut packed_a }]).unwrap();
+    let mut packed_c = host.new_cache(32);
     let packed = model
-        .forward(&mut [
+        .forward(&host, &mut [
             Segment { tokens: &next, cache: &mut packed_a },
             Segment { tokens: B, cache: &mut packed_b },
             Segment { tokens: A, cache: &mut packed_c },
@@ -75,20 +75,22 @@ fn prefill_equals_token_by_token_decode_and_packing_changes_nothing() {
 #[test]
 fn tokens_outside_the_vocabulary_and_overlong_segments_are_errors() {
     let (model, _) = Model::load(&model_path(), &Device::Cpu).unwrap();
-    let mut cache = KvCache::new(&model.config, 4);
+    let host = HostAttention::new(&model).unwrap();
+    let mut cache = host.new_cache(4);
     let bad = [model.config.vocab_size as u32];
-    assert!(model.forward(&mut [Segment { tokens: &bad, cache: &mut cache }]).is_err());
+    assert!(model.forward(&host, &mut [Segment { tokens: &bad, cache: &mut cache }]).is_err());
     assert!(cache.is_empty(), "a failed pass must not extend the cache");
     let too_long = vec![1u32; model.config.context_length + 1];
-    assert!(model.forward(&mut [Segment { tokens: &too_long, cache: &mut cache }]).is_err());
+    assert!(model.forward(&host, &mut [Segment { tokens: &too_long, cache: &mut cache }]).is_err());
 }
 
 /// Mean negative log-likelihood of `tokens[1..]` and each position's argmax, one token at a time.
 fn score(model: &Model, tokens: &[u32]) -> (f64, Vec<u32>) {
-    let mut cache = KvCache::new(&model.config, tokens.len());
+    let host = HostAttention::new(model).unwrap();
+    let mut cache = host.new_cache(tokens.len());
     let (mut nll, mut argmax) = (0.0, Vec::new());
     for (i, token) in tokens[..tokens.len() - 1].iter().enumerate() {
-        let logits = model.forward(&mut [Segment { tokens: std::slice::from_ref(token), cache: &mut cache }]).unwrap().remove(0);
+        let logits = model.forward(&host, &mut [Segment { tokens: std::slice::from_ref(token), cache: &mut cache }]).unwrap().remove(0);
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
         let log_sum = logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln() + max;
         nll += log_sum - logits[tokens[i + 1] as usize] as f64;
@@ -135,21 +137,21 @@ fn padded_cpu_layout_predicts_real_text_like_the_stored_weights() {
 #[test]
 fn long_prefill_equals_pieces_and_token_by_token_decode() {
     let (model, _) = Model::load(&model_path(), &Device::Cpu).unwrap();
-    let cfg = model.config.clone();
+    let host = HostAttention::new(&model).unwrap();
     let prompt: Vec<u32> = A.iter().chain(B).chain(A).chain(B).chain(A).copied().collect();
     assert_eq!(prompt.len(), 38);
-    let mut whole = KvCache::new(&cfg, 8);
-    let one_pass = model.forward(&mut [Segment { tokens: &prompt, cache: &mut whole }]).unwrap().remove(0);
-    let mut pieces = KvCache::new(&cfg, 8);
+    let mut whole = host.new_cache(8);
+    let one_pass = model.forward(&host, &mut [Segment { tokens: &prompt, cache: &mut whole }]).unwrap().remove(0);
+    let mut pieces = host.new_cache(8);
     let mut last = Vec::new();
     for piece in [&prompt[..5], &prompt[5..21], &prompt[21..22], &prompt[22..]] {
-        last = model.forward(&mut [Segment { tokens: piece, cache: &mut pieces }]).unwrap().remove(0);
+        last = model.forward(&host, &mut [Segment { tokens: piece, cache: &mut pieces }]).unwrap().remove(0);
     }
     let diff = max_abs_diff(&one_pass, &last);
     assert!(diff <= 1e-4, "one pass and pieces differ by {diff}");
-    let mut stepwise = KvCache::new(&cfg, 8);
+    let mut stepwise = host.new_cache(8);
     for token in &prompt {
-        last = model.forward(&mut [Segment { tokens: std::slice::from_ref(token), cache: &mut stepwise }]).unwrap().remove(0);
+        last = model.forward(&host, &mut [Segment { tokens: std::slice::from_ref(token), cache: &mut stepwise }]).unwrap().remove(0);
     }
     let diff = max_abs_diff(&one_pass, &last);
     assert!(diff <= 1e-4, "one pass and token-by-token differ by {diff}");

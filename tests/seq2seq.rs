@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use nightshift::seq2seq::T5;
+use nightshift::engine::models::t5::T5;
 
 use crate::support::*;
 

@@ -9,7 +9,7 @@ use nightshift::tokenize::Preprocessor;
 use crate::support::{model_path, repo};
 
 fn preprocessor(system_prompt: Option<&str>) -> Preprocessor {
-    let info = nightshift::engine::model::inspect(&model_path()).unwrap();
+    let info = nightshift::engine::models::llama::inspect(&model_path()).unwrap();
     let input = InputSpec {
         url: "unused".into(),
         id_column: None,
@@ -94,7 +94,7 @@ fn decoding_round_trips_text() {
 
 #[test]
 fn generation_ends_at_the_models_end_of_turn_tokens() {
-    let info = nightshift::engine::model::inspect(&model_path()).unwrap();
+    let info = nightshift::engine::models::llama::inspect(&model_path()).unwrap();
     let rules = nightshift::engine::StopRules::new(&info.vocab);
     // llama.cpp's end-of-generation set for this model is {0 <|endoftext|>, 2 <|im_end|>, 4 <reponame>}; the last
     // ends fill-in-the-middle code completions, which chat jobs never produce.

@@ -15,10 +15,12 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use super::WORDS;
-use crate::engine::{self, BatchConfig, BatchEngine, Completion, Engine, Model, Request, StopRules};
+use crate::app::drive::{drive, Ready};
+use crate::engine::{self, Backend, BatchConfig, DecoderSetup, Engine, EngineError, Model, Request, StopRules};
 use crate::error::Error;
 use crate::job::{ChatTemplateChoice, GenerationParams, InputSpec, ParameterColumns, PromptColumn, Truncate};
 use crate::metrics::percentile;
+use crate::outcome::{Completion, Outcome};
 use crate::row::{Prompt, RowParams, RowTag};
 use crate::tokenize::Preprocessor;
 
@@ -159,23 +161,20 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         ignore_eos: options.workload == Workload::Fixed,
         ..GenerationParams::default()
     };
-    let stop = StopRules::new(&info.vocab);
     let weights_bytes = model.weight_bytes();
+    let backend = Backend::for_model(&model);
     let kv_bytes = crate::engine::kv_cache_bytes(options.kv_cache_memory, &device);
-    let config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, model.kv_block_bytes());
-    let (device_name, dtype, paged) = (engine::device_name(&device), format!("{:?}", model.dtype()).to_lowercase(), model.is_paged());
-    let model = match options.warmup_rows {
-        0 => model,
-        n => {
-            let mut engine = BatchEngine::new(model, pre.tokenizer().clone(), params.clone(), stop.clone(), config.clone()).map_err(Error::Engine)?;
-            let warmup: Vec<(Vec<u32>, u32)> = rows.iter().take(n).map(|(p, _)| (p.clone(), 8)).collect();
-            drive(&mut engine, &warmup)?;
-            engine.into_model()
-        }
-    };
-    let mut engine = BatchEngine::new(model, pre.tokenizer().clone(), params, stop, config).map_err(Error::Engine)?;
+    let config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, backend.block_bytes(&model));
+    let (device_name, dtype) = (engine::device_name(&device), format!("{:?}", model.dtype()).to_lowercase());
+    let setup = DecoderSetup { tokenizer: pre.tokenizer().clone(), params, stop: StopRules::new(&info.vocab), config };
+    let mut engine = engine::decoder_engine(model, setup).map_err(Error::Engine)?;
+    if options.warmup_rows > 0 {
+        let warmup: Vec<(Vec<u32>, u32)> = rows.iter().take(options.warmup_rows).map(|(p, _)| (p.clone(), 8)).collect();
+        run_rows(engine.as_mut(), &warmup)?;
+        engine.reset_stats();
+    }
     let started = Instant::now();
-    let done = drive(&mut engine, &rows)?;
+    let done = run_rows(engine.as_mut(), &rows)?;
     let seconds = started.elapsed().as_secs_f64();
     let stats = engine.stats().clone();
     let prompt_tokens: u64 = done.iter().map(|c| c.prompt_tokens as u64).sum();
@@ -213,41 +212,33 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         preemptions: stats.preemptions,
         packing_efficiency: stats.packing_efficiency().unwrap_or(1.0),
         weights_bytes,
-        peak_rss_bytes: crate::metrics::peak_rss_bytes().unwrap_or(0),
+        peak_rss_bytes: crate::host::peak_rss_bytes().unwrap_or(0),
         device: device_name,
         dtype,
-        paged,
+        paged: backend.is_paged(),
         device_memory_in_use_bytes: crate::engine::device_memory_in_use(&device),
     })
 }
 
-/// Runs every row through the engine, admitting as places free; the completions in finishing order.
-fn drive(engine: &mut BatchEngine, rows: &[(Vec<u32>, u32)]) -> Result<Vec<Completion>, Error> {
-    let mut queue = rows.iter().enumerate();
-    let mut done: Vec<Completion> = Vec::with_capacity(rows.len());
-    let mut open = true;
-    loop {
-        while open && engine.free_places() > 0 {
-            match queue.next() {
-                Some((i, (tokens, new))) => engine
-                    .admit(Request {
-                        id: format!("bench-{i}"),
-                        tag: RowTag { unit: 0, offset: i as u32 },
-                        params: RowParams { max_new_tokens: Some(*new), ..Default::default() },
-                        tokens: tokens.clone(),
-                        completion: None,
-                        arrival: Instant::now(),
-                    })
-                    .map_err(|e| Error::Engine(crate::engine::EngineError::new(format!("workload row {i}: {}", e.message))))?,
-                None => open = false,
-            }
-        }
-        if !engine.has_work() {
-            break;
-        }
-        for result in engine.step().map_err(Error::Engine)? {
-            done.push(result.map_err(|f| Error::Engine(crate::engine::EngineError::new(format!("{}: {}", f.id, f.error.message))))?);
-        }
-    }
-    Ok(done)
+/// Runs every row through the engine under the run's drive loop; the completions in finishing order. A row that
+/// fails fails the benchmark.
+fn run_rows(engine: &mut dyn Engine, rows: &[(Vec<u32>, u32)]) -> Result<Vec<Completion>, Error> {
+    let requests = rows.iter().enumerate().map(|(i, (tokens, new))| Request {
+        id: format!("bench-{i}"),
+        tag: RowTag { unit: 0, offset: i as u32 },
+        params: RowParams { max_new_tokens: Some(*new), ..Default::default() },
+        tokens: tokens.clone(),
+        completion: None,
+        arrival: Instant::now(),
+    });
+    let mut outcomes: Vec<Outcome> = Vec::with_capacity(rows.len());
+    drive(engine, &mut Ready(requests), &mut outcomes, None).map_err(Error::Engine)?;
+    outcomes
+        .into_iter()
+        .map(|o| match o {
+            Outcome::Completed(c) => Ok(c),
+            Outcome::Failed(f) => Err(Error::Engine(EngineError::Row { id: f.id, message: f.error.message })),
+            Outcome::Embedded(e) => Err(Error::Engine(EngineError::Bug(format!("row `{}` was embedded by a decoder", e.id)))),
+        })
+        .collect()
 }

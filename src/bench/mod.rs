@@ -13,7 +13,12 @@ use std::time::Instant;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::encoder::{self, Encoder};
+use crate::app::drive::{drive, Ready};
+use crate::engine::embed::EmbedEngine;
+use crate::engine::models::bert::{self, Encoder};
+use crate::engine::{EngineError, Request};
+use crate::outcome::Outcome;
+use crate::row::{RowParams, RowTag};
 use crate::engine::ModelError;
 use crate::error::Error;
 
@@ -60,16 +65,13 @@ pub struct EmbedBenchReport {
     pub peak_rss_bytes: u64,
 }
 
-/// Rows an encoder sorts by length at a time, as in embedding jobs.
-pub const WINDOW: usize = 512;
-
 pub fn embed(options: &EmbedBenchOptions) -> Result<EmbedBenchReport, Error> {
     if options.rows == 0 || options.min_tokens == 0 || options.min_tokens > options.max_tokens {
         return Err(Error::Internal("bench needs --rows >= 1 and 1 <= --min-tokens <= --max-tokens".into()));
     }
     let device = candle_core::Device::Cpu;
     let encoder = Encoder::load(&options.model, &device)?;
-    let tokenizer = encoder::tokenizer(&options.model)?;
+    let tokenizer = bert::tokenizer(&options.model)?;
     let limit = encoder.info.max_tokens;
 
     // Synthetic rows: words drawn at random, as many as the target length needs at the tokenizer's rate.
@@ -98,24 +100,28 @@ pub fn embed(options: &EmbedBenchOptions) -> Result<EmbedBenchReport, Error> {
     }
     let tokenize_s = started.elapsed().as_secs_f64();
 
+    let dimensions = encoder.info.dimensions;
+    let mut engine = EmbedEngine::new(encoder, options.max_seqs, options.max_batch_tokens);
+    let requests = rows.iter().enumerate().map(|(i, tokens)| Request {
+        id: format!("bench-{i}"),
+        tag: RowTag { unit: 0, offset: i as u32 },
+        params: RowParams::default(),
+        tokens: tokens.clone(),
+        completion: None,
+        arrival: Instant::now(),
+    });
     let started = Instant::now();
-    let (mut padded_tokens, mut batches) = (0u64, 0usize);
-    for window in rows.chunks(WINDOW) {
-        let mut sorted: Vec<&Vec<u32>> = window.iter().collect();
-        sorted.sort_by_key(|r| r.len());
-        let lengths: Vec<usize> = sorted.iter().map(|r| r.len()).collect();
-        for range in encoder::length_batches(&lengths, options.max_seqs, options.max_batch_tokens) {
-            let batch: Vec<&[u32]> = sorted[range.clone()].iter().map(|r| r.as_slice()).collect();
-            encoder.embed(&batch).map_err(|e| Error::Engine(crate::engine::EngineError::new(e.to_string())))?;
-            padded_tokens += (batch.len() * lengths[range.end - 1]) as u64;
-            batches += 1;
-        }
+    let mut outcomes: Vec<Outcome> = Vec::with_capacity(rows.len());
+    let stats = drive(&mut engine, &mut Ready(requests), &mut outcomes, None).map_err(Error::Engine)?;
+    if let Some(Outcome::Failed(f)) = outcomes.iter().find(|o| matches!(o, Outcome::Failed(_))) {
+        return Err(Error::Engine(EngineError::Row { id: f.id.clone(), message: f.error.message.clone() }));
     }
+    let (padded_tokens, batches) = (stats.prefill_tokens, stats.steps as usize);
     let embed_s = started.elapsed().as_secs_f64();
     let tokens: u64 = rows.iter().map(|r| r.len() as u64).sum();
     Ok(EmbedBenchReport {
         model: options.model.display().to_string(),
-        dimensions: encoder.info.dimensions,
+        dimensions,
         rows: rows.len(),
         tokens,
         padded_tokens,
@@ -125,6 +131,6 @@ pub fn embed(options: &EmbedBenchOptions) -> Result<EmbedBenchReport, Error> {
         rows_per_s: rows.len() as f64 / embed_s,
         tokens_per_s: tokens as f64 / embed_s,
         packing_efficiency: tokens as f64 / padded_tokens.max(1) as f64,
-        peak_rss_bytes: crate::metrics::peak_rss_bytes().unwrap_or(0),
+        peak_rss_bytes: crate::host::peak_rss_bytes().unwrap_or(0),
     })
 }

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::engine::{self, KvCache, Model, Segment};
+use crate::engine::{self, Attention, HostAttention, Model, PagedAttention, Segment};
 use crate::error::Error;
 
 #[derive(Clone, Debug)]
@@ -55,16 +55,16 @@ type Trace = Vec<Vec<Vec<f32>>>;
 
 /// Prefills `prompts` together, then `steps` decode steps of all together, fed `tokens[i][k]` after position k
 /// of sequence i (or its own argmax when `tokens` is `None`).
-fn run_batched(model: &Model, prompts: &[Vec<u32>], steps: usize, tokens: Option<&[Vec<u32>]>) -> candle_core::Result<Trace> {
-    let mut caches: Vec<KvCache> = prompts.iter().map(|p| model.new_cache(p.len() + steps)).collect();
-    let mut segments: Vec<Segment<'_>> = prompts.iter().zip(&mut caches).map(|(p, cache)| Segment { tokens: p, cache }).collect();
-    let mut trace: Trace = model.forward(&mut segments)?.into_iter().map(|l| vec![l]).collect();
+fn run_batched<A: Attention>(model: &Model, attention: &A, prompts: &[Vec<u32>], steps: usize, tokens: Option<&[Vec<u32>]>) -> candle_core::Result<Trace> {
+    let mut caches: Vec<A::Cache> = prompts.iter().map(|p| attention.new_cache(p.len() + steps)).collect();
+    let mut segments: Vec<Segment<'_, A::Cache>> = prompts.iter().zip(&mut caches).map(|(p, cache)| Segment { tokens: p, cache }).collect();
+    let mut trace: Trace = model.forward(attention, &mut segments)?.into_iter().map(|l| vec![l]).collect();
     for k in 0..steps {
         let next: Vec<[u32; 1]> = (0..prompts.len())
             .map(|i| [tokens.map_or_else(|| crate::engine::sampling::argmax(&trace[i][k]), |t| t[i][k])])
             .collect();
-        let mut segments: Vec<Segment<'_>> = next.iter().zip(&mut caches).map(|(t, cache)| Segment { tokens: t, cache }).collect();
-        for (i, l) in model.forward(&mut segments)?.into_iter().enumerate() {
+        let mut segments: Vec<Segment<'_, A::Cache>> = next.iter().zip(&mut caches).map(|(t, cache)| Segment { tokens: t, cache }).collect();
+        for (i, l) in model.forward(attention, &mut segments)?.into_iter().enumerate() {
             trace[i].push(l);
         }
     }
@@ -72,13 +72,13 @@ fn run_batched(model: &Model, prompts: &[Vec<u32>], steps: usize, tokens: Option
 }
 
 /// Each sequence alone: its prompt, then its tokens one step at a time.
-fn run_alone(model: &Model, prompts: &[Vec<u32>], steps: usize, tokens: &[Vec<u32>]) -> candle_core::Result<Trace> {
+fn run_alone<A: Attention>(model: &Model, attention: &A, prompts: &[Vec<u32>], steps: usize, tokens: &[Vec<u32>]) -> candle_core::Result<Trace> {
     let mut trace = Vec::with_capacity(prompts.len());
     for (i, prompt) in prompts.iter().enumerate() {
-        let mut cache = model.new_cache(prompt.len() + steps);
-        let mut logits = vec![model.forward(&mut [Segment { tokens: prompt, cache: &mut cache }])?.remove(0)];
+        let mut cache = attention.new_cache(prompt.len() + steps);
+        let mut logits = vec![model.forward(attention, &mut [Segment { tokens: prompt, cache: &mut cache }])?.remove(0)];
         for &token in &tokens[i][..steps] {
-            logits.push(model.forward(&mut [Segment { tokens: &[token], cache: &mut cache }])?.remove(0));
+            logits.push(model.forward(attention, &mut [Segment { tokens: &[token], cache: &mut cache }])?.remove(0));
         }
         trace.push(logits);
     }
@@ -117,35 +117,31 @@ pub fn parity(options: &ParityOptions) -> Result<ParityReport, Error> {
     if options.prompt_lengths.is_empty() || options.prompt_lengths.contains(&0) {
         return Err(Error::Internal("bench parity needs prompt lengths of at least one token".into()));
     }
-    let fail = |e: candle_core::Error| Error::Engine(engine::EngineError::new(e.to_string()));
+    let fail = |what: &'static str| move |source: candle_core::Error| Error::Engine(engine::EngineError::Device { what, source });
     let cpu = candle_core::Device::Cpu;
     let (reference, _) = Model::load(&options.model, &cpu)?;
-    if reference.is_paged() {
-        return Err(Error::Internal("the reference must run the CPU path in f32".into()));
-    }
+    // The reference runs the host backend in f32 (which refuses any other dtype).
+    let host = HostAttention::new(&reference).map_err(fail("setting up the reference"))?;
     let device = engine::select_device(&options.device)?;
-    let (mut candidate, _) = match (options.dtype, options.model.is_dir()) {
+    let (candidate, _) = match (options.dtype, options.model.is_dir()) {
         (Some(dtype), true) => Model::load_hf_as(&options.model, &device, dtype)?,
         _ => Model::load(&options.model, &device)?,
     };
-    if !candidate.is_paged() {
-        candidate.use_paged().map_err(fail)?;
-    }
     let cfg = &reference.config;
     let longest = options.prompt_lengths.iter().max().copied().unwrap_or(1) + options.steps;
     if longest > cfg.context_length {
         return Err(Error::Internal(format!("prompts of up to {longest} positions do not fit the model's context of {}", cfg.context_length)));
     }
     let blocks: usize = options.prompt_lengths.iter().map(|l| (l + options.steps).div_ceil(engine::KV_BLOCK_TOKENS)).sum();
-    candidate.set_kv_blocks(blocks).map_err(fail)?;
+    let paged = PagedAttention::new(&candidate, blocks).map_err(fail("setting up the paged backend"))?;
     let mut rng = rand::rngs::SmallRng::seed_from_u64(options.seed);
     let prompts: Vec<Vec<u32>> =
         options.prompt_lengths.iter().map(|&n| (0..n).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect()).collect();
 
-    let expected = run_batched(&reference, &prompts, options.steps, None).map_err(fail)?;
+    let expected = run_batched(&reference, &host, &prompts, options.steps, None).map_err(fail("the reference's forward pass"))?;
     let tokens: Vec<Vec<u32>> = expected.iter().map(|s| s.iter().map(|l| crate::engine::sampling::argmax(l)).collect()).collect();
-    let batched = run_batched(&candidate, &prompts, options.steps, Some(&tokens)).map_err(fail)?;
-    let alone = run_alone(&candidate, &prompts, options.steps, &tokens).map_err(fail)?;
+    let batched = run_batched(&candidate, &paged, &prompts, options.steps, Some(&tokens)).map_err(fail("the batched forward pass"))?;
+    let alone = run_alone(&candidate, &paged, &prompts, options.steps, &tokens).map_err(fail("the forward pass alone"))?;
 
     let quantized = !options.model.is_dir();
     let [(device_rel, device_agree), (batch_rel, batch_agree)] = tolerances(candidate.dtype(), quantized);

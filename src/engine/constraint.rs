@@ -265,7 +265,7 @@ mod tests {
     }
 
     fn fixture() -> Fixture {
-        let info = crate::engine::model::inspect(Path::new("models/SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
+        let info = crate::engine::models::llama::inspect(Path::new("models/SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
         let tokenizer = crate::tokenize::vocab::build(&info.vocab).unwrap();
         let mut ends: Vec<u32> = info.vocab.eos.into_iter().chain(info.vocab.eot).collect();
         for &end in &info.vocab.more_ends {

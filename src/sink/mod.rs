@@ -31,10 +31,10 @@ use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
 use serde::{Deserialize, Serialize};
 
-use crate::engine::Completion;
+use crate::outcome::Completion;
 use crate::metrics::JobMetrics;
 use crate::plan::{Plan, Unit};
-use crate::row::{FinishReason, RowError, RowTag};
+use crate::row::{FinishReason, RowError};
 use crate::source::{store, Location, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -112,34 +112,7 @@ impl RunMetadata {
     }
 }
 
-/// One output row: a completion, or a row that failed before or in the engine.
-#[derive(Clone, Debug)]
-pub enum Outcome {
-    Completed(Completion),
-    Embedded(Embedded),
-    Failed { id: String, tag: RowTag, error: RowError },
-}
-
-/// A row's embedding.
-#[derive(Clone, Debug)]
-pub struct Embedded {
-    pub id: String,
-    pub tag: RowTag,
-    pub vector: Vec<f32>,
-    pub prompt_tokens: u32,
-    /// From the row being ready for the encoder to its vector.
-    pub e2e_s: f64,
-}
-
-impl Outcome {
-    pub fn tag(&self) -> RowTag {
-        match self {
-            Outcome::Completed(c) => c.tag,
-            Outcome::Embedded(e) => e.tag,
-            Outcome::Failed { tag, .. } => *tag,
-        }
-    }
-}
+pub use crate::outcome::{Embedded, Outcome};
 
 /// `_commits/shard=S/u<unit>.json`: which attempt's files hold a unit, and its counts.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -939,7 +912,7 @@ fn embeddings_batch(rows: &[Outcome], schema: SchemaRef, dimensions: usize) -> R
                 tokens.append_value(e.prompt_tokens);
                 e2e.append_value(e.e2e_s);
             }
-            Outcome::Failed { id, error, .. } => {
+            Outcome::Failed(crate::outcome::RowFailure { id, error, .. }) => {
                 base.errored(id, error);
                 vectors.values().append_slice(&vec![0.0; dimensions]);
                 vectors.append(false);
@@ -979,7 +952,7 @@ fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<RecordBatch, arr
                 e2e.append_value(c.e2e_s);
                 tpot.append_option(c.tpot_s);
             }
-            Outcome::Failed { id, error, .. } => {
+            Outcome::Failed(crate::outcome::RowFailure { id, error, .. }) => {
                 base.errored(id, error);
                 text.append_null();
                 finish.append_value(FinishReason::Error.as_str());

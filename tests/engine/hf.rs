@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::models::{llama, mistral, qwen2, qwen3};
-use nightshift::engine::{KvCache, Model, Segment};
+use nightshift::engine::models::llama::HostCache;
+use nightshift::engine::{Attention, HostAttention, KvCache, Model, Segment};
 
 use crate::support::*;
 
@@ -74,14 +75,15 @@ const PROMPT: &[u32] = &[260, 85, 115, 101, 114, 198, 72, 105, 33, 261, 198];
 fn parity_with_candle_transformers(variant: HfVariant) {
     let dir = tiny("parity", variant);
     let (model, info) = Model::load(&dir, &Device::Cpu).unwrap();
+    let host = HostAttention::new(&model).unwrap();
     let family = match variant {
         HfVariant::Llama3 | HfVariant::SmolLm => "llama".to_string(),
         other => format!("{other:?}").to_lowercase(),
     };
     assert_eq!(info.config.architecture, family);
     let mut reference = Reference::load(&dir, variant);
-    let mut cache = KvCache::new(&model.config, 32);
-    let mut ours = model.forward(&mut [Segment { tokens: PROMPT, cache: &mut cache }]).unwrap().remove(0);
+    let mut cache = host.new_cache(32);
+    let mut ours = model.forward(&host, &mut [Segment { tokens: PROMPT, cache: &mut cache }]).unwrap().remove(0);
     let mut theirs = reference.forward(PROMPT, 0);
     let mut worst = max_abs_diff(&ours, &theirs);
     let mut largest = ours.iter().fold(0f32, |m, x| m.max(x.abs()));
@@ -89,7 +91,7 @@ fn parity_with_candle_transformers(variant: HfVariant) {
         assert_eq!(argmax(&ours), argmax(&theirs), "{variant:?}: greedy tokens differ at position {}", cache.len());
         let next = [argmax(&ours)];
         let position = cache.len();
-        ours = model.forward(&mut [Segment { tokens: &next, cache: &mut cache }]).unwrap().remove(0);
+        ours = model.forward(&host, &mut [Segment { tokens: &next, cache: &mut cache }]).unwrap().remove(0);
         theirs = reference.forward(&next, position);
         worst = worst.max(max_abs_diff(&ours, &theirs));
         largest = ours.iter().fold(largest, |m, x| m.max(x.abs()));
@@ -130,19 +132,19 @@ fn qwen3_with_qk_norms_equals_candle_transformers() {
 fn batched_equals_one_at_a_time(variant: HfVariant) {
     let dir = tiny("batched", variant);
     let (model, _) = Model::load(&dir, &Device::Cpu).unwrap();
-    let cfg = model.config.clone();
+    let host = HostAttention::new(&model).unwrap();
     let prompts: [&[u32]; 3] = [PROMPT, &[260, 72, 105, 261], &[104, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 32, 116, 104, 101, 32, 101, 110, 100]];
 
-    let mut alone_caches: Vec<KvCache> = prompts.iter().map(|_| KvCache::new(&cfg, 8)).collect();
+    let mut alone_caches: Vec<HostCache> = prompts.iter().map(|_| host.new_cache(8)).collect();
     let mut alone: Vec<Vec<f32>> = prompts
         .iter()
         .zip(&mut alone_caches)
-        .map(|(p, cache)| model.forward(&mut [Segment { tokens: p, cache }]).unwrap().remove(0))
+        .map(|(p, cache)| model.forward(&host, &mut [Segment { tokens: p, cache }]).unwrap().remove(0))
         .collect();
-    let mut packed_caches: Vec<KvCache> = prompts.iter().map(|_| KvCache::new(&cfg, 8)).collect();
+    let mut packed_caches: Vec<HostCache> = prompts.iter().map(|_| host.new_cache(8)).collect();
     let mut packed = {
-        let mut segments: Vec<Segment<'_>> = prompts.iter().zip(&mut packed_caches).map(|(p, cache)| Segment { tokens: p, cache }).collect();
-        model.forward(&mut segments).unwrap()
+        let mut segments: Vec<Segment<'_, HostCache>> = prompts.iter().zip(&mut packed_caches).map(|(p, cache)| Segment { tokens: p, cache }).collect();
+        model.forward(&host, &mut segments).unwrap()
     };
     let mut worst = 0f32;
     for _ in 0..10 {
@@ -152,21 +154,21 @@ fn batched_equals_one_at_a_time(variant: HfVariant) {
             assert_eq!(next[i][0], argmax(&packed[i]), "{variant:?}: sequence {i} picks another token in a batch");
         }
         for i in 0..3 {
-            alone[i] = model.forward(&mut [Segment { tokens: &next[i], cache: &mut alone_caches[i] }]).unwrap().remove(0);
+            alone[i] = model.forward(&host, &mut [Segment { tokens: &next[i], cache: &mut alone_caches[i] }]).unwrap().remove(0);
         }
-        let mut segments: Vec<Segment<'_>> = next.iter().zip(&mut packed_caches).map(|(t, cache)| Segment { tokens: t, cache }).collect();
-        packed = model.forward(&mut segments).unwrap();
+        let mut segments: Vec<Segment<'_, HostCache>> = next.iter().zip(&mut packed_caches).map(|(t, cache)| Segment { tokens: t, cache }).collect();
+        packed = model.forward(&host, &mut segments).unwrap();
     }
     eprintln!("{variant:?}: largest batched vs alone difference {worst:e}");
     assert!(worst <= 1e-5, "{variant:?}: batching changed a logit by {worst}");
 
-    let mut stepwise = KvCache::new(&cfg, 8);
+    let mut stepwise = host.new_cache(8);
     let mut last = Vec::new();
     for token in prompts[2] {
-        last = model.forward(&mut [Segment { tokens: std::slice::from_ref(token), cache: &mut stepwise }]).unwrap().remove(0);
+        last = model.forward(&host, &mut [Segment { tokens: std::slice::from_ref(token), cache: &mut stepwise }]).unwrap().remove(0);
     }
-    let mut whole = KvCache::new(&cfg, 8);
-    let one_pass = model.forward(&mut [Segment { tokens: prompts[2], cache: &mut whole }]).unwrap().remove(0);
+    let mut whole = host.new_cache(8);
+    let one_pass = model.forward(&host, &mut [Segment { tokens: prompts[2], cache: &mut whole }]).unwrap().remove(0);
     let diff = max_abs_diff(&one_pass, &last);
     eprintln!("{variant:?}: prefill vs token-by-token difference {diff:e}");
     assert!(diff <= 1e-4, "{variant:?}: prefill and token-by-token logits differ by {diff}");
@@ -186,7 +188,7 @@ fn malformed_directories_are_model_errors_that_say_what_is_wrong() {
     let error = |dir: &Path| {
         let Err(load) = Model::load(dir, &Device::Cpu) else { panic!("{} loads", dir.display()) };
         let load = load.to_string();
-        let inspect = nightshift::engine::model::inspect(dir).expect_err("the directory inspects").to_string();
+        let inspect = nightshift::engine::models::llama::inspect(dir).expect_err("the directory inspects").to_string();
         assert_eq!(load, inspect, "validate and run report the same problem");
         load
     };
@@ -259,8 +261,9 @@ fn sharded_weights_equal_a_single_file() {
     std::fs::write(dir.join("model.safetensors.index.json"), serde_json::json!({"metadata": {}, "weight_map": map}).to_string()).unwrap();
     let (sharded, _) = Model::load(&dir, &Device::Cpu).unwrap();
     let run = |m: &Model| {
-        let mut cache = KvCache::new(&m.config, 16);
-        m.forward(&mut [Segment { tokens: PROMPT, cache: &mut cache }]).unwrap().remove(0)
+        let host = HostAttention::new(m).unwrap();
+        let mut cache = host.new_cache(16);
+        m.forward(&host, &mut [Segment { tokens: PROMPT, cache: &mut cache }]).unwrap().remove(0)
     };
     assert_eq!(run(&single), run(&sharded));
 }
@@ -327,7 +330,7 @@ fn every_end_token_a_directory_names_stops_generation() {
     // Llama 3.1 style: several end tokens in generation_config.json. 258 is an ordinary merge token, so only the
     // list makes it stop generation.
     std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [261, 259, 258]}"#).unwrap();
-    let info = nightshift::engine::model::inspect(&dir).unwrap();
+    let info = nightshift::engine::models::llama::inspect(&dir).unwrap();
     let im_end = info.vocab.tokens.iter().position(|t| t == "<|im_end|>").unwrap() as u32;
     assert_eq!(im_end, 261);
     // tokenizer_config.json's eos_token first, then the list's others.

@@ -1,12 +1,12 @@
-//! The paged path (the one accelerators run: KV cache in a device pool, attention in tensor ops, greedy tokens
-//! chosen on the device) against the CPU path, on the CPU: the same logits within f32 rounding, on the real
-//! SmolLM2 GGUF and on every Hugging Face variant; the same results batched as alone; forks, the pool's
-//! accounting and its limits; bf16 within a stated tolerance.
+//! The paged attention backend (the one accelerators run: KV cache in a device pool, attention in tensor ops,
+//! greedy tokens chosen on the device) against the host backend, on the CPU, through the model's one layer loop:
+//! the same logits within f32 rounding, on the real SmolLM2 GGUF and on every Hugging Face variant; the same
+//! results batched as alone; forks, the pool's accounting and its limits; bf16 within a stated tolerance.
 
 use std::path::Path;
 
 use candle_core::{DType, Device};
-use nightshift::engine::{KvCache, Model, Segment, StepLogits};
+use nightshift::engine::{Attention, Backend, HostAttention, KvCache, Model, PagedAttention, Segment, StepLogits};
 
 use super::hf_variants;
 use crate::support::*;
@@ -35,10 +35,10 @@ const PROMPTS: [&[u32]; 3] = [
 /// beside the first's first decode step, then `steps` greedy decode steps of all three together. Returns the logits
 /// of every sequence at every step, in order, and the caches. `tokens`: the tokens to feed (from a reference run);
 /// `None` feeds this run's own argmax.
-fn scenario(model: &Model, steps: usize, tokens: Option<&[Vec<u32>]>) -> (Vec<Vec<Vec<f32>>>, Vec<KvCache>) {
-    let mut caches: Vec<KvCache> = (0..3).map(|_| model.new_cache(8)).collect();
+fn scenario<A: Attention>((model, attention): (&Model, &A), steps: usize, tokens: Option<&[Vec<u32>]>) -> (Vec<Vec<Vec<f32>>>, Vec<A::Cache>) {
+    let mut caches: Vec<A::Cache> = (0..3).map(|_| attention.new_cache(8)).collect();
     let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); 3];
-    let first = model.forward(&mut [Segment { tokens: PROMPTS[0], cache: &mut caches[0] }]).unwrap().remove(0);
+    let first = model.forward(attention, &mut [Segment { tokens: PROMPTS[0], cache: &mut caches[0] }]).unwrap().remove(0);
     logits[0].push(first);
     let pick = |logits: &[Vec<Vec<f32>>], i: usize| -> u32 {
         let k = logits[i].len() - 1;
@@ -52,7 +52,7 @@ fn scenario(model: &Model, steps: usize, tokens: Option<&[Vec<u32>]>) -> (Vec<Ve
         let (c0, rest) = caches.split_at_mut(1);
         let (c1, c2) = rest.split_at_mut(1);
         let out = model
-            .forward(&mut [
+            .forward(attention, &mut [
                 Segment { tokens: &next0, cache: &mut c0[0] },
                 Segment { tokens: PROMPTS[1], cache: &mut c1[0] },
                 Segment { tokens: PROMPTS[2], cache: &mut c2[0] },
@@ -64,8 +64,8 @@ fn scenario(model: &Model, steps: usize, tokens: Option<&[Vec<u32>]>) -> (Vec<Ve
     }
     for _ in 0..steps {
         let next: Vec<[u32; 1]> = (0..3).map(|i| [pick(&logits, i)]).collect();
-        let mut segments: Vec<Segment<'_>> = next.iter().zip(&mut caches).map(|(t, cache)| Segment { tokens: t, cache }).collect();
-        for (i, l) in model.forward(&mut segments).unwrap().into_iter().enumerate() {
+        let mut segments: Vec<Segment<'_, A::Cache>> = next.iter().zip(&mut caches).map(|(t, cache)| Segment { tokens: t, cache }).collect();
+        for (i, l) in model.forward(attention, &mut segments).unwrap().into_iter().enumerate() {
             logits[i].push(l);
         }
     }
@@ -79,10 +79,10 @@ fn fed(logits: &[Vec<Vec<f32>>]) -> Vec<Vec<u32>> {
 
 /// The paged path against the CPU path on one model, fed the CPU path's tokens: the largest logit difference
 /// over every step and sequence, relative to the largest |logit|.
-fn paged_against_cpu(cpu: &Model, paged: &Model, steps: usize) -> f32 {
-    let (reference, _) = scenario(cpu, steps, None);
+fn paged_against_cpu(cpu: &Host, paged: &Paged, steps: usize) -> f32 {
+    let (reference, _) = scenario(cpu.pair(), steps, None);
     let tokens = fed(&reference);
-    let (ours, caches) = scenario(paged, steps, Some(&tokens));
+    let (ours, caches) = scenario(paged.pair(), steps, Some(&tokens));
     let (mut worst, mut scale) = (0f32, 0f32);
     for (a, b) in reference.iter().flatten().zip(ours.iter().flatten()) {
         worst = worst.max(max_abs_diff(a, b));
@@ -95,12 +95,38 @@ fn paged_against_cpu(cpu: &Model, paged: &Model, steps: usize) -> f32 {
     worst / scale
 }
 
-fn load_pair(path: &Path) -> (Model, Model) {
+/// A model with its attention backend.
+struct WithBackend<A> {
+    model: Model,
+    attention: A,
+}
+
+impl<A> WithBackend<A> {
+    fn pair(&self) -> (&Model, &A) {
+        (&self.model, &self.attention)
+    }
+}
+
+type Host = WithBackend<HostAttention>;
+type Paged = WithBackend<PagedAttention>;
+
+/// The paged pool's size when a test does not say: enough for every scenario here.
+const POOL_BLOCKS: usize = 256;
+
+fn host(model: Model) -> Host {
+    WithBackend { attention: HostAttention::new(&model).unwrap(), model }
+}
+
+fn paged(model: Model, blocks: usize) -> Paged {
+    WithBackend { attention: PagedAttention::new(&model, blocks).unwrap(), model }
+}
+
+/// The same weights twice: on the host backend and on the paged one.
+fn load_pair(path: &Path) -> (Host, Paged) {
     let (cpu, _) = Model::load(path, &Device::Cpu).unwrap();
-    let (mut paged, _) = Model::load(path, &Device::Cpu).unwrap();
-    paged.use_paged().unwrap();
-    assert!(paged.is_paged() && !cpu.is_paged());
-    (cpu, paged)
+    let (other, _) = Model::load(path, &Device::Cpu).unwrap();
+    assert_eq!(Backend::for_model(&cpu), Backend::Host, "an f32 model on the CPU runs the host backend");
+    (host(cpu), paged(other, POOL_BLOCKS))
 }
 
 /// On the real SmolLM2 GGUF the two paths cannot agree to f32 rounding: candle's quantized kernels quantize
@@ -113,9 +139,9 @@ fn load_pair(path: &Path) -> (Model, Model) {
 #[test]
 fn paged_path_tracks_the_cpu_path_on_quantized_smollm2() {
     let (cpu, paged) = load_pair(&model_path());
-    let (reference, _) = scenario(&cpu, 20, None);
+    let (reference, _) = scenario(cpu.pair(), 20, None);
     let tokens = fed(&reference);
-    let (ours, _) = scenario(&paged, 20, Some(&tokens));
+    let (ours, _) = scenario(paged.pair(), 20, Some(&tokens));
     let (mut worst, mut scale, mut agree, mut total) = (0f32, 0f32, 0, 0);
     for (a, b) in reference.iter().flatten().zip(ours.iter().flatten()) {
         worst = worst.max(max_abs_diff(a, b));
@@ -147,15 +173,16 @@ fn paged_path_equals_the_cpu_path_on_every_hf_variant() {
 fn paged_batched_equals_paged_alone() {
     for (variant, dir) in hf_variants("paged-alone") {
         let (_, paged) = load_pair(&dir);
-        let (batched, _) = scenario(&paged, 10, None);
+        let (batched, _) = scenario(paged.pair(), 10, None);
         let tokens = fed(&batched);
         let mut worst = 0f32;
+        let (model, attention) = paged.pair();
         for i in 0..3 {
-            let mut cache = paged.new_cache(8);
-            let prompt = paged.forward(&mut [Segment { tokens: PROMPTS[i], cache: &mut cache }]).unwrap().remove(0);
+            let mut cache = attention.new_cache(8);
+            let prompt = model.forward(attention, &mut [Segment { tokens: PROMPTS[i], cache: &mut cache }]).unwrap().remove(0);
             let mut alone = vec![prompt];
             for &t in &tokens[i][..tokens[i].len() - 1] {
-                alone.push(paged.forward(&mut [Segment { tokens: &[t], cache: &mut cache }]).unwrap().remove(0));
+                alone.push(model.forward(attention, &mut [Segment { tokens: &[t], cache: &mut cache }]).unwrap().remove(0));
             }
             assert_eq!(alone.len(), batched[i].len());
             for (a, b) in alone.iter().zip(&batched[i]) {
@@ -171,56 +198,62 @@ fn paged_batched_equals_paged_alone() {
 /// The engine's step: greedy rows come back as the device's argmax, the others as logits, in order.
 #[test]
 fn greedy_rows_come_back_as_the_argmax() {
-    let (_, paged) = load_pair(&model_path());
-    let mut caches: Vec<KvCache> = (0..3).map(|_| paged.new_cache(8)).collect();
-    let mut segments: Vec<Segment<'_>> = PROMPTS.iter().zip(&mut caches).map(|(p, cache)| Segment { tokens: p, cache }).collect();
-    let rows = paged.forward_step(&mut segments, &[1, 2, 1], &[true, false, true]).unwrap();
-    let mut again: Vec<KvCache> = (0..3).map(|_| paged.new_cache(8)).collect();
-    let mut segments: Vec<Segment<'_>> = PROMPTS.iter().zip(&mut again).map(|(p, cache)| Segment { tokens: p, cache }).collect();
-    let full = paged.forward_outputs(&mut segments, &[1, 2, 1]).unwrap();
+    let (cpu, paged) = load_pair(&model_path());
+    let (model, attention) = paged.pair();
+    let mut caches: Vec<_> = (0..3).map(|_| attention.new_cache(8)).collect();
+    let mut segments: Vec<Segment<'_, _>> = PROMPTS.iter().zip(&mut caches).map(|(p, cache)| Segment { tokens: p, cache }).collect();
+    let rows = model.forward_step(attention, &mut segments, &[1, 2, 1], &[true, false, true]).unwrap();
+    let mut again: Vec<_> = (0..3).map(|_| attention.new_cache(8)).collect();
+    let mut segments: Vec<Segment<'_, _>> = PROMPTS.iter().zip(&mut again).map(|(p, cache)| Segment { tokens: p, cache }).collect();
+    let full = model.forward_outputs(attention, &mut segments, &[1, 2, 1]).unwrap();
     assert_eq!(rows[0], vec![StepLogits::Argmax(argmax(&full[0][0]))]);
     assert_eq!(rows[1], full[1].iter().cloned().map(StepLogits::Full).collect::<Vec<_>>(), "a row with two outputs comes back whole");
     assert_eq!(rows[2], vec![StepLogits::Argmax(argmax(&full[2][0]))]);
-    // The CPU path returns logits whatever is asked.
-    let (cpu, _) = Model::load(&model_path(), &Device::Cpu).unwrap();
-    let mut cache = cpu.new_cache(8);
-    let rows = cpu.forward_step(&mut [Segment { tokens: PROMPTS[0], cache: &mut cache }], &[1], &[true]).unwrap();
+    // The host backend returns logits whatever is asked.
+    let (model, attention) = cpu.pair();
+    let mut cache = attention.new_cache(8);
+    let rows = model.forward_step(attention, &mut [Segment { tokens: PROMPTS[0], cache: &mut cache }], &[1], &[true]).unwrap();
     assert!(matches!(&rows[0][0], StepLogits::Full(l) if argmax(l) == argmax(&full[0][0])));
 }
 
 /// A fork holds its own copy: both continue as the original would; blocks go back to the pool when caches drop;
-/// a step the pool cannot hold is an error that leaves the cache as it was; caches of the other path are refused.
+/// a step the pool cannot hold is an error that leaves the cache as it was. (A cache of one backend cannot reach
+/// the other: each backend's forward pass takes only its own cache type.)
 #[test]
 fn forks_and_the_pool_limits() {
-    let (cpu, paged) = load_pair(&model_path());
-    paged.set_kv_blocks(4).unwrap();
-    let mut cache = paged.new_cache(8);
-    let prompt = paged.forward(&mut [Segment { tokens: PROMPTS[1], cache: &mut cache }]).unwrap().remove(0);
+    let (model, _) = Model::load(&model_path(), &Device::Cpu).unwrap();
+    let paged = paged(model, 4);
+    let (model, attention) = paged.pair();
+    let mut cache = attention.new_cache(8);
+    let prompt = model.forward(attention, &mut [Segment { tokens: PROMPTS[1], cache: &mut cache }]).unwrap().remove(0);
     assert_eq!(cache.blocks(), 2);
-    let mut fork = paged.fork_cache(&cache).unwrap();
+    let mut fork = attention.fork(&cache).unwrap();
     assert_eq!((fork.len(), fork.blocks()), (cache.len(), 2));
     let next = [argmax(&prompt)];
-    let a = paged.forward(&mut [Segment { tokens: &next, cache: &mut cache }]).unwrap().remove(0);
-    let b = paged.forward(&mut [Segment { tokens: &next, cache: &mut fork }]).unwrap().remove(0);
+    let a = model.forward(attention, &mut [Segment { tokens: &next, cache: &mut cache }]).unwrap().remove(0);
+    let b = model.forward(attention, &mut [Segment { tokens: &next, cache: &mut fork }]).unwrap().remove(0);
     assert_eq!(max_abs_diff(&a, &b), 0.0, "a fork continues exactly as its original");
     // Four blocks, all held: one more sequence cannot start, and its cache stays empty.
-    let mut third = paged.new_cache(8);
-    let err = paged.forward(&mut [Segment { tokens: PROMPTS[0], cache: &mut third }]).unwrap_err().to_string();
+    let mut third = attention.new_cache(8);
+    let err = model.forward(attention, &mut [Segment { tokens: PROMPTS[0], cache: &mut third }]).unwrap_err().to_string();
     assert!(err.contains("free blocks"), "{err}");
     assert!(third.is_empty() && third.blocks() == 0);
-    assert!(paged.fork_cache(&cache).is_err(), "a fork the pool cannot hold");
+    assert!(attention.fork(&cache).is_err(), "a fork the pool cannot hold");
     drop(fork);
-    paged.forward(&mut [Segment { tokens: PROMPTS[0], cache: &mut third }]).unwrap();
+    model.forward(attention, &mut [Segment { tokens: PROMPTS[0], cache: &mut third }]).unwrap();
     assert_eq!(third.blocks(), 1);
-    // Resizing an allocated pool is refused; the same size is not a change.
-    assert!(paged.set_kv_blocks(8).is_err());
-    paged.set_kv_blocks(4).unwrap();
-    // Caches belong to their path.
-    let mut host = KvCache::new(&cpu.config, 8);
-    assert!(paged.forward(&mut [Segment { tokens: PROMPTS[0], cache: &mut host }]).is_err());
-    let mut device = paged.new_cache(8);
-    drop(third);
-    assert!(cpu.forward(&mut [Segment { tokens: PROMPTS[0], cache: &mut device }]).is_err());
+}
+
+/// The host backend computes only what its kernels compute, f32 on the CPU: a bf16 model is refused (it runs the
+/// paged backend, which [`Backend::for_model`] picks for it).
+#[test]
+fn the_host_backend_refuses_a_bf16_model() {
+    let dir = scratch("host-bf16").join("model");
+    write_tiny_hf_model(&dir, crate::support::HfVariant::Llama3);
+    let (bf16, _) = Model::load_hf_as(&dir, &Device::Cpu, DType::BF16).unwrap();
+    let err = HostAttention::new(&bf16).err().expect("a bf16 model on the host backend").to_string();
+    assert!(err.contains("f32"), "{err}");
+    assert_eq!(Backend::for_model(&bf16), Backend::Paged);
 }
 
 /// bf16 weights, activations and KV cache (what accelerators run Hugging Face checkpoints in) against f32 on the
@@ -231,9 +264,9 @@ fn bf16_paged_path_stays_close_to_f32() {
     for (variant, dir) in hf_variants("bf16") {
         let (cpu, _) = Model::load(&dir, &Device::Cpu).unwrap();
         let (bf16, _) = Model::load_hf_as(&dir, &Device::Cpu, DType::BF16).unwrap();
-        assert!(bf16.is_paged() && bf16.dtype() == DType::BF16);
-        assert_eq!(bf16.kv_block_bytes() * 2, cpu.kv_block_bytes(), "a bf16 KV cache takes half the bytes");
-        let rel = paged_against_cpu(&cpu, &bf16, 12);
+        assert!(Backend::for_model(&bf16) == Backend::Paged && bf16.dtype() == DType::BF16);
+        assert_eq!(Backend::Paged.block_bytes(&bf16) * 2, Backend::Host.block_bytes(&cpu), "a bf16 KV cache takes half the bytes");
+        let rel = paged_against_cpu(&host(cpu), &paged(bf16, POOL_BLOCKS), 12);
         eprintln!("{variant}: bf16 paged vs f32, largest difference {rel:e} of the largest logit");
         assert!(rel <= 0.04, "{variant}: bf16 logits differ by {rel} of the largest");
     }

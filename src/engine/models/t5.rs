@@ -220,7 +220,9 @@ fn attend(q: &[f32], keys: &[f32], values: &[f32], n: usize, heads: usize, d_kv:
 }
 
 impl T5 {
-    pub fn load(dir: &Path, device: &Device) -> Result<T5, ModelError> {
+    /// Reads and checks `config.json` without loading weights: the architecture, the shapes and the feed-forward
+    /// type, as [`T5::load`] checks them (`validate` and `run` accept the same models).
+    pub fn inspect(dir: &Path) -> Result<T5Config, ModelError> {
         let config_path = dir.join("config.json");
         let config: T5Config = match std::fs::read(&config_path) {
             Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| ModelError::Format { path: config_path.clone(), message: e.to_string() })?,
@@ -239,6 +241,15 @@ impl T5 {
                 c.num_heads, c.d_kv, c.num_layers, c.relative_attention_num_buckets, c.relative_attention_max_distance
             )));
         }
+        if !matches!(c.feed_forward_proj.as_str(), "relu" | "gated-gelu") {
+            return Err(ModelError::Metadata(format!("feed_forward_proj `{}` is not supported (relu, gated-gelu)", c.feed_forward_proj)));
+        }
+        Ok(config)
+    }
+
+    pub fn load(dir: &Path, device: &Device) -> Result<T5, ModelError> {
+        let config = T5::inspect(dir)?;
+        let c = &config;
         let path = dir.join("model.safetensors");
         let fmt = |e: candle_core::Error| ModelError::Format { path: path.clone(), message: e.to_string() };
         let mut tensors: HashMap<String, Tensor> = candle_core::safetensors::load(&path, device).map_err(|e| match path.exists() {
@@ -253,11 +264,7 @@ impl T5 {
             t.to_dtype(DType::F32).map_err(|e| ModelError::Metadata(e.to_string()))
         };
         let (d, inner, ff, buckets, heads) = (c.d_model, c.inner(), c.d_ff, c.relative_attention_num_buckets, c.num_heads);
-        let gated = match c.feed_forward_proj.as_str() {
-            "relu" => false,
-            "gated-gelu" => true,
-            other => return Err(ModelError::Metadata(format!("feed_forward_proj `{other}` is not supported (relu, gated-gelu)"))),
-        };
+        let gated = c.feed_forward_proj == "gated-gelu";
         let shared = take("shared.weight", &[c.vocab_size, d])?;
         let mut stack = |prefix: &str, layers: usize, decoder: bool| -> Result<(Vec<Block>, Tensor, Tensor), ModelError> {
             let mut blocks = Vec::with_capacity(layers);

@@ -401,52 +401,10 @@ impl Encoder {
     }
 }
 
-/// Cuts rows sorted by length (ascending) into batches: consecutive runs of at most `max_rows` rows whose padded
-/// size (rows x the longest row, which is the last) stays within `max_tokens`. A row longer than `max_tokens` gets
-/// a batch of its own. Returns the batches' index ranges, covering every row once, in order.
-pub fn length_batches(sorted_lengths: &[usize], max_rows: usize, max_tokens: usize) -> Vec<std::ops::Range<usize>> {
-    let mut batches = Vec::new();
-    let mut start = 0;
-    while start < sorted_lengths.len() {
-        let mut end = start + 1;
-        while end < sorted_lengths.len() && end - start < max_rows.max(1) && (end - start + 1) * sorted_lengths[end] <= max_tokens {
-            end += 1;
-        }
-        batches.push(start..end);
-        start = end;
-    }
-    batches
-}
-
 fn take_outside(tensors: &mut HashMap<String, Tensor>, name: &str, dims: &[usize], path: &Path) -> Result<Tensor, ModelError> {
     let t = tensors.remove(name).ok_or_else(|| ModelError::Metadata(format!("tensor `{name}` is missing")))?;
     if t.dims() != dims {
         return Err(ModelError::Metadata(format!("tensor `{name}` has shape {:?}, expected {dims:?}", t.dims())));
     }
     t.to_dtype(DType::F32).map_err(|e| format_err(path, e))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::length_batches;
-
-    #[test]
-    fn batches_cover_every_row_once_within_both_limits() {
-        let lengths = [3, 3, 4, 5, 8, 8, 9, 20, 40];
-        let batches = length_batches(&lengths, 3, 24);
-        let covered: Vec<usize> = batches.iter().flat_map(|b| b.clone()).collect();
-        assert_eq!(covered, (0..lengths.len()).collect::<Vec<_>>());
-        for b in &batches {
-            assert!(b.len() <= 3);
-            let padded = b.len() * lengths[b.end - 1];
-            assert!(padded <= 24 || b.len() == 1, "{b:?} pads to {padded}");
-        }
-        assert_eq!(batches, vec![0..3, 3..6, 6..7, 7..8, 8..9]);
-    }
-
-    #[test]
-    fn a_row_longer_than_the_token_budget_runs_alone() {
-        assert_eq!(length_batches(&[100, 200], 8, 50), vec![0..1, 1..2]);
-        assert!(length_batches(&[], 8, 50).is_empty());
-    }
 }

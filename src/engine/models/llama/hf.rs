@@ -13,7 +13,7 @@
 //! and tied input and output embeddings (`tie_word_embeddings`) in any of them.
 //!
 //! Weights are converted to f32 at load (f16 and bf16 exactly) and multiplied as dense f32 matrices by candle's
-//! gemm: the model computes what the checkpoint holds, with no requantization (the GGUF path's [`super::Layout`]),
+//! gemm: the model computes what the checkpoint holds, with no requantization (the GGUF loader's [`super::Layout`]),
 //! at 4 bytes per weight, twice a bf16 checkpoint's size in memory.
 //!
 //! RoPE: Hugging Face checkpoints rotate pairs of values `(i, i + head_dim / 2)` ("rotate half"); the forward
@@ -463,7 +463,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
         false => dense(load("lm_head.weight")?),
     };
     let weights = Weights { embedding, layers, output_norm, lm_head, attn_width: config.heads * hd };
-    Ok((Model::assemble(config, device, weights)?, info))
+    Ok((Model::assemble(config, device, weights), info))
 }
 
 /// Reorders the rows of a tensor whose first dimension is `heads x head_dim` (a q or k projection, its bias, a

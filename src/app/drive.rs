@@ -1,0 +1,110 @@
+//! The one drive loop every engine runs under, for `run`, `bench` and `plan`'s calibration: admit requests while
+//! the engine has places, step, hand the outcomes on. It blocks for input only when the engine is idle.
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use super::signals::Drain;
+use crate::engine::{Engine, EngineError, EngineStats, Request};
+use crate::outcome::Outcome;
+
+/// Where the drive loop takes requests from.
+pub trait Requests {
+    /// The next request. With `wait`, blocks for a short while (so the loop notices a drain request) before
+    /// answering [`Next::Empty`].
+    fn next(&mut self, wait: bool) -> Next;
+}
+
+pub enum Next {
+    Request(Request),
+    /// Nothing now; more may come.
+    Empty,
+    /// Nothing more will come.
+    Closed,
+}
+
+/// How long an idle engine waits for input before it looks at the drain flag again.
+const IDLE_WAIT: Duration = Duration::from_millis(100);
+
+impl Requests for mpsc::Receiver<Request> {
+    fn next(&mut self, wait: bool) -> Next {
+        let received = match wait {
+            true => self.recv_timeout(IDLE_WAIT).map_err(|e| e == mpsc::RecvTimeoutError::Disconnected),
+            false => self.try_recv().map_err(|e| e == mpsc::TryRecvError::Disconnected),
+        };
+        match received {
+            Ok(request) => Next::Request(request),
+            Err(false) => Next::Empty,
+            Err(true) => Next::Closed,
+        }
+    }
+}
+
+/// Requests that are all ready at the start (a benchmark's workload, a calibration's rows).
+pub struct Ready<I>(pub I);
+
+impl<I: Iterator<Item = Request>> Requests for Ready<I> {
+    fn next(&mut self, _wait: bool) -> Next {
+        self.0.next().map_or(Next::Closed, Next::Request)
+    }
+}
+
+/// Where the drive loop hands outcomes.
+pub trait Outcomes {
+    /// Takes one output row; false when the consumer is gone, which ends the loop (its error is the one reported).
+    fn send(&mut self, outcome: Outcome) -> bool;
+
+    /// After each step: the engine's figures so far.
+    fn stepped(&mut self, _stats: &EngineStats) {}
+}
+
+impl Outcomes for Vec<Outcome> {
+    fn send(&mut self, outcome: Outcome) -> bool {
+        self.push(outcome);
+        true
+    }
+}
+
+/// Runs `engine` until `requests` is closed and every admitted request is done: admits while there are places,
+/// steps, sends the outcomes (a refused request is a failed row). On a drain request it admits nothing more and
+/// stops at the grace deadline, dropping unfinished requests (their units are not committed, and a rerun redoes
+/// them). Returns the engine's final figures.
+pub fn drive(engine: &mut dyn Engine, requests: &mut dyn Requests, outcomes: &mut dyn Outcomes, drain: Option<&Drain>) -> Result<EngineStats, EngineError> {
+    // Every device operation of the engine happens on this thread from here on.
+    engine.bind_to_thread()?;
+    let mut open = true;
+    loop {
+        if let Some(drain) = drain.filter(|d| d.requested()) {
+            open = false;
+            if drain.past_deadline() {
+                return Ok(engine.stats().clone());
+            }
+        }
+        while open && engine.free_places() > 0 {
+            match requests.next(!engine.has_work()) {
+                Next::Request(request) => {
+                    if let Err(failed) = engine.admit(request) {
+                        if !outcomes.send(Outcome::Failed(failed)) {
+                            return Ok(engine.stats().clone());
+                        }
+                    }
+                }
+                Next::Empty => break,
+                Next::Closed => open = false,
+            }
+        }
+        if !engine.has_work() {
+            if open {
+                continue;
+            }
+            return Ok(engine.stats().clone());
+        }
+        let results = engine.step()?;
+        outcomes.stepped(engine.stats());
+        for outcome in results {
+            if !outcomes.send(outcome) {
+                return Ok(engine.stats().clone());
+            }
+        }
+    }
+}

@@ -1,0 +1,204 @@
+//! The job's model: checked without loading weights (the same checks for `validate` and `run`), then loaded into
+//! the engine its kind runs on, with the preprocessor that turns its rows into requests.
+
+use std::io::Read;
+use std::path::Path;
+
+use sha2::{Digest, Sha256};
+use tracing::{info, warn};
+
+use crate::engine::models::bert::{self, Encoder, EncoderInfo};
+use crate::engine::models::llama::{self, Backend, Model, ModelConfig, ModelInfo};
+use crate::engine::models::t5::{T5Config, T5};
+use crate::engine::seq2seq::{Seq2SeqEngine, MAX_SOURCE_TOKENS};
+use crate::engine::{self, BatchConfig, DecoderSetup, Engine, ModelError, StopRules};
+use crate::error::Error;
+use crate::job::{Job, JobError, JobKind};
+use crate::sink::ResultsLayout;
+use crate::tokenize::{EncoderPreprocessor, Prepare, Preprocessor};
+
+/// The model as `validate` reports it.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // one per job
+pub enum ModelSummary {
+    Decoder(ModelInfo),
+    Encoder(EncoderInfo),
+    Seq2seq(T5Config),
+}
+
+/// The job's model checked without its weights: its metadata, tokenizer and chat template, and the job's
+/// generation parameters against it.
+#[derive(Debug)]
+pub struct ModelCheck {
+    pub summary: ModelSummary,
+    /// The model file's sha256, or a directory's (over its files' names and hashes), for the fingerprint.
+    pub sha256: String,
+    /// The chat template, for the fingerprint.
+    pub template: Option<String>,
+}
+
+/// Checks the job's model as `validate` and `run` both do, before anything is written: what can fail on the model,
+/// its tokenizer or the job's parameters against it fails here.
+pub fn check_model(job: &Job) -> Result<ModelCheck, Error> {
+    let path = &job.model.path;
+    Ok(match job.kind {
+        JobKind::Generate => {
+            let info = llama::inspect(path)?;
+            // A Hugging Face directory is fingerprinted by its files, like the encoders' directories.
+            let sha256 = if path.is_dir() { check_model_dir(job)? } else { check_model_file(job)? };
+            let pre = Preprocessor::new(&info.vocab, &job.model.chat_template, &job.input, info.config.context_length, job.generation.max_new_tokens)?;
+            check_generation(job, &info, pre.tokenizer())?;
+            ModelCheck { template: info.vocab.chat_template.clone(), summary: ModelSummary::Decoder(info), sha256 }
+        }
+        JobKind::Seq2seq => {
+            let config = T5::inspect(path)?;
+            let sha256 = check_model_dir(job)?;
+            EncoderPreprocessor::new(bert::tokenizer(path)?, MAX_SOURCE_TOKENS, job.input.truncate)?;
+            ModelCheck { summary: ModelSummary::Seq2seq(config), sha256, template: None }
+        }
+        JobKind::Embed => {
+            let info = bert::inspect(path)?;
+            let sha256 = check_model_dir(job)?;
+            EncoderPreprocessor::new(bert::tokenizer(path)?, info.max_tokens, job.input.truncate)?;
+            ModelCheck { summary: ModelSummary::Encoder(info), sha256, template: None }
+        }
+    })
+}
+
+/// The job's generation parameters against a decoder: its stop token ids, its `n` and its JSON Schema compiled.
+fn check_generation(job: &Job, info: &ModelInfo, tokenizer: &tokenizers::Tokenizer) -> Result<(), JobError> {
+    let invalid = |(key, problem): (&'static str, String)| JobError::Invalid { path: job.file.clone(), key, problem };
+    engine::check_params(&job.generation, info.config.vocab_size, job.runtime.max_seqs).map_err(invalid)?;
+    if let Some(schema) = &job.generation.json_schema {
+        engine::grammars(tokenizer, info.config.vocab_size, &StopRules::new(&info.vocab))
+            .and_then(|mut g| g.compile(schema).map(drop))
+            .map_err(|e| invalid(("generation.json_schema", format!("cannot be used: {e}"))))?;
+    }
+    Ok(())
+}
+
+/// sha256 of a file, lower-case hex.
+pub fn sha256_file(path: &Path) -> Result<String, ModelError> {
+    let open = |source| ModelError::Open { path: path.into(), source };
+    let mut file = std::fs::File::open(path).map_err(open)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(open)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(format!("{:x}", hasher.finalize()))
+}
+
+fn check_model_file(job: &Job) -> Result<String, ModelError> {
+    let path = &job.model.path;
+    let actual = sha256_file(path)?;
+    if let Some(expected) = &job.model.sha256 {
+        if *expected != actual {
+            return Err(ModelError::Checksum { path: path.clone(), expected: expected.clone(), actual });
+        }
+    }
+    Ok(actual)
+}
+
+/// sha256 over a model directory's files (name and content), for the fingerprint. `model.sha256`, when set, is
+/// checked against `model.safetensors`.
+fn check_model_dir(job: &Job) -> Result<String, ModelError> {
+    let mut hasher = Sha256::new();
+    for file in bert::model_files(&job.model.path) {
+        let sha = sha256_file(&file)?;
+        if file.file_name().is_some_and(|n| n == "model.safetensors") {
+            if let Some(expected) = job.model.sha256.as_ref().filter(|e| **e != sha) {
+                return Err(ModelError::Checksum { path: file, expected: expected.clone(), actual: sha });
+            }
+        }
+        hasher.update(file.strip_prefix(&job.model.path).unwrap_or(&file).to_string_lossy().as_bytes());
+        hasher.update(sha.as_bytes());
+    }
+    Ok(format!("{:x}", hasher.finalize()))
+}
+
+/// What a decoder's engine was configured with, for `plan`'s report.
+pub struct DecoderPlan {
+    pub model: ModelConfig,
+    pub batch: BatchConfig,
+    /// KV cache bytes of one block on the engine's backend.
+    pub block_bytes: usize,
+}
+
+/// A job's model, loaded into its engine.
+pub struct Loaded {
+    pub engine: Box<dyn Engine>,
+    pub prepare: Box<dyn Prepare>,
+    pub check: ModelCheck,
+    pub weights_bytes: usize,
+    pub layout: ResultsLayout,
+    /// Requests queued for the engine: an encoder sorts a window of them by length, so it gets a deeper queue.
+    pub queue: usize,
+    /// A decoder's configuration; `None` for the other kinds.
+    pub decoder: Option<DecoderPlan>,
+}
+
+/// Checks the job's model ([`check_model`]) and loads it onto `device`.
+pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
+    let check = check_model(job)?;
+    match job.kind {
+        JobKind::Generate => load_decoder(job, device, check),
+        JobKind::Seq2seq => {
+            let model = T5::load(&job.model.path, device)?;
+            let c = &model.config;
+            info!(layers = c.num_layers, decoder_layers = c.decoder_layers(), d_model = c.d_model, heads = c.num_heads, "encoder-decoder");
+            let tokenizer = bert::tokenizer(&job.model.path)?;
+            let prepare = EncoderPreprocessor::new(tokenizer.clone(), MAX_SOURCE_TOKENS, job.input.truncate)?;
+            let weights_bytes = model.weight_bytes();
+            let engine = Seq2SeqEngine::new(model, tokenizer, job.generation.clone(), job.runtime.max_seqs);
+            let queue = job.runtime.max_seqs * 2;
+            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, layout: ResultsLayout::Generate, queue, decoder: None })
+        }
+        JobKind::Embed => {
+            let encoder = Encoder::load(&job.model.path, device)?;
+            let info = &encoder.info;
+            info!(layers = info.config.num_hidden_layers, dimensions = info.dimensions, pooling = ?info.pooling,
+                normalize = info.normalize, max_tokens = info.max_tokens, "encoder");
+            let prepare = EncoderPreprocessor::new(bert::tokenizer(&job.model.path)?, info.max_tokens, job.input.truncate)?;
+            let (layout, weights_bytes) = (ResultsLayout::Embed { dimensions: info.dimensions }, encoder.weight_bytes());
+            let engine = engine::embed::EmbedEngine::new(encoder, job.runtime.max_seqs, job.runtime.max_batch_tokens);
+            let queue = engine::embed::WINDOW;
+            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, layout, queue, decoder: None })
+        }
+    }
+}
+
+fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> Result<Loaded, Error> {
+    let (model, info) = Model::load(&job.model.path, device)?;
+    let cfg = &info.config;
+    let backend = Backend::for_model(&model);
+    let block_bytes = backend.block_bytes(&model);
+    info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
+        dtype = ?model.dtype(), attention = ?backend, kv_bytes_per_token = block_bytes / engine::KV_BLOCK_TOKENS, "decoder");
+    let kv_bytes = engine::kv_cache_bytes(job.runtime.kv_cache_memory, device);
+    let batch = BatchConfig::new(job.runtime.max_seqs, job.runtime.max_batch_tokens, kv_bytes, block_bytes);
+    let longest = batch.max_sequence_tokens(cfg);
+    info!(
+        max_seqs = batch.max_seqs, max_batch_tokens = batch.max_batch_tokens,
+        kv_cache_mib = (batch.kv_blocks * block_bytes) >> 20, kv_tokens = batch.kv_tokens(),
+        tokens_per_seq_at_max_seqs = batch.kv_tokens() / batch.max_seqs, longest_sequence = longest,
+        "engine configured: {} sequences fit at {} tokens each, before preemption",
+        batch.kv_tokens() / longest.max(1), longest
+    );
+    if longest < cfg.context_length {
+        warn!(context = cfg.context_length, longest, "the KV cache budget holds less than the model's context; longer rows fail with prompt_too_long (raise runtime.kv_cache_memory)");
+    }
+    // Prompts are checked against the longest sequence the engine can run, so one that can never fit is an error
+    // row at tokenization, not a stall.
+    let preprocessor = Preprocessor::new(&info.vocab, &job.model.chat_template, &job.input, longest, job.generation.max_new_tokens)?;
+    let weights_bytes = model.weight_bytes();
+    let decoder = DecoderPlan { model: cfg.clone(), batch: batch.clone(), block_bytes };
+    let setup = DecoderSetup { tokenizer: preprocessor.tokenizer().clone(), params: job.generation.clone(), stop: StopRules::new(&info.vocab), config: batch };
+    let engine = engine::decoder_engine(model, setup).map_err(Error::Engine)?;
+    let queue = job.runtime.max_seqs * 2;
+    Ok(Loaded { engine, prepare: Box::new(preprocessor), check, weights_bytes, layout: ResultsLayout::Generate, queue, decoder: Some(decoder) })
+}

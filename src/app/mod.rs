@@ -1,0 +1,485 @@
+//! Wires the stages of a job together, one file per verb and stage:
+//!
+//! - [`run`] (here): the job's stages on their threads, with bounded channels between them;
+//!   [`load`]: the model checked (the same checks for `validate`) and loaded into its engine;
+//!   [`drive`]: the one loop every engine runs under (`run`, `bench`, `plan`'s calibration);
+//!   [`collect`]: output rows put back in order and committed a unit at a time;
+//!   [`signals`]: SIGTERM / SIGINT draining;
+//! - [`validate`] and [`plan`]: the dry-run verbs.
+//!
+//! ```text
+//! source (tokio task) -> tokenize (thread, rayon) -> engine (its own thread) -> sink (tokio task)
+//!                                  \----------------- error rows ----------------^
+//! ```
+//! Stages talk through bounded channels, so memory stays bounded for any input size. When a stage fails, it drops
+//! its channel ends; the stages before it see a closed channel and stop, and the job returns the first error
+//! without writing `_SUCCESS`.
+//!
+//! The source reads the plan's uncommitted units in order; every row carries its unit and position, and the sink
+//! commits a unit as soon as its last row is in. A rerun of the same job skips committed units.
+
+mod collect;
+pub mod drive;
+mod load;
+mod plan;
+pub mod signals;
+mod validate;
+
+use std::collections::HashMap;
+use std::io::IsTerminal;
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+use tracing::{debug, info, info_span, warn};
+
+use crate::engine::{self, EngineError, EngineStats, Request};
+use crate::error::Error;
+use crate::job::{ChatTemplateChoice, Job, JobKind, Overrides, PromptColumn};
+use crate::metrics::JobMetrics;
+use crate::outcome::Outcome;
+use crate::plan::shard::{self, Assignment, ShardArg};
+use crate::plan::{Fingerprint, Plan, Unit, OUTPUT_FORMAT_VERSION};
+use crate::sink::{self, Finalized, Manifest, Output, RunMetadata};
+use crate::source::{Input, SourceRow};
+use crate::tokenize::Prepare;
+use collect::{Collect, Collected, RunFigures};
+pub use load::{check_model, sha256_file, ModelCheck, ModelSummary};
+pub use plan::{plan_job, JobPlanReport};
+pub use signals::Drain;
+pub use validate::{validate, ValidateReport};
+
+/// Source batches in flight between the reader and the tokenizer.
+const SOURCE_DEPTH: usize = 4;
+
+
+pub struct RunOptions {
+    pub job: std::path::PathBuf,
+    pub overrides: Overrides,
+    /// Draw a progress bar (only ever on a terminal).
+    pub progress: bool,
+    /// Result rows to keep for the caller to show.
+    pub show: usize,
+    /// `--shard`: which units this process runs (default: all).
+    pub shard: Option<ShardArg>,
+}
+
+/// How a run ended, when it did not fail.
+#[derive(Debug, PartialEq, Eq)]
+pub enum RunStatus {
+    /// This run committed the last units and finalized the output.
+    Complete,
+    /// The output was complete before this run started; nothing was done.
+    AlreadyComplete,
+    /// This process's shard is committed; other shards are not yet, so the output is not finalized (the last
+    /// shard to finish, or `nightshift finalize`, does it).
+    ShardDone { missing: String },
+}
+
+/// What a finished run reports to the command line.
+#[derive(Debug)]
+pub struct RunReport {
+    pub status: RunStatus,
+    pub output_url: String,
+    pub manifest_url: String,
+    /// The output's manifest, once it is complete.
+    pub manifest: Option<Manifest>,
+    /// Which units this process ran.
+    pub assignment: Assignment,
+    /// Units this run committed, and units committed before it (by earlier or concurrent attempts).
+    pub units_committed: usize,
+    pub units_skipped: usize,
+    /// This run's figures (all rows it generated, across units).
+    pub metrics: JobMetrics,
+    pub sample: Vec<Outcome>,
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, Error> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("nightshift-io")
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Internal(format!("cannot start the I/O runtime: {e}")))
+}
+
+/// Limits the engine's CPU threads: rayon's global pool (attention, tokenization) and candle's kernels, which
+/// size their pool from `RAYON_NUM_THREADS`. Called before any thread pool exists.
+pub fn limit_threads(threads: usize) {
+    // `set_var` is sound only while no other thread reads the environment; this runs on the main thread
+    // before the I/O runtime, the engine or any pool is started.
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    if rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().is_err() {
+        tracing::warn!(threads, "the thread pool was already started; runtime.threads not applied to it");
+    }
+}
+
+/// How long candle's matmul threads spin for the next operation before they park, unless the environment says
+/// (`CANDLE_BARRIER_POOL_SPIN_LIMIT`). candle's default (25,000 spins, about a millisecond) keeps its threads
+/// busy-waiting while nightshift's own threads run attention between matmuls, and on a machine with few cores they
+/// take each other's time: measured on 2 cores, 100 spins took the generation benchmark from 210 to 242 total
+/// tokens/s. Called at start-up, before any thread exists.
+pub fn tune_cpu_threads() {
+    if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
+        // Sound: called first thing in `main`, while the process has one thread.
+        std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", "100");
+    }
+}
+
+fn sha256_hex(text: &str) -> String {
+    format!("{:x}", Sha256::digest(text.as_bytes()))
+}
+
+/// What makes this run's results what they are: model, prompt construction, parameters, input snapshot.
+fn fingerprint(job: &Job, model_sha256: &str, template: Option<&str>, input: &Input) -> Fingerprint {
+    let prompt = serde_json::json!({
+        "kind": job.kind,
+        "id_column": job.input.id_column,
+        "prompt_column": match &job.input.prompt { PromptColumn::Text(c) => Some(c), PromptColumn::Messages(_) => None },
+        "messages_column": match &job.input.prompt { PromptColumn::Messages(c) => Some(c), PromptColumn::Text(_) => None },
+        "chat_template_sha256": match job.model.chat_template {
+            ChatTemplateChoice::Auto => template.map(sha256_hex),
+            ChatTemplateChoice::None => None,
+        },
+        "system_prompt_sha256": job.input.system_prompt.as_deref().map(sha256_hex),
+        "truncate": job.input.truncate,
+        "parameters": job.input.parameters,
+    });
+    Fingerprint {
+        format_version: OUTPUT_FORMAT_VERSION,
+        model_sha256: model_sha256.into(),
+        prompt,
+        generation: match job.kind {
+            JobKind::Generate | JobKind::Seq2seq => serde_json::to_value(&job.generation).expect("parameters serialise"),
+            JobKind::Embed => serde_json::Value::Null,
+        },
+        input: input.snapshot(),
+    }
+}
+/// `nightshift run`: the job's uncommitted units (of this process's shard) through the stages, committed a unit at
+/// a time; the output finalized when every unit is in.
+pub fn run(options: RunOptions) -> Result<RunReport, Error> {
+    let started = Instant::now();
+    let job = Job::load(&options.job, &options.overrides)?;
+    let assignment = shard::resolve(options.shard.as_ref(), job.output.shards, |name| std::env::var(name).ok())?;
+    let _span = info_span!("job", file = %job.file.display(), shard = %assignment).entered();
+    if let Assignment::One { from, .. } = &assignment {
+        info!(from = %from, "running {assignment}");
+    }
+    if let Some(threads) = job.runtime.threads {
+        limit_threads(threads);
+    }
+    let rt = runtime()?;
+    let drain = Arc::new(Drain::default());
+    signals::watch_signals(&rt, drain.clone(), job.runtime.drain_grace)?;
+
+    let (input, output) = rt.block_on(async { Ok::<_, Error>((Input::open(&job.input).await?, Output::open(&job.output.url).await?)) })?;
+    info!(url = input.url(), files = input.file_urls().len(), rows = input.total_rows(), "input opened");
+
+    // Everything that can fail on the model or its tokenizer fails before a plan is written: a plan made by a run
+    // that could never start would refuse the corrected job.
+    let device = engine::select_device(&job.runtime.device)?;
+    let load_started = Instant::now();
+    let loaded = load::load(&job, &device)?;
+    let model_load_s = load_started.elapsed().as_secs_f64();
+    info!(path = %job.model.path.display(), weights_mib = loaded.weights_bytes >> 20, seconds = format!("{model_load_s:.2}"), "model loaded");
+    let figures = RunFigures { started, model_load_s, weights_bytes: loaded.weights_bytes as u64 };
+
+    // The plan: this job's fingerprint against the one stored at the output, if any.
+    let ours = fingerprint(&job, &loaded.check.sha256, loaded.check.template.as_deref(), &input);
+    let plan = rt.block_on(stored_plan(&job, &input, &output, &assignment, &ours))?;
+    let run = RunMetadata {
+        layout: loaded.layout.clone(),
+        model_sha256: loaded.check.sha256.clone(),
+        model: job.model.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        job: job.file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        fingerprint: plan.fingerprint.digest(),
+        attempt: sink::new_attempt(),
+    };
+    let report = Report { output: &output, assignment: &assignment };
+    if rt.block_on(output.is_complete())? {
+        let manifest = match rt.block_on(output.finalize())? {
+            Finalized::AlreadyComplete(m) | Finalized::Done(m) => m,
+        };
+        info!(output = output.url(), "the output is complete already; nothing to do");
+        return Ok(report.of(RunStatus::AlreadyComplete, Some(manifest), 0, plan.units.len(), JobMetrics::default(), Vec::new()));
+    }
+    let committed = rt.block_on(output.committed_units())?;
+    let ours_units: Vec<&Unit> = plan.units.iter().filter(|u| assignment.includes(u.shard)).collect();
+    let pending: Vec<Unit> = ours_units.iter().filter(|u| !committed.contains(&u.id)).map(|u| (*u).clone()).collect();
+    let units_skipped = ours_units.len() - pending.len();
+    info!(
+        units = plan.units.len(), shards = plan.shards, ours = ours_units.len(), committed = units_skipped, pending = pending.len(),
+        attempt = %run.attempt, fingerprint = %run.fingerprint, "plan"
+    );
+
+    let progress = progress_bar(options.progress, pending.iter().map(|u| u.rows as u64).sum());
+    let stages = Stages { rt: &rt, input, output: &output, run: &run, drain: &drain, figures: &figures, progress: &progress, show: options.show };
+    let ended = stages.run(&job, loaded, pending);
+    // The output was writable when the run started (the probe), so a read or write of it failing now, after
+    // object_store's retries, is an outage: what is committed stays, and the job can be resumed.
+    let units_total = ours_units.len();
+    let resumable = |e: Error, committed_now: usize| match e {
+        Error::Sink(source @ (sink::SinkError::Read { .. } | sink::SinkError::Write { .. })) => {
+            Error::StoreFailed { committed: units_skipped + committed_now, total: units_total, source }
+        }
+        other => other,
+    };
+    let (collected, final_stats, generation_s) = ended.map_err(|(e, committed_now)| resumable(e, committed_now))?;
+    progress.finish_and_clear();
+
+    let metrics = figures.metrics(&collected.rows, &final_stats, generation_s);
+    if drain.requested() {
+        let committed = rt.block_on(output.committed_units())?;
+        let done = ours_units.iter().filter(|u| committed.contains(&u.id)).count();
+        if done < ours_units.len() {
+            return Err(Error::Interrupted { committed: done, total: ours_units.len(), what: assignment.to_string(), unfinished: collected.unfinished });
+        }
+    }
+    // Every unit of ours is committed. A shard finalizes the output when it is the last to finish; otherwise
+    // the others (or `nightshift finalize`) will.
+    let Collected { sample, units_committed, .. } = collected;
+    match rt.block_on(output.finalize()) {
+        Ok(Finalized::Done(manifest) | Finalized::AlreadyComplete(manifest)) => {
+            info!(
+                rows = manifest.rows, errored = manifest.errored_rows, output_tokens_per_s = format!("{:.1}", metrics.output_tokens_per_s),
+                seconds = format!("{:.1}", metrics.job_s), "job complete"
+            );
+            Ok(report.of(RunStatus::Complete, Some(manifest), units_committed, units_skipped, metrics, sample))
+        }
+        Err(sink::SinkError::Incomplete { missing, shards, .. }) if matches!(assignment, Assignment::One { .. }) => {
+            let missing = format!("{missing} unit(s) of {shards} are not committed yet");
+            info!(waiting_for = %missing, "{assignment} is committed; the output is finalized when the other shards are");
+            Ok(report.of(RunStatus::ShardDone { missing }, None, units_committed, units_skipped, metrics, sample))
+        }
+        Err(e) => Err(resumable(e.into(), units_committed)),
+    }
+}
+
+/// The run's report, from what it found and did.
+struct Report<'a> {
+    output: &'a Output,
+    assignment: &'a Assignment,
+}
+
+impl Report<'_> {
+    fn of(&self, status: RunStatus, manifest: Option<Manifest>, units_committed: usize, units_skipped: usize, metrics: JobMetrics, sample: Vec<Outcome>) -> RunReport {
+        RunReport {
+            status,
+            output_url: self.output.url().into(),
+            manifest_url: self.output.display(sink::MANIFEST_FILE),
+            manifest,
+            assignment: self.assignment.clone(),
+            units_committed,
+            units_skipped,
+            metrics,
+            sample,
+        }
+    }
+}
+
+/// The plan stored at the output, or a new one made and stored (create-once) when there is none; checked against
+/// this job's fingerprint and shard count.
+async fn stored_plan(job: &Job, input: &Input, output: &Output, assignment: &Assignment, ours: &Fingerprint) -> Result<Plan, Error> {
+    let plan = match output.read_plan().await? {
+        Some(stored) => stored,
+        None => {
+            // Only a new plan reads every id: a stored plan was checked when it was made.
+            input.check_unique_ids().await?;
+            let shards = match assignment {
+                Assignment::One { count, .. } => *count,
+                Assignment::All => job.output.shards.unwrap_or(1),
+            };
+            let new = Plan::new(ours.clone(), job.output.unit_rows, shards, |file, first_row, rows| {
+                estimated_tokens(job, input.prompt_bytes(file, first_row, rows), rows)
+            });
+            if new.units.len() < shards as usize {
+                warn!(units = new.units.len(), shards, "fewer units than shards: the last shards have nothing to do (lower output.unit_rows)");
+            }
+            output.create_plan(&new).await?
+        }
+    };
+    output.check_same_job(&plan, ours)?;
+    if let Assignment::One { count, .. } = assignment {
+        if *count != plan.shards {
+            return Err(sink::SinkError::ShardCount { url: output.url().into(), planned: plan.shards, asked: assignment.to_string() }.into());
+        }
+    }
+    if plan.unit_rows != job.output.unit_rows {
+        warn!(planned = plan.unit_rows, asked = job.output.unit_rows, "output.unit_rows differs from the stored plan's; the plan's units are kept");
+    }
+    Ok(plan)
+}
+
+/// What the stages of a run share.
+struct Stages<'a> {
+    rt: &'a tokio::runtime::Runtime,
+    input: Input,
+    output: &'a Output,
+    run: &'a RunMetadata,
+    drain: &'a Arc<Drain>,
+    figures: &'a RunFigures,
+    progress: &'a ProgressBar,
+    show: usize,
+}
+
+/// The engine thread's outcome consumer: output rows to the sink, and the engine's figures for the unit commits.
+struct ToSink {
+    sink: mpsc::Sender<Outcome>,
+    stats: Arc<Mutex<EngineStats>>,
+}
+
+impl drive::Outcomes for ToSink {
+    fn send(&mut self, outcome: Outcome) -> bool {
+        self.sink.blocking_send(outcome).is_ok()
+    }
+
+    fn stepped(&mut self, stats: &EngineStats) {
+        *self.stats.lock().expect("not poisoned") = stats.clone();
+    }
+}
+
+impl Stages<'_> {
+    /// Runs the pending units through source, tokenizer, engine and sink until every row is committed (or the
+    /// run stops). Returns what the sink collected, the engine's figures and the generation time; or the first
+    /// real cause of a failure with the units committed before it.
+    fn run(self, job: &Job, loaded: load::Loaded, pending: Vec<Unit>) -> Result<(Collected, EngineStats, f64), (Error, usize)> {
+        let fail = |e: Error| (e, 0);
+        // Channels: source -> tokenize -> engine -> sink, and tokenize -> sink for rows that fail before the engine.
+        let (source_tx, source_rx) = mpsc::channel::<Vec<SourceRow>>(SOURCE_DEPTH);
+        let (request_tx, mut request_rx) = std_mpsc::sync_channel::<Request>(loaded.queue);
+        let (sink_tx, sink_rx) = mpsc::channel::<Outcome>(job.runtime.max_seqs * 4);
+        let engine_stats = Arc::new(Mutex::new(EngineStats::default()));
+
+        let source_task = spawn_source(self.rt, self.input, self.output.clone(), self.drain.clone(), pending.clone(), source_tx);
+        let tokenize_thread = spawn_tokenizer(loaded.prepare, source_rx, request_tx, sink_tx.clone(), self.drain.clone()).map_err(fail)?;
+        let generation_started = Instant::now();
+        let (engine_drain, mut to_sink) = (self.drain.clone(), ToSink { sink: sink_tx, stats: engine_stats.clone() });
+        let mut engine = loaded.engine;
+        let engine_thread = std::thread::Builder::new()
+            .name("nightshift-engine".into())
+            .spawn(move || drive::drive(engine.as_mut(), &mut request_rx, &mut to_sink, Some(&engine_drain)))
+            .map_err(|e| fail(Error::Internal(format!("cannot start the engine thread: {e}"))))?;
+
+        let collect = Collect {
+            output: self.output,
+            run: self.run,
+            units: pending.iter().map(|u| (u.id, u.clone())).collect::<HashMap<u32, Unit>>(),
+            engine_stats,
+            figures: self.figures,
+            progress: self.progress,
+            show: self.show,
+            generation_started,
+        };
+        let sink_result = self.rt.block_on(collect::collect(sink_rx, collect));
+        // Whatever happened, the engine and tokenizer threads end once their channels close.
+        let engine_result = engine_thread.join().map_err(|_| fail(Error::Internal("the engine thread panicked (a bug)".into())))?;
+        let _ = tokenize_thread.join();
+        let source_result = self.rt.block_on(source_task).map_err(|e| fail(Error::Internal(format!("the source task failed: {e}"))))?;
+        // The first real cause wins: a source error explains a short engine run, an engine error a short sink run.
+        let committed_by_sink = sink_result.as_ref().map(|r| r.units_committed).unwrap_or(0);
+        source_result.map_err(|e| (e, committed_by_sink))?;
+        let final_stats = engine_result.map_err(|e: EngineError| fail(Error::Engine(e)))?;
+        let collected = sink_result.map_err(fail)?;
+        Ok((collected, final_stats, generation_started.elapsed().as_secs_f64()))
+    }
+}
+
+/// The source: reads the pending units' rows in order, skipping units another attempt committed meanwhile.
+fn spawn_source(
+    rt: &tokio::runtime::Runtime,
+    input: Input,
+    output: Output,
+    drain: Arc<Drain>,
+    units: Vec<Unit>,
+    rows: mpsc::Sender<Vec<SourceRow>>,
+) -> tokio::task::JoinHandle<Result<(), Error>> {
+    rt.spawn(async move {
+        for unit in &units {
+            if drain.requested() {
+                break;
+            }
+            // Another attempt may have committed it since the run started.
+            if output.is_committed(unit).await? {
+                debug!(unit = unit.id, "committed by another attempt meanwhile; skipped");
+                continue;
+            }
+            if !input.stream_unit(unit, &rows).await? {
+                break;
+            }
+        }
+        Ok::<_, Error>(())
+    })
+}
+
+/// The tokenizer thread: source rows to requests for the engine, or to failed rows for the sink.
+fn spawn_tokenizer(
+    prepare: Box<dyn Prepare>,
+    mut rows: mpsc::Receiver<Vec<SourceRow>>,
+    requests: std_mpsc::SyncSender<Request>,
+    failed: mpsc::Sender<Outcome>,
+    drain: Arc<Drain>,
+) -> Result<std::thread::JoinHandle<()>, Error> {
+    std::thread::Builder::new()
+        .name("nightshift-tokenize".into())
+        .spawn(move || {
+            while let Some(batch) = rows.blocking_recv() {
+                if drain.requested() {
+                    return;
+                }
+                for row in prepare.prepare_all(batch) {
+                    let sent = match Request::ready(row) {
+                        Ok(request) => requests.send(request).is_ok(),
+                        Err(failure) => failed.blocking_send(Outcome::Failed(failure)).is_ok(),
+                    };
+                    if !sent {
+                        return;
+                    }
+                }
+            }
+        })
+        .map_err(|e| Error::Internal(format!("cannot start the tokenizer thread: {e}")))
+}
+
+/// The tokens a run of rows is expected to cost, for balancing shards: prompt bytes at about four per token, and
+/// every row's full output budget (decode steps cost far more than prompt tokens, so this errs towards them).
+fn estimated_tokens(job: &Job, prompt_bytes: u64, rows: u32) -> u64 {
+    let output = match job.kind {
+        JobKind::Generate | JobKind::Seq2seq => job.generation.max_new_tokens as u64,
+        JobKind::Embed => 0,
+    };
+    prompt_bytes.div_ceil(4) + rows as u64 * output
+}
+
+/// `nightshift status`: an output's progress per shard.
+pub fn status(url: &str) -> Result<sink::OutputStatus, Error> {
+    let rt = runtime()?;
+    let output = Output::resolve(url)?;
+    Ok(rt.block_on(output.status())?)
+}
+
+/// `nightshift finalize`: completes an output whose units are all committed.
+pub fn finalize(url: &str) -> Result<(Finalized, String), Error> {
+    let rt = runtime()?;
+    let output = Output::resolve(url)?;
+    let finalized = rt.block_on(output.finalize())?;
+    Ok((finalized, output.display(sink::MANIFEST_FILE)))
+}
+
+fn progress_bar(enabled: bool, total: u64) -> ProgressBar {
+    if !enabled || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} rows  {msg}  ETA {eta}")
+            .expect("the template is valid")
+            .progress_chars("=> "),
+    );
+    bar.set_message("starting");
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}

@@ -1,0 +1,199 @@
+//! `nightshift plan`: a generate job's rows tokenized and measured, the schedule the engine would make, its KV
+//! cache fit, and a short calibration run through the real engine. Writes nothing anywhere.
+
+use std::path::Path;
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+
+use super::drive::{drive, Ready};
+use super::{limit_threads, load, runtime, SOURCE_DEPTH};
+use crate::engine::Request;
+use crate::error::Error;
+use crate::job::{Job, JobKind, Overrides};
+use crate::outcome::Outcome;
+use crate::plan::report;
+use crate::plan::Unit;
+use crate::row::ErrorCode;
+use crate::source::{Input, SourceRow};
+use crate::tokenize::Prepare;
+
+/// What `nightshift plan` found.
+#[derive(Debug, serde::Serialize)]
+pub struct JobPlanReport {
+    pub rows: u64,
+    /// Rows that tokenized, and their prompt tokens (chat template included).
+    pub ok_rows: u64,
+    pub prompt_tokens: u64,
+    /// Output tokens if every row generated its `max_new_tokens`.
+    pub max_output_tokens: u64,
+    pub histogram: crate::plan::report::Histogram,
+    /// Prompts too long for the context and the KV cache budget: count and the first few ids.
+    pub over_length_rows: u64,
+    pub over_length_ids: Vec<String>,
+    /// Other rows that fail before the engine, by error code.
+    pub other_errors: Vec<(String, u64)>,
+    pub max_seqs: usize,
+    pub max_batch_tokens: usize,
+    pub kv_cache_bytes: u64,
+    pub kv_tokens: usize,
+    pub longest_sequence: usize,
+    /// Sequences of the job's mean length (prompt and all its output) the KV cache holds at once.
+    pub sequences_fit: usize,
+    pub weights_bytes: usize,
+    pub simulation: crate::plan::report::Simulation,
+    pub calibration: Option<crate::plan::report::Calibration>,
+    pub estimated_seconds: Option<f64>,
+}
+
+/// `nightshift plan`: tokenizes every row (in parallel), reports the lengths, the schedule the engine would make
+
+/// The rows of a job as `plan` counts them.
+#[derive(Default)]
+struct Tokenized {
+    rows: u64,
+    /// (prompt tokens, output tokens at most) of each row that tokenized.
+    lengths: Vec<(usize, usize)>,
+    /// The first rows, for the calibration run.
+    calibration: Vec<Request>,
+    over_length_rows: u64,
+    over_length_ids: Vec<String>,
+    other_errors: std::collections::BTreeMap<String, u64>,
+}
+
+/// `nightshift plan`: tokenizes every row (in parallel), reports the lengths, the schedule the engine would make
+/// and its KV cache fit, and times a short calibration run on the job's first rows.
+pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize) -> Result<JobPlanReport, Error> {
+    let job = Job::load(job_path, overrides)?;
+    if job.kind != JobKind::Generate {
+        return Err(Error::Job(crate::job::JobError::Invalid {
+            path: job.file.clone(),
+            key: "kind",
+            problem: "`nightshift plan` plans generate jobs; embed and seq2seq jobs have no decode schedule to plan".into(),
+        }));
+    }
+    if let Some(threads) = job.runtime.threads {
+        limit_threads(threads);
+    }
+    let rt = runtime()?;
+    let input = rt.block_on(Input::open(&job.input))?;
+    let device = crate::engine::select_device(&job.runtime.device)?;
+    let load::Loaded { mut engine, prepare, weights_bytes, decoder, .. } = load::load(&job, &device)?;
+    let load::DecoderPlan { model, batch, block_bytes } = decoder.expect("a generate job loads a decoder");
+    let longest = batch.max_sequence_tokens(&model);
+
+    let t = rt.block_on(tokenize_all(&job, &input, prepare.as_ref(), longest, calibration_rows))?;
+    let histogram = report::Histogram::new(&t.lengths.iter().map(|l| l.0).collect::<Vec<_>>());
+    let prompt_tokens: u64 = t.lengths.iter().map(|l| l.0 as u64).sum();
+    let max_output_tokens: u64 = t.lengths.iter().map(|l| l.1 as u64).sum();
+    let mean_sequence = (prompt_tokens + max_output_tokens).div_ceil(t.lengths.len().max(1) as u64).max(1) as usize;
+    let simulation = report::simulate(&t.lengths, &batch.schedule());
+
+    // Calibration: the first rows, at most 32 new tokens each, through the real engine.
+    let calibration = match t.calibration.is_empty() {
+        true => None,
+        false => Some(calibrate(&job, engine.as_mut(), t.calibration)?),
+    };
+    let estimated_seconds = calibration.as_ref().and_then(|c| report::estimate_seconds(&simulation, c));
+    Ok(JobPlanReport {
+        rows: t.rows,
+        ok_rows: t.lengths.len() as u64,
+        prompt_tokens,
+        max_output_tokens,
+        histogram,
+        over_length_rows: t.over_length_rows,
+        over_length_ids: t.over_length_ids,
+        other_errors: t.other_errors.into_iter().collect(),
+        max_seqs: batch.max_seqs,
+        max_batch_tokens: batch.max_batch_tokens,
+        kv_cache_bytes: (batch.kv_blocks * block_bytes) as u64,
+        kv_tokens: batch.kv_tokens(),
+        longest_sequence: longest,
+        sequences_fit: batch.kv_tokens() / mean_sequence,
+        weights_bytes,
+        simulation,
+        calibration,
+        estimated_seconds,
+    })
+}
+
+/// Every row of the input, a file at a time, tokenized in parallel and counted.
+async fn tokenize_all(job: &Job, input: &Input, prepare: &dyn Prepare, longest: usize, calibration_rows: usize) -> Result<Tokenized, Error> {
+    let (tx, mut rx) = mpsc::channel::<Vec<SourceRow>>(SOURCE_DEPTH);
+    let files = input.snapshot();
+    let reader = async move {
+        for (file, f) in files.iter().enumerate() {
+            let mut first_row = 0;
+            while first_row < f.rows {
+                let n = (f.rows - first_row).min(1 << 16) as u32;
+                let unit = Unit { id: 0, file, first_row, rows: n, shard: 0, estimated_tokens: 0 };
+                if !input.stream_unit(&unit, &tx).await? {
+                    return Ok(());
+                }
+                first_row += n as u64;
+            }
+        }
+        drop(tx);
+        Ok::<_, Error>(())
+    };
+    let mut t = Tokenized::default();
+    let consume = async {
+        while let Some(batch_rows) = rx.recv().await {
+            for row in prepare.prepare_all(batch_rows) {
+                t.rows += 1;
+                match row.tokens {
+                    Ok(tokens) => {
+                        let Ok(params) = job.generation.for_row(&row.params) else {
+                            *t.other_errors.entry(ErrorCode::InvalidParameters.as_str().to_string()).or_default() += 1;
+                            continue;
+                        };
+                        // A scoring row's completion is prefilled with its prompt; nothing is generated.
+                        let (prompt, max_new) = match &row.completion {
+                            Some(c) => (tokens.len() + c.len(), 0),
+                            None => (tokens.len(), params.max_new_tokens as usize),
+                        };
+                        t.lengths.push((prompt, max_new.min(longest.saturating_sub(prompt))));
+                        if t.calibration.len() < calibration_rows {
+                            let row = crate::tokenize::PreparedRow { tokens: Ok(tokens), ..row };
+                            t.calibration.extend(Request::ready(row).ok());
+                        }
+                    }
+                    Err(e) if e.code == ErrorCode::PromptTooLong => {
+                        t.over_length_rows += 1;
+                        if t.over_length_ids.len() < 5 {
+                            t.over_length_ids.push(row.id);
+                        }
+                    }
+                    Err(e) => *t.other_errors.entry(e.code.as_str().to_string()).or_default() += 1,
+                }
+            }
+        }
+    };
+    let (read, ()) = tokio::join!(reader, consume);
+    read?;
+    Ok(t)
+}
+
+/// Runs the calibration rows (at most 32 new tokens each) through the engine, under the run's drive loop.
+fn calibrate(job: &Job, engine: &mut dyn crate::engine::Engine, requests: Vec<Request>) -> Result<report::Calibration, Error> {
+    let started = Instant::now();
+    let n = requests.len();
+    let requests = requests.into_iter().map(|mut request| {
+        let max_new = job.generation.for_row(&request.params).map_or(1, |p| p.max_new_tokens);
+        request.params.max_new_tokens = Some(max_new.min(32));
+        request.params.min_new_tokens = request.params.min_new_tokens.map(|m| m.min(32));
+        request.arrival = Instant::now();
+        request
+    });
+    let mut outcomes: Vec<Outcome> = Vec::new();
+    let stats = drive(engine, &mut Ready(requests), &mut outcomes, None).map_err(Error::Engine)?;
+    if let Some(Outcome::Failed(f)) = outcomes.iter().find(|o| matches!(o, Outcome::Failed(_))) {
+        return Err(Error::Internal(format!("calibration row refused: {}", f.error.message)));
+    }
+    Ok(report::Calibration {
+        rows: n,
+        prefill_tokens_per_s: stats.prefill_tokens_per_s(),
+        decode_tokens_per_s: stats.decode_tokens_per_s(),
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}

@@ -1,0 +1,359 @@
+//! Llama-family decoders from GGUF files: metadata, the tokenizer's tables, and the weights laid out for the
+//! device's matmul kernels ([`Layout`]).
+
+use std::fs::File;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+use super::{Layer, Model, ModelConfig, ModelInfo, Weights, MAX_CONTEXT};
+use crate::engine::ModelError;
+use crate::tokenize::VocabMetadata;
+
+fn meta<'a>(content: &'a Content, key: &str) -> Result<&'a Value, ModelError> {
+    content.metadata.get(key).ok_or_else(|| ModelError::Metadata(format!("missing `{key}`")))
+}
+
+fn meta_usize(content: &Content, key: &str) -> Result<usize, ModelError> {
+    let v = meta(content, key)?;
+    v.to_u64()
+        .map(|v| v as usize)
+        .or_else(|_| v.to_u32().map(|v| v as usize))
+        .or_else(|_| v.to_i32().map(|v| v.max(0) as usize))
+        .map_err(|_| ModelError::Metadata(format!("`{key}` is not an integer")))
+}
+
+fn meta_f32(content: &Content, key: &str) -> Option<f32> {
+    let v = content.metadata.get(key)?;
+    v.to_f32().ok().or_else(|| v.to_f64().ok().map(|v| v as f32))
+}
+
+fn meta_u32(content: &Content, key: &str) -> Option<u32> {
+    let v = content.metadata.get(key)?;
+    v.to_u32().ok().or_else(|| v.to_i32().ok().map(|v| v as u32)).or_else(|| v.to_u64().ok().map(|v| v as u32))
+}
+
+fn meta_strings(content: &Content, key: &str) -> Result<Vec<String>, ModelError> {
+    match content.metadata.get(key) {
+        None => Ok(Vec::new()),
+        Some(v) => v
+            .to_vec()
+            .map_err(|_| ModelError::Metadata(format!("`{key}` is not an array")))?
+            .iter()
+            .map(|s| s.to_string().cloned().map_err(|_| ModelError::Metadata(format!("`{key}` holds a non-string"))))
+            .collect(),
+    }
+}
+
+fn read_content(path: &Path) -> Result<(File, Content), ModelError> {
+    let mut file = File::open(path).map_err(|source| ModelError::Open { path: path.into(), source })?;
+    let content = Content::read(&mut file).map_err(|e| ModelError::Format { path: path.into(), message: e.to_string() })?;
+    Ok((file, content))
+}
+
+fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
+    let architecture = meta(content, "general.architecture")?
+        .to_string()
+        .map_err(|_| ModelError::Metadata("`general.architecture` is not a string".into()))?
+        .clone();
+    if architecture != "llama" {
+        return Err(ModelError::Architecture { name: architecture, supported: "llama in GGUF files" });
+    }
+    let a = |k: &str| format!("{architecture}.{k}");
+    let hidden_size = meta_usize(content, &a("embedding_length"))?;
+    let heads = meta_usize(content, &a("attention.head_count"))?;
+    let kv_heads = meta_usize(content, &a("attention.head_count_kv")).unwrap_or(heads);
+    if heads == 0 || kv_heads == 0 || hidden_size % heads != 0 || heads % kv_heads != 0 {
+        return Err(ModelError::Metadata(format!(
+            "inconsistent attention shape: hidden size {hidden_size}, {heads} heads, {kv_heads} kv heads"
+        )));
+    }
+    let head_dim = hidden_size / heads;
+    if head_dim % 2 != 0 {
+        return Err(ModelError::Metadata(format!("head size {head_dim} is odd")));
+    }
+    let tokens = meta_strings(content, "tokenizer.ggml.tokens")?;
+    let token_types = match content.metadata.get("tokenizer.ggml.token_type") {
+        None => Vec::new(),
+        Some(v) => v
+            .to_vec()
+            .map_err(|_| ModelError::Metadata("`tokenizer.ggml.token_type` is not an array".into()))?
+            .iter()
+            .map(|t| t.to_i32().unwrap_or(1))
+            .collect(),
+    };
+    let config = ModelConfig {
+        name: content.metadata.get("general.name").and_then(|v| v.to_string().ok().cloned()),
+        context_length: meta_usize(content, &a("context_length"))?,
+        layers: meta_usize(content, &a("block_count"))?,
+        ffn_size: meta_usize(content, &a("feed_forward_length"))?,
+        rms_eps: meta_f32(content, &a("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
+        rope_base: meta_f32(content, &a("rope.freq_base")).unwrap_or(10_000.0),
+        rope_scaling: None,
+        vocab_size: tokens.len(),
+        hidden_size,
+        heads,
+        kv_heads,
+        head_dim,
+        architecture,
+    };
+    // Bounds that keep a malformed file from asking for absurd allocations (the RoPE table is sized by context).
+    if config.context_length == 0 || config.context_length > MAX_CONTEXT || config.layers == 0 || config.layers > 1024 {
+        return Err(ModelError::Metadata(format!(
+            "context length {} or layer count {} is out of range",
+            config.context_length, config.layers
+        )));
+    }
+    let vocab = VocabMetadata {
+        kind: content
+            .metadata
+            .get("tokenizer.ggml.model")
+            .and_then(|v| v.to_string().ok().cloned())
+            .ok_or_else(|| ModelError::Metadata("missing `tokenizer.ggml.model`".into()))?,
+        pre: content.metadata.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok().cloned()),
+        merges: meta_strings(content, "tokenizer.ggml.merges")?,
+        bos: meta_u32(content, "tokenizer.ggml.bos_token_id"),
+        eos: meta_u32(content, "tokenizer.ggml.eos_token_id"),
+        eot: meta_u32(content, "tokenizer.ggml.eot_token_id"),
+        more_ends: Vec::new(),
+        add_bos: content.metadata.get("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(false),
+        chat_template: content.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok().cloned()),
+        tokens,
+        token_types,
+        tokenizer: None,
+    };
+    let mut counts = std::collections::BTreeMap::new();
+    for info in content.tensor_infos.values() {
+        *counts.entry(format!("{:?}", info.ggml_dtype).to_lowercase()).or_insert(0) += 1;
+    }
+    Ok(ModelInfo { config, vocab, tensor_types: counts.into_iter().collect() })
+}
+
+/// How weights are laid out for the matmul kernels of this device.
+///
+/// On CPU, candle's fast kernels (repacked tiles on AVX-512 VNNI) take Q8_0, Q6_K and Q4_K weights whose inner
+/// dimension K is a multiple of 256 and whose row count is a multiple of 16; anything else falls back to generic
+/// dot products at a fifth of the speed or less (Q4_1, the GGUF's own type, is scalar). SmolLM2's hidden size is
+/// 576. So the model is laid out padded: the hidden state, the attention output and the feed-forward state are
+/// zero-padded to a multiple of 256 from the embedding on, every matrix gets zero columns (and zero rows where
+/// its output feeds the hidden state), and the weights are requantized. Padded columns stay exactly zero through
+/// the residual stream: zero rows produce zeros, SiLU(0) x 0 is 0, and the RMSNorm weights' padding is zero. The
+/// norms divide by the padded width, which the weights and epsilon are rescaled for (`padded_norm`), so the
+/// model computes the same function; the price is a third more multiply-adds at K = 576 for kernels several times
+/// faster (`../shared/reference/cpu-matmul.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Weights as stored in the file, unpadded.
+    AsStored,
+    /// Unpadded, with Q4_0 and Q4_1 matrices requantized to Q8_0: candle's CPU kernels for those two are scalar,
+    /// and Q8_0's generic ones twice as fast. For models too small for padding to pay (it would more than add a
+    /// third to a width).
+    Q8,
+    /// Padded to multiples of 256; the layers' matrices requantized to the first type, the output projection to
+    /// the second.
+    Padded(candle_core::quantized::GgmlDType, candle_core::quantized::GgmlDType),
+}
+
+impl Layout {
+    /// The layout for a model on a device: on CPU, layers in padded Q4_K and the output projection in padded
+    /// Q6_K (Q4_K would add 8.7 % error to it; candle's Q8_0 has no fast kernel here), unless padding would add more
+    /// than a third to a width (then [`Layout::Q8`]); as stored elsewhere.
+    /// `NIGHTSHIFT_CPU_WEIGHTS=q4k|q6k|q8_0|q8|as-stored` chooses another, for benchmarks and comparisons.
+    pub fn choose(device: &Device, config: &ModelConfig) -> Layout {
+        use candle_core::quantized::GgmlDType;
+        if !device.is_cpu() {
+            return Layout::AsStored;
+        }
+        match std::env::var("NIGHTSHIFT_CPU_WEIGHTS").as_deref() {
+            Ok("as-stored") => return Layout::AsStored,
+            Ok("q8") => return Layout::Q8,
+            Ok("q6k") => return Layout::Padded(GgmlDType::Q6K, GgmlDType::Q6K),
+            Ok("q8_0") => return Layout::Padded(GgmlDType::Q8_0, GgmlDType::Q8_0),
+            Ok("q4k") => return Layout::Padded(GgmlDType::Q4K, GgmlDType::Q6K),
+            _ => {}
+        }
+        let padded = Layout::Padded(GgmlDType::Q4K, GgmlDType::Q6K);
+        let worth = |w: usize| padded.pad(w) * 3 <= w * 4;
+        if worth(config.hidden_size) && worth(config.heads * config.head_dim) && worth(config.ffn_size) {
+            padded
+        } else {
+            Layout::Q8
+        }
+    }
+
+    fn pad(self, width: usize) -> usize {
+        match self {
+            Layout::AsStored | Layout::Q8 => width,
+            Layout::Padded(..) => width.div_ceil(256) * 256,
+        }
+    }
+
+    /// The same layout, with the output projection's type for the layers too.
+    fn for_output(self) -> Layout {
+        match self {
+            Layout::Padded(_, output) => Layout::Padded(output, output),
+            other => other,
+        }
+    }
+}
+
+/// A weight matrix `[n, k]` laid out as `[n_pad, k_pad]`, zero-filled, requantized.
+fn lay_out(t: QTensor, n_pad: usize, k_pad: usize, layout: Layout, device: &Device) -> candle_core::Result<QTensor> {
+    use candle_core::quantized::GgmlDType;
+    let dtype = match layout {
+        Layout::AsStored => return Ok(t),
+        Layout::Q8 if matches!(t.dtype(), GgmlDType::Q4_0 | GgmlDType::Q4_1) && t.shape().dims().last().is_some_and(|k| k % 32 == 0) => {
+            return QTensor::quantize(&t.dequantize(device)?, GgmlDType::Q8_0);
+        }
+        Layout::Q8 => return Ok(t),
+        Layout::Padded(dtype, _) => dtype,
+    };
+    let (n, k) = t.shape().dims2()?;
+    let w = t.dequantize(device)?;
+    let w = if k_pad > k { w.pad_with_zeros(1, 0, k_pad - k)? } else { w };
+    let w = if n_pad > n { w.pad_with_zeros(0, 0, n_pad - n)? } else { w };
+    quantize_rows(&w, dtype, device)
+}
+
+/// `QTensor::quantize`, in parallel over chunks of rows (quantization blocks run along rows, so the chunks'
+/// bytes concatenate into the whole matrix's). K-quants search each block's scales, which makes requantizing
+/// the output projection alone take a second on one core.
+fn quantize_rows(w: &Tensor, dtype: candle_core::quantized::GgmlDType, device: &Device) -> candle_core::Result<QTensor> {
+    const ROWS: usize = 1024;
+    let (n, k) = w.dims2()?;
+    if n <= ROWS {
+        return QTensor::quantize(w, dtype);
+    }
+    // Each chunk gets its own storage: `QTensor::quantize` reads a tensor's storage from its start, so a narrowed
+    // view would quantize the wrong rows.
+    let values = w.flatten_all()?.to_vec1::<f32>()?;
+    let chunks: Vec<Vec<u8>> = (0..n.div_ceil(ROWS))
+        .into_par_iter()
+        .map(|c| {
+            let rows = ROWS.min(n - c * ROWS);
+            let chunk = Tensor::from_slice(&values[c * ROWS * k..(c * ROWS + rows) * k], (rows, k), &Device::Cpu)?;
+            QTensor::quantize(&chunk, dtype).and_then(|q| q.data().map(|d| d.into_owned()))
+        })
+        .collect::<candle_core::Result<_>>()?;
+    candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &chunks.concat(), vec![n, k], device)
+}
+
+/// An RMSNorm weight `[d]` for a hidden state padded to `width`: zeros in the padding, and scaled so that the
+/// mean over the padded width (smaller by d / width) gives the model's result with epsilon scaled the same way.
+fn padded_norm(w: Tensor, width: usize) -> candle_core::Result<Tensor> {
+    let d = w.dims1()?;
+    if width == d {
+        return Ok(w);
+    }
+    (w * (d as f64 / width as f64).sqrt())?.pad_with_zeros(0, 0, width - d)
+}
+
+/// Reads a GGUF file's metadata (architecture, shapes, tokenizer) without loading its weights.
+pub(super) fn inspect(path: &Path) -> Result<ModelInfo, ModelError> {
+    let (_, content) = read_content(path)?;
+    info_of(&content)
+}
+
+/// Loads a GGUF llama-family model with the given weight layout (`None`: [`Layout::choose`]'s).
+pub(super) fn load(path: &Path, device: &Device, layout: Option<Layout>) -> Result<(Model, ModelInfo), ModelError> {
+    let (mut file, content) = read_content(path)?;
+    let info = info_of(&content)?;
+    let layout = layout.unwrap_or_else(|| Layout::choose(device, &info.config));
+    let config = info.config.clone();
+    let fmt = |e: candle_core::Error| ModelError::Format { path: path.into(), message: e.to_string() };
+    let mut qtensor = |name: &str| -> Result<QTensor, ModelError> {
+        content.tensor(&mut file, name, device).map_err(fmt)
+    };
+    let expect = |t: &QTensor, name: &str, dims: &[usize]| -> Result<(), ModelError> {
+        if t.shape().dims() != dims {
+            return Err(ModelError::Metadata(format!(
+                "tensor `{name}` has shape {:?}, expected {dims:?}",
+                t.shape().dims()
+            )));
+        }
+        Ok(())
+    };
+    let (d, hd) = (config.hidden_size, config.head_dim);
+    let (width, attn_width, ffn_width) = (layout.pad(d), layout.pad(config.heads * hd), layout.pad(config.ffn_size));
+    let embedding_q = qtensor("token_embd.weight")?;
+    expect(&embedding_q, "token_embd.weight", &[config.vocab_size, d])?;
+    let embedding = embedding_q.dequantize(device).and_then(|e| e.pad_with_zeros(1, 0, width - d)).map_err(fmt)?;
+    // Every layer's matrices are read first, then laid out (requantized) in parallel: it is most of load time.
+    let (q, kv, f) = (config.heads * hd, config.kv_heads * hd, config.ffn_size);
+    // (name, shape in the file, laid-out [rows, columns]), in the order `Layer` takes them.
+    let shapes: [(&str, [usize; 2], [usize; 2]); 7] = [
+        ("attn_q", [q, d], [q, width]),
+        ("attn_k", [kv, d], [kv, width]),
+        ("attn_v", [kv, d], [kv, width]),
+        ("attn_output", [d, q], [width, attn_width]),
+        ("ffn_gate", [f, d], [ffn_width, width]),
+        ("ffn_up", [f, d], [ffn_width, width]),
+        ("ffn_down", [d, f], [width, ffn_width]),
+    ];
+    let mut raw = Vec::with_capacity(config.layers * shapes.len());
+    for i in 0..config.layers {
+        for (suffix, dims, pad) in shapes {
+            let name = format!("blk.{i}.{suffix}.weight");
+            let t = qtensor(&name)?;
+            expect(&t, &name, &dims)?;
+            raw.push((t, pad));
+        }
+    }
+    let laid_out: Vec<QMatMul> = raw
+        .into_par_iter()
+        .map(|(t, pad)| lay_out(t, pad[0], pad[1], layout, device).and_then(QMatMul::from_qtensor))
+        .collect::<candle_core::Result<_>>()
+        .map_err(fmt)?;
+    let mut matrices = laid_out.into_iter();
+    let mut layers = Vec::with_capacity(config.layers);
+    for i in 0..config.layers {
+        let mut next = || matrices.next().expect("seven matrices per layer");
+        let (wq, wk, wv, wo, w_gate, w_up, w_down) = (next(), next(), next(), next(), next(), next(), next());
+        let mut norm = |suffix: &str| -> Result<Tensor, ModelError> {
+            let name = format!("blk.{i}.{suffix}.weight");
+            let t = qtensor(&name)?;
+            expect(&t, &name, &[d])?;
+            t.dequantize(device).and_then(|w| padded_norm(w, width)).map_err(fmt)
+        };
+        let attn_norm = norm("attn_norm")?;
+        let ffn_norm = norm("ffn_norm")?;
+        layers.push(Layer { attn_norm, wq, wk, wv, wo, qkv_bias: None, wo_bias: None, qk_norm: None, ffn_norm, w_gate, w_up, w_down });
+    }
+    let output_norm = qtensor("output_norm.weight")?;
+    expect(&output_norm, "output_norm.weight", &[d])?;
+    let output_norm = output_norm.dequantize(device).and_then(|w| padded_norm(w, width)).map_err(fmt)?;
+    // Tied embeddings: without `output.weight`, the embedding matrix is the output projection.
+    let lm_head = match content.tensor_infos.contains_key("output.weight") {
+        true => {
+            let t = qtensor("output.weight")?;
+            expect(&t, "output.weight", &[config.vocab_size, d])?;
+            t
+        }
+        false => embedding_q,
+    };
+    let lm_head = QMatMul::from_qtensor(lay_out(lm_head, config.vocab_size, width, layout.for_output(), device).map_err(fmt)?).map_err(fmt)?;
+
+    let weights = Weights { embedding, layers, output_norm, lm_head, attn_width };
+    Ok((Model::assemble(config, device, weights), info))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::GgmlDType;
+
+    #[test]
+    fn quantizing_in_row_chunks_gives_the_whole_matrix_bytes() {
+        let device = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (2500, 768), &device).unwrap();
+        for dtype in [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0] {
+            let whole = QTensor::quantize(&w, dtype).unwrap();
+            let chunked = quantize_rows(&w, dtype, &device).unwrap();
+            assert_eq!(chunked.shape().dims(), &[2500, 768]);
+            assert!(whole.data().unwrap() == chunked.data().unwrap(), "{dtype:?}");
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! The host attention backend, the CPU's: each sequence's keys and values in blocks of [`BLOCK`] positions in host
+//! memory (f32), RoPE from host tables, and attention in plain Rust, parallel over (segment, kv head, tile of new
+//! tokens), computing each block in place: sequences of different lengths never need padding or masks, and a row's
+//! result depends only on its own sequence.
+
+use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
+
+use super::{Attention, Backend, KvCache, Model, ModelConfig, Segment, BLOCK};
+
+/// The host backend: the model's shapes, its RoPE tables and the laid-out width of the attention output.
+pub struct HostAttention {
+    config: ModelConfig,
+    /// The attention output's width in memory (zero-padded past `heads x head_dim` in a padded layout).
+    out_width: usize,
+    /// cos and sin of position x frequency, `[context_length][head_dim / 2]` each.
+    rope_cos: Vec<f32>,
+    rope_sin: Vec<f32>,
+    block_bytes: usize,
+    device: Device,
+}
+
+/// A sequence's cache on the host backend, in blocks of [`BLOCK`] positions, each block its own allocation. Per
+/// layer and block, keys are `[kv_head][head_dim][BLOCK]` (transposed, so one query's scores against a block are
+/// `head_dim` multiply-adds of `BLOCK`-wide vectors, with no horizontal sums) and values are
+/// `[kv_head][BLOCK][head_dim]`; a block's unused positions are zero. A sequence grows a block at a time without
+/// copying what it holds, and holds exactly the blocks the scheduler booked for it.
+#[derive(Clone, Debug)]
+pub struct HostCache {
+    keys: Vec<Vec<Box<[f32]>>>,
+    values: Vec<Vec<Box<[f32]>>>,
+    kv_heads: usize,
+    head_dim: usize,
+    len: usize,
+}
+
+impl KvCache for HostCache {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn blocks(&self) -> usize {
+        self.keys.first().map_or(0, Vec::len)
+    }
+}
+
+impl HostCache {
+    fn block_floats(&self) -> usize {
+        self.kv_heads * self.head_dim * BLOCK
+    }
+
+    /// Stores the keys and values of positions `start..` of one layer, `[token][kv_head][head_dim]` each.
+    fn write(&mut self, layer: usize, start: usize, k: &[f32], v: &[f32]) {
+        let (hd, row, bf) = (self.head_dim, self.kv_heads * self.head_dim, self.block_floats());
+        let tokens = k.len() / row;
+        let needed = (start + tokens).div_ceil(BLOCK);
+        let (keys, values) = (&mut self.keys[layer], &mut self.values[layer]);
+        while keys.len() < needed {
+            keys.push(vec![0f32; bf].into_boxed_slice());
+            values.push(vec![0f32; bf].into_boxed_slice());
+        }
+        for t in 0..tokens {
+            let (b, c) = ((start + t) / BLOCK, (start + t) % BLOCK);
+            let (kb, vb) = (&mut keys[b], &mut values[b]);
+            for h in 0..self.kv_heads {
+                let src = t * row + h * hd;
+                for d in 0..hd {
+                    kb[(h * hd + d) * BLOCK + c] = k[src + d];
+                }
+                vb[(h * BLOCK + c) * hd..][..hd].copy_from_slice(&v[src..src + hd]);
+            }
+        }
+    }
+}
+
+/// A step on the host backend: every new token's position, in step order.
+pub struct HostStep {
+    positions: Vec<usize>,
+}
+
+impl HostAttention {
+    /// The host backend for a model on the CPU in f32 (the only dtype its kernels compute in).
+    pub fn new(model: &Model) -> candle_core::Result<HostAttention> {
+        if !model.device().is_cpu() || model.dtype() != DType::F32 {
+            candle_core::bail!("the host attention backend runs f32 models on the CPU; this one is {:?} on {:?}", model.dtype(), model.device().location());
+        }
+        let (rope_cos, rope_sin) = super::rope_tables(&model.config);
+        let block_bytes = Backend::Host.block_bytes(model);
+        Ok(HostAttention { config: model.config.clone(), out_width: model.attn_width, rope_cos, rope_sin, block_bytes, device: Device::Cpu })
+    }
+
+    /// Rotary embedding of one token's heads, pairs of adjacent values (GGUF llama weights are permuted for it, and
+    /// Hugging Face ones at load, see [`super::hf`]).
+    fn rope(&self, heads: &mut [f32], pos: usize) {
+        let half = self.config.head_dim / 2;
+        let cos = &self.rope_cos[pos * half..(pos + 1) * half];
+        let sin = &self.rope_sin[pos * half..(pos + 1) * half];
+        for head in heads.chunks_exact_mut(self.config.head_dim) {
+            for i in 0..half {
+                let (a, b) = (head[2 * i], head[2 * i + 1]);
+                head[2 * i] = a * cos[i] - b * sin[i];
+                head[2 * i + 1] = a * sin[i] + b * cos[i];
+            }
+        }
+    }
+
+    /// Causal attention of every segment's new queries over its cache (which already holds their own keys and
+    /// values, past its `len`). One task per (segment, kv head, tile of up to [`TILE`] new tokens): the task
+    /// streams the kv head's blocks once for every query head that shares it (grouped-query attention without
+    /// copies) and every token of the tile, with an online softmax. Sequences of different lengths never need
+    /// padding or masks between them, and a row's result depends only on its own sequence.
+    fn attention(&self, layer: usize, q: &[f32], segments: &[Segment<'_, HostCache>]) -> Vec<f32> {
+        let cfg = &self.config;
+        let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
+        let mut starts = Vec::with_capacity(segments.len());
+        let mut offset = 0;
+        for s in segments {
+            starts.push(offset);
+            offset += s.tokens.len();
+        }
+        let tasks: Vec<(usize, usize, usize)> = (0..segments.len())
+            .flat_map(|si| {
+                let tiles = segments[si].tokens.len().div_ceil(TILE);
+                (0..cfg.kv_heads).flat_map(move |kv| (0..tiles).map(move |tile| (si, kv, tile * TILE)))
+            })
+            .collect();
+        let results: Vec<Vec<f32>> =
+            tasks.par_iter().map(|&(si, kv, t0)| self.attend_tile(layer, q, starts[si], &segments[si], kv, t0)).collect();
+        // Rows as wide as the laid-out attention output, the padding zero.
+        let row = self.out_width;
+        let mut attn = vec![0f32; offset * row];
+        for (&(si, kv, t0), out) in tasks.iter().zip(results) {
+            // `out` is [token][group][head_dim]; query head `kv * group + g` uses kv head `kv`.
+            for (i, chunk) in out.chunks_exact(group * hd).enumerate() {
+                attn[(starts[si] + t0 + i) * row + kv * group * hd..][..group * hd].copy_from_slice(chunk);
+            }
+        }
+        attn
+    }
+
+    /// Attention of new tokens `t0..t0 + TILE` of one segment (those that exist), every query head of kv head
+    /// `kv`: `[token][group][head_dim]`.
+    fn attend_tile(&self, layer: usize, q: &[f32], start: usize, s: &Segment<'_, HostCache>, kv: usize, t0: usize) -> Vec<f32> {
+        let cfg = &self.config;
+        let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
+        let q_row = cfg.heads * hd;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let new = s.tokens.len();
+        let total = s.cache.len + new;
+        let t1 = (t0 + TILE).min(new);
+        let rows = (t1 - t0) * group;
+        let (keys, values) = (&s.cache.keys[layer], &s.cache.values[layer]);
+        // Row r is token t0 + r / group, query head kv * group + r % group; it sees positions below `visible`.
+        let visible = |r: usize| total - new + t0 + r / group + 1;
+        let query = |r: usize| &q[(start + t0 + r / group) * q_row + (kv * group + r % group) * hd..][..hd];
+        let mut max = vec![f32::NEG_INFINITY; rows];
+        let mut sum = vec![0f32; rows];
+        let mut out = vec![0f32; rows * hd];
+        for b in 0..visible(rows - 1).div_ceil(BLOCK) {
+            let kt = &keys[b][kv * hd * BLOCK..][..hd * BLOCK];
+            let vb = &values[b][kv * BLOCK * hd..][..BLOCK * hd];
+            for r in 0..rows {
+                let valid = visible(r).saturating_sub(b * BLOCK).min(BLOCK);
+                if valid == 0 {
+                    continue;
+                }
+                let qv = query(r);
+                let mut scores = [0f32; BLOCK];
+                for (d, &qd) in qv.iter().enumerate() {
+                    let k = &kt[d * BLOCK..(d + 1) * BLOCK];
+                    for c in 0..BLOCK {
+                        scores[c] += qd * k[c];
+                    }
+                }
+                let block_max = scores[..valid].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+                let new_max = max[r].max(block_max);
+                let correction = (max[r] - new_max).exp();
+                let o = &mut out[r * hd..(r + 1) * hd];
+                if correction != 1.0 {
+                    for x in o.iter_mut() {
+                        *x *= correction;
+                    }
+                }
+                sum[r] *= correction;
+                for c in 0..valid {
+                    let p = (scores[c] * scale - new_max).exp();
+                    sum[r] += p;
+                    for (x, v) in o.iter_mut().zip(&vb[c * hd..(c + 1) * hd]) {
+                        *x += p * v;
+                    }
+                }
+                max[r] = new_max;
+            }
+        }
+        for (o, s) in out.chunks_exact_mut(hd).zip(&sum) {
+            let inv = 1.0 / s;
+            for x in o {
+                *x *= inv;
+            }
+        }
+        out
+    }
+}
+
+impl Attention for HostAttention {
+    type Cache = HostCache;
+    type Step = HostStep;
+
+    fn new_cache(&self, capacity_tokens: usize) -> HostCache {
+        let alloc = || (0..self.config.layers).map(|_| Vec::with_capacity(capacity_tokens.div_ceil(BLOCK))).collect();
+        HostCache { keys: alloc(), values: alloc(), kv_heads: self.config.kv_heads, head_dim: self.config.head_dim, len: 0 }
+    }
+
+    fn fork(&self, cache: &HostCache) -> candle_core::Result<HostCache> {
+        Ok(cache.clone())
+    }
+
+    fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
+    /// Blocks are allocated as they are first written, so a step needs no room made in advance.
+    fn begin(&self, _segments: &mut [Segment<'_, HostCache>], positions: &[usize]) -> candle_core::Result<HostStep> {
+        Ok(HostStep { positions: positions.to_vec() })
+    }
+
+    fn attend(&self, step: &HostStep, layer: usize, qkv: [Tensor; 3], segments: &mut [Segment<'_, HostCache>]) -> candle_core::Result<Tensor> {
+        let cfg = &self.config;
+        let (hd, kv_row) = (cfg.head_dim, cfg.kv_heads * cfg.head_dim);
+        let [q, k, v] = qkv;
+        let mut q = q.flatten_all()?.to_vec1::<f32>()?;
+        let mut k = k.flatten_all()?.to_vec1::<f32>()?;
+        let v = v.flatten_all()?.to_vec1::<f32>()?;
+        for (t, &pos) in step.positions.iter().enumerate() {
+            self.rope(&mut q[t * cfg.heads * hd..(t + 1) * cfg.heads * hd], pos);
+            self.rope(&mut k[t * kv_row..(t + 1) * kv_row], pos);
+        }
+        let mut offset = 0;
+        for s in segments.iter_mut() {
+            let (len, start) = (s.tokens.len(), s.cache.len);
+            s.cache.write(layer, start, &k[offset * kv_row..(offset + len) * kv_row], &v[offset * kv_row..(offset + len) * kv_row]);
+            offset += len;
+        }
+        let attn = self.attention(layer, &q, segments);
+        Tensor::from_vec(attn, (step.positions.len(), self.out_width), &self.device)
+    }
+
+    fn advance(&self, segments: &mut [Segment<'_, HostCache>]) {
+        for s in segments.iter_mut() {
+            s.cache.len += s.tokens.len();
+        }
+    }
+
+    fn device_argmax(&self) -> bool {
+        false
+    }
+}
+
+/// New tokens per attention task: each kv block read serves this many tokens times the query group.
+const TILE: usize = 8;

@@ -1,0 +1,566 @@
+//! The llama-family decoder: one layer loop over an attention backend, with per-token positions and the KV cache
+//! held outside the model. Weights come from a GGUF file ([`gguf`]) or a Hugging Face directory ([`hf`]);
+//! [`inspect`] and [`Model::load`] tell them apart by whether the path is a directory.
+//!
+//! One forward pass takes a list of [`Segment`]s: each is a run of new tokens of one sequence, starting at that
+//! sequence's current length. A prefill is a segment of a whole prompt; a decode step is a segment of one token;
+//! several of both are packed into one pass, so every weight matrix is read once per step for all of them.
+//!
+//! [`Model::forward_step`] is the only layer loop: norms, projections and the feed-forward network are the
+//! model's, and each layer's attention is its [`Attention`] backend's, which rotates queries and keys (RoPE at
+//! each token's own position), writes the step's keys and values into its own cache type and attends. Two
+//! backends:
+//! - [`HostAttention`] ([`host`]): the CPU's. Blocked f32 caches in host memory, attention in plain Rust, parallel
+//!   over (segment, kv head, tile of new tokens), computing each block in place.
+//! - [`PagedAttention`] ([`paged`]): every accelerator's (and the CPU's when asked, `NIGHTSHIFT_PAGED=1`, which is
+//!   how the CPU tests run the loop GPUs run). A device pool of blocks in the activations' dtype, attention in
+//!   candle tensor ops, greedy tokens chosen on the device.
+//!
+//! [`Backend::for_model`] picks one for a loaded model.
+
+pub mod gguf;
+pub mod hf;
+pub mod host;
+pub mod paged;
+
+use std::path::Path;
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor, D};
+
+use crate::engine::ModelError;
+use crate::tokenize::VocabMetadata;
+pub use gguf::Layout;
+pub use host::{HostAttention, HostCache};
+pub use paged::{PagedAttention, PagedCache};
+
+/// The longest context a model may declare; far beyond today's models, small enough to bound allocations.
+const MAX_CONTEXT: usize = 1 << 22;
+
+/// Hyper-parameters of a llama-family decoder, from the model's metadata.
+#[derive(Clone, Debug)]
+pub struct ModelConfig {
+    pub architecture: String,
+    pub name: Option<String>,
+    pub context_length: usize,
+    pub hidden_size: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn_size: usize,
+    pub rms_eps: f32,
+    pub rope_base: f32,
+    /// Llama 3's rescaling of the RoPE frequencies, when the checkpoint declares it.
+    pub rope_scaling: Option<RopeScaling>,
+    pub vocab_size: usize,
+}
+
+/// Llama 3's RoPE frequency scaling (`rope_scaling.rope_type = "llama3"`): wavelengths longer than
+/// `original_context / low_freq_factor` are stretched by `factor`, shorter than `original_context /
+/// high_freq_factor` kept, and those between interpolated.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_context: usize,
+}
+
+/// What `validate` and `plan` need without loading weights.
+#[derive(Clone, Debug)]
+pub struct ModelInfo {
+    pub config: ModelConfig,
+    pub vocab: VocabMetadata,
+    /// Tensor dtypes and how many tensors have each, e.g. `q4_1: 211`.
+    pub tensor_types: Vec<(String, usize)>,
+}
+
+struct Layer {
+    attn_norm: Tensor,
+    wq: QMatMul,
+    wk: QMatMul,
+    wv: QMatMul,
+    wo: QMatMul,
+    /// Biases of the q, k and v projections (Qwen2; llama checkpoints with `attention_bias`), `[rows]` each.
+    qkv_bias: Option<[Tensor; 3]>,
+    /// Bias of the output projection (llama and Qwen3 checkpoints with `attention_bias`).
+    wo_bias: Option<Tensor>,
+    /// Per-head RMSNorm weights of queries and keys, `[head_dim]` each, applied before RoPE (Qwen3).
+    qk_norm: Option<[Tensor; 2]>,
+    ffn_norm: Tensor,
+    w_gate: QMatMul,
+    w_up: QMatMul,
+    w_down: QMatMul,
+}
+
+impl Layer {
+    /// Queries, keys and values of the normed hidden states `h`, `[tokens][heads x head_dim]` each, before RoPE.
+    fn qkv(&self, h: &Tensor, head_dim: usize, eps: f32) -> candle_core::Result<[Tensor; 3]> {
+        let [q, k, v] = matmuls(h, [&self.wq, &self.wk, &self.wv])?;
+        let [q, k, v] = match &self.qkv_bias {
+            Some([bq, bk, bv]) => [q.broadcast_add(bq)?, k.broadcast_add(bk)?, v.broadcast_add(bv)?],
+            None => [q, k, v],
+        };
+        let Some([q_norm, k_norm]) = &self.qk_norm else { return Ok([q, k, v]) };
+        let per_head = |x: Tensor, w: &Tensor| -> candle_core::Result<Tensor> {
+            let (n, width) = x.dims2()?;
+            candle_nn::ops::rms_norm(&x.reshape((n * width / head_dim, head_dim))?, w, eps)?.reshape((n, width))
+        };
+        Ok([per_head(q, q_norm)?, per_head(k, k_norm)?, v])
+    }
+
+    fn output(&self, attn: &Tensor) -> candle_core::Result<Tensor> {
+        let out = product(&self.wo, attn)?;
+        match &self.wo_bias {
+            Some(b) => out.broadcast_add(b),
+            None => Ok(out),
+        }
+    }
+}
+
+pub struct Model {
+    pub config: ModelConfig,
+    device: Device,
+    /// Widths as laid out in memory: the hidden state and the attention output, each zero-padded to a multiple of
+    /// 256 on CPU (see [`Layout`]); equal to the model's widths otherwise.
+    width: usize,
+    attn_width: usize,
+    embedding: Tensor,
+    layers: Vec<Layer>,
+    output_norm: Tensor,
+    lm_head: QMatMul,
+}
+
+
+/// The weights of a [`Model`], as a loader hands them over.
+struct Weights {
+    embedding: Tensor,
+    layers: Vec<Layer>,
+    output_norm: Tensor,
+    lm_head: QMatMul,
+    /// The attention output's width in memory (the input width of each layer's `wo`).
+    attn_width: usize,
+}
+
+/// The rotary frequency of each pair of a head's values, `base^(-2i / head_dim)`, with Llama 3's rescaling when
+/// the model declares it (as Hugging Face's `_compute_llama3_parameters`).
+fn rope_frequencies(config: &ModelConfig) -> Vec<f64> {
+    let hd = config.head_dim;
+    (0..hd / 2)
+        .map(|i| {
+            let freq = 1.0 / (config.rope_base as f64).powf(2.0 * i as f64 / hd as f64);
+            let Some(s) = config.rope_scaling else { return freq };
+            let wavelength = 2.0 * std::f64::consts::PI / freq;
+            let original = s.original_context as f64;
+            if wavelength < original / s.high_freq_factor {
+                freq
+            } else if wavelength > original / s.low_freq_factor {
+                freq / s.factor
+            } else {
+                let smooth = (original / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                (1.0 - smooth) * freq / s.factor + smooth * freq
+            }
+        })
+        .collect()
+}
+
+
+/// cos and sin of position x frequency, `[context_length][head_dim / 2]` each, in f32: the RoPE tables both
+/// backends use.
+fn rope_tables(config: &ModelConfig) -> (Vec<f32>, Vec<f32>) {
+    let frequencies = rope_frequencies(config);
+    let mut cos = Vec::with_capacity(config.context_length * frequencies.len());
+    let mut sin = Vec::with_capacity(config.context_length * frequencies.len());
+    for pos in 0..config.context_length {
+        for freq in &frequencies {
+            let angle = pos as f64 * freq;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
+/// Positions per block of the KV cache: the width of the host backend's score vectors, and the unit the
+/// scheduler books.
+pub const KV_BLOCK_TOKENS: usize = 16;
+const BLOCK: usize = KV_BLOCK_TOKENS;
+
+/// New tokens of one sequence for one forward pass, and that sequence's cache (of the backend's kind).
+pub struct Segment<'a, C> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut C,
+}
+
+/// The keys and values of one sequence, all layers, held by a backend ([`Attention::Cache`]).
+pub trait KvCache {
+    /// Positions held (the sequence's length so far).
+    fn len(&self) -> usize;
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Blocks of [`KV_BLOCK_TOKENS`] positions held (per layer; the same in every layer).
+    fn blocks(&self) -> usize;
+}
+
+/// An attention backend: it owns a cache type, and for each layer of a step it rotates the new queries and keys,
+/// writes the keys and values into the caches and attends. [`Model::forward_step`] drives it:
+/// [`Attention::begin`] once per step, [`Attention::attend`] once per layer, [`Attention::advance`] after the
+/// last.
+pub trait Attention {
+    type Cache: KvCache;
+    /// What a step prepares once and every layer reads (positions, block tables, masks).
+    type Step;
+
+    /// An empty cache, with room in its block table for `capacity_tokens` (blocks are taken as it fills).
+    fn new_cache(&self, capacity_tokens: usize) -> Self::Cache;
+
+    /// A copy of a sequence's cache, for a fork (`n` choices). Can fail (a full pool, a device error).
+    fn fork(&self, cache: &Self::Cache) -> candle_core::Result<Self::Cache>;
+
+    /// KV cache bytes of one block of [`KV_BLOCK_TOKENS`] positions, all layers.
+    fn block_bytes(&self) -> usize;
+
+    /// Makes room for the step's new positions (`positions`: every new token's, in step order) and builds the
+    /// tables every layer uses. Fails, leaving every cache as it was, when the room is not there.
+    fn begin(&self, segments: &mut [Segment<'_, Self::Cache>], positions: &[usize]) -> candle_core::Result<Self::Step>;
+
+    /// One layer's attention: `q` `[tokens, heads x head_dim]`, `k` and `v` `[tokens, kv_heads x head_dim]`, before
+    /// RoPE. Writes the keys and values at each segment's positions and returns the attention output
+    /// `[tokens, width]`, `width` being the model's laid-out attention width (zero-padded past `heads x head_dim`).
+    fn attend(&self, step: &Self::Step, layer: usize, qkv: [Tensor; 3], segments: &mut [Segment<'_, Self::Cache>]) -> candle_core::Result<Tensor>;
+
+    /// After the last layer: every cache holds its segment's new tokens.
+    fn advance(&self, segments: &mut [Segment<'_, Self::Cache>]);
+
+    /// Whether a greedy row's token is chosen where the logits are ([`StepLogits::Argmax`]), sparing the read-back of
+    /// its logits: on an accelerator, yes; on the CPU the logits are in memory already.
+    fn device_argmax(&self) -> bool;
+}
+
+/// Which attention backend a model runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// [`HostAttention`]: the CPU, in f32.
+    Host,
+    /// [`PagedAttention`]: every accelerator, any dtype; the CPU when `NIGHTSHIFT_PAGED=1` asks for it.
+    Paged,
+}
+
+impl Backend {
+    /// The backend for a loaded model: the host backend for an f32 model on the CPU, the paged one otherwise.
+    /// `NIGHTSHIFT_PAGED=1` runs the paged backend on the CPU too: for checking it end to end against the host one.
+    pub fn for_model(model: &Model) -> Backend {
+        let asked = std::env::var_os("NIGHTSHIFT_PAGED").is_some_and(|v| v == "1");
+        if !model.device.is_cpu() || model.dtype() != DType::F32 || asked {
+            Backend::Paged
+        } else {
+            Backend::Host
+        }
+    }
+
+    /// KV cache bytes of one block on this backend: f32 on the host, the activations' dtype on the paged pool
+    /// (2 bytes for bf16).
+    pub fn block_bytes(self, model: &Model) -> usize {
+        let element = match self {
+            Backend::Host => std::mem::size_of::<f32>(),
+            Backend::Paged => model.dtype().size_in_bytes(),
+        };
+        let c = &model.config;
+        c.layers * 2 * c.kv_heads * c.head_dim * element * BLOCK
+    }
+
+    pub fn is_paged(self) -> bool {
+        self == Backend::Paged
+    }
+}
+
+/// What one output row of a step comes back as.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StepLogits {
+    /// The logits, f32.
+    Full(Vec<f32>),
+    /// The greedy token (argmax where the logits are).
+    Argmax(u32),
+}
+
+/// Reads a model's metadata (architecture, shapes, tokenizer) without loading its weights: a GGUF file, or a
+/// Hugging Face directory (whose tensors' names and shapes are checked too).
+pub fn inspect(path: &Path) -> Result<ModelInfo, ModelError> {
+    if path.is_dir() {
+        return hf::inspect(path);
+    }
+    gguf::inspect(path)
+}
+
+impl Model {
+    /// Loads a llama-family model onto `device`: a GGUF file laid out for its kernels, or a Hugging Face
+    /// directory ([`hf`]).
+    pub fn load(path: &Path, device: &Device) -> Result<(Model, ModelInfo), ModelError> {
+        Model::load_with(path, device, None)
+    }
+
+    /// Loads a Hugging Face directory with its weights and activations in `dtype` (anything but f32 runs on the
+    /// paged backend, the only one that computes in other dtypes).
+    pub fn load_hf_as(dir: &Path, device: &Device, dtype: DType) -> Result<(Model, ModelInfo), ModelError> {
+        hf::load(dir, device, Some(dtype))
+    }
+
+    /// Loads a GGUF llama-family model with the given weight layout (`None`: [`Layout::choose`]'s). A Hugging Face
+    /// directory has one layout, dense weights, and ignores `layout`.
+    pub fn load_with(path: &Path, device: &Device, layout: Option<Layout>) -> Result<(Model, ModelInfo), ModelError> {
+        if path.is_dir() {
+            return hf::load(path, device, None);
+        }
+        gguf::load(path, device, layout)
+    }
+
+    /// A model from its weights. `weights.embedding`'s width is the hidden state's width in memory.
+    fn assemble(config: ModelConfig, device: &Device, weights: Weights) -> Model {
+        let Weights { embedding, layers, output_norm, lm_head, attn_width } = weights;
+        Model {
+            width: embedding.dims().last().copied().unwrap_or(config.hidden_size),
+            config,
+            device: device.clone(),
+            attn_width,
+            embedding,
+            layers,
+            output_norm,
+            lm_head,
+        }
+    }
+
+    /// The activations' dtype (and the paged KV cache's).
+    pub fn dtype(&self) -> DType {
+        self.embedding.dtype()
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Makes the model's CUDA context current on the calling thread: the engine thread calls it before its first
+    /// step, the weights having been uploaded from the thread that loaded them. (cudarc binds the context on most
+    /// calls too; this makes the engine thread's ownership explicit.) A no-op on the CPU.
+    pub fn bind_to_thread(&self) -> candle_core::Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cuda) = &self.device {
+            cuda.cuda_stream().context().bind_to_thread().map_err(|e| candle_core::Error::Msg(format!("cannot bind the CUDA context: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of weights held on the device (quantized sizes as stored; a tied output projection once).
+    pub fn weight_bytes(&self) -> usize {
+        let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let q = |m: &QMatMul| match m {
+            QMatMul::QTensor(t) => t.storage_size_in_bytes(),
+            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => dense(t),
+        };
+        let lm_head = match &self.lm_head {
+            QMatMul::Tensor(t) if t.id() == self.embedding.id() => 0,
+            other => q(other),
+        };
+        let extras = |l: &Layer| {
+            l.qkv_bias.iter().flatten().chain(&l.wo_bias).chain(l.qk_norm.iter().flatten()).map(dense).sum::<usize>()
+        };
+        dense(&self.embedding)
+            + dense(&self.output_norm)
+            + lm_head
+            + self
+                .layers
+                .iter()
+                .map(|l| {
+                    dense(&l.attn_norm)
+                        + dense(&l.ffn_norm)
+                        + extras(l)
+                        + [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].into_iter().map(q).sum::<usize>()
+                })
+                .sum::<usize>()
+    }
+
+    /// Runs the new tokens of every segment through the model, appending their keys and values to each segment's
+    /// cache, and returns the logits after the last token of each segment, `[segments][vocab]`.
+    pub fn forward<A: Attention>(&self, attention: &A, segments: &mut [Segment<'_, A::Cache>]) -> candle_core::Result<Vec<Vec<f32>>> {
+        let outputs = vec![1; segments.len()];
+        Ok(self.forward_outputs(attention, segments, &outputs)?.into_iter().map(|mut rows| rows.remove(0)).collect())
+    }
+
+    /// As [`Model::forward`], with the logits of the last `outputs[i]` positions of segment `i` (in position
+    /// order): prompt scoring needs the next-token distribution after every token of a completion.
+    pub fn forward_outputs<A: Attention>(
+        &self,
+        attention: &A,
+        segments: &mut [Segment<'_, A::Cache>],
+        outputs: &[usize],
+    ) -> candle_core::Result<Vec<Vec<Vec<f32>>>> {
+        let rows = self.forward_step(attention, segments, outputs, &[])?;
+        Ok(rows
+            .into_iter()
+            .map(|rows| {
+                rows.into_iter()
+                    .map(|r| match r {
+                        StepLogits::Full(l) => l,
+                        StepLogits::Argmax(_) => unreachable!("no greedy rows were asked for"),
+                    })
+                    .collect()
+            })
+            .collect())
+    }
+
+    /// The layer loop, for the engine: the logits of the last `outputs[i]` positions of segment `i`, where
+    /// `greedy[i]` (where given) says segment `i` (with one output) needs only its argmax. A backend that chooses
+    /// greedy tokens on the device ([`Attention::device_argmax`]) returns [`StepLogits::Argmax`] for those rows
+    /// and reads back one token each; otherwise every row comes back as logits, its argmax being a pass over them.
+    pub fn forward_step<A: Attention>(
+        &self,
+        attention: &A,
+        segments: &mut [Segment<'_, A::Cache>],
+        outputs: &[usize],
+        greedy: &[bool],
+    ) -> candle_core::Result<Vec<Vec<StepLogits>>> {
+        let cfg = &self.config;
+        let (positions, tokens) = self.check_segments(segments, outputs)?;
+        let step = attention.begin(segments, &positions)?;
+        let n = tokens.len();
+        let ids = Tensor::from_vec(tokens, n, &self.device)?;
+        let mut x = self.embedding.index_select(&ids, 0)?;
+        // RMSNorm over the laid-out width, with epsilon scaled as the weights were (see `gguf::padded_norm`).
+        let eps = cfg.rms_eps * (cfg.hidden_size as f32 / self.width as f32);
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let qkv = layer.qkv(&h, cfg.head_dim, cfg.rms_eps)?;
+            let attn = attention.attend(&step, li, qkv, segments)?;
+            x = (x + layer.output(&attn)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+            let [gate, up] = matmuls(&h, [&layer.w_gate, &layer.w_up])?;
+            let ff = product(&layer.w_down, &(candle_nn::ops::silu(&gate)? * up)?)?;
+            x = (x + ff)?;
+        }
+        attention.advance(segments);
+        let logits = self.head(&x, segments, outputs)?;
+        read_back(&logits, outputs, if attention.device_argmax() { greedy } else { &[] })
+    }
+
+    /// Checks a step's segments (outputs, context, vocabulary); returns every new token's position and id, in
+    /// order.
+    fn check_segments<C: KvCache>(&self, segments: &[Segment<'_, C>], outputs: &[usize]) -> candle_core::Result<(Vec<usize>, Vec<u32>)> {
+        let cfg = &self.config;
+        if outputs.len() != segments.len() || segments.iter().zip(outputs).any(|(s, &o)| o == 0 || o > s.tokens.len()) {
+            candle_core::bail!("each segment needs between 1 and its token count of outputs");
+        }
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        for s in segments.iter() {
+            let start = s.cache.len();
+            if s.tokens.is_empty() || start + s.tokens.len() > cfg.context_length {
+                candle_core::bail!("segment of {} tokens at position {start} does not fit the context", s.tokens.len());
+            }
+            tokens.extend_from_slice(s.tokens);
+            positions.extend(start..start + s.tokens.len());
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            candle_core::bail!("token id {bad} is outside the vocabulary");
+        }
+        Ok((positions, tokens))
+    }
+
+    /// Logits of the last `outputs[i]` positions of each segment, `[rows, vocab]` in the activations' dtype,
+    /// from the final hidden states `x` of all the step's tokens.
+    fn head<C>(&self, x: &Tensor, segments: &[Segment<'_, C>], outputs: &[usize]) -> candle_core::Result<Tensor> {
+        let cfg = &self.config;
+        let eps = cfg.rms_eps * (cfg.hidden_size as f32 / self.width as f32);
+        let mut last = Vec::with_capacity(outputs.iter().sum());
+        let mut end = 0u32;
+        for (s, &o) in segments.iter().zip(outputs) {
+            end += s.tokens.len() as u32;
+            last.extend(end - o as u32..end);
+        }
+        let count = last.len();
+        let last = Tensor::from_vec(last, count, &self.device)?;
+        let x = x.index_select(&last, 0)?;
+        let x = candle_nn::ops::rms_norm(&x, &self.output_norm, eps)?;
+        // candle's Q6_K takes its fast kernel only for two rows or more, and the two kernels round differently:
+        // a lone row gets a zero row beside it, so a sequence's logits never depend on how many share its step.
+        let rows = x.dim(0)?;
+        if rows == 1 && self.device.is_cpu() {
+            return product(&self.lm_head, &Tensor::cat(&[&x, &x.zeros_like()?], 0)?)?.narrow(0, 0, 1);
+        }
+        product(&self.lm_head, &x)
+    }
+}
+
+/// The step's output rows read back: for the rows `greedy` marks (one output each), the argmax computed where the
+/// logits are and one `u32` read back; for the others, their logits as f32.
+fn read_back(logits: &Tensor, outputs: &[usize], greedy: &[bool]) -> candle_core::Result<Vec<Vec<StepLogits>>> {
+    let mut first = Vec::with_capacity(outputs.len());
+    let mut at = 0;
+    for &o in outputs {
+        first.push(at);
+        at += o;
+    }
+    debug_assert_eq!(logits.dim(0)?, at);
+    let greedy_rows: Vec<u32> = (0..outputs.len()).filter(|&i| greedy.get(i) == Some(&true) && outputs[i] == 1).map(|i| first[i] as u32).collect();
+    let full_rows: Vec<u32> = (0..at as u32).filter(|r| greedy_rows.binary_search(r).is_err()).collect();
+    let tokens = match greedy_rows.is_empty() {
+        true => Vec::new(),
+        false => select_rows(logits, &greedy_rows)?.argmax(D::Minus1)?.to_vec1::<u32>()?,
+    };
+    let mut full = match full_rows.is_empty() {
+        true => Vec::new(),
+        false => select_rows(logits, &full_rows)?.to_dtype(DType::F32)?.to_vec2::<f32>()?,
+    }
+    .into_iter();
+    let mut tokens = tokens.into_iter();
+    Ok((0..outputs.len())
+        .map(|i| match greedy_rows.binary_search(&(first[i] as u32)) {
+            Ok(_) => vec![StepLogits::Argmax(tokens.next().expect("one token per greedy row"))],
+            Err(_) => full.by_ref().take(outputs[i]).map(StepLogits::Full).collect(),
+        })
+        .collect())
+}
+
+/// Rows of a 2-D tensor: a narrow when they are a run, a gather otherwise.
+fn select_rows(t: &Tensor, rows: &[u32]) -> candle_core::Result<Tensor> {
+    let first = rows.first().copied().unwrap_or(0) as usize;
+    if rows.iter().enumerate().all(|(i, &r)| r as usize == first + i) {
+        return t.narrow(0, first, rows.len());
+    }
+    t.index_select(&Tensor::from_vec(rows.to_vec(), rows.len(), t.device())?, 0)
+}
+
+
+/// The fewest rows a dense (f32) matrix product is computed with. candle's f32 matmul (the gemm crate) takes
+/// other kernels for a few rows (a matrix-vector product for one row; measured: up to four rows at narrow widths),
+/// which round differently, so a sequence's values would depend on how many rows share its step; fewer rows are
+/// padded with zero rows. A lone decode step computes eight rows instead of one, which costs little while reading
+/// the weights, the same for both, dominates.
+const DENSE_MIN_ROWS: usize = 8;
+
+/// `w.forward(x)`, with dense weights computing at least [`DENSE_MIN_ROWS`] rows.
+fn product(w: &QMatMul, x: &Tensor) -> candle_core::Result<Tensor> {
+    let rows = x.dim(0)?;
+    match w {
+        QMatMul::Tensor(_) if rows < DENSE_MIN_ROWS && x.device().is_cpu() => w.forward(&x.pad_with_zeros(0, 0, DENSE_MIN_ROWS - rows)?)?.narrow(0, 0, rows),
+        _ => w.forward(x),
+    }
+}
+
+/// Products of one input with several weight matrices (q, k and v; gate and up). On CPU with same-type
+/// quantized weights, candle quantizes the input once and runs them in one parallel region; otherwise one by one.
+fn matmuls<const N: usize>(x: &Tensor, weights: [&QMatMul; N]) -> candle_core::Result<[Tensor; N]> {
+    let tensors: Option<Vec<&QTensor>> = weights.iter().map(|w| if let QMatMul::QTensor(t) = w { Some(t.as_ref()) } else { None }).collect();
+    if let Some(tensors) = tensors {
+        if let Some(outs) = QTensor::gemv_fused_shared_lhs(&tensors, x)? {
+            if let Ok(outs) = <[Tensor; N]>::try_from(outs) {
+                return Ok(outs);
+            }
+        }
+    }
+    let outs: Vec<Tensor> = weights.iter().map(|w| product(w, x)).collect::<candle_core::Result<_>>()?;
+    Ok(outs.try_into().unwrap_or_else(|_| unreachable!("one output per weight")))
+}
+
