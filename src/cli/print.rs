@@ -1,94 +1,8 @@
-//! The command line: one subcommand per verb. Printing to stdout happens here and nowhere else.
-
-use std::path::PathBuf;
-
-use clap::{Args, Parser, Subcommand, ValueEnum};
+//! What the verbs print: a human summary on stdout, or JSON where the verb offers `--json`.
 
 use crate::app::{ModelSummary, RunReport, RunStatus, ValidateReport};
-use crate::sink::{Finalized, Manifest, OutputStatus};
-use crate::job::Overrides;
 use crate::outcome::Outcome;
-
-#[derive(Debug, Parser)]
-#[command(name = "nightshift", version, about = "Offline batch LLM jobs: Parquet prompts in, Parquet results out")]
-pub struct Cli {
-    /// Log format on stderr. Levels come from RUST_LOG (default: info).
-    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
-    pub log_format: LogFormat,
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum Command {
-    /// Run a job: read the input, generate, write results and metrics.
-    Run(RunArgs),
-    /// Check a job file, the input's columns and the model's metadata, without generating or writing.
-    Validate(JobArgs),
-    /// Plan a generate job without running it: tokenize every row, show the prompt-length histogram and
-    /// over-length rows, the schedule the engine would make (length buckets, prefill steps, KV cache fit,
-    /// preemptions) and a duration estimate from a short calibration run. Nothing touches the output.
-    Plan(PlanArgs),
-    /// Complete an output whose units are all committed: remove uncommitted attempts' files, write
-    /// `_manifest.json` and `_SUCCESS`. Safe to run repeatedly and concurrently; exits 75 while units are missing.
-    Finalize(FinalizeArgs),
-    /// Show an output's progress per shard: committed and missing units, rows done, throughput (from the metrics
-    /// files). Reads only.
-    Status(StatusArgs),
-    /// Measure throughput on a synthetic workload (in-process, no object-store I/O).
-    #[command(subcommand)]
-    Bench(BenchCommand),
-    /// Write a random-weight llama-family model of a published model's shape as a Hugging Face directory
-    /// (safetensors, config, byte-level tokenizer, ChatML template): real shapes where real weights cannot go.
-    SynthModel(SynthModelArgs),
-}
-
-#[derive(Debug, Args)]
-pub struct SynthModelArgs {
-    /// The directory to write (created if needed).
-    pub dir: PathBuf,
-    /// The shape: `llama-3.2-1b`, `smollm2-135m` or `tiny`.
-    #[arg(long, default_value = "llama-3.2-1b")]
-    pub shape: String,
-    /// Weight type: `bf16`, `f16` or `f32`.
-    #[arg(long, default_value = "bf16")]
-    pub dtype: String,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Also write the weights as a GGUF file of this quantization beside them (`model-<type>.gguf`): `q4_0`,
-    /// `q4_1`, `q8_0`, `q4k`, `q6k`, ... (candle's names), for the GGUF path's kernels.
-    #[arg(long)]
-    pub gguf: Option<String>,
-}
-
-impl SynthModelArgs {
-    /// The GGUF quantization asked for, if any.
-    pub fn gguf_type(&self) -> Result<Option<candle_core::quantized::GgmlDType>, crate::error::Error> {
-        use candle_core::quantized::GgmlDType::*;
-        let Some(name) = self.gguf.as_deref() else { return Ok(None) };
-        let all = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K, F16, F32];
-        all.into_iter()
-            .find(|t| format!("{t:?}").eq_ignore_ascii_case(name))
-            .map(Some)
-            .ok_or_else(|| crate::error::Error::Internal(format!("--gguf must be one of q4_0, q4_1, q5_0, q5_1, q8_0, q2k, q3k, q4k, q5k, q6k, f16, f32; got {name:?}")))
-    }
-
-    pub fn run(&self) -> Result<crate::synth::SynthReport, crate::error::Error> {
-        let dtype = match self.dtype.as_str() {
-            "bf16" => candle_core::DType::BF16,
-            "f16" => candle_core::DType::F16,
-            "f32" => candle_core::DType::F32,
-            other => return Err(crate::error::Error::Internal(format!("--dtype must be bf16, f16 or f32, got {other:?}"))),
-        };
-        crate::synth::synth_model(&self.dir, &crate::synth::Shape::named(&self.shape)?, dtype, self.seed)
-    }
-}
+use crate::sink::{Finalized, Manifest, OutputStatus};
 
 pub fn print_synth(r: &crate::synth::SynthReport, dir: &std::path::Path) {
     let s = &r.shape;
@@ -107,66 +21,6 @@ pub fn print_synth(r: &crate::synth::SynthReport, dir: &std::path::Path) {
         r.bytes as f64 / 1e6,
         r.seconds
     );
-}
-
-#[derive(Debug, Subcommand)]
-pub enum BenchCommand {
-    /// A decoder: requests/s, total and output tokens/s, TTFT and TPOT percentiles and peak memory on an offline
-    /// workload of synthetic prompts (every request ready at the start).
-    Generate(GenerateBenchArgs),
-    /// An embedding model: rows/s and tokens/s over rows of random lengths, batched as embedding jobs batch them.
-    Embed(EmbedBenchArgs),
-    /// The device's forward pass (the paged path GPUs run) against the CPU's in f32 on the same weights, and
-    /// batched against one sequence at a time: logit differences and argmax agreement, within stated
-    /// tolerances (exit 1 outside them).
-    Parity(ParityBenchArgs),
-}
-
-#[derive(Debug, Args)]
-pub struct ParityBenchArgs {
-    /// The decoder: a GGUF file or a Hugging Face directory.
-    #[arg(long)]
-    pub model: PathBuf,
-    /// The device to check: `auto`, `cpu` (the paged path on the CPU), `cuda` or `cuda:N`.
-    #[arg(long, default_value = "auto", value_parser = crate::job::DeviceChoice::parse)]
-    pub device: crate::job::DeviceChoice,
-    /// The device's dtype for a Hugging Face directory: `f32`, `bf16` or `f16` (default: bf16 on a GPU, f32 on
-    /// the CPU).
-    #[arg(long, value_parser = parse_dtype)]
-    pub dtype: Option<candle_core::DType>,
-    /// Prompt lengths in tokens, prefilled together.
-    #[arg(long, value_delimiter = ',', default_value = "7,23,64,150")]
-    pub prompt_lengths: Vec<usize>,
-    /// Greedy decode steps after the prefill.
-    #[arg(long, default_value_t = 16)]
-    pub steps: usize,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Print the report as one JSON object.
-    #[arg(long)]
-    pub json: bool,
-}
-
-fn parse_dtype(text: &str) -> Result<candle_core::DType, String> {
-    match text {
-        "f32" => Ok(candle_core::DType::F32),
-        "bf16" => Ok(candle_core::DType::BF16),
-        "f16" => Ok(candle_core::DType::F16),
-        other => Err(format!("must be f32, bf16 or f16, got {other:?}")),
-    }
-}
-
-impl ParityBenchArgs {
-    pub fn options(&self) -> crate::bench::ParityOptions {
-        crate::bench::ParityOptions {
-            model: self.model.clone(),
-            device: self.device.clone(),
-            dtype: self.dtype,
-            prompt_lengths: self.prompt_lengths.clone(),
-            steps: self.steps,
-            seed: self.seed,
-        }
-    }
 }
 
 /// Prints a parity report; an error when a comparison is outside its tolerance.
@@ -191,82 +45,6 @@ pub fn print_parity(r: &crate::bench::ParityReport, json: bool) -> Result<(), cr
     match r.pass {
         true => Ok(()),
         false => Err(crate::error::Error::Internal("parity: a comparison is outside its tolerance".into())),
-    }
-}
-
-#[derive(Debug, Args)]
-pub struct GenerateBenchArgs {
-    /// The decoder: a GGUF file or a Hugging Face directory.
-    #[arg(long)]
-    pub model: PathBuf,
-    /// `fixed`: end of sequence ignored, every row generates its drawn length; `natural`: rows stop at the end
-    /// of turn.
-    #[arg(long, value_enum, default_value_t = crate::bench::Workload::Fixed)]
-    pub workload: crate::bench::Workload,
-    #[arg(long, default_value_t = 64)]
-    pub rows: usize,
-    /// Shortest prompt, in tokens with the chat template.
-    #[arg(long, default_value_t = 100)]
-    pub min_prompt: usize,
-    #[arg(long, default_value_t = 1000)]
-    pub max_prompt: usize,
-    /// Fewest new tokens a row asks for.
-    #[arg(long, default_value_t = 32)]
-    pub min_new: usize,
-    #[arg(long, default_value_t = 256)]
-    pub max_new: usize,
-    /// Sequences decoded together.
-    #[arg(long, default_value_t = 32)]
-    pub max_seqs: usize,
-    /// Prompt tokens prefilled in one step.
-    #[arg(long, default_value_t = 2048)]
-    pub max_batch_tokens: usize,
-    /// KV cache budget: a size ("2GiB"), a share of the memory available after the model loads ("40%"), or
-    /// "auto" (50 %), as `runtime.kv_cache_memory`.
-    #[arg(long, default_value = "auto", value_parser = crate::job::MemoryBudget::parse)]
-    pub kv_cache_memory: crate::job::MemoryBudget,
-    /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// CPU threads (default: every core).
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// `auto` (cuda:0 when this build has CUDA and a GPU, else the CPU), `cpu`, `cuda` or `cuda:N`.
-    #[arg(long, default_value = "auto", value_parser = crate::job::DeviceChoice::parse)]
-    pub device: crate::job::DeviceChoice,
-    /// Rows (8 new tokens each) run before the timed run: a GPU loads its kernels on first use.
-    #[arg(long, default_value_t = 0)]
-    pub warmup_rows: usize,
-    /// Write the workload's requests (token ids, output lengths) to this file, one JSON object per line, for a
-    /// peer to run the same requests (`scripts/bench-llama-server.py`).
-    #[arg(long)]
-    pub save_workload: Option<PathBuf>,
-    /// Print the report as one JSON object.
-    #[arg(long)]
-    pub json: bool,
-}
-
-impl GenerateBenchArgs {
-    pub fn options(&self) -> crate::bench::GenerateBenchOptions {
-        crate::bench::GenerateBenchOptions {
-            model: self.model.clone(),
-            workload: self.workload,
-            rows: self.rows,
-            min_prompt: self.min_prompt,
-            max_prompt: self.max_prompt,
-            min_new: self.min_new,
-            max_new: self.max_new,
-            max_seqs: self.max_seqs,
-            max_batch_tokens: self.max_batch_tokens,
-            kv_cache_memory: self.kv_cache_memory,
-            temperature: self.temperature,
-            seed: self.seed,
-            save_workload: self.save_workload.clone(),
-            device: self.device.clone(),
-            warmup_rows: self.warmup_rows,
-        }
     }
 }
 
@@ -326,49 +104,6 @@ pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
     );
 }
 
-#[derive(Debug, Args)]
-pub struct EmbedBenchArgs {
-    /// The encoder's Hugging Face directory.
-    #[arg(long)]
-    pub model: PathBuf,
-    #[arg(long, default_value_t = 2000)]
-    pub rows: usize,
-    /// Shortest row, in tokens.
-    #[arg(long, default_value_t = 16)]
-    pub min_tokens: usize,
-    /// Longest row, in tokens (at most the model's limit).
-    #[arg(long, default_value_t = 256)]
-    pub max_tokens: usize,
-    /// Rows per batch.
-    #[arg(long, default_value_t = 32)]
-    pub max_seqs: usize,
-    /// Padded tokens per batch.
-    #[arg(long, default_value_t = 4096)]
-    pub max_batch_tokens: usize,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// CPU threads (default: every core).
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// Print the report as one JSON object.
-    #[arg(long)]
-    pub json: bool,
-}
-
-impl EmbedBenchArgs {
-    pub fn options(&self) -> crate::bench::EmbedBenchOptions {
-        crate::bench::EmbedBenchOptions {
-            model: self.model.clone(),
-            rows: self.rows,
-            min_tokens: self.min_tokens,
-            max_tokens: self.max_tokens,
-            max_seqs: self.max_seqs,
-            max_batch_tokens: self.max_batch_tokens,
-            seed: self.seed,
-        }
-    }
-}
-
 pub fn print_embed_bench(report: &crate::bench::EmbedBenchReport, json: bool) {
     if json {
         println!("{}", serde_json::to_string(report).expect("plain data serialises"));
@@ -391,33 +126,6 @@ pub fn print_embed_bench(report: &crate::bench::EmbedBenchReport, json: bool) {
         report.tokenize_s,
         report.peak_rss_bytes >> 20
     );
-}
-
-#[derive(Debug, Args)]
-pub struct StatusArgs {
-    /// The job's output URL or path.
-    pub output: String,
-    /// Print the status as one JSON object.
-    #[arg(long)]
-    pub json: bool,
-}
-
-#[derive(Debug, Args)]
-pub struct FinalizeArgs {
-    /// The job's output URL or path.
-    pub output: String,
-}
-
-#[derive(Debug, Args)]
-pub struct PlanArgs {
-    #[command(flatten)]
-    pub job: JobArgs,
-    /// Rows of the job run (32 new tokens at most each) to measure prefill and decode speed; 0 skips it.
-    #[arg(long, default_value_t = 16)]
-    pub calibration_rows: usize,
-    /// Print the report as one JSON object.
-    #[arg(long)]
-    pub json: bool,
 }
 
 /// `42 s`, `17 min 5 s`, `3 h 12 min`.
@@ -488,57 +196,6 @@ pub fn print_plan(r: &crate::app::JobPlanReport, json: bool) {
         (Some(c), None) => println!("estimate: none (the {} calibration rows gave no decode-only steps to time)", c.rows),
         (None, _) => println!("estimate: none (no calibration run)"),
     }
-}
-
-#[derive(Debug, Args)]
-pub struct JobArgs {
-    /// The job file (TOML).
-    pub job: PathBuf,
-    /// Input URL or path; overrides `input.url`.
-    #[arg(long)]
-    pub input: Option<String>,
-    /// Output URL or path; overrides `output.url`.
-    #[arg(long)]
-    pub output: Option<String>,
-    /// Model file; overrides `model.path`.
-    #[arg(long)]
-    pub model: Option<String>,
-    /// Sequences decoded together; overrides `runtime.max_seqs`.
-    #[arg(long)]
-    pub max_seqs: Option<usize>,
-    /// Shards the plan is cut into when this run writes it; overrides `output.shards`. With `--shard auto`, the
-    /// count for schedulers that do not put it in the environment (a Kubernetes Indexed Job's `completions`).
-    #[arg(long, env = "NIGHTSHIFT_SHARDS")]
-    pub shards: Option<u32>,
-}
-
-impl JobArgs {
-    pub fn overrides(&self) -> Overrides {
-        Overrides {
-            input_url: self.input.clone(),
-            output_url: self.output.clone(),
-            model_path: self.model.clone(),
-            max_seqs: self.max_seqs,
-            shards: self.shards,
-        }
-    }
-}
-
-#[derive(Debug, Args)]
-pub struct RunArgs {
-    #[command(flatten)]
-    pub job: JobArgs,
-    /// Print the first N results when the job is done (they are users' data: off by default).
-    #[arg(long, default_value_t = 0)]
-    pub show: usize,
-    /// Never draw a progress bar (it is drawn only on a terminal anyway).
-    #[arg(long)]
-    pub no_progress: bool,
-    /// Run one shard of the plan: `i/n` (0-based), `i` (with --shards n), `auto` (the index and count from a
-    /// Kubernetes Indexed Job, Slurm array, AWS Batch or Google Cloud Batch array) or `all` (every shard: the
-    /// default).
-    #[arg(long, env = "NIGHTSHIFT_SHARD")]
-    pub shard: Option<crate::plan::shard::ShardArg>,
 }
 
 fn shorten(text: &str, max_chars: usize) -> String {
