@@ -6,10 +6,10 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::generation::{generation_params, GenerationSection, SEQ2SEQ_UNSUPPORTED};
+use super::generation::{GenerationSection, SEQ2SEQ_UNSUPPORTED};
 use super::runtime::RuntimeSection;
 use super::{
-    ChatTemplateChoice, InputSpec, Job, JobError, JobKind, ModelSpec, OutputSpec, ParameterColumns,
+    ChatTemplateChoice, GenerationParams, InputSpec, Job, JobError, JobKind, ModelSpec, OutputSpec, ParameterColumns,
     PromptColumn, RuntimeSpec, Truncate, ROW_PARAMETERS,
 };
 
@@ -99,7 +99,7 @@ impl Job {
         check_conversation(kind, &model.chat_template, &prompt, &input, &invalid)?;
         let scoring = check_completion_column(kind, &input, &invalid)?;
         let section = generation_section(kind, generation, scoring, &prompt, &input, &invalid)?;
-        let generation = generation_params(section, scoring, kind, &invalid)?;
+        let generation = GenerationParams::from_section(section, scoring, kind, &invalid)?;
         let output = OutputSpec::from_section(output, overrides, &invalid)?;
         let truncate = match input.truncate.as_deref().unwrap_or("none") {
             "none" => Truncate::None,

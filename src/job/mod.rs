@@ -2,19 +2,21 @@
 //! every stage receives. Defaults live here and nowhere else.
 //!
 //! This file holds the resolved job; `file.rs` the job file's sections and their resolution; `generation.rs` the
-//! generation parameters; `runtime.rs` the `[runtime]` section: device, batch sizes and memory budgets.
+//! generation parameters, declared once in a table (`declare.rs` holds the macro that reads it); `runtime.rs`
+//! the `[runtime]` section: device, batch sizes and memory budgets.
 
 use std::path::PathBuf;
 
+#[macro_use]
+mod declare;
 mod file;
 mod generation;
 mod runtime;
 
 pub use file::Overrides;
 pub use generation::{
-    check_json_schema, check_logprobs, check_max_new_tokens, check_min_new_tokens, check_min_p, check_n, check_penalty,
-    check_repetition_penalty, check_stop, check_temperature, check_token_ids, check_top_k, check_top_p, set_row_param,
-    GenerationParams, ParamType, ParamValue, MAX_LOGPROBS, MAX_N, MAX_NEW_TOKENS_LIMIT, ROW_PARAMETERS,
+    set_row_param, GenerationParams, ParamType, ParamValue, Parameter, RowParams, Stored, StoredAs, MAX_LOGPROBS, MAX_N,
+    MAX_NEW_TOKENS_LIMIT, PARAMETERS, ROW_PARAMETERS,
 };
 pub use runtime::{DeviceChoice, MemoryBudget, RuntimeSpec};
 

@@ -14,18 +14,11 @@ use crate::row::{FinishReason, RowError};
 fn nested_json(c: Option<&Completion>) -> serde_json::Value {
     let Some(c) = c else { return serde_json::json!({}) };
     let first = &c.choices[0];
-    let p = &c.params;
     serde_json::json!({
         "logprobs": first.logprobs,
         "cumulative_logprob": first.cumulative_logprob,
         "choices": (c.choices.len() > 1).then_some(&c.choices),
-        "params": {
-            "max_new_tokens": p.max_new_tokens, "min_new_tokens": p.min_new_tokens, "temperature": p.temperature,
-            "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p, "repetition_penalty": p.repetition_penalty,
-            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty, "stop": p.stop,
-            "stop_token_ids": p.stop_token_ids, "include_stop_str_in_output": p.include_stop_str_in_output,
-            "ignore_eos": p.ignore_eos, "seed": p.seed, "n": p.n, "logprobs": p.logprobs, "json_schema": p.json_schema,
-        },
+        "params": c.params.to_json_object(),
     })
 }
 

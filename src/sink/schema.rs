@@ -5,6 +5,8 @@ use std::sync::Arc;
 
 use arrow::datatypes::{DataType, Field, Fields, Schema};
 
+use crate::job::{StoredAs, PARAMETERS};
+
 pub(super) fn error_fields() -> Fields {
     Fields::from(vec![Field::new("code", DataType::Utf8, false), Field::new("message", DataType::Utf8, false)])
 }
@@ -53,30 +55,23 @@ fn choice_fields() -> Fields {
     ])
 }
 
-/// The effective generation parameters of a row, every one of them.
+/// The effective generation parameters of a row, every one of them, as the table in `job` declares them.
 fn params_fields() -> Fields {
-    let list = |item: DataType| DataType::List(Arc::new(Field::new("item", item, false)));
-    Fields::from(vec![
-        Field::new("max_new_tokens", DataType::UInt32, false),
-        Field::new("min_new_tokens", DataType::UInt32, false),
-        Field::new("temperature", DataType::Float32, false),
-        Field::new("top_p", DataType::Float32, false),
-        Field::new("top_k", DataType::UInt32, false),
-        Field::new("min_p", DataType::Float32, false),
-        Field::new("repetition_penalty", DataType::Float32, false),
-        Field::new("presence_penalty", DataType::Float32, false),
-        Field::new("frequency_penalty", DataType::Float32, false),
-        Field::new("stop", list(DataType::Utf8), false),
-        Field::new("stop_token_ids", list(DataType::UInt32), false),
-        Field::new("include_stop_str_in_output", DataType::Boolean, false),
-        Field::new("ignore_eos", DataType::Boolean, false),
-        Field::new("seed", DataType::UInt64, false),
-        Field::new("n", DataType::UInt32, false),
-        Field::new("logprobs", DataType::UInt32, true),
-        Field::new("json_schema", DataType::Utf8, true),
-    ])
+    PARAMETERS.iter().map(|p| Field::new(p.name, stored_type(p.stored), p.nullable)).collect()
 }
 
+fn stored_type(stored: StoredAs) -> DataType {
+    let list = |item: DataType| DataType::List(Arc::new(Field::new("item", item, false)));
+    match stored {
+        StoredAs::UInt32 => DataType::UInt32,
+        StoredAs::UInt64 => DataType::UInt64,
+        StoredAs::Float32 => DataType::Float32,
+        StoredAs::Boolean => DataType::Boolean,
+        StoredAs::Utf8 => DataType::Utf8,
+        StoredAs::Utf8List => list(DataType::Utf8),
+        StoredAs::UInt32List => list(DataType::UInt32),
+    }
+}
 
 /// The Arrow schema of an embedding job's result files, described field by field in `schemas/embeddings.json`.
 pub fn embeddings_schema(dimensions: usize) -> Schema {
