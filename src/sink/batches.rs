@@ -1,4 +1,4 @@
-//! Arrow record batches of the output files: result rows, generated text or embeddings.
+//! Arrow record batches of the output files: result rows (generated text or embeddings) and the metrics row.
 
 use std::sync::Arc;
 
@@ -8,6 +8,7 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use super::schema::error_fields;
 use super::Outcome;
 use crate::engine::Completion;
+use crate::metrics::{metrics_columns, MetricValue, MetricsRow};
 use crate::row::{FinishReason, RowError};
 
 /// The nested columns of one row, as JSON for arrow's JSON decoder: choices, log-probabilities, parameters.
@@ -178,4 +179,43 @@ pub(super) fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<Recor
         None => columns.extend(schema.fields().iter().skip(columns.len()).map(|f| arrow::array::new_empty_array(f.data_type()))),
     }
     RecordBatch::try_new(schema, columns)
+}
+
+/// The one row of a metrics file: a column per entry of [`metrics_columns`], in order.
+pub(super) fn metrics_batch(row: &MetricsRow<'_>, schema: SchemaRef) -> Result<RecordBatch, arrow::error::ArrowError> {
+    use arrow::array::{Float64Array, StringArray, UInt64Array};
+    let columns = metrics_columns()
+        .map(|column| match (column.read)(row) {
+            MetricValue::UInt64(v) => Arc::new(UInt64Array::from(vec![v])) as ArrayRef,
+            MetricValue::Float64(v) => Arc::new(Float64Array::from(vec![v])),
+            MetricValue::NullableFloat64(v) => Arc::new(Float64Array::from(vec![v])),
+            MetricValue::Utf8(v) => Arc::new(StringArray::from(vec![v])),
+        })
+        .collect();
+    RecordBatch::try_new(schema, columns)
+}
+
+#[cfg(test)]
+mod tests {
+    use arrow::array::{Array, AsArray};
+    use arrow::datatypes::{Float64Type, UInt64Type};
+
+    use super::*;
+    use crate::metrics::JobMetrics;
+
+    /// Each column's value has its declared type (the batch would not build otherwise) and comes from its field.
+    #[test]
+    fn the_metrics_row_is_read_from_its_declaration() {
+        let metrics = JobMetrics { rows: 3, job_s: 1.5, ttft_p50_s: Some(0.25), peak_rss_bytes: 9, ..JobMetrics::default() };
+        let row = MetricsRow { unit: 7, attempt: "a1", metrics: &metrics };
+        let batch = metrics_batch(&row, Arc::new(super::super::metrics_schema())).unwrap();
+        let column = |name: &str| batch.column_by_name(name).unwrap().clone();
+        assert_eq!(column("unit").as_primitive::<UInt64Type>().value(0), 7);
+        assert_eq!(column("attempt").as_string::<i32>().value(0), "a1");
+        assert_eq!(column("rows").as_primitive::<UInt64Type>().value(0), 3);
+        assert_eq!(column("job_s").as_primitive::<Float64Type>().value(0), 1.5);
+        assert_eq!(column("ttft_p50_s").as_primitive::<Float64Type>().value(0), 0.25);
+        assert!(column("ttft_p90_s").is_null(0));
+        assert_eq!(column("peak_rss_bytes").as_primitive::<UInt64Type>().value(0), 9);
+    }
 }

@@ -31,7 +31,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use arrow::array::{ArrayRef, RecordBatch};
 use arrow::datatypes::{Schema, SchemaRef};
 use futures::TryStreamExt;
 use object_store::buffered::BufWriter;
@@ -43,7 +42,7 @@ use parquet::file::properties::WriterProperties;
 use serde::{Deserialize, Serialize};
 
 use crate::engine::Completion;
-use crate::metrics::JobMetrics;
+use crate::metrics::{JobMetrics, MetricsRow};
 use crate::plan::{Plan, Unit};
 use crate::row::{RowError, RowTag};
 use crate::source::{store, Location, StoreError};
@@ -457,50 +456,10 @@ impl Output {
         Ok(())
     }
 
-    async fn write_metrics(&self, relative: &str, unit: u32, m: &JobMetrics, run: &RunMetadata) -> Result<(), SinkError> {
+    async fn write_metrics(&self, relative: &str, unit: u32, metrics: &JobMetrics, run: &RunMetadata) -> Result<(), SinkError> {
         let schema = with_metadata(metrics_schema(), run);
-        let u = |v: u64| Arc::new(arrow::array::UInt64Array::from(vec![v])) as ArrayRef;
-        let f = |v: f64| Arc::new(arrow::array::Float64Array::from(vec![v])) as ArrayRef;
-        let o = |v: Option<f64>| Arc::new(arrow::array::Float64Array::from(vec![v])) as ArrayRef;
-        let columns = vec![
-            u(unit as u64),
-            Arc::new(arrow::array::StringArray::from(vec![run.attempt.as_str()])) as ArrayRef,
-            u(m.rows),
-            u(m.succeeded_rows),
-            u(m.errored_rows),
-            u(m.prompt_tokens),
-            u(m.completion_tokens),
-            f(m.job_s),
-            f(m.model_load_s),
-            f(m.generation_s),
-            f(m.requests_per_s),
-            f(m.total_tokens_per_s),
-            f(m.output_tokens_per_s),
-            o(m.ttft_p50_s),
-            o(m.ttft_p90_s),
-            o(m.ttft_p99_s),
-            o(m.e2e_p50_s),
-            o(m.e2e_p90_s),
-            o(m.e2e_p99_s),
-            o(m.tpot_p50_s),
-            o(m.tpot_p90_s),
-            u(m.engine_steps),
-            u(m.prefill_tokens),
-            u(m.decode_tokens),
-            u(m.max_running_seqs),
-            u(m.peak_kv_cache_bytes),
-            f(m.prefill_s),
-            f(m.decode_s),
-            o(m.packing_efficiency),
-            u(m.kv_cache_blocks),
-            o(m.kv_utilisation_peak),
-            o(m.kv_utilisation_mean),
-            u(m.preemptions),
-            u(m.recomputed_tokens),
-            u(m.weights_bytes),
-            u(m.peak_rss_bytes),
-        ];
-        let batch = RecordBatch::try_new(schema.clone(), columns).map_err(|e| self.write_error(relative, e))?;
+        let row = MetricsRow { unit, attempt: &run.attempt, metrics };
+        let batch = batches::metrics_batch(&row, schema.clone()).map_err(|e| self.write_error(relative, e))?;
         let upload = BufWriter::new(self.store().clone(), self.path(relative));
         let mut writer = AsyncArrowWriter::try_new(upload, schema, Some(properties(run))).map_err(|e| self.write_error(relative, e))?;
         writer.write(&batch).await.map_err(|e| self.write_error(relative, e))?;

@@ -1,11 +1,12 @@
 //! The Arrow schemas of the output files, each described field by field in `schemas/`; the tests below check
-//! every file there against the code.
+//! every file there against the code (and can rewrite it from the code: see `check`).
 
 use std::sync::Arc;
 
 use arrow::datatypes::{DataType, Field, Fields, Schema};
 
 use crate::job::{StoredAs, PARAMETERS};
+use crate::metrics::{metrics_columns, MetricType};
 
 pub(super) fn error_fields() -> Fields {
     Fields::from(vec![Field::new("code", DataType::Utf8, false), Field::new("message", DataType::Utf8, false)])
@@ -27,9 +28,14 @@ pub fn results_schema() -> Schema {
         Field::new("tpot_s", DataType::Float64, true),
         Field::new("logprobs", logprobs_type(), true),
         Field::new("cumulative_logprob", DataType::Float64, true),
-        Field::new("choices", DataType::List(Arc::new(Field::new("item", DataType::Struct(choice_fields()), false))), true),
+        Field::new("choices", list(DataType::Struct(choice_fields())), true),
         Field::new("params", DataType::Struct(params_fields()), true),
     ])
+}
+
+/// `List<item>`, its items never null.
+fn list(item: DataType) -> DataType {
+    DataType::List(Arc::new(Field::new("item", item, false)))
 }
 
 /// `List<Struct<token_id, token, logprob, top: List<Struct<token_id, token, logprob>>>>`: per output token.
@@ -40,8 +46,8 @@ fn logprobs_type() -> DataType {
         Field::new("logprob", DataType::Float32, false),
     ]);
     let mut token: Vec<Field> = alternative.iter().map(|f| f.as_ref().clone()).collect();
-    token.push(Field::new("top", DataType::List(Arc::new(Field::new("item", DataType::Struct(alternative), false))), false));
-    DataType::List(Arc::new(Field::new("item", DataType::Struct(Fields::from(token)), false)))
+    token.push(Field::new("top", list(DataType::Struct(alternative)), false));
+    list(DataType::Struct(Fields::from(token)))
 }
 
 fn choice_fields() -> Fields {
@@ -61,7 +67,6 @@ fn params_fields() -> Fields {
 }
 
 fn stored_type(stored: StoredAs) -> DataType {
-    let list = |item: DataType| DataType::List(Arc::new(Field::new("item", item, false)));
     match stored {
         StoredAs::UInt32 => DataType::UInt32,
         StoredAs::UInt64 => DataType::UInt64,
@@ -86,49 +91,19 @@ pub fn embeddings_schema(dimensions: usize) -> Schema {
     ])
 }
 
-/// The Arrow schema of the metrics files, described field by field in `schemas/metrics.json`.
+/// The Arrow schema of the metrics files: a field per column of [`metrics_columns`], which
+/// `schemas/metrics.json` describes.
 pub fn metrics_schema() -> Schema {
-    let u = |name: &str| Field::new(name, DataType::UInt64, false);
-    let f = |name: &str| Field::new(name, DataType::Float64, false);
-    let o = |name: &str| Field::new(name, DataType::Float64, true);
-    Schema::new(vec![
-        u("unit"),
-        Field::new("attempt", DataType::Utf8, false),
-        u("rows"),
-        u("succeeded_rows"),
-        u("errored_rows"),
-        u("prompt_tokens"),
-        u("completion_tokens"),
-        f("job_s"),
-        f("model_load_s"),
-        f("generation_s"),
-        f("requests_per_s"),
-        f("total_tokens_per_s"),
-        f("output_tokens_per_s"),
-        o("ttft_p50_s"),
-        o("ttft_p90_s"),
-        o("ttft_p99_s"),
-        o("e2e_p50_s"),
-        o("e2e_p90_s"),
-        o("e2e_p99_s"),
-        o("tpot_p50_s"),
-        o("tpot_p90_s"),
-        u("engine_steps"),
-        u("prefill_tokens"),
-        u("decode_tokens"),
-        u("max_running_seqs"),
-        u("peak_kv_cache_bytes"),
-        f("prefill_s"),
-        f("decode_s"),
-        o("packing_efficiency"),
-        u("kv_cache_blocks"),
-        o("kv_utilisation_peak"),
-        o("kv_utilisation_mean"),
-        u("preemptions"),
-        u("recomputed_tokens"),
-        u("weights_bytes"),
-        u("peak_rss_bytes"),
-    ])
+    Schema::new(
+        metrics_columns()
+            .map(|c| match c.ty {
+                MetricType::UInt64 => Field::new(c.name, DataType::UInt64, false),
+                MetricType::Float64 => Field::new(c.name, DataType::Float64, false),
+                MetricType::NullableFloat64 => Field::new(c.name, DataType::Float64, true),
+                MetricType::Utf8 => Field::new(c.name, DataType::Utf8, false),
+            })
+            .collect::<Vec<_>>(),
+    )
 }
 
 #[cfg(test)]
@@ -147,36 +122,83 @@ mod tests {
         }
     }
 
-    /// Fails when the code's schema and the documented one in `schemas/` disagree in names, types or nullability.
-    fn check(schema: &Schema, file: &str) {
+    /// A documented field of `schemas/`: name, type, nullability, description.
+    type Documented = (String, String, bool, String);
+
+    /// Fails when the code's schema and the documented one in `schemas/` disagree in names, types or
+    /// nullability, or when a field has no description. `descriptions` gives the ones the code declares, which
+    /// the file must have word for word. With `NIGHTSHIFT_BLESS_SCHEMAS=1`, rewrites the file from the code first
+    /// (keeping the file's descriptions where the code declares none).
+    fn check(schema: &Schema, file: &str, descriptions: &dyn Fn(&str) -> Option<String>) {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schemas").join(file);
-        let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        let documented: Vec<(String, String, bool)> = doc["fields"]
+        let text = std::fs::read_to_string(&path).unwrap();
+        let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let documented: Vec<Documented> = doc["fields"]
             .as_array()
             .unwrap()
             .iter()
             .map(|f| {
-                assert!(!f["description"].as_str().unwrap_or_default().is_empty(), "{file}: {f} has no description");
-                (f["name"].as_str().unwrap().into(), f["type"].as_str().unwrap().into(), f["nullable"].as_bool().unwrap())
+                let description = f["description"].as_str().unwrap_or_default().to_string();
+                (f["name"].as_str().unwrap().into(), f["type"].as_str().unwrap().into(), f["nullable"].as_bool().unwrap(), description)
             })
             .collect();
-        let actual: Vec<(String, String, bool)> =
-            schema.fields().iter().map(|f| (f.name().clone(), type_name(f.data_type()), f.is_nullable())).collect();
-        assert_eq!(actual, documented, "schemas/{file} and the code disagree");
+        let actual: Vec<Documented> = schema
+            .fields()
+            .iter()
+            .map(|f| {
+                let name = f.name().clone();
+                let kept = documented.iter().find(|d| d.0 == name).map(|d| d.3.clone()).unwrap_or_default();
+                let description = descriptions(&name).unwrap_or(kept);
+                (name, type_name(f.data_type()), f.is_nullable(), description)
+            })
+            .collect();
+        let rendered = render(&doc, &actual);
+        if std::env::var_os("NIGHTSHIFT_BLESS_SCHEMAS").is_some() && rendered != text {
+            std::fs::write(&path, &rendered).unwrap();
+        } else {
+            assert_eq!(actual, documented, "schemas/{file} and the code disagree (NIGHTSHIFT_BLESS_SCHEMAS=1 rewrites it)");
+            assert_eq!(rendered, text, "schemas/{file} is not laid out as the code writes it (NIGHTSHIFT_BLESS_SCHEMAS=1)");
+        }
+        for (name, _, _, description) in &actual {
+            assert!(!description.is_empty(), "schemas/{file}: `{name}` has no description");
+        }
+    }
+
+    /// A schema file as the code writes it: the file's own `file` and `description`, then a field a line.
+    fn render(doc: &serde_json::Value, fields: &[Documented]) -> String {
+        let string = |s: &str| serde_json::to_string(s).unwrap();
+        let lines: Vec<String> = fields
+            .iter()
+            .map(|(name, ty, nullable, description)| {
+                format!(
+                    "    {{\"name\": {}, \"type\": {}, \"nullable\": {nullable}, \"description\": {}}}",
+                    string(name),
+                    string(ty),
+                    string(description)
+                )
+            })
+            .collect();
+        format!(
+            "{{\n  \"file\": {},\n  \"description\": {},\n  \"fields\": [\n{}\n  ]\n}}\n",
+            string(doc["file"].as_str().unwrap()),
+            string(doc["description"].as_str().unwrap()),
+            lines.join(",\n")
+        )
     }
 
     #[test]
     fn results_schema_matches_schemas_dir() {
-        check(&results_schema(), "results.json");
+        check(&results_schema(), "results.json", &|_| None);
     }
 
     #[test]
     fn embeddings_schema_matches_schemas_dir() {
-        check(&embeddings_schema(384), "embeddings.json");
+        check(&embeddings_schema(384), "embeddings.json", &|_| None);
     }
 
+    /// The metrics columns' descriptions are their declarations' doc comments.
     #[test]
     fn metrics_schema_matches_schemas_dir() {
-        check(&metrics_schema(), "metrics.json");
+        check(&metrics_schema(), "metrics.json", &|name| metrics_columns().find(|c| c.name == name).map(|c| c.description()));
     }
 }
