@@ -66,29 +66,8 @@ pub struct RowTag {
     pub offset: u32,
 }
 
-/// Generation parameters a row sets for itself (from `[input.parameters]` columns); `None` keeps the job's.
-/// Each is checked with the job file's rule when it is read, so a bad value becomes an error row.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct RowParams {
-    pub max_new_tokens: Option<u32>,
-    pub min_new_tokens: Option<u32>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<u32>,
-    pub min_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub stop: Option<Vec<String>>,
-    pub stop_token_ids: Option<Vec<u32>>,
-    pub include_stop_str_in_output: Option<bool>,
-    pub ignore_eos: Option<bool>,
-    pub seed: Option<u64>,
-    pub n: Option<u32>,
-    pub logprobs: Option<u32>,
-    /// A JSON Schema, as JSON text.
-    pub json_schema: Option<String>,
-}
+/// Generation parameters a row sets for itself; declared with the generation parameters, in one table.
+pub use crate::job::RowParams;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Message {

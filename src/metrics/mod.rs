@@ -4,6 +4,11 @@
 use crate::engine::EngineStats;
 use crate::outcome::Completion;
 
+#[macro_use]
+mod columns;
+
+pub use columns::{metrics_columns, MetricField, MetricType, MetricValue, MetricsColumn, MetricsRow};
+
 /// Per-row timings collected as rows finish, summarised at the end.
 #[derive(Clone, Debug, Default)]
 pub struct Collector {
@@ -58,48 +63,82 @@ pub fn percentile(samples: &[f64], p: f64) -> Option<f64> {
     Some(sorted[rank.min(sorted.len()) - 1])
 }
 
-/// The job's summary: one row of the metrics file. Field names carry their unit.
-#[derive(Clone, Debug, Default)]
-pub struct JobMetrics {
-    pub rows: u64,
-    pub succeeded_rows: u64,
-    pub errored_rows: u64,
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
-    /// From the engine's start to the last result.
-    pub generation_s: f64,
-    /// From the process start to the results being written.
-    pub job_s: f64,
-    pub model_load_s: f64,
-    pub requests_per_s: f64,
-    pub total_tokens_per_s: f64,
-    pub output_tokens_per_s: f64,
-    pub ttft_p50_s: Option<f64>,
-    pub ttft_p90_s: Option<f64>,
-    pub ttft_p99_s: Option<f64>,
-    pub e2e_p50_s: Option<f64>,
-    pub e2e_p90_s: Option<f64>,
-    pub e2e_p99_s: Option<f64>,
-    pub tpot_p50_s: Option<f64>,
-    pub tpot_p90_s: Option<f64>,
-    pub engine_steps: u64,
-    pub prefill_tokens: u64,
-    pub decode_tokens: u64,
-    pub max_running_seqs: u64,
-    pub peak_kv_cache_bytes: u64,
-    /// Seconds of steps that prefilled (decode tokens may ride along) and of decode-only steps.
-    pub prefill_s: f64,
-    pub decode_s: f64,
-    /// Useful tokens over tokens computed; `None` for engines that do not count them.
-    pub packing_efficiency: Option<f64>,
-    /// The KV cache budget in blocks of 16 positions, and the peak and mean share in use.
-    pub kv_cache_blocks: u64,
-    pub kv_utilisation_peak: Option<f64>,
-    pub kv_utilisation_mean: Option<f64>,
-    pub preemptions: u64,
-    pub recomputed_tokens: u64,
-    pub weights_bytes: u64,
-    pub peak_rss_bytes: u64,
+job_metrics! {
+    /// The job's summary: one row of the metrics file (a unit's figures; at the end, the run's). Field names carry
+    /// their unit. Each field is a column of the metrics files, in this order after `unit` and `attempt`, and its
+    /// doc comment is the column's description in `schemas/metrics.json`, which a test in `sink` checks.
+    #[derive(Clone, Debug, Default)]
+    pub struct JobMetrics {
+        /// Result rows of the unit (equals the unit's input rows).
+        pub rows: u64,
+        /// Rows with status succeeded.
+        pub succeeded_rows: u64,
+        /// Rows with status errored.
+        pub errored_rows: u64,
+        /// Prompt tokens of succeeded rows.
+        pub prompt_tokens: u64,
+        /// Generated tokens of succeeded rows.
+        pub completion_tokens: u64,
+        /// Seconds from the process start to this unit's commit.
+        pub job_s: f64,
+        /// Seconds to hash and load the model.
+        pub model_load_s: f64,
+        /// Seconds from the unit's first row being ready for the engine to its last result.
+        pub generation_s: f64,
+        /// Succeeded rows per second of generation.
+        pub requests_per_s: f64,
+        /// Prompt plus generated tokens per second of generation.
+        pub total_tokens_per_s: f64,
+        /// Generated tokens per second of generation.
+        pub output_tokens_per_s: f64,
+        /// Median time to first token (nearest rank); null without succeeded rows.
+        pub ttft_p50_s: Option<f64>,
+        /// 90th percentile time to first token.
+        pub ttft_p90_s: Option<f64>,
+        /// 99th percentile time to first token.
+        pub ttft_p99_s: Option<f64>,
+        /// Median end-to-end row latency.
+        pub e2e_p50_s: Option<f64>,
+        /// 90th percentile end-to-end row latency.
+        pub e2e_p90_s: Option<f64>,
+        /// 99th percentile end-to-end row latency.
+        pub e2e_p99_s: Option<f64>,
+        /// Median time per output token after the first.
+        pub tpot_p50_s: Option<f64>,
+        /// 90th percentile time per output token after the first.
+        pub tpot_p90_s: Option<f64>,
+        /// Forward passes run.
+        pub engine_steps: u64,
+        /// Prompt tokens run through the model.
+        pub prefill_tokens: u64,
+        /// Decode tokens run through the model.
+        pub decode_tokens: u64,
+        /// Most sequences in the engine at once.
+        pub max_running_seqs: u64,
+        /// Largest KV cache reservation at once.
+        pub peak_kv_cache_bytes: u64,
+        /// Seconds of engine steps that prefilled prompt tokens (running sequences decode in the same steps).
+        pub prefill_s: f64,
+        /// Seconds of decode-only engine steps.
+        pub decode_s: f64,
+        /// Useful tokens over tokens run through the model: prompt tokens prefilled again after a preemption are
+        /// the waste (prefill is packed without padding). Null for embed and seq2seq jobs.
+        pub packing_efficiency: Option<f64>,
+        /// KV cache budget (runtime.kv_cache_memory) in blocks of 16 positions; 0 for embed and seq2seq jobs.
+        pub kv_cache_blocks: u64,
+        /// Most KV cache blocks in use at once over the budget.
+        pub kv_utilisation_peak: Option<f64>,
+        /// Mean over engine steps of the KV cache blocks in use, over the budget.
+        pub kv_utilisation_mean: Option<f64>,
+        /// Sequences preempted when the KV cache ran short (each is recomputed later; its output is unchanged).
+        pub preemptions: u64,
+        /// Tokens prefilled again for preempted sequences.
+        pub recomputed_tokens: u64,
+        /// Bytes of model weights held in memory.
+        pub weights_bytes: u64,
+        /// Peak resident memory of the process (VmHWM).
+        pub peak_rss_bytes: u64,
+    }
 }
 
 impl JobMetrics {

@@ -15,13 +15,23 @@
 //! is complete and then uploaded as whole files, so a killed process leaves at most an orphan file that no
 //! marker names, which finalize removes. Readers use `_manifest.json`. `S` is the unit's shard in the plan: a unit
 //! has one shard for the life of the output, so its marker has one name.
+//!
+//! This file holds the commit protocol and finalize; `schema.rs` the Arrow schemas of the files (checked against
+//! `schemas/`), `batches.rs` the record batches written into them, `status.rs` what `nightshift status` reads
+//! back.
+
+mod batches;
+mod schema;
+mod status;
+
+pub use schema::{embeddings_schema, metrics_schema, results_schema};
+pub use status::{OutputStatus, ShardStatus};
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use arrow::array::{ArrayRef, Float64Builder, RecordBatch, StringBuilder, StructArray, UInt32Builder};
-use arrow::datatypes::{DataType, Field, Fields, Schema, SchemaRef};
+use arrow::datatypes::{Schema, SchemaRef};
 use futures::TryStreamExt;
 use object_store::buffered::BufWriter;
 use object_store::path::Path;
@@ -31,10 +41,8 @@ use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
 use serde::{Deserialize, Serialize};
 
-use crate::outcome::Completion;
-use crate::metrics::JobMetrics;
+use crate::metrics::{JobMetrics, MetricsRow};
 use crate::plan::{Plan, Unit};
-use crate::row::{FinishReason, RowError};
 use crate::source::{store, Location, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -162,206 +170,6 @@ pub enum Finalized {
     Done(Manifest),
     /// `_SUCCESS` was there already.
     AlreadyComplete(Manifest),
-}
-
-/// What `nightshift status` shows: the output's progress, per shard.
-#[derive(Clone, Debug, Serialize)]
-pub struct OutputStatus {
-    pub url: String,
-    /// `_SUCCESS` is written.
-    pub complete: bool,
-    pub fingerprint: String,
-    pub units: usize,
-    pub committed_units: usize,
-    pub rows: u64,
-    pub committed_rows: u64,
-    pub shards: Vec<ShardStatus>,
-}
-
-/// One shard's progress.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct ShardStatus {
-    pub shard: u32,
-    pub units: usize,
-    pub committed_units: usize,
-    /// Uncommitted units, in order.
-    pub missing_units: Vec<u32>,
-    pub rows: u64,
-    pub committed_rows: u64,
-    pub errored_rows: u64,
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
-    /// The plan's estimate for the whole shard (prompt and output tokens).
-    pub estimated_tokens: u64,
-    /// The attempts (processes) whose units are committed.
-    pub attempts: Vec<String>,
-    /// Seconds of those attempts' time, up to their last commit, that went to this shard's committed units.
-    pub busy_s: f64,
-    pub rows_per_s: Option<f64>,
-    pub total_tokens_per_s: Option<f64>,
-    pub output_tokens_per_s: Option<f64>,
-}
-
-/// A metrics file's `job_s`: the attempt's age when it committed the unit.
-fn metrics_job_s(bytes: bytes::Bytes) -> Result<f64, Box<dyn std::error::Error + Send + Sync>> {
-    use arrow::array::{Array, AsArray};
-    let mut reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(bytes)?.build()?;
-    let batch = reader.next().ok_or("the metrics file has no rows")??;
-    let job_s = batch.column_by_name("job_s").ok_or("the metrics file has no `job_s` column")?;
-    let job_s = job_s.as_primitive_opt::<arrow::datatypes::Float64Type>().ok_or("`job_s` is not a float column")?;
-    if batch.num_rows() == 0 || job_s.is_null(0) {
-        return Err("the metrics file's row is empty".into());
-    }
-    Ok(job_s.value(0))
-}
-
-fn error_fields() -> Fields {
-    Fields::from(vec![Field::new("code", DataType::Utf8, false), Field::new("message", DataType::Utf8, false)])
-}
-
-/// The Arrow schema of the result files, described field by field in `schemas/results.json`.
-pub fn results_schema() -> Schema {
-    Schema::new(vec![
-        Field::new("id", DataType::Utf8, false),
-        Field::new("status", DataType::Utf8, false),
-        Field::new("error", DataType::Struct(error_fields()), true),
-        Field::new("text", DataType::Utf8, true),
-        Field::new("finish_reason", DataType::Utf8, false),
-        Field::new("prompt_tokens", DataType::UInt32, true),
-        Field::new("completion_tokens", DataType::UInt32, false),
-        Field::new("queue_s", DataType::Float64, true),
-        Field::new("ttft_s", DataType::Float64, true),
-        Field::new("e2e_s", DataType::Float64, true),
-        Field::new("tpot_s", DataType::Float64, true),
-        Field::new("logprobs", logprobs_type(), true),
-        Field::new("cumulative_logprob", DataType::Float64, true),
-        Field::new("choices", DataType::List(Arc::new(Field::new("item", DataType::Struct(choice_fields()), false))), true),
-        Field::new("params", DataType::Struct(params_fields()), true),
-    ])
-}
-
-/// `List<Struct<token_id, token, logprob, top: List<Struct<token_id, token, logprob>>>>`: per output token.
-fn logprobs_type() -> DataType {
-    let alternative = Fields::from(vec![
-        Field::new("token_id", DataType::UInt32, false),
-        Field::new("token", DataType::Utf8, false),
-        Field::new("logprob", DataType::Float32, false),
-    ]);
-    let mut token: Vec<Field> = alternative.iter().map(|f| f.as_ref().clone()).collect();
-    token.push(Field::new("top", DataType::List(Arc::new(Field::new("item", DataType::Struct(alternative), false))), false));
-    DataType::List(Arc::new(Field::new("item", DataType::Struct(Fields::from(token)), false)))
-}
-
-fn choice_fields() -> Fields {
-    Fields::from(vec![
-        Field::new("index", DataType::UInt32, false),
-        Field::new("text", DataType::Utf8, false),
-        Field::new("finish_reason", DataType::Utf8, false),
-        Field::new("completion_tokens", DataType::UInt32, false),
-        Field::new("logprobs", logprobs_type(), true),
-        Field::new("cumulative_logprob", DataType::Float64, true),
-    ])
-}
-
-/// The effective generation parameters of a row, every one of them.
-fn params_fields() -> Fields {
-    let list = |item: DataType| DataType::List(Arc::new(Field::new("item", item, false)));
-    Fields::from(vec![
-        Field::new("max_new_tokens", DataType::UInt32, false),
-        Field::new("min_new_tokens", DataType::UInt32, false),
-        Field::new("temperature", DataType::Float32, false),
-        Field::new("top_p", DataType::Float32, false),
-        Field::new("top_k", DataType::UInt32, false),
-        Field::new("min_p", DataType::Float32, false),
-        Field::new("repetition_penalty", DataType::Float32, false),
-        Field::new("presence_penalty", DataType::Float32, false),
-        Field::new("frequency_penalty", DataType::Float32, false),
-        Field::new("stop", list(DataType::Utf8), false),
-        Field::new("stop_token_ids", list(DataType::UInt32), false),
-        Field::new("include_stop_str_in_output", DataType::Boolean, false),
-        Field::new("ignore_eos", DataType::Boolean, false),
-        Field::new("seed", DataType::UInt64, false),
-        Field::new("n", DataType::UInt32, false),
-        Field::new("logprobs", DataType::UInt32, true),
-        Field::new("json_schema", DataType::Utf8, true),
-    ])
-}
-
-/// The nested columns of one row, as JSON for arrow's JSON decoder: choices, log-probabilities, parameters.
-fn nested_json(c: Option<&Completion>) -> serde_json::Value {
-    let Some(c) = c else { return serde_json::json!({}) };
-    let first = &c.choices[0];
-    let p = &c.params;
-    serde_json::json!({
-        "logprobs": first.logprobs,
-        "cumulative_logprob": first.cumulative_logprob,
-        "choices": (c.choices.len() > 1).then_some(&c.choices),
-        "params": {
-            "max_new_tokens": p.max_new_tokens, "min_new_tokens": p.min_new_tokens, "temperature": p.temperature,
-            "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p, "repetition_penalty": p.repetition_penalty,
-            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty, "stop": p.stop,
-            "stop_token_ids": p.stop_token_ids, "include_stop_str_in_output": p.include_stop_str_in_output,
-            "ignore_eos": p.ignore_eos, "seed": p.seed, "n": p.n, "logprobs": p.logprobs, "json_schema": p.json_schema,
-        },
-    })
-}
-
-/// The Arrow schema of an embedding job's result files, described field by field in `schemas/embeddings.json`.
-pub fn embeddings_schema(dimensions: usize) -> Schema {
-    let item = Arc::new(Field::new("item", DataType::Float32, false));
-    Schema::new(vec![
-        Field::new("id", DataType::Utf8, false),
-        Field::new("status", DataType::Utf8, false),
-        Field::new("error", DataType::Struct(error_fields()), true),
-        Field::new("embedding", DataType::FixedSizeList(item, dimensions as i32), true),
-        Field::new("prompt_tokens", DataType::UInt32, true),
-        Field::new("e2e_s", DataType::Float64, true),
-    ])
-}
-
-/// The Arrow schema of the metrics files, described field by field in `schemas/metrics.json`.
-pub fn metrics_schema() -> Schema {
-    let u = |name: &str| Field::new(name, DataType::UInt64, false);
-    let f = |name: &str| Field::new(name, DataType::Float64, false);
-    let o = |name: &str| Field::new(name, DataType::Float64, true);
-    Schema::new(vec![
-        u("unit"),
-        Field::new("attempt", DataType::Utf8, false),
-        u("rows"),
-        u("succeeded_rows"),
-        u("errored_rows"),
-        u("prompt_tokens"),
-        u("completion_tokens"),
-        f("job_s"),
-        f("model_load_s"),
-        f("generation_s"),
-        f("requests_per_s"),
-        f("total_tokens_per_s"),
-        f("output_tokens_per_s"),
-        o("ttft_p50_s"),
-        o("ttft_p90_s"),
-        o("ttft_p99_s"),
-        o("e2e_p50_s"),
-        o("e2e_p90_s"),
-        o("e2e_p99_s"),
-        o("tpot_p50_s"),
-        o("tpot_p90_s"),
-        u("engine_steps"),
-        u("prefill_tokens"),
-        u("decode_tokens"),
-        u("max_running_seqs"),
-        u("peak_kv_cache_bytes"),
-        f("prefill_s"),
-        f("decode_s"),
-        o("packing_efficiency"),
-        u("kv_cache_blocks"),
-        o("kv_utilisation_peak"),
-        o("kv_utilisation_mean"),
-        u("preemptions"),
-        u("recomputed_tokens"),
-        u("weights_bytes"),
-        u("peak_rss_bytes"),
-    ])
 }
 
 fn with_metadata(schema: Schema, run: &RunMetadata) -> SchemaRef {
@@ -605,8 +413,8 @@ impl Output {
         let mut writer = AsyncArrowWriter::try_new(upload, schema.clone(), Some(properties(run))).map_err(|e| self.write_error(relative, e))?;
         for chunk in outcomes.chunks(ROWS_PER_BATCH) {
             let batch = match run.layout {
-                ResultsLayout::Generate => results_batch(chunk, schema.clone()),
-                ResultsLayout::Embed { dimensions } => embeddings_batch(chunk, schema.clone(), dimensions),
+                ResultsLayout::Generate => batches::results_batch(chunk, schema.clone()),
+                ResultsLayout::Embed { dimensions } => batches::embeddings_batch(chunk, schema.clone(), dimensions),
             }
             .map_err(|e| self.write_error(relative, e))?;
             if let Err(e) = writer.write(&batch).await {
@@ -619,50 +427,10 @@ impl Output {
         Ok(())
     }
 
-    async fn write_metrics(&self, relative: &str, unit: u32, m: &JobMetrics, run: &RunMetadata) -> Result<(), SinkError> {
+    async fn write_metrics(&self, relative: &str, unit: u32, metrics: &JobMetrics, run: &RunMetadata) -> Result<(), SinkError> {
         let schema = with_metadata(metrics_schema(), run);
-        let u = |v: u64| Arc::new(arrow::array::UInt64Array::from(vec![v])) as ArrayRef;
-        let f = |v: f64| Arc::new(arrow::array::Float64Array::from(vec![v])) as ArrayRef;
-        let o = |v: Option<f64>| Arc::new(arrow::array::Float64Array::from(vec![v])) as ArrayRef;
-        let columns = vec![
-            u(unit as u64),
-            Arc::new(arrow::array::StringArray::from(vec![run.attempt.as_str()])) as ArrayRef,
-            u(m.rows),
-            u(m.succeeded_rows),
-            u(m.errored_rows),
-            u(m.prompt_tokens),
-            u(m.completion_tokens),
-            f(m.job_s),
-            f(m.model_load_s),
-            f(m.generation_s),
-            f(m.requests_per_s),
-            f(m.total_tokens_per_s),
-            f(m.output_tokens_per_s),
-            o(m.ttft_p50_s),
-            o(m.ttft_p90_s),
-            o(m.ttft_p99_s),
-            o(m.e2e_p50_s),
-            o(m.e2e_p90_s),
-            o(m.e2e_p99_s),
-            o(m.tpot_p50_s),
-            o(m.tpot_p90_s),
-            u(m.engine_steps),
-            u(m.prefill_tokens),
-            u(m.decode_tokens),
-            u(m.max_running_seqs),
-            u(m.peak_kv_cache_bytes),
-            f(m.prefill_s),
-            f(m.decode_s),
-            o(m.packing_efficiency),
-            u(m.kv_cache_blocks),
-            o(m.kv_utilisation_peak),
-            o(m.kv_utilisation_mean),
-            u(m.preemptions),
-            u(m.recomputed_tokens),
-            u(m.weights_bytes),
-            u(m.peak_rss_bytes),
-        ];
-        let batch = RecordBatch::try_new(schema.clone(), columns).map_err(|e| self.write_error(relative, e))?;
+        let row = MetricsRow { unit, attempt: &run.attempt, metrics };
+        let batch = batches::metrics_batch(&row, schema.clone()).map_err(|e| self.write_error(relative, e))?;
         let upload = BufWriter::new(self.store().clone(), self.path(relative));
         let mut writer = AsyncArrowWriter::try_new(upload, schema, Some(properties(run))).map_err(|e| self.write_error(relative, e))?;
         writer.write(&batch).await.map_err(|e| self.write_error(relative, e))?;
@@ -755,293 +523,7 @@ impl Output {
         Ok(())
     }
 
-    /// Progress per shard, from the plan, the commit markers and the committed units' metrics files (nothing is
-    /// written). Throughput is rows and tokens over busy time: each attempt's time from its start to its last
-    /// commit, shared among its units by commit order (each unit gets the time since the attempt's previous
-    /// commit), so start-up and model loading count against the first unit.
-    pub async fn status(&self) -> Result<OutputStatus, SinkError> {
-        use futures::StreamExt;
-        let plan = self.read_plan().await?.ok_or_else(|| SinkError::NoPlan { url: self.url().into() })?;
-        let complete = self.is_complete().await?;
-        let markers = self.markers().await?;
-        // (unit, attempt, job_s at commit) for every committed unit.
-        let timings: Vec<(u32, String, f64)> = futures::stream::iter(markers.values().cloned())
-            .map(|m| async move {
-                let bytes = self.read_bytes(&m.metrics).await?;
-                let job_s = metrics_job_s(bytes).map_err(|e| SinkError::Read { url: self.display(&m.metrics), source: e })?;
-                // The marker names the attempt whose files these are.
-                Ok::<_, SinkError>((m.unit, m.attempt, job_s))
-            })
-            .buffer_unordered(16)
-            .try_collect()
-            .await?;
-        let mut by_attempt: BTreeMap<&str, Vec<(f64, u32)>> = BTreeMap::new();
-        for (unit, attempt, job_s) in &timings {
-            by_attempt.entry(attempt.as_str()).or_default().push((*job_s, *unit));
-        }
-        let mut busy: BTreeMap<u32, f64> = BTreeMap::new();
-        for commits in by_attempt.values_mut() {
-            commits.sort_by(|a, b| a.0.total_cmp(&b.0));
-            let mut before = 0.0;
-            for (job_s, unit) in commits.iter() {
-                busy.insert(*unit, (job_s - before).max(0.0));
-                before = *job_s;
-            }
-        }
-        let mut shards: Vec<ShardStatus> = (0..plan.shards).map(|shard| ShardStatus { shard, ..Default::default() }).collect();
-        for unit in &plan.units {
-            let Some(s) = shards.get_mut(unit.shard as usize) else { continue };
-            s.units += 1;
-            s.rows += unit.rows as u64;
-            s.estimated_tokens += unit.estimated_tokens;
-            match markers.get(&unit.id) {
-                Some(m) => {
-                    s.committed_units += 1;
-                    s.committed_rows += m.rows;
-                    s.errored_rows += m.errored_rows;
-                    s.prompt_tokens += m.prompt_tokens;
-                    s.completion_tokens += m.completion_tokens;
-                    s.busy_s += busy.get(&unit.id).copied().unwrap_or(0.0);
-                    if !s.attempts.contains(&m.attempt) {
-                        s.attempts.push(m.attempt.clone());
-                    }
-                }
-                None => s.missing_units.push(unit.id),
-            }
-        }
-        for s in &mut shards {
-            if s.busy_s > 0.0 {
-                s.rows_per_s = Some(s.committed_rows as f64 / s.busy_s);
-                s.total_tokens_per_s = Some((s.prompt_tokens + s.completion_tokens) as f64 / s.busy_s);
-                s.output_tokens_per_s = Some(s.completion_tokens as f64 / s.busy_s);
-            }
-        }
-        Ok(OutputStatus {
-            url: self.url().into(),
-            complete,
-            fingerprint: plan.fingerprint.digest(),
-            units: plan.units.len(),
-            committed_units: markers.len(),
-            rows: plan.total_rows(),
-            committed_rows: markers.values().map(|m| m.rows).sum(),
-            shards,
-        })
-    }
-
-    async fn read_bytes(&self, relative: &str) -> Result<bytes::Bytes, SinkError> {
-        let read_err = |e: object_store::Error| SinkError::Read { url: self.display(relative), source: e.into() };
-        self.store().get(&self.path(relative)).await.map_err(read_err)?.bytes().await.map_err(read_err)
-    }
-
     pub async fn read_manifest(&self) -> Result<Option<Manifest>, SinkError> {
         self.read_json(MANIFEST_FILE).await
-    }
-}
-
-/// The `id`, `status` and `error` columns every results schema starts with.
-struct RowColumns {
-    id: StringBuilder,
-    status: StringBuilder,
-    code: StringBuilder,
-    message: StringBuilder,
-    error_valid: Vec<bool>,
-}
-
-impl RowColumns {
-    fn with_capacity(n: usize) -> Self {
-        RowColumns {
-            id: StringBuilder::with_capacity(n, n * 16),
-            status: StringBuilder::with_capacity(n, n * 9),
-            code: StringBuilder::new(),
-            message: StringBuilder::new(),
-            error_valid: Vec::with_capacity(n),
-        }
-    }
-
-    fn succeeded(&mut self, id: &str) {
-        self.id.append_value(id);
-        self.status.append_value("succeeded");
-        self.code.append_value("");
-        self.message.append_value("");
-        self.error_valid.push(false);
-    }
-
-    fn errored(&mut self, id: &str, error: &RowError) {
-        self.id.append_value(id);
-        self.status.append_value("errored");
-        self.code.append_value(error.code.as_str());
-        self.message.append_value(&error.message);
-        self.error_valid.push(true);
-    }
-
-    /// The three columns, followed by `rest`.
-    fn finish(mut self, rest: Vec<ArrayRef>) -> Result<Vec<ArrayRef>, arrow::error::ArrowError> {
-        let error = StructArray::try_new(
-            error_fields(),
-            vec![Arc::new(self.code.finish()) as ArrayRef, Arc::new(self.message.finish())],
-            Some(self.error_valid.into()),
-        )?;
-        let mut columns: Vec<ArrayRef> = vec![Arc::new(self.id.finish()), Arc::new(self.status.finish()), Arc::new(error)];
-        columns.extend(rest);
-        Ok(columns)
-    }
-}
-
-fn wrong_kind(id: &str, what: &str) -> arrow::error::ArrowError {
-    arrow::error::ArrowError::InvalidArgumentError(format!("row {id} is {what} (a bug)"))
-}
-
-fn embeddings_batch(rows: &[Outcome], schema: SchemaRef, dimensions: usize) -> Result<RecordBatch, arrow::error::ArrowError> {
-    use arrow::array::{FixedSizeListBuilder, Float32Builder};
-    let n = rows.len();
-    let mut base = RowColumns::with_capacity(n);
-    let item = Field::new("item", DataType::Float32, false);
-    let mut vectors = FixedSizeListBuilder::with_capacity(Float32Builder::with_capacity(n * dimensions), dimensions as i32, n)
-        .with_field(Arc::new(item));
-    let mut tokens = UInt32Builder::with_capacity(n);
-    let mut e2e = Float64Builder::with_capacity(n);
-    for row in rows {
-        match row {
-            Outcome::Embedded(e) => {
-                if e.vector.len() != dimensions {
-                    return Err(wrong_kind(&e.id, &format!("a vector of {} dimensions, not {dimensions},", e.vector.len())));
-                }
-                base.succeeded(&e.id);
-                vectors.values().append_slice(&e.vector);
-                vectors.append(true);
-                tokens.append_value(e.prompt_tokens);
-                e2e.append_value(e.e2e_s);
-            }
-            Outcome::Failed(crate::outcome::RowFailure { id, error, .. }) => {
-                base.errored(id, error);
-                vectors.values().append_slice(&vec![0.0; dimensions]);
-                vectors.append(false);
-                tokens.append_null();
-                e2e.append_null();
-            }
-            Outcome::Completed(c) => return Err(wrong_kind(&c.id, "a completion in an embedding job")),
-        }
-    }
-    let columns = base.finish(vec![Arc::new(vectors.finish()), Arc::new(tokens.finish()), Arc::new(e2e.finish())])?;
-    RecordBatch::try_new(schema, columns)
-}
-
-fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<RecordBatch, arrow::error::ArrowError> {
-    let n = rows.len();
-    let mut base = RowColumns::with_capacity(n);
-    let mut text = StringBuilder::new();
-    let mut finish = StringBuilder::with_capacity(n, n * 6);
-    let mut prompt_tokens = UInt32Builder::with_capacity(n);
-    let mut completion_tokens = UInt32Builder::with_capacity(n);
-    let mut queue = Float64Builder::with_capacity(n);
-    let mut ttft = Float64Builder::with_capacity(n);
-    let mut e2e = Float64Builder::with_capacity(n);
-    let mut tpot = Float64Builder::with_capacity(n);
-    for row in rows {
-        match row {
-            Outcome::Completed(c) => {
-                base.succeeded(&c.id);
-                let first = &c.choices[0];
-                // A scoring row generated no text.
-                text.append_option((first.finish_reason != FinishReason::Scored).then_some(&first.text));
-                finish.append_value(first.finish_reason.as_str());
-                prompt_tokens.append_value(c.prompt_tokens);
-                completion_tokens.append_value(c.completion_tokens());
-                queue.append_value(c.queue_s);
-                ttft.append_value(c.ttft_s);
-                e2e.append_value(c.e2e_s);
-                tpot.append_option(c.tpot_s);
-            }
-            Outcome::Failed(crate::outcome::RowFailure { id, error, .. }) => {
-                base.errored(id, error);
-                text.append_null();
-                finish.append_value(FinishReason::Error.as_str());
-                prompt_tokens.append_null();
-                completion_tokens.append_value(0);
-                queue.append_null();
-                ttft.append_null();
-                e2e.append_null();
-                tpot.append_null();
-            }
-            Outcome::Embedded(e) => return Err(wrong_kind(&e.id, "an embedding in a generation job")),
-        }
-    }
-    let columns = base.finish(vec![
-        Arc::new(text.finish()),
-        Arc::new(finish.finish()),
-        Arc::new(prompt_tokens.finish()),
-        Arc::new(completion_tokens.finish()),
-        Arc::new(queue.finish()),
-        Arc::new(ttft.finish()),
-        Arc::new(e2e.finish()),
-        Arc::new(tpot.finish()),
-    ])?;
-    // The nested columns through arrow's JSON decoder, which builds lists of structs from serde values.
-    let nested_fields: Vec<_> = schema.fields().iter().skip(columns.len()).cloned().collect();
-    let nested_schema = Arc::new(Schema::new(nested_fields));
-    let mut decoder = arrow::json::ReaderBuilder::new(nested_schema).with_batch_size(n.max(1)).build_decoder()?;
-    let values: Vec<serde_json::Value> = rows
-        .iter()
-        .map(|row| nested_json(match row {
-            Outcome::Completed(c) => Some(c),
-            _ => None,
-        }))
-        .collect();
-    decoder.serialize(&values)?;
-    let mut columns = columns;
-    match decoder.flush()? {
-        Some(nested) => columns.extend(nested.columns().iter().cloned()),
-        None => columns.extend(schema.fields().iter().skip(columns.len()).map(|f| arrow::array::new_empty_array(f.data_type()))),
-    }
-    RecordBatch::try_new(schema, columns)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn type_name(t: &DataType) -> String {
-        match t {
-            DataType::Struct(fields) => format!(
-                "Struct<{}>",
-                fields.iter().map(|f| format!("{}: {}", f.name(), type_name(f.data_type()))).collect::<Vec<_>>().join(", ")
-            ),
-            DataType::FixedSizeList(item, _) => format!("FixedSizeList<{}, dimensions>", type_name(item.data_type())),
-            DataType::List(item) => format!("List<{}>", type_name(item.data_type())),
-            other => format!("{other:?}"),
-        }
-    }
-
-    /// Fails when the code's schema and the documented one in `schemas/` disagree in names, types or nullability.
-    fn check(schema: &Schema, file: &str) {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schemas").join(file);
-        let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        let documented: Vec<(String, String, bool)> = doc["fields"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|f| {
-                assert!(!f["description"].as_str().unwrap_or_default().is_empty(), "{file}: {f} has no description");
-                (f["name"].as_str().unwrap().into(), f["type"].as_str().unwrap().into(), f["nullable"].as_bool().unwrap())
-            })
-            .collect();
-        let actual: Vec<(String, String, bool)> =
-            schema.fields().iter().map(|f| (f.name().clone(), type_name(f.data_type()), f.is_nullable())).collect();
-        assert_eq!(actual, documented, "schemas/{file} and the code disagree");
-    }
-
-    #[test]
-    fn results_schema_matches_schemas_dir() {
-        check(&results_schema(), "results.json");
-    }
-
-    #[test]
-    fn embeddings_schema_matches_schemas_dir() {
-        check(&embeddings_schema(384), "embeddings.json");
-    }
-
-    #[test]
-    fn metrics_schema_matches_schemas_dir() {
-        check(&metrics_schema(), "metrics.json");
     }
 }

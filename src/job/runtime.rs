@@ -1,0 +1,194 @@
+//! The `[runtime]` section: where and how wide the engine runs, and how much memory its KV cache may take.
+
+use serde::Deserialize;
+
+use super::file::{Invalid, Overrides};
+use super::JobError;
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RuntimeSection {
+    device: Option<String>,
+    max_seqs: Option<i64>,
+    max_batch_tokens: Option<i64>,
+    threads: Option<i64>,
+    drain_grace_s: Option<f64>,
+    kv_cache_memory: Option<MemoryValue>,
+}
+
+/// A size in a job file: bytes as an integer, or a string such as `"4GiB"`, `"512MB"` or `"40%"`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum MemoryValue {
+    Bytes(i64),
+    Text(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceChoice {
+    Auto,
+    Cpu,
+    Cuda(usize),
+}
+
+impl DeviceChoice {
+    /// `auto`, `cpu`, `cuda` (cuda:0) or `cuda:N`, as `runtime.device` and `--device` take it.
+    pub fn parse(text: &str) -> Result<DeviceChoice, String> {
+        match text {
+            "auto" => Ok(DeviceChoice::Auto),
+            "cpu" => Ok(DeviceChoice::Cpu),
+            "cuda" => Ok(DeviceChoice::Cuda(0)),
+            other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+                Some(n) => Ok(DeviceChoice::Cuda(n)),
+                None => Err(format!("must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\", got {other:?}")),
+            },
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct RuntimeSpec {
+    pub device: DeviceChoice,
+    /// Sequences decoded together in one step.
+    pub max_seqs: usize,
+    /// Prompt tokens prefilled in one step (several short prompts are packed together).
+    pub max_batch_tokens: usize,
+    /// CPU threads for the engine; `None` uses every core.
+    pub threads: Option<usize>,
+    /// After SIGTERM or SIGINT, how long running sequences may go on to finish their units.
+    pub drain_grace: std::time::Duration,
+    /// Memory for the KV cache: it bounds how many tokens all running sequences hold together.
+    pub kv_cache_memory: MemoryBudget,
+}
+
+/// How much memory a job may use for something.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MemoryBudget {
+    Bytes(u64),
+    /// A fraction of the memory available when the model has loaded (the cgroup's limit counts).
+    Fraction(f64),
+}
+
+impl MemoryBudget {
+    /// The KV cache's default: half of the memory available after the model has loaded.
+    pub const DEFAULT_KV: MemoryBudget = MemoryBudget::Fraction(0.5);
+
+    /// Parses `"4GiB"`, `"512 MiB"`, `"2GB"`, `"1000000"`, `"40%"` or `"auto"` (the KV cache's default).
+    pub fn parse(text: &str) -> Result<MemoryBudget, String> {
+        let t = text.trim();
+        if t == "auto" {
+            return Ok(MemoryBudget::DEFAULT_KV);
+        }
+        if let Some(p) = t.strip_suffix('%') {
+            return match p.trim().parse::<f64>() {
+                Ok(p) if p > 0.0 && p <= 100.0 => Ok(MemoryBudget::Fraction(p / 100.0)),
+                _ => Err(format!("must be a percentage in (0, 100], got {text:?}")),
+            };
+        }
+        let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+        let (number, unit) = (t[..split].trim(), t[split..].trim());
+        let scale: f64 = match unit.to_ascii_lowercase().as_str() {
+            "" | "b" => 1.0,
+            "k" | "kb" => 1e3,
+            "m" | "mb" => 1e6,
+            "g" | "gb" => 1e9,
+            "t" | "tb" => 1e12,
+            "kib" => 1024.0,
+            "mib" => 1024.0 * 1024.0,
+            "gib" => 1024.0 * 1024.0 * 1024.0,
+            "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+            _ => return Err(format!("has an unknown unit in {text:?} (use B, KB, MB, GB, KiB, MiB, GiB or a percentage)")),
+        };
+        match number.parse::<f64>() {
+            Ok(n) if n > 0.0 && (n * scale).is_finite() && n * scale >= 1.0 => Ok(MemoryBudget::Bytes((n * scale) as u64)),
+            _ => Err(format!("must be \"auto\", a positive size such as \"4GiB\" or a percentage such as \"40%\", got {text:?}")),
+        }
+    }
+
+    /// Bytes, given the memory available.
+    pub fn resolve(self, available: u64) -> u64 {
+        match self {
+            MemoryBudget::Bytes(b) => b,
+            MemoryBudget::Fraction(f) => (available as f64 * f) as u64,
+        }
+    }
+}
+
+impl Default for RuntimeSpec {
+    fn default() -> Self {
+        RuntimeSpec {
+            device: DeviceChoice::Auto,
+            max_seqs: 32,
+            max_batch_tokens: 2048,
+            threads: None,
+            drain_grace: std::time::Duration::from_secs(30),
+            kv_cache_memory: MemoryBudget::DEFAULT_KV,
+        }
+    }
+}
+
+impl RuntimeSpec {
+    /// The `[runtime]` section, each key checked, with `--max-seqs` taking precedence.
+    pub(super) fn from_section(r: RuntimeSection, overrides: &Overrides, invalid: Invalid) -> Result<RuntimeSpec, JobError> {
+        let defaults = RuntimeSpec::default();
+        let device = DeviceChoice::parse(r.device.as_deref().unwrap_or("auto")).map_err(|e| invalid("runtime.device", e))?;
+        let positive = |key: &'static str, v: Option<i64>, default: usize| -> Result<usize, JobError> {
+            match v {
+                None => Ok(default),
+                Some(n) if n >= 1 && n <= 1 << 20 => Ok(n as usize),
+                Some(n) => Err(invalid(key, format!("must be in 1..={}, got {n}", 1 << 20))),
+            }
+        };
+        let max_seqs = match overrides.max_seqs {
+            Some(0) => return Err(invalid("runtime.max_seqs", "must be at least 1, got 0".into())),
+            Some(n) => n,
+            None => positive("runtime.max_seqs", r.max_seqs, defaults.max_seqs)?,
+        };
+        Ok(RuntimeSpec {
+            device,
+            max_seqs,
+            max_batch_tokens: positive("runtime.max_batch_tokens", r.max_batch_tokens, defaults.max_batch_tokens)?,
+            threads: match r.threads {
+                None => None,
+                Some(n) => Some(positive("runtime.threads", Some(n), 1)?),
+            },
+            drain_grace: match r.drain_grace_s {
+                None => defaults.drain_grace,
+                Some(s) if s.is_finite() && (0.0..=86_400.0).contains(&s) => std::time::Duration::from_secs_f64(s),
+                Some(s) => return Err(invalid("runtime.drain_grace_s", format!("must be in 0..=86400 seconds, got {s}"))),
+            },
+            kv_cache_memory: match &r.kv_cache_memory {
+                None => defaults.kv_cache_memory,
+                Some(MemoryValue::Bytes(n)) if *n > 0 => MemoryBudget::Bytes(*n as u64),
+                Some(MemoryValue::Bytes(n)) => return Err(invalid("runtime.kv_cache_memory", format!("must be positive, got {n}"))),
+                Some(MemoryValue::Text(t)) => MemoryBudget::parse(t).map_err(|m| invalid("runtime.kv_cache_memory", m))?,
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{message, parse, MINIMAL};
+    use super::*;
+
+    #[test]
+    fn kv_cache_memory_takes_sizes_and_percentages() {
+        assert_eq!(MemoryBudget::parse("4GiB"), Ok(MemoryBudget::Bytes(4 << 30)));
+        assert_eq!(MemoryBudget::parse("512 MiB"), Ok(MemoryBudget::Bytes(512 << 20)));
+        assert_eq!(MemoryBudget::parse("1.5GB"), Ok(MemoryBudget::Bytes(1_500_000_000)));
+        assert_eq!(MemoryBudget::parse("40%"), Ok(MemoryBudget::Fraction(0.4)));
+        assert_eq!(MemoryBudget::parse("1000"), Ok(MemoryBudget::Bytes(1000)));
+        assert_eq!(MemoryBudget::parse("auto"), Ok(MemoryBudget::DEFAULT_KV));
+        for bad in ["", "0", "-3GB", "4 parsecs", "0%", "150%", "GiB"] {
+            assert!(MemoryBudget::parse(bad).is_err(), "{bad}");
+        }
+        let job = parse(&format!("{MINIMAL}\n[runtime]\nkv_cache_memory = \"2GiB\"")).unwrap();
+        assert_eq!(job.runtime.kv_cache_memory, MemoryBudget::Bytes(2 << 30));
+        let job = parse(&format!("{MINIMAL}\n[runtime]\nkv_cache_memory = 123456")).unwrap();
+        assert_eq!(job.runtime.kv_cache_memory, MemoryBudget::Bytes(123456));
+        let m = message(&format!("{MINIMAL}\n[runtime]\nkv_cache_memory = \"lots\""));
+        assert!(m.contains("runtime.kv_cache_memory"), "{m}");
+        assert_eq!(MemoryBudget::Fraction(0.5).resolve(1000), 500);
+    }
+}
