@@ -4,8 +4,9 @@
 //! [`PARAMETERS`], from which the source checks per-row columns and the sink builds the results' `params` column.
 //!
 //! A new parameter takes three edits: its entry in the table, its type in the `params` column of
-//! `schemas/results.json` (a test in `sink` checks that file against [`PARAMETERS`]), and its row in the README's
-//! table of generation parameters (a test here checks that every parameter has one). Using it is the engine's
+//! `schemas/results.json` (a test in `sink` checks that file against [`PARAMETERS`];
+//! `NIGHTSHIFT_BLESS_SCHEMAS=1 cargo test --lib sink::schema` rewrites it), and its row in the README's table of
+//! generation parameters (a test here checks that every parameter has one). Using it is the engine's
 //! business; so is adding it to [`SEQ2SEQ_UNSUPPORTED`] when the seq2seq engine does not implement it.
 
 use super::{JobError, JobKind};

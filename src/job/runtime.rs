@@ -135,7 +135,7 @@ impl RuntimeSpec {
         let positive = |key: &'static str, v: Option<i64>, default: usize| -> Result<usize, JobError> {
             match v {
                 None => Ok(default),
-                Some(n) if n >= 1 && n <= 1 << 20 => Ok(n as usize),
+                Some(n) if (1..=1 << 20).contains(&n) => Ok(n as usize),
                 Some(n) => Err(invalid(key, format!("must be in 1..={}, got {n}", 1 << 20))),
             }
         };
