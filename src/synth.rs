@@ -13,30 +13,82 @@
 //! kernels on hosts that cannot receive a real GGUF: q and k rows permuted as llama.cpp's converter does for its
 //! adjacent-pair RoPE, the tokenizer in GGUF metadata. (Llama 3's RoPE scaling is left out: GGUF carries it as a
 //! `rope_freqs` tensor, which nightshift's GGUF loader does not read, so such a file runs plain RoPE.)
+//!
+//! The tests' tiny models come from here too, through a [`Spec`]: the other families nightshift loads (mistral,
+//! qwen2 with its biases, qwen3 with its q/k norms), a vocabulary with merges, and weights drawn so that every one
+//! of them shows in the logits ([`Init::Peaked`]), written as a directory ([`write_hf`]) or one GGUF file
+//! ([`write_gguf`]).
 
 use std::collections::HashMap;
 use std::path::Path;
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use serde_json::json;
 
 use crate::error::Error;
 use crate::tokenize::VocabMetadata;
 
+/// A checkpoint family: Hugging Face's `model_type`, and what each adds to llama's layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    /// Llama 2 and 3, SmolLM.
+    Llama,
+    /// Llama's layers and a sliding window, written as long as the context (full attention).
+    Mistral,
+    /// Biases on q, k and v; a sliding window, off.
+    Qwen2,
+    /// Per-head RMSNorm of q and k before RoPE; a sliding window, off.
+    Qwen3,
+}
+
+impl Family {
+    fn model_type(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Mistral => "mistral",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+        }
+    }
+
+    fn class(self) -> &'static str {
+        match self {
+            Family::Llama => "LlamaForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
+            Family::Qwen2 => "Qwen2ForCausalLM",
+            Family::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+}
+
+/// Llama 3's RoPE scaling (`rope_type = "llama3"`, low and high frequency factors 1 and 4): wavelengths longer
+/// than `original_context` / 1 are stretched by `factor`, those shorter than `original_context` / 4 kept, the
+/// ones between interpolated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Llama3Rope {
+    pub factor: u32,
+    pub original_context: usize,
+}
+
 /// The shape of a llama-family decoder.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Shape {
     pub name: &'static str,
+    pub family: Family,
     pub hidden: usize,
     pub layers: usize,
     pub heads: usize,
     pub kv_heads: usize,
+    /// `hidden / heads` in llama; some mistral and qwen3 models have heads of another width.
+    pub head_dim: usize,
     pub intermediate: usize,
+    /// Rows of the embedding: the tokenizer's tokens, or more (see [`Vocabulary::size`]).
     pub vocab: usize,
     pub context: usize,
     pub rope_theta: u32,
-    /// Llama 3's RoPE scaling (factor 32 from 8192 positions), as Llama 3.2 declares it.
-    pub llama3_rope: bool,
+    pub rope_scaling: Option<Llama3Rope>,
     pub tied: bool,
 }
 
@@ -45,43 +97,49 @@ pub const SHAPES: &[Shape] = &[
     // meta-llama/Llama-3.2-1B: 1.24 B parameters.
     Shape {
         name: "llama-3.2-1b",
+        family: Family::Llama,
         hidden: 2048,
         layers: 16,
         heads: 32,
         kv_heads: 8,
+        head_dim: 64,
         intermediate: 8192,
         vocab: 128256,
         context: 131072,
         rope_theta: 500000,
-        llama3_rope: true,
+        rope_scaling: Some(Llama3Rope { factor: 32, original_context: 8192 }),
         tied: true,
     },
     // HuggingFaceTB/SmolLM2-135M-Instruct: the CPU tests' model.
     Shape {
         name: "smollm2-135m",
+        family: Family::Llama,
         hidden: 576,
         layers: 30,
         heads: 9,
         kv_heads: 3,
+        head_dim: 64,
         intermediate: 1536,
         vocab: 49152,
         context: 8192,
         rope_theta: 100000,
-        llama3_rope: false,
+        rope_scaling: None,
         tied: true,
     },
     // A few megabytes, for tests.
     Shape {
         name: "tiny",
+        family: Family::Llama,
         hidden: 128,
         layers: 2,
         heads: 4,
         kv_heads: 2,
+        head_dim: 32,
         intermediate: 256,
         vocab: 512,
         context: 1024,
         rope_theta: 10000,
-        llama3_rope: false,
+        rope_scaling: None,
         tied: false,
     },
 ];
@@ -94,14 +152,12 @@ impl Shape {
         })
     }
 
-    pub fn head_dim(&self) -> usize {
-        self.hidden / self.heads
-    }
-
-    /// Parameters, embeddings included (once when tied).
+    /// Parameters, embeddings included (once when tied), biases and q/k norms included.
     pub fn parameters(&self) -> usize {
-        let (d, kv) = (self.hidden, self.kv_heads * self.head_dim());
-        let layer = 2 * d * d + 2 * d * kv + 3 * d * self.intermediate + 2 * d;
+        let (d, q, kv) = (self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim);
+        let biases = if self.family == Family::Qwen2 { q + 2 * kv } else { 0 };
+        let qk_norms = if self.family == Family::Qwen3 { 2 * self.head_dim } else { 0 };
+        let layer = 2 * d * q + 2 * d * kv + 3 * d * self.intermediate + 2 * d + biases + qk_norms;
         self.vocab * d * if self.tied { 1 } else { 2 } + self.layers * layer + d
     }
 }
@@ -110,11 +166,110 @@ impl Shape {
 const CHATML: &str = "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 
+/// A synthetic tokenizer: byte-level BPE with GPT-2's 256 byte tokens, a token for each merge, ChatML's special
+/// tokens (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, as control tokens), then filler tokens up to `size`
+/// (reachable only by sampling, never by tokenizing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Vocabulary {
+    /// BPE merges as tokenizer.json writes them (`"Ġ t"`), in priority order. None: a prompt is one token per byte.
+    pub merges: &'static [&'static str],
+    /// Tokens in all: at most the shape's vocabulary, whose rows past it no token names (as in the padded
+    /// vocabularies of Qwen2 checkpoints).
+    pub size: usize,
+    /// Whether the tokenizer adds `<|endoftext|>` before a prompt, as Llama 3's adds its BOS. Without it a prompt
+    /// starts with its chat template's first token, as ChatML models' do.
+    pub add_bos: bool,
+}
+
+impl Vocabulary {
+    /// The id of one of [`SPECIALS`].
+    fn special(&self, token: &str) -> u32 {
+        let index = SPECIALS.iter().position(|s| *s == token).expect("a ChatML special token");
+        (256 + self.merges.len() + index) as u32
+    }
+
+    /// The vocabulary as a tokenizer's metadata: byte tokens (GPT-2's byte-to-character mapping), merged tokens,
+    /// the special tokens, then fillers.
+    fn metadata(&self) -> Result<VocabMetadata, Error> {
+        let named = 256 + self.merges.len() + SPECIALS.len();
+        if self.size < named {
+            return Err(Error::Internal(format!("a vocabulary of {} tokens is smaller than its {named} named tokens", self.size)));
+        }
+        let mut tokens = Vec::with_capacity(self.size);
+        let mut next = 256u32;
+        for b in 0u32..256 {
+            let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+            let c = if printable {
+                b
+            } else {
+                next += 1;
+                next - 1
+            };
+            tokens.push(char::from_u32(c).expect("below U+0200").to_string());
+        }
+        tokens.extend(self.merges.iter().map(|m| m.replace(' ', "")));
+        tokens.extend(SPECIALS.iter().map(|s| s.to_string()));
+        while tokens.len() < self.size {
+            tokens.push(format!("<|filler_{}|>", tokens.len()));
+        }
+        let mut token_types = vec![1i32; self.size];
+        let specials = 256 + self.merges.len();
+        token_types[specials..specials + SPECIALS.len()].fill(crate::tokenize::vocab::TOKEN_TYPE_CONTROL);
+        let merges = self.merges.iter().map(|m| m.to_string()).collect();
+        Ok(VocabMetadata { kind: "gpt2".into(), pre: Some("gpt2".into()), tokens, token_types, merges, ..Default::default() })
+    }
+}
+
+/// How the random weights are drawn (uniform, by [`Random`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Init {
+    /// As Hugging Face initialises a model (uniform with about its 0.02 standard deviation; norm weights 1, biases
+    /// 0), so activations keep their scale through the layers. For benchmarks, where only shapes matter.
+    Hf,
+    /// Every weight shows in the logits, and the logits are peaked: embeddings in ±1, each matrix in
+    /// ±1/sqrt(its input width) (the output projection four times that), norm weights in 1 ± 0.2 (q/k norms
+    /// 1 ± 0.5), biases in ±0.5. For tests that hold one implementation against another: a norm weight or bias
+    /// that one of them drops changes the logits, and greedy tokens do not hang on near-ties.
+    Peaked,
+}
+
+/// A synthetic model, whole: the same spec writes the same bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Spec {
+    pub shape: Shape,
+    pub vocabulary: Vocabulary,
+    /// The weights' type in model.safetensors: bf16, f16 or f32. A GGUF is quantized from these values.
+    pub dtype: DType,
+    pub init: Init,
+    /// The generator's starting state ([`Random::new`]).
+    pub seed: u64,
+}
+
+impl Spec {
+    /// What `synth-model` writes: `shape` with the byte-level vocabulary filling it, Hugging Face's initialisation,
+    /// and `seed` spread over the generator's state (so seeds 0, 1, 2 give unrelated weights).
+    pub fn new(shape: &Shape, dtype: DType, seed: u64) -> Spec {
+        Spec {
+            shape: *shape,
+            vocabulary: Vocabulary { merges: &[], size: shape.vocab, add_bos: false },
+            dtype,
+            init: Init::Hf,
+            seed: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        }
+    }
+}
+
 /// Uniform values in [-scale, scale) from xorshift64: fast, and the same for a seed on every machine.
-struct Random(u64);
+pub struct Random(u64);
 
 impl Random {
-    fn tensor(&mut self, dims: &[usize], scale: f32, dtype: DType) -> Result<Tensor, Error> {
+    /// A generator starting from `seed` (made odd: xorshift needs a state that is not zero).
+    pub fn new(seed: u64) -> Random {
+        Random(seed | 1)
+    }
+
+    /// An f32 tensor of `dims`, the generator's next values in row-major order.
+    pub fn tensor(&mut self, dims: &[usize], scale: f32) -> Result<Tensor, Error> {
         let n: usize = dims.iter().product();
         let mut values = Vec::with_capacity(n);
         for _ in 0..n {
@@ -123,58 +278,160 @@ impl Random {
             self.0 ^= self.0 << 17;
             values.push(((self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale);
         }
-        let t = Tensor::from_vec(values, dims, &Device::Cpu).and_then(|t| t.to_dtype(dtype));
-        t.map_err(|e| Error::Internal(format!("cannot build a random tensor: {e}")))
+        Tensor::from_vec(values, dims, &Device::Cpu).map_err(|e| Error::Internal(format!("cannot build a random tensor: {e}")))
     }
 }
 
-/// The vocabulary: byte tokens (GPT-2's byte-to-character mapping), the special tokens, then fillers.
-fn vocabulary(size: usize) -> Result<VocabMetadata, Error> {
-    if size < 256 + SPECIALS.len() {
-        return Err(Error::Internal(format!("a vocabulary of {size} tokens is smaller than the byte tokens and specials")));
+/// Draws a spec's tensors in its order, each as its [`Init`] says, and converts them to its dtype.
+struct Draw {
+    random: Random,
+    init: Init,
+    dtype: DType,
+}
+
+impl Draw {
+    fn finish(&self, t: candle_core::Result<Tensor>) -> Result<Tensor, Error> {
+        t.and_then(|t| t.to_dtype(self.dtype)).map_err(|e| Error::Internal(format!("cannot build a random tensor: {e}")))
     }
-    let mut tokens = Vec::with_capacity(size);
-    let mut next = 256u32;
-    for b in 0u32..256 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-        let c = if printable {
-            b
-        } else {
-            next += 1;
-            next - 1
+
+    /// Uniform in ±`peaked` (ignored by Hugging Face's initialisation).
+    fn uniform(&mut self, dims: &[usize], peaked: f32) -> Result<Tensor, Error> {
+        let scale = match self.init {
+            Init::Hf => 0.02 * 3f32.sqrt(),
+            Init::Peaked => peaked,
         };
-        tokens.push(char::from_u32(c).expect("below U+0200").to_string());
+        let t = self.random.tensor(dims, scale)?;
+        self.finish(Ok(t))
     }
-    tokens.extend(SPECIALS.iter().map(|s| s.to_string()));
-    while tokens.len() < size {
-        tokens.push(format!("<|filler_{}|>", tokens.len()));
+
+    /// A `rows` x `columns` projection, `gain` / sqrt(columns) wide when peaked.
+    fn matrix(&mut self, rows: usize, columns: usize, gain: f32) -> Result<Tensor, Error> {
+        self.uniform(&[rows, columns], gain * (1.0 / (columns as f32).sqrt()))
     }
-    let mut token_types = vec![1i32; size];
-    token_types[256..256 + SPECIALS.len()].fill(crate::tokenize::vocab::TOKEN_TYPE_CONTROL);
-    Ok(VocabMetadata { kind: "gpt2".into(), pre: Some("gpt2".into()), tokens, token_types, ..Default::default() })
+
+    /// A norm weight: 1 ± `spread` when peaked, else 1.
+    fn norm(&mut self, n: usize, spread: f32) -> Result<Tensor, Error> {
+        let t = match self.init {
+            Init::Hf => Tensor::ones(n, DType::F32, &Device::Cpu),
+            Init::Peaked => self.random.tensor(&[n], spread)?.affine(1.0, 1.0),
+        };
+        self.finish(t)
+    }
+
+    /// A bias: ±0.5 when peaked, else 0.
+    fn bias(&mut self, n: usize) -> Result<Tensor, Error> {
+        match self.init {
+            Init::Hf => self.finish(Tensor::zeros(n, DType::F32, &Device::Cpu)),
+            Init::Peaked => self.uniform(&[n], 0.5),
+        }
+    }
+}
+
+/// A spec's weights under their Hugging Face names, in its dtype.
+fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
+    let shape = &spec.shape;
+    let (d, hd, ff) = (shape.hidden, shape.head_dim, shape.intermediate);
+    let (q, kv) = (shape.heads * hd, shape.kv_heads * hd);
+    let mut draw = Draw { random: Random::new(spec.seed), init: spec.init, dtype: spec.dtype };
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    tensors.insert("model.embed_tokens.weight".into(), draw.uniform(&[shape.vocab, d], 1.0)?);
+    for i in 0..shape.layers {
+        let p = format!("model.layers.{i}");
+        tensors.insert(format!("{p}.input_layernorm.weight"), draw.norm(d, 0.2)?);
+        tensors.insert(format!("{p}.post_attention_layernorm.weight"), draw.norm(d, 0.2)?);
+        tensors.insert(format!("{p}.self_attn.q_proj.weight"), draw.matrix(q, d, 1.0)?);
+        tensors.insert(format!("{p}.self_attn.k_proj.weight"), draw.matrix(kv, d, 1.0)?);
+        tensors.insert(format!("{p}.self_attn.v_proj.weight"), draw.matrix(kv, d, 1.0)?);
+        tensors.insert(format!("{p}.self_attn.o_proj.weight"), draw.matrix(d, q, 1.0)?);
+        if shape.family == Family::Qwen2 {
+            tensors.insert(format!("{p}.self_attn.q_proj.bias"), draw.bias(q)?);
+            tensors.insert(format!("{p}.self_attn.k_proj.bias"), draw.bias(kv)?);
+            tensors.insert(format!("{p}.self_attn.v_proj.bias"), draw.bias(kv)?);
+        }
+        if shape.family == Family::Qwen3 {
+            tensors.insert(format!("{p}.self_attn.q_norm.weight"), draw.norm(hd, 0.5)?);
+            tensors.insert(format!("{p}.self_attn.k_norm.weight"), draw.norm(hd, 0.5)?);
+        }
+        tensors.insert(format!("{p}.mlp.gate_proj.weight"), draw.matrix(ff, d, 1.0)?);
+        tensors.insert(format!("{p}.mlp.up_proj.weight"), draw.matrix(ff, d, 1.0)?);
+        tensors.insert(format!("{p}.mlp.down_proj.weight"), draw.matrix(d, ff, 1.0)?);
+    }
+    tensors.insert("model.norm.weight".into(), draw.norm(d, 0.2)?);
+    if !shape.tied {
+        tensors.insert("lm_head.weight".into(), draw.matrix(shape.vocab, d, 4.0)?);
+    }
+    Ok(tensors)
 }
 
 /// Writes the model in `dir` (written by [`synth_model`]) as `dir/model-<type>.gguf`, its matrices quantized to
 /// `quant` (in parallel), norms in f32. Returns the file's path and size.
-pub fn synth_gguf(dir: &Path, quant: candle_core::quantized::GgmlDType) -> Result<(std::path::PathBuf, u64), Error> {
-    use candle_core::quantized::gguf_file::Value;
-    use candle_core::quantized::{GgmlDType, QTensor};
-    use rayon::prelude::*;
+pub fn synth_gguf(dir: &Path, quant: GgmlDType) -> Result<(std::path::PathBuf, u64), Error> {
     let fail = |e: &dyn std::fmt::Display| Error::Internal(format!("cannot write a GGUF of `{}`: {e}", dir.display()));
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).map_err(|e| fail(&e))?).map_err(|e| fail(&e))?;
     let get = |key: &str| config[key].as_u64().map(|v| v as usize).ok_or_else(|| fail(&format!("config.json has no `{key}`")));
-    let (d, layers, heads, kv_heads, ffn, vocab, context) = (
-        get("hidden_size")?,
-        get("num_hidden_layers")?,
-        get("num_attention_heads")?,
-        get("num_key_value_heads")?,
-        get("intermediate_size")?,
-        get("vocab_size")?,
-        get("max_position_embeddings")?,
-    );
-    let hd = d / heads;
+    let (hidden, heads) = (get("hidden_size")?, get("num_attention_heads")?);
     let weights = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).map_err(|e| fail(&e))?;
+    let shape = Shape {
+        name: "synthetic",
+        family: Family::Llama,
+        hidden,
+        layers: get("num_hidden_layers")?,
+        heads,
+        kv_heads: get("num_key_value_heads")?,
+        head_dim: hidden / heads,
+        intermediate: get("intermediate_size")?,
+        vocab: get("vocab_size")?,
+        context: get("max_position_embeddings")?,
+        rope_theta: config["rope_theta"].as_f64().unwrap_or(10_000.0) as u32,
+        rope_scaling: None,
+        tied: !weights.contains_key("lm_head.weight"),
+    };
+    let model = GgufModel {
+        name: format!("synthetic {}", config["_name_or_path"].as_str().unwrap_or("llama")),
+        shape: &shape,
+        rms_eps: config["rms_norm_eps"].as_f64().unwrap_or(1e-5) as f32,
+        vocabulary: Vocabulary { merges: &[], size: shape.vocab, add_bos: false },
+    };
+    let path = dir.join(format!("model-{}.gguf", format!("{quant:?}").to_lowercase()));
+    let bytes = write_gguf_file(&path, &model, &weights, quant).map_err(|e| fail(&e))?;
+    Ok((path, bytes))
+}
+
+/// Writes `spec`'s model as one GGUF file at `path`: the weights [`write_hf`] writes for the same spec (through its
+/// dtype), matrices quantized to `quant`, norms in f32, q and k permuted and the RoPE scaling left out as for
+/// [`synth_gguf`]. Only llama shapes whose heads are `hidden / heads` wide: GGUF's llama has no biases or q/k norms.
+/// Returns the file's size.
+pub fn write_gguf(path: &Path, spec: &Spec, quant: GgmlDType) -> Result<u64, Error> {
+    let shape = &spec.shape;
+    if shape.family != Family::Llama || shape.head_dim * shape.heads != shape.hidden {
+        return Err(Error::Internal(format!(
+            "a GGUF is written for llama shapes with heads of hidden / heads, not {:?} with heads of {}",
+            shape.family, shape.head_dim
+        )));
+    }
+    let model = GgufModel { name: format!("synthetic {}", shape.name), shape, rms_eps: 1e-5, vocabulary: spec.vocabulary };
+    write_gguf_file(path, &model, &weights(spec)?, quant)
+        .map_err(|e| Error::Internal(format!("cannot write the GGUF `{}`: {e}", path.display())))
+}
+
+/// What a GGUF file says of its model besides the weights.
+struct GgufModel<'a> {
+    name: String,
+    shape: &'a Shape,
+    rms_eps: f32,
+    vocabulary: Vocabulary,
+}
+
+/// Writes Hugging Face-named llama weights as GGUF: matrices quantized to `quant` (in parallel), norms in f32, q and
+/// k rows permuted for adjacent-pair RoPE. Returns the file's size.
+fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Tensor>, quant: GgmlDType) -> Result<u64, Error> {
+    use candle_core::quantized::gguf_file::Value;
+    use candle_core::quantized::QTensor;
+    use rayon::prelude::*;
+    let fail = |e: &dyn std::fmt::Display| Error::Internal(e.to_string());
+    let shape = model.shape;
+    let hd = shape.head_dim;
     let tensor = |name: &str| -> Result<Tensor, Error> {
         weights.get(name).ok_or_else(|| fail(&format!("no tensor `{name}`")))?.to_dtype(DType::F32).map_err(|e| fail(&e))
     };
@@ -188,7 +445,7 @@ pub fn synth_gguf(dir: &Path, quant: candle_core::quantized::GgmlDType) -> Resul
     if weights.contains_key("lm_head.weight") {
         dense.push(("output.weight".into(), tensor("lm_head.weight")?, quant));
     }
-    for i in 0..layers {
+    for i in 0..shape.layers {
         let p = |s: &str| format!("model.layers.{i}.{s}");
         let b = |s: &str| format!("blk.{i}.{s}.weight");
         dense.push((b("attn_norm"), tensor(&p("input_layernorm.weight"))?, GgmlDType::F32));
@@ -206,39 +463,37 @@ pub fn synth_gguf(dir: &Path, quant: candle_core::quantized::GgmlDType) -> Resul
         .map(|(name, t, q)| QTensor::quantize(&t, q).map(|t| (name, t)))
         .collect::<candle_core::Result<_>>()
         .map_err(|e| fail(&e))?;
-    let vocabulary = vocabulary(vocab)?;
+    let vocabulary = model.vocabulary.metadata()?;
     let strings = |v: &[String]| Value::Array(v.iter().map(|s| Value::String(s.clone())).collect());
     let u32_of = |v: usize| Value::U32(v as u32);
     let metadata: Vec<(&str, Value)> = vec![
         ("general.architecture", Value::String("llama".into())),
-        ("general.name", Value::String(format!("synthetic {}", config["_name_or_path"].as_str().unwrap_or("llama")))),
-        ("llama.context_length", u32_of(context)),
-        ("llama.embedding_length", u32_of(d)),
-        ("llama.block_count", u32_of(layers)),
-        ("llama.feed_forward_length", u32_of(ffn)),
-        ("llama.attention.head_count", u32_of(heads)),
-        ("llama.attention.head_count_kv", u32_of(kv_heads)),
-        ("llama.attention.layer_norm_rms_epsilon", Value::F32(config["rms_norm_eps"].as_f64().unwrap_or(1e-5) as f32)),
-        ("llama.rope.freq_base", Value::F32(config["rope_theta"].as_f64().unwrap_or(10_000.0) as f32)),
+        ("general.name", Value::String(model.name.clone())),
+        ("llama.context_length", u32_of(shape.context)),
+        ("llama.embedding_length", u32_of(shape.hidden)),
+        ("llama.block_count", u32_of(shape.layers)),
+        ("llama.feed_forward_length", u32_of(shape.intermediate)),
+        ("llama.attention.head_count", u32_of(shape.heads)),
+        ("llama.attention.head_count_kv", u32_of(shape.kv_heads)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(model.rms_eps)),
+        ("llama.rope.freq_base", Value::F32(shape.rope_theta as f32)),
         ("tokenizer.ggml.model", Value::String(vocabulary.kind.clone())),
         ("tokenizer.ggml.pre", Value::String(vocabulary.pre.clone().unwrap_or_default())),
         ("tokenizer.ggml.tokens", strings(&vocabulary.tokens)),
         ("tokenizer.ggml.token_type", Value::Array(vocabulary.token_types.iter().map(|&t| Value::I32(t)).collect())),
-        ("tokenizer.ggml.merges", Value::Array(Vec::new())),
-        ("tokenizer.ggml.bos_token_id", Value::U32(256)),
-        ("tokenizer.ggml.eos_token_id", Value::U32(258)),
-        ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
+        ("tokenizer.ggml.merges", strings(&vocabulary.merges)),
+        ("tokenizer.ggml.bos_token_id", Value::U32(model.vocabulary.special("<|endoftext|>"))),
+        ("tokenizer.ggml.eos_token_id", Value::U32(model.vocabulary.special("<|im_end|>"))),
+        ("tokenizer.ggml.add_bos_token", Value::Bool(model.vocabulary.add_bos)),
         ("tokenizer.chat_template", Value::String(CHATML.into())),
     ];
-    let path = dir.join(format!("model-{}.gguf", format!("{quant:?}").to_lowercase()));
-    let mut file = std::io::BufWriter::new(std::fs::File::create(&path).map_err(|e| fail(&e))?);
+    let mut file = std::io::BufWriter::new(std::fs::File::create(path).map_err(|e| fail(&e))?);
     let meta: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
     let tensors: Vec<(&str, &QTensor)> = quantized.iter().map(|(k, v)| (k.as_str(), v)).collect();
     candle_core::quantized::gguf_file::write(&mut file, &meta, &tensors).map_err(|e| fail(&e))?;
     std::io::Write::flush(&mut file).map_err(|e| fail(&e))?;
     drop(file);
-    let bytes = std::fs::metadata(&path).map_err(|e| fail(&e))?.len();
-    Ok((path, bytes))
+    std::fs::metadata(path).map(|m| m.len()).map_err(|e| fail(&e))
 }
 
 /// What was written.
@@ -254,69 +509,71 @@ pub struct SynthReport {
 /// Writes a random-weight model of `shape` into `dir` (created if needed).
 pub fn synth_model(dir: &Path, shape: &Shape, dtype: DType, seed: u64) -> Result<SynthReport, Error> {
     let started = std::time::Instant::now();
+    let spec = Spec::new(shape, dtype, seed);
+    let bytes = write_hf(dir, &spec)?;
+    let dtype = dtype_name(dtype)?;
+    Ok(SynthReport { shape: *shape, dtype: dtype.into(), parameters: shape.parameters(), bytes, seconds: started.elapsed().as_secs_f64() })
+}
+
+/// config.json's name of a dtype synth writes.
+fn dtype_name(dtype: DType) -> Result<&'static str, Error> {
+    match dtype {
+        DType::BF16 => Ok("bfloat16"),
+        DType::F16 => Ok("float16"),
+        DType::F32 => Ok("float32"),
+        other => Err(Error::Internal(format!("synth-model writes bf16, f16 or f32 weights, not {other:?}"))),
+    }
+}
+
+/// Writes `spec`'s model into `dir` (created if needed) as a Hugging Face directory. Returns the size of
+/// model.safetensors.
+pub fn write_hf(dir: &Path, spec: &Spec) -> Result<u64, Error> {
     let io = |what: &str, e: &dyn std::fmt::Display| Error::Internal(format!("cannot write {what} in `{}`: {e}", dir.display()));
     std::fs::create_dir_all(dir).map_err(|e| io("the directory", &e))?;
-    let dtype_name = match dtype {
-        DType::BF16 => "bfloat16",
-        DType::F16 => "float16",
-        DType::F32 => "float32",
-        other => return Err(Error::Internal(format!("synth-model writes bf16, f16 or f32 weights, not {other:?}"))),
-    };
-    let (bos, eos) = (256u32, 258u32);
+    let (shape, vocabulary) = (&spec.shape, &spec.vocabulary);
+    let dtype_name = dtype_name(spec.dtype)?;
+    if vocabulary.size > shape.vocab {
+        return Err(Error::Internal(format!("a tokenizer of {} tokens does not fit a vocabulary of {}", vocabulary.size, shape.vocab)));
+    }
+    let (bos, eos) = (vocabulary.special("<|endoftext|>"), vocabulary.special("<|im_end|>"));
     let mut config = json!({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.hidden,
+        "architectures": [shape.family.class()], "model_type": shape.family.model_type(), "hidden_size": shape.hidden,
         "intermediate_size": shape.intermediate, "num_hidden_layers": shape.layers,
-        "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim(),
+        "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
         "max_position_embeddings": shape.context, "vocab_size": shape.vocab, "rms_norm_eps": 1e-5,
         "rope_theta": shape.rope_theta as f64, "hidden_act": "silu", "tie_word_embeddings": shape.tied,
         "attention_bias": false, "mlp_bias": false, "bos_token_id": bos, "eos_token_id": eos,
         "torch_dtype": dtype_name,
     });
-    if shape.llama3_rope {
-        config["rope_scaling"] = json!({"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+    if let Some(rope) = shape.rope_scaling {
+        config["rope_scaling"] = json!({"rope_type": "llama3", "factor": rope.factor as f64, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": rope.original_context});
+    }
+    match shape.family {
+        Family::Llama => {}
+        Family::Mistral => config["sliding_window"] = shape.context.into(),
+        Family::Qwen2 | Family::Qwen3 => {
+            config["sliding_window"] = shape.context.into();
+            config["use_sliding_window"] = false.into();
+            config["max_window_layers"] = shape.layers.into();
+        }
     }
     let write_json = |name: &str, value: &serde_json::Value| {
         std::fs::write(dir.join(name), serde_json::to_string_pretty(value).expect("JSON serialises")).map_err(|e| io(name, &e))
     };
     write_json("config.json", &config)?;
     write_json("generation_config.json", &json!({"bos_token_id": bos, "eos_token_id": eos}))?;
+    let bos_token = if vocabulary.add_bos { json!(SPECIALS[0]) } else { serde_json::Value::Null };
     write_json(
         "tokenizer_config.json",
-        &json!({"bos_token": null, "add_bos_token": false, "eos_token": "<|im_end|>", "chat_template": CHATML}),
+        &json!({"bos_token": bos_token, "add_bos_token": vocabulary.add_bos, "eos_token": "<|im_end|>", "chat_template": CHATML}),
     )?;
-    let tokenizer = crate::tokenize::vocab::build(&vocabulary(shape.vocab)?)?;
+    let tokenizer = crate::tokenize::vocab::build(&vocabulary.metadata()?)?;
     tokenizer.save(dir.join("tokenizer.json"), false).map_err(|e| io("tokenizer.json", &e))?;
 
-    // Weights as Hugging Face initialises them (uniform with about its 0.02 standard deviation; norms 1), so
-    // activations keep their scale through the layers.
-    let mut rng = Random(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-    let (d, hd) = (shape.hidden, shape.head_dim());
-    let (q, kv) = (shape.heads * hd, shape.kv_heads * hd);
-    let s = 0.02 * 3f32.sqrt();
-    let ones = |n: usize| Tensor::ones(n, dtype, &Device::Cpu).map_err(|e| Error::Internal(e.to_string()));
-    let mut tensors: HashMap<String, Tensor> = HashMap::new();
-    tensors.insert("model.embed_tokens.weight".into(), rng.tensor(&[shape.vocab, d], s, dtype)?);
-    for i in 0..shape.layers {
-        let p = format!("model.layers.{i}");
-        tensors.insert(format!("{p}.input_layernorm.weight"), ones(d)?);
-        tensors.insert(format!("{p}.post_attention_layernorm.weight"), ones(d)?);
-        tensors.insert(format!("{p}.self_attn.q_proj.weight"), rng.tensor(&[q, d], s, dtype)?);
-        tensors.insert(format!("{p}.self_attn.k_proj.weight"), rng.tensor(&[kv, d], s, dtype)?);
-        tensors.insert(format!("{p}.self_attn.v_proj.weight"), rng.tensor(&[kv, d], s, dtype)?);
-        tensors.insert(format!("{p}.self_attn.o_proj.weight"), rng.tensor(&[d, q], s, dtype)?);
-        tensors.insert(format!("{p}.mlp.gate_proj.weight"), rng.tensor(&[shape.intermediate, d], s, dtype)?);
-        tensors.insert(format!("{p}.mlp.up_proj.weight"), rng.tensor(&[shape.intermediate, d], s, dtype)?);
-        tensors.insert(format!("{p}.mlp.down_proj.weight"), rng.tensor(&[d, shape.intermediate], s, dtype)?);
-    }
-    tensors.insert("model.norm.weight".into(), ones(d)?);
-    if !shape.tied {
-        tensors.insert("lm_head.weight".into(), rng.tensor(&[shape.vocab, d], s, dtype)?);
-    }
-    let weights = dir.join("model.safetensors");
-    candle_core::safetensors::save(&tensors, &weights).map_err(|e| io("model.safetensors", &e))?;
-    let bytes = std::fs::metadata(&weights).map_err(|e| io("model.safetensors", &e))?.len();
-    Ok(SynthReport { shape: *shape, dtype: dtype_name.into(), parameters: shape.parameters(), bytes, seconds: started.elapsed().as_secs_f64() })
+    let weights_path = dir.join("model.safetensors");
+    candle_core::safetensors::save(&weights(spec)?, &weights_path).map_err(|e| io("model.safetensors", &e))?;
+    std::fs::metadata(&weights_path).map(|m| m.len()).map_err(|e| io("model.safetensors", &e))
 }
 
 #[cfg(test)]
@@ -328,7 +585,7 @@ mod tests {
         let s = Shape::named("llama-3.2-1b").unwrap();
         // Llama-3.2-1B's published size: 1,235,814,400 parameters (tied embeddings).
         assert_eq!(s.parameters(), 1_235_814_400);
-        assert_eq!(s.head_dim(), 64);
+        assert_eq!(s.head_dim, 64);
         assert!(Shape::named("gpt-5").unwrap_err().to_string().contains("llama-3.2-1b"));
     }
 
@@ -365,5 +622,29 @@ mod tests {
         synth_model(&again, &shape, DType::BF16, 7).unwrap();
         assert_eq!(std::fs::read(dir.join("model.safetensors")).unwrap(), std::fs::read(again.join("model.safetensors")).unwrap());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn parameters_count_every_tensor_of_every_family() {
+        let tiny = Shape::named("tiny").unwrap();
+        for (family, head_dim, tied) in [(Family::Llama, 32, false), (Family::Mistral, 48, false), (Family::Qwen2, 32, true), (Family::Qwen3, 40, true)] {
+            let shape = Shape { family, head_dim, tied, ..tiny };
+            for init in [Init::Hf, Init::Peaked] {
+                let spec = Spec { init, ..Spec::new(&shape, DType::F32, 1) };
+                let written: usize = weights(&spec).unwrap().values().map(|t| t.elem_count()).sum();
+                assert_eq!(written, shape.parameters(), "{family:?}, {init:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn merges_come_between_the_byte_tokens_and_the_special_tokens() {
+        let vocabulary = Vocabulary { merges: &["h e", "Ġ t"], size: 270, add_bos: false };
+        let metadata = vocabulary.metadata().unwrap();
+        assert_eq!(metadata.tokens[256..261], ["he", "Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]);
+        assert_eq!((vocabulary.special("<|endoftext|>"), vocabulary.special("<|im_end|>")), (258, 260));
+        let tokenizer = crate::tokenize::vocab::build(&metadata).unwrap();
+        assert_eq!(tokenizer.encode("the", false).unwrap().get_ids(), [u32::from(b't'), 256]);
+        assert!(Vocabulary { size: 260, ..vocabulary }.metadata().is_err(), "too small for its named tokens");
     }
 }

@@ -38,8 +38,8 @@ pub fn write_tiny_t5(dir: &Path, gated: bool) {
     });
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).unwrap()).unwrap();
 
-    let mut rng = RandomTensors::new(if gated { 0x51 } else { 0x7e });
-    let mut random = |dims: &[usize], scale: f32| -> Tensor { rng.tensor(dims, scale) };
+    let mut rng = nightshift::synth::Random::new(if gated { 0x51 } else { 0x7e });
+    let mut random = |dims: &[usize], scale: f32| -> Tensor { rng.tensor(dims, scale).unwrap() };
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
     let s = 1.0 / (d as f32).sqrt();
     tensors.insert("shared.weight".into(), random(&[vocab, d], 1.0));

@@ -1,20 +1,13 @@
-//! End-to-end tests through the `nightshift` binary, with the real SmolLM2-135M-Instruct model, real Parquet
-//! files, and a real S3 server (moto) on 127.0.0.1.
-
-mod support;
-mod engine;
-mod tokenizer;
-mod reliability;
-mod embed;
-mod seq2seq;
-mod sampling;
+//! Generate jobs end to end through the `nightshift` binary (run, validate, plan, bench generate), with the real
+//! SmolLM2-135M-Instruct model, real Parquet files, and a real S3 server (moto) on 127.0.0.1.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use arrow::array::{ArrayRef, Int64Array, ListBuilder, StringBuilder, StructBuilder};
 use arrow::datatypes::{DataType, Field};
-use support::*;
+
+use crate::support::{self, *};
 
 fn ids(prefix: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}{i:03}")).collect()
