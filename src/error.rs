@@ -57,7 +57,7 @@ pub enum Error {
         "the output store failed mid-run, after retries; {committed} of {total} units are committed and kept: run \
          the same job again to resume"
     )]
-    StoreFailed { committed: usize, total: usize, #[source] source: crate::sink::SinkError },
+    StoreFailed { committed: usize, total: usize, #[source] source: Box<crate::sink::SinkError> },
     #[error("{0}")]
     Internal(String),
 }

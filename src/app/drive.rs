@@ -15,6 +15,7 @@ pub trait Requests {
     fn next(&mut self, wait: bool) -> Next;
 }
 
+#[allow(clippy::large_enum_variant)] // moved straight out of the channel, never stored
 pub enum Next {
     Request(Request),
     /// Nothing now; more may come.

@@ -192,7 +192,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let ours = fingerprint(&job, &loaded.check.sha256, loaded.check.template.as_deref(), &input);
     let plan = rt.block_on(stored_plan(&job, &input, &output, &assignment, &ours))?;
     let run = RunMetadata {
-        layout: loaded.layout.clone(),
+        layout: loaded.layout,
         model_sha256: loaded.check.sha256.clone(),
         model: job.model.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
         job: job.file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
@@ -224,7 +224,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let units_total = ours_units.len();
     let resumable = |e: Error, committed_now: usize| match e {
         Error::Sink(source @ (sink::SinkError::Read { .. } | sink::SinkError::Write { .. })) => {
-            Error::StoreFailed { committed: units_skipped + committed_now, total: units_total, source }
+            Error::StoreFailed { committed: units_skipped + committed_now, total: units_total, source: Box::new(source) }
         }
         other => other,
     };
@@ -346,6 +346,7 @@ impl Stages<'_> {
     /// Runs the pending units through source, tokenizer, engine and sink until every row is committed (or the
     /// run stops). Returns what the sink collected, the engine's figures and the generation time; or the first
     /// real cause of a failure with the units committed before it.
+    #[allow(clippy::result_large_err)] // returned once per run
     fn run(self, job: &Job, loaded: load::Loaded, pending: Vec<Unit>) -> Result<(Collected, EngineStats, f64), (Error, usize)> {
         let fail = |e: Error| (e, 0);
         // Channels: source -> tokenize -> engine -> sink, and tokenize -> sink for rows that fail before the engine.

@@ -46,8 +46,6 @@ pub struct JobPlanReport {
     pub estimated_seconds: Option<f64>,
 }
 
-/// `nightshift plan`: tokenizes every row (in parallel), reports the lengths, the schedule the engine would make
-
 /// The rows of a job as `plan` counts them.
 #[derive(Default)]
 struct Tokenized {
@@ -62,7 +60,7 @@ struct Tokenized {
 }
 
 /// `nightshift plan`: tokenizes every row (in parallel), reports the lengths, the schedule the engine would make
-/// and its KV cache fit, and times a short calibration run on the job's first rows.
+/// and its KV cache fit, and times a short calibration run on the job's first rows. Writes nothing anywhere.
 pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize) -> Result<JobPlanReport, Error> {
     let job = Job::load(job_path, overrides)?;
     if job.kind != JobKind::Generate {

@@ -146,7 +146,7 @@ impl Engine for Seq2SeqEngine {
             }
         }
         // Highest index first: `swap_remove` moves only sequences past the ones still to remove.
-        settled.sort_by(|a, b| b.0.cmp(&a.0));
+        settled.sort_by_key(|s| std::cmp::Reverse(s.0));
         for (index, result) in settled {
             results.push(match result {
                 Ok(reason) => self.finish(index, reason, now),

@@ -536,7 +536,7 @@ fn rows_of(
         }
         PromptColumn::Messages(_) => messages_of(&prompt_array)?,
     };
-    let params = params_of(&column, file, batch.num_rows())?;
+    let params = params_of(column, file, batch.num_rows())?;
     let completions = match file.completion_index {
         Some(index) => Some(to_strings(&column(index)?)?),
         None => None,

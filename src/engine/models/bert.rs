@@ -188,7 +188,7 @@ pub fn inspect(dir: &Path) -> Result<EncoderInfo, ModelError> {
     }
     let c = &config;
     if c.num_attention_heads == 0
-        || c.hidden_size % c.num_attention_heads != 0
+        || !c.hidden_size.is_multiple_of(c.num_attention_heads)
         || c.num_hidden_layers == 0
         || c.num_hidden_layers > 256
         || c.max_position_embeddings == 0

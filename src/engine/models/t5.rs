@@ -164,7 +164,6 @@ pub struct DecoderState {
     self_values: Vec<Vec<f32>>,
     cross_keys: Vec<Vec<f32>>,
     cross_values: Vec<Vec<f32>>,
-    encoder_len: usize,
     /// Decoder positions so far.
     pub len: usize,
 }
@@ -196,10 +195,11 @@ fn softmax_in_place(scores: &mut [f32]) {
     }
 }
 
-/// One query (all heads, `[heads * d_kv]`) against `n` cached positions; `bias(head, position)` is added to each
-/// score. Writes the attended values, `[heads * d_kv]`.
-fn attend(q: &[f32], keys: &[f32], values: &[f32], n: usize, heads: usize, d_kv: usize, bias: impl Fn(usize, usize) -> f32, out: &mut [f32]) {
+/// One query (all heads, `[heads * d_kv]`) against the cached positions (`keys` and `values`, `[positions, heads *
+/// d_kv]`); `bias(head, position)` is added to each score. Writes the attended values, `[heads * d_kv]`.
+fn attend(q: &[f32], keys: &[f32], values: &[f32], heads: usize, d_kv: usize, bias: impl Fn(usize, usize) -> f32, out: &mut [f32]) {
     let inner = heads * d_kv;
+    let n = keys.len() / inner;
     let mut scores = vec![0f32; n];
     for h in 0..heads {
         let qh = &q[h * d_kv..(h + 1) * d_kv];
@@ -378,7 +378,6 @@ impl T5 {
 
     /// A decoder state for one encoder output: the cross-attention keys and values of every layer, computed once.
     pub fn start(&self, encoder_output: &Tensor) -> candle_core::Result<DecoderState> {
-        let n = encoder_output.dim(0)?;
         let mut cross_keys = Vec::with_capacity(self.decoder.len());
         let mut cross_values = Vec::with_capacity(self.decoder.len());
         for block in &self.decoder {
@@ -392,7 +391,6 @@ impl T5 {
             self_values: vec![Vec::new(); layers],
             cross_keys,
             cross_values,
-            encoder_len: n,
             len: 0,
         })
     }
@@ -419,13 +417,12 @@ impl T5 {
             for (i, state) in states.iter_mut().enumerate() {
                 state.self_keys[layer].extend_from_slice(&k[i]);
                 state.self_values[layer].extend_from_slice(&v[i]);
-                let len = state.len + 1;
                 let last = self.decoder_buckets.len() - 1;
                 let bias = |head: usize, p: usize| {
                     let bucket = self.decoder_buckets[(state.len - p).min(last)];
                     self.decoder_bias[bucket * h + head]
                 };
-                attend(&q[i], &state.self_keys[layer], &state.self_values[layer], len, h, dk, bias, &mut context[i * inner..(i + 1) * inner]);
+                attend(&q[i], &state.self_keys[layer], &state.self_values[layer], h, dk, bias, &mut context[i * inner..(i + 1) * inner]);
             }
             let context = Tensor::from_vec(context, (n, inner), &self.device)?;
             x = (x + context.matmul(&a.o.t()?)?)?;
@@ -436,7 +433,7 @@ impl T5 {
             let mut context = vec![0f32; n * inner];
             for (i, state) in states.iter().enumerate() {
                 let out = &mut context[i * inner..(i + 1) * inner];
-                attend(&q[i], &state.cross_keys[layer], &state.cross_values[layer], state.encoder_len, h, dk, |_, _| 0.0, out);
+                attend(&q[i], &state.cross_keys[layer], &state.cross_values[layer], h, dk, |_, _| 0.0, out);
             }
             let context = Tensor::from_vec(context, (n, inner), &self.device)?;
             x = (x + context.matmul(&cross.o.t()?)?)?;
