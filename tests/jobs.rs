@@ -460,6 +460,20 @@ fn bench_generate_fixed_workload_generates_every_drawn_token() {
     assert!(report["peak_running"].as_u64().unwrap() <= 4);
     let total = report["total_tokens_per_s"].as_f64().unwrap() * report["seconds"].as_f64().unwrap();
     assert!((total - (drawn + prompt) as f64).abs() < 1.0, "{report}");
+
+    // Warm-up rows run first and are not counted: the same workload after a warm-up reports the same schedule.
+    let warmed = nightshift(
+        &[
+            "bench", "generate", "--model", model.to_str().unwrap(), "--rows", "6", "--min-prompt", "100", "--max-prompt", "160",
+            "--min-new", "4", "--max-new", "12", "--max-seqs", "4", "--json", "--warmup-rows", "3",
+        ],
+        &[],
+    );
+    warmed.assert_ok();
+    let warmed: serde_json::Value = serde_json::from_str(warmed.stdout.trim()).unwrap();
+    for figure in ["rows", "prompt_tokens", "output_tokens", "steps", "peak_running", "peak_kv_blocks", "preemptions"] {
+        assert_eq!(warmed[figure], report[figure], "{figure}: {warmed}");
+    }
 }
 
 /// SmolLM2-135M's KV cache per block of 16 positions: 30 layers x (keys + values) x 3 kv heads x 64 x 4 bytes x 16.
