@@ -12,7 +12,8 @@ use super::models::llama::StepLogits;
 use super::sampling::{self, Rng};
 use crate::job::GenerationParams;
 use crate::outcome::{Choice, Completion, TokenLogprob, TopLogprob};
-use crate::row::{FinishReason, RowTag};
+use super::Request;
+use crate::row::FinishReason;
 use crate::tokenize::TextStream;
 
 /// Token texts that end a turn in common chat formats; a control token with one of these names stops generation
@@ -259,31 +260,21 @@ impl RowTiming {
     }
 }
 
-/// What a finished row is, apart from its choices.
-pub struct FinishedRow {
-    pub id: String,
-    pub tag: RowTag,
-    pub params: GenerationParams,
-    pub prompt_tokens: u32,
-    pub timing: RowTiming,
-}
-
-impl FinishedRow {
-    /// The row's result from its finished choices (by index), at `now`.
-    pub fn complete(self, choices: Vec<Choice>, now: Instant) -> Completion {
-        let RowTiming { arrival, admitted, first_token } = self.timing;
-        let first = first_token.unwrap_or(now);
-        let most_sampled = choices.iter().map(|c| c.completion_tokens).max().unwrap_or(0);
-        Completion {
-            id: self.id,
-            tag: self.tag,
-            choices,
-            params: self.params,
-            prompt_tokens: self.prompt_tokens,
-            queue_s: (admitted.unwrap_or(now) - arrival).as_secs_f64(),
-            ttft_s: (first - arrival).as_secs_f64(),
-            e2e_s: (now - arrival).as_secs_f64(),
-            tpot_s: (most_sampled > 1).then(|| (now - first).as_secs_f64() / (most_sampled - 1) as f64),
-        }
+/// A finished row's result: its request, the parameters it ran with, its timing and its finished choices (by
+/// index), at `now`.
+pub fn complete(request: Request, params: GenerationParams, timing: RowTiming, choices: Vec<Choice>, now: Instant) -> Completion {
+    let RowTiming { arrival, admitted, first_token } = timing;
+    let first = first_token.unwrap_or(now);
+    let most_sampled = choices.iter().map(|c| c.completion_tokens).max().unwrap_or(0);
+    Completion {
+        prompt_tokens: request.tokens.len() as u32,
+        id: request.id,
+        tag: request.tag,
+        choices,
+        params,
+        queue_s: (admitted.unwrap_or(now) - arrival).as_secs_f64(),
+        ttft_s: (first - arrival).as_secs_f64(),
+        e2e_s: (now - arrival).as_secs_f64(),
+        tpot_s: (most_sampled > 1).then(|| (now - first).as_secs_f64() / (most_sampled - 1) as f64),
     }
 }

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use tokenizers::Tokenizer;
 
-use super::choice::{token_logprob, ChoiceState, FinishedRow, RowTiming, Rules, StopRules};
+use super::choice::{self, token_logprob, ChoiceState, RowTiming, Rules, StopRules};
 use super::constraint::{self, Grammar};
 use super::models::llama::{Attention, Backend, HostAttention, KvCache, Model, ModelConfig, PagedAttention, Segment, StepLogits, KV_BLOCK_TOKENS};
 use super::{Engine, EngineError, EngineStats, Request};
@@ -239,14 +239,7 @@ impl<A: Attention> BatchEngine<A> {
         }
         let group = self.groups.remove(&seq.group).expect("checked above");
         let choices: Vec<Choice> = group.choices.into_iter().map(|c| c.expect("every choice finished")).collect();
-        let row = FinishedRow {
-            prompt_tokens: group.request.tokens.len() as u32,
-            id: group.request.id,
-            tag: group.request.tag,
-            params: group.params,
-            timing: group.timing,
-        };
-        Some(Outcome::Completed(row.complete(choices, now)))
+        Some(Outcome::Completed(choice::complete(group.request, group.params, group.timing, choices, now)))
     }
 
     /// Fails a whole row (every choice) with an error found while it ran.

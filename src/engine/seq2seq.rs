@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use tokenizers::Tokenizer;
 
-use super::choice::{ChoiceState, FinishedRow, RowTiming, Rules};
+use super::choice::{self, ChoiceState, RowTiming, Rules};
 use super::models::llama::StepLogits;
 use super::models::t5::{DecoderState, T5};
 use super::{Engine, EngineError, EngineStats, Request};
@@ -90,15 +90,8 @@ impl Seq2SeqEngine {
 
     fn finish(&mut self, index: usize, reason: FinishReason, now: Instant) -> Outcome {
         let seq = self.running.swap_remove(index);
-        let choice = seq.choice.finish(reason, &self.tokenizer);
-        let row = FinishedRow {
-            prompt_tokens: seq.request.tokens.len() as u32,
-            id: seq.request.id,
-            tag: seq.request.tag,
-            params: seq.params,
-            timing: seq.timing,
-        };
-        Outcome::Completed(row.complete(vec![choice], now))
+        let finished = seq.choice.finish(reason, &self.tokenizer);
+        Outcome::Completed(choice::complete(seq.request, seq.params, seq.timing, vec![finished], now))
     }
 }
 

@@ -69,21 +69,9 @@ impl HfVariant {
 /// `eos_token` as an added-token object, and generation_config.json's list of end tokens (`<|im_end|>`, then
 /// `<|endoftext|>`, as Qwen's lists them).
 pub fn write_tiny_hf_model(dir: &Path, variant: HfVariant) {
-    let base = Shape {
-        name: "tiny-hf",
-        family: Family::Llama,
-        hidden: 128,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 32,
-        intermediate: 256,
-        vocab: VOCABULARY.size,
-        context: 512,
-        rope_theta: 10000,
-        rope_scaling: None,
-        tied: false,
-    };
+    // synth's "tiny" shape with the tests' vocabulary.
+    let tiny = Shape::named("tiny").unwrap();
+    let base = Shape { name: "tiny-hf", vocab: VOCABULARY.size, context: 512, rope_theta: 10000, tied: false, ..tiny };
     let (shape, dtype) = match variant {
         // Wavelengths from 6 to 6e5 positions: some kept (< 16), some stretched (> 64), some interpolated.
         HfVariant::Llama3 => {
