@@ -9,8 +9,8 @@ use serde::Deserialize;
 use super::generation::{GenerationSection, SEQ2SEQ_UNSUPPORTED};
 use super::runtime::RuntimeSection;
 use super::{
-    ChatTemplateChoice, GenerationParams, InputSpec, Job, JobError, JobKind, ModelSpec, OutputSpec, ParameterColumns,
-    PromptColumn, RuntimeSpec, Truncate, ROW_PARAMETERS,
+    ChatTemplateChoice, GenerationParams, InputSpec, Invalid, Job, JobError, JobKind, ModelSpec, OutputSpec, Overrides,
+    ParameterColumns, PromptColumn, RuntimeSpec, Truncate, ROW_PARAMETERS,
 };
 
 #[derive(Debug, Deserialize)]
@@ -61,20 +61,6 @@ struct OutputSection {
     unit_rows: Option<i64>,
     shards: Option<i64>,
 }
-
-/// Values given on the command line that take precedence over the job file.
-#[derive(Clone, Debug, Default)]
-pub struct Overrides {
-    pub input_url: Option<String>,
-    pub output_url: Option<String>,
-    pub model_path: Option<String>,
-    pub max_seqs: Option<usize>,
-    /// Overrides `output.shards`.
-    pub shards: Option<u32>,
-}
-
-/// Makes the error for a key of the job file at hand.
-pub(super) type Invalid<'a> = &'a dyn Fn(&'static str, String) -> JobError;
 
 impl Job {
     pub fn load(path: &Path, overrides: &Overrides) -> Result<Job, JobError> {

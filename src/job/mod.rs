@@ -13,7 +13,6 @@ mod file;
 mod generation;
 mod runtime;
 
-pub use file::Overrides;
 pub use generation::{
     set_row_param, GenerationParams, ParamType, ParamValue, Parameter, RowParams, Stored, StoredAs, MAX_LOGPROBS, MAX_N,
     MAX_NEW_TOKENS_LIMIT, PARAMETERS, ROW_PARAMETERS,
@@ -33,6 +32,20 @@ pub enum JobError {
     #[error("invalid job file `{path}`: `{key}` {problem}")]
     Invalid { path: PathBuf, key: &'static str, problem: String },
 }
+
+/// Values given on the command line that take precedence over the job file.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    pub input_url: Option<String>,
+    pub output_url: Option<String>,
+    pub model_path: Option<String>,
+    pub max_seqs: Option<usize>,
+    /// Overrides `output.shards`.
+    pub shards: Option<u32>,
+}
+
+/// Makes the error for a key of the job file at hand.
+type Invalid<'a> = &'a dyn Fn(&'static str, String) -> JobError;
 
 /// What a job does: generate text with a decoder, embed rows with an encoder, or generate with an
 /// encoder-decoder.
@@ -169,7 +182,7 @@ pub struct Job {
 /// Job files for the tests of this module's files.
 #[cfg(test)]
 mod testing {
-    use super::{file::Overrides, Job, JobError};
+    use super::{Job, JobError, Overrides};
 
     pub(super) const MINIMAL: &str = r#"
 [input]

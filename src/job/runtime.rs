@@ -2,8 +2,7 @@
 
 use serde::Deserialize;
 
-use super::file::{Invalid, Overrides};
-use super::JobError;
+use super::{Invalid, JobError, Overrides};
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
