@@ -111,7 +111,7 @@ fn padded_cpu_layout_predicts_real_text_like_the_stored_weights() {
         preemptible, started by cron, Kubernetes or Slurm, and sometimes on plain CPUs. The printer on the third \
         floor jams every time someone prints more than ten pages, and the help desk has received forty tickets \
         about it this week.";
-    let (stored, info) = Model::load_with(&model_path(), &Device::Cpu, Some(nightshift::engine::Layout::AsStored)).unwrap();
+    let (stored, info) = Model::load_with(&model_path(), &Device::Cpu, nightshift::engine::Layout::AsStored).unwrap();
     let tokenizer = nightshift::tokenize::vocab::build(&info.vocab).unwrap();
     let tokens = tokenizer.encode(text, false).unwrap().get_ids().to_vec();
     assert!(tokens.len() > 60, "{} tokens", tokens.len());
@@ -121,7 +121,7 @@ fn padded_cpu_layout_predicts_real_text_like_the_stored_weights() {
         nightshift::engine::Layout::Padded(GgmlDType::Q4K, GgmlDType::Q6K),
         nightshift::engine::Layout::Padded(GgmlDType::Q8_0, GgmlDType::Q8_0),
     ] {
-        let (model, _) = Model::load_with(&model_path(), &Device::Cpu, Some(layout)).unwrap();
+        let (model, _) = Model::load_with(&model_path(), &Device::Cpu, layout).unwrap();
         let (nll, top) = score(&model, &tokens);
         let same = top.iter().zip(&top_stored).filter(|(a, b)| a == b).count() as f64 / top.len() as f64;
         eprintln!("{layout:?}: mean NLL {nll:.4} (stored weights {nll_stored:.4}), argmax agreement {:.1} %", same * 100.0);

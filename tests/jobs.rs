@@ -43,7 +43,7 @@ fn texts(rows: &BTreeMap<String, ResultRow>) -> BTreeMap<String, (Option<String>
 fn sample_job_writes_sensible_summaries() {
     let dir = scratch("sample");
     let out = dir.join("out");
-    let run = nightshift(&["run", "jobs/summarise.toml", "--output", out.to_str().unwrap(), "--show", "3"], &[]);
+    let run = nightshift(&["run", "jobs/summarise.toml", "--output", out.to_str().unwrap(), "--show", "3"], &[("RUST_LOG", "info")]);
     run.assert_ok();
     assert!(run.stdout.contains("manifest: ") && run.stdout.contains("_manifest.json"), "{}", run.stdout);
     assert!(run.stdout.contains("[ticket-"), "the run prints a few results: {}", run.stdout);
@@ -86,6 +86,34 @@ fn sample_job_writes_sensible_summaries() {
     assert_eq!(metrics["completion_tokens"], Some(completion as f64));
     assert!(metrics["output_tokens_per_s"].unwrap() > 0.0);
     assert!(metrics["peak_rss_bytes"].unwrap() > metrics["weights_bytes"].unwrap());
+    // The default CPU layout (runtime.cpu_weights = "fast") is named in the metrics and the log.
+    let layout = "requantized to q4_k, output q6_k, padded";
+    assert_eq!(read_metrics_text(&out)["weights_layout"], layout);
+    assert!(run.stderr.contains(layout), "{}", run.stderr);
+}
+
+/// `runtime.cpu_weights = "as-stored"` computes the GGUF's own matrices (Q4_1 layers, the Q8_0 embedding as the
+/// output projection): fewer weight bytes than the padded layout, and the metrics and the log say which ran.
+#[test]
+fn cpu_weights_as_stored_runs_the_file_as_stored_and_says_so() {
+    let dir = scratch("cpu-weights");
+    let input = dir.join("in.parquet");
+    write_parquet(&input, support::prompts(&ids("q", 2), &QUESTIONS[..2]));
+    let mut weights = BTreeMap::new();
+    for layout in ["as-stored", "fast"] {
+        let out = dir.join(layout);
+        let runtime = format!("[runtime]\ncpu_weights = \"{layout}\"");
+        let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 4", &runtime);
+        let run = nightshift(&["run", job.to_str().unwrap()], &[("RUST_LOG", "info")]);
+        run.assert_ok();
+        assert_eq!(read_results(&out).len(), 2);
+        let named = read_metrics_text(&out)["weights_layout"].clone();
+        assert!(run.stderr.contains(&format!("cpu_weights={layout}")), "{}", run.stderr);
+        weights.insert(layout, (named, read_metrics(&out)["weights_bytes"].unwrap()));
+    }
+    assert_eq!(weights["as-stored"].0, "as-stored");
+    assert_eq!(weights["fast"].0, "requantized to q4_k, output q6_k, padded");
+    assert!(weights["as-stored"].1 < weights["fast"].1, "{weights:?}");
 }
 
 #[test]

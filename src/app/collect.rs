@@ -21,6 +21,7 @@ pub struct RunFigures {
     pub started: Instant,
     pub model_load_s: f64,
     pub weights_bytes: u64,
+    pub weights_layout: &'static str,
 }
 
 impl RunFigures {
@@ -29,6 +30,7 @@ impl RunFigures {
         let mut metrics = JobMetrics::summarise(rows, engine, generation_s);
         metrics.model_load_s = self.model_load_s;
         metrics.weights_bytes = self.weights_bytes;
+        metrics.weights_layout = self.weights_layout;
         metrics.job_s = self.started.elapsed().as_secs_f64();
         metrics
     }

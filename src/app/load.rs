@@ -135,6 +135,8 @@ pub struct Loaded {
     pub prepare: Box<dyn Prepare>,
     pub check: ModelCheck,
     pub weights_bytes: usize,
+    /// How the weights are computed ([`Layout::name`](crate::engine::Layout::name)).
+    pub weights_layout: &'static str,
     pub layout: ResultsLayout,
     /// Requests queued for the engine: an encoder sorts a window of them by length, so it gets a deeper queue.
     pub queue: usize,
@@ -156,7 +158,7 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
             let weights_bytes = model.weight_bytes();
             let engine = Seq2SeqEngine::new(model, tokenizer, job.generation.clone(), job.runtime.max_seqs);
             let queue = job.runtime.max_seqs * 2;
-            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, layout: ResultsLayout::Generate, queue, decoder: None })
+            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), layout: ResultsLayout::Generate, queue, decoder: None })
         }
         JobKind::Embed => {
             let encoder = Encoder::load(&job.model.path, device)?;
@@ -167,18 +169,20 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
             let (layout, weights_bytes) = (ResultsLayout::Embed { dimensions: info.dimensions }, encoder.weight_bytes());
             let engine = engine::embed::EmbedEngine::new(encoder, job.runtime.max_seqs, job.runtime.max_batch_tokens);
             let queue = engine::embed::WINDOW;
-            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, layout, queue, decoder: None })
+            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), layout, queue, decoder: None })
         }
     }
 }
 
 fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> Result<Loaded, Error> {
-    let (model, info) = Model::load(&job.model.path, device)?;
+    let (model, info) = Model::load_as(&job.model.path, device, job.runtime.cpu_weights)?;
     let cfg = &info.config;
     let backend = Backend::for_model(&model);
     let block_bytes = backend.block_bytes(&model);
+    let weights_layout = model.layout().name();
     info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
-        dtype = ?model.dtype(), attention = ?backend, kv_bytes_per_token = block_bytes / engine::KV_BLOCK_TOKENS, "decoder");
+        dtype = ?model.dtype(), weights = weights_layout, cpu_weights = %job.runtime.cpu_weights.name(), attention = ?backend,
+        kv_bytes_per_token = block_bytes / engine::KV_BLOCK_TOKENS, "decoder");
     let kv_bytes = engine::kv_cache_bytes(job.runtime.kv_cache_memory, device);
     let batch = BatchConfig::new(job.runtime.max_seqs, job.runtime.max_batch_tokens, kv_bytes, block_bytes);
     let longest = batch.max_sequence_tokens(cfg);
@@ -200,5 +204,5 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
     let setup = DecoderSetup { tokenizer: preprocessor.tokenizer().clone(), params: job.generation.clone(), stop: StopRules::new(&info.vocab), config: batch };
     let engine = engine::decoder_engine(model, setup).map_err(Error::Engine)?;
     let queue = job.runtime.max_seqs * 2;
-    Ok(Loaded { engine, prepare: Box::new(preprocessor), check, weights_bytes, layout: ResultsLayout::Generate, queue, decoder: Some(decoder) })
+    Ok(Loaded { engine, prepare: Box::new(preprocessor), check, weights_bytes, weights_layout, layout: ResultsLayout::Generate, queue, decoder: Some(decoder) })
 }

@@ -41,6 +41,8 @@ pub struct JobPlanReport {
     /// Sequences of the job's mean length (prompt and all its output) the KV cache holds at once.
     pub sequences_fit: usize,
     pub weights_bytes: usize,
+    /// How the weights are computed ([`Layout::name`](crate::engine::Layout::name)).
+    pub weights_layout: &'static str,
     pub simulation: crate::plan::report::Simulation,
     pub calibration: Option<crate::plan::report::Calibration>,
     pub estimated_seconds: Option<f64>,
@@ -76,7 +78,7 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
     let rt = runtime()?;
     let input = rt.block_on(Input::open(&job.input))?;
     let device = crate::engine::select_device(&job.runtime.device)?;
-    let load::Loaded { mut engine, prepare, weights_bytes, decoder, .. } = load::load(&job, &device)?;
+    let load::Loaded { mut engine, prepare, weights_bytes, weights_layout, decoder, .. } = load::load(&job, &device)?;
     let load::DecoderPlan { model, batch, block_bytes } = decoder.expect("a generate job loads a decoder");
     let longest = batch.max_sequence_tokens(&model);
 
@@ -109,6 +111,7 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
         longest_sequence: longest,
         sequences_fit: batch.kv_tokens() / mean_sequence,
         weights_bytes,
+        weights_layout,
         simulation,
         calibration,
         estimated_seconds,

@@ -56,6 +56,7 @@ pub struct GenerateBenchOptions {
     /// Rows run (8 new tokens each) before the timed run, on the same engine configuration: a GPU loads its
     /// kernels and sets up cuBLAS on first use.
     pub warmup_rows: usize,
+    pub cpu_weights: crate::job::CpuWeights,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -97,6 +98,8 @@ pub struct GenerateBenchReport {
     /// Where and how it ran: `cpu` or `cuda:N`, the activations' dtype, whether on the paged path.
     pub device: String,
     pub dtype: String,
+    /// How the weights were computed ([`Layout::name`](crate::engine::Layout::name)).
+    pub weights_layout: String,
     pub paged: bool,
     /// A GPU's memory in use at the end (weights, the KV pool, the allocator's cache), from the driver.
     pub device_memory_in_use_bytes: Option<u64>,
@@ -132,7 +135,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         return Err(Error::Internal("bench generate needs --rows >= 1, 1 <= --min-prompt <= --max-prompt and 1 <= --min-new <= --max-new".into()));
     }
     let device = engine::select_device(&options.device)?;
-    let (model, info) = Model::load(&options.model, &device)?;
+    let (model, info) = Model::load_as(&options.model, &device, options.cpu_weights)?;
     let context = model.config.context_length;
     let input = InputSpec {
         url: String::new(),
@@ -161,7 +164,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         ignore_eos: options.workload == Workload::Fixed,
         ..GenerationParams::default()
     };
-    let weights_bytes = model.weight_bytes();
+    let (weights_bytes, model_layout) = (model.weight_bytes(), model.layout().name());
     let backend = Backend::for_model(&model);
     let kv_bytes = crate::engine::kv_cache_bytes(options.kv_cache_memory, &device);
     let config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, backend.block_bytes(&model));
@@ -215,6 +218,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         peak_rss_bytes: crate::host::peak_rss_bytes().unwrap_or(0),
         device: device_name,
         dtype,
+        weights_layout: model_layout.to_string(),
         paged: backend.is_paged(),
         device_memory_in_use_bytes: crate::engine::device_memory_in_use(&device),
     })

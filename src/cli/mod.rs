@@ -195,6 +195,9 @@ pub struct GenerateBenchArgs {
     /// Rows (8 new tokens each) run before the timed run: a GPU loads its kernels on first use.
     #[arg(long, default_value_t = 0)]
     pub warmup_rows: usize,
+    /// How a GGUF's weights are laid out on the CPU, as `runtime.cpu_weights`: `as-stored`, `fast` or `q8_0`.
+    #[arg(long, default_value = "fast", value_parser = crate::job::CpuWeights::parse)]
+    pub cpu_weights: crate::job::CpuWeights,
     /// Write the workload's requests (token ids, output lengths) to this file, one JSON object per line, for a
     /// peer to run the same requests (`scripts/bench-llama-server.py`).
     #[arg(long)]
@@ -222,6 +225,7 @@ impl GenerateBenchArgs {
             save_workload: self.save_workload.clone(),
             device: self.device.clone(),
             warmup_rows: self.warmup_rows,
+            cpu_weights: self.cpu_weights,
         }
     }
 }

@@ -54,7 +54,7 @@ pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
         return;
     }
     println!(
-        "model: {} ({:?} workload, {} rows, max_seqs {}, max_batch_tokens {}) on {} ({}{})",
+        "model: {} ({:?} workload, {} rows, max_seqs {}, max_batch_tokens {}) on {} ({}, weights {}{})",
         r.model,
         r.workload,
         r.rows,
@@ -62,6 +62,7 @@ pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
         r.max_batch_tokens,
         r.device,
         r.dtype,
+        r.weights_layout,
         if r.paged { ", paged KV cache" } else { "" }
     );
     println!(
@@ -172,12 +173,13 @@ pub fn print_plan(r: &crate::app::JobPlanReport, json: bool) {
         println!("other errors: {n} rows {code}");
     }
     println!(
-        "kv cache: {} MiB = {} tokens; {} sequences of the mean length fit at once (max_seqs {}); weights {} MiB",
+        "kv cache: {} MiB = {} tokens; {} sequences of the mean length fit at once (max_seqs {}); weights {} MiB ({})",
         r.kv_cache_bytes >> 20,
         r.kv_tokens,
         r.sequences_fit,
         r.max_seqs,
-        r.weights_bytes >> 20
+        r.weights_bytes >> 20,
+        r.weights_layout
     );
     let s = &r.simulation;
     println!(

@@ -13,6 +13,7 @@ pub(super) struct RuntimeSection {
     threads: Option<i64>,
     drain_grace_s: Option<f64>,
     kv_cache_memory: Option<MemoryValue>,
+    cpu_weights: Option<String>,
 }
 
 /// A size in a job file: bytes as an integer, or a string such as `"4GiB"`, `"512MB"` or `"40%"`.
@@ -45,6 +46,42 @@ impl DeviceChoice {
     }
 }
 
+/// How a GGUF decoder's weights are laid out on the CPU (`runtime.cpu_weights`). Other devices, Hugging Face
+/// directories and encoders always compute the weights as stored.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CpuWeights {
+    /// Every matrix as the file stores it.
+    AsStored,
+    /// Requantized for candle's fast CPU kernels: widths zero-padded to a multiple of 256, the layers in Q4_K and
+    /// the output projection in Q6_K (Q8_0 for Q4_0/Q4_1 matrices of models too narrow for padding to pay). Lower
+    /// precision than most files store; today's default, for speed.
+    #[default]
+    Fast,
+    /// Padded like `Fast`, every matrix requantized to Q8_0: closer to the stored weights, slower.
+    Q8_0,
+}
+
+impl CpuWeights {
+    pub const NAMES: [&'static str; 3] = ["as-stored", "fast", "q8_0"];
+
+    pub fn parse(text: &str) -> Result<CpuWeights, String> {
+        match text {
+            "as-stored" => Ok(CpuWeights::AsStored),
+            "fast" => Ok(CpuWeights::Fast),
+            "q8_0" => Ok(CpuWeights::Q8_0),
+            other => Err(format!("must be \"as-stored\", \"fast\" or \"q8_0\", got {other:?}")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuWeights::AsStored => "as-stored",
+            CpuWeights::Fast => "fast",
+            CpuWeights::Q8_0 => "q8_0",
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct RuntimeSpec {
     pub device: DeviceChoice,
@@ -58,6 +95,8 @@ pub struct RuntimeSpec {
     pub drain_grace: std::time::Duration,
     /// Memory for the KV cache: it bounds how many tokens all running sequences hold together.
     pub kv_cache_memory: MemoryBudget,
+    /// How a GGUF decoder's weights are laid out on the CPU.
+    pub cpu_weights: CpuWeights,
 }
 
 /// How much memory a job may use for something.
@@ -122,6 +161,7 @@ impl Default for RuntimeSpec {
             threads: None,
             drain_grace: std::time::Duration::from_secs(30),
             kv_cache_memory: MemoryBudget::DEFAULT_KV,
+            cpu_weights: CpuWeights::default(),
         }
     }
 }
@@ -162,6 +202,10 @@ impl RuntimeSpec {
                 Some(MemoryValue::Bytes(n)) => return Err(invalid("runtime.kv_cache_memory", format!("must be positive, got {n}"))),
                 Some(MemoryValue::Text(t)) => MemoryBudget::parse(t).map_err(|m| invalid("runtime.kv_cache_memory", m))?,
             },
+            cpu_weights: match r.cpu_weights.as_deref() {
+                None => defaults.cpu_weights,
+                Some(t) => CpuWeights::parse(t).map_err(|m| invalid("runtime.cpu_weights", m))?,
+            },
         })
     }
 }
@@ -189,5 +233,17 @@ mod tests {
         let m = message(&format!("{MINIMAL}\n[runtime]\nkv_cache_memory = \"lots\""));
         assert!(m.contains("runtime.kv_cache_memory"), "{m}");
         assert_eq!(MemoryBudget::Fraction(0.5).resolve(1000), 500);
+    }
+
+    #[test]
+    fn cpu_weights_names_a_layout() {
+        assert_eq!(parse(MINIMAL).unwrap().runtime.cpu_weights, CpuWeights::Fast);
+        for (name, weights) in [("as-stored", CpuWeights::AsStored), ("fast", CpuWeights::Fast), ("q8_0", CpuWeights::Q8_0)] {
+            let job = parse(&format!("{MINIMAL}\n[runtime]\ncpu_weights = \"{name}\"")).unwrap();
+            assert_eq!(job.runtime.cpu_weights, weights);
+            assert_eq!(weights.name(), name);
+        }
+        let m = message(&format!("{MINIMAL}\n[runtime]\ncpu_weights = \"q4\""));
+        assert!(m.contains("runtime.cpu_weights") && m.contains("as-stored"), "{m}");
     }
 }

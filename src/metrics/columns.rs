@@ -73,6 +73,13 @@ impl MetricField for f64 {
     }
 }
 
+impl MetricField for &'static str {
+    const TYPE: MetricType = MetricType::Utf8;
+    fn value(self) -> MetricValue<'static> {
+        MetricValue::Utf8(self)
+    }
+}
+
 impl MetricField for Option<f64> {
     const TYPE: MetricType = MetricType::NullableFloat64;
     fn value(self) -> MetricValue<'static> {

@@ -136,6 +136,9 @@ job_metrics! {
         pub recomputed_tokens: u64,
         /// Bytes of model weights held in memory.
         pub weights_bytes: u64,
+        /// How the weights were computed: "as-stored", or how a GGUF decoder's were requantized for the CPU
+        /// (runtime.cpu_weights), e.g. "requantized to q4_k, output q6_k, padded".
+        pub weights_layout: &'static str,
         /// Peak resident memory of the process (VmHWM).
         pub peak_rss_bytes: u64,
     }

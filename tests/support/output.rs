@@ -74,6 +74,24 @@ pub fn read_metrics(out: &Path) -> BTreeMap<String, Option<f64>> {
     rows.remove(0)
 }
 
+/// The text columns of the metrics row of a local output that has exactly one unit.
+pub fn read_metrics_text(out: &Path) -> BTreeMap<String, String> {
+    let store = OutputStore::local(out);
+    let manifest = store.manifest();
+    let files = manifest["metrics"].as_array().unwrap();
+    assert_eq!(files.len(), 1, "expected one unit");
+    let reader = ParquetRecordBatchReaderBuilder::try_new(store.get(files[0].as_str().unwrap()).unwrap()).unwrap().build().unwrap();
+    let batch = reader.into_iter().next().unwrap().unwrap();
+    let schema = batch.schema();
+    schema
+        .fields()
+        .iter()
+        .zip(batch.columns())
+        .filter(|(_, column)| column.data_type() == &DataType::Utf8)
+        .map(|(field, column)| (field.name().clone(), column.as_string::<i32>().value(0).to_string()))
+        .collect()
+}
+
 fn metrics_rows(bytes: bytes::Bytes) -> Vec<BTreeMap<String, Option<f64>>> {
     let reader = ParquetRecordBatchReaderBuilder::try_new(bytes).unwrap().build().unwrap();
     let mut rows = Vec::new();

@@ -11,6 +11,7 @@ use rayon::prelude::*;
 
 use super::{Layer, Model, ModelConfig, ModelInfo, Weights, MAX_CONTEXT};
 use crate::engine::ModelError;
+use crate::job::CpuWeights;
 use crate::tokenize::VocabMetadata;
 
 fn meta<'a>(content: &'a Content, key: &str) -> Result<&'a Value, ModelError> {
@@ -158,29 +159,36 @@ pub enum Layout {
 }
 
 impl Layout {
-    /// The layout for a model on a device: on CPU, layers in padded Q4_K and the output projection in padded
-    /// Q6_K (Q4_K would add 8.7 % error to it; candle's Q8_0 has no fast kernel here), unless padding would add more
-    /// than a third to a width (then [`Layout::Q8`]); as stored elsewhere.
-    /// `NIGHTSHIFT_CPU_WEIGHTS=q4k|q6k|q8_0|q8|as-stored` chooses another, for benchmarks and comparisons.
-    pub fn choose(device: &Device, config: &ModelConfig) -> Layout {
+    /// The layout `runtime.cpu_weights` asks for, for a model on a device. As stored on any device but the CPU.
+    /// On the CPU, `fast`: layers in padded Q4_K and the output projection in padded Q6_K (Q4_K would add 8.7 %
+    /// error to it; candle's Q8_0 has no fast kernel here), unless padding would add more than a third to a width
+    /// (then [`Layout::Q8`]); `q8_0`: every matrix in padded Q8_0 (or [`Layout::Q8`] likewise).
+    pub fn choose(device: &Device, config: &ModelConfig, weights: CpuWeights) -> Layout {
         use candle_core::quantized::GgmlDType;
-        if !device.is_cpu() {
-            return Layout::AsStored;
-        }
-        match std::env::var("NIGHTSHIFT_CPU_WEIGHTS").as_deref() {
-            Ok("as-stored") => return Layout::AsStored,
-            Ok("q8") => return Layout::Q8,
-            Ok("q6k") => return Layout::Padded(GgmlDType::Q6K, GgmlDType::Q6K),
-            Ok("q8_0") => return Layout::Padded(GgmlDType::Q8_0, GgmlDType::Q8_0),
-            Ok("q4k") => return Layout::Padded(GgmlDType::Q4K, GgmlDType::Q6K),
-            _ => {}
-        }
-        let padded = Layout::Padded(GgmlDType::Q4K, GgmlDType::Q6K);
+        let (layers, output) = match weights {
+            _ if !device.is_cpu() => return Layout::AsStored,
+            CpuWeights::AsStored => return Layout::AsStored,
+            CpuWeights::Fast => (GgmlDType::Q4K, GgmlDType::Q6K),
+            CpuWeights::Q8_0 => (GgmlDType::Q8_0, GgmlDType::Q8_0),
+        };
+        let padded = Layout::Padded(layers, output);
         let worth = |w: usize| padded.pad(w) * 3 <= w * 4;
         if worth(config.hidden_size) && worth(config.heads * config.head_dim) && worth(config.ffn_size) {
             padded
         } else {
             Layout::Q8
+        }
+    }
+
+    /// What the layout computes with, as the load log and the metrics' `weights_layout` column name it.
+    pub fn name(self) -> &'static str {
+        use candle_core::quantized::GgmlDType;
+        match self {
+            Layout::AsStored => "as-stored",
+            Layout::Q8 => "q4_0/q4_1 requantized to q8_0",
+            Layout::Padded(GgmlDType::Q4K, GgmlDType::Q6K) => "requantized to q4_k, output q6_k, padded",
+            Layout::Padded(GgmlDType::Q8_0, GgmlDType::Q8_0) => "requantized to q8_0, padded",
+            Layout::Padded(..) => "requantized, padded",
         }
     }
 
@@ -257,11 +265,11 @@ pub(super) fn inspect(path: &Path) -> Result<ModelInfo, ModelError> {
     info_of(&content)
 }
 
-/// Loads a GGUF llama-family model with the given weight layout (`None`: [`Layout::choose`]'s).
-pub(super) fn load(path: &Path, device: &Device, layout: Option<Layout>) -> Result<(Model, ModelInfo), ModelError> {
+/// Loads a GGUF llama-family model in the weight layout `layout` picks for its configuration.
+pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfig) -> Layout) -> Result<(Model, ModelInfo), ModelError> {
     let (mut file, content) = read_content(path)?;
     let info = info_of(&content)?;
-    let layout = layout.unwrap_or_else(|| Layout::choose(device, &info.config));
+    let layout = layout(&info.config);
     let config = info.config.clone();
     let fmt = |e: candle_core::Error| ModelError::Format { path: path.into(), message: e.to_string() };
     let mut qtensor = |name: &str| -> Result<QTensor, ModelError> {
@@ -336,7 +344,7 @@ pub(super) fn load(path: &Path, device: &Device, layout: Option<Layout>) -> Resu
     };
     let lm_head = QMatMul::from_qtensor(lay_out(lm_head, config.vocab_size, width, layout.for_output(), device).map_err(fmt)?).map_err(fmt)?;
 
-    let weights = Weights { embedding, layers, output_norm, lm_head, attn_width };
+    let weights = Weights { embedding, layers, output_norm, lm_head, attn_width, layout };
     Ok((Model::assemble(config, device, weights), info))
 }
 
@@ -355,5 +363,37 @@ mod tests {
             assert_eq!(chunked.shape().dims(), &[2500, 768]);
             assert!(whole.data().unwrap() == chunked.data().unwrap(), "{dtype:?}");
         }
+    }
+
+    #[test]
+    fn cpu_weights_choose_the_layout() {
+        let config = |hidden: usize, heads: usize, ffn: usize| ModelConfig {
+            architecture: "llama".into(),
+            name: None,
+            context_length: 2048,
+            hidden_size: hidden,
+            layers: 2,
+            heads,
+            kv_heads: heads,
+            head_dim: 64,
+            ffn_size: ffn,
+            rms_eps: 1e-5,
+            rope_base: 10000.0,
+            rope_scaling: None,
+            vocab_size: 1000,
+        };
+        let cpu = Device::Cpu;
+        // SmolLM2-135M: 576 wide (padded to 768 adds a third), 9 heads of 64, 1536 in the feed-forward.
+        let smollm2 = config(576, 9, 1536);
+        assert_eq!(Layout::choose(&cpu, &smollm2, CpuWeights::AsStored), Layout::AsStored);
+        assert_eq!(Layout::choose(&cpu, &smollm2, CpuWeights::Fast), Layout::Padded(GgmlDType::Q4K, GgmlDType::Q6K));
+        assert_eq!(Layout::choose(&cpu, &smollm2, CpuWeights::Q8_0), Layout::Padded(GgmlDType::Q8_0, GgmlDType::Q8_0));
+        // 320 wide would grow by more than a third (to 512): no padding, Q4_0/Q4_1 matrices in Q8_0.
+        let narrow = config(320, 5, 1024);
+        assert_eq!(Layout::choose(&cpu, &narrow, CpuWeights::Fast), Layout::Q8);
+        assert_eq!(Layout::choose(&cpu, &narrow, CpuWeights::Q8_0), Layout::Q8);
+        assert_eq!(Layout::choose(&cpu, &narrow, CpuWeights::AsStored), Layout::AsStored);
+        assert_eq!(Layout::AsStored.name(), "as-stored");
+        assert_eq!(Layout::Padded(GgmlDType::Q4K, GgmlDType::Q6K).name(), "requantized to q4_k, output q6_k, padded");
     }
 }

@@ -462,7 +462,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
         true => dense(embedding.clone()),
         false => dense(load("lm_head.weight")?),
     };
-    let weights = Weights { embedding, layers, output_norm, lm_head, attn_width: config.heads * hd };
+    let weights = Weights { embedding, layers, output_norm, lm_head, attn_width: config.heads * hd, layout: super::Layout::AsStored };
     Ok((Model::assemble(config, device, weights), info))
 }
 

@@ -29,6 +29,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
 
 use crate::engine::ModelError;
+use crate::job::CpuWeights;
 use crate::tokenize::VocabMetadata;
 pub use gguf::Layout;
 pub use host::{HostAttention, HostCache};
@@ -130,8 +131,9 @@ pub struct Model {
     layers: Vec<Layer>,
     output_norm: Tensor,
     lm_head: QMatMul,
+    /// How the weights are laid out in memory.
+    layout: Layout,
 }
-
 
 /// The weights of a [`Model`], as a loader hands them over.
 struct Weights {
@@ -141,6 +143,7 @@ struct Weights {
     lm_head: QMatMul,
     /// The attention output's width in memory (the input width of each layer's `wo`).
     attn_width: usize,
+    layout: Layout,
 }
 
 /// The rotary frequency of each pair of a head's values, `base^(-2i / head_dim)`, with Llama 3's rescaling when
@@ -297,10 +300,19 @@ pub fn inspect(path: &Path) -> Result<ModelInfo, ModelError> {
 }
 
 impl Model {
-    /// Loads a llama-family model onto `device`: a GGUF file laid out for its kernels, or a Hugging Face
-    /// directory ([`hf`]).
+    /// Loads a llama-family model onto `device`: a GGUF file in the default `runtime.cpu_weights` layout, or a
+    /// Hugging Face directory ([`hf`]).
     pub fn load(path: &Path, device: &Device) -> Result<(Model, ModelInfo), ModelError> {
-        Model::load_with(path, device, None)
+        Model::load_as(path, device, CpuWeights::default())
+    }
+
+    /// Loads a llama-family model onto `device`, a GGUF file in the layout `weights` asks for ([`Layout::choose`]).
+    /// A Hugging Face directory has one layout, dense weights as stored.
+    pub fn load_as(path: &Path, device: &Device, weights: CpuWeights) -> Result<(Model, ModelInfo), ModelError> {
+        if path.is_dir() {
+            return hf::load(path, device, None);
+        }
+        gguf::load(path, device, |config| Layout::choose(device, config, weights))
     }
 
     /// Loads a Hugging Face directory with its weights and activations in `dtype` (anything but f32 runs on the
@@ -309,18 +321,23 @@ impl Model {
         hf::load(dir, device, Some(dtype))
     }
 
-    /// Loads a GGUF llama-family model with the given weight layout (`None`: [`Layout::choose`]'s). A Hugging Face
+    /// Loads a GGUF llama-family model in exactly the given weight layout, for comparisons. A Hugging Face
     /// directory has one layout, dense weights, and ignores `layout`.
-    pub fn load_with(path: &Path, device: &Device, layout: Option<Layout>) -> Result<(Model, ModelInfo), ModelError> {
+    pub fn load_with(path: &Path, device: &Device, layout: Layout) -> Result<(Model, ModelInfo), ModelError> {
         if path.is_dir() {
             return hf::load(path, device, None);
         }
-        gguf::load(path, device, layout)
+        gguf::load(path, device, |_| layout)
+    }
+
+    /// How the weights are laid out in memory: as stored, or requantized for the CPU's kernels.
+    pub fn layout(&self) -> Layout {
+        self.layout
     }
 
     /// A model from its weights. `weights.embedding`'s width is the hidden state's width in memory.
     fn assemble(config: ModelConfig, device: &Device, weights: Weights) -> Model {
-        let Weights { embedding, layers, output_norm, lm_head, attn_width } = weights;
+        let Weights { embedding, layers, output_norm, lm_head, attn_width, layout } = weights;
         Model {
             width: embedding.dims().last().copied().unwrap_or(config.hidden_size),
             config,
@@ -330,6 +347,7 @@ impl Model {
             layers,
             output_norm,
             lm_head,
+            layout,
         }
     }
 
