@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""How closely nightshift computes a GGUF model compared with llama.cpp, on llama.cpp's own greedy continuations.
+
+1. llama-server (the chat template from the GGUF, `--jinja`) answers every prompt greedily, returning the
+   log-probability of each token it chose; its `/tokenize` gives the token ids of each answer.
+2. A nightshift scoring job (`input.completion_column`, `generation.logprobs = 1`) scores the same answers under
+   the same prompts, once per `runtime.cpu_weights` layout asked for.
+3. Per layout: top-1 agreement (the share of answer positions where nightshift's most likely token is the token
+   llama.cpp chose) and the mean absolute difference of the chosen tokens' log-probabilities (over answers that
+   both tokenize to the same ids, position by position).
+
+The prompts are the sample tickets (jobs/data/tickets.parquet) under four instructions each (48 prompts), or the
+`prompt` column of `--prompts FILE`. Needs pyarrow (pip install pyarrow); nightshift itself does not.
+
+  scripts/fidelity-llama.py --server PATH/llama-server --model models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+      --nightshift target/release/nightshift --layouts as-stored,fast,q8_0
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+INSTRUCTIONS = [
+    "Summarise the ticket above in one short sentence.",
+    "Which team should handle the ticket above? Answer in a few words, then explain why.",
+    "Write a short, polite reply to the customer who sent the ticket above.",
+    "List the facts stated in the ticket above as bullet points.",
+]
+
+
+def post(url, body, timeout=600):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def prompts_of(args):
+    if args.prompts:
+        return pq.read_table(args.prompts, columns=["prompt"]).column("prompt").to_pylist()[: args.rows]
+    texts = pq.read_table("jobs/data/tickets.parquet", columns=["text"]).column("text").to_pylist()
+    return [f"Support ticket:\n{t}\n\n{i}" for i in INSTRUCTIONS for t in texts][: args.rows]
+
+
+def llama_answers(args, prompts):
+    """llama-server's greedy answer to each prompt: (text, token ids, log-probability of each chosen token)."""
+    cmd = [args.server, "-m", args.model, "-t", str(args.threads), "-tb", str(args.threads), "-np", str(args.slots),
+           "-c", str(args.slots * 2048), "--jinja", "--port", str(args.port), "--host", "127.0.0.1", "--no-webui",
+           "--log-disable"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{args.port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except Exception:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                sys.exit(f"llama-server did not start: {' '.join(cmd)}")
+            time.sleep(0.5)
+
+        def one(prompt):
+            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_new, "temperature": 0.0,
+                    "top_k": 1, "seed": 0, "logprobs": True, "top_logprobs": 1, "cache_prompt": False}
+            choice = post(base + "/v1/chat/completions", body)["choices"][0]
+            text = choice["message"]["content"] or ""
+            logprobs = [t["logprob"] for t in (choice.get("logprobs") or {}).get("content") or []]
+            ids = post(base + "/tokenize", {"content": text, "add_special": False})["tokens"]
+            return text, ids, logprobs
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.slots) as pool:
+            return list(pool.map(one, prompts))
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def nightshift_scores(args, work, prompts, answers, layout):
+    """Per row id: [(token id, log-probability, most likely token id)] of the answer, as nightshift scores it."""
+    rows = [(f"p{i:03}", p, a[0]) for i, (p, a) in enumerate(zip(prompts, answers)) if a[0]]
+    data = os.path.join(work, "in.parquet")
+    pq.write_table(pa.table({"id": [r[0] for r in rows], "prompt": [r[1] for r in rows], "completion": [r[2] for r in rows]}), data)
+    out = os.path.join(work, f"out-{layout}")
+    job = os.path.join(work, f"job-{layout}.toml")
+    with open(job, "w") as f:
+        f.write(f"""[input]
+url = {json.dumps(data)}
+id_column = "id"
+completion_column = "completion"
+
+[model]
+path = {json.dumps(os.path.abspath(args.model))}
+
+[generation]
+logprobs = 1
+
+[output]
+url = {json.dumps(out)}
+
+[runtime]
+device = "cpu"
+cpu_weights = "{layout}"
+threads = {args.threads}
+""")
+    run = subprocess.run([args.nightshift, "run", job], capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"nightshift failed ({run.returncode}) on layout {layout}:\n{run.stderr[-3000:]}")
+    scores = {}
+    manifest = json.load(open(os.path.join(out, "_manifest.json")))
+    for name in manifest["results"]:
+        for row in pq.read_table(os.path.join(out, name), columns=["id", "status", "logprobs"]).to_pylist():
+            if row["status"] != "succeeded":
+                sys.exit(f"row {row['id']} failed under layout {layout}")
+            scores[row["id"]] = [(t["token_id"], t["logprob"], t["top"][0]["token_id"]) for t in row["logprobs"]]
+    return scores
+
+
+def compare(answers, scores):
+    positions = agree = same_rows = compared_rows = 0
+    diffs = []
+    for i, (text, ids, logprobs) in enumerate(answers):
+        row = scores.get(f"p{i:03}")
+        if row is None:
+            continue
+        compared_rows += 1
+        positions += len(row)
+        agree += sum(1 for token, _, top in row if token == top)
+        # llama.cpp's log-probabilities end with the end-of-turn token's when the answer ended by itself.
+        if [t for t, _, _ in row] == ids and len(logprobs) in (len(ids), len(ids) + 1):
+            same_rows += 1
+            diffs.extend(abs(lp - ref) for (_, lp, _), ref in zip(row, logprobs))
+    return {
+        "rows": compared_rows, "positions": positions, "top1_agreement": agree / max(positions, 1),
+        "rows_same_tokens": same_rows, "mean_abs_logprob_diff": sum(diffs) / len(diffs) if diffs else None,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--server", required=True, help="llama-server binary")
+    ap.add_argument("--model", required=True, help="the GGUF file both run")
+    ap.add_argument("--nightshift", default="target/release/nightshift")
+    ap.add_argument("--layouts", default="as-stored,fast,q8_0", help="runtime.cpu_weights values, comma-separated")
+    ap.add_argument("--prompts", help="a Parquet file with a `prompt` column (default: the sample tickets, 48 prompts)")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--port", type=int, default=18081)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    prompts = prompts_of(args)
+    answers = llama_answers(args, prompts)
+    report = {"model": args.model, "prompts": len(prompts), "max_new": args.max_new, "layouts": {}}
+    with tempfile.TemporaryDirectory(prefix="nightshift-fidelity-") as work:
+        for layout in args.layouts.split(","):
+            report["layouts"][layout] = compare(answers, nightshift_scores(args, work, prompts, answers, layout))
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(f"{args.model}: {len(prompts)} prompts, llama.cpp's greedy answers (at most {args.max_new} tokens) scored by nightshift")
+    print("| runtime.cpu_weights | positions | top-1 agreement | answers tokenized alike | mean abs logprob diff |")
+    print("|---|---:|---:|---:|---:|")
+    for layout, r in report["layouts"].items():
+        diff = "n/a" if r["mean_abs_logprob_diff"] is None else f"{r['mean_abs_logprob_diff']:.4f}"
+        print(f"| {layout} | {r['positions']} | {100 * r['top1_agreement']:.1f} % | {r['rows_same_tokens']} of {r['rows']} | {diff} |")
+
+
+if __name__ == "__main__":
+    main()
