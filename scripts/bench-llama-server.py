@@ -10,17 +10,9 @@ requests/s, total and output tokens/s. Standard library only.
 import argparse
 import concurrent.futures
 import json
-import os
-import subprocess
-import sys
 import time
-import urllib.request
 
-
-def post(url, body, timeout):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+from llama_server import post, serve
 
 
 def main():
@@ -38,24 +30,8 @@ def main():
     longest = max(len(r["prompt"]) + r["max_new"] for r in rows)
     # Each slot gets its own context of the longest request.
     ctx = args.slots * (longest + 16)
-    cmd = [args.server, "-m", args.model, "-t", str(args.threads), "-tb", str(args.threads), "-np", str(args.slots),
-           "-c", str(ctx), "-b", "2048", "-ub", "512", "--cont-batching", "--port", str(args.port), "--host", "127.0.0.1",
-           "--no-webui", "--log-disable"]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{args.port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except Exception:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                sys.exit(f"llama-server did not start: {' '.join(cmd)}")
-            time.sleep(0.5)
-
+    extra = ["-b", "2048", "-ub", "512", "--cont-batching"]
+    with serve(args.server, args.model, args.threads, args.slots, ctx, args.port, extra) as base:
         def one(row):
             body = {"prompt": row["prompt"], "n_predict": row["max_new"], "ignore_eos": row["ignore_eos"],
                     "temperature": 0.0, "cache_prompt": False}
@@ -66,9 +42,6 @@ def main():
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(rows)) as pool:
             results = list(pool.map(one, rows))
         seconds = time.time() - started
-    finally:
-        server.terminate()
-        server.wait()
     prompt = sum(p for p, _ in results)
     output = sum(o for _, o in results)
     report = {

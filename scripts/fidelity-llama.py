@@ -22,11 +22,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from llama_server import post, serve
 
 INSTRUCTIONS = [
     "Summarise the ticket above in one short sentence.",
@@ -34,12 +34,6 @@ INSTRUCTIONS = [
     "Write a short, polite reply to the customer who sent the ticket above.",
     "List the facts stated in the ticket above as bullet points.",
 ]
-
-
-def post(url, body, timeout=600):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
 
 
 def prompts_of(args):
@@ -51,24 +45,7 @@ def prompts_of(args):
 
 def llama_answers(args, prompts):
     """llama-server's greedy answer to each prompt: (text, token ids, log-probability of each chosen token)."""
-    cmd = [args.server, "-m", args.model, "-t", str(args.threads), "-tb", str(args.threads), "-np", str(args.slots),
-           "-c", str(args.slots * 2048), "--jinja", "--port", str(args.port), "--host", "127.0.0.1", "--no-webui",
-           "--log-disable"]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{args.port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except Exception:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                sys.exit(f"llama-server did not start: {' '.join(cmd)}")
-            time.sleep(0.5)
-
+    with serve(args.server, args.model, args.threads, args.slots, args.slots * 2048, args.port, ["--jinja"]) as base:
         def one(prompt):
             body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_new, "temperature": 0.0,
                     "top_k": 1, "seed": 0, "logprobs": True, "top_logprobs": 1, "cache_prompt": False}
@@ -80,9 +57,6 @@ def llama_answers(args, prompts):
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=args.slots) as pool:
             return list(pool.map(one, prompts))
-    finally:
-        server.terminate()
-        server.wait()
 
 
 def nightshift_scores(args, work, prompts, answers, layout):
