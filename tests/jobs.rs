@@ -86,10 +86,9 @@ fn sample_job_writes_sensible_summaries() {
     assert_eq!(metrics["completion_tokens"], Some(completion as f64));
     assert!(metrics["output_tokens_per_s"].unwrap() > 0.0);
     assert!(metrics["peak_rss_bytes"].unwrap() > metrics["weights_bytes"].unwrap());
-    // The default CPU layout (runtime.cpu_weights = "fast") is named in the metrics and the log.
-    let layout = "requantized to q4_k, output q6_k, padded";
-    assert_eq!(read_metrics_text(&out)["weights_layout"], layout);
-    assert!(run.stderr.contains(layout), "{}", run.stderr);
+    // By default the model runs as stored (runtime.cpu_weights = "as-stored"), and the metrics and the log say so.
+    assert_eq!(read_metrics_text(&out)["weights_layout"], "as-stored");
+    assert!(run.stderr.contains("weights=\"as-stored\" cpu_weights=as-stored"), "{}", run.stderr);
 }
 
 /// `runtime.cpu_weights = "as-stored"` computes the GGUF's own matrices (Q4_1 layers, the Q8_0 embedding as the

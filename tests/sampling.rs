@@ -87,6 +87,8 @@ fn logprobs(row: &Value) -> Vec<Logprob> {
 }
 
 const FRANCE: &str = "What is the capital of France?";
+/// A question the sample model answers in a few tokens, then ends (as stored, the bare `FRANCE` question runs on).
+const PARIS: &str = "What is the capital of France? Answer in one word.";
 const SEA: &str = "Write two sentences about the sea.";
 const HELLO: &str = "List the numbers from 1 to 25 separated by commas.";
 
@@ -95,7 +97,7 @@ fn each_sampling_parameter_changes_outputs_as_defined() {
     // One job, each row setting its own parameters through columns: the row's effective parameters are checked in
     // its `params` column, and its output against its definition.
     let ids = ["greedy", "topk1", "minp1", "topp", "minnew", "ignoreeos", "hello", "hellofreq", "hellorep", "seapres"];
-    let prompts = [SEA, SEA, SEA, SEA, FRANCE, FRANCE, HELLO, HELLO, HELLO, SEA];
+    let prompts = [SEA, SEA, SEA, SEA, PARIS, PARIS, HELLO, HELLO, HELLO, SEA];
     let n = ids.len();
     let mut temperature = vec![None; n];
     let (mut top_k, mut min_new, mut max_new) = (vec![None; n], vec![None; n], vec![None; n]);

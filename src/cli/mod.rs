@@ -196,7 +196,7 @@ pub struct GenerateBenchArgs {
     #[arg(long, default_value_t = 0)]
     pub warmup_rows: usize,
     /// How a GGUF's weights are laid out on the CPU, as `runtime.cpu_weights`: `as-stored`, `fast` or `q8_0`.
-    #[arg(long, default_value = "fast", value_parser = crate::job::CpuWeights::parse)]
+    #[arg(long, default_value = "as-stored", value_parser = crate::job::CpuWeights::parse)]
     pub cpu_weights: crate::job::CpuWeights,
     /// Write the workload's requests (token ids, output lengths) to this file, one JSON object per line, for a
     /// peer to run the same requests (`scripts/bench-llama-server.py`).

@@ -50,20 +50,18 @@ impl DeviceChoice {
 /// directories and encoders always compute the weights as stored.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CpuWeights {
-    /// Every matrix as the file stores it.
+    /// Every matrix as the file stores it: the model the user chose. The default.
+    #[default]
     AsStored,
     /// Requantized for candle's fast CPU kernels: widths zero-padded to a multiple of 256, the layers in Q4_K and
     /// the output projection in Q6_K (Q8_0 for Q4_0/Q4_1 matrices of models too narrow for padding to pay). Lower
-    /// precision than most files store; today's default, for speed.
-    #[default]
+    /// precision than most files store, only when the job asks for it.
     Fast,
     /// Padded like `Fast`, every matrix requantized to Q8_0: closer to the stored weights, slower.
     Q8_0,
 }
 
 impl CpuWeights {
-    pub const NAMES: [&'static str; 3] = ["as-stored", "fast", "q8_0"];
-
     pub fn parse(text: &str) -> Result<CpuWeights, String> {
         match text {
             "as-stored" => Ok(CpuWeights::AsStored),
@@ -237,7 +235,7 @@ mod tests {
 
     #[test]
     fn cpu_weights_names_a_layout() {
-        assert_eq!(parse(MINIMAL).unwrap().runtime.cpu_weights, CpuWeights::Fast);
+        assert_eq!(parse(MINIMAL).unwrap().runtime.cpu_weights, CpuWeights::AsStored);
         for (name, weights) in [("as-stored", CpuWeights::AsStored), ("fast", CpuWeights::Fast), ("q8_0", CpuWeights::Q8_0)] {
             let job = parse(&format!("{MINIMAL}\n[runtime]\ncpu_weights = \"{name}\"")).unwrap();
             assert_eq!(job.runtime.cpu_weights, weights);

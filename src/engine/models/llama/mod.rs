@@ -300,7 +300,7 @@ pub fn inspect(path: &Path) -> Result<ModelInfo, ModelError> {
 }
 
 impl Model {
-    /// Loads a llama-family model onto `device`: a GGUF file in the default `runtime.cpu_weights` layout, or a
+    /// Loads a llama-family model onto `device` as stored: a GGUF file (the default `runtime.cpu_weights`), or a
     /// Hugging Face directory ([`hf`]).
     pub fn load(path: &Path, device: &Device) -> Result<(Model, ModelInfo), ModelError> {
         Model::load_as(path, device, CpuWeights::default())
