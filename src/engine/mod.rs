@@ -15,6 +15,7 @@ pub mod constraint;
 pub mod decoder;
 pub mod device;
 pub mod embed;
+pub mod kernels;
 pub mod models;
 pub mod sampling;
 pub mod seq2seq;

@@ -10,6 +10,7 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use super::{Layer, Model, ModelConfig, ModelInfo, Weights, MAX_CONTEXT};
+use crate::engine::kernels::Matrix;
 use crate::engine::ModelError;
 use crate::job::CpuWeights;
 use crate::tokenize::VocabMetadata;
@@ -208,6 +209,15 @@ impl Layout {
     }
 }
 
+/// A laid-out matrix for the model: the weights as stored go to the CPU's kernels where they take the type
+/// ([`Matrix::new`]); requantized layouts are made for candle's kernels and stay with them.
+fn matrix(t: QTensor, layout: Layout, device: &Device) -> candle_core::Result<Matrix> {
+    match layout {
+        Layout::AsStored => Matrix::new(t, device),
+        _ => QMatMul::from_qtensor(t).map(Matrix::Candle),
+    }
+}
+
 /// A weight matrix `[n, k]` laid out as `[n_pad, k_pad]`, zero-filled, requantized.
 fn lay_out(t: QTensor, n_pad: usize, k_pad: usize, layout: Layout, device: &Device) -> candle_core::Result<QTensor> {
     use candle_core::quantized::GgmlDType;
@@ -310,9 +320,9 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
             raw.push((t, pad));
         }
     }
-    let laid_out: Vec<QMatMul> = raw
+    let laid_out: Vec<Matrix> = raw
         .into_par_iter()
-        .map(|(t, pad)| lay_out(t, pad[0], pad[1], layout, device).and_then(QMatMul::from_qtensor))
+        .map(|(t, pad)| lay_out(t, pad[0], pad[1], layout, device).and_then(|t| matrix(t, layout, device)))
         .collect::<candle_core::Result<_>>()
         .map_err(fmt)?;
     let mut matrices = laid_out.into_iter();
@@ -342,7 +352,7 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         }
         false => embedding_q,
     };
-    let lm_head = QMatMul::from_qtensor(lay_out(lm_head, config.vocab_size, width, layout.for_output(), device).map_err(fmt)?).map_err(fmt)?;
+    let lm_head = lay_out(lm_head, config.vocab_size, width, layout.for_output(), device).and_then(|t| matrix(t, layout, device)).map_err(fmt)?;
 
     let weights = Weights { embedding, layers, output_norm, lm_head, attn_width, layout };
     Ok((Model::assemble(config, device, weights), info))

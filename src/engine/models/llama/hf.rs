@@ -29,6 +29,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::QMatMul;
+
+use crate::engine::kernels::Matrix;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use serde::Deserialize;
@@ -429,7 +431,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
     };
     let load = |name: &str| shards.load(name, device, dtype);
     let rotary = |name: &str| load(name).and_then(|t| interleave_halves(&t, hd).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}"))));
-    let dense = |t: Tensor| QMatMul::Tensor(t);
+    let dense = |t: Tensor| Matrix::Candle(QMatMul::Tensor(t));
     let embedding = load("model.embed_tokens.weight")?;
     let mut layers = Vec::with_capacity(config.layers);
     for i in 0..config.layers {

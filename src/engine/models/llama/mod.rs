@@ -26,6 +26,8 @@ pub mod paged;
 use std::path::Path;
 
 use candle_core::quantized::{QMatMul, QTensor};
+
+use crate::engine::kernels::Matrix;
 use candle_core::{DType, Device, Module, Tensor, D};
 
 use crate::engine::ModelError;
@@ -79,10 +81,10 @@ pub struct ModelInfo {
 
 struct Layer {
     attn_norm: Tensor,
-    wq: QMatMul,
-    wk: QMatMul,
-    wv: QMatMul,
-    wo: QMatMul,
+    wq: Matrix,
+    wk: Matrix,
+    wv: Matrix,
+    wo: Matrix,
     /// Biases of the q, k and v projections (Qwen2; llama checkpoints with `attention_bias`), `[rows]` each.
     qkv_bias: Option<[Tensor; 3]>,
     /// Bias of the output projection (llama and Qwen3 checkpoints with `attention_bias`).
@@ -90,9 +92,9 @@ struct Layer {
     /// Per-head RMSNorm weights of queries and keys, `[head_dim]` each, applied before RoPE (Qwen3).
     qk_norm: Option<[Tensor; 2]>,
     ffn_norm: Tensor,
-    w_gate: QMatMul,
-    w_up: QMatMul,
-    w_down: QMatMul,
+    w_gate: Matrix,
+    w_up: Matrix,
+    w_down: Matrix,
 }
 
 impl Layer {
@@ -130,7 +132,7 @@ pub struct Model {
     embedding: Tensor,
     layers: Vec<Layer>,
     output_norm: Tensor,
-    lm_head: QMatMul,
+    lm_head: Matrix,
     /// How the weights are laid out in memory.
     layout: Layout,
 }
@@ -140,7 +142,7 @@ struct Weights {
     embedding: Tensor,
     layers: Vec<Layer>,
     output_norm: Tensor,
-    lm_head: QMatMul,
+    lm_head: Matrix,
     /// The attention output's width in memory (the input width of each layer's `wo`).
     attn_width: usize,
     layout: Layout,
@@ -374,13 +376,9 @@ impl Model {
     /// Bytes of weights held on the device (quantized sizes as stored; a tied output projection once).
     pub fn weight_bytes(&self) -> usize {
         let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
-        let q = |m: &QMatMul| match m {
-            QMatMul::QTensor(t) => t.storage_size_in_bytes(),
-            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => dense(t),
-        };
         let lm_head = match &self.lm_head {
-            QMatMul::Tensor(t) if t.id() == self.embedding.id() => 0,
-            other => q(other),
+            Matrix::Candle(QMatMul::Tensor(t)) if t.id() == self.embedding.id() => 0,
+            other => other.bytes(),
         };
         let extras = |l: &Layer| {
             l.qkv_bias.iter().flatten().chain(&l.wo_bias).chain(l.qk_norm.iter().flatten()).map(dense).sum::<usize>()
@@ -395,7 +393,7 @@ impl Model {
                     dense(&l.attn_norm)
                         + dense(&l.ffn_norm)
                         + extras(l)
-                        + [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].into_iter().map(q).sum::<usize>()
+                        + [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].into_iter().map(Matrix::bytes).sum::<usize>()
                 })
                 .sum::<usize>()
     }
@@ -504,7 +502,7 @@ impl Model {
         // candle's Q6_K takes its fast kernel only for two rows or more, and the two kernels round differently:
         // a lone row gets a zero row beside it, so a sequence's logits never depend on how many share its step.
         let rows = x.dim(0)?;
-        if rows == 1 && self.device.is_cpu() {
+        if rows == 1 && self.device.is_cpu() && matches!(self.lm_head, Matrix::Candle(_)) {
             return product(&self.lm_head, &Tensor::cat(&[&x, &x.zeros_like()?], 0)?)?.narrow(0, 0, 1);
         }
         product(&self.lm_head, &x)
@@ -558,8 +556,13 @@ fn select_rows(t: &Tensor, rows: &[u32]) -> candle_core::Result<Tensor> {
 /// the weights, the same for both, dominates.
 const DENSE_MIN_ROWS: usize = 8;
 
-/// `w.forward(x)`, with dense weights computing at least [`DENSE_MIN_ROWS`] rows.
-fn product(w: &QMatMul, x: &Tensor) -> candle_core::Result<Tensor> {
+/// `x · Wᵀ`: the CPU's kernels for a packed matrix; candle's otherwise, with dense weights computing at least
+/// [`DENSE_MIN_ROWS`] rows.
+fn product(w: &Matrix, x: &Tensor) -> candle_core::Result<Tensor> {
+    let w = match w {
+        Matrix::Packed(_) => return Ok(Matrix::forward_packed(x, &[w])?.and_then(|mut o| o.pop()).expect("a packed matrix's product")),
+        Matrix::Candle(w) => w,
+    };
     let rows = x.dim(0)?;
     match w {
         QMatMul::Tensor(_) if rows < DENSE_MIN_ROWS && x.device().is_cpu() => w.forward(&x.pad_with_zeros(0, 0, DENSE_MIN_ROWS - rows)?)?.narrow(0, 0, rows),
@@ -567,10 +570,14 @@ fn product(w: &QMatMul, x: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// Products of one input with several weight matrices (q, k and v; gate and up). On CPU with same-type
-/// quantized weights, candle quantizes the input once and runs them in one parallel region; otherwise one by one.
-fn matmuls<const N: usize>(x: &Tensor, weights: [&QMatMul; N]) -> candle_core::Result<[Tensor; N]> {
-    let tensors: Option<Vec<&QTensor>> = weights.iter().map(|w| if let QMatMul::QTensor(t) = w { Some(t.as_ref()) } else { None }).collect();
+/// Products of one input with several weight matrices (q, k and v; gate and up), the input quantized once and the
+/// products run in one parallel region: by the CPU's kernels for packed matrices, by candle for same-type
+/// quantized ones (where it can); otherwise one by one.
+fn matmuls<const N: usize>(x: &Tensor, weights: [&Matrix; N]) -> candle_core::Result<[Tensor; N]> {
+    if let Some(outs) = Matrix::forward_packed(x, &weights)? {
+        return Ok(outs.try_into().unwrap_or_else(|_| unreachable!("one output per weight")));
+    }
+    let tensors: Option<Vec<&QTensor>> = weights.iter().map(|w| if let Matrix::Candle(QMatMul::QTensor(t)) = w { Some(t.as_ref()) } else { None }).collect();
     if let Some(tensors) = tensors {
         if let Some(outs) = QTensor::gemv_fused_shared_lhs(&tensors, x)? {
             if let Ok(outs) = <[Tensor; N]>::try_from(outs) {
@@ -581,4 +588,3 @@ fn matmuls<const N: usize>(x: &Tensor, weights: [&QMatMul; N]) -> candle_core::R
     let outs: Vec<Tensor> = weights.iter().map(|w| product(w, x)).collect::<candle_core::Result<_>>()?;
     Ok(outs.try_into().unwrap_or_else(|_| unreachable!("one output per weight")))
 }
-

@@ -1,0 +1,380 @@
+//! The CPU's matrix products for weights as a GGUF file stores them: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+//! Q6_K, F16 and BF16, at any width that is a whole number of the type's blocks.
+//!
+//! candle's CPU kernels for these types are chosen at compile time (`target-cpu`) and, for several of them
+//! (Q4_1, Q5_0, Q5_1), scalar; its fast tiles take only widths that are multiples of 256. These are chosen at run
+//! time ([`Level`]): AVX-512 VNNI (or AVX-VNNI), AVX2 with FMA and F16C, and a portable fallback, so one binary
+//! is fast on every x86-64 CPU.
+//!
+//! The weights are repacked at load ([`pack`]) into three layouts that keep every stored value: 4-bit codes with
+//! a scale and offset per 32 (Q4_0, Q4_1, Q4_K), 8-bit codes with a scale and offset per 16 (Q5_0, Q5_1, Q5_K,
+//! Q6_K), and signed 8-bit codes with a scale per 32 (Q8_0). Activations are quantized per row to signed 8-bit
+//! codes with an f32 scale per 32 values, as llama.cpp does (with an f16 scale) for the same types; F16 and BF16
+//! weights take the activations in f32.
+//!
+//! Every path computes each output with the same operations in the same order (integer block products, then
+//! per-lane fused multiply-adds in eight lanes, then one fixed reduction), so the levels give bit-identical
+//! results, and a row's result does not depend on how many rows share its product.
+
+mod pack;
+mod portable;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+/// The instruction set the kernels run with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    /// Plain Rust, any CPU.
+    Portable,
+    /// AVX2, FMA and F16C (x86-64-v3: Intel since 2013, AMD since 2015).
+    Avx2,
+    /// The AVX2 level with VNNI's 8-bit dot products: AVX-512 VNNI (with VL), or AVX-VNNI.
+    Vnni,
+}
+
+/// The environment variable that lowers the kernels' level: `portable`, `avx2` or `vnni`. A level the CPU lacks
+/// is not taken (the detected one is, with a warning).
+pub const LEVEL_VAR: &str = "NIGHTSHIFT_CPU_KERNELS";
+
+impl Level {
+    /// The best level this CPU runs.
+    pub fn detected() -> Level {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+            let vnni = (is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")) || is_x86_feature_detected!("avxvnni");
+            return match (avx2, vnni) {
+                (true, true) => Level::Vnni,
+                (true, false) => Level::Avx2,
+                _ => Level::Portable,
+            };
+        }
+        #[allow(unreachable_code)]
+        Level::Portable
+    }
+
+    /// The level the kernels run at: [`LEVEL_VAR`] if set (and the CPU has it), the detected one otherwise.
+    /// Read once per process.
+    pub fn active() -> Level {
+        static ACTIVE: OnceLock<Level> = OnceLock::new();
+        *ACTIVE.get_or_init(|| {
+            let detected = Level::detected();
+            let Some(asked) = std::env::var(LEVEL_VAR).ok().filter(|v| !v.is_empty()) else { return detected };
+            match Level::parse(&asked) {
+                Some(level) if level <= detected => level,
+                Some(level) => {
+                    tracing::warn!(asked = level.name(), detected = detected.name(), "{LEVEL_VAR} asks for kernels this CPU lacks");
+                    detected
+                }
+                None => {
+                    tracing::warn!(asked, "{LEVEL_VAR} is not one of portable, avx2, vnni; ignored");
+                    detected
+                }
+            }
+        })
+    }
+
+    pub fn parse(name: &str) -> Option<Level> {
+        match name {
+            "portable" => Some(Level::Portable),
+            "avx2" => Some(Level::Avx2),
+            "vnni" => Some(Level::Vnni),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Level::Portable => "portable",
+            Level::Avx2 => "avx2",
+            Level::Vnni => "vnni",
+        }
+    }
+
+    /// Every level this CPU runs, lowest first.
+    pub fn available() -> Vec<Level> {
+        [Level::Portable, Level::Avx2, Level::Vnni].into_iter().filter(|&l| l <= Level::detected()).collect()
+    }
+}
+
+/// A weight matrix `[n, k]` in one of the kernels' layouts.
+pub struct Packed {
+    n: usize,
+    k: usize,
+    /// The file's type, for the logs.
+    stored: GgmlDType,
+    data: Data,
+}
+
+enum Data {
+    /// 4-bit codes, `[n, k / 2]` bytes, in ggml's order within each block of 32 (byte j: weight j in the low
+    /// nibble, weight j + 16 in the high one); weight = `d[b] * code + m[b]` per block `b` of 32.
+    Q4 { qs: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
+    /// Codes of up to 6 bits, one byte each; weight = `d[g] * code + m[g]` per group `g` of 16.
+    U8 { qs: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
+    /// Signed codes in -127..=127; weight = `d[b] * code` per block of 32.
+    S8 { qs: Vec<i8>, d: Vec<f32> },
+    /// IEEE half-precision bits.
+    F16(Vec<u16>),
+    /// bfloat16 bits.
+    Bf16(Vec<u16>),
+}
+
+impl Packed {
+    /// A GGUF matrix in the kernels' layout, or `None` for a type or width they do not take.
+    pub fn from_qtensor(t: &QTensor) -> candle_core::Result<Option<Packed>> {
+        let (n, k) = t.shape().dims2()?;
+        let bytes = t.data()?;
+        pack::pack(t.dtype(), &bytes, n, k).map_err(candle_core::Error::Msg)
+    }
+
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+
+    pub fn columns(&self) -> usize {
+        self.k
+    }
+
+    pub fn stored_dtype(&self) -> GgmlDType {
+        self.stored
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            Data::Q4 { qs, d, m } | Data::U8 { qs, d, m } => qs.len() + 4 * (d.len() + m.len()),
+            Data::S8 { qs, d } => qs.len() + 4 * d.len(),
+            Data::F16(w) | Data::Bf16(w) => 2 * w.len(),
+        }
+    }
+
+    /// The weights as f32, `[n * k]` row-major: what every product computes with.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.n * self.k);
+        match &self.data {
+            Data::Q4 { qs, d, m } => {
+                for (b, bytes) in qs.chunks_exact(16).enumerate() {
+                    let code = |j: usize| if j < 16 { bytes[j] & 0xF } else { bytes[j - 16] >> 4 };
+                    out.extend((0..32).map(|j| d[b] * code(j) as f32 + m[b]));
+                }
+            }
+            Data::U8 { qs, d, m } => {
+                for (g, codes) in qs.chunks_exact(16).enumerate() {
+                    out.extend(codes.iter().map(|&c| d[g] * c as f32 + m[g]));
+                }
+            }
+            Data::S8 { qs, d } => {
+                for (b, codes) in qs.chunks_exact(32).enumerate() {
+                    out.extend(codes.iter().map(|&c| d[b] * c as f32));
+                }
+            }
+            Data::F16(w) => out.extend(w.iter().map(|&h| half::f16::from_bits(h).to_f32())),
+            Data::Bf16(w) => out.extend(w.iter().map(|&h| half::bf16::from_bits(h).to_f32())),
+        }
+        out
+    }
+
+    fn quantized(&self) -> bool {
+        !matches!(self.data, Data::F16(_) | Data::Bf16(_))
+    }
+
+    /// `x · Wᵀ` for `x` `[m, k]` row-major: `[m, n]` row-major, at the [`Level::active`] level.
+    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        self.matmul_at(Level::active(), x, m)
+    }
+
+    /// [`Packed::matmul`] at a given level (one the CPU has: [`Level::available`]).
+    pub fn matmul_at(&self, level: Level, x: &[f32], m: usize) -> Vec<f32> {
+        matmul_many(level, &[self], x, m).pop().expect("one output per matrix")
+    }
+}
+
+/// Activation rows, as the kernels read them: the f32 values, and for quantized weights their 8-bit codes.
+struct Acts<'a> {
+    k: usize,
+    f32: &'a [f32],
+    /// Codes, `[m, k]`, in -127..=127.
+    qs: Vec<i8>,
+    /// Scale per block of 32, `[m, k / 32]`.
+    d: Vec<f32>,
+    /// `d * (sum of the codes)` per block of 32 and per group of 16.
+    s32: Vec<f32>,
+    s16: Vec<f32>,
+}
+
+impl<'a> Acts<'a> {
+    fn new(x: &'a [f32], k: usize, quantize: bool) -> Acts<'a> {
+        let mut acts = Acts { k, f32: x, qs: Vec::new(), d: Vec::new(), s32: Vec::new(), s16: Vec::new() };
+        if quantize {
+            debug_assert_eq!(k % 32, 0);
+            let blocks = x.len() / 32;
+            acts.qs = vec![0; x.len()];
+            acts.d = vec![0.0; blocks];
+            acts.s32 = vec![0.0; blocks];
+            acts.s16 = vec![0.0; 2 * blocks];
+            // Quantized in parallel for many rows (prefill); a few rows are quicker on the calling thread.
+            let one = |((block, qs), ((d, s32), s16)): ((&[f32], &mut [i8]), ((&mut f32, &mut f32), &mut [f32]))| {
+                quantize_block(block.try_into().expect("32"), qs.try_into().expect("32"), d, s32, s16.try_into().expect("2"));
+            };
+            if blocks < 2048 {
+                let sums = acts.d.iter_mut().zip(acts.s32.iter_mut()).zip(acts.s16.chunks_exact_mut(2));
+                x.chunks_exact(32).zip(acts.qs.chunks_exact_mut(32)).zip(sums).for_each(one);
+            } else {
+                let sums = acts.d.par_iter_mut().zip(acts.s32.par_iter_mut()).zip(acts.s16.par_chunks_exact_mut(2));
+                x.par_chunks_exact(32).zip(acts.qs.par_chunks_exact_mut(32)).zip(sums).with_min_len(512).for_each(one);
+            }
+        }
+        acts
+    }
+
+    fn rows(&self) -> usize {
+        self.f32.len() / self.k
+    }
+}
+
+/// One block of 32 activations to codes: scale `max |x| / 127`, codes rounded to nearest (ties to even).
+fn quantize_block(x: &[f32; 32], qs: &mut [i8; 32], d: &mut f32, s32: &mut f32, s16: &mut [f32; 2]) {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let scale = amax / 127.0;
+    let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    let mut sums = [0i32; 2];
+    for (j, (q, v)) in qs.iter_mut().zip(x).enumerate() {
+        // `as` saturates (and maps NaN to 0): a code is in -127..=127 whatever the input.
+        *q = (v * inverse).round_ties_even().clamp(-127.0, 127.0) as i8;
+        sums[j / 16] += *q as i32;
+    }
+    *d = scale;
+    *s32 = scale * (sums[0] + sums[1]) as f32;
+    *s16 = [scale * sums[0] as f32, scale * sums[1] as f32];
+}
+
+/// Where the kernels write: `[m, n]` row-major f32.
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: *mut f32,
+    n: usize,
+    len: usize,
+}
+
+// SAFETY: `Out` is a raw view of one output buffer shared by the tasks of one parallel product. Each task writes
+// only the columns of its own weight rows (`write` at `(row, n)` for `n` in the task's range, never read back), so
+// no two threads touch the same element, and the buffer outlives the parallel region that holds the copies.
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+impl Out {
+    fn write(self, row: usize, n: usize, value: f32) {
+        let at = row * self.n + n;
+        assert!(n < self.n && at < self.len, "kernel output ({row}, {n}) outside [{}, {}] (a bug)", self.len / self.n, self.n);
+        // SAFETY: in bounds (checked above); no other task writes this element (see the `Send` impl).
+        unsafe { *self.ptr.add(at) = value };
+    }
+}
+
+/// Rows of one matrix one task computes.
+struct Task {
+    matrix: usize,
+    rows: Range<usize>,
+}
+
+/// `x · Wᵢᵀ` for each matrix (all `[_, k]` of the same kind, quantized or not), the activations quantized once,
+/// in one parallel region.
+fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Vec<f32>> {
+    let k = weights[0].k;
+    assert!(weights.iter().all(|w| w.k == k && w.quantized() == weights[0].quantized()), "matmul_many over matrices of different widths or kinds (a bug)");
+    assert_eq!(x.len(), m * k, "activations are not [m, k] (a bug)");
+    let level = level.min(Level::detected());
+    let acts = Acts::new(x, k, weights[0].quantized());
+    let mut outs: Vec<Vec<f32>> = weights.iter().map(|w| vec![0f32; m * w.n]).collect();
+    let views: Vec<Out> = outs.iter_mut().zip(weights).map(|(o, w)| Out { ptr: o.as_mut_ptr(), n: w.n, len: o.len() }).collect();
+    // About eight tasks per thread over all the matrices' rows, in multiples of 16 rows.
+    let total: usize = weights.iter().map(|w| w.n).sum();
+    let per_task = total.div_ceil(rayon::current_num_threads() * 8).next_multiple_of(16).max(16);
+    let tasks: Vec<Task> = weights
+        .iter()
+        .enumerate()
+        .flat_map(|(i, w)| (0..w.n).step_by(per_task).map(move |r| Task { matrix: i, rows: r..(r + per_task).min(w.n) }))
+        .collect();
+    let run = |t: &Task| run_rows(level, weights[t.matrix], t.rows.clone(), &acts, views[t.matrix]);
+    if tasks.len() == 1 || m * total * k < 1 << 16 {
+        tasks.iter().for_each(run);
+    } else {
+        tasks.par_iter().for_each(run);
+    }
+    outs
+}
+
+/// Weight rows `rows` times every activation row.
+fn run_rows(level: Level, w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
+    assert!(rows.end <= w.n && x.k == w.k, "kernel rows out of range (a bug)");
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Vnni => x86::run_vnni(w, rows, x, out),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => x86::run_avx2(w, rows, x, out),
+        _ if w.quantized() => portable::run(w, rows, x, out),
+        _ => portable::run_float(w, rows, x, out),
+    }
+}
+
+/// The reduction every level ends with: eight lanes, halves added, then pairs, then the last two.
+fn hsum8(a: [f32; 8]) -> f32 {
+    let s = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    let t = [s[0] + s[2], s[1] + s[3]];
+    t[0] + t[1]
+}
+
+/// A weight matrix as the model holds it: repacked for these kernels on the CPU, or candle's (other devices,
+/// requantized layouts, types the kernels do not take).
+pub enum Matrix {
+    Candle(QMatMul),
+    Packed(Packed),
+}
+
+impl Matrix {
+    /// The matrix for a device: packed on the CPU where the kernels take its type, candle's otherwise.
+    pub fn new(t: QTensor, device: &Device) -> candle_core::Result<Matrix> {
+        if device.is_cpu() {
+            if let Some(p) = Packed::from_qtensor(&t)? {
+                return Ok(Matrix::Packed(p));
+            }
+        }
+        Ok(Matrix::Candle(QMatMul::from_qtensor(t)?))
+    }
+
+    /// Bytes of weights held.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Matrix::Packed(p) => p.bytes(),
+            Matrix::Candle(QMatMul::QTensor(t)) => t.storage_size_in_bytes(),
+            Matrix::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => t.elem_count() * t.dtype().size_in_bytes(),
+        }
+    }
+
+    /// `x · Wᵀ` for `x` `[rows, k]` f32 on the CPU; `None` for a candle matrix (the caller uses candle).
+    pub fn forward_packed(x: &Tensor, weights: &[&Matrix]) -> candle_core::Result<Option<Vec<Tensor>>> {
+        let packed: Option<Vec<&Packed>> = weights.iter().map(|w| if let Matrix::Packed(p) = w { Some(p) } else { None }).collect();
+        let Some(packed) = packed else { return Ok(None) };
+        if packed.is_empty() || packed.iter().any(|p| p.k != packed[0].k || p.quantized() != packed[0].quantized()) {
+            return Ok(None);
+        }
+        let (m, k) = x.dims2()?;
+        if k != packed[0].k {
+            candle_core::bail!("activations [{m}, {k}] for a matrix of width {}", packed[0].k);
+        }
+        let values = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let outs = matmul_many(Level::active(), &packed, &values, m);
+        Ok(Some(outs.into_iter().zip(&packed).map(|(o, p)| Tensor::from_vec(o, (m, p.n), x.device())).collect::<candle_core::Result<_>>()?))
+    }
+}
+
+#[cfg(test)]
+mod tests;

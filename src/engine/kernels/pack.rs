@@ -1,0 +1,177 @@
+//! GGUF weight blocks decoded into the kernels' layouts, without changing a value.
+//!
+//! Every quantized type the kernels take stores, per group of 16 or 32 weights, small unsigned integers `q` and
+//! a scale and an offset such that the weight is `d * q + m` (types with a signed code, `d * (q - c)`, have
+//! `m = -c * d`; the k-quants' sub-block scales `d * sc` and mins `dmin * mn` are products of an f16 and an
+//! integer of at most 8 bits, which f32 holds exactly). Only Q8_0 is kept signed. The codes are copied, the
+//! scales widened from f16 to f32: every weight the kernels compute with is the one the file stores.
+
+use candle_core::quantized::GgmlDType;
+use half::f16;
+
+use super::{Data, Packed};
+
+/// Bytes per block and weights per block of a GGUF type the kernels take, or `None`.
+fn block_size(dtype: GgmlDType) -> Option<(usize, usize)> {
+    Some(match dtype {
+        GgmlDType::Q4_0 => (18, 32),
+        GgmlDType::Q4_1 => (20, 32),
+        GgmlDType::Q5_0 => (22, 32),
+        GgmlDType::Q5_1 => (24, 32),
+        GgmlDType::Q8_0 => (34, 32),
+        GgmlDType::Q4K => (144, 256),
+        GgmlDType::Q5K => (176, 256),
+        GgmlDType::Q6K => (210, 256),
+        GgmlDType::F16 | GgmlDType::BF16 => (16, 8),
+        _ => return None,
+    })
+}
+
+fn half_at(bytes: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
+}
+
+/// The k-quants' 6-bit scale and min of sub-block `j` (of 8), from their 12 packed bytes.
+fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+    }
+}
+
+/// Calls `group(codes, d, m)` for each group of 16 weights of one block, in order: weight `i` of the group is
+/// `d * codes[i] + m`.
+fn decode_block(dtype: GgmlDType, b: &[u8], group: &mut impl FnMut(&[u8; 16], f32, f32)) {
+    let mut codes = [0u8; 32];
+    // A block of 32 with one scale and offset, its codes in `codes`.
+    let emit32 = |codes: &[u8; 32], d: f32, m: f32, group: &mut dyn FnMut(&[u8; 16], f32, f32)| {
+        group(codes[..16].try_into().expect("16"), d, m);
+        group(codes[16..].try_into().expect("16"), d, m);
+    };
+    match dtype {
+        GgmlDType::Q4_0 | GgmlDType::Q4_1 => {
+            let (d, qs) = (half_at(b, 0), if dtype == GgmlDType::Q4_0 { &b[2..18] } else { &b[4..20] });
+            let m = if dtype == GgmlDType::Q4_0 { -8.0 * d } else { half_at(b, 2) };
+            for j in 0..16 {
+                codes[j] = qs[j] & 0xF;
+                codes[j + 16] = qs[j] >> 4;
+            }
+            emit32(&codes, d, m, group);
+        }
+        GgmlDType::Q5_0 | GgmlDType::Q5_1 => {
+            let d = half_at(b, 0);
+            let (m, rest) = if dtype == GgmlDType::Q5_0 { (-16.0 * d, &b[2..]) } else { (half_at(b, 2), &b[4..]) };
+            let qh = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
+            let qs = &rest[4..20];
+            for j in 0..16 {
+                codes[j] = (qs[j] & 0xF) | ((((qh >> j) & 1) as u8) << 4);
+                codes[j + 16] = (qs[j] >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+            }
+            emit32(&codes, d, m, group);
+        }
+        GgmlDType::Q8_0 => unreachable!("Q8_0 is kept signed, not decoded to codes"),
+        GgmlDType::Q4K | GgmlDType::Q5K => {
+            let (d, dmin, scales) = (half_at(b, 0), half_at(b, 2), &b[4..16]);
+            let (qh, qs) = if dtype == GgmlDType::Q5K { (Some(&b[16..48]), &b[48..176]) } else { (None, &b[16..144]) };
+            // Four chunks of 64 weights: 32 bytes of codes, low nibbles the chunk's first 32 weights, high nibbles
+            // its last 32; Q5_K's fifth bits are bits 2c and 2c + 1 of 32 shared bytes.
+            for c in 0..4 {
+                for half in 0..2 {
+                    let (sc, mn) = scale_min_k4(2 * c + half, scales);
+                    for l in 0..32 {
+                        let byte = qs[32 * c + l];
+                        let low = if half == 0 { byte & 0xF } else { byte >> 4 };
+                        let high = qh.map_or(0, |qh| ((qh[l] >> (2 * c + half)) & 1) << 4);
+                        codes[l] = low | high;
+                    }
+                    emit32(&codes, d * sc as f32, -(dmin * mn as f32), group);
+                }
+            }
+        }
+        GgmlDType::Q6K => {
+            let (ql, qh, scales, d) = (&b[0..128], &b[128..192], &b[192..208], half_at(b, 208));
+            // Two halves of 128 weights; in each, 64 bytes of low nibbles and 32 of two-bit high parts; one signed
+            // 8-bit scale per 16 weights. Codes are stored offset by 32.
+            let mut all = [0u8; 256];
+            for h in 0..2 {
+                let (ql, qh, y) = (&ql[64 * h..], &qh[32 * h..], &mut all[128 * h..]);
+                for l in 0..32 {
+                    y[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+                    y[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+                    y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                    y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                }
+            }
+            for (g, codes) in all.chunks_exact(16).enumerate() {
+                let dg = d * scales[g] as i8 as f32;
+                group(codes.try_into().expect("16"), dg, -32.0 * dg);
+            }
+        }
+        _ => unreachable!("decode_block for a type block_size refuses"),
+    }
+}
+
+/// A GGUF matrix `[n, k]` of `dtype` (its raw bytes as stored) in the kernels' layout, or `None` when the kernels
+/// do not take it: another type, a width that is not a whole number of blocks, or a Q8_0 matrix holding the code
+/// -128 (the kernels' signed product needs codes in -127..=127; ggml never writes -128). A byte count that does
+/// not match the shape is an error.
+pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result<Option<Packed>, String> {
+    let Some((block_bytes, block_len)) = block_size(dtype) else { return Ok(None) };
+    if n == 0 || k == 0 || k % block_len != 0 || k % 32 != 0 && !matches!(dtype, GgmlDType::F16 | GgmlDType::BF16) {
+        return Ok(None);
+    }
+    let expected = n.checked_mul(k / block_len).and_then(|b| b.checked_mul(block_bytes));
+    if expected != Some(bytes.len()) {
+        return Err(format!("{dtype:?} matrix [{n}, {k}] should have {expected:?} bytes, has {}", bytes.len()));
+    }
+    let data = match dtype {
+        GgmlDType::F16 | GgmlDType::BF16 => {
+            let w: Vec<u16> = bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+            if dtype == GgmlDType::F16 { Data::F16(w) } else { Data::Bf16(w) }
+        }
+        GgmlDType::Q8_0 => {
+            let blocks = bytes.len() / 34;
+            let (mut qs, mut d) = (Vec::with_capacity(blocks * 32), Vec::with_capacity(blocks));
+            for b in bytes.chunks_exact(34) {
+                d.push(half_at(b, 0));
+                qs.extend(b[2..].iter().map(|&q| q as i8));
+            }
+            if qs.contains(&i8::MIN) {
+                return Ok(None);
+            }
+            Data::S8 { qs, d }
+        }
+        GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K => {
+            let groups = n * k / 16;
+            let (mut qs, mut d, mut m) = (Vec::with_capacity(n * k / 2), Vec::with_capacity(groups / 2), Vec::with_capacity(groups / 2));
+            let mut first: Option<[u8; 16]> = None;
+            for b in bytes.chunks_exact(block_bytes) {
+                decode_block(dtype, b, &mut |codes, dg, mg| match first.take() {
+                    None => first = Some(*codes),
+                    // The two halves of a block of 32 share a scale: ggml's order, a byte holding weight j low
+                    // and weight j + 16 high.
+                    Some(low) => {
+                        qs.extend((0..16).map(|j| low[j] | (codes[j] << 4)));
+                        d.push(dg);
+                        m.push(mg);
+                    }
+                });
+            }
+            Data::Q4 { qs, d, m }
+        }
+        _ => {
+            let groups = n * k / 16;
+            let (mut qs, mut d, mut m) = (Vec::with_capacity(n * k), Vec::with_capacity(groups), Vec::with_capacity(groups));
+            for b in bytes.chunks_exact(block_bytes) {
+                decode_block(dtype, b, &mut |codes, dg, mg| {
+                    qs.extend_from_slice(codes);
+                    d.push(dg);
+                    m.push(mg);
+                });
+            }
+            Data::U8 { qs, d, m }
+        }
+    };
+    Ok(Some(Packed { n, k, stored: dtype, data }))
+}

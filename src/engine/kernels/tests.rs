@@ -1,0 +1,170 @@
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+
+use super::*;
+
+/// Every type the kernels take, with a width that is a whole number of its blocks but (for the 32-blocks) not of
+/// 256: SmolLM2's 576.
+const TYPES: [(GgmlDType, usize); 10] = [
+    (GgmlDType::Q4_0, 576),
+    (GgmlDType::Q4_1, 576),
+    (GgmlDType::Q5_0, 576),
+    (GgmlDType::Q5_1, 576),
+    (GgmlDType::Q8_0, 576),
+    (GgmlDType::Q4K, 512),
+    (GgmlDType::Q5K, 768),
+    (GgmlDType::Q6K, 512),
+    (GgmlDType::F16, 200),
+    (GgmlDType::BF16, 576),
+];
+
+/// A random matrix quantized by candle (ggml's quantizers): what a GGUF file of that type holds. Rows get
+/// different magnitudes, and a few values are large, as in real weights.
+fn matrix(dtype: GgmlDType, n: usize, k: usize, seed: u64) -> QTensor {
+    let device = Device::Cpu;
+    let values: Vec<f32> = (0..n * k)
+        .map(|i| {
+            let h = (i as u64 ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(17).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            let u = (h >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            let scale = 0.02 * (1 + (i / k) % 7) as f32;
+            if h % 97 == 0 { 8.0 * u * scale } else { u * scale }
+        })
+        .collect();
+    let w = Tensor::from_vec(values, (n, k), &device).unwrap();
+    QTensor::quantize(&w, dtype).unwrap()
+}
+
+fn activations(m: usize, k: usize, seed: u64) -> Vec<f32> {
+    (0..m * k)
+        .map(|i| {
+            let h = (i as u64 + 7 * seed).wrapping_mul(0xD6E8_FEB8_6659_FD93).rotate_left(29);
+            ((h >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * if i % 53 == 0 { 12.0 } else { 2.0 }
+        })
+        .collect()
+}
+
+#[test]
+fn packing_keeps_every_value_the_file_stores() {
+    for (dtype, k) in TYPES {
+        let q = matrix(dtype, 40, k, 1);
+        let packed = Packed::from_qtensor(&q).unwrap().unwrap_or_else(|| panic!("{dtype:?} not packed"));
+        let ours = packed.dequantize();
+        let candle = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let largest = candle.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let exact = ours.iter().zip(&candle).filter(|(a, b)| a == b).count();
+        // `d * q + m` and candle's `d * (q - c)` are the same real number; f32 rounds a handful of Q6_K's products
+        // (a 19-bit scale times a 6-bit code) differently, by an ulp.
+        for (i, (a, b)) in ours.iter().zip(&candle).enumerate() {
+            assert!((a - b).abs() <= largest * 1e-6, "{dtype:?} weight {i}: packed {a}, candle {b}");
+        }
+        assert!(exact * 1000 >= ours.len() * 999, "{dtype:?}: only {exact} of {} weights bit-identical", ours.len());
+        assert_eq!((packed.rows(), packed.columns(), packed.stored_dtype()), (40, k, dtype));
+    }
+}
+
+#[test]
+fn the_kernels_refuse_what_they_cannot_compute_faithfully() {
+    // Not a type they take.
+    assert!(Packed::from_qtensor(&matrix(GgmlDType::Q3K, 4, 256, 2)).unwrap().is_none());
+    // A Q8_0 code of -128 (ggml never writes it; a file could): the signed product cannot negate it.
+    let mut bytes = matrix(GgmlDType::Q8_0, 2, 64, 3).data().unwrap().into_owned();
+    bytes[5] = 0x80;
+    assert!(pack::pack(GgmlDType::Q8_0, &bytes, 2, 64).unwrap().is_none());
+    // Bytes that do not match the shape (a malformed file): an error, not a read past the end.
+    assert!(pack::pack(GgmlDType::Q4_1, &bytes, 2, 64).is_err());
+    assert!(pack::pack(GgmlDType::Q4_1, &[0; 80], 2, 64).is_ok());
+}
+
+#[test]
+fn every_level_gives_the_same_bits_at_any_row_count() {
+    for (dtype, k) in TYPES {
+        let packed = Packed::from_qtensor(&matrix(dtype, 37, k, 4)).unwrap().unwrap();
+        for m in [1, 2, 3, 4, 5, 9] {
+            let x = activations(m, k, m as u64);
+            let reference = packed.matmul_at(Level::Portable, &x, m);
+            for level in Level::available() {
+                let y = packed.matmul_at(level, &x, m);
+                let same = y.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{dtype:?} m={m}: {level:?} differs from the portable kernels");
+            }
+            // A row's result does not depend on the rows beside it.
+            let alone = packed.matmul_at(Level::active(), &x[(m - 1) * k..], 1);
+            assert!(alone.iter().zip(&reference[(m - 1) * 37..]).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?} m={m}");
+        }
+    }
+}
+
+/// `x · Wᵀ` with candle's dequantized weights, in f64, and for each output the most the activations' 8-bit
+/// rounding can move it: half a code step of each block of 32 times the weights' absolute sum there (for
+/// quantized weights; F16 and BF16 take the activations in f32).
+fn reference(q: &QTensor, x: &[f32], m: usize) -> (Vec<f64>, Vec<f64>) {
+    let (n, k) = q.shape().dims2().unwrap();
+    let w = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let quantized = !matches!(q.dtype(), GgmlDType::F16 | GgmlDType::BF16);
+    let (mut y, mut bound) = (vec![0f64; m * n], vec![0f64; m * n]);
+    for r in 0..m {
+        let xr = &x[r * k..(r + 1) * k];
+        for c in 0..n {
+            let wr = &w[c * k..(c + 1) * k];
+            let (mut sum, mut magnitude, mut rounding) = (0f64, 0f64, 0f64);
+            for (xb, wb) in xr.chunks(32).zip(wr.chunks(32)) {
+                let step = xb.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 127.0;
+                for (a, v) in wb.iter().zip(xb) {
+                    sum += *a as f64 * *v as f64;
+                    magnitude += (*a as f64 * *v as f64).abs();
+                    if quantized {
+                        rounding += (*a as f64).abs() * step / 2.0;
+                    }
+                }
+            }
+            y[r * n + c] = sum;
+            // f32 accumulation: a relative 1e-5 of the products' magnitude, far above its rounding.
+            bound[r * n + c] = rounding + 1e-5 * magnitude + 1e-6;
+        }
+    }
+    (y, bound)
+}
+
+#[test]
+fn products_match_candle_dequantize_then_matmul_within_the_activations_rounding() {
+    for (dtype, k) in TYPES {
+        let q = matrix(dtype, 33, k, 5);
+        let packed = Packed::from_qtensor(&q).unwrap().unwrap();
+        for m in [1, 6] {
+            let x = activations(m, k, 11);
+            let y = packed.matmul(&x, m);
+            let (want, bound) = reference(&q, &x, m);
+            let mut worst = 0f64;
+            for i in 0..y.len() {
+                let err = (y[i] as f64 - want[i]).abs();
+                assert!(err <= bound[i], "{dtype:?} m={m} output {i}: {} vs {} (bound {})", y[i], want[i], bound[i]);
+                worst = worst.max(err / bound[i]);
+            }
+            // The bound is not vacuous: quantized products use a good part of it.
+            if !matches!(dtype, GgmlDType::F16 | GgmlDType::BF16) {
+                assert!(worst > 0.01, "{dtype:?}: largest error only {worst} of the bound");
+            }
+        }
+    }
+}
+
+#[test]
+fn several_matrices_share_one_quantization_and_one_parallel_region() {
+    let (a, b) = (matrix(GgmlDType::Q4_1, 70, 576, 6), matrix(GgmlDType::Q8_0, 500, 576, 7));
+    let (pa, pb) = (Packed::from_qtensor(&a).unwrap().unwrap(), Packed::from_qtensor(&b).unwrap().unwrap());
+    let x = activations(3, 576, 8);
+    let both = matmul_many(Level::active(), &[&pa, &pb], &x, 3);
+    assert_eq!(both[0], pa.matmul(&x, 3));
+    assert_eq!(both[1], pb.matmul(&x, 3));
+    assert_eq!(both[1].len(), 3 * 500);
+}
+
+#[test]
+fn the_level_variable_names_a_level() {
+    assert_eq!(Level::parse("avx2"), Some(Level::Avx2));
+    assert_eq!(Level::parse("portable"), Some(Level::Portable));
+    assert_eq!(Level::parse("vnni"), Some(Level::Vnni));
+    assert_eq!(Level::parse("avx512"), None);
+    assert!(Level::available().contains(&Level::Portable));
+    assert!(Level::active() <= Level::detected());
+}
