@@ -43,6 +43,12 @@ fn main() -> ExitCode {
         Command::Bench(cli::BenchCommand::Parity(args)) => {
             nightshift::bench::parity(&args.options()).and_then(|r| cli::print_parity(&r, args.json))
         }
+        Command::Bench(cli::BenchCommand::Kernels(args)) => {
+            if let Some(threads) = args.threads {
+                app::limit_threads(threads);
+            }
+            nightshift::bench::kernels(&args.options()).map(|r| cli::print_kernel_bench(&r, args.json))
+        }
         Command::SynthModel(args) => args.gguf_type().and_then(|quant| {
             let report = args.run()?;
             cli::print_synth(&report, &args.dir);

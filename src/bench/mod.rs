@@ -3,8 +3,10 @@
 //! accelerator path's logits against the CPU's.
 
 mod generate;
+mod kernels;
 mod parity;
 pub use generate::{generate, GenerateBenchOptions, GenerateBenchReport, Workload};
+pub use kernels::{kernels, KernelBenchOptions, KernelMeasurement};
 pub use parity::{parity, Comparison, ParityOptions, ParityReport};
 
 use std::path::PathBuf;

@@ -101,6 +101,38 @@ pub enum BenchCommand {
     /// batched against one sequence at a time: logit differences and argmax agreement, within stated
     /// tolerances (exit 1 outside them).
     Parity(ParityBenchArgs),
+    /// The CPU kernels on a GGUF file's own matrices (one layer's and the output projection): GFLOP/s per
+    /// instruction-set level and row count.
+    Kernels(KernelBenchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct KernelBenchArgs {
+    /// A GGUF decoder.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Activation rows per product.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,128")]
+    pub rows: Vec<usize>,
+    /// Levels to measure: portable, avx2, vnni (default: every one this CPU has).
+    #[arg(long, value_delimiter = ',', value_parser = parse_level)]
+    pub levels: Vec<crate::engine::kernels::Level>,
+    /// CPU threads (default: one per core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Print one JSON object per measurement.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_level(text: &str) -> Result<crate::engine::kernels::Level, String> {
+    crate::engine::kernels::Level::parse(text).ok_or_else(|| format!("must be portable, avx2 or vnni, got {text:?}"))
+}
+
+impl KernelBenchArgs {
+    pub fn options(&self) -> crate::bench::KernelBenchOptions {
+        crate::bench::KernelBenchOptions { model: self.model.clone(), rows: self.rows.clone(), levels: self.levels.clone() }
+    }
 }
 
 #[derive(Debug, Args)]

@@ -416,3 +416,18 @@ mod tests {
         assert_eq!(unit_ranges(&[], 4), "");
     }
 }
+
+/// `bench kernels`: one line per tensor, level and row count.
+pub fn print_kernel_bench(report: &[crate::bench::KernelMeasurement], json: bool) {
+    if json {
+        for m in report {
+            println!("{}", serde_json::to_string(m).expect("a measurement serializes"));
+        }
+        return;
+    }
+    println!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11} {:>8}", "tensor", "type", "[n, k]", "level", "rows", "us", "GFLOP/s");
+    for m in report {
+        let shape = format!("[{}, {}]", m.shape[0], m.shape[1]);
+        println!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11.1} {:>8.1}", m.tensor, m.dtype, shape, m.level, m.rows, m.seconds * 1e6, m.gflops);
+    }
+}

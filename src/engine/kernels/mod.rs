@@ -115,9 +115,11 @@ pub struct Packed {
 
 enum Data {
     /// 4-bit codes, `[n, k / 2]` bytes, in ggml's order within each block of 32 (byte j: weight j in the low
-    /// nibble, weight j + 16 in the high one); weight = `d[b] * code + m[b]` per block `b` of 32.
+    /// nibble, weight j + 16 in the high one); weight = `d[b] * code + m[b]` per block `b` of 32. Each row's `m`
+    /// is zero-padded to a multiple of 8 values ([`pad_rows`]), as the offsets' products read them.
     Q4 { qs: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
-    /// Codes of up to 6 bits, one byte each; weight = `d[g] * code + m[g]` per group `g` of 16.
+    /// Codes of up to 6 bits, one byte each; weight = `d[g] * code + m[g]` per group `g` of 16 (`m` padded per row
+    /// likewise).
     U8 { qs: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
     /// Signed codes in -127..=127; weight = `d[b] * code` per block of 32.
     S8 { qs: Vec<i8>, d: Vec<f32> },
@@ -161,14 +163,18 @@ impl Packed {
         let mut out = Vec::with_capacity(self.n * self.k);
         match &self.data {
             Data::Q4 { qs, d, m } => {
+                let (blocks, stride) = (self.k / 32, (self.k / 32).next_multiple_of(8));
                 for (b, bytes) in qs.chunks_exact(16).enumerate() {
                     let code = |j: usize| if j < 16 { bytes[j] & 0xF } else { bytes[j - 16] >> 4 };
-                    out.extend((0..32).map(|j| d[b] * code(j) as f32 + m[b]));
+                    let m = m[b / blocks * stride + b % blocks];
+                    out.extend((0..32).map(|j| d[b] * code(j) as f32 + m));
                 }
             }
             Data::U8 { qs, d, m } => {
+                let (groups, stride) = (self.k / 16, (self.k / 16).next_multiple_of(8));
                 for (g, codes) in qs.chunks_exact(16).enumerate() {
-                    out.extend(codes.iter().map(|&c| d[g] * c as f32 + m[g]));
+                    let m = m[g / groups * stride + g % groups];
+                    out.extend(codes.iter().map(|&c| d[g] * c as f32 + m));
                 }
             }
             Data::S8 { qs, d } => {
@@ -205,13 +211,14 @@ struct Acts<'a> {
     qs: Vec<i8>,
     /// Scale per block of 32, `[m, k / 32]`.
     d: Vec<f32>,
-    /// `d * (sum of the codes)` per block of 32 and per group of 16.
+    /// `d * (sum of the codes)` per block of 32 and per group of 16, each row zero-padded to a multiple of 8
+    /// values ([`pad_rows`]).
     s32: Vec<f32>,
     s16: Vec<f32>,
 }
 
 impl<'a> Acts<'a> {
-    fn new(x: &'a [f32], k: usize, quantize: bool) -> Acts<'a> {
+    fn new(level: Level, x: &'a [f32], k: usize, quantize: bool) -> Acts<'a> {
         let mut acts = Acts { k, f32: x, qs: Vec::new(), d: Vec::new(), s32: Vec::new(), s16: Vec::new() };
         if quantize {
             debug_assert_eq!(k % 32, 0);
@@ -220,17 +227,17 @@ impl<'a> Acts<'a> {
             acts.d = vec![0.0; blocks];
             acts.s32 = vec![0.0; blocks];
             acts.s16 = vec![0.0; 2 * blocks];
-            // Quantized in parallel for many rows (prefill); a few rows are quicker on the calling thread.
-            let one = |((block, qs), ((d, s32), s16)): ((&[f32], &mut [i8]), ((&mut f32, &mut f32), &mut [f32]))| {
-                quantize_block(block.try_into().expect("32"), qs.try_into().expect("32"), d, s32, s16.try_into().expect("2"));
-            };
-            if blocks < 2048 {
-                let sums = acts.d.iter_mut().zip(acts.s32.iter_mut()).zip(acts.s16.chunks_exact_mut(2));
-                x.chunks_exact(32).zip(acts.qs.chunks_exact_mut(32)).zip(sums).for_each(one);
+            // In parallel for many rows (prefill); a few rows are quicker on the calling thread.
+            const CHUNK: usize = 512;
+            if blocks <= CHUNK {
+                quantize_blocks(level, x, &mut acts.qs, &mut acts.d, &mut acts.s32, &mut acts.s16);
             } else {
-                let sums = acts.d.par_iter_mut().zip(acts.s32.par_iter_mut()).zip(acts.s16.par_chunks_exact_mut(2));
-                x.par_chunks_exact(32).zip(acts.qs.par_chunks_exact_mut(32)).zip(sums).with_min_len(512).for_each(one);
+                let sums = acts.s32.par_chunks_mut(CHUNK).zip(acts.s16.par_chunks_mut(2 * CHUNK));
+                let codes = x.par_chunks(32 * CHUNK).zip(acts.qs.par_chunks_mut(32 * CHUNK)).zip(acts.d.par_chunks_mut(CHUNK));
+                codes.zip(sums).for_each(|(((x, qs), d), (s32, s16))| quantize_blocks(level, x, qs, d, s32, s16));
             }
+            acts.s32 = pad_rows(std::mem::take(&mut acts.s32), k / 32);
+            acts.s16 = pad_rows(std::mem::take(&mut acts.s16), k / 16);
         }
         acts
     }
@@ -240,20 +247,25 @@ impl<'a> Acts<'a> {
     }
 }
 
-/// One block of 32 activations to codes: scale `max |x| / 127`, codes rounded to nearest (ties to even).
-fn quantize_block(x: &[f32; 32], qs: &mut [i8; 32], d: &mut f32, s32: &mut f32, s16: &mut [f32; 2]) {
-    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-    let scale = amax / 127.0;
-    let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-    let mut sums = [0i32; 2];
-    for (j, (q, v)) in qs.iter_mut().zip(x).enumerate() {
-        // `as` saturates (and maps NaN to 0): a code is in -127..=127 whatever the input.
-        *q = (v * inverse).round_ties_even().clamp(-127.0, 127.0) as i8;
-        sums[j / 16] += *q as i32;
+/// Rows of `per_row` values each, every row zero-padded to a multiple of 8: the offsets' products
+/// (`min_dot`) then run in whole registers.
+fn pad_rows(v: Vec<f32>, per_row: usize) -> Vec<f32> {
+    let stride = per_row.next_multiple_of(8);
+    if stride == per_row {
+        return v;
     }
-    *d = scale;
-    *s32 = scale * (sums[0] + sums[1]) as f32;
-    *s16 = [scale * sums[0] as f32, scale * sums[1] as f32];
+    let mut out = vec![0f32; v.len() / per_row * stride];
+    for (row, values) in out.chunks_exact_mut(stride).zip(v.chunks_exact(per_row)) {
+        row[..per_row].copy_from_slice(values);
+    }
+    out
+}
+
+fn quantize_blocks(level: Level, x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    return x86::quantize_blocks(level, x, qs, d, s32, s16);
+    #[allow(unreachable_code)]
+    portable::quantize_blocks(x, qs, d, s32, s16)
 }
 
 /// Where the kernels write: `[m, n]` row-major f32.
@@ -292,7 +304,7 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
     assert!(weights.iter().all(|w| w.k == k && w.quantized() == weights[0].quantized()), "matmul_many over matrices of different widths or kinds (a bug)");
     assert_eq!(x.len(), m * k, "activations are not [m, k] (a bug)");
     let level = level.min(Level::detected());
-    let acts = Acts::new(x, k, weights[0].quantized());
+    let acts = Acts::new(level, x, k, weights[0].quantized());
     let mut outs: Vec<Vec<f32>> = weights.iter().map(|w| vec![0f32; m * w.n]).collect();
     let views: Vec<Out> = outs.iter_mut().zip(weights).map(|(o, w)| Out { ptr: o.as_mut_ptr(), n: w.n, len: o.len() }).collect();
     // About eight tasks per thread over all the matrices' rows, in multiples of 16 rows.

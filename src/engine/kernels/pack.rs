@@ -158,7 +158,7 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
                     }
                 });
             }
-            Data::Q4 { qs, d, m }
+            Data::Q4 { qs, d, m: super::pad_rows(m, k / 32) }
         }
         _ => {
             let groups = n * k / 16;
@@ -170,7 +170,7 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
                     m.push(mg);
                 });
             }
-            Data::U8 { qs, d, m }
+            Data::U8 { qs, d, m: super::pad_rows(m, k / 16) }
         }
     };
     Ok(Some(Packed { n, k, stored: dtype, data }))

@@ -168,3 +168,18 @@ fn the_level_variable_names_a_level() {
     assert!(Level::available().contains(&Level::Portable));
     assert!(Level::active() <= Level::detected());
 }
+
+#[test]
+fn activation_codes_are_the_same_at_every_level() {
+    let x = activations(5, 576, 9);
+    let reference = Acts::new(Level::Portable, &x, 576, true);
+    for level in Level::available() {
+        let a = Acts::new(level, &x, 576, true);
+        assert_eq!(a.qs, reference.qs, "{level:?}");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!((bits(&a.d), bits(&a.s32), bits(&a.s16)), (bits(&reference.d), bits(&reference.s32), bits(&reference.s16)), "{level:?}");
+    }
+    // Codes span -127..=127: the largest value of each block maps to +-127.
+    assert!(reference.qs.iter().any(|&q| q == 127 || q == -127));
+    assert!(reference.qs.iter().all(|&q| q != i8::MIN));
+}
