@@ -34,8 +34,8 @@
 #    34 (CUDA_ERROR_STUB_LIBRARY). It only satisfies the linker and is never shipped; the host's driver provides the
 #    real one.
 # 4. cargo build with CUDA_COMPUTE_CAP=90 (candle builds sm_90a kernels: they run on compute capability 9.0 only),
-#    cudarc's bindings for CUDA 13.0, and target-cpu=x86-64-v3 instead of .cargo/config.toml's `native`: the GPU
-#    host's CPU is not this one. (The RUSTFLAGS variable replaces the config's build.rustflags.)
+#    cudarc's bindings for CUDA 13.0, and target-cpu=x86-64-v3 for the host code (every GPU host has AVX2; the
+#    CPU kernels choose their instructions at run time either way).
 set -euo pipefail
 
 say() { printf '==> %s\n' "$*" >&2; }

@@ -93,6 +93,38 @@ fn sample_job_writes_sensible_summaries() {
 
 /// `runtime.cpu_weights = "as-stored"` computes the GGUF's own matrices (Q4_1 layers, the Q8_0 embedding as the
 /// output projection): fewer weight bytes than the padded layout, and the metrics and the log say which ran.
+/// The CPU kernels' levels compute the same bits (src/engine/kernels), so a job's results, log-probabilities
+/// included, do not depend on the CPU it ran on: forced to the portable kernels (`NIGHTSHIFT_CPU_KERNELS`), the
+/// job writes what the best level this CPU has writes (AVX2 or VNNI on CI's x86-64; AVX2 forced too where VNNI
+/// is the best).
+#[test]
+fn every_cpu_kernel_level_writes_the_same_results() {
+    let dir = scratch("kernel-levels");
+    let input = dir.join("in.parquet");
+    write_parquet(&input, support::prompts(&ids("q", 2), &QUESTIONS[..2]));
+    let mut results = Vec::new();
+    for level in ["portable", "avx2", ""] {
+        let out = dir.join(if level.is_empty() { "best" } else { level });
+        let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 6\nlogprobs = 2", "");
+        let run = nightshift(&["run", job.to_str().unwrap()], &[("NIGHTSHIFT_CPU_KERNELS", level), ("RUST_LOG", "info")]);
+        run.assert_ok();
+        if !level.is_empty() && nightshift::engine::kernels::Level::available().iter().any(|l| l.name() == level) {
+            assert!(run.stderr.contains(&format!("cpu_kernels=\"{level}\"")) || run.stderr.contains(&format!("cpu_kernels={level}")), "{}", run.stderr);
+        }
+        let mut rows = read_results_json(&out);
+        for row in rows.values_mut() {
+            // Timings differ run to run; everything else is the model's.
+            if let Some(o) = row.as_object_mut() {
+                o.retain(|k, _| !k.contains("_ms") && !k.contains("time") && !k.contains("_s"));
+            }
+        }
+        results.push(rows);
+    }
+    assert!(results[0].values().all(|r| r["text"].as_str().is_some_and(|t| !t.is_empty())), "{:?}", results[0]);
+    assert_eq!(results[0], results[2], "portable and the best level differ");
+    assert_eq!(results[1], results[2], "avx2 and the best level differ");
+}
+
 #[test]
 fn cpu_weights_as_stored_runs_the_file_as_stored_and_says_so() {
     let dir = scratch("cpu-weights");

@@ -9,8 +9,8 @@
 //! The weights are repacked at load ([`pack`]) into three layouts that keep every stored value: 4-bit codes with
 //! a scale and offset per 32 (Q4_0, Q4_1, Q4_K), 8-bit codes with a scale and offset per 16 (Q5_0, Q5_1, Q5_K,
 //! Q6_K), and signed 8-bit codes with a scale per 32 (Q8_0). Activations are quantized per row to signed 8-bit
-//! codes with an f32 scale per 32 values, as llama.cpp does (with an f16 scale) for the same types; F16 and BF16
-//! weights take the activations in f32.
+//! codes with a scale per 32 values, rounded as llama.cpp rounds them for the same types ([`store_scales`]); F16
+//! and BF16 weights take the activations in f32.
 //!
 //! Every path computes each output with the same operations in the same order (integer block products, then
 //! per-lane fused multiply-adds in eight lanes, then one fixed reduction), so the levels give bit-identical
@@ -245,6 +245,18 @@ impl<'a> Acts<'a> {
     fn rows(&self) -> usize {
         self.f32.len() / self.k
     }
+}
+
+/// A block's scale and its codes' scaled sums, as llama.cpp stores them for the same products (`block_q8_0`,
+/// `block_q8_1`): the codes are rounded with the exact scale, the scale kept to f16 precision, the sums (per 32
+/// and per 16) computed with the exact scale and kept to f16 precision. The products then see the activations
+/// llama.cpp's do, and a model's outputs agree with llama.cpp's as closely as its weights allow.
+fn store_scales(scale: f32, sums: [i32; 2], d: &mut f32, s32: &mut f32, s16: &mut [f32]) {
+    let f16 = |v: f32| half::f16::from_f32(v).to_f32();
+    *d = f16(scale);
+    *s32 = f16(scale * (sums[0] + sums[1]) as f32);
+    s16[0] = f16(scale * sums[0] as f32);
+    s16[1] = f16(scale * sums[1] as f32);
 }
 
 /// Rows of `per_row` values each, every row zero-padded to a multiple of 8: the offsets' products

@@ -18,10 +18,7 @@ pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut
             *q = (v * inverse).round_ties_even().clamp(-127.0, 127.0) as i8;
             sums[j / 16] += *q as i32;
         }
-        d[b] = scale;
-        s32[b] = scale * (sums[0] + sums[1]) as f32;
-        s16[2 * b] = scale * sums[0] as f32;
-        s16[2 * b + 1] = scale * sums[1] as f32;
+        super::store_scales(scale, sums, &mut d[b], &mut s32[b], &mut s16[2 * b..2 * b + 2]);
     }
 }
 

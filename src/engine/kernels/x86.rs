@@ -70,10 +70,7 @@ macro_rules! kernels {
                     let packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
                     // SAFETY: `qs` holds `32 * blocks` codes and `b < blocks`.
                     unsafe { _mm256_storeu_si256(qs.as_mut_ptr().add(32 * b).cast(), _mm256_permutevar8x32_epi32(packed, order)) };
-                    d[b] = scale;
-                    s32[b] = scale * (sums[0] + sums[1]) as f32;
-                    s16[2 * b] = scale * sums[0] as f32;
-                    s16[2 * b + 1] = scale * sums[1] as f32;
+                    super::super::store_scales(scale, sums, &mut d[b], &mut s32[b], &mut s16[2 * b..2 * b + 2]);
                 }
             }
 
