@@ -405,18 +405,6 @@ pub fn print_status(status: &OutputStatus, json: bool) {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn missing_units_print_as_ranges() {
-        assert_eq!(unit_ranges(&[3, 4, 5, 9], 4), "u000003-u000005, u000009");
-        assert_eq!(unit_ranges(&[1, 3, 5, 7], 2), "u000001, u000003, ... (2 more ranges)");
-        assert_eq!(unit_ranges(&[], 4), "");
-    }
-}
-
 /// `bench kernels`: one line per tensor, level and row count.
 pub fn print_kernel_bench(report: &[crate::bench::KernelMeasurement], json: bool) {
     if json {
@@ -429,5 +417,17 @@ pub fn print_kernel_bench(report: &[crate::bench::KernelMeasurement], json: bool
     for m in report {
         let shape = format!("[{}, {}]", m.shape[0], m.shape[1]);
         println!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11.1} {:>8.1}", m.tensor, m.dtype, shape, m.level, m.rows, m.seconds * 1e6, m.gflops);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_units_print_as_ranges() {
+        assert_eq!(unit_ranges(&[3, 4, 5, 9], 4), "u000003-u000005, u000009");
+        assert_eq!(unit_ranges(&[1, 3, 5, 7], 2), "u000001, u000003, ... (2 more ranges)");
+        assert_eq!(unit_ranges(&[], 4), "");
     }
 }

@@ -118,7 +118,7 @@ fn decode_block(dtype: GgmlDType, b: &[u8], group: &mut impl FnMut(&[u8; 16], f3
 /// not match the shape is an error.
 pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result<Option<Packed>, String> {
     let Some((block_bytes, block_len)) = block_size(dtype) else { return Ok(None) };
-    if n == 0 || k == 0 || k % block_len != 0 || k % 32 != 0 && !matches!(dtype, GgmlDType::F16 | GgmlDType::BF16) {
+    if n == 0 || k == 0 || !k.is_multiple_of(block_len) || !k.is_multiple_of(32) && !matches!(dtype, GgmlDType::F16 | GgmlDType::BF16) {
         return Ok(None);
     }
     let expected = n.checked_mul(k / block_len).and_then(|b| b.checked_mul(block_bytes));

@@ -27,7 +27,7 @@ fn matrix(dtype: GgmlDType, n: usize, k: usize, seed: u64) -> QTensor {
             let h = (i as u64 ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(17).wrapping_mul(0xBF58_476D_1CE4_E5B9);
             let u = (h >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
             let scale = 0.02 * (1 + (i / k) % 7) as f32;
-            if h % 97 == 0 { 8.0 * u * scale } else { u * scale }
+            if h.is_multiple_of(97) { 8.0 * u * scale } else { u * scale }
         })
         .collect();
     let w = Tensor::from_vec(values, (n, k), &device).unwrap();
