@@ -182,7 +182,7 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
     let weights_layout = model.layout().name();
     info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
         dtype = ?model.dtype(), weights = weights_layout, cpu_weights = %job.runtime.cpu_weights.name(),
-        cpu_kernels = device.is_cpu().then(|| engine::kernels::Level::active().name()), attention = ?backend,
+        cpu_kernels = (device.is_cpu() && model.layout() == engine::Layout::AsStored).then(|| engine::kernels::Level::active().name()), attention = ?backend,
         kv_bytes_per_token = block_bytes / engine::KV_BLOCK_TOKENS, "decoder");
     let kv_bytes = engine::kv_cache_bytes(job.runtime.kv_cache_memory, device);
     let batch = BatchConfig::new(job.runtime.max_seqs, job.runtime.max_batch_tokens, kv_bytes, block_bytes);

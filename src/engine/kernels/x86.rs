@@ -8,8 +8,8 @@
 //! with `x`'s sign (`vpsignb`); the packer refuses the code -128, whose negation would not fit.
 //!
 //! Safety: every function here is compiled for instructions the CPU may lack, so each is `#[target_feature]`, and
-//! [`run_avx2`] and [`run_vnni`] are the only ways in: they check the CPU has the level's features before calling
-//! into a module. Loads go through raw pointers whose bounds the loops' slice lengths prove (see each `SAFETY`).
+//! [`run_avx2`], [`run_vnni`] and [`quantize_blocks`] are the only ways in: they check the CPU has the level's
+//! features before calling into a module. Loads go through raw pointers whose bounds the loops' slice lengths prove (see each `SAFETY`).
 
 use std::ops::Range;
 
@@ -37,41 +37,6 @@ macro_rules! kernels {
                 let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
                 let t = _mm_add_ps(s, _mm_movehl_ps(s, s));
                 _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps::<1>(t, t)))
-            }
-
-            /// `quantize_blocks` of the portable code, in registers: the same bits for finite activations.
-            #[target_feature(enable = $features)]
-            #[allow(dead_code)] // the VNNI levels quantize as AVX2 does
-            pub(in super::super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32]) {
-                let blocks = d.len();
-                assert!(x.len() == 32 * blocks && qs.len() == 32 * blocks && s32.len() == blocks && s16.len() == 2 * blocks, "activation blocks (a bug)");
-                let (lo, hi, sign) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0), _mm256_set1_ps(-0.0));
-                let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-                for b in 0..blocks {
-                    // SAFETY: `x` holds `32 * blocks` values and `b < blocks`.
-                    let v: [__m256; 4] = std::array::from_fn(|j| unsafe { _mm256_loadu_ps(x.as_ptr().add(32 * b + 8 * j)) });
-                    let a = v.map(|v| _mm256_andnot_ps(sign, v));
-                    let mx = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
-                    let m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps::<1>(mx));
-                    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-                    let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
-                    let scale = amax / 127.0;
-                    let inverse = _mm256_set1_ps(if scale > 0.0 { 1.0 / scale } else { 0.0 });
-                    let q = v.map(|v| {
-                        let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(v, inverse));
-                        _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
-                    });
-                    let lane_sum = |v: __m256i| {
-                        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-                        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
-                        _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b00_00_00_01>(s)))
-                    };
-                    let sums = [lane_sum(_mm256_add_epi32(q[0], q[1])), lane_sum(_mm256_add_epi32(q[2], q[3]))];
-                    let packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-                    // SAFETY: `qs` holds `32 * blocks` codes and `b < blocks`.
-                    unsafe { _mm256_storeu_si256(qs.as_mut_ptr().add(32 * b).cast(), _mm256_permutevar8x32_epi32(packed, order)) };
-                    super::super::store_scales(scale, sums, &mut d[b], &mut s32[b], &mut s16[2 * b..2 * b + 2]);
-                }
             }
 
             /// `min_dot` of the portable kernels, in registers, over rows padded to a multiple of 8 values.
@@ -253,6 +218,45 @@ kernels!(avx2, "avx2,fma,f16c", |w, x| _mm256_madd_epi16(_mm256_maddubs_epi16(w,
 kernels!(avx512_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", |w, x| _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x));
 kernels!(avx_vnni, "avx2,fma,f16c,avxvnni", |w, x| _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x));
 
+/// Activation quantization, for every SIMD level (VNNI adds nothing to it).
+mod quantize {
+    use std::arch::x86_64::*;
+
+    /// `quantize_blocks` of the portable code, in registers: the same bits for finite activations.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32]) {
+        let blocks = d.len();
+        assert!(x.len() == 32 * blocks && qs.len() == 32 * blocks && s32.len() == blocks && s16.len() == 2 * blocks, "activation blocks (a bug)");
+        let (lo, hi, sign) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0), _mm256_set1_ps(-0.0));
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for b in 0..blocks {
+            // SAFETY: `x` holds `32 * blocks` values and `b < blocks`.
+            let v: [__m256; 4] = std::array::from_fn(|j| unsafe { _mm256_loadu_ps(x.as_ptr().add(32 * b + 8 * j)) });
+            let a = v.map(|v| _mm256_andnot_ps(sign, v));
+            let mx = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps::<1>(mx));
+            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
+            let scale = amax / 127.0;
+            let inverse = _mm256_set1_ps(if scale > 0.0 { 1.0 / scale } else { 0.0 });
+            let q = v.map(|v| {
+                let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(v, inverse));
+                _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+            });
+            let lane_sum = |v: __m256i| {
+                let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+                let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+                _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b00_00_00_01>(s)))
+            };
+            let sums = [lane_sum(_mm256_add_epi32(q[0], q[1])), lane_sum(_mm256_add_epi32(q[2], q[3]))];
+            let packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            // SAFETY: `qs` holds `32 * blocks` codes and `b < blocks`.
+            unsafe { _mm256_storeu_si256(qs.as_mut_ptr().add(32 * b).cast(), _mm256_permutevar8x32_epi32(packed, order)) };
+            super::super::store_scales(scale, sums, &mut d[b], &mut s32[b], &mut s16[2 * b..2 * b + 2]);
+        }
+    }
+}
+
 fn has_avx2() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
 }
@@ -264,7 +268,7 @@ pub(super) fn quantize_blocks(level: super::Level, x: &[f32], qs: &mut [i8], d: 
         _ => {
             assert!(has_avx2(), "AVX2 kernels on a CPU without AVX2 (a bug)");
             // SAFETY: the CPU has AVX2, FMA and F16C (asserted above).
-            unsafe { avx2::quantize_blocks(x, qs, d, s32, s16) }
+            unsafe { quantize::quantize_blocks(x, qs, d, s32, s16) }
         }
     }
 }

@@ -136,16 +136,16 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
 
 /// How weights are laid out for the matmul kernels of this device.
 ///
-/// On CPU, candle's fast kernels (repacked tiles on AVX-512 VNNI) take Q8_0, Q6_K and Q4_K weights whose inner
-/// dimension K is a multiple of 256 and whose row count is a multiple of 16; anything else falls back to generic
-/// dot products at a fifth of the speed or less (Q4_1, the GGUF's own type, is scalar). SmolLM2's hidden size is
-/// 576. So the model is laid out padded: the hidden state, the attention output and the feed-forward state are
-/// zero-padded to a multiple of 256 from the embedding on, every matrix gets zero columns (and zero rows where
-/// its output feeds the hidden state), and the weights are requantized. Padded columns stay exactly zero through
-/// the residual stream: zero rows produce zeros, SiLU(0) x 0 is 0, and the RMSNorm weights' padding is zero. The
-/// norms divide by the padded width, which the weights and epsilon are rescaled for (`padded_norm`), so the
-/// model computes the same function; the price is a third more multiply-adds at K = 576 for kernels several times
-/// faster (`../shared/reference/cpu-matmul.md`).
+/// As stored (the default), a CPU computes the file's matrices on nightshift's kernels ([`crate::engine::kernels`]).
+/// The requantized layouts (`runtime.cpu_weights = "fast"` or `"q8_0"`) are for candle's fast kernels (repacked
+/// tiles on AVX-512 VNNI), which take Q8_0, Q6_K and Q4_K weights whose inner dimension K is a multiple of 256 and
+/// whose row count is a multiple of 16. SmolLM2's hidden size is 576, so those layouts are padded: the hidden
+/// state, the attention output and the feed-forward state are zero-padded to a multiple of 256 from the embedding
+/// on, every matrix gets zero columns (and zero rows where its output feeds the hidden state), and the weights are
+/// requantized. Padded columns stay exactly zero through the residual stream: zero rows produce zeros, SiLU(0) x 0
+/// is 0, and the RMSNorm weights' padding is zero. The norms divide by the padded width, which the weights and
+/// epsilon are rescaled for (`padded_norm`), so the model computes the same function, at lower precision, with a
+/// third more multiply-adds at K = 576 (`../shared/reference/cpu-matmul.md`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
     /// Weights as stored in the file, unpadded.
