@@ -8,13 +8,18 @@
 //!
 //! The weights are repacked at load ([`pack`]) into three layouts that keep every stored value: 4-bit codes with
 //! a scale and offset per 32 (Q4_0, Q4_1, Q4_K), 8-bit codes with a scale and offset per 16 (Q5_0, Q5_1, Q5_K,
-//! Q6_K), and signed 8-bit codes with a scale per 32 (Q8_0). Activations are quantized per row to signed 8-bit
-//! codes with a scale per 32 values, rounded as llama.cpp rounds them for the same types ([`store_scales`]); F16
-//! and BF16 weights take the activations in f32.
+//! Q6_K), and signed 8-bit codes with a scale per 32 (Q8_0), each interleaved in panels of eight weight rows
+//! ([`PANEL`]) so that one register holds four weights of each of eight rows: one 8-bit product instruction then
+//! serves eight outputs, and each output's integer block sum lands in its own 32-bit lane, ready for its scale.
+//! Activations are quantized per row to signed 8-bit codes with a scale per 32 values, rounded as llama.cpp
+//! rounds them for the same types ([`store_scales`]); F16 and BF16 weights stay row-major and take the
+//! activations in f32.
 //!
-//! Every path computes each output with the same operations in the same order (integer block products, then
-//! per-lane fused multiply-adds in eight lanes, then one fixed reduction), so the levels give bit-identical
-//! results, and a row's result does not depend on how many rows share its product.
+//! Every path computes each output with the same operations in the same order, so the levels give bit-identical
+//! results, and a row's result does not depend on how many rows share its product. Quantized weights: per block
+//! of 32 (or group of 16), the exact integer sum of code products, then one chain of fused multiply-adds per
+//! output (`acc = fma(sum, d_w * d_x, acc)`, then `acc = fma(m_w, s_x, acc)` for types with an offset). Float
+//! weights: eight lanes of fused multiply-adds, then one fixed reduction ([`hsum8`]).
 
 mod pack;
 mod portable;
@@ -104,6 +109,9 @@ impl Level {
     }
 }
 
+/// Weight rows interleaved per panel in the quantized layouts: one 32-bit lane per row in a 256-bit register.
+const PANEL: usize = 8;
+
 /// A weight matrix `[n, k]` in one of the kernels' layouts.
 pub struct Packed {
     n: usize,
@@ -113,15 +121,17 @@ pub struct Packed {
     data: Data,
 }
 
+/// The quantized layouts hold `ceil(n / 8)` panels of [`PANEL`] rows (the last one's missing rows zero), and per
+/// panel and block of 32 weights, the codes of the eight rows interleaved four at a time (`pack::chunks`,
+/// `pack::nibble_chunks`) and their scales and offsets side by side (`[panel, block (or group), 8]`).
 enum Data {
-    /// 4-bit codes, `[n, k / 2]` bytes, in ggml's order within each block of 32 (byte j: weight j in the low
-    /// nibble, weight j + 16 in the high one); weight = `d[b] * code + m[b]` per block `b` of 32. Each row's `m`
-    /// is zero-padded to a multiple of 8 values ([`pad_rows`]), as the offsets' products read them.
+    /// 4-bit codes, 128 bytes per panel and block: chunk `t` of 32 bytes holds, in lane `l`, row `l`'s weights
+    /// `4t..4t + 4` (low nibbles) and `16 + 4t..20 + 4t` (high nibbles); weight = `d * code + m` per block of 32.
     Q4 { qs: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
-    /// Codes of up to 6 bits, one byte each; weight = `d[g] * code + m[g]` per group `g` of 16 (`m` padded per row
-    /// likewise).
+    /// Codes of up to 6 bits, one byte each, 256 bytes per panel and block: chunk `g` of 32 bytes holds, in lane
+    /// `l`, row `l`'s weights `4g..4g + 4`; weight = `d * code + m` per group of 16.
     U8 { qs: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
-    /// Signed codes in -127..=127; weight = `d[b] * code` per block of 32.
+    /// Signed codes in -127..=127, chunked as `U8`; weight = `d * code` per block of 32.
     S8 { qs: Vec<i8>, d: Vec<f32> },
     /// IEEE half-precision bits.
     F16(Vec<u16>),
@@ -160,32 +170,26 @@ impl Packed {
 
     /// The weights as f32, `[n * k]` row-major: what every product computes with.
     pub fn dequantize(&self) -> Vec<f32> {
-        let mut out = Vec::with_capacity(self.n * self.k);
-        match &self.data {
-            Data::Q4 { qs, d, m } => {
-                let (blocks, stride) = (self.k / 32, (self.k / 32).next_multiple_of(8));
-                for (b, bytes) in qs.chunks_exact(16).enumerate() {
-                    let code = |j: usize| if j < 16 { bytes[j] & 0xF } else { bytes[j - 16] >> 4 };
-                    let m = m[b / blocks * stride + b % blocks];
-                    out.extend((0..32).map(|j| d[b] * code(j) as f32 + m));
+        let blocks = self.k / 32;
+        let weight = |row: usize, col: usize| {
+            let (p, l, b, i) = (row / PANEL, row % PANEL, col / 32, col % 32);
+            let pb = p * blocks + b;
+            match &self.data {
+                Data::Q4 { qs, d, m } => {
+                    let byte = qs[pb * 128 + 32 * (i % 16 / 4) + 4 * l + i % 4];
+                    let code = if i < 16 { byte & 0xF } else { byte >> 4 };
+                    d[pb * PANEL + l] * code as f32 + m[pb * PANEL + l]
                 }
-            }
-            Data::U8 { qs, d, m } => {
-                let (groups, stride) = (self.k / 16, (self.k / 16).next_multiple_of(8));
-                for (g, codes) in qs.chunks_exact(16).enumerate() {
-                    let m = m[g / groups * stride + g % groups];
-                    out.extend(codes.iter().map(|&c| d[g] * c as f32 + m));
+                Data::U8 { qs, d, m } => {
+                    let at = (2 * pb + i / 16) * PANEL + l;
+                    d[at] * qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] as f32 + m[at]
                 }
+                Data::S8 { qs, d } => d[pb * PANEL + l] * qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] as f32,
+                Data::F16(w) => half::f16::from_bits(w[row * self.k + col]).to_f32(),
+                Data::Bf16(w) => half::bf16::from_bits(w[row * self.k + col]).to_f32(),
             }
-            Data::S8 { qs, d } => {
-                for (b, codes) in qs.chunks_exact(32).enumerate() {
-                    out.extend(codes.iter().map(|&c| d[b] * c as f32));
-                }
-            }
-            Data::F16(w) => out.extend(w.iter().map(|&h| half::f16::from_bits(h).to_f32())),
-            Data::Bf16(w) => out.extend(w.iter().map(|&h| half::bf16::from_bits(h).to_f32())),
-        }
-        out
+        };
+        (0..self.n).flat_map(|row| (0..self.k).map(move |col| (row, col))).map(|(row, col)| weight(row, col)).collect()
     }
 
     fn quantized(&self) -> bool {
@@ -211,8 +215,7 @@ struct Acts<'a> {
     qs: Vec<i8>,
     /// Scale per block of 32, `[m, k / 32]`.
     d: Vec<f32>,
-    /// `d * (sum of the codes)` per block of 32 and per group of 16, each row zero-padded to a multiple of 8
-    /// values ([`pad_rows`]).
+    /// `d * (sum of the codes)` per block of 32 (`[m, k / 32]`) and per group of 16 (`[m, k / 16]`).
     s32: Vec<f32>,
     s16: Vec<f32>,
 }
@@ -236,8 +239,6 @@ impl<'a> Acts<'a> {
                 let codes = x.par_chunks(32 * CHUNK).zip(acts.qs.par_chunks_mut(32 * CHUNK)).zip(acts.d.par_chunks_mut(CHUNK));
                 codes.zip(sums).for_each(|(((x, qs), d), (s32, s16))| quantize_blocks(level, x, qs, d, s32, s16));
             }
-            acts.s32 = pad_rows(std::mem::take(&mut acts.s32), k / 32);
-            acts.s16 = pad_rows(std::mem::take(&mut acts.s16), k / 16);
         }
         acts
     }
@@ -257,20 +258,6 @@ fn store_scales(scale: f32, sums: [i32; 2], d: &mut f32, s32: &mut f32, s16: &mu
     *s32 = f16(scale * (sums[0] + sums[1]) as f32);
     s16[0] = f16(scale * sums[0] as f32);
     s16[1] = f16(scale * sums[1] as f32);
-}
-
-/// Rows of `per_row` values each, every row zero-padded to a multiple of 8: the offsets' products
-/// (`min_dot`) then run in whole registers.
-fn pad_rows(v: Vec<f32>, per_row: usize) -> Vec<f32> {
-    let stride = per_row.next_multiple_of(8);
-    if stride == per_row {
-        return v;
-    }
-    let mut out = vec![0f32; v.len() / per_row * stride];
-    for (row, values) in out.chunks_exact_mut(stride).zip(v.chunks_exact(per_row)) {
-        row[..per_row].copy_from_slice(values);
-    }
-    out
 }
 
 fn quantize_blocks(level: Level, x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32]) {
@@ -301,6 +288,17 @@ impl Out {
         // SAFETY: in bounds (checked above); no other task writes this element (see the `Send` impl).
         unsafe { *self.ptr.add(at) = value };
     }
+
+    /// The outputs of a panel's eight weight rows `n0..n0 + 8` for activation row `row`: those below `n` (the
+    /// rest are the panel's padding).
+    fn write_lanes(self, row: usize, n0: usize, values: &[f32; PANEL]) {
+        let count = PANEL.min(self.n.saturating_sub(n0));
+        let at = row * self.n + n0;
+        assert!(count > 0 && at + count <= self.len, "kernel output ({row}, {n0}..) outside [{}, {}] (a bug)", self.len / self.n, self.n);
+        // SAFETY: `at..at + count` is in bounds (checked above) and within row `row`'s columns `n0..n`; no other
+        // task writes them (see the `Send` impl), and `values` is a separate local array.
+        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), self.ptr.add(at), count) };
+    }
 }
 
 /// Rows of one matrix one task computes.
@@ -319,7 +317,7 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
     let acts = Acts::new(level, x, k, weights[0].quantized());
     let mut outs: Vec<Vec<f32>> = weights.iter().map(|w| vec![0f32; m * w.n]).collect();
     let views: Vec<Out> = outs.iter_mut().zip(weights).map(|(o, w)| Out { ptr: o.as_mut_ptr(), n: w.n, len: o.len() }).collect();
-    // About eight tasks per thread over all the matrices' rows, in multiples of 16 rows.
+    // About eight tasks per thread over all the matrices' rows, in multiples of 16 rows (whole panels).
     let total: usize = weights.iter().map(|w| w.n).sum();
     let per_task = total.div_ceil(rayon::current_num_threads() * 8).next_multiple_of(16).max(16);
     let tasks: Vec<Task> = weights
@@ -338,7 +336,7 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
 
 /// Weight rows `rows` times every activation row.
 fn run_rows(level: Level, w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
-    assert!(rows.end <= w.n && x.k == w.k, "kernel rows out of range (a bug)");
+    assert!(rows.end <= w.n && x.k == w.k && rows.start.is_multiple_of(PANEL), "kernel rows out of range (a bug)");
     match level {
         #[cfg(target_arch = "x86_64")]
         Level::Vnni => x86::run_vnni(w, rows, x, out),

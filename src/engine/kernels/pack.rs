@@ -9,7 +9,7 @@
 use candle_core::quantized::GgmlDType;
 use half::f16;
 
-use super::{Data, Packed};
+use super::{Data, Packed, PANEL};
 
 /// Bytes per block and weights per block of a GGUF type the kernels take, or `None`.
 fn block_size(dtype: GgmlDType) -> Option<(usize, usize)> {
@@ -131,47 +131,83 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
             if dtype == GgmlDType::F16 { Data::F16(w) } else { Data::Bf16(w) }
         }
         GgmlDType::Q8_0 => {
-            let blocks = bytes.len() / 34;
-            let (mut qs, mut d) = (Vec::with_capacity(blocks * 32), Vec::with_capacity(blocks));
+            let (mut codes, mut d) = (Vec::with_capacity(n * k), Vec::with_capacity(n * k / 32));
             for b in bytes.chunks_exact(34) {
                 d.push(half_at(b, 0));
-                qs.extend(b[2..].iter().map(|&q| q as i8));
+                codes.extend(b[2..].iter().copied());
             }
-            if qs.contains(&i8::MIN) {
+            if codes.contains(&0x80) {
                 return Ok(None);
             }
-            Data::S8 { qs, d }
-        }
-        GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K => {
-            let groups = n * k / 16;
-            let (mut qs, mut d, mut m) = (Vec::with_capacity(n * k / 2), Vec::with_capacity(groups / 2), Vec::with_capacity(groups / 2));
-            let mut first: Option<[u8; 16]> = None;
-            for b in bytes.chunks_exact(block_bytes) {
-                decode_block(dtype, b, &mut |codes, dg, mg| match first.take() {
-                    None => first = Some(*codes),
-                    // The two halves of a block of 32 share a scale: ggml's order, a byte holding weight j low
-                    // and weight j + 16 high.
-                    Some(low) => {
-                        qs.extend((0..16).map(|j| low[j] | (codes[j] << 4)));
-                        d.push(dg);
-                        m.push(mg);
-                    }
-                });
-            }
-            Data::Q4 { qs, d, m: super::pad_rows(m, k / 32) }
+            Data::S8 { qs: chunks(n, k, &codes).into_iter().map(|c| c as i8).collect(), d: lanes(n, k / 32, &d) }
         }
         _ => {
-            let groups = n * k / 16;
-            let (mut qs, mut d, mut m) = (Vec::with_capacity(n * k), Vec::with_capacity(groups), Vec::with_capacity(groups));
+            // Row-major codes and a scale and offset per 16, then the panels.
+            let (mut codes, mut d, mut m) = (Vec::with_capacity(n * k), Vec::with_capacity(n * k / 16), Vec::with_capacity(n * k / 16));
             for b in bytes.chunks_exact(block_bytes) {
-                decode_block(dtype, b, &mut |codes, dg, mg| {
-                    qs.extend_from_slice(codes);
+                decode_block(dtype, b, &mut |group, dg, mg| {
+                    codes.extend_from_slice(group);
                     d.push(dg);
                     m.push(mg);
                 });
             }
-            Data::U8 { qs, d, m: super::pad_rows(m, k / 16) }
+            if matches!(dtype, GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K) {
+                // The two halves of a block of 32 share a scale and an offset (`decode_block` emits them twice).
+                let (d, m): (Vec<f32>, Vec<f32>) = (d.iter().step_by(2).copied().collect(), m.iter().step_by(2).copied().collect());
+                Data::Q4 { qs: nibble_chunks(n, k, &codes), d: lanes(n, k / 32, &d), m: lanes(n, k / 32, &m) }
+            } else {
+                Data::U8 { qs: chunks(n, k, &codes), d: lanes(n, k / 16, &d), m: lanes(n, k / 16, &m) }
+            }
         }
     };
     Ok(Some(Packed { n, k, stored: dtype, data }))
+}
+
+/// Row-major byte codes `[n, k]` in panels of [`PANEL`] rows (the last zero-padded): per panel and block of 32,
+/// eight chunks of 32 bytes, chunk `g`'s lane `l` (4 bytes) holding row `l`'s codes `4g..4g + 4`.
+fn chunks(n: usize, k: usize, codes: &[u8]) -> Vec<u8> {
+    let blocks = k / 32;
+    let mut out = vec![0u8; n.div_ceil(PANEL) * blocks * 256];
+    for (row, codes) in codes.chunks_exact(k).enumerate() {
+        let (p, l) = (row / PANEL, row % PANEL);
+        for (b, block) in codes.chunks_exact(32).enumerate() {
+            let at = (p * blocks + b) * 256 + 4 * l;
+            for g in 0..8 {
+                out[at + 32 * g..at + 32 * g + 4].copy_from_slice(&block[4 * g..4 * g + 4]);
+            }
+        }
+    }
+    out
+}
+
+/// 4-bit codes `[n, k]` (one per byte) in panels: per panel and block of 32, four chunks of 32 bytes, chunk `t`'s
+/// lane `l` holding row `l`'s codes `4t..4t + 4` in its low nibbles and `16 + 4t..20 + 4t` in its high ones.
+fn nibble_chunks(n: usize, k: usize, codes: &[u8]) -> Vec<u8> {
+    let blocks = k / 32;
+    let mut out = vec![0u8; n.div_ceil(PANEL) * blocks * 128];
+    for (row, codes) in codes.chunks_exact(k).enumerate() {
+        let (p, l) = (row / PANEL, row % PANEL);
+        for (b, block) in codes.chunks_exact(32).enumerate() {
+            let at = (p * blocks + b) * 128 + 4 * l;
+            for t in 0..4 {
+                for j in 0..4 {
+                    out[at + 32 * t + j] = block[4 * t + j] | (block[16 + 4 * t + j] << 4);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Per-row values `[n, per_row]` in panels: `[panel, per_row, PANEL]`, a panel's eight rows side by side (the last
+/// panel's missing rows zero).
+fn lanes(n: usize, per_row: usize, v: &[f32]) -> Vec<f32> {
+    let mut out = vec![0f32; n.div_ceil(PANEL) * per_row * PANEL];
+    for (row, values) in v.chunks_exact(per_row).enumerate() {
+        let (p, l) = (row / PANEL, row % PANEL);
+        for (c, &value) in values.iter().enumerate() {
+            out[(p * per_row + c) * PANEL + l] = value;
+        }
+    }
+    out
 }

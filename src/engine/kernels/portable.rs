@@ -1,9 +1,10 @@
-//! The kernels in plain Rust: any CPU, and the definition the SIMD levels match bit for bit (the same integer
-//! block products, the same fused multiply-adds in the same eight lanes, the same reduction).
+//! The kernels in plain Rust: any CPU, and the definition the SIMD levels match bit for bit (the same exact
+//! integer block sums, the same fused multiply-adds in the same order for each output; for float weights, the
+//! same eight lanes and reduction).
 
 use std::ops::Range;
 
-use super::{hsum8, Acts, Data, Out, Packed};
+use super::{hsum8, Acts, Data, Out, Packed, PANEL};
 
 /// Activations to codes, per block of 32: scale `max |x| / 127`, codes rounded to nearest (ties to even), and the
 /// scaled sums of the codes per 32 and per 16.
@@ -22,71 +23,55 @@ pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut
     }
 }
 
-/// Lane `l` of a block product: the sum of weights `4l..4l + 4` times the activations' codes.
-fn lanes(w: impl Fn(usize) -> i32, x: &[i8]) -> [i32; 8] {
-    std::array::from_fn(|l| (4 * l..4 * l + 4).map(|j| w(j) * x[j] as i32).sum())
-}
-
-/// The offsets' part of a product, `sum(m[i] * s[i])`: lane `l` accumulates `i = l, l + 8, ...` (a short last
-/// round padded with zeros), then the common reduction.
-pub(super) fn min_dot(m: &[f32], s: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    for c in 0..m.len().div_ceil(8) {
-        for (l, acc) in acc.iter_mut().enumerate() {
-            let i = 8 * c + l;
-            let (a, b) = if i < m.len() { (m[i], s[i]) } else { (0.0, 0.0) };
-            *acc = a.mul_add(b, *acc);
-        }
-    }
-    hsum8(acc)
-}
-
+/// Weight rows `rows` (whole panels, the last possibly padded) times every activation row: for each output, per
+/// block of 32 (per group of 16 for `U8`) the exact integer sum of code products, then
+/// `acc = fma(sum, d_w * d_x, acc)` and, for types with an offset, `acc = fma(m_w, s_x, acc)`, in block order.
 pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     let (k, blocks) = (w.k, w.k / 32);
-    for n in rows {
+    for p in rows.start / PANEL..rows.end.div_ceil(PANEL) {
         for r in 0..x.rows() {
             let xq = &x.qs[r * k..(r + 1) * k];
-            let (p32, p16) = ((k / 32).next_multiple_of(8), (k / 16).next_multiple_of(8));
-            let (xd, s32, s16) = (&x.d[r * blocks..], &x.s32[r * p32..(r + 1) * p32], &x.s16[r * p16..(r + 1) * p16]);
-            let mut acc = [0f32; 8];
-            let mut min = 0f32;
-            match &w.data {
-                Data::Q4 { qs, d, m } => {
-                    let (qs, d) = (&qs[n * k / 2..(n + 1) * k / 2], &d[n * blocks..]);
-                    min = min_dot(&m[n * p32..(n + 1) * p32], s32);
-                    for b in 0..blocks {
-                        let bytes = &qs[16 * b..16 * b + 16];
-                        let p = lanes(|j| if j < 16 { bytes[j] & 0xF } else { bytes[j - 16] >> 4 } as i32, &xq[32 * b..]);
-                        let scale = d[b] * xd[b];
-                        for l in 0..8 {
-                            acc[l] = (p[l] as f32).mul_add(scale, acc[l]);
+            let (xd, s32, s16) = (&x.d[r * blocks..(r + 1) * blocks], &x.s32[r * blocks..(r + 1) * blocks], &x.s16[r * 2 * blocks..(r + 1) * 2 * blocks]);
+            let mut acc = [0f32; PANEL];
+            for b in 0..blocks {
+                let (pb, xb) = (p * blocks + b, &xq[32 * b..32 * b + 32]);
+                match &w.data {
+                    Data::Q4 { qs, d, m } => {
+                        let bytes = &qs[pb * 128..(pb + 1) * 128];
+                        for (l, acc) in acc.iter_mut().enumerate() {
+                            let mut sum = 0i32;
+                            for t in 0..4 {
+                                for j in 0..4 {
+                                    let byte = bytes[32 * t + 4 * l + j];
+                                    sum += (byte & 0xF) as i32 * xb[4 * t + j] as i32 + (byte >> 4) as i32 * xb[16 + 4 * t + j] as i32;
+                                }
+                            }
+                            *acc = (sum as f32).mul_add(d[pb * PANEL + l] * xd[b], *acc);
+                            *acc = m[pb * PANEL + l].mul_add(s32[b], *acc);
                         }
                     }
-                }
-                Data::U8 { qs, d, m } => {
-                    let (qs, d) = (&qs[n * k..(n + 1) * k], &d[2 * n * blocks..]);
-                    min = min_dot(&m[n * p16..(n + 1) * p16], s16);
-                    for b in 0..blocks {
-                        let p = lanes(|j| qs[32 * b + j] as i32, &xq[32 * b..]);
-                        let scales = [d[2 * b] * xd[b], d[2 * b + 1] * xd[b]];
-                        for l in 0..8 {
-                            acc[l] = (p[l] as f32).mul_add(scales[l / 4], acc[l]);
+                    Data::U8 { qs, d, m } => {
+                        let codes = &qs[pb * 256..(pb + 1) * 256];
+                        for h in 0..2 {
+                            for (l, acc) in acc.iter_mut().enumerate() {
+                                let sum: i32 = (4 * h..4 * h + 4).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| codes[32 * g + 4 * l + j] as i32 * xb[4 * g + j] as i32).sum();
+                                let at = (2 * pb + h) * PANEL + l;
+                                *acc = (sum as f32).mul_add(d[at] * xd[b], *acc);
+                                *acc = m[at].mul_add(s16[2 * b + h], *acc);
+                            }
                         }
                     }
-                }
-                Data::S8 { qs, d } => {
-                    let (qs, d) = (&qs[n * k..(n + 1) * k], &d[n * blocks..]);
-                    for b in 0..blocks {
-                        let p = lanes(|j| qs[32 * b + j] as i32, &xq[32 * b..]);
-                        let scale = d[b] * xd[b];
-                        for l in 0..8 {
-                            acc[l] = (p[l] as f32).mul_add(scale, acc[l]);
+                    Data::S8 { qs, d } => {
+                        let codes = &qs[pb * 256..(pb + 1) * 256];
+                        for (l, acc) in acc.iter_mut().enumerate() {
+                            let sum: i32 = (0..8).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| codes[32 * g + 4 * l + j] as i32 * xb[4 * g + j] as i32).sum();
+                            *acc = (sum as f32).mul_add(d[pb * PANEL + l] * xd[b], *acc);
                         }
                     }
+                    Data::F16(_) | Data::Bf16(_) => unreachable!("float weights take the float loop"),
                 }
-                Data::F16(_) | Data::Bf16(_) => unreachable!("float weights take the float loop"),
             }
-            out.write(r, n, hsum8(acc) + min);
+            out.write_lanes(r, p * PANEL, &acc);
         }
     }
 }

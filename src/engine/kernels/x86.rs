@@ -1,11 +1,14 @@
 //! The kernels on x86-64 with AVX2 (and VNNI): the portable kernels' arithmetic, eight lanes to a register.
 //!
-//! One source, stamped out per instruction set by `kernels!`: the levels differ only in the 8-bit block product
-//! (`idot`: unsigned codes times signed activations, four products summed per 32-bit lane): AVX2 multiplies
-//! pairs to 16 bits and adds pairs of those (`vpmaddubsw`, `vpmaddwd`; the codes are at most 63 and the
-//! activations at most 127 in magnitude, so the 16-bit sums, at most 2 x 63 x 127, never saturate), VNNI does
-//! both in one instruction (`vpdpbusd`). Signed Q8_0 codes go through the same product as `|x|` times the code
+//! One source, stamped out per instruction set by `kernels!`: the levels differ only in how 8-bit products reach
+//! 32-bit sums (unsigned weight codes times signed activation codes, four products per lane): AVX2 multiplies
+//! pairs to 16 bits (`vpmaddubsw`), adds a few of those while they cannot overflow, and widens (`vpmaddwd`);
+//! VNNI does it in one instruction (`vpdpbusd`). Both give the exact integer sums, so the float arithmetic after
+//! them, and the results, are the same. Signed Q8_0 codes go through the same product as `|x|` times the code
 //! with `x`'s sign (`vpsignb`); the packer refuses the code -128, whose negation would not fit.
+//!
+//! The quantized weights come in panels of eight rows, four codes of each row to a 32-bit lane, so a register
+//! of activation codes is one group of four broadcast (`vpbroadcastd`) and one product serves eight outputs.
 //!
 //! Safety: every function here is compiled for instructions the CPU may lack, so each is `#[target_feature]`, and
 //! [`run_avx2`], [`run_vnni`] and [`quantize_blocks`] are the only ways in: they check the CPU has the level's
@@ -16,18 +19,32 @@ use std::ops::Range;
 use super::{Acts, Out, Packed};
 
 macro_rules! kernels {
-    ($module:ident, $features:literal, |$w:ident, $x:ident| $idot:expr) => {
+    ($module:ident, $features:literal, vnni: $vnni:literal, |$acc:ident, $w:ident, $x:ident| $dpbusd:expr) => {
         pub(super) mod $module {
             use std::arch::x86_64::*;
             use std::ops::Range;
 
-            use super::super::{Acts, Data, Out, Packed};
+            use super::super::{Acts, Data, Out, Packed, PANEL};
 
-            /// Unsigned codes times signed activation codes, four products summed per lane.
+            /// `acc` plus, per 32-bit lane, the four products of unsigned codes `w` and signed codes `x`.
             #[inline]
             #[target_feature(enable = $features)]
-            fn idot($w: __m256i, $x: __m256i) -> __m256i {
-                $idot
+            fn dpbusd($acc: __m256i, $w: __m256i, $x: __m256i) -> __m256i {
+                $dpbusd
+            }
+
+            /// `acc` plus, per lane, the products of two pairs of code vectors, for codes of at most 6 bits: on
+            /// AVX2 the two pairs' 16-bit sums (each at most 2 x 63 x 127) are added before widening, at most
+            /// 32,004.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn dot2(acc: __m256i, w0: __m256i, x0: __m256i, w1: __m256i, x1: __m256i) -> __m256i {
+                if $vnni {
+                    dpbusd(dpbusd(acc, w0, x0), w1, x1)
+                } else {
+                    let pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
+                    _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+                }
             }
 
             /// `hsum8` of the portable kernels, in registers.
@@ -39,100 +56,135 @@ macro_rules! kernels {
                 _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps::<1>(t, t)))
             }
 
-            /// `min_dot` of the portable kernels, in registers, over rows padded to a multiple of 8 values.
+            /// Panels `p0..p0 + P` of weight rows times activation rows `r0..r0 + R`: one register of eight
+            /// outputs per panel and activation row.
             #[inline]
             #[target_feature(enable = $features)]
-            fn min_dot(m: &[f32], s: &[f32]) -> f32 {
-                assert!(m.len() % 8 == 0 && s.len() == m.len(), "offsets not padded (a bug)");
-                let mut acc = _mm256_setzero_ps();
-                for c in 0..m.len() / 8 {
-                    // SAFETY: `8 * c + 8 <= m.len() == s.len()`.
-                    let (a, b) = unsafe { (_mm256_loadu_ps(m.as_ptr().add(8 * c)), _mm256_loadu_ps(s.as_ptr().add(8 * c))) };
-                    acc = _mm256_fmadd_ps(a, b, acc);
-                }
-                hsum(acc)
-            }
-
-            /// Weight rows `n0..n0 + NR` times activation rows `r0..r0 + R`: each pair's own accumulator, so
-            /// that a lone activation row still has `NR` independent chains of multiply-adds.
-            #[inline]
-            #[target_feature(enable = $features)]
-            fn tile<const NR: usize, const R: usize>(w: &Packed, n0: usize, x: &Acts, r0: usize, out: Out) {
+            fn tile<const P: usize, const R: usize>(w: &Packed, p0: usize, x: &Acts, r0: usize, out: Out) {
                 let (k, blocks) = (w.k, w.k / 32);
-                assert!((r0 + R) * k <= x.qs.len() && (r0 + R) * blocks <= x.d.len() && (n0 + NR) <= w.n, "tile out of range (a bug)");
-                let mut acc = [[_mm256_setzero_ps(); R]; NR];
-                let mut min = [[0f32; R]; NR];
-                // SAFETY (every use of these pointers): rows `r0..r0 + R` of the activations and `n0..n0 + NR` of
-                // the weights exist (asserted above), each of `k = 32 * blocks` codes and `blocks` scales (the
-                // slices below hold exactly the weight rows'), and every access is at a block `b < blocks`.
+                let panels = w.n.div_ceil(PANEL);
+                assert!(p0 + P <= panels && (r0 + R) * k <= x.qs.len() && (r0 + R) * blocks <= x.d.len(), "tile out of range (a bug)");
+                assert!(x.s32.len() == x.d.len() && x.s16.len() == 2 * x.d.len(), "activation sums (a bug)");
+                let mut acc = [[_mm256_setzero_ps(); R]; P];
+                // SAFETY (every use of these pointers and closures): activation rows `r0..r0 + R` exist (asserted
+                // above), each of `k = 32 * blocks` codes, `blocks` scales and sums per 32, `2 * blocks` sums per 16;
+                // every access is at a block `b < blocks`, a group `g < 8` of 4 codes in it, a half `h < 2`.
                 let xq: [*const i8; R] = std::array::from_fn(|i| unsafe { x.qs.as_ptr().add((r0 + i) * k) });
-                let xd: [*const f32; R] = std::array::from_fn(|i| unsafe { x.d.as_ptr().add((r0 + i) * blocks) });
-                let xload = |i: usize, b: usize| unsafe { _mm256_loadu_si256(xq[i].add(32 * b).cast()) };
-                let xscale = |i: usize, b: usize| unsafe { _mm256_broadcast_ss(&*xd[i].add(b)) };
+                let xg = |i: usize, b: usize, g: usize| unsafe { _mm256_set1_epi32(xq[i].add(32 * b + 4 * g).cast::<i32>().read_unaligned()) };
+                let xd = |i: usize, b: usize| unsafe { _mm256_broadcast_ss(&*x.d.as_ptr().add((r0 + i) * blocks + b)) };
+                let s32 = |i: usize, b: usize| unsafe { _mm256_broadcast_ss(&*x.s32.as_ptr().add((r0 + i) * blocks + b)) };
+                let s16 = |i: usize, b: usize, h: usize| unsafe { _mm256_broadcast_ss(&*x.s16.as_ptr().add((r0 + i) * 2 * blocks + 2 * b + h)) };
                 match &w.data {
                     Data::Q4 { qs, d, m } => {
-                        let (qs, d) = (&qs[n0 * k / 2..(n0 + NR) * k / 2], &d[n0 * blocks..(n0 + NR) * blocks]);
-                        let mask = _mm_set1_epi8(0x0F);
+                        assert!(qs.len() == panels * blocks * 128 && d.len() == panels * blocks * PANEL && m.len() == d.len(), "Q4 layout (a bug)");
+                        // SAFETY (these closures): panel `p < panels` and block `b < blocks` (the loops' bounds) are
+                        // within the lengths asserted above: 128 code bytes and 8 scales and offsets each.
+                        let chunk = |p: usize, b: usize, t: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * 128 + 32 * t).cast()) };
+                        let lanes = |v: &[f32], p: usize, b: usize| unsafe { _mm256_loadu_ps(v.as_ptr().add((p * blocks + b) * PANEL)) };
+                        let mask = _mm256_set1_epi8(0x0F);
                         for b in 0..blocks {
-                            for j in 0..NR {
-                                // SAFETY: `qs` holds `NR` rows of `16 * blocks` bytes, `j < NR` and `b < blocks`.
-                                let raw = unsafe { _mm_loadu_si128(qs.as_ptr().add(j * 8 * k / 16 + 16 * b).cast()) };
-                                let wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(raw), mask), _mm_and_si128(raw, mask));
-                                let wd = _mm256_set1_ps(d[j * blocks + b]);
-                                for i in 0..R {
-                                    let p = _mm256_cvtepi32_ps(idot(wv, xload(i, b)));
-                                    acc[j][i] = _mm256_fmadd_ps(p, _mm256_mul_ps(wd, xscale(i, b)), acc[j][i]);
+                            let mut sums = [[_mm256_setzero_si256(); R]; P];
+                            if $vnni {
+                                for t in 0..4 {
+                                    for j in 0..P {
+                                        let raw = chunk(p0 + j, b, t);
+                                        let (lo, hi) = (_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
+                                        for i in 0..R {
+                                            sums[j][i] = dpbusd(dpbusd(sums[j][i], lo, xg(i, b, t)), hi, xg(i, b, t + 4));
+                                        }
+                                    }
+                                }
+                            } else {
+                                // Codes of at most 15: a lane's 16-bit sums over the block's eight chunks stay
+                                // below 8 x 2 x 15 x 127 = 30,480, and widen once.
+                                let mut pairs = [[_mm256_setzero_si256(); R]; P];
+                                for t in 0..4 {
+                                    for j in 0..P {
+                                        let raw = chunk(p0 + j, b, t);
+                                        let (lo, hi) = (_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
+                                        for i in 0..R {
+                                            let two = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xg(i, b, t)), _mm256_maddubs_epi16(hi, xg(i, b, t + 4)));
+                                            pairs[j][i] = _mm256_add_epi16(pairs[j][i], two);
+                                        }
+                                    }
+                                }
+                                for j in 0..P {
+                                    for i in 0..R {
+                                        sums[j][i] = _mm256_madd_epi16(pairs[j][i], _mm256_set1_epi16(1));
+                                    }
                                 }
                             }
-                        }
-                        let stride = blocks.next_multiple_of(8);
-                        for j in 0..NR {
-                            for i in 0..R {
-                                min[j][i] = min_dot(&m[(n0 + j) * stride..(n0 + j + 1) * stride], &x.s32[(r0 + i) * stride..(r0 + i + 1) * stride]);
+                            for j in 0..P {
+                                let (dw, mw) = (lanes(d, p0 + j, b), lanes(m, p0 + j, b));
+                                for i in 0..R {
+                                    acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j][i]), _mm256_mul_ps(dw, xd(i, b)), acc[j][i]);
+                                    acc[j][i] = _mm256_fmadd_ps(mw, s32(i, b), acc[j][i]);
+                                }
                             }
                         }
                     }
                     Data::U8 { qs, d, m } => {
-                        let (qs, d) = (&qs[n0 * k..(n0 + NR) * k], &d[2 * n0 * blocks..2 * (n0 + NR) * blocks]);
+                        assert!(qs.len() == panels * blocks * 256 && d.len() == panels * blocks * 2 * PANEL && m.len() == d.len(), "U8 layout (a bug)");
+                        // SAFETY (these closures): as for Q4, with 256 code bytes and 16 scales and offsets per
+                        // panel and block, `g < 8`, `h < 2`.
+                        let chunk = |p: usize, b: usize, g: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * 256 + 32 * g).cast()) };
+                        let lanes = |v: &[f32], p: usize, b: usize, h: usize| unsafe { _mm256_loadu_ps(v.as_ptr().add(((p * blocks + b) * 2 + h) * PANEL)) };
                         for b in 0..blocks {
-                            for j in 0..NR {
-                                // SAFETY: `qs` holds `NR` rows of `32 * blocks` bytes, `j < NR` and `b < blocks`.
-                                let wv = unsafe { _mm256_loadu_si256(qs.as_ptr().add(j * k + 32 * b).cast()) };
-                                let g = 2 * (j * blocks + b);
-                                let wd = _mm256_set_m128(_mm_set1_ps(d[g + 1]), _mm_set1_ps(d[g]));
-                                for i in 0..R {
-                                    let p = _mm256_cvtepi32_ps(idot(wv, xload(i, b)));
-                                    acc[j][i] = _mm256_fmadd_ps(p, _mm256_mul_ps(wd, xscale(i, b)), acc[j][i]);
+                            for h in 0..2 {
+                                let mut sums = [[_mm256_setzero_si256(); R]; P];
+                                for g in (4 * h..4 * h + 4).step_by(2) {
+                                    for j in 0..P {
+                                        let (w0, w1) = (chunk(p0 + j, b, g), chunk(p0 + j, b, g + 1));
+                                        for i in 0..R {
+                                            sums[j][i] = dot2(sums[j][i], w0, xg(i, b, g), w1, xg(i, b, g + 1));
+                                        }
+                                    }
                                 }
-                            }
-                        }
-                        let stride = (2 * blocks).next_multiple_of(8);
-                        for j in 0..NR {
-                            for i in 0..R {
-                                min[j][i] = min_dot(&m[(n0 + j) * stride..(n0 + j + 1) * stride], &x.s16[(r0 + i) * stride..(r0 + i + 1) * stride]);
+                                for j in 0..P {
+                                    let (dw, mw) = (lanes(d, p0 + j, b, h), lanes(m, p0 + j, b, h));
+                                    for i in 0..R {
+                                        acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j][i]), _mm256_mul_ps(dw, xd(i, b)), acc[j][i]);
+                                        acc[j][i] = _mm256_fmadd_ps(mw, s16(i, b, h), acc[j][i]);
+                                    }
+                                }
                             }
                         }
                     }
                     Data::S8 { qs, d } => {
-                        let (qs, d) = (&qs[n0 * k..(n0 + NR) * k], &d[n0 * blocks..(n0 + NR) * blocks]);
+                        assert!(qs.len() == panels * blocks * 256 && d.len() == panels * blocks * PANEL, "S8 layout (a bug)");
+                        // SAFETY (these closures): as for U8, with 8 scales per panel and block.
+                        let chunk = |p: usize, b: usize, g: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * 256 + 32 * g).cast()) };
+                        let lanes = |p: usize, b: usize| unsafe { _mm256_loadu_ps(d.as_ptr().add((p * blocks + b) * PANEL)) };
                         for b in 0..blocks {
-                            for j in 0..NR {
-                                // SAFETY: `qs` holds `NR` rows of `32 * blocks` codes, `j < NR` and `b < blocks`.
-                                let wv = unsafe { _mm256_loadu_si256(qs.as_ptr().add(j * k + 32 * b).cast()) };
-                                let wd = _mm256_set1_ps(d[j * blocks + b]);
+                            let mut sums = [[_mm256_setzero_si256(); R]; P];
+                            for g in 0..8 {
+                                for j in 0..P {
+                                    let wv = chunk(p0 + j, b, g);
+                                    for i in 0..R {
+                                        // Signed times signed as |x| times the code with x's sign: the codes are
+                                        // in -127..=127 (the packer refuses -128), so the negation fits, and a
+                                        // pair of products, at most 2 x 127 x 127, fits 16 bits.
+                                        let xv = xg(i, b, g);
+                                        sums[j][i] = dpbusd(sums[j][i], _mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
+                                    }
+                                }
+                            }
+                            for j in 0..P {
+                                let dw = lanes(p0 + j, b);
                                 for i in 0..R {
-                                    let xv = xload(i, b);
-                                    let p = _mm256_cvtepi32_ps(idot(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv)));
-                                    acc[j][i] = _mm256_fmadd_ps(p, _mm256_mul_ps(wd, xscale(i, b)), acc[j][i]);
+                                    acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j][i]), _mm256_mul_ps(dw, xd(i, b)), acc[j][i]);
                                 }
                             }
                         }
                     }
                     Data::F16(_) | Data::Bf16(_) => unreachable!("float weights take the float tile"),
                 }
-                for j in 0..NR {
+                for j in 0..P {
                     for i in 0..R {
-                        out.write(r0 + i, n0 + j, hsum(acc[j][i]) + min[j][i]);
+                        let mut values = [0f32; PANEL];
+                        // SAFETY: `values` holds 8 f32.
+                        unsafe { _mm256_storeu_ps(values.as_mut_ptr(), acc[j][i]) };
+                        out.write_lanes(r0 + i, (p0 + j) * PANEL, &values);
                     }
                 }
             }
@@ -159,64 +211,73 @@ macro_rules! kernels {
                 }
             }
 
+            /// Float weight rows `rows` times activation rows `r0..r0 + count`, four activation rows at a time.
             #[inline]
             #[target_feature(enable = $features)]
-            fn tile_any<const NR: usize, const R: usize>(w: &Packed, n0: usize, x: &Acts, r0: usize, out: Out) {
-                match &w.data {
-                    Data::F16(bits) => (0..NR).for_each(|j| tile_float::<R, false>(bits, n0 + j, x, r0, out)),
-                    Data::Bf16(bits) => (0..NR).for_each(|j| tile_float::<R, true>(bits, n0 + j, x, r0, out)),
-                    _ => tile::<NR, R>(w, n0, x, r0, out),
-                }
-            }
-
-            /// Weight rows `rows` times activation rows `r0..r0 + count`, in tiles of at least four
-            /// weight-row/activation-row pairs where there are enough.
-            #[inline]
-            #[target_feature(enable = $features)]
-            fn run_panel(w: &Packed, rows: Range<usize>, x: &Acts, r0: usize, count: usize, out: Out) {
-                let end = r0 + count;
-                let mut n = rows.start;
-                while n < rows.end {
-                    // Four weight rows at a time where there are four, so that one or two activation rows left
-                    // over still fill a tile.
-                    let step = if rows.end - n >= 4 { 4 } else { 1 };
-                    let full = r0 + (count / 4) * 4;
-                    for j in 0..step {
-                        for r in (r0..full).step_by(4) {
-                            tile_any::<1, 4>(w, n + j, x, r, out);
-                        }
+            fn float_panel<const BF: bool>(bits: &[u16], rows: Range<usize>, x: &Acts, r0: usize, count: usize, out: Out) {
+                let full = r0 + count / 4 * 4;
+                for n in rows {
+                    for r in (r0..full).step_by(4) {
+                        tile_float::<4, BF>(bits, n, x, r, out);
                     }
-                    match (end - full, step) {
-                        (3, _) => (0..step).for_each(|j| tile_any::<1, 3>(w, n + j, x, full, out)),
-                        (2, 4) => {
-                            tile_any::<2, 2>(w, n, x, full, out);
-                            tile_any::<2, 2>(w, n + 2, x, full, out);
-                        }
-                        (2, _) => tile_any::<1, 2>(w, n, x, full, out),
-                        (1, 4) => tile_any::<4, 1>(w, n, x, full, out),
-                        (1, _) => tile_any::<1, 1>(w, n, x, full, out),
+                    match r0 + count - full {
+                        3 => tile_float::<3, BF>(bits, n, x, full, out),
+                        2 => tile_float::<2, BF>(bits, n, x, full, out),
+                        1 => tile_float::<1, BF>(bits, n, x, full, out),
                         _ => {}
                     }
-                    n += step;
                 }
             }
 
-            /// Weight rows `rows` times every activation row: panels of 16 activation rows, whose codes stay in
-            /// the L1 cache while the task's weight rows pass over them.
+            /// Panels `panels` times activation rows `r0..r0 + count`: tiles of four activation rows, and for the
+            /// one or two rows left over, two panels at a time, so that every tile has at least two independent
+            /// chains of multiply-adds and shares its activation loads.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn quantized_panel(w: &Packed, panels: Range<usize>, x: &Acts, r0: usize, count: usize, out: Out) {
+                let full = r0 + count / 4 * 4;
+                let mut p = panels.start;
+                while p < panels.end {
+                    let two = panels.end - p >= 2;
+                    let step = if two { 2 } else { 1 };
+                    for j in 0..step {
+                        for r in (r0..full).step_by(4) {
+                            tile::<1, 4>(w, p + j, x, r, out);
+                        }
+                    }
+                    match (r0 + count - full, two) {
+                        (3, _) => (0..step).for_each(|j| tile::<1, 3>(w, p + j, x, full, out)),
+                        (2, true) => tile::<2, 2>(w, p, x, full, out),
+                        (2, false) => tile::<1, 2>(w, p, x, full, out),
+                        (1, true) => tile::<2, 1>(w, p, x, full, out),
+                        (1, false) => tile::<1, 1>(w, p, x, full, out),
+                        _ => {}
+                    }
+                    p += step;
+                }
+            }
+
+            /// Weight rows `rows` (whole panels for quantized weights) times every activation row: panels of 16
+            /// activation rows, whose codes stay in the L1 cache while the task's weights pass over them.
             #[target_feature(enable = $features)]
             pub(in super::super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                 let m = x.rows();
                 for r0 in (0..m).step_by(16) {
-                    run_panel(w, rows.clone(), x, r0, 16.min(m - r0), out);
+                    let count = 16.min(m - r0);
+                    match &w.data {
+                        Data::F16(bits) => float_panel::<false>(bits, rows.clone(), x, r0, count, out),
+                        Data::Bf16(bits) => float_panel::<true>(bits, rows.clone(), x, r0, count, out),
+                        _ => quantized_panel(w, rows.start / PANEL..rows.end.div_ceil(PANEL), x, r0, count, out),
+                    }
                 }
             }
         }
     };
 }
 
-kernels!(avx2, "avx2,fma,f16c", |w, x| _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
-kernels!(avx512_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", |w, x| _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x));
-kernels!(avx_vnni, "avx2,fma,f16c,avxvnni", |w, x| _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x));
+kernels!(avx2, "avx2,fma,f16c", vnni: false, |acc, w, x| _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))));
+kernels!(avx512_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", vnni: true, |acc, w, x| _mm256_dpbusd_epi32(acc, w, x));
+kernels!(avx_vnni, "avx2,fma,f16c,avxvnni", vnni: true, |acc, w, x| _mm256_dpbusd_avx_epi32(acc, w, x));
 
 /// Activation quantization, for every SIMD level (VNNI adds nothing to it).
 mod quantize {
