@@ -21,6 +21,7 @@
 //! output (`acc = fma(sum, d_w * d_x, acc)`, then `acc = fma(m_w, s_x, acc)` for types with an offset). Float
 //! weights: eight lanes of fused multiply-adds, then one fixed reduction ([`hsum8`]).
 
+pub mod elementwise;
 mod pack;
 mod portable;
 #[cfg(target_arch = "x86_64")]
@@ -131,8 +132,10 @@ enum Data {
     /// Codes of up to 6 bits, one byte each, 256 bytes per panel and block: chunk `g` of 32 bytes holds, in lane
     /// `l`, row `l`'s weights `4g..4g + 4`; weight = `d * code + m` per group of 16.
     U8 { qs: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
-    /// Signed codes in -127..=127, chunked as `U8`; weight = `d * code` per block of 32.
-    S8 { qs: Vec<i8>, d: Vec<f32> },
+    /// Signed codes in -127..=127, chunked as `U8` and stored offset by 128 (`code ^ 0x80` as a byte, 1..=255:
+    /// VNNI multiplies them as unsigned and takes `128 x` the activations' code sum back off; AVX2 flips the bit
+    /// back); weight = `d * code` per block of 32.
+    S8 { qs: Vec<u8>, d: Vec<f32> },
     /// IEEE half-precision bits.
     F16(Vec<u16>),
     /// bfloat16 bits.
@@ -184,7 +187,7 @@ impl Packed {
                     let at = (2 * pb + i / 16) * PANEL + l;
                     d[at] * qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] as f32 + m[at]
                 }
-                Data::S8 { qs, d } => d[pb * PANEL + l] * qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] as f32,
+                Data::S8 { qs, d } => d[pb * PANEL + l] * (qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] ^ 0x80) as i8 as f32,
                 Data::F16(w) => half::f16::from_bits(w[row * self.k + col]).to_f32(),
                 Data::Bf16(w) => half::bf16::from_bits(w[row * self.k + col]).to_f32(),
             }
@@ -218,11 +221,13 @@ struct Acts<'a> {
     /// `d * (sum of the codes)` per block of 32 (`[m, k / 32]`) and per group of 16 (`[m, k / 16]`).
     s32: Vec<f32>,
     s16: Vec<f32>,
+    /// The sum of the codes per block of 32, exact (`[m, k / 32]`).
+    sums: Vec<i32>,
 }
 
 impl<'a> Acts<'a> {
     fn new(level: Level, x: &'a [f32], k: usize, quantize: bool) -> Acts<'a> {
-        let mut acts = Acts { k, f32: x, qs: Vec::new(), d: Vec::new(), s32: Vec::new(), s16: Vec::new() };
+        let mut acts = Acts { k, f32: x, qs: Vec::new(), d: Vec::new(), s32: Vec::new(), s16: Vec::new(), sums: Vec::new() };
         if quantize {
             debug_assert_eq!(k % 32, 0);
             let blocks = x.len() / 32;
@@ -230,14 +235,15 @@ impl<'a> Acts<'a> {
             acts.d = vec![0.0; blocks];
             acts.s32 = vec![0.0; blocks];
             acts.s16 = vec![0.0; 2 * blocks];
+            acts.sums = vec![0; blocks];
             // In parallel for many rows (prefill); a few rows are quicker on the calling thread.
             const CHUNK: usize = 512;
             if blocks <= CHUNK {
-                quantize_blocks(level, x, &mut acts.qs, &mut acts.d, &mut acts.s32, &mut acts.s16);
+                quantize_blocks(level, x, &mut acts.qs, &mut acts.d, &mut acts.s32, &mut acts.s16, &mut acts.sums);
             } else {
-                let sums = acts.s32.par_chunks_mut(CHUNK).zip(acts.s16.par_chunks_mut(2 * CHUNK));
+                let sums = acts.s32.par_chunks_mut(CHUNK).zip(acts.s16.par_chunks_mut(2 * CHUNK)).zip(acts.sums.par_chunks_mut(CHUNK));
                 let codes = x.par_chunks(32 * CHUNK).zip(acts.qs.par_chunks_mut(32 * CHUNK)).zip(acts.d.par_chunks_mut(CHUNK));
-                codes.zip(sums).for_each(|(((x, qs), d), (s32, s16))| quantize_blocks(level, x, qs, d, s32, s16));
+                codes.zip(sums).for_each(|(((x, qs), d), ((s32, s16), sums))| quantize_blocks(level, x, qs, d, s32, s16, sums));
             }
         }
         acts
@@ -252,7 +258,8 @@ impl<'a> Acts<'a> {
 /// `block_q8_1`): the codes are rounded with the exact scale, the scale kept to f16 precision, the sums (per 32
 /// and per 16) computed with the exact scale and kept to f16 precision. The products then see the activations
 /// llama.cpp's do, and a model's outputs agree with llama.cpp's as closely as its weights allow.
-fn store_scales(scale: f32, sums: [i32; 2], d: &mut f32, s32: &mut f32, s16: &mut [f32]) {
+fn store_scales(scale: f32, sums: [i32; 2], d: &mut f32, s32: &mut f32, s16: &mut [f32], sum: &mut i32) {
+    *sum = sums[0] + sums[1];
     let f16 = |v: f32| half::f16::from_f32(v).to_f32();
     *d = f16(scale);
     *s32 = f16(scale * (sums[0] + sums[1]) as f32);
@@ -260,11 +267,11 @@ fn store_scales(scale: f32, sums: [i32; 2], d: &mut f32, s32: &mut f32, s16: &mu
     s16[1] = f16(scale * sums[1] as f32);
 }
 
-fn quantize_blocks(level: Level, x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32]) {
+fn quantize_blocks(level: Level, x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums: &mut [i32]) {
     #[cfg(target_arch = "x86_64")]
-    return x86::quantize_blocks(level, x, qs, d, s32, s16);
+    return x86::quantize_blocks(level, x, qs, d, s32, s16, sums);
     #[allow(unreachable_code)]
-    portable::quantize_blocks(x, qs, d, s32, s16)
+    portable::quantize_blocks(x, qs, d, s32, s16, sums)
 }
 
 /// Where the kernels write: `[m, n]` row-major f32.
@@ -395,6 +402,26 @@ impl Matrix {
         let values = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let outs = matmul_many(Level::active(), &packed, &values, m);
         Ok(Some(outs.into_iter().zip(&packed).map(|(o, p)| Tensor::from_vec(o, (m, p.n), x.device())).collect::<candle_core::Result<_>>()?))
+    }
+
+    /// The feed-forward network `down · (silu(gate · x) * (up · x))` for `x` `[rows, k]` f32 on the CPU, gate and
+    /// up in one parallel region and the intermediate in host memory; `None` unless all three are packed matrices
+    /// of matching shapes (the caller uses candle).
+    pub fn ffn_packed(x: &Tensor, gate: &Matrix, up: &Matrix, down: &Matrix) -> candle_core::Result<Option<Tensor>> {
+        let (Matrix::Packed(g), Matrix::Packed(u), Matrix::Packed(d)) = (gate, up, down) else { return Ok(None) };
+        if g.k != u.k || g.n != u.n || d.k != g.n || g.quantized() != u.quantized() {
+            return Ok(None);
+        }
+        let (m, k) = x.dims2()?;
+        if k != g.k {
+            candle_core::bail!("activations [{m}, {k}] for a matrix of width {}", g.k);
+        }
+        let values = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let level = Level::active();
+        let [mut act, up_out]: [Vec<f32>; 2] = matmul_many(level, &[g, u], &values, m).try_into().expect("two outputs");
+        elementwise::silu_mul(&mut act, &up_out);
+        let y = matmul_many(level, &[d], &act, m).pop().expect("one output");
+        Ok(Some(Tensor::from_vec(y, (m, d.n), x.device())?))
     }
 }
 

@@ -139,7 +139,7 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
             if codes.contains(&0x80) {
                 return Ok(None);
             }
-            Data::S8 { qs: chunks(n, k, &codes).into_iter().map(|c| c as i8).collect(), d: lanes(n, k / 32, &d) }
+            Data::S8 { qs: chunks(n, k, &codes).into_iter().map(|c| c ^ 0x80).collect(), d: lanes(n, k / 32, &d) }
         }
         _ => {
             // Row-major codes and a scale and offset per 16, then the panels.

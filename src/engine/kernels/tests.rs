@@ -176,9 +176,12 @@ fn activation_codes_are_the_same_at_every_level() {
     for level in Level::available() {
         let a = Acts::new(level, &x, 576, true);
         assert_eq!(a.qs, reference.qs, "{level:?}");
+        assert_eq!(a.sums, reference.sums, "{level:?}");
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!((bits(&a.d), bits(&a.s32), bits(&a.s16)), (bits(&reference.d), bits(&reference.s32), bits(&reference.s16)), "{level:?}");
     }
+    let exact: Vec<i32> = reference.qs.chunks_exact(32).map(|c| c.iter().map(|&q| q as i32).sum()).collect();
+    assert_eq!(reference.sums, exact);
     // Codes span -127..=127: the largest value of each block maps to +-127.
     assert!(reference.qs.iter().any(|&q| q == 127 || q == -127));
     assert!(reference.qs.iter().all(|&q| q != i8::MIN));

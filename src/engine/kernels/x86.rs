@@ -85,13 +85,21 @@ macro_rules! kernels {
                         for b in 0..blocks {
                             let mut sums = [[_mm256_setzero_si256(); R]; P];
                             if $vnni {
+                                // Two chains of products per output (low and high nibbles), added at the end.
+                                let mut high = [[_mm256_setzero_si256(); R]; P];
                                 for t in 0..4 {
                                     for j in 0..P {
                                         let raw = chunk(p0 + j, b, t);
                                         let (lo, hi) = (_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
                                         for i in 0..R {
-                                            sums[j][i] = dpbusd(dpbusd(sums[j][i], lo, xg(i, b, t)), hi, xg(i, b, t + 4));
+                                            sums[j][i] = dpbusd(sums[j][i], lo, xg(i, b, t));
+                                            high[j][i] = dpbusd(high[j][i], hi, xg(i, b, t + 4));
                                         }
+                                    }
+                                }
+                                for j in 0..P {
+                                    for i in 0..R {
+                                        sums[j][i] = _mm256_add_epi32(sums[j][i], high[j][i]);
                                     }
                                 }
                             } else {
@@ -155,17 +163,41 @@ macro_rules! kernels {
                         // SAFETY (these closures): as for U8, with 8 scales per panel and block.
                         let chunk = |p: usize, b: usize, g: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * 256 + 32 * g).cast()) };
                         let lanes = |p: usize, b: usize| unsafe { _mm256_loadu_ps(d.as_ptr().add((p * blocks + b) * PANEL)) };
+                        assert!(x.sums.len() == x.d.len(), "activation code sums (a bug)");
+                        // SAFETY: activation row `r0 + i < r0 + R` exists and `b < blocks` (as for `xd`).
+                        let xsum = |i: usize, b: usize| unsafe { *x.sums.as_ptr().add((r0 + i) * blocks + b) };
+                        let flip = _mm256_set1_epi8(-128);
                         for b in 0..blocks {
                             let mut sums = [[_mm256_setzero_si256(); R]; P];
-                            for g in 0..8 {
+                            if $vnni {
+                                // The stored bytes, code + 128, as unsigned: sum((code + 128) x) - 128 sum(x),
+                                // two chains of products per output.
+                                let mut odd = [[_mm256_setzero_si256(); R]; P];
+                                for g in (0..8).step_by(2) {
+                                    for j in 0..P {
+                                        let (w0, w1) = (chunk(p0 + j, b, g), chunk(p0 + j, b, g + 1));
+                                        for i in 0..R {
+                                            sums[j][i] = dpbusd(sums[j][i], w0, xg(i, b, g));
+                                            odd[j][i] = dpbusd(odd[j][i], w1, xg(i, b, g + 1));
+                                        }
+                                    }
+                                }
                                 for j in 0..P {
-                                    let wv = chunk(p0 + j, b, g);
                                     for i in 0..R {
-                                        // Signed times signed as |x| times the code with x's sign: the codes are
-                                        // in -127..=127 (the packer refuses -128), so the negation fits, and a
-                                        // pair of products, at most 2 x 127 x 127, fits 16 bits.
-                                        let xv = xg(i, b, g);
-                                        sums[j][i] = dpbusd(sums[j][i], _mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
+                                        sums[j][i] = _mm256_sub_epi32(_mm256_add_epi32(sums[j][i], odd[j][i]), _mm256_set1_epi32(128 * xsum(i, b)));
+                                    }
+                                }
+                            } else {
+                                for g in 0..8 {
+                                    for j in 0..P {
+                                        let wv = _mm256_xor_si256(chunk(p0 + j, b, g), flip);
+                                        for i in 0..R {
+                                            // Signed times signed as |x| times the code with x's sign: the codes
+                                            // are in -127..=127 (the packer refuses -128), so the negation fits,
+                                            // and a pair of products, at most 2 x 127 x 127, fits 16 bits.
+                                            let xv = xg(i, b, g);
+                                            sums[j][i] = dpbusd(sums[j][i], _mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
+                                        }
                                     }
                                 }
                             }
@@ -285,9 +317,9 @@ mod quantize {
 
     /// `quantize_blocks` of the portable code, in registers: the same bits for finite activations.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32]) {
+    pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums_out: &mut [i32]) {
         let blocks = d.len();
-        assert!(x.len() == 32 * blocks && qs.len() == 32 * blocks && s32.len() == blocks && s16.len() == 2 * blocks, "activation blocks (a bug)");
+        assert!(x.len() == 32 * blocks && qs.len() == 32 * blocks && s32.len() == blocks && s16.len() == 2 * blocks && sums_out.len() == blocks, "activation blocks (a bug)");
         let (lo, hi, sign) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0), _mm256_set1_ps(-0.0));
         let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         for b in 0..blocks {
@@ -313,7 +345,7 @@ mod quantize {
             let packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
             // SAFETY: `qs` holds `32 * blocks` codes and `b < blocks`.
             unsafe { _mm256_storeu_si256(qs.as_mut_ptr().add(32 * b).cast(), _mm256_permutevar8x32_epi32(packed, order)) };
-            super::super::store_scales(scale, sums, &mut d[b], &mut s32[b], &mut s16[2 * b..2 * b + 2]);
+            super::super::store_scales(scale, sums, &mut d[b], &mut s32[b], &mut s16[2 * b..2 * b + 2], &mut sums_out[b]);
         }
     }
 }
@@ -323,13 +355,13 @@ fn has_avx2() -> bool {
 }
 
 /// Activation blocks to codes at `level` (one this CPU has).
-pub(super) fn quantize_blocks(level: super::Level, x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32]) {
+pub(super) fn quantize_blocks(level: super::Level, x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums: &mut [i32]) {
     match level {
-        super::Level::Portable => super::portable::quantize_blocks(x, qs, d, s32, s16),
+        super::Level::Portable => super::portable::quantize_blocks(x, qs, d, s32, s16, sums),
         _ => {
             assert!(has_avx2(), "AVX2 kernels on a CPU without AVX2 (a bug)");
             // SAFETY: the CPU has AVX2, FMA and F16C (asserted above).
-            unsafe { quantize::quantize_blocks(x, qs, d, s32, s16) }
+            unsafe { quantize::quantize_blocks(x, qs, d, s32, s16, sums) }
         }
     }
 }

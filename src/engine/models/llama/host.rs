@@ -7,6 +7,8 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
 use super::{Attention, Backend, KvCache, Model, ModelConfig, Segment, BLOCK};
+use crate::engine::kernels::elementwise::exp;
+use crate::engine::kernels::Level;
 
 /// The host backend: the model's shapes, its RoPE tables and the laid-out width of the attention output.
 pub struct HostAttention {
@@ -139,8 +141,25 @@ impl HostAttention {
     }
 
     /// Attention of new tokens `t0..t0 + TILE` of one segment (those that exist), every query head of kv head
-    /// `kv`: `[token][group][head_dim]`.
+    /// `kv`: `[token][group][head_dim]`. The same source compiled for AVX2 and FMA where the CPU has them (the
+    /// release build targets plain x86-64): the same operations in the same order, so the same results, 8 wide.
     fn attend_tile(&self, layer: usize, q: &[f32], start: usize, s: &Segment<'_, HostCache>, kv: usize, t0: usize) -> Vec<f32> {
+        #[cfg(target_arch = "x86_64")]
+        if Level::active() >= Level::Avx2 {
+            // SAFETY: the active level is at most the detected one, so the CPU has AVX2, FMA and F16C.
+            return unsafe { self.attend_tile_avx2(layer, q, start, s, kv, t0) };
+        }
+        self.attend_tile_body(layer, q, start, s, kv, t0)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn attend_tile_avx2(&self, layer: usize, q: &[f32], start: usize, s: &Segment<'_, HostCache>, kv: usize, t0: usize) -> Vec<f32> {
+        self.attend_tile_body(layer, q, start, s, kv, t0)
+    }
+
+    #[inline(always)]
+    fn attend_tile_body(&self, layer: usize, q: &[f32], start: usize, s: &Segment<'_, HostCache>, kv: usize, t0: usize) -> Vec<f32> {
         let cfg = &self.config;
         let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
         let q_row = cfg.heads * hd;
@@ -156,38 +175,52 @@ impl HostAttention {
         let mut max = vec![f32::NEG_INFINITY; rows];
         let mut sum = vec![0f32; rows];
         let mut out = vec![0f32; rows * hd];
+        let mut scores = vec![[0f32; BLOCK]; rows];
         for b in 0..visible(rows - 1).div_ceil(BLOCK) {
             let kt = &keys[b][kv * hd * BLOCK..][..hd * BLOCK];
             let vb = &values[b][kv * BLOCK * hd..][..BLOCK * hd];
+            // Every row's scores against the block, four rows at a time (independent sums in registers).
+            let mut r = 0;
+            while r < rows {
+                let step = (rows - r).min(4);
+                match step {
+                    4 => scores[r..r + 4].copy_from_slice(&block_scores([query(r), query(r + 1), query(r + 2), query(r + 3)], kt)),
+                    3 => scores[r..r + 3].copy_from_slice(&block_scores([query(r), query(r + 1), query(r + 2)], kt)),
+                    2 => scores[r..r + 2].copy_from_slice(&block_scores([query(r), query(r + 1)], kt)),
+                    _ => scores[r] = block_scores([query(r)], kt)[0],
+                }
+                r += step;
+            }
             for r in 0..rows {
                 let valid = visible(r).saturating_sub(b * BLOCK).min(BLOCK);
                 if valid == 0 {
                     continue;
                 }
-                let qv = query(r);
-                let mut scores = [0f32; BLOCK];
-                for (d, &qd) in qv.iter().enumerate() {
-                    let k = &kt[d * BLOCK..(d + 1) * BLOCK];
-                    for c in 0..BLOCK {
-                        scores[c] += qd * k[c];
-                    }
-                }
-                let block_max = scores[..valid].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+                // max(x * scale) is max(x) * scale exactly: rounding a product by a positive scale keeps order.
+                let block_max = tree(std::array::from_fn(|c| if c < valid { scores[r][c] } else { f32::NEG_INFINITY }), f32::max) * scale;
                 let new_max = max[r].max(block_max);
-                let correction = (max[r] - new_max).exp();
+                let correction = exp(max[r] - new_max);
                 let o = &mut out[r * hd..(r + 1) * hd];
                 if correction != 1.0 {
                     for x in o.iter_mut() {
                         *x *= correction;
                     }
                 }
-                sum[r] *= correction;
-                for c in 0..valid {
-                    let p = (scores[c] * scale - new_max).exp();
-                    sum[r] += p;
-                    for (x, v) in o.iter_mut().zip(&vb[c * hd..(c + 1) * hd]) {
-                        *x += p * v;
-                    }
+                // Every position's weight at once (a vector loop), zero past `valid`.
+                let mut weights = [0f32; BLOCK];
+                for (c, (w, &score)) in weights.iter_mut().zip(&scores[r]).enumerate() {
+                    let p = exp(score * scale - new_max);
+                    *w = if c < valid { p } else { 0.0 };
+                }
+                sum[r] = sum[r] * correction + tree(weights, |a, b| a + b);
+                if hd.is_multiple_of(64) {
+                    accumulate::<64>(o, &weights[..valid], vb);
+                } else if hd.is_multiple_of(32) {
+                    accumulate::<32>(o, &weights[..valid], vb);
+                } else if hd.is_multiple_of(8) {
+                    accumulate::<8>(o, &weights[..valid], vb);
+                } else {
+                    accumulate::<1>(o, &weights[..valid], vb);
                 }
                 max[r] = new_max;
             }
@@ -253,6 +286,52 @@ impl Attention for HostAttention {
 
     fn device_argmax(&self) -> bool {
         false
+    }
+}
+
+/// A block's values reduced pairwise, halves first (a fixed order that vectorizes).
+#[inline(always)]
+fn tree(mut v: [f32; BLOCK], op: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut width = BLOCK / 2;
+    while width > 0 {
+        for c in 0..width {
+            v[c] = op(v[c], v[c + width]);
+        }
+        width /= 2;
+    }
+    v[0]
+}
+
+/// Scores of `R` queries against a block of keys stored `[head_dim][BLOCK]`: `R x BLOCK` sums in registers, each
+/// over the head's dimensions in order.
+#[inline(always)]
+fn block_scores<const R: usize>(queries: [&[f32]; R], kt: &[f32]) -> [[f32; BLOCK]; R] {
+    let mut s = [[0f32; BLOCK]; R];
+    for (d, k) in kt.chunks_exact(BLOCK).enumerate() {
+        for i in 0..R {
+            let qd = queries[i][d];
+            for c in 0..BLOCK {
+                s[i][c] += qd * k[c];
+            }
+        }
+    }
+    s
+}
+
+/// `o += sum over c of weights[c] * values[c]`, values `[BLOCK][head_dim]`, in slices of `W` dimensions held in
+/// registers across the positions (each element still summed in position order).
+#[inline(always)]
+fn accumulate<const W: usize>(o: &mut [f32], weights: &[f32], values: &[f32]) {
+    let hd = o.len();
+    for j0 in (0..hd).step_by(W) {
+        let mut acc: [f32; W] = o[j0..j0 + W].try_into().expect("W values");
+        for (c, &p) in weights.iter().enumerate() {
+            let v = &values[c * hd + j0..][..W];
+            for j in 0..W {
+                acc[j] += p * v[j];
+            }
+        }
+        o[j0..j0 + W].copy_from_slice(&acc);
     }
 }
 

@@ -113,6 +113,16 @@ impl Layer {
         Ok([per_head(q, q_norm)?, per_head(k, k_norm)?, v])
     }
 
+    /// The feed-forward network, `down · (silu(gate · h) * (up · h))`: on the CPU's kernels when its matrices are
+    /// packed, by candle otherwise.
+    fn ffn(&self, h: &Tensor) -> candle_core::Result<Tensor> {
+        if let Some(y) = Matrix::ffn_packed(h, &self.w_gate, &self.w_up, &self.w_down)? {
+            return Ok(y);
+        }
+        let [gate, up] = matmuls(h, [&self.w_gate, &self.w_up])?;
+        product(&self.w_down, &(candle_nn::ops::silu(&gate)? * up)?)
+    }
+
     fn output(&self, attn: &Tensor) -> candle_core::Result<Tensor> {
         let out = product(&self.wo, attn)?;
         match &self.wo_bias {
@@ -452,9 +462,7 @@ impl Model {
             let attn = attention.attend(&step, li, qkv, segments)?;
             x = (x + layer.output(&attn)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
-            let [gate, up] = matmuls(&h, [&layer.w_gate, &layer.w_up])?;
-            let ff = product(&layer.w_down, &(candle_nn::ops::silu(&gate)? * up)?)?;
-            x = (x + ff)?;
+            x = (x + layer.ffn(&h)?)?;
         }
         attention.advance(segments);
         let logits = self.head(&x, segments, outputs)?;
