@@ -12,7 +12,8 @@ pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut
     for (b, (x, qs)) in x.chunks_exact(32).zip(qs.chunks_exact_mut(32)).enumerate() {
         let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
         let scale = amax / 127.0;
-        let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        // llama.cpp's reciprocal, `127 / max` (not `1 / scale`, which can round differently).
+        let inverse = if amax > 0.0 { 127.0 / amax } else { 0.0 };
         let mut sums = [0i32; 2];
         for (j, (q, v)) in qs.iter_mut().zip(x).enumerate() {
             // `as` saturates (and maps NaN to 0): a code is in -127..=127 whatever the input.

@@ -331,7 +331,7 @@ mod quantize {
             let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
             let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
             let scale = amax / 127.0;
-            let inverse = _mm256_set1_ps(if scale > 0.0 { 1.0 / scale } else { 0.0 });
+            let inverse = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
             let q = v.map(|v| {
                 let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(v, inverse));
                 _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
