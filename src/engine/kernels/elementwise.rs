@@ -28,7 +28,7 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let p = p * (r * r) + r + 1.0;
     // 2^n from the integer in `t`'s mantissa (`n` is within -126..=127 after the clamp).
     let scale = f32::from_bits(t.to_bits().wrapping_sub(0x4B40_0000 - 127).wrapping_shl(23));
