@@ -326,7 +326,7 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
     let views: Vec<Out> = outs.iter_mut().zip(weights).map(|(o, w)| Out { ptr: o.as_mut_ptr(), n: w.n, len: o.len() }).collect();
     // About eight tasks per thread over all the matrices' rows, in multiples of 16 rows (whole panels).
     let total: usize = weights.iter().map(|w| w.n).sum();
-    let per_task = total.div_ceil(rayon::current_num_threads() * 8).next_multiple_of(16).max(16);
+    let per_task = total.div_ceil(rayon::current_num_threads() * if m <= 4 { 2 } else { 8 }).next_multiple_of(16).max(16);
     let tasks: Vec<Task> = weights
         .iter()
         .enumerate()
