@@ -272,9 +272,16 @@ macro_rules! kernels {
                 while p < panels.end {
                     let two = panels.end - p >= 2;
                     let step = if two { 2 } else { 1 };
-                    for j in 0..step {
+                    if $vnni && two {
+                        // AVX-512's 32 registers hold a 2 x 4 tile: each activation load serves two panels.
                         for r in (r0..full).step_by(4) {
-                            tile::<1, 4>(w, p + j, x, r, out);
+                            tile::<2, 4>(w, p, x, r, out);
+                        }
+                    } else {
+                        for j in 0..step {
+                            for r in (r0..full).step_by(4) {
+                                tile::<1, 4>(w, p + j, x, r, out);
+                            }
                         }
                     }
                     match (r0 + count - full, two) {
