@@ -18,8 +18,11 @@ use std::ops::Range;
 
 use super::{Acts, Out, Packed};
 
+/// One module of kernels per instruction set: `vnni` says `dpbusd` is one instruction (otherwise AVX2's
+/// two-step emulation, and 16-bit partial sums where they cannot overflow), `wide` that the CPU has AVX-512's 32
+/// vector registers (room for tiles of two panels by four activation rows).
 macro_rules! kernels {
-    ($module:ident, $features:literal, vnni: $vnni:literal, |$acc:ident, $w:ident, $x:ident| $dpbusd:expr) => {
+    ($module:ident, $features:literal, vnni: $vnni:literal, wide: $wide:literal, |$acc:ident, $w:ident, $x:ident| $dpbusd:expr) => {
         pub(super) mod $module {
             use std::arch::x86_64::*;
             use std::ops::Range;
@@ -272,7 +275,7 @@ macro_rules! kernels {
                 while p < panels.end {
                     let two = panels.end - p >= 2;
                     let step = if two { 2 } else { 1 };
-                    if $vnni && two {
+                    if $wide && two {
                         // AVX-512's 32 registers hold a 2 x 4 tile: each activation load serves two panels.
                         for r in (r0..full).step_by(4) {
                             tile::<2, 4>(w, p, x, r, out);
@@ -314,9 +317,9 @@ macro_rules! kernels {
     };
 }
 
-kernels!(avx2, "avx2,fma,f16c", vnni: false, |acc, w, x| _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))));
-kernels!(avx512_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", vnni: true, |acc, w, x| _mm256_dpbusd_epi32(acc, w, x));
-kernels!(avx_vnni, "avx2,fma,f16c,avxvnni", vnni: true, |acc, w, x| _mm256_dpbusd_avx_epi32(acc, w, x));
+kernels!(avx2, "avx2,fma,f16c", vnni: false, wide: false, |acc, w, x| _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))));
+kernels!(avx512_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", vnni: true, wide: true, |acc, w, x| _mm256_dpbusd_epi32(acc, w, x));
+kernels!(avx_vnni, "avx2,fma,f16c,avxvnni", vnni: true, wide: false, |acc, w, x| _mm256_dpbusd_avx_epi32(acc, w, x));
 
 /// Activation quantization, for every SIMD level (VNNI adds nothing to it).
 mod quantize {
