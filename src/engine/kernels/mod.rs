@@ -123,8 +123,7 @@ pub struct Packed {
 }
 
 /// The quantized layouts hold `ceil(n / 8)` panels of [`PANEL`] rows (the last one's missing rows zero), and per
-/// panel and block of 32 weights, the codes of the eight rows interleaved four at a time (`pack::chunks`,
-/// `pack::nibble_chunks`) and their scales and offsets side by side (`[panel, block (or group), 8]`).
+/// panel and block of 32 weights, the codes of the eight rows interleaved four at a time (`pack::chunks`) and their scales and offsets side by side (`[panel, block (or group), 8]`).
 enum Data {
     /// 4-bit codes, 128 bytes per panel and block: chunk `t` of 32 bytes holds, in lane `l`, row `l`'s weights
     /// `4t..4t + 4` (low nibbles) and `16 + 4t..20 + 4t` (high nibbles); weight = `d * code + m` per block of 32.
@@ -192,7 +191,8 @@ impl Packed {
                 Data::Bf16(w) => half::bf16::from_bits(w[row * self.k + col]).to_f32(),
             }
         };
-        (0..self.n).flat_map(|row| (0..self.k).map(move |col| (row, col))).map(|(row, col)| weight(row, col)).collect()
+        let weight = &weight;
+        (0..self.n).flat_map(|row| (0..self.k).map(move |col| weight(row, col))).collect()
     }
 
     fn quantized(&self) -> bool {
@@ -324,7 +324,8 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
     let acts = Acts::new(level, x, k, weights[0].quantized());
     let mut outs: Vec<Vec<f32>> = weights.iter().map(|w| vec![0f32; m * w.n]).collect();
     let views: Vec<Out> = outs.iter_mut().zip(weights).map(|(o, w)| Out { ptr: o.as_mut_ptr(), n: w.n, len: o.len() }).collect();
-    // About eight tasks per thread over all the matrices' rows, in multiples of 16 rows (whole panels).
+    // About eight tasks per thread over all the matrices' rows (two for a few activation rows, where each task is
+    // short and hand-offs dominate), in multiples of 16 rows (whole panels).
     let total: usize = weights.iter().map(|w| w.n).sum();
     let per_task = total.div_ceil(rayon::current_num_threads() * if m <= 4 { 2 } else { 8 }).next_multiple_of(16).max(16);
     let tasks: Vec<Task> = weights

@@ -139,7 +139,7 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
             if codes.contains(&0x80) {
                 return Ok(None);
             }
-            Data::S8 { qs: chunks(n, k, &codes).into_iter().map(|c| c ^ 0x80).collect(), d: lanes(n, k / 32, &d) }
+            Data::S8 { qs: chunks(n, k, &codes, false).into_iter().map(|c| c ^ 0x80).collect(), d: lanes(n, k / 32, &d) }
         }
         _ => {
             // Row-major codes and a scale and offset per 16, then the panels.
@@ -154,44 +154,29 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
             if matches!(dtype, GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K) {
                 // The two halves of a block of 32 share a scale and an offset (`decode_block` emits them twice).
                 let (d, m): (Vec<f32>, Vec<f32>) = (d.iter().step_by(2).copied().collect(), m.iter().step_by(2).copied().collect());
-                Data::Q4 { qs: nibble_chunks(n, k, &codes), d: lanes(n, k / 32, &d), m: lanes(n, k / 32, &m) }
+                Data::Q4 { qs: chunks(n, k, &codes, true), d: lanes(n, k / 32, &d), m: lanes(n, k / 32, &m) }
             } else {
-                Data::U8 { qs: chunks(n, k, &codes), d: lanes(n, k / 16, &d), m: lanes(n, k / 16, &m) }
+                Data::U8 { qs: chunks(n, k, &codes, false), d: lanes(n, k / 16, &d), m: lanes(n, k / 16, &m) }
             }
         }
     };
     Ok(Some(Packed { n, k, stored: dtype, data }))
 }
 
-/// Row-major byte codes `[n, k]` in panels of [`PANEL`] rows (the last zero-padded): per panel and block of 32,
-/// eight chunks of 32 bytes, chunk `g`'s lane `l` (4 bytes) holding row `l`'s codes `4g..4g + 4`.
-fn chunks(n: usize, k: usize, codes: &[u8]) -> Vec<u8> {
-    let blocks = k / 32;
-    let mut out = vec![0u8; n.div_ceil(PANEL) * blocks * 256];
+/// Row-major codes `[n, k]`, one per byte, in panels of [`PANEL`] rows (the last zero-padded): per panel and
+/// block of 32, chunks of 32 bytes, chunk `g`'s lane `l` (4 bytes) holding row `l`'s codes `4g..4g + 4`; eight
+/// chunks, or with `nibbles` four, whose low nibbles hold codes `4g..4g + 4` and high nibbles `16 + 4g..20 + 4g`.
+fn chunks(n: usize, k: usize, codes: &[u8], nibbles: bool) -> Vec<u8> {
+    let (blocks, per_block) = (k / 32, if nibbles { 128 } else { 256 });
+    let mut out = vec![0u8; n.div_ceil(PANEL) * blocks * per_block];
     for (row, codes) in codes.chunks_exact(k).enumerate() {
         let (p, l) = (row / PANEL, row % PANEL);
         for (b, block) in codes.chunks_exact(32).enumerate() {
-            let at = (p * blocks + b) * 256 + 4 * l;
-            for g in 0..8 {
-                out[at + 32 * g..at + 32 * g + 4].copy_from_slice(&block[4 * g..4 * g + 4]);
-            }
-        }
-    }
-    out
-}
-
-/// 4-bit codes `[n, k]` (one per byte) in panels: per panel and block of 32, four chunks of 32 bytes, chunk `t`'s
-/// lane `l` holding row `l`'s codes `4t..4t + 4` in its low nibbles and `16 + 4t..20 + 4t` in its high ones.
-fn nibble_chunks(n: usize, k: usize, codes: &[u8]) -> Vec<u8> {
-    let blocks = k / 32;
-    let mut out = vec![0u8; n.div_ceil(PANEL) * blocks * 128];
-    for (row, codes) in codes.chunks_exact(k).enumerate() {
-        let (p, l) = (row / PANEL, row % PANEL);
-        for (b, block) in codes.chunks_exact(32).enumerate() {
-            let at = (p * blocks + b) * 128 + 4 * l;
-            for t in 0..4 {
+            let at = (p * blocks + b) * per_block + 4 * l;
+            for g in 0..per_block / 32 {
                 for j in 0..4 {
-                    out[at + 32 * t + j] = block[4 * t + j] | (block[16 + 4 * t + j] << 4);
+                    let code = block[4 * g + j];
+                    out[at + 32 * g + j] = if nibbles { code | (block[16 + 4 * g + j] << 4) } else { code };
                 }
             }
         }

@@ -86,43 +86,29 @@ macro_rules! kernels {
                         let lanes = |v: &[f32], p: usize, b: usize| unsafe { _mm256_loadu_ps(v.as_ptr().add((p * blocks + b) * PANEL)) };
                         let mask = _mm256_set1_epi8(0x0F);
                         for b in 0..blocks {
-                            let mut sums = [[_mm256_setzero_si256(); R]; P];
-                            if $vnni {
-                                // Two chains of products per output (low and high nibbles), added at the end.
-                                let mut high = [[_mm256_setzero_si256(); R]; P];
-                                for t in 0..4 {
-                                    for j in 0..P {
-                                        let raw = chunk(p0 + j, b, t);
-                                        let (lo, hi) = (_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
-                                        for i in 0..R {
-                                            sums[j][i] = dpbusd(sums[j][i], lo, xg(i, b, t));
-                                            high[j][i] = dpbusd(high[j][i], hi, xg(i, b, t + 4));
+                            // VNNI: two chains of 32-bit products per output (low and high nibbles), added at the
+                            // end. AVX2: `part` gathers 16-bit products (codes of at most 15: a lane's sums over
+                            // the block's eight chunks stay below 8 x 2 x 15 x 127 = 30,480), widened once.
+                            let (mut sums, mut part) = ([[_mm256_setzero_si256(); R]; P], [[_mm256_setzero_si256(); R]; P]);
+                            for t in 0..4 {
+                                for j in 0..P {
+                                    let raw = chunk(p0 + j, b, t);
+                                    let (lo, hi) = (_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
+                                    for i in 0..R {
+                                        let (x0, x1) = (xg(i, b, t), xg(i, b, t + 4));
+                                        if $vnni {
+                                            sums[j][i] = dpbusd(sums[j][i], lo, x0);
+                                            part[j][i] = dpbusd(part[j][i], hi, x1);
+                                        } else {
+                                            let two = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+                                            part[j][i] = _mm256_add_epi16(part[j][i], two);
                                         }
                                     }
                                 }
-                                for j in 0..P {
-                                    for i in 0..R {
-                                        sums[j][i] = _mm256_add_epi32(sums[j][i], high[j][i]);
-                                    }
-                                }
-                            } else {
-                                // Codes of at most 15: a lane's 16-bit sums over the block's eight chunks stay
-                                // below 8 x 2 x 15 x 127 = 30,480, and widen once.
-                                let mut pairs = [[_mm256_setzero_si256(); R]; P];
-                                for t in 0..4 {
-                                    for j in 0..P {
-                                        let raw = chunk(p0 + j, b, t);
-                                        let (lo, hi) = (_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
-                                        for i in 0..R {
-                                            let two = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xg(i, b, t)), _mm256_maddubs_epi16(hi, xg(i, b, t + 4)));
-                                            pairs[j][i] = _mm256_add_epi16(pairs[j][i], two);
-                                        }
-                                    }
-                                }
-                                for j in 0..P {
-                                    for i in 0..R {
-                                        sums[j][i] = _mm256_madd_epi16(pairs[j][i], _mm256_set1_epi16(1));
-                                    }
+                            }
+                            for j in 0..P {
+                                for i in 0..R {
+                                    sums[j][i] = if $vnni { _mm256_add_epi32(sums[j][i], part[j][i]) } else { _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)) };
                                 }
                             }
                             for j in 0..P {
