@@ -73,6 +73,7 @@ impl Outcomes for Vec<Outcome> {
 pub fn drive(engine: &mut dyn Engine, requests: &mut dyn Requests, outcomes: &mut dyn Outcomes, drain: Option<&Drain>) -> Result<EngineStats, EngineError> {
     // Every device operation of the engine happens on this thread from here on.
     engine.bind_to_thread()?;
+    crate::engine::device::join_cpu_pool();
     let mut open = true;
     loop {
         if let Some(drain) = drain.filter(|d| d.requested()) {

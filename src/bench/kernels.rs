@@ -44,6 +44,8 @@ pub fn kernels(options: &KernelBenchOptions) -> Result<Vec<KernelMeasurement>, E
     names.sort();
     names.push(if content.tensor_infos.contains_key("output.weight") { "output.weight" } else { "token_embd.weight" }.to_string());
     let levels = if options.levels.is_empty() { Level::available() } else { options.levels.clone() };
+    // As the engine's drive loop does: this thread runs products with the pool, not through it.
+    crate::engine::device::join_cpu_pool();
     let mut out = Vec::new();
     for name in names {
         let t = content.tensor(&mut file, &name, &candle_core::Device::Cpu).map_err(fmt)?;

@@ -200,6 +200,10 @@ macro_rules! kernels {
                     }
                     Data::F16(_) | Data::Bf16(_) => unreachable!("float weights take the float tile"),
                 }
+                // SAFETY: `store_tile` hands each output's eight floats, this task's to write.
+                if out.store_tile::<P, R>(p0, r0, |j, i, at| unsafe { _mm256_storeu_ps(at, acc[j][i]) }) {
+                    return;
+                }
                 for j in 0..P {
                     for i in 0..R {
                         let mut values = [0f32; PANEL];
