@@ -4,7 +4,7 @@
 1. llama-server (the chat template from the GGUF, `--jinja`) answers every prompt greedily, returning the
    log-probability of each token it chose; its `/tokenize` gives the token ids of each answer.
 2. A nightshift scoring job (`input.completion_column`, `generation.logprobs = 1`) scores the same answers under
-   the same prompts, once per `runtime.cpu_weights` layout asked for.
+   the same prompts, once per `runtime.cpu_weights` layout and `runtime.kv_cache_dtype` asked for.
 3. Per layout: top-1 agreement (the share of answer positions where nightshift's most likely token is the token
    llama.cpp chose) and the mean absolute difference of the chosen tokens' log-probabilities (over answers that
    both tokenize to the same ids, position by position).
@@ -13,7 +13,7 @@ The prompts are the sample tickets (jobs/data/tickets.parquet) under four instru
 `prompt` column of `--prompts FILE`. Needs pyarrow (pip install pyarrow); nightshift itself does not.
 
   scripts/fidelity-llama.py --server PATH/llama-server --model models/SmolLM2-135M-Instruct.Q4_1.gguf \\
-      --nightshift target/release/nightshift --layouts as-stored,fast,q8_0
+      --nightshift target/release/nightshift --layouts as-stored,fast,q8_0 --kv-cache-dtypes auto,f32
 """
 import argparse
 import concurrent.futures
@@ -59,13 +59,13 @@ def llama_answers(args, prompts):
             return list(pool.map(one, prompts))
 
 
-def nightshift_scores(args, work, prompts, answers, layout):
+def nightshift_scores(args, work, prompts, answers, layout, kv):
     """Per row id: [(token id, log-probability, most likely token id)] of the answer, as nightshift scores it."""
     rows = [(f"p{i:03}", p, a[0]) for i, (p, a) in enumerate(zip(prompts, answers)) if a[0]]
     data = os.path.join(work, "in.parquet")
     pq.write_table(pa.table({"id": [r[0] for r in rows], "prompt": [r[1] for r in rows], "completion": [r[2] for r in rows]}), data)
-    out = os.path.join(work, f"out-{layout}")
-    job = os.path.join(work, f"job-{layout}.toml")
+    out = os.path.join(work, f"out-{layout}-{kv}")
+    job = os.path.join(work, f"job-{layout}-{kv}.toml")
     with open(job, "w") as f:
         f.write(f"""[input]
 url = {json.dumps(data)}
@@ -84,11 +84,12 @@ url = {json.dumps(out)}
 [runtime]
 device = "cpu"
 cpu_weights = "{layout}"
+kv_cache_dtype = "{kv}"
 threads = {args.threads}
 """)
     run = subprocess.run([args.nightshift, "run", job], capture_output=True, text=True)
     if run.returncode != 0:
-        sys.exit(f"nightshift failed ({run.returncode}) on layout {layout}:\n{run.stderr[-3000:]}")
+        sys.exit(f"nightshift failed ({run.returncode}) on layout {layout}, KV cache {kv}:\n{run.stderr[-3000:]}")
     scores = {}
     manifest = json.load(open(os.path.join(out, "_manifest.json")))
     for name in manifest["results"]:
@@ -125,6 +126,7 @@ def main():
     ap.add_argument("--model", required=True, help="the GGUF file both run")
     ap.add_argument("--nightshift", default="target/release/nightshift")
     ap.add_argument("--layouts", default="as-stored,fast,q8_0", help="runtime.cpu_weights values, comma-separated")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="runtime.kv_cache_dtype values, comma-separated")
     ap.add_argument("--prompts", help="a Parquet file with a `prompt` column (default: the sample tickets, 48 prompts)")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--max-new", type=int, default=64)
@@ -139,7 +141,9 @@ def main():
     report = {"model": args.model, "prompts": len(prompts), "max_new": args.max_new, "layouts": {}}
     with tempfile.TemporaryDirectory(prefix="nightshift-fidelity-") as work:
         for layout in args.layouts.split(","):
-            report["layouts"][layout] = compare(answers, nightshift_scores(args, work, prompts, answers, layout))
+            for kv in args.kv_cache_dtypes.split(","):
+                name = layout if kv == "auto" else f"{layout}, kv_cache_dtype {kv}"
+                report["layouts"][name] = compare(answers, nightshift_scores(args, work, prompts, answers, layout, kv))
     if args.json:
         print(json.dumps(report))
         return

@@ -609,7 +609,7 @@ mod tests {
         let tokens: Vec<u32> = "hello, world".bytes().map(u32::from).collect();
         let logits = |m: &crate::engine::Model| {
             use crate::engine::Attention;
-            let host = crate::engine::HostAttention::new(m).unwrap();
+            let host = crate::engine::HostAttention::new(m, DType::F32).unwrap();
             let mut cache = host.new_cache(16);
             m.forward(&host, &mut [crate::engine::Segment { tokens: &tokens, cache: &mut cache }]).unwrap().remove(0)
         };

@@ -97,6 +97,9 @@ fn sample_job_writes_sensible_summaries() {
     // By default the model runs as stored (runtime.cpu_weights = "as-stored"), and the metrics and the log say so.
     assert_eq!(read_metrics_text(&out)["weights_layout"], "as-stored");
     assert!(run.stderr.contains("weights=\"as-stored\" cpu_weights=as-stored"), "{}", run.stderr);
+    // Its KV cache holds f32, the dtype the CPU computes in (runtime.kv_cache_dtype = "auto").
+    assert_eq!(read_metrics_text(&out)["kv_cache_dtype"], "f32");
+    assert!(run.stderr.contains("kv_cache_dtype=\"f32\""), "{}", run.stderr);
 }
 
 /// The CPU kernels' levels compute the same bits (src/engine/kernels), so a job's results, log-probabilities
@@ -131,14 +134,16 @@ fn every_cpu_kernel_level_writes_the_same_results() {
 }
 
 /// `runtime.cpu_weights = "as-stored"` computes the GGUF's own matrices (Q4_1 layers, the Q8_0 embedding as the
-/// output projection): fewer weight bytes than the padded layout, and the metrics and the log say which ran.
+/// output projection): fewer weight bytes than the padded layout, and the metrics and the log say which ran. So
+/// does the KV cache's dtype, asked for with `runtime.kv_cache_dtype` beside the requantized layout.
 #[test]
 fn cpu_weights_as_stored_runs_the_file_as_stored_and_says_so() {
     let (dir, input) = two_questions("cpu-weights");
     let mut weights = BTreeMap::new();
     for layout in ["as-stored", "fast"] {
         let out = dir.join(layout);
-        let runtime = format!("[runtime]\ncpu_weights = \"{layout}\"");
+        let kv = if layout == "fast" { "\nkv_cache_dtype = \"f16\"" } else { "" };
+        let runtime = format!("[runtime]\ncpu_weights = \"{layout}\"{kv}");
         let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 4", &runtime);
         let run = nightshift(&["run", job.to_str().unwrap()], &[("RUST_LOG", "info")]);
         run.assert_ok();
@@ -148,6 +153,9 @@ fn cpu_weights_as_stored_runs_the_file_as_stored_and_says_so() {
         // The log names the CPU kernels' level only where they run: the weights as stored.
         assert_eq!(run.stderr.contains("cpu_kernels="), layout == "as-stored", "{}", run.stderr);
         weights.insert(layout, (named, read_metrics(&out)["weights_bytes"].unwrap()));
+        let kv_dtype = if layout == "fast" { "f16" } else { "f32" };
+        assert_eq!(read_metrics_text(&out)["kv_cache_dtype"], kv_dtype);
+        assert!(run.stderr.contains(&format!("kv_cache_dtype=\"{kv_dtype}\"")), "{}", run.stderr);
     }
     assert_eq!(weights["as-stored"].0, "as-stored");
     assert_eq!(weights["fast"].0, "requantized to q4_k, output q6_k, padded");

@@ -22,6 +22,7 @@ pub struct RunFigures {
     pub model_load_s: f64,
     pub weights_bytes: u64,
     pub weights_layout: &'static str,
+    pub kv_cache_dtype: &'static str,
 }
 
 impl RunFigures {
@@ -31,6 +32,7 @@ impl RunFigures {
         metrics.model_load_s = self.model_load_s;
         metrics.weights_bytes = self.weights_bytes;
         metrics.weights_layout = self.weights_layout;
+        metrics.kv_cache_dtype = self.kv_cache_dtype;
         metrics.job_s = self.started.elapsed().as_secs_f64();
         metrics
     }

@@ -137,6 +137,8 @@ pub struct Loaded {
     pub weights_bytes: usize,
     /// How the weights are computed ([`Layout::name`](crate::engine::Layout::name)).
     pub weights_layout: &'static str,
+    /// How the KV cache holds keys and values: `f32`, `f16` or `bf16`; `none` for an encoder, which has none.
+    pub kv_cache_dtype: &'static str,
     pub layout: ResultsLayout,
     /// Requests queued for the engine: an encoder sorts a window of them by length, so it gets a deeper queue.
     pub queue: usize,
@@ -158,7 +160,7 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
             let weights_bytes = model.weight_bytes();
             let engine = Seq2SeqEngine::new(model, tokenizer, job.generation.clone(), job.runtime.max_seqs);
             let queue = job.runtime.max_seqs * 2;
-            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), layout: ResultsLayout::Generate, queue, decoder: None })
+            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "f32", layout: ResultsLayout::Generate, queue, decoder: None })
         }
         JobKind::Embed => {
             let encoder = Encoder::load(&job.model.path, device)?;
@@ -169,7 +171,7 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
             let (layout, weights_bytes) = (ResultsLayout::Embed { dimensions: info.dimensions }, encoder.weight_bytes());
             let engine = engine::embed::EmbedEngine::new(encoder, job.runtime.max_seqs, job.runtime.max_batch_tokens);
             let queue = engine::embed::WINDOW;
-            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), layout, queue, decoder: None })
+            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "none", layout, queue, decoder: None })
         }
     }
 }
@@ -178,12 +180,15 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
     let (model, info) = Model::load_as(&job.model.path, device, job.runtime.cpu_weights)?;
     let cfg = &info.config;
     let backend = Backend::for_model(&model);
-    let block_bytes = backend.block_bytes(&model);
+    let kv_dtype = backend
+        .kv_dtype(&model, job.runtime.kv_cache_dtype)
+        .map_err(|problem| crate::job::JobError::Invalid { path: job.file.clone(), key: "runtime.kv_cache_dtype", problem })?;
+    let block_bytes = backend.block_bytes(&model, kv_dtype);
     let weights_layout = model.layout().name();
     info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
         dtype = ?model.dtype(), weights = weights_layout, cpu_weights = %job.runtime.cpu_weights.name(),
         cpu_kernels = (device.is_cpu() && model.layout() == engine::Layout::AsStored).then(|| engine::kernels::Level::active().name()), attention = ?backend,
-        kv_bytes_per_token = block_bytes / engine::KV_BLOCK_TOKENS, "decoder");
+        kv_cache_dtype = kv_dtype.as_str(), kv_bytes_per_token = block_bytes / engine::KV_BLOCK_TOKENS, "decoder");
     let kv_bytes = engine::kv_cache_bytes(job.runtime.kv_cache_memory, device);
     let batch = BatchConfig::new(job.runtime.max_seqs, job.runtime.max_batch_tokens, kv_bytes, block_bytes);
     let longest = batch.max_sequence_tokens(cfg);
@@ -202,8 +207,9 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
     let preprocessor = Preprocessor::new(&info.vocab, &job.model.chat_template, &job.input, longest, job.generation.max_new_tokens)?;
     let weights_bytes = model.weight_bytes();
     let decoder = DecoderPlan { model: cfg.clone(), batch: batch.clone(), block_bytes };
-    let setup = DecoderSetup { tokenizer: preprocessor.tokenizer().clone(), params: job.generation.clone(), stop: StopRules::new(&info.vocab), config: batch };
+    let setup = DecoderSetup { tokenizer: preprocessor.tokenizer().clone(), params: job.generation.clone(), stop: StopRules::new(&info.vocab), config: batch, kv_dtype };
     let engine = engine::decoder_engine(model, setup).map_err(Error::Engine)?;
     let queue = job.runtime.max_seqs * 2;
-    Ok(Loaded { engine, prepare: Box::new(preprocessor), check, weights_bytes, weights_layout, layout: ResultsLayout::Generate, queue, decoder: Some(decoder) })
+    let kv_cache_dtype = kv_dtype.as_str();
+    Ok(Loaded { engine, prepare: Box::new(preprocessor), check, weights_bytes, weights_layout, kv_cache_dtype, layout: ResultsLayout::Generate, queue, decoder: Some(decoder) })
 }

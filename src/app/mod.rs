@@ -186,7 +186,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let loaded = load::load(&job, &device)?;
     let model_load_s = load_started.elapsed().as_secs_f64();
     info!(path = %job.model.path.display(), weights_mib = loaded.weights_bytes >> 20, seconds = format!("{model_load_s:.2}"), "model loaded");
-    let figures = RunFigures { started, model_load_s, weights_bytes: loaded.weights_bytes as u64, weights_layout: loaded.weights_layout };
+    let figures = RunFigures { started, model_load_s, weights_bytes: loaded.weights_bytes as u64, weights_layout: loaded.weights_layout, kv_cache_dtype: loaded.kv_cache_dtype };
 
     // The plan: this job's fingerprint against the one stored at the output, if any.
     let ours = fingerprint(&job, &loaded.check.sha256, loaded.check.template.as_deref(), &input);

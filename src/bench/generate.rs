@@ -57,6 +57,7 @@ pub struct GenerateBenchOptions {
     /// kernels and sets up cuBLAS on first use.
     pub warmup_rows: usize,
     pub cpu_weights: crate::job::CpuWeights,
+    pub kv_cache_dtype: crate::job::KvCacheDtype,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -100,6 +101,8 @@ pub struct GenerateBenchReport {
     pub dtype: String,
     /// How the weights were computed ([`Layout::name`](crate::engine::Layout::name)).
     pub weights_layout: String,
+    /// The KV cache's dtype ([`Backend::kv_dtype`]).
+    pub kv_cache_dtype: String,
     pub paged: bool,
     /// A GPU's memory in use at the end (weights, the KV pool, the allocator's cache), from the driver.
     pub device_memory_in_use_bytes: Option<u64>,
@@ -167,9 +170,10 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
     let (weights_bytes, model_layout) = (model.weight_bytes(), model.layout().name());
     let backend = Backend::for_model(&model);
     let kv_bytes = crate::engine::kv_cache_bytes(options.kv_cache_memory, &device);
-    let config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, backend.block_bytes(&model));
+    let kv_dtype = backend.kv_dtype(&model, options.kv_cache_dtype).map_err(|m| Error::Internal(format!("--kv-cache-dtype: {m}")))?;
+    let config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, backend.block_bytes(&model, kv_dtype));
     let (device_name, dtype) = (engine::device_name(&device), format!("{:?}", model.dtype()).to_lowercase());
-    let setup = DecoderSetup { tokenizer: pre.tokenizer().clone(), params, stop: StopRules::new(&info.vocab), config };
+    let setup = DecoderSetup { tokenizer: pre.tokenizer().clone(), params, stop: StopRules::new(&info.vocab), config, kv_dtype };
     let mut engine = engine::decoder_engine(model, setup).map_err(Error::Engine)?;
     if options.warmup_rows > 0 {
         let warmup: Vec<(Vec<u32>, u32)> = rows.iter().take(options.warmup_rows).map(|(p, _)| (p.clone(), 8)).collect();
@@ -219,6 +223,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         device: device_name,
         dtype,
         weights_layout: model_layout.to_string(),
+        kv_cache_dtype: kv_dtype.as_str().to_string(),
         paged: backend.is_paged(),
         device_memory_in_use_bytes: crate::engine::device_memory_in_use(&device),
     })

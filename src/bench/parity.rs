@@ -120,8 +120,8 @@ pub fn parity(options: &ParityOptions) -> Result<ParityReport, Error> {
     let fail = |what: &'static str| move |source: candle_core::Error| Error::Engine(engine::EngineError::Device { what, source });
     let cpu = candle_core::Device::Cpu;
     let (reference, _) = Model::load(&options.model, &cpu)?;
-    // The reference runs the host backend in f32 (which refuses any other dtype).
-    let host = HostAttention::new(&reference).map_err(fail("setting up the reference"))?;
+    // The reference runs the host backend in f32 (which refuses any other dtype), its cache in f32 too.
+    let host = HostAttention::new(&reference, candle_core::DType::F32).map_err(fail("setting up the reference"))?;
     let device = engine::select_device(&options.device)?;
     let (candidate, _) = match (options.dtype, options.model.is_dir()) {
         (Some(dtype), true) => Model::load_hf_as(&options.model, &device, dtype)?,

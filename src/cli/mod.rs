@@ -230,6 +230,9 @@ pub struct GenerateBenchArgs {
     /// How a GGUF's weights are laid out on the CPU, as `runtime.cpu_weights`: `as-stored`, `fast` or `q8_0`.
     #[arg(long, default_value = "as-stored", value_parser = crate::job::CpuWeights::parse)]
     pub cpu_weights: crate::job::CpuWeights,
+    /// How the KV cache holds keys and values, as `runtime.kv_cache_dtype`: `auto`, `f32`, `f16` or `bf16`.
+    #[arg(long, default_value = "auto", value_parser = crate::job::KvCacheDtype::parse)]
+    pub kv_cache_dtype: crate::job::KvCacheDtype,
     /// Write the workload's requests (token ids, output lengths) to this file, one JSON object per line, for a
     /// peer to run the same requests (`scripts/bench-llama-server.py`).
     #[arg(long)]
@@ -258,6 +261,7 @@ impl GenerateBenchArgs {
             device: self.device.clone(),
             warmup_rows: self.warmup_rows,
             cpu_weights: self.cpu_weights,
+            kv_cache_dtype: self.kv_cache_dtype,
         }
     }
 }

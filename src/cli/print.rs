@@ -54,7 +54,7 @@ pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
         return;
     }
     println!(
-        "model: {} ({:?} workload, {} rows, max_seqs {}, max_batch_tokens {}) on {} ({}, weights {}{})",
+        "model: {} ({:?} workload, {} rows, max_seqs {}, max_batch_tokens {}) on {} ({}, weights {}, {} KV cache{})",
         r.model,
         r.workload,
         r.rows,
@@ -63,6 +63,7 @@ pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
         r.device,
         r.dtype,
         r.weights_layout,
+        r.kv_cache_dtype,
         if r.paged { ", paged KV cache" } else { "" }
     );
     println!(

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use candle_core::DType;
 use tokenizers::Tokenizer;
 
 use super::choice::{self, token_logprob, ChoiceState, RowTiming, Rules, StopRules};
@@ -97,6 +98,8 @@ pub struct DecoderSetup {
     pub params: GenerationParams,
     pub stop: StopRules,
     pub config: BatchConfig,
+    /// How the KV cache holds keys and values ([`Backend::kv_dtype`]; the paged backend's is the activations').
+    pub kv_dtype: DType,
 }
 
 /// A decoder engine for a loaded model on the backend [`Backend::for_model`] picks for it: the host backend for an
@@ -105,7 +108,7 @@ pub fn decoder_engine(model: Model, setup: DecoderSetup) -> Result<Box<dyn Engin
     let backend = Backend::for_model(&model);
     let setting_up = |source| EngineError::Device { what: "setting up the attention backend", source };
     Ok(match backend {
-        Backend::Host => Box::new(BatchEngine::new(HostAttention::new(&model).map_err(setting_up)?, model, setup)),
+        Backend::Host => Box::new(BatchEngine::new(HostAttention::new(&model, setup.kv_dtype).map_err(setting_up)?, model, setup)),
         Backend::Paged => {
             let attention = PagedAttention::new(&model, setup.config.kv_blocks).map_err(setting_up)?;
             Box::new(BatchEngine::new(attention, model, setup))
@@ -166,7 +169,7 @@ impl<A: Attention> BatchEngine<A> {
     /// An engine over a loaded model and its attention backend (a paged backend's pool sized to
     /// `setup.config.kv_blocks`, the scheduler's budget).
     pub fn new(attention: A, model: Model, setup: DecoderSetup) -> Self {
-        let DecoderSetup { tokenizer, params, stop, config } = setup;
+        let DecoderSetup { tokenizer, params, stop, config, .. } = setup;
         let scheduler = Scheduler::new(config.schedule());
         let stats = EngineStats { kv_blocks: config.kv_blocks, ..EngineStats::default() };
         BatchEngine {

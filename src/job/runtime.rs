@@ -14,6 +14,7 @@ pub(super) struct RuntimeSection {
     drain_grace_s: Option<f64>,
     kv_cache_memory: Option<MemoryValue>,
     cpu_weights: Option<String>,
+    kv_cache_dtype: Option<String>,
 }
 
 /// A size in a job file: bytes as an integer, or a string such as `"4GiB"`, `"512MB"` or `"40%"`.
@@ -80,6 +81,38 @@ impl CpuWeights {
     }
 }
 
+/// How a decoder's KV cache holds keys and values (`runtime.kv_cache_dtype`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvCacheDtype {
+    /// The dtype the activations are computed in: f32 on the CPU, the model's dtype on an accelerator.
+    #[default]
+    Auto,
+    F32,
+    F16,
+    Bf16,
+}
+
+impl KvCacheDtype {
+    pub fn parse(text: &str) -> Result<KvCacheDtype, String> {
+        match text {
+            "auto" => Ok(KvCacheDtype::Auto),
+            "f32" => Ok(KvCacheDtype::F32),
+            "f16" => Ok(KvCacheDtype::F16),
+            "bf16" => Ok(KvCacheDtype::Bf16),
+            other => Err(format!("must be \"auto\", \"f32\", \"f16\" or \"bf16\", got {other:?}")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCacheDtype::Auto => "auto",
+            KvCacheDtype::F32 => "f32",
+            KvCacheDtype::F16 => "f16",
+            KvCacheDtype::Bf16 => "bf16",
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct RuntimeSpec {
     pub device: DeviceChoice,
@@ -95,6 +128,8 @@ pub struct RuntimeSpec {
     pub kv_cache_memory: MemoryBudget,
     /// How a GGUF decoder's weights are laid out on the CPU.
     pub cpu_weights: CpuWeights,
+    /// How a decoder's KV cache holds keys and values.
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 /// How much memory a job may use for something.
@@ -160,6 +195,7 @@ impl Default for RuntimeSpec {
             drain_grace: std::time::Duration::from_secs(30),
             kv_cache_memory: MemoryBudget::DEFAULT_KV,
             cpu_weights: CpuWeights::default(),
+            kv_cache_dtype: KvCacheDtype::default(),
         }
     }
 }
@@ -204,6 +240,10 @@ impl RuntimeSpec {
                 None => defaults.cpu_weights,
                 Some(t) => CpuWeights::parse(t).map_err(|m| invalid("runtime.cpu_weights", m))?,
             },
+            kv_cache_dtype: match r.kv_cache_dtype.as_deref() {
+                None => defaults.kv_cache_dtype,
+                Some(t) => KvCacheDtype::parse(t).map_err(|m| invalid("runtime.kv_cache_dtype", m))?,
+            },
         })
     }
 }
@@ -231,6 +271,17 @@ mod tests {
         let m = message(&format!("{MINIMAL}\n[runtime]\nkv_cache_memory = \"lots\""));
         assert!(m.contains("runtime.kv_cache_memory"), "{m}");
         assert_eq!(MemoryBudget::Fraction(0.5).resolve(1000), 500);
+    }
+
+    #[test]
+    fn kv_cache_dtype_names_a_dtype() {
+        assert_eq!(parse(MINIMAL).unwrap().runtime.kv_cache_dtype, KvCacheDtype::Auto);
+        for dtype in [KvCacheDtype::Auto, KvCacheDtype::F32, KvCacheDtype::F16, KvCacheDtype::Bf16] {
+            let job = parse(&format!("{MINIMAL}\n[runtime]\nkv_cache_dtype = \"{}\"", dtype.name())).unwrap();
+            assert_eq!(job.runtime.kv_cache_dtype, dtype);
+        }
+        let m = message(&format!("{MINIMAL}\n[runtime]\nkv_cache_dtype = \"fp8\""));
+        assert!(m.contains("runtime.kv_cache_dtype") && m.contains("\"f16\"") && m.contains("fp8"), "{m}");
     }
 
     #[test]

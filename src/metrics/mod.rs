@@ -139,6 +139,9 @@ job_metrics! {
         /// How the weights were computed: "as-stored", or how a GGUF decoder's were requantized for the CPU
         /// (runtime.cpu_weights), e.g. "requantized to q4_k, output q6_k, padded".
         pub weights_layout: &'static str,
+        /// How a decoder's KV cache held keys and values (runtime.kv_cache_dtype resolved): "f32", "f16" or
+        /// "bf16"; "none" for embed jobs.
+        pub kv_cache_dtype: &'static str,
         /// Peak resident memory of the process (VmHWM).
         pub peak_rss_bytes: u64,
     }

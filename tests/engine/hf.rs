@@ -75,7 +75,7 @@ const PROMPT: &[u32] = &[260, 85, 115, 101, 114, 198, 72, 105, 33, 261, 198];
 fn parity_with_candle_transformers(variant: HfVariant) {
     let dir = tiny("parity", variant);
     let (model, info) = Model::load(&dir, &Device::Cpu).unwrap();
-    let host = HostAttention::new(&model).unwrap();
+    let host = HostAttention::new(&model, DType::F32).unwrap();
     let family = match variant {
         HfVariant::Llama3 | HfVariant::SmolLm => "llama".to_string(),
         other => format!("{other:?}").to_lowercase(),
@@ -132,7 +132,7 @@ fn qwen3_with_qk_norms_equals_candle_transformers() {
 fn batched_equals_one_at_a_time(variant: HfVariant) {
     let dir = tiny("batched", variant);
     let (model, _) = Model::load(&dir, &Device::Cpu).unwrap();
-    let host = HostAttention::new(&model).unwrap();
+    let host = HostAttention::new(&model, DType::F32).unwrap();
     let prompts: [&[u32]; 3] = [PROMPT, &[260, 72, 105, 261], &[104, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 32, 116, 104, 101, 32, 101, 110, 100]];
 
     let mut alone_caches: Vec<HostCache> = prompts.iter().map(|_| host.new_cache(8)).collect();
@@ -261,7 +261,7 @@ fn sharded_weights_equal_a_single_file() {
     std::fs::write(dir.join("model.safetensors.index.json"), serde_json::json!({"metadata": {}, "weight_map": map}).to_string()).unwrap();
     let (sharded, _) = Model::load(&dir, &Device::Cpu).unwrap();
     let run = |m: &Model| {
-        let host = HostAttention::new(m).unwrap();
+        let host = HostAttention::new(m, DType::F32).unwrap();
         let mut cache = host.new_cache(16);
         m.forward(&host, &mut [Segment { tokens: PROMPT, cache: &mut cache }]).unwrap().remove(0)
     };

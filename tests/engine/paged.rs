@@ -114,7 +114,7 @@ type Paged = WithBackend<PagedAttention>;
 const POOL_BLOCKS: usize = 256;
 
 fn host(model: Model) -> Host {
-    WithBackend { attention: HostAttention::new(&model).unwrap(), model }
+    WithBackend { attention: HostAttention::new(&model, DType::F32).unwrap(), model }
 }
 
 fn paged(model: Model, blocks: usize) -> Paged {
@@ -251,7 +251,7 @@ fn the_host_backend_refuses_a_bf16_model() {
     let dir = scratch("host-bf16").join("model");
     write_tiny_hf_model(&dir, crate::support::HfVariant::Llama3);
     let (bf16, _) = Model::load_hf_as(&dir, &Device::Cpu, DType::BF16).unwrap();
-    let err = HostAttention::new(&bf16).err().expect("a bf16 model on the host backend").to_string();
+    let err = HostAttention::new(&bf16, DType::F32).err().expect("a bf16 model on the host backend").to_string();
     assert!(err.contains("f32"), "{err}");
     assert_eq!(Backend::for_model(&bf16), Backend::Paged);
 }
@@ -265,7 +265,7 @@ fn bf16_paged_path_stays_close_to_f32() {
         let (cpu, _) = Model::load(&dir, &Device::Cpu).unwrap();
         let (bf16, _) = Model::load_hf_as(&dir, &Device::Cpu, DType::BF16).unwrap();
         assert!(Backend::for_model(&bf16) == Backend::Paged && bf16.dtype() == DType::BF16);
-        assert_eq!(Backend::Paged.block_bytes(&bf16) * 2, Backend::Host.block_bytes(&cpu), "a bf16 KV cache takes half the bytes");
+        assert_eq!(Backend::Paged.block_bytes(&bf16, DType::BF16) * 2, Backend::Host.block_bytes(&cpu, DType::F32), "a bf16 KV cache takes half the bytes");
         let rel = paged_against_cpu(&host(cpu), &paged(bf16, POOL_BLOCKS), 12);
         eprintln!("{variant}: bf16 paged vs f32, largest difference {rel:e} of the largest logit");
         assert!(rel <= 0.04, "{variant}: bf16 logits differ by {rel} of the largest");

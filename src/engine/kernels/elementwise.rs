@@ -1,5 +1,5 @@
-//! Element-wise math for the CPU's layer loop: an exponential written to vectorize, and the feed-forward
-//! network's `silu(gate) * up` on it.
+//! Element-wise math for the CPU's layer loop: an exponential written to vectorize, the feed-forward network's
+//! `silu(gate) * up` on it, and the widening of 16-bit KV cache values to f32.
 //!
 //! The release build targets plain x86-64 (SSE2), so loops compile 4 floats wide and `f32::exp` is a call per
 //! value. These run the same source compiled for AVX2 and FMA where the CPU has them ([`super::Level`]), 8 wide;
@@ -79,9 +79,116 @@ fn silu_mul_body(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `dst[i] = src[i]` for IEEE half-precision bits `src`: exact (every f16 is an f32), so every level gives the same
+/// values; F16C's conversion where the CPU has it, `half`'s otherwise.
+pub fn widen_f16(src: &[u16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "widening slices of different lengths (a bug)");
+    #[cfg(target_arch = "x86_64")]
+    if Level::active() >= Level::Avx2 {
+        // SAFETY: the active level is at most the detected one, so the CPU has AVX2, FMA and F16C.
+        return unsafe { widen_f16_f16c(src, dst) };
+    }
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = half::f16::from_bits(s).to_f32();
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen_f16_f16c(src: &[u16], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let chunks = src.len() / 8;
+    for i in 0..chunks {
+        // SAFETY: elements `8i..8i + 8` are within both slices (`i < len / 8`, equal lengths); the loads and stores
+        // are unaligned ones.
+        unsafe {
+            let h = _mm_loadu_si128(src.as_ptr().add(8 * i) as *const __m128i);
+            _mm256_storeu_ps(dst.as_mut_ptr().add(8 * i), _mm256_cvtph_ps(h));
+        }
+    }
+    for i in 8 * chunks..src.len() {
+        dst[i] = half::f16::from_bits(src[i]).to_f32();
+    }
+}
+
+/// `dst[i]` = `src[i]` rounded to IEEE half precision (to nearest, ties to even; beyond the largest f16 to
+/// infinity), as bits: F16C's conversion where the CPU has it, `half`'s otherwise, which round alike.
+pub fn narrow_f16(src: &[f32], dst: &mut [u16]) {
+    assert_eq!(src.len(), dst.len(), "narrowing slices of different lengths (a bug)");
+    #[cfg(target_arch = "x86_64")]
+    if Level::active() >= Level::Avx2 {
+        // SAFETY: the active level is at most the detected one, so the CPU has AVX2, FMA and F16C.
+        return unsafe { narrow_f16_f16c(src, dst) };
+    }
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = half::f16::from_f32(s).to_bits();
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn narrow_f16_f16c(src: &[f32], dst: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let chunks = src.len() / 8;
+    for i in 0..chunks {
+        // SAFETY: elements `8i..8i + 8` are within both slices (`i < len / 8`, equal lengths); the loads and stores
+        // are unaligned ones.
+        unsafe {
+            let h = _mm256_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(_mm256_loadu_ps(src.as_ptr().add(8 * i)));
+            _mm_storeu_si128(dst.as_mut_ptr().add(8 * i) as *mut __m128i, h);
+        }
+    }
+    for i in 8 * chunks..src.len() {
+        dst[i] = half::f16::from_f32(src[i]).to_bits();
+    }
+}
+
+/// `dst[i] = src[i]` for bfloat16 bits `src`: the bits are an f32's upper half, so exact and the same everywhere.
+pub fn widen_bf16(src: &[u16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "widening slices of different lengths (a bug)");
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = f32::from_bits((s as u32) << 16);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn widening_is_exact_for_every_16_bit_pattern() {
+        let all: Vec<u16> = (0..=u16::MAX).collect();
+        let mut got = vec![0f32; all.len()];
+        widen_f16(&all, &mut got);
+        for (&bits, &y) in all.iter().zip(&got) {
+            let want = half::f16::from_bits(bits).to_f32();
+            assert!(y.to_bits() == want.to_bits() || (y.is_nan() && want.is_nan()), "f16 {bits:#06x}: {y} against {want}");
+        }
+        // An odd length takes the scalar tail.
+        let mut tail = vec![0f32; 13];
+        widen_f16(&all[0x3c00..0x3c00 + 13], &mut tail);
+        assert_eq!(tail[0], 1.0);
+        assert_eq!(tail[12], half::f16::from_bits(0x3c00 + 12).to_f32());
+        // Narrowing rounds to nearest even: every f16 survives the round trip, and a value halfway between two
+        // rounds to the even one, as `half` does.
+        let finite: Vec<f32> = got.iter().copied().filter(|v| v.is_finite()).collect();
+        let mut bits = vec![0u16; finite.len()];
+        narrow_f16(&finite, &mut bits);
+        assert!(finite.iter().zip(&bits).all(|(&v, &b)| half::f16::from_bits(b).to_f32() == v));
+        let between: Vec<f32> = (0..997).map(|i| (i as f32 - 498.0) * 0.012_345_7 + 1e-4).chain([1.0 + 1.0 / 2048.0, 70_000.0, -1e-9]).collect();
+        let mut bits = vec![0u16; between.len()];
+        narrow_f16(&between, &mut bits);
+        for (&v, &b) in between.iter().zip(&bits) {
+            assert_eq!(b, half::f16::from_f32(v).to_bits(), "{v}");
+        }
+        assert_eq!(half::f16::from_bits(bits[997]).to_f32(), 1.0, "a tie rounds to even");
+        assert!(half::f16::from_bits(bits[998]).to_f32().is_infinite());
+        widen_bf16(&all, &mut got);
+        for (&bits, &y) in all.iter().zip(&got) {
+            let want = half::bf16::from_bits(bits).to_f32();
+            assert!(y.to_bits() == want.to_bits() || (y.is_nan() && want.is_nan()), "bf16 {bits:#06x}: {y} against {want}");
+        }
+    }
 
     #[test]
     fn exp_is_within_two_ulp_of_the_exact_value() {

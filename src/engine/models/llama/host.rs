@@ -1,5 +1,6 @@
 //! The host attention backend, the CPU's: each sequence's keys and values in blocks of [`BLOCK`] positions in host
-//! memory (f32), RoPE from host tables, and attention in plain Rust, parallel over (segment, kv head, tile of new
+//! memory (f32, or 16 bits where `runtime.kv_cache_dtype` says, widened to f32 a block at a time as attention
+//! reads it), RoPE from host tables, and attention in plain Rust, parallel over (segment, kv head, tile of new
 //! tokens), computing each block in place: sequences of different lengths never need padding or masks, and a row's
 //! result depends only on its own sequence.
 
@@ -7,7 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
 use super::{Attention, Backend, KvCache, Model, ModelConfig, Segment, BLOCK};
-use crate::engine::kernels::elementwise::exp;
+use crate::engine::kernels::elementwise::{exp, narrow_f16, widen_bf16, widen_f16};
 use crate::engine::kernels::Level;
 
 /// The host backend: the model's shapes, its RoPE tables and the laid-out width of the attention output.
@@ -18,8 +19,61 @@ pub struct HostAttention {
     /// cos and sin of position x frequency, `[context_length][head_dim / 2]` each.
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
+    /// How the cache holds keys and values: f32, f16 or bf16.
+    kv_dtype: DType,
     block_bytes: usize,
     device: Device,
+}
+
+/// One layer's keys or values for one block of positions, in the cache's dtype. 16-bit values are rounded to
+/// nearest (ties to even) as they are stored, and widened exactly when read.
+#[derive(Clone, Debug)]
+enum KvBlock {
+    F32(Box<[f32]>),
+    F16(Box<[u16]>),
+    Bf16(Box<[u16]>),
+}
+
+impl KvBlock {
+    fn zeroed(dtype: DType, len: usize) -> KvBlock {
+        match dtype {
+            DType::F16 => KvBlock::F16(vec![0; len].into_boxed_slice()),
+            DType::BF16 => KvBlock::Bf16(vec![0; len].into_boxed_slice()),
+            _ => KvBlock::F32(vec![0f32; len].into_boxed_slice()),
+        }
+    }
+
+    /// Stores `values[i]` at `at + i * stride`.
+    fn store(&mut self, at: usize, stride: usize, values: &[f32]) {
+        let mut narrow = [0u16; 64];
+        match self {
+            KvBlock::F32(b) => values.iter().enumerate().for_each(|(i, &v)| b[at + i * stride] = v),
+            KvBlock::F16(b) => {
+                for (c, chunk) in values.chunks(narrow.len()).enumerate() {
+                    narrow_f16(chunk, &mut narrow[..chunk.len()]);
+                    let base = at + c * narrow.len() * stride;
+                    narrow[..chunk.len()].iter().enumerate().for_each(|(i, &h)| b[base + i * stride] = h);
+                }
+            }
+            KvBlock::Bf16(b) => values.iter().enumerate().for_each(|(i, &v)| b[at + i * stride] = half::bf16::from_f32(v).to_bits()),
+        }
+    }
+
+    /// Elements `at..at + len` as f32: borrowed from an f32 block, widened into `scratch` (at least `len` long)
+    /// from a 16-bit one.
+    fn read<'a>(&'a self, at: usize, len: usize, scratch: &'a mut [f32]) -> &'a [f32] {
+        match self {
+            KvBlock::F32(b) => &b[at..at + len],
+            KvBlock::F16(b) => {
+                widen_f16(&b[at..at + len], &mut scratch[..len]);
+                &scratch[..len]
+            }
+            KvBlock::Bf16(b) => {
+                widen_bf16(&b[at..at + len], &mut scratch[..len]);
+                &scratch[..len]
+            }
+        }
+    }
 }
 
 /// A sequence's cache on the host backend, in blocks of [`BLOCK`] positions, each block its own allocation. Per
@@ -29,8 +83,9 @@ pub struct HostAttention {
 /// copying what it holds, and holds exactly the blocks the scheduler booked for it.
 #[derive(Clone, Debug)]
 pub struct HostCache {
-    keys: Vec<Vec<Box<[f32]>>>,
-    values: Vec<Vec<Box<[f32]>>>,
+    keys: Vec<Vec<KvBlock>>,
+    values: Vec<Vec<KvBlock>>,
+    dtype: DType,
     kv_heads: usize,
     head_dim: usize,
     len: usize,
@@ -53,23 +108,21 @@ impl HostCache {
 
     /// Stores the keys and values of positions `start..` of one layer, `[token][kv_head][head_dim]` each.
     fn write(&mut self, layer: usize, start: usize, k: &[f32], v: &[f32]) {
-        let (hd, row, bf) = (self.head_dim, self.kv_heads * self.head_dim, self.block_floats());
+        let (hd, row, bf, dtype) = (self.head_dim, self.kv_heads * self.head_dim, self.block_floats(), self.dtype);
         let tokens = k.len() / row;
         let needed = (start + tokens).div_ceil(BLOCK);
         let (keys, values) = (&mut self.keys[layer], &mut self.values[layer]);
         while keys.len() < needed {
-            keys.push(vec![0f32; bf].into_boxed_slice());
-            values.push(vec![0f32; bf].into_boxed_slice());
+            keys.push(KvBlock::zeroed(dtype, bf));
+            values.push(KvBlock::zeroed(dtype, bf));
         }
         for t in 0..tokens {
             let (b, c) = ((start + t) / BLOCK, (start + t) % BLOCK);
             let (kb, vb) = (&mut keys[b], &mut values[b]);
             for h in 0..self.kv_heads {
                 let src = t * row + h * hd;
-                for d in 0..hd {
-                    kb[(h * hd + d) * BLOCK + c] = k[src + d];
-                }
-                vb[(h * BLOCK + c) * hd..][..hd].copy_from_slice(&v[src..src + hd]);
+                kb.store(h * hd * BLOCK + c, BLOCK, &k[src..src + hd]);
+                vb.store((h * BLOCK + c) * hd, 1, &v[src..src + hd]);
             }
         }
     }
@@ -81,14 +134,18 @@ pub struct HostStep {
 }
 
 impl HostAttention {
-    /// The host backend for a model on the CPU in f32 (the only dtype its kernels compute in).
-    pub fn new(model: &Model) -> candle_core::Result<HostAttention> {
+    /// The host backend for a model on the CPU in f32 (the only dtype its kernels compute in), its cache holding
+    /// keys and values in `kv_dtype` (f32, f16 or bf16).
+    pub fn new(model: &Model, kv_dtype: DType) -> candle_core::Result<HostAttention> {
         if !model.device().is_cpu() || model.dtype() != DType::F32 {
             candle_core::bail!("the host attention backend runs f32 models on the CPU; this one is {:?} on {:?}", model.dtype(), model.device().location());
         }
+        if !matches!(kv_dtype, DType::F32 | DType::F16 | DType::BF16) {
+            candle_core::bail!("the host attention backend holds keys and values in f32, f16 or bf16, not {kv_dtype:?}");
+        }
         let (rope_cos, rope_sin) = super::rope_tables(&model.config);
-        let block_bytes = Backend::Host.block_bytes(model);
-        Ok(HostAttention { config: model.config.clone(), out_width: model.attn_width, rope_cos, rope_sin, block_bytes, device: Device::Cpu })
+        let block_bytes = Backend::Host.block_bytes(model, kv_dtype);
+        Ok(HostAttention { config: model.config.clone(), out_width: model.attn_width, rope_cos, rope_sin, kv_dtype, block_bytes, device: Device::Cpu })
     }
 
     /// Rotary embedding of one token's heads, pairs of adjacent values (GGUF llama weights are permuted for it, and
@@ -176,9 +233,14 @@ impl HostAttention {
         let mut sum = vec![0f32; rows];
         let mut out = vec![0f32; rows * hd];
         let mut scores = vec![[0f32; BLOCK]; rows];
+        // A 16-bit cache's block of this kv head, widened (a block of keys and one of values: 8 KiB at head_dim 64).
+        let (mut k_scratch, mut v_scratch) = match s.cache.dtype {
+            DType::F32 => (Vec::new(), Vec::new()),
+            _ => (vec![0f32; hd * BLOCK], vec![0f32; BLOCK * hd]),
+        };
         for b in 0..visible(rows - 1).div_ceil(BLOCK) {
-            let kt = &keys[b][kv * hd * BLOCK..][..hd * BLOCK];
-            let vb = &values[b][kv * BLOCK * hd..][..BLOCK * hd];
+            let kt = keys[b].read(kv * hd * BLOCK, hd * BLOCK, &mut k_scratch);
+            let vb = values[b].read(kv * BLOCK * hd, BLOCK * hd, &mut v_scratch);
             // Every row's scores against the block, four rows at a time (independent sums in registers).
             let mut r = 0;
             while r < rows {
@@ -241,7 +303,7 @@ impl Attention for HostAttention {
 
     fn new_cache(&self, capacity_tokens: usize) -> HostCache {
         let alloc = || (0..self.config.layers).map(|_| Vec::with_capacity(capacity_tokens.div_ceil(BLOCK))).collect();
-        HostCache { keys: alloc(), values: alloc(), kv_heads: self.config.kv_heads, head_dim: self.config.head_dim, len: 0 }
+        HostCache { keys: alloc(), values: alloc(), dtype: self.kv_dtype, kv_heads: self.config.kv_heads, head_dim: self.config.head_dim, len: 0 }
     }
 
     fn fork(&self, cache: &HostCache) -> candle_core::Result<HostCache> {

@@ -31,7 +31,7 @@ use crate::engine::kernels::Matrix;
 use candle_core::{DType, Device, Module, Tensor, D};
 
 use crate::engine::ModelError;
-use crate::job::CpuWeights;
+use crate::job::{CpuWeights, KvCacheDtype};
 use crate::tokenize::VocabMetadata;
 pub use gguf::Layout;
 pub use host::{HostAttention, HostCache};
@@ -277,15 +277,34 @@ impl Backend {
         }
     }
 
-    /// KV cache bytes of one block on this backend: f32 on the host, the activations' dtype on the paged pool
-    /// (2 bytes for bf16).
-    pub fn block_bytes(self, model: &Model) -> usize {
-        let element = match self {
-            Backend::Host => std::mem::size_of::<f32>(),
-            Backend::Paged => model.dtype().size_in_bytes(),
+    /// The dtype of the KV cache a job asks for (`runtime.kv_cache_dtype`) on this backend. The host backend holds
+    /// f32 (`auto`: the dtype it computes in), f16 or bf16. The paged backend holds the activations' dtype, which
+    /// `auto` names; another is refused with a message for the job's author.
+    pub fn kv_dtype(self, model: &Model, asked: KvCacheDtype) -> Result<DType, String> {
+        let named = match asked {
+            KvCacheDtype::Auto => None,
+            KvCacheDtype::F32 => Some(DType::F32),
+            KvCacheDtype::F16 => Some(DType::F16),
+            KvCacheDtype::Bf16 => Some(DType::BF16),
         };
+        match (self, named) {
+            (Backend::Host, Some(dtype)) => Ok(dtype),
+            (Backend::Host, None) => Ok(DType::F32),
+            (Backend::Paged, None) => Ok(model.dtype()),
+            (Backend::Paged, Some(dtype)) if dtype == model.dtype() => Ok(dtype),
+            (Backend::Paged, Some(_)) => Err(format!(
+                "\"{}\" is for the CPU; on {} the KV cache holds the activations' dtype, {} (\"auto\")",
+                asked.name(),
+                if model.device().is_cpu() { "the paged backend" } else { "an accelerator" },
+                model.dtype().as_str()
+            )),
+        }
+    }
+
+    /// KV cache bytes of one block on this backend, its keys and values held in `kv_dtype` ([`Backend::kv_dtype`]).
+    pub fn block_bytes(self, model: &Model, kv_dtype: DType) -> usize {
         let c = &model.config;
-        c.layers * 2 * c.kv_heads * c.head_dim * element * BLOCK
+        c.layers * 2 * c.kv_heads * c.head_dim * kv_dtype.size_in_bytes() * BLOCK
     }
 
     pub fn is_paged(self) -> bool {

@@ -160,7 +160,7 @@ impl PagedAttention {
             cos: table(rope_cos)?,
             sin: table(rope_sin)?,
             pool: Arc::new(Mutex::new(pool)),
-            block_bytes: Backend::Paged.block_bytes(model),
+            block_bytes: Backend::Paged.block_bytes(model, model.dtype()),
             config,
             device,
         })
