@@ -123,7 +123,8 @@ pub struct Packed {
 }
 
 /// The quantized layouts hold `ceil(n / 8)` panels of [`PANEL`] rows (the last one's missing rows zero), and per
-/// panel and block of 32 weights, the codes of the eight rows interleaved four at a time (`pack::chunks`) and their scales and offsets side by side (`[panel, block (or group), 8]`).
+/// panel and block of 32 weights, the codes of the eight rows interleaved four at a time (`pack::chunks`) and
+/// their scales and offsets side by side (`[panel, block (or group), 8]`).
 enum Data {
     /// 4-bit codes, 128 bytes per panel and block: chunk `t` of 32 bytes holds, in lane `l`, row `l`'s weights
     /// `4t..4t + 4` (low nibbles) and `16 + 4t..20 + 4t` (high nibbles); weight = `d * code + m` per block of 32.

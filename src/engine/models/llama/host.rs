@@ -45,10 +45,11 @@ impl KvBlock {
 
     /// Stores `values[i]` at `at + i * stride`.
     fn store(&mut self, at: usize, stride: usize, values: &[f32]) {
-        let mut narrow = [0u16; 64];
         match self {
             KvBlock::F32(b) => values.iter().enumerate().for_each(|(i, &v)| b[at + i * stride] = v),
             KvBlock::F16(b) => {
+                // Rounded a vector at a time (F16C), then spread out by `stride`.
+                let mut narrow = [0u16; 64];
                 for (c, chunk) in values.chunks(narrow.len()).enumerate() {
                     narrow_f16(chunk, &mut narrow[..chunk.len()]);
                     let base = at + c * narrow.len() * stride;

@@ -293,7 +293,7 @@ impl Backend {
             (Backend::Paged, None) => Ok(model.dtype()),
             (Backend::Paged, Some(dtype)) if dtype == model.dtype() => Ok(dtype),
             (Backend::Paged, Some(_)) => Err(format!(
-                "\"{}\" is for the CPU; on {} the KV cache holds the activations' dtype, {} (\"auto\")",
+                "\"{}\" is for the CPU's host backend; on {} the KV cache holds the activations' dtype, {} (\"auto\")",
                 asked.name(),
                 if model.device().is_cpu() { "the paged backend" } else { "an accelerator" },
                 model.dtype().as_str()
