@@ -73,6 +73,28 @@ fn prefill_equals_token_by_token_decode_and_packing_changes_nothing() {
 }
 
 #[test]
+fn the_host_layer_loop_computes_the_tensor_loops_bits() {
+    let (model, _) = Model::load(&model_path(), &Device::Cpu).unwrap();
+    assert!(model.host_loop(), "the sample model's layers should run on host vectors");
+    let (tensors, _) = Model::load(&model_path(), &Device::Cpu).unwrap();
+    let tensors = tensors.with_tensor_loop();
+    assert!(!tensors.host_loop());
+    let host = HostAttention::new(&model, DType::F32).unwrap();
+    // A prefill, then a step packing a decode token beside a second prompt, through each loop.
+    let run = |m: &Model| {
+        let (mut a, mut b) = (host.new_cache(32), host.new_cache(32));
+        let first = m.forward(&host, &mut [Segment { tokens: A, cache: &mut a }]).unwrap().remove(0);
+        let next = [nightshift::engine::sampling::argmax(&first)];
+        let second = m.forward(&host, &mut [Segment { tokens: &next, cache: &mut a }, Segment { tokens: B, cache: &mut b }]).unwrap();
+        (first, second)
+    };
+    let (host_first, host_second) = run(&model);
+    let (tensor_first, tensor_second) = run(&tensors);
+    assert_eq!(host_first, tensor_first, "the two loops' prefill logits differ");
+    assert_eq!(host_second, tensor_second, "the two loops' packed step differs");
+}
+
+#[test]
 fn tokens_outside_the_vocabulary_and_overlong_segments_are_errors() {
     let (model, _) = Model::load(&model_path(), &Device::Cpu).unwrap();
     let host = HostAttention::new(&model, DType::F32).unwrap();

@@ -417,33 +417,60 @@ impl Matrix {
         if packed.is_empty() || packed.iter().any(|p| p.k != packed[0].k || p.quantized() != packed[0].quantized()) {
             return Ok(None);
         }
-        let (m, k) = x.dims2()?;
-        if k != packed[0].k {
-            candle_core::bail!("activations [{m}, {k}] for a matrix of width {}", packed[0].k);
-        }
+        let (m, _) = x.dims2()?;
         let values = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let outs = matmul_many(Level::active(), &packed, &values, m);
+        let outs = Matrix::products_host(&values, m, weights)?.expect("packed matrices of one width and kind");
         Ok(Some(outs.into_iter().zip(&packed).map(|(o, p)| Tensor::from_vec(o, (m, p.n), x.device())).collect::<candle_core::Result<_>>()?))
+    }
+
+    /// `x · Wᵢᵀ` for each matrix, `x` `[m, k]` row-major f32 in host memory, the activations quantized once and the
+    /// products in one parallel region: `None` unless every matrix is packed, of one width and kind (quantized or
+    /// float).
+    pub fn products_host(x: &[f32], m: usize, weights: &[&Matrix]) -> candle_core::Result<Option<Vec<Vec<f32>>>> {
+        let packed: Option<Vec<&Packed>> = weights.iter().map(|w| if let Matrix::Packed(p) = w { Some(p) } else { None }).collect();
+        let Some(packed) = packed else { return Ok(None) };
+        if packed.is_empty() || packed.iter().any(|p| p.k != packed[0].k || p.quantized() != packed[0].quantized()) {
+            return Ok(None);
+        }
+        if x.len() != m * packed[0].k {
+            candle_core::bail!("{} activations are not {m} rows for a matrix of width {}", x.len(), packed[0].k);
+        }
+        Ok(Some(matmul_many(Level::active(), &packed, x, m)))
     }
 
     /// The feed-forward network `down · (silu(gate · x) * (up · x))` for `x` `[rows, k]` f32 on the CPU, gate and
     /// up in one parallel region and the intermediate in host memory; `None` unless all three are packed matrices
     /// of matching shapes (the caller uses candle).
     pub fn ffn_packed(x: &Tensor, gate: &Matrix, up: &Matrix, down: &Matrix) -> candle_core::Result<Option<Tensor>> {
-        let (Matrix::Packed(g), Matrix::Packed(u), Matrix::Packed(d)) = (gate, up, down) else { return Ok(None) };
-        if g.k != u.k || g.n != u.n || d.k != g.n || g.quantized() != u.quantized() {
+        let (m, _) = x.dims2()?;
+        if !Matrix::ffn_fits(gate, up, down) {
             return Ok(None);
         }
-        let (m, k) = x.dims2()?;
-        if k != g.k {
-            candle_core::bail!("activations [{m}, {k}] for a matrix of width {}", g.k);
-        }
         let values = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let Some(y) = Matrix::ffn_host(&values, m, gate, up, down)? else { return Ok(None) };
+        let n = y.len() / m.max(1);
+        Ok(Some(Tensor::from_vec(y, (m, n), x.device())?))
+    }
+
+    /// Whether [`Matrix::ffn_host`] takes these matrices.
+    fn ffn_fits(gate: &Matrix, up: &Matrix, down: &Matrix) -> bool {
+        let (Matrix::Packed(g), Matrix::Packed(u), Matrix::Packed(d)) = (gate, up, down) else { return false };
+        g.k == u.k && g.n == u.n && d.k == g.n && g.quantized() == u.quantized()
+    }
+
+    /// [`Matrix::ffn_packed`] on host memory: `x` `[m, k]` row-major f32, the output `[m, down's rows]`.
+    pub fn ffn_host(x: &[f32], m: usize, gate: &Matrix, up: &Matrix, down: &Matrix) -> candle_core::Result<Option<Vec<f32>>> {
+        let (Matrix::Packed(g), Matrix::Packed(u), Matrix::Packed(d)) = (gate, up, down) else { return Ok(None) };
+        if !Matrix::ffn_fits(gate, up, down) {
+            return Ok(None);
+        }
+        if x.len() != m * g.k {
+            candle_core::bail!("{} activations are not {m} rows for a matrix of width {}", x.len(), g.k);
+        }
         let level = Level::active();
-        let [mut act, up_out]: [Vec<f32>; 2] = matmul_many(level, &[g, u], &values, m).try_into().expect("two outputs");
+        let [mut act, up_out]: [Vec<f32>; 2] = matmul_many(level, &[g, u], x, m).try_into().expect("two outputs");
         elementwise::silu_mul(&mut act, &up_out);
-        let y = matmul_many(level, &[d], &act, m).pop().expect("one output");
-        Ok(Some(Tensor::from_vec(y, (m, d.n), x.device())?))
+        Ok(Some(matmul_many(level, &[d], &act, m).pop().expect("one output")))
     }
 }
 

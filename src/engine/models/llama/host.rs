@@ -329,12 +329,24 @@ impl Attention for HostAttention {
     }
 
     fn attend(&self, step: &HostStep, layer: usize, qkv: [Tensor; 3], segments: &mut [Segment<'_, HostCache>]) -> candle_core::Result<Tensor> {
+        let [q, k, v] = qkv;
+        let qkv = [q.flatten_all()?.to_vec1::<f32>()?, k.flatten_all()?.to_vec1::<f32>()?, v.flatten_all()?.to_vec1::<f32>()?];
+        let attn = self.attend_host(step, layer, qkv, segments)?;
+        Tensor::from_vec(attn, (step.positions.len(), self.out_width), &self.device)
+    }
+
+    fn host_vectors(&self) -> bool {
+        true
+    }
+
+    fn attend_host(&self, step: &HostStep, layer: usize, qkv: [Vec<f32>; 3], segments: &mut [Segment<'_, HostCache>]) -> candle_core::Result<Vec<f32>> {
         let cfg = &self.config;
         let (hd, kv_row) = (cfg.head_dim, cfg.kv_heads * cfg.head_dim);
-        let [q, k, v] = qkv;
-        let mut q = q.flatten_all()?.to_vec1::<f32>()?;
-        let mut k = k.flatten_all()?.to_vec1::<f32>()?;
-        let v = v.flatten_all()?.to_vec1::<f32>()?;
+        let [mut q, mut k, v] = qkv;
+        let tokens = step.positions.len();
+        if q.len() != tokens * cfg.heads * hd || k.len() != tokens * kv_row || v.len() != tokens * kv_row {
+            candle_core::bail!("attention inputs of {}, {} and {} values for {tokens} tokens", q.len(), k.len(), v.len());
+        }
         for (t, &pos) in step.positions.iter().enumerate() {
             self.rope(&mut q[t * cfg.heads * hd..(t + 1) * cfg.heads * hd], pos);
             self.rope(&mut k[t * kv_row..(t + 1) * kv_row], pos);
@@ -345,8 +357,7 @@ impl Attention for HostAttention {
             s.cache.write(layer, start, &k[offset * kv_row..(offset + len) * kv_row], &v[offset * kv_row..(offset + len) * kv_row]);
             offset += len;
         }
-        let attn = self.attention(layer, &q, segments);
-        Tensor::from_vec(attn, (step.positions.len(), self.out_width), &self.device)
+        Ok(self.attention(layer, &q, segments))
     }
 
     fn advance(&self, segments: &mut [Segment<'_, HostCache>]) {

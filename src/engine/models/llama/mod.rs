@@ -29,6 +29,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 
 use crate::engine::kernels::Matrix;
 use candle_core::{DType, Device, Module, Tensor, D};
+use rayon::prelude::*;
 
 use crate::engine::ModelError;
 use crate::job::{CpuWeights, KvCacheDtype};
@@ -145,6 +146,9 @@ pub struct Model {
     lm_head: Matrix,
     /// How the weights are laid out in memory.
     layout: Layout,
+    /// Whether the layer loop can run on host vectors ([`Model::layers_host`]): an f32 model on the CPU whose
+    /// matrices are all the kernels' and whose layers have no biases or query/key norms.
+    host_loop: bool,
 }
 
 /// The weights of a [`Model`], as a loader hands them over.
@@ -247,6 +251,19 @@ pub trait Attention {
     /// RoPE. Writes the keys and values at each segment's positions and returns the attention output
     /// `[tokens, width]`, `width` being the model's laid-out attention width (zero-padded past `heads x head_dim`).
     fn attend(&self, step: &Self::Step, layer: usize, qkv: [Tensor; 3], segments: &mut [Segment<'_, Self::Cache>]) -> candle_core::Result<Tensor>;
+
+    /// Whether the backend attends on host vectors ([`Attention::attend_host`]): the host backend's, so that the
+    /// layer loop can keep a CPU step's activations in host memory from the embedding to the head.
+    fn host_vectors(&self) -> bool {
+        false
+    }
+
+    /// [`Attention::attend`] on host vectors: `qkv` `[tokens][heads x head_dim]` and twice `[tokens][kv_heads x
+    /// head_dim]`, row-major, before RoPE; returns the attention output `[tokens][width]`. Only for a backend whose
+    /// [`Attention::host_vectors`] says so.
+    fn attend_host(&self, _step: &Self::Step, _layer: usize, _qkv: [Vec<f32>; 3], _segments: &mut [Segment<'_, Self::Cache>]) -> candle_core::Result<Vec<f32>> {
+        candle_core::bail!("this attention backend does not attend on host vectors (a bug)")
+    }
 
     /// After the last layer: every cache holds its segment's new tokens.
     fn advance(&self, segments: &mut [Segment<'_, Self::Cache>]);
@@ -369,7 +386,16 @@ impl Model {
     /// A model from its weights. `weights.embedding`'s width is the hidden state's width in memory.
     fn assemble(config: ModelConfig, device: &Device, weights: Weights) -> Model {
         let Weights { embedding, layers, output_norm, lm_head, attn_width, layout } = weights;
+        let host_loop = device.is_cpu()
+            && embedding.dtype() == DType::F32
+            && layers.iter().all(|l| {
+                l.qkv_bias.is_none()
+                    && l.wo_bias.is_none()
+                    && l.qk_norm.is_none()
+                    && [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().all(|m| matches!(m, Matrix::Packed(_)))
+            });
         Model {
+            host_loop,
             width: embedding.dims().last().copied().unwrap_or(config.hidden_size),
             config,
             device: device.clone(),
@@ -380,6 +406,17 @@ impl Model {
             lm_head,
             layout,
         }
+    }
+
+    /// Whether a CPU step keeps its activations in host memory through the layers ([`Model::layers_host`]).
+    pub fn host_loop(&self) -> bool {
+        self.host_loop
+    }
+
+    /// The same model with every layer on candle tensors, for comparing the two layer loops.
+    pub fn with_tensor_loop(mut self) -> Model {
+        self.host_loop = false;
+        self
     }
 
     /// The activations' dtype (and the paged KV cache's).
@@ -475,17 +512,44 @@ impl Model {
         let mut x = self.embedding.index_select(&ids, 0)?;
         // RMSNorm over the laid-out width, with epsilon scaled as the weights were (see `gguf::padded_norm`).
         let eps = cfg.rms_eps * (cfg.hidden_size as f32 / self.width as f32);
-        for (li, layer) in self.layers.iter().enumerate() {
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let qkv = layer.qkv(&h, cfg.head_dim, cfg.rms_eps)?;
-            let attn = attention.attend(&step, li, qkv, segments)?;
-            x = (x + layer.output(&attn)?)?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
-            x = (x + layer.ffn(&h)?)?;
+        if self.host_loop && attention.host_vectors() {
+            x = self.layers_host(attention, &step, segments, x, eps)?;
+        } else {
+            for (li, layer) in self.layers.iter().enumerate() {
+                let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+                let qkv = layer.qkv(&h, cfg.head_dim, cfg.rms_eps)?;
+                let attn = attention.attend(&step, li, qkv, segments)?;
+                x = (x + layer.output(&attn)?)?;
+                let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+                x = (x + layer.ffn(&h)?)?;
+            }
         }
         attention.advance(segments);
         let logits = self.head(&x, segments, outputs)?;
         read_back(&logits, outputs, if attention.device_argmax() { greedy } else { &[] })
+    }
+
+    /// The layers of [`Model::forward_step`] on host vectors, for a model whose `host_loop` says it can and a
+    /// backend that attends on them: the same arithmetic as the tensor loop (candle's RMSNorm, row by row, and
+    /// exact adds), so the same bits, without a copy between candle tensors and the kernels' vectors at every
+    /// product, norm and residual add. `x`: the embedded tokens `[n, width]`; returns the last hidden states.
+    fn layers_host<A: Attention>(&self, attention: &A, step: &A::Step, segments: &mut [Segment<'_, A::Cache>], x: Tensor, eps: f32) -> candle_core::Result<Tensor> {
+        let (n, width) = x.dims2()?;
+        let mut x = x.flatten_all()?.to_vec1::<f32>()?;
+        let packed = |what: &str| candle_core::Error::Msg(format!("{what} of the host layer loop is not on the kernels (a bug)"));
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = rms_norm_host(&x, &layer.attn_norm.to_vec1::<f32>()?, eps);
+            let qkv: [Vec<f32>; 3] = Matrix::products_host(&h, n, &[&layer.wq, &layer.wk, &layer.wv])?
+                .and_then(|o| o.try_into().ok())
+                .ok_or_else(|| packed("the q, k and v products"))?;
+            let attn = attention.attend_host(step, li, qkv, segments)?;
+            let out = Matrix::products_host(&attn, n, &[&layer.wo])?.and_then(|mut o| o.pop()).ok_or_else(|| packed("the output projection"))?;
+            add_assign(&mut x, &out);
+            let h = rms_norm_host(&x, &layer.ffn_norm.to_vec1::<f32>()?, eps);
+            let y = Matrix::ffn_host(&h, n, &layer.w_gate, &layer.w_up, &layer.w_down)?.ok_or_else(|| packed("the feed-forward network"))?;
+            add_assign(&mut x, &y);
+        }
+        Tensor::from_vec(x, (n, width), &self.device)
     }
 
     /// Checks a step's segments (outputs, context, vocabulary); returns every new token's position and id, in
@@ -575,6 +639,33 @@ fn select_rows(t: &Tensor, rows: &[u32]) -> candle_core::Result<Tensor> {
     t.index_select(&Tensor::from_vec(rows.to_vec(), rows.len(), t.device())?, 0)
 }
 
+
+/// RMSNorm of each row of `x` (rows as wide as `weight`), as candle's CPU kernel computes it (the squares summed
+/// in order in f32, then `x / sqrt(mean + eps) * weight`), so the host loop's bits are the tensor loop's; rows in
+/// parallel past 32, as candle's.
+fn rms_norm_host(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let width = weight.len();
+    let mut out = vec![0f32; x.len()];
+    let row = |(src, dst): (&[f32], &mut [f32])| {
+        let sum2 = src.iter().map(|&v| v * v).sum::<f32>();
+        let m = (sum2 / width as f32 + eps).sqrt();
+        for ((d, &s), &w) in dst.iter_mut().zip(src).zip(weight) {
+            *d = s / m * w;
+        }
+    };
+    if x.len() / width.max(1) <= 32 {
+        x.chunks_exact(width).zip(out.chunks_exact_mut(width)).for_each(row);
+    } else {
+        x.par_chunks_exact(width).zip(out.par_chunks_exact_mut(width)).for_each(row);
+    }
+    out
+}
+
+/// `x += y`, element by element.
+fn add_assign(x: &mut [f32], y: &[f32]) {
+    assert_eq!(x.len(), y.len(), "residual add of different lengths (a bug)");
+    x.iter_mut().zip(y).for_each(|(a, &b)| *a += b);
+}
 
 /// The fewest rows a dense (f32) matrix product is computed with. candle's f32 matmul (the gemm crate) takes
 /// other kernels for a few rows (a matrix-vector product for one row; measured: up to four rows at narrow widths),
