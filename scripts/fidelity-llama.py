@@ -5,7 +5,11 @@
    log-probability of each token it chose; its `/tokenize` gives the token ids of each answer.
 2. A nightshift scoring job (`input.completion_column`, `generation.logprobs = 1`) scores the same answers under
    the same prompts, once per `runtime.cpu_weights` layout and `runtime.kv_cache_dtype` asked for.
-3. Per layout: top-1 agreement (the share of answer positions where nightshift's most likely token is the token
+3. With `--llama-baseline`, llama-server scores the same answers too, one request per answer position (the
+   prompt and the answer so far in one prompt-processing pass, as a scoring job does, against the one-token
+   decode steps that wrote the answer): how closely llama.cpp agrees with itself across its two paths, the floor
+   for any other implementation. Slow: a prompt pass per answer token (about 15 minutes for 48 answers on 2 cores).
+4. Per layout: top-1 agreement (the share of answer positions where nightshift's most likely token is the token
    llama.cpp chose) and the mean absolute difference of the chosen tokens' log-probabilities (over answers that
    both tokenize to the same ids, position by position).
 
@@ -100,6 +104,27 @@ threads = {args.threads}
     return scores
 
 
+def llama_scores(args, prompts, answers):
+    """Per row id: [(token id, log-probability or None, most likely token id)] of llama.cpp's answer, as llama-server
+    itself scores it, each position by a request whose prompt is the chat prompt and the answer's tokens before it
+    (not cached, so the whole prefix is one prompt-processing pass)."""
+    scores = {}
+    with serve(args.server, args.model, args.threads, 1, 4096, args.port, ["--jinja"]) as base:
+        for i, (prompt, (text, ids, _)) in enumerate(zip(prompts, answers)):
+            if not text:
+                continue
+            chat = post(base + "/apply-template", {"messages": [{"role": "user", "content": prompt}]})["prompt"]
+            row = []
+            for j, token in enumerate(ids):
+                body = {"prompt": [chat, *ids[:j]] if j else chat, "n_predict": 1, "n_probs": 10, "temperature": 0.0,
+                        "top_k": 1, "cache_prompt": False}
+                probs = post(base + "/completion", body)["completion_probabilities"][0]
+                logprob = next((t["logprob"] for t in probs["top_logprobs"] if t["id"] == token), None)
+                row.append((token, logprob, probs["id"]))
+            scores[f"p{i:03}"] = row
+    return scores
+
+
 def compare(answers, scores):
     positions = agree = same_rows = compared_rows = 0
     diffs = []
@@ -113,7 +138,7 @@ def compare(answers, scores):
         # llama.cpp's log-probabilities end with the end-of-turn token's when the answer ended by itself.
         if [t for t, _, _ in row] == ids and len(logprobs) in (len(ids), len(ids) + 1):
             same_rows += 1
-            diffs.extend(abs(lp - ref) for (_, lp, _), ref in zip(row, logprobs))
+            diffs.extend(abs(lp - ref) for (_, lp, _), ref in zip(row, logprobs) if lp is not None)
     return {
         "rows": compared_rows, "positions": positions, "top1_agreement": agree / max(positions, 1),
         "rows_same_tokens": same_rows, "mean_abs_logprob_diff": sum(diffs) / len(diffs) if diffs else None,
@@ -133,6 +158,7 @@ def main():
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--port", type=int, default=18081)
+    ap.add_argument("--llama-baseline", action="store_true", help="also have llama-server score its own answers (slow)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -144,6 +170,8 @@ def main():
             for kv in args.kv_cache_dtypes.split(","):
                 name = layout if kv == "auto" else f"{layout}, kv_cache_dtype {kv}"
                 report["layouts"][name] = compare(answers, nightshift_scores(args, work, prompts, answers, layout, kv))
+    if args.llama_baseline:
+        report["layouts"]["llama.cpp itself (baseline)"] = compare(answers, llama_scores(args, prompts, answers))
     if args.json:
         print(json.dumps(report))
         return
