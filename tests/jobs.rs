@@ -595,6 +595,36 @@ fn a_small_kv_cache_preempts_and_recomputes_with_the_same_greedy_outputs() {
 }
 
 #[test]
+fn plan_counts_the_prompt_tokens_rows_share_with_an_earlier_rows_start() {
+    let dir = scratch("plan-prefix");
+    let instruction = "You extract fields from support tickets. Read the ticket, then answer with the product, the \
+        customer's problem in one sentence, its urgency (low, medium or high) and the team that should handle it. "
+        .repeat(6);
+    let plan = |name: &str, prompts: Vec<String>| {
+        std::fs::create_dir_all(dir.join(name)).unwrap();
+        let input = dir.join(format!("{name}.parquet"));
+        let refs: Vec<&str> = prompts.iter().map(String::as_str).collect();
+        write_parquet(&input, support::prompts(&ids("p", refs.len()), &refs));
+        let out = dir.join(format!("out-{name}"));
+        let job = job_file(&dir.join(name), input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 8", "");
+        let run = nightshift(&["plan", job.to_str().unwrap(), "--calibration-rows", "0", "--json"], &[]);
+        run.assert_ok();
+        let r: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+        assert_eq!(r["shared_prefix_exact"], true, "{r}");
+        (r["shared_prefix_tokens"].as_u64().unwrap(), r["prompt_tokens"].as_u64().unwrap())
+    };
+    // Six questions after one long instruction: rows two to six find the instruction's blocks (and the chat
+    // template's) in row one.
+    let first: Vec<String> = QUESTIONS.iter().take(6).map(|q| format!("{instruction}\n\n{q}")).collect();
+    let (shared, total) = plan("first", first);
+    assert!(shared * 10 >= total * 6, "{shared} of {total} prompt tokens shared with the instruction first");
+    // The same instruction after each question: only the chat template's opening is common, a block or two.
+    let last: Vec<String> = QUESTIONS.iter().take(6).map(|q| format!("{q}\n\n{instruction}")).collect();
+    let (shared, total) = plan("last", last);
+    assert!(shared <= 5 * 2 * 16 && total > 6 * 100, "{shared} of {total} prompt tokens shared with the instruction last");
+}
+
+#[test]
 fn plan_reports_lengths_over_length_rows_schedule_and_estimate_without_touching_the_output() {
     let dir = scratch("plan");
     let input = dir.join("in.parquet");

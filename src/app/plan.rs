@@ -27,6 +27,11 @@ pub struct JobPlanReport {
     pub prompt_tokens: u64,
     /// Output tokens if every row generated its `max_new_tokens`.
     pub max_output_tokens: u64,
+    /// Prompt tokens (a scoring row's completion included) in whole KV blocks that repeat the start of an earlier
+    /// row's prompt, token for token: work a prefix cache keeping every block could skip ([`report::PrefixShare`]).
+    pub shared_prefix_tokens: u64,
+    /// Whether every block was counted (false past [`report::PrefixShare::MAX_BLOCKS`]: a lower bound).
+    pub shared_prefix_exact: bool,
     pub histogram: crate::plan::report::Histogram,
     /// Prompts too long for the context and the KV cache budget: count and the first few ids.
     pub over_length_rows: u64,
@@ -54,6 +59,7 @@ struct Tokenized {
     rows: u64,
     /// (prompt tokens, output tokens at most) of each row that tokenized.
     lengths: Vec<(usize, usize)>,
+    prefix: report::PrefixShare,
     /// The first rows, for the calibration run.
     calibration: Vec<Request>,
     over_length_rows: u64,
@@ -100,6 +106,8 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
         ok_rows: t.lengths.len() as u64,
         prompt_tokens,
         max_output_tokens,
+        shared_prefix_tokens: t.prefix.cached_tokens(),
+        shared_prefix_exact: t.prefix.exact(),
         histogram,
         over_length_rows: t.over_length_rows,
         over_length_ids: t.over_length_ids,
@@ -150,8 +158,14 @@ async fn tokenize_all(job: &Job, input: &Input, prepare: &dyn Prepare, longest: 
                         };
                         // A scoring row's completion is prefilled with its prompt; nothing is generated.
                         let (prompt, max_new) = match &row.completion {
-                            Some(c) => (tokens.len() + c.len(), 0),
-                            None => (tokens.len(), params.max_new_tokens as usize),
+                            Some(c) => {
+                                t.prefix.add(&[tokens.as_slice(), c].concat());
+                                (tokens.len() + c.len(), 0)
+                            }
+                            None => {
+                                t.prefix.add(&tokens);
+                                (tokens.len(), params.max_new_tokens as usize)
+                            }
                         };
                         t.lengths.push((prompt, max_new.min(longest.saturating_sub(prompt))));
                         if t.calibration.len() < calibration_rows {

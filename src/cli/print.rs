@@ -154,6 +154,13 @@ pub fn print_plan(r: &crate::app::JobPlanReport, json: bool) {
         r.max_output_tokens,
         mean(r.max_output_tokens, r.ok_rows)
     );
+    println!(
+        "shared prefixes: {}{} prompt tokens ({:.1} %) repeat the start of an earlier row's prompt, in whole blocks of {} tokens: work a prefix cache could skip",
+        if r.shared_prefix_exact { "" } else { "at least " },
+        r.shared_prefix_tokens,
+        100.0 * r.shared_prefix_tokens as f64 / r.prompt_tokens.max(1) as f64,
+        crate::engine::KV_BLOCK_TOKENS
+    );
     println!("prompt lengths (tokens, chat template included):");
     let widest = r.histogram.buckets.iter().map(|b| b.2).max().unwrap_or(1).max(1);
     for &(lo, hi, rows, tokens) in &r.histogram.buckets {
