@@ -58,6 +58,10 @@ pub enum Error {
          the same job again to resume"
     )]
     StoreFailed { committed: usize, total: usize, #[source] source: Box<crate::sink::SinkError> },
+    /// A command line the program cannot act on (values that contradict each other or the model), found after
+    /// parsing: exit 2, as clap's own usage errors.
+    #[error("{0}")]
+    Usage(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -65,7 +69,7 @@ pub enum Error {
 impl Error {
     pub fn exit(&self) -> Exit {
         match self {
-            Error::Job(_) | Error::Shard(_) => Exit::InvalidJob,
+            Error::Job(_) | Error::Shard(_) | Error::Usage(_) => Exit::InvalidJob,
             Error::Source(_) => Exit::InvalidInput,
             Error::Model(_) | Error::Tokenizer(_) => Exit::InvalidModel,
             Error::Sink(crate::sink::SinkError::Incomplete { .. }) | Error::Interrupted { .. } | Error::StoreFailed { .. } => {

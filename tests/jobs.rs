@@ -595,6 +595,25 @@ fn a_small_kv_cache_preempts_and_recomputes_with_the_same_greedy_outputs() {
 }
 
 #[test]
+fn bench_arguments_that_cannot_run_are_a_bad_command_line() {
+    let model = model_path();
+    let model = model.to_str().unwrap();
+    let zero = |flag: &'static str| vec!["bench", "generate", "--model", model, flag, "0"];
+    // Zero counts are refused by the parser (they panicked in the scheduler before); values that contradict each
+    // other, after it. Both exit 2, with the flag named, and nothing runs.
+    for args in [zero("--max-seqs"), zero("--max-batch-tokens"), zero("--threads"), zero("--min-new"), zero("--rows")] {
+        let run = nightshift(&args, &[]);
+        assert_eq!(run.code, 2, "{args:?}: {}", run.stderr);
+        assert!(run.stderr.contains("must be at least 1") && run.stderr.contains(args[args.len() - 2]), "{args:?}: {}", run.stderr);
+    }
+    let run = nightshift(&["bench", "generate", "--model", model, "--rows", "2", "--min-prompt", "50", "--max-prompt", "10"], &[]);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.stderr.contains("--min-prompt <= --max-prompt"), "{}", run.stderr);
+    let run = nightshift(&["bench", "kernels", "--model", model, "--rows", "1,0"], &[]);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+}
+
+#[test]
 fn plan_counts_the_prompt_tokens_rows_share_with_an_earlier_rows_start() {
     let dir = scratch("plan-prefix");
     let instruction = "You extract fields from support tickets. Read the ticket, then answer with the product, the \

@@ -135,7 +135,7 @@ fn workload(options: &GenerateBenchOptions, pre: &Preprocessor, limit: usize) ->
 
 pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, Error> {
     if options.rows == 0 || options.min_prompt == 0 || options.min_prompt > options.max_prompt || options.min_new == 0 || options.min_new > options.max_new {
-        return Err(Error::Internal("bench generate needs --rows >= 1, 1 <= --min-prompt <= --max-prompt and 1 <= --min-new <= --max-new".into()));
+        return Err(Error::Usage("bench generate needs --rows >= 1, 1 <= --min-prompt <= --max-prompt and 1 <= --min-new <= --max-new".into()));
     }
     let device = engine::select_device(&options.device)?;
     let (model, info) = Model::load_as(&options.model, &device, options.cpu_weights)?;
@@ -170,7 +170,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
     let (weights_bytes, model_layout) = (model.weight_bytes(), model.layout().name());
     let backend = Backend::for_model(&model);
     let kv_bytes = crate::engine::kv_cache_bytes(options.kv_cache_memory, &device);
-    let kv_dtype = backend.kv_dtype(&model, options.kv_cache_dtype).map_err(|m| Error::Internal(format!("--kv-cache-dtype: {m}")))?;
+    let kv_dtype = backend.kv_dtype(&model, options.kv_cache_dtype).map_err(|m| Error::Usage(format!("--kv-cache-dtype: {m}")))?;
     let config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, backend.block_bytes(&model, kv_dtype));
     let (device_name, dtype) = (engine::device_name(&device), format!("{:?}", model.dtype()).to_lowercase());
     let setup = DecoderSetup { tokenizer: pre.tokenizer().clone(), params, stop: StopRules::new(&info.vocab), config, kv_dtype };

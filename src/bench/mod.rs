@@ -69,7 +69,7 @@ pub struct EmbedBenchReport {
 
 pub fn embed(options: &EmbedBenchOptions) -> Result<EmbedBenchReport, Error> {
     if options.rows == 0 || options.min_tokens == 0 || options.min_tokens > options.max_tokens {
-        return Err(Error::Internal("bench needs --rows >= 1 and 1 <= --min-tokens <= --max-tokens".into()));
+        return Err(Error::Usage("bench needs --rows >= 1 and 1 <= --min-tokens <= --max-tokens".into()));
     }
     let device = candle_core::Device::Cpu;
     let encoder = Encoder::load(&options.model, &device)?;

@@ -115,7 +115,7 @@ fn tolerances(dtype: candle_core::DType, quantized: bool) -> [(f64, f64); 2] {
 
 pub fn parity(options: &ParityOptions) -> Result<ParityReport, Error> {
     if options.prompt_lengths.is_empty() || options.prompt_lengths.contains(&0) {
-        return Err(Error::Internal("bench parity needs prompt lengths of at least one token".into()));
+        return Err(Error::Usage("bench parity needs prompt lengths of at least one token".into()));
     }
     let fail = |what: &'static str| move |source: candle_core::Error| Error::Engine(engine::EngineError::Device { what, source });
     let cpu = candle_core::Device::Cpu;
@@ -130,7 +130,7 @@ pub fn parity(options: &ParityOptions) -> Result<ParityReport, Error> {
     let cfg = &reference.config;
     let longest = options.prompt_lengths.iter().max().copied().unwrap_or(1) + options.steps;
     if longest > cfg.context_length {
-        return Err(Error::Internal(format!("prompts of up to {longest} positions do not fit the model's context of {}", cfg.context_length)));
+        return Err(Error::Usage(format!("prompts of up to {longest} positions do not fit the model's context of {}", cfg.context_length)));
     }
     let blocks: usize = options.prompt_lengths.iter().map(|l| (l + options.steps).div_ceil(engine::KV_BLOCK_TOKENS)).sum();
     let paged = PagedAttention::new(&candidate, blocks).map_err(fail("setting up the paged backend"))?;

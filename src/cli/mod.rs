@@ -112,17 +112,27 @@ pub struct KernelBenchArgs {
     #[arg(long)]
     pub model: PathBuf,
     /// Activation rows per product.
-    #[arg(long, value_delimiter = ',', default_value = "1,16,128")]
+    #[arg(long, value_delimiter = ',', value_parser = at_least_one, default_value = "1,16,128")]
     pub rows: Vec<usize>,
     /// Levels to measure: portable, avx2, vnni (default: every one this CPU has).
     #[arg(long, value_delimiter = ',', value_parser = parse_level)]
     pub levels: Vec<crate::engine::kernels::Level>,
     /// CPU threads (default: one per core).
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one)]
     pub threads: Option<usize>,
     /// Print one JSON object per measurement.
     #[arg(long)]
     pub json: bool,
+}
+
+/// A count that must be at least one (rows, tokens, sequences, threads): zero is a bad command line (exit 2), not
+/// a panic later.
+fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{e}")),
+    }
 }
 
 fn parse_level(text: &str) -> Result<crate::engine::kernels::Level, String> {
@@ -191,23 +201,23 @@ pub struct GenerateBenchArgs {
     /// of turn.
     #[arg(long, value_enum, default_value_t = crate::bench::Workload::Fixed)]
     pub workload: crate::bench::Workload,
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, value_parser = at_least_one, default_value_t = 64)]
     pub rows: usize,
     /// Shortest prompt, in tokens with the chat template.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, value_parser = at_least_one, default_value_t = 100)]
     pub min_prompt: usize,
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, value_parser = at_least_one, default_value_t = 1000)]
     pub max_prompt: usize,
     /// Fewest new tokens a row asks for.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, value_parser = at_least_one, default_value_t = 32)]
     pub min_new: usize,
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, value_parser = at_least_one, default_value_t = 256)]
     pub max_new: usize,
     /// Sequences decoded together.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, value_parser = at_least_one, default_value_t = 32)]
     pub max_seqs: usize,
     /// Prompt tokens prefilled in one step.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, value_parser = at_least_one, default_value_t = 2048)]
     pub max_batch_tokens: usize,
     /// KV cache budget: a size ("2GiB"), a share of the memory available after the model loads ("40%"), or
     /// "auto" (50 %), as `runtime.kv_cache_memory`.
@@ -219,7 +229,7 @@ pub struct GenerateBenchArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// CPU threads (default: every core).
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one)]
     pub threads: Option<usize>,
     /// `auto` (cuda:0 when this build has CUDA and a GPU, else the CPU), `cpu`, `cuda` or `cuda:N`.
     #[arg(long, default_value = "auto", value_parser = crate::job::DeviceChoice::parse)]
@@ -271,24 +281,24 @@ pub struct EmbedBenchArgs {
     /// The encoder's Hugging Face directory.
     #[arg(long)]
     pub model: PathBuf,
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, value_parser = at_least_one, default_value_t = 2000)]
     pub rows: usize,
     /// Shortest row, in tokens.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, value_parser = at_least_one, default_value_t = 16)]
     pub min_tokens: usize,
     /// Longest row, in tokens (at most the model's limit).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, value_parser = at_least_one, default_value_t = 256)]
     pub max_tokens: usize,
     /// Rows per batch.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, value_parser = at_least_one, default_value_t = 32)]
     pub max_seqs: usize,
     /// Padded tokens per batch.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, value_parser = at_least_one, default_value_t = 4096)]
     pub max_batch_tokens: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// CPU threads (default: every core).
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one)]
     pub threads: Option<usize>,
     /// Print the report as one JSON object.
     #[arg(long)]
