@@ -3,14 +3,14 @@ use std::process::ExitCode;
 use clap::Parser;
 use nightshift::app::{self, RunOptions};
 use nightshift::cli::{self, Cli, Command, LogFormat};
-use nightshift::error::{report, Exit};
+use nightshift::error::{report, Exit, RedactedStderr};
 use tracing_subscriber::EnvFilter;
 
 fn init_tracing(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     // Colours only on a terminal: a log that cron, Slurm or a container runtime writes to a file stays plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| RedactedStderr).with_ansi(ansi);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),

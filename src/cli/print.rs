@@ -1,6 +1,7 @@
 //! What the verbs print: a human summary on stdout, or JSON where the verb offers `--json`.
 
 use crate::app::{ModelSummary, RunReport, RunStatus, ValidateReport};
+use crate::error::redact_urls;
 use crate::outcome::Outcome;
 use crate::sink::{Finalized, Manifest, OutputStatus};
 
@@ -217,7 +218,7 @@ fn shorten(text: &str, max_chars: usize) -> String {
 }
 
 fn print_manifest(m: &Manifest, manifest_url: &str) {
-    println!("manifest: {manifest_url}");
+    println!("manifest: {}", redact_urls(manifest_url));
     println!(
         "rows: {} ({} succeeded, {} errored) in {} unit(s)  prompt tokens: {}  output tokens: {}",
         m.rows,
@@ -231,7 +232,7 @@ fn print_manifest(m: &Manifest, manifest_url: &str) {
 
 pub fn print_run(report: &RunReport) {
     let m = &report.metrics;
-    println!("output: {}", report.output_url);
+    println!("output: {}", redact_urls(&report.output_url));
     if report.status == RunStatus::AlreadyComplete {
         println!("the output is complete already: nothing to do");
         if let Some(manifest) = &report.manifest {
@@ -347,7 +348,7 @@ pub fn print_validate(report: &ValidateReport) {
             );
         }
     }
-    println!("output: {} ({})", report.output_url, report.output_state);
+    println!("output: {} ({})", redact_urls(&report.output_url), report.output_state);
 }
 
 fn rate(v: Option<f64>) -> String {
@@ -383,7 +384,7 @@ pub fn print_status(status: &OutputStatus, json: bool) {
     } else {
         format!("incomplete: {} of {} units committed", status.committed_units, status.units)
     };
-    println!("output: {}", status.url);
+    println!("output: {}", redact_urls(&status.url));
     println!("state: {state}");
     println!(
         "plan: {} units in {} shard(s), {} rows ({} committed), fingerprint {}",
