@@ -124,18 +124,25 @@ fn one_shard() -> u32 {
 impl Plan {
     /// Cuts every file into units of at most `unit_rows` rows (units never span files) and the units into `shards`
     /// contiguous shards balanced by `estimate(file, first_row, rows)`, the estimated tokens of a run of rows.
+    ///
+    /// With several shards, a unit is also at most an equal share of the job's rows (`ceil(rows / shards)`): a
+    /// job smaller than `shards x unit_rows` would otherwise be one or two units, all in the first shards, and the
+    /// others would idle. `unit_rows` stays the ceiling (smaller units only commit more often and lose less to a
+    /// kill); the plan records the `unit_rows` asked for.
     pub fn new(fingerprint: Fingerprint, unit_rows: u32, shards: u32, estimate: impl Fn(usize, u64, u32) -> u64) -> Plan {
+        let shards = shards.max(1);
+        let total: u64 = fingerprint.input.iter().map(|f| f.rows).sum();
+        let unit = (unit_rows as u64).min(total.div_ceil(shards as u64)).max(1);
         let mut units = Vec::new();
         for (file, f) in fingerprint.input.iter().enumerate() {
             let mut first_row = 0;
             while first_row < f.rows {
-                let rows = (f.rows - first_row).min(unit_rows as u64) as u32;
+                let rows = (f.rows - first_row).min(unit) as u32;
                 let estimated_tokens = estimate(file, first_row, rows);
                 units.push(Unit { id: units.len() as u32, file, first_row, rows, shard: 0, estimated_tokens });
                 first_row += rows as u64;
             }
         }
-        let shards = shards.max(1);
         let weights: Vec<u64> = units.iter().map(|u| u.estimated_tokens).collect();
         for (unit, s) in units.iter_mut().zip(shard::split(&weights, shards)) {
             unit.shard = s;
@@ -189,6 +196,23 @@ mod tests {
         assert_eq!(shards, [0, 0, 1, 1, 1, 1, 1, 1, 1, 1]);
         assert_eq!(plan.shard_units(0).map(|u| u.estimated_tokens).sum::<u64>(), 32);
         assert_eq!(plan.shard_units(1).map(|u| u.estimated_tokens).sum::<u64>(), 32);
+    }
+
+    #[test]
+    fn a_small_job_over_several_shards_gives_every_shard_work() {
+        // 60 rows at the default 2048 rows a unit were one unit: shard 0 did everything.
+        let plan = Plan::new(fingerprint(&[60]), 2048, 3, |_, _, rows| rows as u64);
+        assert_eq!(plan.units.iter().map(|u| u.rows).collect::<Vec<_>>(), [20, 20, 20]);
+        assert_eq!(plan.units.iter().map(|u| u.shard).collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(plan.unit_rows, 2048, "the plan records the unit size asked for");
+        // Files of their own stay apart; every shard still gets rows.
+        let plan = Plan::new(fingerprint(&[7, 50]), 2048, 4, |_, _, rows| rows as u64);
+        assert_eq!(plan.total_rows(), 57);
+        assert!((0..4).all(|s| plan.shard_units(s).count() > 0), "{:?}", plan.units);
+        // unit_rows stays the ceiling for a big job, and one shard keeps its units whole.
+        let plan = Plan::new(fingerprint(&[100_000]), 2048, 4, |_, _, rows| rows as u64);
+        assert!(plan.units.iter().all(|u| u.rows <= 2048) && plan.units.len() == 49);
+        assert_eq!(Plan::new(fingerprint(&[60]), 2048, 1, |_, _, rows| rows as u64).units.len(), 1);
     }
 
     #[test]
