@@ -108,3 +108,42 @@ impl FinishReason {
         }
     }
 }
+
+/// Characters of a row id shown in full; a longer id is cut to its first [`ID_SHOWN`].
+const ID_LONGEST: usize = 80;
+const ID_SHOWN: usize = 64;
+
+/// A row id as messages and logs show it: quoted, and cut to its first 64 characters (with its length in bytes)
+/// when it is longer than 80, so that an id of any size cannot flood a message.
+pub fn id_for_message(id: &str) -> String {
+    match id.chars().count() <= ID_LONGEST {
+        true => format!("{id:?}"),
+        false => format!("{:?}... ({} bytes)", id.chars().take(ID_SHOWN).collect::<String>(), id.len()),
+    }
+}
+
+/// [`id_for_message`] unquoted, for lists of ids in reports.
+pub fn id_cut(id: &str) -> String {
+    match id.chars().count() <= ID_LONGEST {
+        true => id.to_string(),
+        false => format!("{}... ({} bytes)", id.chars().take(ID_SHOWN).collect::<String>(), id.len()),
+    }
+}
+
+#[cfg(test)]
+mod id_tests {
+    use super::id_for_message;
+
+    #[test]
+    fn long_ids_are_cut_in_messages_and_short_ones_kept() {
+        assert_eq!(id_for_message("row-7"), "\"row-7\"");
+        let long = "x".repeat(260_000);
+        let shown = id_for_message(&long);
+        assert!(shown.len() < 100 && shown.ends_with("... (260000 bytes)"), "{shown}");
+        // Cut at a character, not a byte, boundary.
+        let wide = "é".repeat(100);
+        assert_eq!(id_for_message(&wide), format!("{:?}... (200 bytes)", "é".repeat(64)));
+        assert_eq!(super::id_cut(&wide), format!("{}... (200 bytes)", "é".repeat(64)));
+        assert_eq!(super::id_cut("p006"), "p006");
+    }
+}

@@ -418,6 +418,12 @@ fn duplicate_ids_are_refused_before_any_generation() {
     assert_eq!(run.code, 3, "{}", run.stderr);
     assert!(run.stderr.contains("duplicate ids (2 in all)") && run.stderr.contains("\"a\" (row 0"), "{}", run.stderr);
     assert!(!out.join("_plan.json").exists() && !out.join("data").exists(), "nothing is planned or written");
+    // An id of any size is cut in the message.
+    let huge = "z".repeat(260_000);
+    write_parquet(&input, prompts(&[huge.clone(), "e".into(), huge], &["one", "two", "three"]));
+    let run = nightshift(&["run", job.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]);
+    assert_eq!(run.code, 3, "{}", &run.stderr[..run.stderr.len().min(2000)]);
+    assert!(run.stderr.len() < 2000 && run.stderr.contains("... (260000 bytes) (row 0"), "{}", &run.stderr[..run.stderr.len().min(2000)]);
 }
 
 #[test]

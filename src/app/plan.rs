@@ -176,7 +176,7 @@ async fn tokenize_all(job: &Job, input: &Input, prepare: &dyn Prepare, longest: 
                     Err(e) if e.code == ErrorCode::PromptTooLong => {
                         t.over_length_rows += 1;
                         if t.over_length_ids.len() < 5 {
-                            t.over_length_ids.push(row.id);
+                            t.over_length_ids.push(crate::row::id_cut(&row.id));
                         }
                     }
                     Err(e) => *t.other_errors.entry(e.code.as_str().to_string()).or_default() += 1,

@@ -191,8 +191,8 @@ impl Input {
                             count += 1;
                             if examples.len() < 5 {
                                 examples.push(format!(
-                                    "{:?} (row {first_row} of `{}` and row {} of `{}`)",
-                                    ids.value(i),
+                                    "{} (row {first_row} of `{}` and row {} of `{}`)",
+                                    crate::row::id_for_message(ids.value(i)),
                                     self.files[first_file].url,
                                     row + i as u64,
                                     file.url
