@@ -87,6 +87,12 @@ impl Job {
         let section = generation_section(kind, generation, scoring, &prompt, &input, &invalid)?;
         let generation = GenerationParams::from_section(section, scoring, kind, &invalid)?;
         let output = OutputSpec::from_section(output, overrides, &invalid)?;
+        if let Some(root) = output_inside_input(&url, &output.url) {
+            return Err(invalid(
+                "output.url",
+                format!("`{}` lies inside the input's prefix `{root}`: a rerun would read the job's own results as input; write the output elsewhere", output.url),
+            ));
+        }
         let truncate = match input.truncate.as_deref().unwrap_or("none") {
             "none" => Truncate::None,
             "left" => Truncate::Left,
@@ -114,6 +120,49 @@ impl Job {
             runtime,
         })
     }
+}
+
+/// The input's prefix when the output location lies inside it (or is it): an input that is a prefix or a glob
+/// lists every Parquet file under its prefix, the job's own results included. Compared as written, local paths
+/// made absolute (`file://` dropped, `.` and `..` folded) and every location ending in `/`.
+fn output_inside_input(input: &str, output: &str) -> Option<String> {
+    let root = if crate::source::store::is_glob(input) {
+        let literal = &input[..input.find(['*', '?', '[']).unwrap_or(input.len())];
+        &literal[..literal.rfind('/').map_or(0, |i| i + 1)]
+    } else if input.ends_with('/') {
+        input
+    } else {
+        return None;
+    };
+    let normal = |url: &str| -> String {
+        let mut text = match url.strip_prefix("file://") {
+            Some(path) => lexical_absolute(path),
+            None if url.contains("://") => url.to_string(),
+            None => lexical_absolute(url),
+        };
+        if !text.ends_with('/') {
+            text.push('/');
+        }
+        text
+    };
+    let (root_n, output_n) = (normal(root), normal(output));
+    output_n.starts_with(&root_n).then(|| root.to_string())
+}
+
+/// A local path made absolute against the working directory, `.` and `..` folded without touching the disk.
+fn lexical_absolute(path: &str) -> String {
+    let base = if path.starts_with('/') { std::path::PathBuf::from("/") } else { std::env::current_dir().unwrap_or_default() };
+    let mut parts: Vec<String> = Vec::new();
+    for part in base.join(path).components() {
+        match part {
+            std::path::Component::Normal(p) => parts.push(p.to_string_lossy().into_owned()),
+            std::path::Component::ParentDir => {
+                parts.pop();
+            }
+            _ => {}
+        }
+    }
+    format!("/{}", parts.join("/"))
 }
 
 fn prompt_column(input: &InputSection, invalid: Invalid) -> Result<PromptColumn, JobError> {
@@ -278,6 +327,34 @@ fn parameter_columns(
 mod tests {
     use super::super::testing::{message, parse, MINIMAL};
     use super::*;
+
+    #[test]
+    fn an_output_inside_the_inputs_prefix_is_refused() {
+        for (input, output) in [
+            ("data/", "data/out/"),
+            ("data/", "data"),
+            ("./data/", "data/results"),
+            ("data/*.parquet", "data/out"),
+            ("data/**/*.parquet", "data/x/out/"),
+            ("s3://b/in/", "s3://b/in/out/"),
+            ("s3://b/in/*.parquet", "s3://b/in/run-1"),
+            ("file:///tmp/in/", "/tmp/in/out/"),
+        ] {
+            assert!(output_inside_input(input, output).is_some(), "{input} -> {output}");
+        }
+        for (input, output) in [
+            ("data/in.parquet", "data/out/"),
+            ("data/in/", "data/out/"),
+            ("s3://b/in/", "s3://b/input-out/"),
+            ("s3://b/in/", "s3://other/in/out/"),
+            ("data/in/*.parquet", "data/out/"),
+        ] {
+            assert!(output_inside_input(input, output).is_none(), "{input} -> {output}");
+        }
+        let m = message(&MINIMAL.replace("url = \"out/\"", "url = \"data/results/\"").replace("data/in.parquet", "data/"));
+        assert!(m.contains("output.url") && m.contains("inside the input's prefix `data/`"), "{m}");
+        assert!(parse(MINIMAL).is_ok());
+    }
 
     #[test]
     fn minimal_job_gets_documented_defaults() {
