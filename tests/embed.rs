@@ -202,6 +202,23 @@ fn embed_job_bad_rows_and_bad_job_files() {
     // A GGUF file is not an encoder directory: exit 4.
     let run = nightshift(&["run", job("gguf", "", "").to_str().unwrap(), "--model", model_path().to_str().unwrap()], &[]);
     assert_eq!(run.code, 4, "{}", run.stderr);
+    // A model that takes at most 0 tokens is a broken model (exit 4, naming the file), whatever `input.truncate` says.
+    let broken = dir.join("zero-length-model");
+    std::fs::create_dir_all(&broken).unwrap();
+    for entry in std::fs::read_dir(minilm()).unwrap() {
+        let entry = entry.unwrap();
+        let target = broken.join(entry.file_name());
+        if entry.file_name() != "sentence_bert_config.json" && !target.exists() {
+            std::os::unix::fs::symlink(entry.path(), target).unwrap();
+        }
+    }
+    std::fs::write(broken.join("sentence_bert_config.json"), r#"{"max_seq_length": 0, "do_lower_case": false}"#).unwrap();
+    for verb in ["validate", "run"] {
+        let run = nightshift(&[verb, job("zero", "truncate = \"right\"", "").to_str().unwrap(), "--model", broken.to_str().unwrap()], &[]);
+        assert_eq!(run.code, 4, "{verb}: {}", run.stderr);
+        assert!(run.stderr.contains("sentence_bert_config.json") && run.stderr.contains("max_seq_length"), "{verb}: {}", run.stderr);
+        assert!(!run.stderr.contains("set `input.truncate`"), "{verb}: {}", run.stderr);
+    }
 }
 
 #[test]

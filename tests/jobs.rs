@@ -275,7 +275,8 @@ fn rows_without_an_id_column_get_file_and_row_number_ids() {
     std::fs::create_dir_all(dir.join("_staging")).unwrap();
     write_parquet(&dir.join("_staging/partial.parquet"), vec![("prompt", strings(&[Some("Not data.")]))]);
     std::fs::write(dir.join("README.txt"), "not data").unwrap();
-    let out = dir.join("out");
+    // The output outside the input's prefix: inside it, a rerun would read the results as input (refused).
+    let out = scratch("no-id-out").join("out");
     let job = dir.join("job.toml");
     std::fs::write(
         &job,

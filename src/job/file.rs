@@ -122,11 +122,16 @@ impl Job {
     }
 }
 
-/// The input's prefix when the output location lies inside it (or is it): an input that is a prefix or a glob
-/// lists every Parquet file under its prefix, the job's own results included. Compared as written, local paths
-/// made absolute (`file://` dropped, `.` and `..` folded) and every location ending in `/`.
+/// The input's prefix when the output location lies inside it (or is it): an input that is a prefix, or a glob
+/// with `**`, lists Parquet files at any depth under it, the job's own results included. (A glob without `**`
+/// matches a fixed depth, which the results' `data/` files below the output do not reach from the glob's own
+/// level.) Compared as written, local paths made absolute (`file://` dropped, `.` and `..` folded), every location
+/// ending in `/`.
 fn output_inside_input(input: &str, output: &str) -> Option<String> {
     let root = if crate::source::store::is_glob(input) {
+        if !input.contains("**") {
+            return None;
+        }
         let literal = &input[..input.find(['*', '?', '[']).unwrap_or(input.len())];
         &literal[..literal.rfind('/').map_or(0, |i| i + 1)]
     } else if input.ends_with('/') {
@@ -334,10 +339,9 @@ mod tests {
             ("data/", "data/out/"),
             ("data/", "data"),
             ("./data/", "data/results"),
-            ("data/*.parquet", "data/out"),
             ("data/**/*.parquet", "data/x/out/"),
             ("s3://b/in/", "s3://b/in/out/"),
-            ("s3://b/in/*.parquet", "s3://b/in/run-1"),
+            ("s3://b/in/**", "s3://b/in/run-1"),
             ("file:///tmp/in/", "/tmp/in/out/"),
         ] {
             assert!(output_inside_input(input, output).is_some(), "{input} -> {output}");
@@ -348,6 +352,7 @@ mod tests {
             ("s3://b/in/", "s3://b/input-out/"),
             ("s3://b/in/", "s3://other/in/out/"),
             ("data/in/*.parquet", "data/out/"),
+            ("data/*.parquet", "data/out"),
         ] {
             assert!(output_inside_input(input, output).is_none(), "{input} -> {output}");
         }

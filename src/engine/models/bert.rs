@@ -228,10 +228,11 @@ pub fn inspect(dir: &Path) -> Result<EncoderInfo, ModelError> {
     };
     let normalize = read_json::<Vec<Module>>(&dir.join("modules.json"))?
         .is_some_and(|modules| modules.iter().any(|m| m.kind.ends_with(".Normalize")));
-    let max_tokens = read_json::<SentenceConfig>(&dir.join("sentence_bert_config.json"))?
-        .and_then(|s| s.max_seq_length)
-        .unwrap_or(config.max_position_embeddings)
-        .min(config.max_position_embeddings);
+    let max_seq_length = read_json::<SentenceConfig>(&dir.join("sentence_bert_config.json"))?.and_then(|s| s.max_seq_length);
+    if max_seq_length == Some(0) {
+        return Err(ModelError::Metadata("sentence_bert_config.json: max_seq_length must be at least 1, got 0".into()));
+    }
+    let max_tokens = max_seq_length.unwrap_or(config.max_position_embeddings).min(config.max_position_embeddings);
     Ok(EncoderInfo { dir: dir.into(), dimensions: config.hidden_size, config, pooling, normalize, max_tokens })
 }
 
