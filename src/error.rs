@@ -81,9 +81,8 @@ impl Error {
     }
 }
 
-/// Formats an error with its chain of causes, one per line, for the terminal.
-/// Every URL's credentials redacted ([`redact_urls`]): the object stores' errors name the endpoint they called,
-/// user-info included.
+/// Formats an error with its chain of causes, one per line, for the terminal, every URL's credentials redacted
+/// ([`redact_urls`]): the object stores' errors name the endpoint they called, user-info included.
 pub fn report(err: &(dyn std::error::Error + 'static)) -> String {
     let mut out = format!("error: {err}");
     let mut source = err.source();

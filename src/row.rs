@@ -113,20 +113,26 @@ impl FinishReason {
 const ID_LONGEST: usize = 80;
 const ID_SHOWN: usize = 64;
 
+/// The first [`ID_SHOWN`] characters of an id longer than [`ID_LONGEST`] characters.
+fn long_id_head(id: &str) -> Option<&str> {
+    id.char_indices().nth(ID_LONGEST)?;
+    Some(&id[..id.char_indices().nth(ID_SHOWN).map_or(id.len(), |(i, _)| i)])
+}
+
 /// A row id as messages and logs show it: quoted, and cut to its first 64 characters (with its length in bytes)
 /// when it is longer than 80, so that an id of any size cannot flood a message.
 pub fn id_for_message(id: &str) -> String {
-    match id.chars().count() <= ID_LONGEST {
-        true => format!("{id:?}"),
-        false => format!("{:?}... ({} bytes)", id.chars().take(ID_SHOWN).collect::<String>(), id.len()),
+    match long_id_head(id) {
+        None => format!("{id:?}"),
+        Some(head) => format!("{head:?}... ({} bytes)", id.len()),
     }
 }
 
 /// [`id_for_message`] unquoted, for lists of ids in reports.
 pub fn id_cut(id: &str) -> String {
-    match id.chars().count() <= ID_LONGEST {
-        true => id.to_string(),
-        false => format!("{}... ({} bytes)", id.chars().take(ID_SHOWN).collect::<String>(), id.len()),
+    match long_id_head(id) {
+        None => id.to_string(),
+        Some(head) => format!("{head}... ({} bytes)", id.len()),
     }
 }
 

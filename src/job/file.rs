@@ -132,8 +132,7 @@ fn output_inside_input(input: &str, output: &str) -> Option<String> {
         if !input.contains("**") {
             return None;
         }
-        let literal = &input[..input.find(['*', '?', '[']).unwrap_or(input.len())];
-        &literal[..literal.rfind('/').map_or(0, |i| i + 1)]
+        crate::source::store::glob_prefix(input)
     } else if input.ends_with('/') {
         input
     } else {

@@ -303,9 +303,7 @@ impl Input {
 async fn list(url: &str) -> Result<(Location, Vec<ObjectMeta>), SourceError> {
     let list_err = |source| SourceError::List { url: url.into(), source };
     if store::is_glob(url) {
-        let first = url.find(['*', '?', '[']).expect("is_glob");
-        let split = url[..first].rfind('/').map(|i| i + 1).unwrap_or(0);
-        let (prefix_url, pattern) = url.split_at(split);
+        let (prefix_url, pattern) = url.split_at(store::glob_prefix(url).len());
         let location = store::resolve(if prefix_url.is_empty() { "." } else { prefix_url })?;
         let pattern = glob::Pattern::new(pattern)
             .map_err(|e| SourceError::Store(StoreError::BadUrl { url: url.into(), source: e.into() }))?;

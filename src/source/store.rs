@@ -134,8 +134,17 @@ pub fn resolve(url: &str) -> Result<Location, StoreError> {
 }
 
 /// The characters that make a URL a glob.
+const GLOB_CHARS: [char; 3] = ['*', '?', '['];
+
 pub fn is_glob(s: &str) -> bool {
-    s.contains(['*', '?', '['])
+    s.contains(GLOB_CHARS)
+}
+
+/// A glob's literal directory: everything up to the `/` before its first glob character (empty when the pattern
+/// starts at once). The input lists files under it and matches the rest against the pattern.
+pub fn glob_prefix(url: &str) -> &str {
+    let literal = &url[..url.find(GLOB_CHARS).unwrap_or(url.len())];
+    &literal[..literal.rfind('/').map_or(0, |i| i + 1)]
 }
 
 #[cfg(test)]

@@ -412,26 +412,25 @@ impl Matrix {
 
     /// `x · Wᵀ` for `x` `[rows, k]` f32 on the CPU; `None` for a candle matrix (the caller uses candle).
     pub fn forward_packed(x: &Tensor, weights: &[&Matrix]) -> candle_core::Result<Option<Vec<Tensor>>> {
-        let packed: Option<Vec<&Packed>> = weights.iter().map(|w| if let Matrix::Packed(p) = w { Some(p) } else { None }).collect();
-        let Some(packed) = packed else { return Ok(None) };
-        if packed.is_empty() || packed.iter().any(|p| p.k != packed[0].k || p.quantized() != packed[0].quantized()) {
-            return Ok(None);
-        }
+        let Some(packed) = Matrix::packed_group(weights) else { return Ok(None) };
         let (m, _) = x.dims2()?;
         let values = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let outs = Matrix::products_host(&values, m, weights)?.expect("packed matrices of one width and kind");
-        Ok(Some(outs.into_iter().zip(&packed).map(|(o, p)| Tensor::from_vec(o, (m, p.n), x.device())).collect::<candle_core::Result<_>>()?))
+        let outs = Matrix::products_host(&values, m, weights)?.expect("a packed group");
+        outs.into_iter().zip(&packed).map(|(o, p)| Tensor::from_vec(o, (m, p.n), x.device())).collect::<candle_core::Result<_>>().map(Some)
+    }
+
+    /// The matrices as the kernels' when every one is packed and they share a width and a kind (quantized or
+    /// float), so that one set of activation codes serves them all.
+    fn packed_group<'a>(weights: &[&'a Matrix]) -> Option<Vec<&'a Packed>> {
+        let packed: Vec<&Packed> = weights.iter().map(|w| if let Matrix::Packed(p) = w { Some(p) } else { None }).collect::<Option<_>>()?;
+        let first = packed.first()?;
+        packed.iter().all(|p| p.k == first.k && p.quantized() == first.quantized()).then_some(packed)
     }
 
     /// `x · Wᵢᵀ` for each matrix, `x` `[m, k]` row-major f32 in host memory, the activations quantized once and the
-    /// products in one parallel region: `None` unless every matrix is packed, of one width and kind (quantized or
-    /// float).
+    /// products in one parallel region: `None` unless every matrix is packed, of one width and kind.
     pub fn products_host(x: &[f32], m: usize, weights: &[&Matrix]) -> candle_core::Result<Option<Vec<Vec<f32>>>> {
-        let packed: Option<Vec<&Packed>> = weights.iter().map(|w| if let Matrix::Packed(p) = w { Some(p) } else { None }).collect();
-        let Some(packed) = packed else { return Ok(None) };
-        if packed.is_empty() || packed.iter().any(|p| p.k != packed[0].k || p.quantized() != packed[0].quantized()) {
-            return Ok(None);
-        }
+        let Some(packed) = Matrix::packed_group(weights) else { return Ok(None) };
         if x.len() != m * packed[0].k {
             candle_core::bail!("{} activations are not {m} rows for a matrix of width {}", x.len(), packed[0].k);
         }
@@ -442,28 +441,22 @@ impl Matrix {
     /// up in one parallel region and the intermediate in host memory; `None` unless all three are packed matrices
     /// of matching shapes (the caller uses candle).
     pub fn ffn_packed(x: &Tensor, gate: &Matrix, up: &Matrix, down: &Matrix) -> candle_core::Result<Option<Tensor>> {
+        let Some([_, _, d]) = Matrix::ffn_parts(gate, up, down) else { return Ok(None) };
         let (m, _) = x.dims2()?;
-        if !Matrix::ffn_fits(gate, up, down) {
-            return Ok(None);
-        }
         let values = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let Some(y) = Matrix::ffn_host(&values, m, gate, up, down)? else { return Ok(None) };
-        let n = y.len() / m.max(1);
-        Ok(Some(Tensor::from_vec(y, (m, n), x.device())?))
+        let y = Matrix::ffn_host(&values, m, gate, up, down)?.expect("packed feed-forward matrices");
+        Ok(Some(Tensor::from_vec(y, (m, d.n), x.device())?))
     }
 
-    /// Whether [`Matrix::ffn_host`] takes these matrices.
-    fn ffn_fits(gate: &Matrix, up: &Matrix, down: &Matrix) -> bool {
-        let (Matrix::Packed(g), Matrix::Packed(u), Matrix::Packed(d)) = (gate, up, down) else { return false };
-        g.k == u.k && g.n == u.n && d.k == g.n && g.quantized() == u.quantized()
+    /// Gate, up and down as the kernels' when all three are packed and their shapes chain.
+    fn ffn_parts<'a>(gate: &'a Matrix, up: &'a Matrix, down: &'a Matrix) -> Option<[&'a Packed; 3]> {
+        let (Matrix::Packed(g), Matrix::Packed(u), Matrix::Packed(d)) = (gate, up, down) else { return None };
+        (g.k == u.k && g.n == u.n && d.k == g.n && g.quantized() == u.quantized()).then_some([g, u, d])
     }
 
     /// [`Matrix::ffn_packed`] on host memory: `x` `[m, k]` row-major f32, the output `[m, down's rows]`.
     pub fn ffn_host(x: &[f32], m: usize, gate: &Matrix, up: &Matrix, down: &Matrix) -> candle_core::Result<Option<Vec<f32>>> {
-        let (Matrix::Packed(g), Matrix::Packed(u), Matrix::Packed(d)) = (gate, up, down) else { return Ok(None) };
-        if !Matrix::ffn_fits(gate, up, down) {
-            return Ok(None);
-        }
+        let Some([g, u, d]) = Matrix::ffn_parts(gate, up, down) else { return Ok(None) };
         if x.len() != m * g.k {
             candle_core::bail!("{} activations are not {m} rows for a matrix of width {}", x.len(), g.k);
         }

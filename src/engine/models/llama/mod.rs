@@ -146,9 +146,10 @@ pub struct Model {
     lm_head: Matrix,
     /// How the weights are laid out in memory.
     layout: Layout,
-    /// Whether the layer loop can run on host vectors ([`Model::layers_host`]): an f32 model on the CPU whose
-    /// matrices are all the kernels' and whose layers have no biases or query/key norms.
-    host_loop: bool,
+    /// Each layer's two RMSNorm weights as host vectors (attention's, the feed-forward network's), read at load,
+    /// when the layer loop can run on host vectors ([`Model::layers_host`]): an f32 model on the CPU whose matrices
+    /// are all the kernels' and whose layers have no biases or query/key norms. `None` otherwise.
+    host_norms: Option<Vec<[Vec<f32>; 2]>>,
 }
 
 /// The weights of a [`Model`], as a loader hands them over.
@@ -394,8 +395,11 @@ impl Model {
                     && l.qk_norm.is_none()
                     && [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().all(|m| matches!(m, Matrix::Packed(_)))
             });
+        let host_norms = host_loop
+            .then(|| layers.iter().map(|l| Ok([l.attn_norm.to_vec1::<f32>()?, l.ffn_norm.to_vec1::<f32>()?])).collect::<candle_core::Result<Vec<_>>>().ok())
+            .flatten();
         Model {
-            host_loop,
+            host_norms,
             width: embedding.dims().last().copied().unwrap_or(config.hidden_size),
             config,
             device: device.clone(),
@@ -410,12 +414,12 @@ impl Model {
 
     /// Whether a CPU step keeps its activations in host memory through the layers ([`Model::layers_host`]).
     pub fn host_loop(&self) -> bool {
-        self.host_loop
+        self.host_norms.is_some()
     }
 
     /// The same model with every layer on candle tensors, for comparing the two layer loops.
     pub fn with_tensor_loop(mut self) -> Model {
-        self.host_loop = false;
+        self.host_norms = None;
         self
     }
 
@@ -512,8 +516,8 @@ impl Model {
         let mut x = self.embedding.index_select(&ids, 0)?;
         // RMSNorm over the laid-out width, with epsilon scaled as the weights were (see `gguf::padded_norm`).
         let eps = cfg.rms_eps * (cfg.hidden_size as f32 / self.width as f32);
-        if self.host_loop && attention.host_vectors() {
-            x = self.layers_host(attention, &step, segments, x, eps)?;
+        if let (Some(norms), true) = (&self.host_norms, attention.host_vectors()) {
+            x = self.layers_host(attention, &step, segments, norms, x, eps)?;
         } else {
             for (li, layer) in self.layers.iter().enumerate() {
                 let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
@@ -529,23 +533,31 @@ impl Model {
         read_back(&logits, outputs, if attention.device_argmax() { greedy } else { &[] })
     }
 
-    /// The layers of [`Model::forward_step`] on host vectors, for a model whose `host_loop` says it can and a
-    /// backend that attends on them: the same arithmetic as the tensor loop (candle's RMSNorm, row by row, and
-    /// exact adds), so the same bits, without a copy between candle tensors and the kernels' vectors at every
-    /// product, norm and residual add. `x`: the embedded tokens `[n, width]`; returns the last hidden states.
-    fn layers_host<A: Attention>(&self, attention: &A, step: &A::Step, segments: &mut [Segment<'_, A::Cache>], x: Tensor, eps: f32) -> candle_core::Result<Tensor> {
+    /// The layers of [`Model::forward_step`] on host vectors, for a model with `host_norms` (its layers' norm
+    /// weights) and a backend that attends on them: the same arithmetic as the tensor loop (candle's RMSNorm, row
+    /// by row, and exact adds), so the same bits, without a copy between candle tensors and the kernels' vectors at
+    /// every product, norm and residual add. `x`: the embedded tokens `[n, width]`; returns the last hidden states.
+    fn layers_host<A: Attention>(
+        &self,
+        attention: &A,
+        step: &A::Step,
+        segments: &mut [Segment<'_, A::Cache>],
+        norms: &[[Vec<f32>; 2]],
+        x: Tensor,
+        eps: f32,
+    ) -> candle_core::Result<Tensor> {
         let (n, width) = x.dims2()?;
         let mut x = x.flatten_all()?.to_vec1::<f32>()?;
         let packed = |what: &str| candle_core::Error::Msg(format!("{what} of the host layer loop is not on the kernels (a bug)"));
-        for (li, layer) in self.layers.iter().enumerate() {
-            let h = rms_norm_host(&x, &layer.attn_norm.to_vec1::<f32>()?, eps);
+        for (li, (layer, [attn_norm, ffn_norm])) in self.layers.iter().zip(norms).enumerate() {
+            let h = rms_norm_host(&x, attn_norm, eps);
             let qkv: [Vec<f32>; 3] = Matrix::products_host(&h, n, &[&layer.wq, &layer.wk, &layer.wv])?
                 .and_then(|o| o.try_into().ok())
                 .ok_or_else(|| packed("the q, k and v products"))?;
             let attn = attention.attend_host(step, li, qkv, segments)?;
             let out = Matrix::products_host(&attn, n, &[&layer.wo])?.and_then(|mut o| o.pop()).ok_or_else(|| packed("the output projection"))?;
             add_assign(&mut x, &out);
-            let h = rms_norm_host(&x, &layer.ffn_norm.to_vec1::<f32>()?, eps);
+            let h = rms_norm_host(&x, ffn_norm, eps);
             let y = Matrix::ffn_host(&h, n, &layer.w_gate, &layer.w_up, &layer.w_down)?.ok_or_else(|| packed("the feed-forward network"))?;
             add_assign(&mut x, &y);
         }
