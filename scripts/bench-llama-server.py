@@ -23,6 +23,8 @@ def main():
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--port", type=int, default=18080)
+    ap.add_argument("--cache-prompt", action="store_true",
+                    help="let each slot reuse the KV cache of the prompt it ran before (llama-server's prompt cache)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -34,7 +36,7 @@ def main():
     with serve(args.server, args.model, args.threads, args.slots, ctx, args.port, extra) as base:
         def one(row):
             body = {"prompt": row["prompt"], "n_predict": row["max_new"], "ignore_eos": row["ignore_eos"],
-                    "temperature": 0.0, "cache_prompt": False}
+                    "temperature": 0.0, "cache_prompt": args.cache_prompt}
             r = post(base + "/completion", body, timeout=7200)
             return r["tokens_evaluated"], r["tokens_predicted"]
 
@@ -45,14 +47,15 @@ def main():
     prompt = sum(p for p, _ in results)
     output = sum(o for _, o in results)
     report = {
-        "peer": "llama-server", "slots": args.slots, "rows": len(rows), "prompt_tokens": prompt, "output_tokens": output,
+        "peer": "llama-server", "slots": args.slots, "cache_prompt": args.cache_prompt, "rows": len(rows), "prompt_tokens": prompt, "output_tokens": output,
         "seconds": seconds, "requests_per_s": len(rows) / seconds, "total_tokens_per_s": (prompt + output) / seconds,
         "output_tokens_per_s": output / seconds,
     }
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"llama-server, {args.slots} slots: {len(rows)} rows, {prompt} prompt and {output} output tokens in {seconds:.1f} s: "
+        cache = ", prompt cache on" if args.cache_prompt else ""
+        print(f"llama-server, {args.slots} slots{cache}: {len(rows)} rows, {prompt} prompt and {output} output tokens in {seconds:.1f} s: "
               f"{report['requests_per_s']:.2f} requests/s, {report['total_tokens_per_s']:.1f} total tokens/s, "
               f"{report['output_tokens_per_s']:.1f} output tokens/s")
 

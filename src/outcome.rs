@@ -90,6 +90,8 @@ pub struct Completion {
     /// The parameters the row ran with (the job's, with the row's own values).
     pub params: GenerationParams,
     pub prompt_tokens: u32,
+    /// Prompt tokens served from the prefix cache (OpenAI's `cached_tokens`).
+    pub cached_tokens: u32,
     pub queue_s: f64,
     pub ttft_s: f64,
     pub e2e_s: f64,

@@ -58,6 +58,10 @@ pub struct GenerateBenchOptions {
     pub warmup_rows: usize,
     pub cpu_weights: crate::job::CpuWeights,
     pub kv_cache_dtype: crate::job::KvCacheDtype,
+    /// Tokens of an instruction every prompt starts with (before its own text, whose length the prompt range
+    /// draws); 0 for none.
+    pub shared_prefix: usize,
+    pub prefix_cache: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -92,6 +96,10 @@ pub struct GenerateBenchReport {
     pub kv_blocks: usize,
     pub peak_kv_blocks: usize,
     pub preemptions: u64,
+    /// Whether the prefix cache was on, the prompt tokens it served and the prompt tokens computed.
+    pub prefix_cache: bool,
+    pub cached_prompt_tokens: u64,
+    pub computed_prompt_tokens: u64,
     /// Useful tokens over tokens computed (recomputation after preemption is the waste).
     pub packing_efficiency: f64,
     pub weights_bytes: usize,
@@ -108,21 +116,32 @@ pub struct GenerateBenchReport {
     pub device_memory_in_use_bytes: Option<u64>,
 }
 
-/// Prompt and output lengths drawn from the ranges, and the prompts' text: a fixed instruction and ticket words.
+/// Prompt and output lengths drawn from the ranges, and the prompts' text: a fixed instruction (with
+/// `--shared-prefix`, a long one of ticket words, the same in every row) and ticket words.
 fn workload(options: &GenerateBenchOptions, pre: &Preprocessor, limit: usize) -> Result<Vec<(Vec<u32>, u32)>, Error> {
     let mut rng = rand::rngs::SmallRng::seed_from_u64(options.seed);
-    let render = |words: &[&str]| -> Result<Vec<u32>, Error> {
-        let text = format!("Summarise this support ticket in two sentences.\n\n{}", words.join(" "));
+    let mut instruction = String::new();
+    let render = |instruction: &str, words: &[&str]| -> Result<Vec<u32>, Error> {
+        let text = format!("{instruction}Summarise this support ticket in two sentences.\n\n{}", words.join(" "));
         pre.render(&Prompt::Text(text)).and_then(|t| pre.encode(&t)).map_err(|e| Error::Internal(format!("bench prompt: {}", e.message)))
     };
     // The template's own tokens, and the tokenizer's rate on these words.
     let sample: Vec<&str> = (0..2000).map(|_| WORDS[rng.random_range(0..WORDS.len())]).collect();
+    let per_word = (render("", &sample)?.len() - render("", &[])?.len()) as f64 / 2000.0;
+    if options.shared_prefix > 0 {
+        let words = (options.shared_prefix as f64 / per_word).round().max(1.0) as usize;
+        let words: Vec<&str> = (0..words).map(|_| WORDS[rng.random_range(0..WORDS.len())]).collect();
+        instruction = format!("Read these guidelines first. {}\n\n", words.join(" "));
+    }
+    let render = |words: &[&str]| render(&instruction, words);
     let overhead = render(&[])?.len();
-    let per_word = (render(&sample)?.len() - overhead) as f64 / 2000.0;
     let mut rows = Vec::with_capacity(options.rows);
     for _ in 0..options.rows {
         let new = rng.random_range(options.min_new..=options.max_new);
-        let target = rng.random_range(options.min_prompt..=options.max_prompt).min(limit.saturating_sub(new)).max(overhead + 1);
+        let own = rng.random_range(options.min_prompt..=options.max_prompt);
+        // With a shared instruction, the range is the row's own text; without, the whole prompt.
+        let target = if options.shared_prefix > 0 { overhead + own } else { own };
+        let target = target.min(limit.saturating_sub(new)).max(overhead + 1);
         let words = ((target - overhead) as f64 / per_word).round().max(1.0) as usize;
         let words: Vec<&str> = (0..words).map(|_| WORDS[rng.random_range(0..WORDS.len())]).collect();
         let mut tokens = render(&words)?;
@@ -171,7 +190,8 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
     let backend = Backend::for_model(&model);
     let kv_bytes = crate::engine::kv_cache_bytes(options.kv_cache_memory, &device);
     let kv_dtype = backend.kv_dtype(&model, options.kv_cache_dtype).map_err(|m| Error::Usage(format!("--kv-cache-dtype: {m}")))?;
-    let config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, backend.block_bytes(&model, kv_dtype));
+    let mut config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, backend.block_bytes(&model, kv_dtype));
+    config.prefix_cache = options.prefix_cache;
     let (device_name, dtype) = (engine::device_name(&device), format!("{:?}", model.dtype()).to_lowercase());
     let setup = DecoderSetup { tokenizer: pre.tokenizer().clone(), params, stop: StopRules::new(&info.vocab), config, kv_dtype };
     let mut engine = engine::decoder_engine(model, setup).map_err(Error::Engine)?;
@@ -217,6 +237,9 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         kv_blocks: stats.kv_blocks,
         peak_kv_blocks: stats.peak_kv_blocks,
         preemptions: stats.preemptions,
+        prefix_cache: options.prefix_cache && !backend.is_paged(),
+        cached_prompt_tokens: stats.cached_prompt_tokens,
+        computed_prompt_tokens: stats.prefill_tokens,
         packing_efficiency: stats.packing_efficiency().unwrap_or(1.0),
         weights_bytes,
         peak_rss_bytes: crate::host::peak_rss_bytes().unwrap_or(0),

@@ -243,6 +243,13 @@ pub struct GenerateBenchArgs {
     /// How the KV cache holds keys and values, as `runtime.kv_cache_dtype`: `auto`, `f32`, `f16` or `bf16`.
     #[arg(long, default_value = "auto", value_parser = crate::job::KvCacheDtype::parse)]
     pub kv_cache_dtype: crate::job::KvCacheDtype,
+    /// Every prompt starts with the same instruction of about this many tokens, before its own text (whose length
+    /// --min-prompt and --max-prompt then draw): a workload for the prefix cache.
+    #[arg(long, default_value_t = 0)]
+    pub shared_prefix: usize,
+    /// The prefix cache, as `runtime.prefix_cache`: `true` or `false`.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub prefix_cache: bool,
     /// Write the workload's requests (token ids, output lengths) to this file, one JSON object per line, for a
     /// peer to run the same requests (`scripts/bench-llama-server.py`).
     #[arg(long)]
@@ -272,6 +279,8 @@ impl GenerateBenchArgs {
             warmup_rows: self.warmup_rows,
             cpu_weights: self.cpu_weights,
             kv_cache_dtype: self.kv_cache_dtype,
+            shared_prefix: self.shared_prefix,
+            prefix_cache: self.prefix_cache,
         }
     }
 }

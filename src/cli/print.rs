@@ -105,6 +105,13 @@ pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
         r.preemptions,
         r.packing_efficiency * 100.0
     );
+    println!(
+        "prefix cache: {}, {} prompt tokens served from it, {} computed ({:.1} % of prompt tokens)",
+        if r.prefix_cache { "on" } else { "off" },
+        r.cached_prompt_tokens,
+        r.computed_prompt_tokens,
+        100.0 * r.computed_prompt_tokens as f64 / r.prompt_tokens.max(1) as f64
+    );
 }
 
 pub fn print_embed_bench(report: &crate::bench::EmbedBenchReport, json: bool) {

@@ -268,6 +268,7 @@ pub fn complete(request: Request, params: GenerationParams, timing: RowTiming, c
     let most_sampled = choices.iter().map(|c| c.completion_tokens).max().unwrap_or(0);
     Completion {
         prompt_tokens: request.tokens.len() as u32,
+        cached_tokens: 0,
         id: request.id,
         tag: request.tag,
         choices,

@@ -6,6 +6,7 @@
 //! once and forked.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,7 +20,7 @@ use super::{Engine, EngineError, EngineStats, Request};
 use crate::job::GenerationParams;
 use crate::outcome::{Choice, Outcome, RowFailure, TokenLogprob};
 use crate::row::{ErrorCode, FinishReason, RowError};
-use crate::schedule::{Scheduler, SeqId};
+use crate::schedule::{BlockKey, Prefix, Scheduler, SeqId};
 
 #[derive(Clone, Debug)]
 pub struct BatchConfig {
@@ -29,13 +30,15 @@ pub struct BatchConfig {
     pub max_batch_tokens: usize,
     /// KV cache blocks of [`KV_BLOCK_TOKENS`] positions, shared by all sequences.
     pub kv_blocks: usize,
+    /// Keep prefilled blocks and serve them to later prompts with the same beginning (`runtime.prefix_cache`).
+    pub prefix_cache: bool,
 }
 
 impl BatchConfig {
     /// The configuration for a KV cache budget of `kv_bytes`, in blocks of `block_bytes` ([`Attention::block_bytes`], [`Backend::block_bytes`]).
     pub fn new(max_seqs: usize, max_batch_tokens: usize, kv_bytes: u64, block_bytes: usize) -> BatchConfig {
         let kv_blocks = (kv_bytes / block_bytes.max(1) as u64).min(u32::MAX as u64) as usize;
-        BatchConfig { max_seqs, max_batch_tokens, kv_blocks: kv_blocks.max(1) }
+        BatchConfig { max_seqs, max_batch_tokens, kv_blocks: kv_blocks.max(1), prefix_cache: true }
     }
 
     /// Tokens the KV cache budget holds, all sequences together.
@@ -60,6 +63,7 @@ impl BatchConfig {
             // holding places empty to gather prefills only loses decode throughput.
             min_prefill_places: 1,
             max_decode_steps_between_prefills: 8,
+            prefix_cache: self.prefix_cache,
         }
     }
 }
@@ -126,6 +130,8 @@ struct Sequence<C> {
     choice: ChoiceState,
     /// Choices still to fork from this sequence right after its prefill (`n - 1` for a row's first sequence).
     forks: u32,
+    /// Prefix cache keys of its prompt's full blocks (empty without the cache).
+    keys: Arc<[BlockKey]>,
 }
 
 /// A row in the engine: its request, its parameters and its finished choices.
@@ -139,6 +145,8 @@ struct Group {
     /// Choices not finished yet.
     live: usize,
     timing: RowTiming,
+    /// Prompt tokens its first prefill took from the prefix cache.
+    cached_tokens: u32,
 }
 
 pub struct BatchEngine<A: Attention> {
@@ -156,6 +164,10 @@ pub struct BatchEngine<A: Attention> {
     grammars: Option<constraint::Grammars>,
     next_id: SeqId,
     stats: EngineStats,
+    /// The prefix cache's blocks, by key (the scheduler decides what is kept; see [`crate::schedule`]).
+    prefix_blocks: HashMap<BlockKey, A::Block>,
+    /// Keys the chained block hashes (two SipHash keys, drawn per process).
+    block_hash: [std::collections::hash_map::RandomState; 2],
 }
 
 /// What a step decided for one sequence after the forward pass.
@@ -169,7 +181,9 @@ impl<A: Attention> BatchEngine<A> {
     /// An engine over a loaded model and its attention backend (a paged backend's pool sized to
     /// `setup.config.kv_blocks`, the scheduler's budget).
     pub fn new(attention: A, model: Model, setup: DecoderSetup) -> Self {
-        let DecoderSetup { tokenizer, params, stop, config, .. } = setup;
+        let DecoderSetup { tokenizer, params, stop, mut config, .. } = setup;
+        // A backend that cannot share blocks runs without the cache.
+        config.prefix_cache &= attention.shares_blocks();
         let scheduler = Scheduler::new(config.schedule());
         let stats = EngineStats { kv_blocks: config.kv_blocks, ..EngineStats::default() };
         BatchEngine {
@@ -185,7 +199,32 @@ impl<A: Attention> BatchEngine<A> {
             grammars: None,
             next_id: 0,
             stats,
+            prefix_blocks: HashMap::new(),
+            block_hash: Default::default(),
         }
+    }
+
+    /// Prefix cache keys of every full block of `tokens`: each a 128-bit hash of the block's tokens and the key
+    /// before it, so it names everything up to the block's end. (Keyed hashes: a collision, about one in 2^64 for
+    /// 2^32 blocks, cannot be crafted by the rows.)
+    fn block_keys(&self, tokens: &[u32]) -> Arc<[BlockKey]> {
+        if !self.config.prefix_cache {
+            return Arc::from(Vec::new());
+        }
+        let mut key: BlockKey = 0;
+        tokens
+            .chunks_exact(KV_BLOCK_TOKENS)
+            .map(|block| {
+                let [a, b] = self.block_hash.each_ref().map(|state| {
+                    let mut h = state.build_hasher();
+                    key.hash(&mut h);
+                    block.hash(&mut h);
+                    h.finish()
+                });
+                key = (a as u128) << 64 | b as u128;
+                key
+            })
+            .collect()
     }
 
     pub fn model(&self) -> &Model {
@@ -211,7 +250,7 @@ impl<A: Attention> BatchEngine<A> {
     fn new_sequence(&self, group: SeqId, index: u32, pending: Vec<u32>, cache: A::Cache, max_new_tokens: usize) -> Result<Sequence<A::Cache>, String> {
         let g = &self.groups[&group];
         let choice = ChoiceState::new(index, &g.request.id, &g.params, max_new_tokens, g.grammar.as_deref())?;
-        Ok(Sequence { group, pending, cache, choice, forks: 0 })
+        Ok(Sequence { group, pending, cache, choice, forks: 0, keys: Arc::from(Vec::new()) })
     }
 
     /// Chooses a sequence's next token and applies it; returns why it finished, if it did.
@@ -242,7 +281,9 @@ impl<A: Attention> BatchEngine<A> {
         }
         let group = self.groups.remove(&seq.group).expect("checked above");
         let choices: Vec<Choice> = group.choices.into_iter().map(|c| c.expect("every choice finished")).collect();
-        Some(Outcome::Completed(choice::complete(group.request, group.params, group.timing, choices, now)))
+        let mut completion = choice::complete(group.request, group.params, group.timing, choices, now);
+        completion.cached_tokens = group.cached_tokens;
+        Some(Outcome::Completed(completion))
     }
 
     /// Fails a whole row (every choice) with an error found while it ran.
@@ -263,9 +304,10 @@ impl<A: Attention> BatchEngine<A> {
             .iter()
             .map(|id| {
                 let seq = &self.seqs[id];
+                // A scoring row is only ever prefilled (the prefix cache serves none of these positions).
                 match &self.groups[&seq.group].request.completion {
-                    Some(c) if seq.cache.is_empty() => c.len() + 1,
-                    _ => 1,
+                    Some(c) => c.len() + 1,
+                    None => 1,
                 }
             })
             .collect();
@@ -315,7 +357,8 @@ impl<A: Attention> BatchEngine<A> {
             let parent = &self.seqs[&id];
             let max_new = parent.choice.max_new_tokens();
             let cache = self.attention.fork(&parent.cache).map_err(|e| format!("cannot fork the KV cache: {e}"))?;
-            let seq = self.new_sequence(group, index, Vec::new(), cache, max_new)?;
+            let keys = parent.keys.clone();
+            let seq = Sequence { keys, ..self.new_sequence(group, index, Vec::new(), cache, max_new)? };
             self.scheduler.fork(id, child);
             self.seqs.insert(child, seq);
             ids.push(child);
@@ -346,6 +389,22 @@ impl<A: Attention> BatchEngine<A> {
         }
     }
 
+    /// A sequence about to be prefilled starts from the first `blocks` blocks of its prompt, from the prefix
+    /// cache: it prefills only the tokens after them.
+    fn reuse_prefix(&mut self, id: SeqId, blocks: usize) -> Result<(), EngineError> {
+        let seq = self.seqs.get_mut(&id).expect("a prefilled sequence exists");
+        let shared: Option<Vec<A::Block>> = seq.keys.get(..blocks).and_then(|keys| keys.iter().map(|k| self.prefix_blocks.get(k).cloned()).collect());
+        let shared = shared.ok_or_else(|| EngineError::Bug(format!("a sequence reuses {blocks} blocks the prefix cache does not hold")))?;
+        let capacity = seq.pending.len() + seq.choice.max_new_tokens().min(INITIAL_ANSWER_TOKENS);
+        seq.cache = self.attention.cache_from_blocks(shared, capacity)?;
+        seq.pending.drain(..blocks * KV_BLOCK_TOKENS);
+        // A row's first prefill (a recomputation comes after a sampled token).
+        if seq.choice.generated().is_empty() {
+            self.groups.get_mut(&seq.group).expect("a sequence's group exists").cached_tokens = (blocks * KV_BLOCK_TOKENS) as u32;
+        }
+        Ok(())
+    }
+
     fn record(&mut self, prefill_tokens: usize, decode_tokens: usize, took: f64) {
         if prefill_tokens > 0 {
             self.stats.prefill_s += took;
@@ -360,6 +419,8 @@ impl<A: Attention> BatchEngine<A> {
         let s = self.scheduler.stats();
         self.stats.preemptions = s.preemptions;
         self.stats.recomputed_tokens = s.recomputed_tokens;
+        self.stats.cached_prompt_tokens = s.cached_tokens;
+        self.stats.prefix_evictions = s.evictions;
         self.stats.peak_kv_blocks = s.peak_blocks;
         self.stats.peak_kv_bytes = s.peak_blocks * self.attention.block_bytes();
         self.stats.mean_kv_blocks = s.block_steps as f64 / s.steps.max(1) as f64;
@@ -401,11 +462,15 @@ where
         }
         let id = self.next_id;
         let n = if scoring { 1 } else { params.n as usize };
-        if let Err(e) = self.scheduler.push_group(id, prompt, max_new_tokens, n) {
+        let pending: Vec<u32> = request.tokens.iter().chain(completion).copied().collect();
+        // The positions whose logits the row needs are computed, never served from the cache.
+        let outputs = if scoring { completion.len() + 1 } else { 1 };
+        let keys = self.block_keys(&pending);
+        let prefix = Prefix { keys: keys.clone(), reusable: (prompt - outputs) / KV_BLOCK_TOKENS };
+        if let Err(e) = self.scheduler.push_group(id, prompt, max_new_tokens, n, prefix) {
             return Err(request.fail(RowError::new(ErrorCode::PromptTooLong, e.to_string())));
         }
         self.next_id += 1;
-        let pending: Vec<u32> = request.tokens.iter().chain(completion).copied().collect();
         let mut penalty_prompt = Vec::new();
         if params.repetition_penalty != 1.0 {
             penalty_prompt = request.tokens.clone();
@@ -413,11 +478,12 @@ where
             penalty_prompt.dedup();
         }
         let timing = RowTiming::new(request.arrival);
-        self.groups.insert(id, Group { request, params, penalty_prompt, grammar, choices: vec![None; n], live: n, timing });
+        self.groups.insert(id, Group { request, params, penalty_prompt, grammar, choices: vec![None; n], live: n, timing, cached_tokens: 0 });
         let cache = self.attention.new_cache(prompt + max_new_tokens.min(INITIAL_ANSWER_TOKENS));
         match self.new_sequence(id, 0, pending, cache, max_new_tokens) {
             Ok(mut seq) => {
                 seq.forks = n as u32 - 1;
+                seq.keys = keys;
                 self.seqs.insert(id, seq);
                 Ok(())
             }
@@ -435,6 +501,9 @@ where
 
     fn step(&mut self) -> Result<Vec<Outcome>, EngineError> {
         let plan = self.scheduler.next_step();
+        for key in &plan.evicted {
+            self.prefix_blocks.remove(key);
+        }
         for id in &plan.preempted {
             // Dropped, to be prefilled again with its prompt and everything it generated (the last sampled token
             // included: it was not fed yet).
@@ -451,6 +520,9 @@ where
             // admitted under); failing loudly beats spinning.
             return Err(EngineError::Bug(format!("the scheduler made no progress with {} sequences waiting", self.seqs.len())));
         }
+        for &(id, blocks) in &plan.reused {
+            self.reuse_prefix(id, blocks)?;
+        }
         let started = Instant::now();
         for (id, tokens) in &plan.prefill {
             let seq = &self.seqs[id];
@@ -459,6 +531,11 @@ where
         }
         let order: Vec<SeqId> = plan.decode.iter().copied().chain(plan.prefill.iter().map(|p| p.0)).collect();
         let logits = self.forward(&order)?;
+        for &(id, index, key) in &plan.registered {
+            let block = self.attention.share_block(&self.seqs[&id].cache, index);
+            let block = block.ok_or_else(|| EngineError::Bug(format!("block {index} of a prefill to cache is missing")))?;
+            self.prefix_blocks.insert(key, block);
+        }
         let now = Instant::now();
         let mut settled = Vec::new();
         for (&id, rows) in order.iter().zip(logits) {
@@ -469,7 +546,8 @@ where
         }
         // After a step, the sequences hold exactly the blocks booked for it: the scheduler books the positions the
         // step writes, and a block is allocated when its first position is written.
-        debug_assert_eq!(self.seqs.values().map(|s| s.cache.blocks()).sum::<usize>(), self.scheduler.cached_blocks());
+        debug_assert_eq!(self.seqs.values().map(|s| s.cache.blocks()).sum::<usize>(), self.scheduler.sequence_blocks());
+        debug_assert_eq!(self.prefix_blocks.len(), self.scheduler.prefix_blocks().0);
         self.record(plan.prefill_tokens(), plan.decode.len(), (now - started).as_secs_f64());
 
         let mut results = Vec::new();

@@ -114,6 +114,9 @@ pub struct EngineStats {
     /// Sequences preempted when the KV cache ran short, and the tokens prefilled again for them.
     pub preemptions: u64,
     pub recomputed_tokens: u64,
+    /// Prefilled tokens served from the prefix cache (not computed), and cached blocks evicted to make room.
+    pub cached_prompt_tokens: u64,
+    pub prefix_evictions: u64,
     /// KV cache blocks in the budget, the most in use at once, and the mean in use per step.
     pub kv_blocks: usize,
     pub peak_kv_blocks: usize,

@@ -15,6 +15,7 @@ pub(super) struct RuntimeSection {
     kv_cache_memory: Option<MemoryValue>,
     cpu_weights: Option<String>,
     kv_cache_dtype: Option<String>,
+    prefix_cache: Option<bool>,
 }
 
 /// A size in a job file: bytes as an integer, or a string such as `"4GiB"`, `"512MB"` or `"40%"`.
@@ -130,6 +131,8 @@ pub struct RuntimeSpec {
     pub cpu_weights: CpuWeights,
     /// How a decoder's KV cache holds keys and values.
     pub kv_cache_dtype: KvCacheDtype,
+    /// Whether a decoder keeps prefilled KV blocks and serves them to later prompts with the same beginning.
+    pub prefix_cache: bool,
 }
 
 /// How much memory a job may use for something.
@@ -196,6 +199,7 @@ impl Default for RuntimeSpec {
             kv_cache_memory: MemoryBudget::DEFAULT_KV,
             cpu_weights: CpuWeights::default(),
             kv_cache_dtype: KvCacheDtype::default(),
+            prefix_cache: true,
         }
     }
 }
@@ -244,6 +248,7 @@ impl RuntimeSpec {
                 None => defaults.kv_cache_dtype,
                 Some(t) => KvCacheDtype::parse(t).map_err(|m| invalid("runtime.kv_cache_dtype", m))?,
             },
+            prefix_cache: r.prefix_cache.unwrap_or(defaults.prefix_cache),
         })
     }
 }
@@ -271,6 +276,14 @@ mod tests {
         let m = message(&format!("{MINIMAL}\n[runtime]\nkv_cache_memory = \"lots\""));
         assert!(m.contains("runtime.kv_cache_memory"), "{m}");
         assert_eq!(MemoryBudget::Fraction(0.5).resolve(1000), 500);
+    }
+
+    #[test]
+    fn the_prefix_cache_is_on_unless_the_job_turns_it_off() {
+        assert!(parse(MINIMAL).unwrap().runtime.prefix_cache);
+        assert!(!parse(&format!("{MINIMAL}\n[runtime]\nprefix_cache = false")).unwrap().runtime.prefix_cache);
+        let m = message(&format!("{MINIMAL}\n[runtime]\nprefix_cache = \"off\""));
+        assert!(m.contains("prefix_cache"), "{m}");
     }
 
     #[test]

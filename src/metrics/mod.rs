@@ -134,6 +134,11 @@ job_metrics! {
         pub preemptions: u64,
         /// Tokens prefilled again for preempted sequences.
         pub recomputed_tokens: u64,
+        /// Prompt tokens served from the prefix cache (runtime.prefix_cache) instead of computed; prefill_tokens
+        /// counts only the computed ones.
+        pub cached_prompt_tokens: u64,
+        /// Cached prefix blocks dropped to make room for others.
+        pub prefix_cache_evictions: u64,
         /// Bytes of model weights held in memory.
         pub weights_bytes: u64,
         /// How the weights were computed: "as-stored", or how a GGUF decoder's were requantized for the CPU
@@ -181,6 +186,8 @@ impl JobMetrics {
             kv_utilisation_mean: engine.kv_utilisation().map(|u| u.1),
             preemptions: engine.preemptions,
             recomputed_tokens: engine.recomputed_tokens,
+            cached_prompt_tokens: engine.cached_prompt_tokens,
+            prefix_cache_evictions: engine.prefix_evictions,
             peak_rss_bytes: crate::host::peak_rss_bytes().unwrap_or(0),
             ..JobMetrics::default()
         }

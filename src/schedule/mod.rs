@@ -22,11 +22,35 @@
 //!   it is admitted only with a place and the prompt's blocks for every choice, is prefilled once, and right after
 //!   that prefill the engine forks it ([`Scheduler::fork`]) into independent sequences that copy its cache. Each
 //!   choice is then scheduled, preempted and recomputed like any other sequence.
+//! - **Prefix cache** ([`Config::prefix_cache`]). A sequence is queued with the keys of its prompt's full blocks
+//!   ([`Prefix`]: each key names a block's tokens and every token before them). Blocks a prefill writes join the
+//!   cache under their keys; a sequence admitted later takes the cached blocks of its longest cached prefix
+//!   (reference-counted, never copied) and prefills only the rest. A cached block no sequence holds stays cached
+//!   until its memory is needed, then is evicted, least recently used first (a chain's deepest blocks before their
+//!   parents). Cached blocks count against the same budget as everything else.
+//!   Admission with the cache: the oldest waiting sequence still goes first, and a step's prompt token budget
+//!   counts only the tokens it computes; the step is then filled from sequences that find a cached prefix first,
+//!   then by length bucket. A sequence whose next uncached block another sequence of the same step is about to
+//!   write waits for the next step, to find it cached (the first row of a group is prefilled before its
+//!   siblings). The choices of a row share its prompt's cached blocks, and each books only the blocks it writes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
 
 /// A sequence's handle, chosen by the engine.
 pub type SeqId = u64;
+
+/// The key of a full block of tokens in the prefix cache: it names the block's tokens and every token before them
+/// (the engine's chained 128-bit hash, keyed per process).
+pub type BlockKey = u128;
+
+/// What the prefix cache may serve a queued sequence: the keys of its prefilled tokens' full blocks, in order, of
+/// which the first `reusable` may come from the cache (the positions whose outputs the engine needs are computed).
+#[derive(Clone, Debug, Default)]
+pub struct Prefix {
+    pub keys: Arc<[BlockKey]>,
+    pub reusable: usize,
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
@@ -42,6 +66,8 @@ pub struct Config {
     pub min_prefill_places: usize,
     /// ...but not for more than this many decode steps.
     pub max_decode_steps_between_prefills: usize,
+    /// Keep prefilled blocks under their keys and serve them to later sequences.
+    pub prefix_cache: bool,
 }
 
 impl Config {
@@ -60,10 +86,17 @@ impl Config {
 pub struct Step {
     /// Sequences that feed one token (their last sampled one).
     pub decode: Vec<SeqId>,
-    /// Sequences prefilled in full, with their token counts (a recomputed sequence's count includes its output).
+    /// Sequences prefilled, with the tokens computed: all of them (a recomputed sequence's include its output)
+    /// less those served from the prefix cache ([`Step::reused`]).
     pub prefill: Vec<(SeqId, usize)>,
     /// Sequences preempted before this step: their KV cache must be dropped; they will be prefilled again.
     pub preempted: Vec<SeqId>,
+    /// Prefilled sequences that start from cached blocks: how many leading blocks of their [`Prefix`] they take.
+    pub reused: Vec<(SeqId, usize)>,
+    /// Blocks the step's prefills write that join the cache after the step: (sequence, block index, key).
+    pub registered: Vec<(SeqId, usize, BlockKey)>,
+    /// Cached blocks dropped before this step, to make room.
+    pub evicted: Vec<BlockKey>,
 }
 
 impl Step {
@@ -94,6 +127,7 @@ struct Waiting {
     recompute: bool,
     /// Sequences it becomes after its prefill (choices of one prompt); 1 for most.
     width: usize,
+    prefix: Prefix,
 }
 
 #[derive(Clone, Debug)]
@@ -103,10 +137,23 @@ struct Running {
     order: u64,
     /// Positions in the KV cache.
     len: usize,
+    /// Blocks it holds alone (cached blocks it shares are in `shared`).
     blocks: usize,
     max_tokens: usize,
     /// Blocks booked at admission for the copies [`Scheduler::fork`] makes, not yet handed to them.
     fork_blocks: usize,
+    /// Cached blocks it holds a reference to, in position order.
+    shared: Vec<BlockKey>,
+    prefix: Prefix,
+}
+
+/// A block in the prefix cache.
+#[derive(Clone, Copy, Debug)]
+struct Cached {
+    /// Running sequences holding it.
+    refs: u32,
+    /// When it was last released (its place in the eviction order while no sequence holds it).
+    released: u64,
 }
 
 /// Counters for the job's metrics.
@@ -119,6 +166,10 @@ pub struct Stats {
     /// Sum over steps of the blocks in use, for the mean utilisation.
     pub block_steps: u64,
     pub steps: u64,
+    /// Prefilled tokens served from the prefix cache (recomputations included).
+    pub cached_tokens: u64,
+    /// Cached blocks evicted to make room.
+    pub evictions: u64,
 }
 
 #[derive(Debug)]
@@ -131,6 +182,10 @@ pub struct Scheduler {
     next_order: u64,
     decode_steps_since_prefill: usize,
     stats: Stats,
+    /// The prefix cache: every cached block, and those no sequence holds by release time (the eviction order).
+    cache: HashMap<BlockKey, Cached>,
+    idle: BTreeSet<(u64, BlockKey)>,
+    clock: u64,
 }
 
 /// Length bucket of a prompt: prompts within a power of two of each other share one.
@@ -149,6 +204,9 @@ impl Scheduler {
             next_order: 0,
             decode_steps_since_prefill: 0,
             stats: Stats::default(),
+            cache: HashMap::new(),
+            idle: BTreeSet::new(),
+            clock: 0,
         }
     }
 
@@ -176,28 +234,38 @@ impl Scheduler {
         self.config.kv_blocks - self.free_blocks
     }
 
-    /// Blocks held by sequences' caches: the used ones less those booked for forks not made yet.
-    pub fn cached_blocks(&self) -> usize {
-        self.used_blocks() - self.running.iter().map(|r| r.fork_blocks).sum::<usize>()
+    /// Blocks in the sequences' block tables, a shared block once per sequence holding it (what the engine's
+    /// caches hold after a step).
+    pub fn sequence_blocks(&self) -> usize {
+        self.running.iter().map(|r| r.blocks + r.shared.len()).sum()
+    }
+
+    /// Blocks in the prefix cache, and those of them no sequence holds.
+    pub fn prefix_blocks(&self) -> (usize, usize) {
+        (self.cache.len(), self.idle.len())
     }
 
     /// Queues a sequence of `prompt` tokens that may generate up to `max_new` more. A sequence whose prompt and
     /// output limit exceed the whole budget is refused: it could be preempted forever.
     pub fn push(&mut self, id: SeqId, prompt: usize, max_new: usize) -> Result<(), TooLong> {
-        self.push_group(id, prompt, max_new, 1)
+        self.push_group(id, prompt, max_new, 1, Prefix::default())
     }
 
     /// Queues a prompt that becomes `width` sequences after its prefill (see [`Scheduler::fork`]). Refused when
     /// one sequence exceeds the budget, or the prompt's blocks for all of them do (they could never start).
-    /// `width` is at most `max_seqs`.
-    pub fn push_group(&mut self, id: SeqId, prompt: usize, max_new: usize, width: usize) -> Result<(), TooLong> {
+    /// `width` is at most `max_seqs`. `prefix` names the prompt's full blocks for the prefix cache.
+    pub fn push_group(&mut self, id: SeqId, prompt: usize, max_new: usize, width: usize, prefix: Prefix) -> Result<(), TooLong> {
         assert!(width >= 1 && width <= self.config.max_seqs, "width {width} with max_seqs {}", self.config.max_seqs);
         let needed = prompt + max_new;
         let capacity = self.config.capacity_tokens();
         if prompt == 0 || needed > capacity || width * self.config.blocks_for(prompt) > self.config.kv_blocks {
             return Err(TooLong { needed: needed.max(width * prompt), capacity });
         }
-        self.waiting.insert(self.next_order, Waiting { id, tokens: prompt, max_tokens: needed, recompute: false, width });
+        let prefix = match self.config.prefix_cache {
+            true => Prefix { reusable: prefix.reusable.min(prefix.keys.len()).min((prompt - 1) / self.config.block_tokens), ..prefix },
+            false => Prefix::default(),
+        };
+        self.waiting.insert(self.next_order, Waiting { id, tokens: prompt, max_tokens: needed, recompute: false, width, prefix });
         self.next_order += 1;
         Ok(())
     }
@@ -207,19 +275,73 @@ impl Scheduler {
     /// sequence, so it is the first preempted.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) {
         let i = self.running.iter().position(|r| r.id == parent).expect("fork of a running sequence");
-        let blocks = self.config.blocks_for(self.running[i].len);
+        let blocks = self.running[i].blocks;
         assert!(self.running[i].fork_blocks >= blocks, "fork beyond the group's width");
         self.running[i].fork_blocks -= blocks;
         let r = Running { id: child, order: self.next_order, fork_blocks: 0, ..self.running[i].clone() };
+        for &key in &r.shared {
+            self.acquire(key);
+        }
         self.next_order += 1;
         self.running.push(r);
+    }
+
+    /// A reference to a cached block.
+    fn acquire(&mut self, key: BlockKey) {
+        let c = self.cache.get_mut(&key).expect("an acquired block is cached");
+        if c.refs == 0 {
+            self.idle.remove(&(c.released, key));
+        }
+        c.refs += 1;
+    }
+
+    /// Frees a sequence's blocks: its own, and its references to cached blocks (deepest first, so that a chain is
+    /// evicted from its end and no cached block outlives its parent).
+    fn release(&mut self, r: &Running) {
+        self.free_blocks += r.blocks + r.fork_blocks;
+        for &key in r.shared.iter().rev() {
+            let c = self.cache.get_mut(&key).expect("a shared block is cached");
+            c.refs -= 1;
+            if c.refs == 0 {
+                self.clock += 1;
+                c.released = self.clock;
+                self.idle.insert((self.clock, key));
+            }
+        }
+    }
+
+    /// Takes `n` free blocks, evicting idle cached blocks (least recently released first) while too few are free.
+    fn take_free(&mut self, n: usize, step: &mut Step) {
+        while self.free_blocks < n {
+            let (_, key) = self.idle.pop_first().expect("the caller counted idle blocks");
+            self.cache.remove(&key);
+            self.free_blocks += 1;
+            self.stats.evictions += 1;
+            step.evicted.push(key);
+        }
+        self.free_blocks -= n;
+    }
+
+    /// The leading blocks of a prefix found in the cache, not counting those this step's prefills are still to
+    /// write (`in_flight`), and how many of them no sequence holds.
+    fn hits(&self, prefix: &Prefix, in_flight: &HashSet<BlockKey>) -> (usize, usize) {
+        let mut idle = 0;
+        let mut hit = 0;
+        for key in &prefix.keys[..prefix.reusable] {
+            match self.cache.get(key) {
+                Some(c) if !in_flight.contains(key) => idle += usize::from(c.refs == 0),
+                _ => break,
+            }
+            hit += 1;
+        }
+        (hit, idle)
     }
 
     /// A sequence finished (or failed): its place and blocks are free.
     pub fn finish(&mut self, id: SeqId) {
         if let Some(i) = self.running.iter().position(|r| r.id == id) {
             let r = self.running.swap_remove(i);
-            self.free_blocks += r.blocks + r.fork_blocks;
+            self.release(&r);
         } else {
             self.waiting.retain(|_, w| w.id != id);
         }
@@ -253,31 +375,34 @@ impl Scheduler {
     fn make_room_for_decode(&mut self, step: &mut Step) {
         loop {
             let short: usize =
-                self.running.iter().filter(|r| self.config.blocks_for(r.len + 1) > r.blocks).count();
-            if short <= self.free_blocks {
+                self.running.iter().filter(|r| self.config.blocks_for(r.len + 1) > r.blocks + r.shared.len()).count();
+            if short <= self.free_blocks + self.idle.len() {
                 break;
             }
             // The newest running sequence; a lone one always fits (its limit was checked against the budget).
             let newest = (0..self.running.len()).max_by_key(|&i| self.running[i].order).expect("blocks are held by running sequences");
             let r = self.running.swap_remove(newest);
-            self.free_blocks += r.blocks + r.fork_blocks;
+            self.release(&r);
             self.stats.preemptions += 1;
-            // It holds `len` positions and has one sampled token not yet fed: all of them are prefilled again.
-            self.waiting.insert(r.order, Waiting { id: r.id, tokens: r.len + 1, max_tokens: r.max_tokens, recompute: true, width: 1 });
+            // It holds `len` positions and has one sampled token not yet fed: all of them are prefilled again (its
+            // prompt's blocks from the cache, while they are there).
+            let w = Waiting { id: r.id, tokens: r.len + 1, max_tokens: r.max_tokens, recompute: true, width: 1, prefix: r.prefix };
+            self.waiting.insert(r.order, w);
             step.preempted.push(r.id);
         }
-        for r in &mut self.running {
-            let need = self.config.blocks_for(r.len + 1);
-            if need > r.blocks {
-                self.free_blocks -= need - r.blocks;
-                r.blocks = need;
+        for i in 0..self.running.len() {
+            let r = &self.running[i];
+            let need = self.config.blocks_for(r.len + 1).saturating_sub(r.blocks + r.shared.len());
+            if need > 0 {
+                self.take_free(need, step);
+                self.running[i].blocks += need;
             }
         }
     }
 
     /// Adds waiting sequences to the step as the rules allow.
     fn admit(&mut self, step: &mut Step) {
-        let c = &self.config;
+        let c = self.config.clone();
         let mut places = c.max_seqs - self.running.len();
         if self.waiting.is_empty() || places == 0 {
             return;
@@ -291,42 +416,75 @@ impl Scheduler {
         // Every running sequence may need a block before the next chance to preempt.
         let mut reserve = self.running.len();
         let mut tokens = 0;
-        let mut chosen: Vec<u64> = Vec::new();
+        let mut chosen = 0;
+        // Keys of the blocks this step's prefills write.
+        let mut in_flight: HashSet<BlockKey> = HashSet::new();
         let (&head_order, head) = self.waiting.iter().next().expect("waiting is not empty");
         let head_bucket = bucket(head.tokens);
-        let mut candidates: Vec<(u64, &Waiting)> = self.waiting.iter().map(|(&o, w)| (o, w)).collect();
-        // The head first, then the closest buckets, oldest first within a bucket.
-        candidates.sort_by_key(|(o, w)| (*o != head_order, bucket(w.tokens).abs_diff(head_bucket), *o));
-        for (order, w) in candidates {
+        let mut candidates: Vec<(u64, bool, u32)> =
+            self.waiting.iter().map(|(&o, w)| (o, self.hits(&w.prefix, &in_flight).0 > 0, bucket(w.tokens).abs_diff(head_bucket))).collect();
+        // The head first, then those with a cached prefix, then the closest buckets, oldest first within a bucket.
+        candidates.sort_by_key(|&(o, cached, distance)| (o != head_order, !cached, distance, o));
+        for (order, _, _) in candidates {
             if places == 0 {
                 break;
             }
-            let fits_tokens = chosen.is_empty() || tokens + w.tokens <= c.max_batch_tokens;
-            // A group books its prompt's blocks for every sequence it becomes, and a growth block for each.
-            let blocks = w.width * c.blocks_for(w.tokens);
-            let fits_blocks = blocks + reserve + w.width - 1 < self.free_blocks
-                || (self.running.is_empty() && chosen.is_empty() && blocks <= self.free_blocks);
+            let w = &self.waiting[&order];
+            let (hit, idle_hits) = self.hits(&w.prefix, &in_flight);
+            // Its next block is being written by this step: it waits a step to find it cached.
+            if hit < w.prefix.keys.len() && in_flight.contains(&w.prefix.keys[hit]) {
+                continue;
+            }
+            let computed = w.tokens - hit * c.block_tokens;
+            let fits_tokens = chosen == 0 || tokens + computed <= c.max_batch_tokens;
+            // The blocks it writes, and those the rest of its group writes: a choice shares the prompt's cached
+            // blocks and books the others (new ones joining the cache count once, with the first).
+            let own = c.blocks_for(w.tokens) - hit;
+            let joining =
+                if c.prefix_cache { w.prefix.keys[hit..].iter().filter(|k| !self.cache.contains_key(k)).count() } else { 0 };
+            let blocks = own + (w.width - 1) * (own - joining);
+            let available = self.free_blocks + self.idle.len() - idle_hits;
+            let fits_blocks = blocks + reserve + w.width - 1 < available
+                || (self.running.is_empty() && chosen == 0 && blocks <= available);
             let fits_places = w.width <= places;
-            if !(fits_blocks && fits_places) && chosen.is_empty() {
+            if !(fits_blocks && fits_places) && chosen == 0 {
                 // The oldest does not fit: nothing overtakes it.
                 return;
             }
-            if fits_tokens && fits_blocks && fits_places {
-                chosen.push(order);
-                tokens += w.tokens;
-                reserve += w.width;
-                places -= w.width;
-                self.free_blocks -= blocks;
+            if !(fits_tokens && fits_blocks && fits_places) {
+                continue;
             }
-        }
-        for order in chosen {
-            let w = self.waiting.remove(&order).expect("chosen from waiting");
+            let w = self.waiting.remove(&order).expect("a candidate is waiting");
+            chosen += 1;
+            tokens += computed;
+            reserve += w.width;
+            places -= w.width;
+            let mut shared = w.prefix.keys[..hit].to_vec();
+            for &key in &shared {
+                self.acquire(key);
+            }
+            self.take_free(blocks, step);
+            if c.prefix_cache {
+                for (i, &key) in w.prefix.keys.iter().enumerate().skip(hit) {
+                    if let std::collections::hash_map::Entry::Vacant(e) = self.cache.entry(key) {
+                        e.insert(Cached { refs: 1, released: 0 });
+                        shared.push(key);
+                        in_flight.insert(key);
+                        step.registered.push((w.id, i, key));
+                    }
+                }
+            }
             if w.recompute {
-                self.stats.recomputed_tokens += w.tokens as u64;
+                self.stats.recomputed_tokens += computed as u64;
             }
-            let blocks = self.config.blocks_for(w.tokens);
-            self.running.push(Running { id: w.id, order, len: w.tokens, blocks, max_tokens: w.max_tokens, fork_blocks: (w.width - 1) * blocks });
-            step.prefill.push((w.id, w.tokens));
+            if hit > 0 {
+                self.stats.cached_tokens += (hit * c.block_tokens) as u64;
+                step.reused.push((w.id, hit));
+            }
+            let own = c.blocks_for(w.tokens) - shared.len();
+            let r = Running { id: w.id, order, len: w.tokens, blocks: own, max_tokens: w.max_tokens, fork_blocks: (w.width - 1) * own, shared, prefix: w.prefix };
+            self.running.push(r);
+            step.prefill.push((w.id, computed));
         }
     }
 }
@@ -337,7 +495,7 @@ mod tests {
     use std::collections::{HashMap, HashSet};
 
     fn config(max_seqs: usize, max_batch_tokens: usize, kv_blocks: usize) -> Config {
-        Config { max_seqs, max_batch_tokens, block_tokens: 4, kv_blocks, min_prefill_places: 1, max_decode_steps_between_prefills: 4 }
+        Config { max_seqs, max_batch_tokens, block_tokens: 4, kv_blocks, min_prefill_places: 1, max_decode_steps_between_prefills: 4, prefix_cache: true }
     }
 
     #[test]
@@ -361,7 +519,7 @@ mod tests {
         let mut s = Scheduler::new(config(4, 100, 100));
         s.push(0, 5, 10).unwrap();
         assert_eq!(s.next_step().prefill, vec![(0, 5)]);
-        s.push_group(1, 8, 10, 4).unwrap();
+        s.push_group(1, 8, 10, 4, Prefix::default()).unwrap();
         s.push(2, 5, 10).unwrap();
         let step = s.next_step();
         assert_eq!((step.decode, step.prefill), (vec![0], vec![]));
@@ -370,17 +528,17 @@ mod tests {
         let step = s.next_step();
         assert_eq!(step.prefill, vec![(1, 8)]);
         assert_eq!(s.used_blocks(), 8);
-        assert_eq!(s.cached_blocks(), 2);
+        assert_eq!(s.sequence_blocks(), 2);
         for child in 10..13 {
             s.fork(1, child);
         }
-        assert_eq!((s.running(), s.used_blocks(), s.cached_blocks()), (4, 8, 8));
+        assert_eq!((s.running(), s.used_blocks(), s.sequence_blocks()), (4, 8, 8));
         let step = s.next_step();
         assert_eq!(step.decode, vec![1, 10, 11, 12]);
         // A group needing more blocks than the budget could never start.
         let mut small = Scheduler::new(config(4, 100, 5));
-        assert!(small.push_group(0, 8, 1, 3).is_err());
-        assert!(small.push_group(0, 8, 1, 2).is_ok());
+        assert!(small.push_group(0, 8, 1, 3, Prefix::default()).is_err());
+        assert!(small.push_group(0, 8, 1, 2, Prefix::default()).is_ok());
     }
 
     #[test]
@@ -480,6 +638,92 @@ mod tests {
         assert_eq!(waited, 5);
     }
 
+    /// A prefix of `shared` blocks keyed by `family`, then `own` blocks of its own (`id` makes them unique).
+    fn prefix(family: u128, shared: usize, id: u128, own: usize) -> Prefix {
+        let keys: Vec<BlockKey> = (0..shared).map(|b| family << 32 | b as u128).chain((0..own).map(|b| 1 << 100 | id << 32 | b as u128)).collect();
+        Prefix { reusable: keys.len(), keys: keys.into() }
+    }
+
+    #[test]
+    fn a_shared_prefix_is_prefilled_once_and_its_siblings_take_its_blocks_the_next_step() {
+        // Blocks of 4: prompts of 10 tokens, the first 8 (two blocks) shared.
+        let mut s = Scheduler::new(config(8, 100, 100));
+        for id in 0..3 {
+            s.push_group(id, 10, 4, 1, prefix(7, 2, id as u128, 0)).unwrap();
+        }
+        s.push_group(3, 10, 4, 1, prefix(8, 2, 3, 0)).unwrap();
+        // The first of the family is prefilled alone; its siblings wait a step; another family joins.
+        let first = s.next_step();
+        assert_eq!(first.prefill, vec![(0, 10), (3, 10)]);
+        assert_eq!(first.registered.iter().filter(|r| r.0 == 0).count(), 2);
+        assert!(first.reused.is_empty());
+        assert_eq!(s.prefix_blocks(), (4, 0));
+        let second = s.next_step();
+        assert_eq!(second.prefill, vec![(1, 2), (2, 2)], "only the tokens past the cached blocks");
+        assert_eq!(second.reused, vec![(1, 2), (2, 2)]);
+        assert!(second.registered.is_empty());
+        // Three sequences share two blocks; each holds one of its own (positions 8..10, then 10).
+        assert_eq!(s.used_blocks(), 4 + 4);
+        assert_eq!(s.sequence_blocks(), 3 * 3 + 3);
+        assert_eq!(s.stats().cached_tokens, 16);
+        // Finished, the blocks stay cached, idle; a new sibling finds them.
+        for id in 0..4 {
+            s.finish(id);
+        }
+        assert_eq!(s.prefix_blocks(), (4, 4));
+        assert_eq!(s.used_blocks(), 4);
+        s.push_group(9, 9, 4, 1, prefix(7, 2, 9, 0)).unwrap();
+        let step = s.next_step();
+        assert_eq!((step.prefill, step.reused), (vec![(9, 1)], vec![(9, 2)]));
+    }
+
+    #[test]
+    fn idle_cached_blocks_make_room_least_recently_released_first() {
+        // 12 blocks of 4. Two families of 3-block prompts (12 tokens, the last block not reusable).
+        let mut s = Scheduler::new(config(1, 100, 12));
+        s.push_group(0, 12, 1, 1, prefix(1, 3, 0, 0)).unwrap();
+        assert_eq!(s.next_step().registered.len(), 3);
+        s.finish(0);
+        s.push_group(1, 12, 1, 1, prefix(2, 3, 1, 0)).unwrap();
+        assert_eq!(s.next_step().registered.len(), 3);
+        s.finish(1);
+        assert_eq!((s.prefix_blocks(), s.free_blocks()), ((6, 6), 6));
+        // A sequence of 40 tokens needs 10 blocks: four cached blocks go, family 1's first, deepest first.
+        s.push(2, 40, 1).unwrap();
+        let step = s.next_step();
+        assert_eq!(step.prefill, vec![(2, 40)]);
+        assert_eq!(step.evicted, vec![1 << 32 | 2, 1 << 32 | 1, 1 << 32, 2 << 32 | 2]);
+        assert_eq!(s.stats().evictions, 4);
+        s.finish(2);
+        // Family 2's first two blocks are still there.
+        s.push_group(3, 12, 1, 1, prefix(2, 3, 3, 0)).unwrap();
+        let step = s.next_step();
+        assert_eq!(step.reused, vec![(3, 2)]);
+        assert_eq!(step.prefill, vec![(3, 4)]);
+    }
+
+    #[test]
+    fn a_rows_choices_share_its_prompts_cached_blocks_and_book_only_what_they_write() {
+        // A prompt of 10 tokens: two full blocks, cached and shared by 3 choices; each choice books its third.
+        let mut s = Scheduler::new(config(4, 100, 100));
+        s.push_group(0, 10, 8, 3, prefix(5, 2, 0, 0)).unwrap();
+        assert_eq!(s.next_step().prefill, vec![(0, 10)]);
+        assert_eq!(s.used_blocks(), 2 + 3);
+        s.fork(0, 1);
+        s.fork(0, 2);
+        assert_eq!((s.sequence_blocks(), s.used_blocks()), (9, 5));
+        s.finish(0);
+        s.finish(1);
+        assert_eq!(s.prefix_blocks(), (2, 0), "a choice still holds them");
+        s.finish(2);
+        assert_eq!((s.prefix_blocks(), s.used_blocks()), ((2, 2), 2));
+        // Without the cache, each choice books a copy of the prompt's blocks.
+        let mut off = Scheduler::new(Config { prefix_cache: false, ..config(4, 100, 100) });
+        off.push_group(0, 10, 8, 3, prefix(5, 2, 0, 0)).unwrap();
+        off.next_step();
+        assert_eq!((off.used_blocks(), off.prefix_blocks()), (9, (0, 0)));
+    }
+
     /// A small deterministic generator for the randomized tests (the engine's sampling RNG).
     struct Gen(crate::engine::sampling::Rng);
 
@@ -491,7 +735,7 @@ mod tests {
 
     /// Runs a random workload through a random configuration, checking the invariants at every step; returns the
     /// number of preemptions. Every failure message carries the seed.
-    fn simulate(seed: u64) -> u64 {
+    fn simulate(seed: u64) -> (u64, u64, u64) {
         let mut g = Gen(crate::engine::sampling::Rng::new(seed));
         let block_tokens = [1, 4, 16][g.below(3)];
         let config = Config {
@@ -501,8 +745,29 @@ mod tests {
             kv_blocks: (64 + g.below(400)).div_ceil(block_tokens),
             min_prefill_places: 1 + g.below(4),
             max_decode_steps_between_prefills: g.below(6),
+            prefix_cache: g.below(2) == 0,
         };
         let capacity = config.capacity_tokens();
+        // Prompts start with one of a few shared instructions (or none): a block's key is its family and index
+        // while inside the instruction, unique past it.
+        let instructions: Vec<usize> = (0..1 + g.below(3)).map(|_| g.below(capacity / 2)).collect();
+        let mut unique_key: BlockKey = 1 << 64;
+        let mut keys_of = |g: &mut Gen, prompt: usize| -> Prefix {
+            let family = g.below(instructions.len() + 1);
+            let shared = instructions.get(family).map_or(0, |&l| l.min(prompt) / block_tokens);
+            let keys: Vec<BlockKey> = (0..prompt / block_tokens)
+                .map(|b| {
+                    if b < shared {
+                        ((family as u128) << 32) | b as u128
+                    } else {
+                        unique_key += 1;
+                        unique_key
+                    }
+                })
+                .collect();
+            Prefix { reusable: keys.len(), keys: keys.into() }
+        };
+        let mut prefixes: HashMap<SeqId, Arc<[BlockKey]>> = HashMap::new();
         let mut s = Scheduler::new(config.clone());
         let n = 1 + g.below(60);
         // Each sequence: prompt length and how many tokens it will generate (at most its limit).
@@ -515,11 +780,13 @@ mod tests {
             let max_new = g.below(capacity - prompt + 1);
             let out = 1 + g.below(max_new.max(1));
             let width = if g.below(4) == 0 { 1 + g.below(config.max_seqs.min(3)) } else { 1 };
-            if width > 1 && s.push_group(id, prompt, max_new, width).is_ok() {
+            let prefix = keys_of(&mut g, prompt);
+            prefixes.insert(id, prefix.keys.clone());
+            if width > 1 && s.push_group(id, prompt, max_new, width, prefix.clone()).is_ok() {
                 widths.insert(id, width);
                 total += width - 1;
             } else {
-                assert!(s.push(id, prompt, max_new).is_ok(), "seed {seed}");
+                assert!(s.push_group(id, prompt, max_new, 1, prefix).is_ok(), "seed {seed}");
             }
             plan.insert(id, (prompt, out.min(max_new.max(1))));
         }
@@ -529,6 +796,9 @@ mod tests {
         let mut finished = HashSet::new();
         let mut preemptions = 0;
         let mut steps_held_back = 0;
+        // The engine's side of the prefix cache: the keys it holds blocks for.
+        let mut engine_cache: HashSet<BlockKey> = HashSet::new();
+        let mut reused_tokens = 0;
         for step_no in 0.. {
             assert!(step_no < 100_000, "seed {seed}: no progress");
             if finished.len() == total {
@@ -546,13 +816,39 @@ mod tests {
             // No block leaked or double-counted: the running sequences hold exactly what is not free, and
             // every one holds enough for its positions.
             let held: usize = s.running.iter().map(|r| r.blocks + r.fork_blocks).sum();
-            assert_eq!(held + s.free_blocks(), config.kv_blocks, "seed {seed}: blocks leaked");
+            assert_eq!(held + s.cache.len() + s.free_blocks(), config.kv_blocks, "seed {seed}: blocks leaked");
             for r in &s.running {
-                assert!(config.blocks_for(r.len) <= r.blocks, "seed {seed}: sequence {} overflows its blocks", r.id);
+                assert!(config.blocks_for(r.len) <= r.blocks + r.shared.len(), "seed {seed}: sequence {} overflows its blocks", r.id);
             }
+            // Reference counts: a cached block is held by exactly the running sequences that list it, and is idle
+            // (evictable) exactly when none does.
+            for (key, c) in &s.cache {
+                let holders = s.running.iter().filter(|r| r.shared.contains(key)).count();
+                assert_eq!(c.refs as usize, holders, "seed {seed}: block {key} has a wrong count");
+                assert_eq!(c.refs == 0, s.idle.contains(&(c.released, *key)), "seed {seed}: idle set out of step");
+            }
+            assert!(config.prefix_cache || s.cache.is_empty(), "seed {seed}: a cache with the cache off");
+            // The engine drops evicted blocks, finds every reused block cached (not one this step writes), and keeps
+            // the blocks prefills register.
+            for key in &step.evicted {
+                assert!(engine_cache.remove(key), "seed {seed}: evicted {key}, which was not cached");
+            }
+            for &(id, blocks) in &step.reused {
+                for (b, key) in prefixes[&id][..blocks].iter().enumerate() {
+                    assert!(engine_cache.contains(key), "seed {seed}: {id} reuses block {b}, not cached");
+                }
+                reused_tokens += blocks * block_tokens;
+            }
+            for &(id, b, key) in &step.registered {
+                assert_eq!(prefixes[&id][b], key, "seed {seed}: {id} registers another sequence's key");
+                assert!(engine_cache.insert(key), "seed {seed}: {key} registered twice");
+            }
+            assert_eq!(engine_cache.len(), s.cache.len(), "seed {seed}: the engine's cache and the scheduler's differ");
             // The bound on decode steps between prefills. When nothing was admitted, the state after the step is
             // the state admission saw: count the steps in a row that left a fitting sequence waiting at a free place.
+            // (With the prefix cache, what fits depends on what is cached: checked without it.)
             let held_back = step.prefill.is_empty()
+                && !config.prefix_cache
                 && s.running() < config.max_seqs
                 && s.waiting.values().next().is_some_and(|w| {
                     let blocks = w.width * config.blocks_for(w.tokens);
@@ -577,7 +873,10 @@ mod tests {
             }
             for &(id, tokens) in &step.prefill {
                 let expected = plan[&id].0 + generated.get(&id).copied().unwrap_or(0);
-                assert_eq!(tokens, expected, "seed {seed}: sequence {id} recomputed with the wrong tokens");
+                let reused = step.reused.iter().find(|r| r.0 == id).map_or(0, |r| r.1 * block_tokens);
+                assert!(reused < expected, "seed {seed}: sequence {id} computes none of its tokens");
+                assert_eq!(tokens + reused, expected, "seed {seed}: sequence {id} recomputed with the wrong tokens");
+                let tokens = expected;
                 assert!(!cached.contains_key(&id), "seed {seed}: {id} prefilled twice");
                 cached.insert(id, tokens);
             }
@@ -591,6 +890,7 @@ mod tests {
                     for _ in 1..width {
                         s.fork(id, next_id);
                         plan.insert(next_id, plan[&id]);
+                        prefixes.insert(next_id, prefixes[&id].clone());
                         cached.insert(next_id, tokens);
                         sampling.push(next_id);
                         next_id += 1;
@@ -600,9 +900,9 @@ mod tests {
             assert!(s.running.iter().all(|r| r.fork_blocks == 0), "seed {seed}: blocks booked for forks are left over");
             assert!(s.running() <= config.max_seqs, "seed {seed}: too many running after forks");
             let held: usize = s.running.iter().map(|r| r.blocks).sum();
-            assert_eq!(held + s.free_blocks(), config.kv_blocks, "seed {seed}: blocks leaked by forks");
+            assert_eq!(held + s.cache.len() + s.free_blocks(), config.kv_blocks, "seed {seed}: blocks leaked by forks");
             for r in &s.running {
-                assert!(config.blocks_for(r.len) <= r.blocks, "seed {seed}: sequence {} overflows its blocks", r.id);
+                assert!(config.blocks_for(r.len) <= r.blocks + r.shared.len(), "seed {seed}: sequence {} overflows its blocks", r.id);
             }
             // Each scheduled sequence samples a token; some finish.
             let mut done = Vec::new();
@@ -621,9 +921,11 @@ mod tests {
         }
         assert_eq!(s.running(), 0, "seed {seed}");
         assert_eq!(s.waiting(), 0, "seed {seed}");
-        assert_eq!(s.free_blocks(), config.kv_blocks, "seed {seed}: blocks leaked at the end");
+        assert_eq!(s.free_blocks() + s.cache.len(), config.kv_blocks, "seed {seed}: blocks leaked at the end");
+        assert_eq!(s.idle.len(), s.cache.len(), "seed {seed}: a block held at the end");
+        assert_eq!(s.stats().cached_tokens, reused_tokens as u64, "seed {seed}");
         assert_eq!(s.stats().preemptions, preemptions, "seed {seed}");
-        preemptions
+        (preemptions, s.stats().cached_tokens, s.stats().evictions)
     }
 
     #[test]
@@ -638,10 +940,13 @@ mod tests {
                 (0..500).chain([clock]).collect()
             }
         };
-        let mut preemptions = 0;
+        let (mut preemptions, mut cached, mut evictions) = (0, 0, 0);
         for seed in seeds.iter().copied() {
-            preemptions += simulate(seed);
+            let (p, c, e) = simulate(seed);
+            (preemptions, cached, evictions) = (preemptions + p, cached + c, evictions + e);
         }
         assert!(seeds.len() == 1 || preemptions > 0, "no workload exercised preemption");
+        assert!(seeds.len() == 1 || cached > 0, "no workload reused a cached prefix");
+        assert!(seeds.len() == 1 || evictions > 0, "no workload evicted a cached block");
     }
 }

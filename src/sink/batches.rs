@@ -117,6 +117,7 @@ pub(super) fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<Recor
     let mut text = StringBuilder::new();
     let mut finish = StringBuilder::with_capacity(n, n * 6);
     let mut prompt_tokens = UInt32Builder::with_capacity(n);
+    let mut cached_tokens = UInt32Builder::with_capacity(n);
     let mut completion_tokens = UInt32Builder::with_capacity(n);
     let mut queue = Float64Builder::with_capacity(n);
     let mut ttft = Float64Builder::with_capacity(n);
@@ -131,6 +132,7 @@ pub(super) fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<Recor
                 text.append_option((first.finish_reason != FinishReason::Scored).then_some(&first.text));
                 finish.append_value(first.finish_reason.as_str());
                 prompt_tokens.append_value(c.prompt_tokens);
+                cached_tokens.append_value(c.cached_tokens);
                 completion_tokens.append_value(c.completion_tokens());
                 queue.append_value(c.queue_s);
                 ttft.append_value(c.ttft_s);
@@ -142,6 +144,7 @@ pub(super) fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<Recor
                 text.append_null();
                 finish.append_value(FinishReason::Error.as_str());
                 prompt_tokens.append_null();
+                cached_tokens.append_null();
                 completion_tokens.append_value(0);
                 queue.append_null();
                 ttft.append_null();
@@ -155,6 +158,7 @@ pub(super) fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<Recor
         Arc::new(text.finish()),
         Arc::new(finish.finish()),
         Arc::new(prompt_tokens.finish()),
+        Arc::new(cached_tokens.finish()),
         Arc::new(completion_tokens.finish()),
         Arc::new(queue.finish()),
         Arc::new(ttft.finish()),

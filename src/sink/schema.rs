@@ -21,6 +21,7 @@ pub fn results_schema() -> Schema {
         Field::new("text", DataType::Utf8, true),
         Field::new("finish_reason", DataType::Utf8, false),
         Field::new("prompt_tokens", DataType::UInt32, true),
+        Field::new("cached_tokens", DataType::UInt32, true),
         Field::new("completion_tokens", DataType::UInt32, false),
         Field::new("queue_s", DataType::Float64, true),
         Field::new("ttft_s", DataType::Float64, true),

@@ -4,6 +4,8 @@
 //! tokens), computing each block in place: sequences of different lengths never need padding or masks, and a row's
 //! result depends only on its own sequence.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
@@ -77,16 +79,24 @@ impl KvBlock {
     }
 }
 
-/// A sequence's cache on the host backend, in blocks of [`BLOCK`] positions, each block its own allocation. Per
-/// layer and block, keys are `[kv_head][head_dim][BLOCK]` (transposed, so one query's scores against a block are
-/// `head_dim` multiply-adds of `BLOCK`-wide vectors, with no horizontal sums) and values are
-/// `[kv_head][BLOCK][head_dim]`; a block's unused positions are zero. A sequence grows a block at a time without
-/// copying what it holds, and holds exactly the blocks the scheduler booked for it.
+/// One block of [`BLOCK`] positions of a sequence's cache, every layer: per layer, keys `[kv_head][head_dim][BLOCK]`
+/// (transposed, so one query's scores against a block are `head_dim` multiply-adds of `BLOCK`-wide vectors, with no
+/// horizontal sums) and values `[kv_head][BLOCK][head_dim]`; unused positions are zero.
+#[derive(Clone, Debug)]
+pub struct HostBlock {
+    keys: Vec<KvBlock>,
+    values: Vec<KvBlock>,
+}
+
+/// A sequence's cache on the host backend: its blocks, each its own allocation, shared by reference between
+/// sequences that hold the same positions (a prefix cache hit, the choices of a row) and copied by the first of them
+/// that writes into a shared one (only a partly filled block is ever written again). A sequence grows a block at a
+/// time without copying what it holds, and holds exactly the blocks the scheduler booked for it.
 #[derive(Clone, Debug)]
 pub struct HostCache {
-    keys: Vec<Vec<KvBlock>>,
-    values: Vec<Vec<KvBlock>>,
+    blocks: Vec<Arc<HostBlock>>,
     dtype: DType,
+    layers: usize,
     kv_heads: usize,
     head_dim: usize,
     len: usize,
@@ -98,7 +108,7 @@ impl KvCache for HostCache {
     }
 
     fn blocks(&self) -> usize {
-        self.keys.first().map_or(0, Vec::len)
+        self.blocks.len()
     }
 }
 
@@ -109,21 +119,27 @@ impl HostCache {
 
     /// Stores the keys and values of positions `start..` of one layer, `[token][kv_head][head_dim]` each.
     fn write(&mut self, layer: usize, start: usize, k: &[f32], v: &[f32]) {
-        let (hd, row, bf, dtype) = (self.head_dim, self.kv_heads * self.head_dim, self.block_floats(), self.dtype);
+        let (hd, row, bf, dtype, layers) = (self.head_dim, self.kv_heads * self.head_dim, self.block_floats(), self.dtype, self.layers);
         let tokens = k.len() / row;
         let needed = (start + tokens).div_ceil(BLOCK);
-        let (keys, values) = (&mut self.keys[layer], &mut self.values[layer]);
-        while keys.len() < needed {
-            keys.push(KvBlock::zeroed(dtype, bf));
-            values.push(KvBlock::zeroed(dtype, bf));
+        while self.blocks.len() < needed {
+            let zeroed = || (0..layers).map(|_| KvBlock::zeroed(dtype, bf)).collect();
+            self.blocks.push(Arc::new(HostBlock { keys: zeroed(), values: zeroed() }));
         }
-        for t in 0..tokens {
-            let (b, c) = ((start + t) / BLOCK, (start + t) % BLOCK);
-            let (kb, vb) = (&mut keys[b], &mut values[b]);
-            for h in 0..self.kv_heads {
-                let src = t * row + h * hd;
-                kb.store(h * hd * BLOCK + c, BLOCK, &k[src..src + hd]);
-                vb.store((h * BLOCK + c) * hd, 1, &v[src..src + hd]);
+        let mut t = 0;
+        while t < tokens {
+            let b = (start + t) / BLOCK;
+            // A block another sequence holds too is copied before the first write (copy on write).
+            let block = Arc::make_mut(&mut self.blocks[b]);
+            let (kb, vb) = (&mut block.keys[layer], &mut block.values[layer]);
+            while t < tokens && (start + t) / BLOCK == b {
+                let c = (start + t) % BLOCK;
+                for h in 0..self.kv_heads {
+                    let src = t * row + h * hd;
+                    kb.store(h * hd * BLOCK + c, BLOCK, &k[src..src + hd]);
+                    vb.store((h * BLOCK + c) * hd, 1, &v[src..src + hd]);
+                }
+                t += 1;
             }
         }
     }
@@ -226,7 +242,7 @@ impl HostAttention {
         let total = s.cache.len + new;
         let t1 = (t0 + TILE).min(new);
         let rows = (t1 - t0) * group;
-        let (keys, values) = (&s.cache.keys[layer], &s.cache.values[layer]);
+        let blocks = &s.cache.blocks;
         // Row r is token t0 + r / group, query head kv * group + r % group; it sees positions below `visible`.
         let visible = |r: usize| total - new + t0 + r / group + 1;
         let query = |r: usize| &q[(start + t0 + r / group) * q_row + (kv * group + r % group) * hd..][..hd];
@@ -240,8 +256,8 @@ impl HostAttention {
             _ => (vec![0f32; hd * BLOCK], vec![0f32; BLOCK * hd]),
         };
         for b in 0..visible(rows - 1).div_ceil(BLOCK) {
-            let kt = keys[b].read(kv * hd * BLOCK, hd * BLOCK, &mut k_scratch);
-            let vb = values[b].read(kv * BLOCK * hd, BLOCK * hd, &mut v_scratch);
+            let kt = blocks[b].keys[layer].read(kv * hd * BLOCK, hd * BLOCK, &mut k_scratch);
+            let vb = blocks[b].values[layer].read(kv * BLOCK * hd, BLOCK * hd, &mut v_scratch);
             // Every row's scores against the block, four rows at a time (independent sums in registers).
             let mut r = 0;
             while r < rows {
@@ -309,14 +325,32 @@ impl HostAttention {
 impl Attention for HostAttention {
     type Cache = HostCache;
     type Step = HostStep;
+    type Block = Arc<HostBlock>;
 
     fn new_cache(&self, capacity_tokens: usize) -> HostCache {
-        let alloc = || (0..self.config.layers).map(|_| Vec::with_capacity(capacity_tokens.div_ceil(BLOCK))).collect();
-        HostCache { keys: alloc(), values: alloc(), dtype: self.kv_dtype, kv_heads: self.config.kv_heads, head_dim: self.config.head_dim, len: 0 }
+        let cfg = &self.config;
+        let blocks = Vec::with_capacity(capacity_tokens.div_ceil(BLOCK));
+        HostCache { blocks, dtype: self.kv_dtype, layers: cfg.layers, kv_heads: cfg.kv_heads, head_dim: cfg.head_dim, len: 0 }
     }
 
+    /// The same blocks, shared: the first of the two to write into a shared block copies it.
     fn fork(&self, cache: &HostCache) -> candle_core::Result<HostCache> {
         Ok(cache.clone())
+    }
+
+    fn shares_blocks(&self) -> bool {
+        true
+    }
+
+    fn share_block(&self, cache: &HostCache, index: usize) -> Option<Arc<HostBlock>> {
+        cache.blocks.get(index).cloned()
+    }
+
+    fn cache_from_blocks(&self, blocks: Vec<Arc<HostBlock>>, capacity_tokens: usize) -> candle_core::Result<HostCache> {
+        let mut cache = self.new_cache(capacity_tokens.max(blocks.len() * BLOCK));
+        cache.len = blocks.len() * BLOCK;
+        cache.blocks.extend(blocks);
+        Ok(cache)
     }
 
     fn block_bytes(&self) -> usize {

@@ -238,8 +238,30 @@ pub trait Attention {
     /// An empty cache, with room in its block table for `capacity_tokens` (blocks are taken as it fills).
     fn new_cache(&self, capacity_tokens: usize) -> Self::Cache;
 
+    /// A full block of a sequence's cache, held by reference: what the prefix cache keeps and other sequences'
+    /// caches start from.
+    type Block: Clone + Send;
+
     /// A copy of a sequence's cache, for a fork (`n` choices). Can fail (a full pool, a device error).
     fn fork(&self, cache: &Self::Cache) -> candle_core::Result<Self::Cache>;
+
+    /// Whether caches can share blocks ([`Attention::share_block`], [`Attention::cache_from_blocks`]): what the
+    /// prefix cache needs.
+    fn shares_blocks(&self) -> bool {
+        false
+    }
+
+    /// Block `index` of a cache (a full one), to be shared; `None` where blocks are not shared or there is no such
+    /// block.
+    fn share_block(&self, _cache: &Self::Cache, _index: usize) -> Option<Self::Block> {
+        None
+    }
+
+    /// A cache whose first positions are the given full blocks' (shared, not copied), with room in its block table
+    /// for `capacity_tokens`.
+    fn cache_from_blocks(&self, _blocks: Vec<Self::Block>, _capacity_tokens: usize) -> candle_core::Result<Self::Cache> {
+        candle_core::bail!("this attention backend does not share blocks (a bug)")
+    }
 
     /// KV cache bytes of one block of [`KV_BLOCK_TOKENS`] positions, all layers.
     fn block_bytes(&self) -> usize;

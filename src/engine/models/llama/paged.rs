@@ -244,6 +244,7 @@ impl PagedAttention {
 impl Attention for PagedAttention {
     type Cache = PagedCache;
     type Step = PagedStep;
+    type Block = ();
 
     fn new_cache(&self, _capacity_tokens: usize) -> PagedCache {
         PagedCache { ids: Vec::new(), len: 0, pool: self.pool.clone() }
