@@ -239,3 +239,55 @@ fn a_16_bit_kv_cache_halves_the_bytes_and_keeps_the_logits() {
         assert_eq!(max_abs_diff(&packed[1], &one_pass), 0.0, "{dtype:?}: a sequence depends on its batch");
     }
 }
+
+/// The prefix cache's bound: a prompt whose first blocks come from another sequence's cache (shared, not copied)
+/// gives exactly the next-token logits of a full prefill of the same prompt, bit for bit, whatever its tail's
+/// length. On the CPU each row of a product is computed apart from the other rows of its pass (the same packed
+/// weights, the same order of sums, at every kernel level: checked with NIGHTSHIFT_CPU_KERNELS=portable and avx2
+/// too), and attention reads a query's blocks in position order wherever they were written, so the cached keys and
+/// values are the ones a full prefill computes. Sharing changes nothing for the sequence that wrote the blocks, and
+/// a fork's copies of a partly filled block (copy on write) leave each sequence what it would have alone.
+#[test]
+fn a_cached_prefix_gives_the_logits_of_a_full_prefill_and_shared_blocks_stay_intact() {
+    let (model, _) = Model::load(&model_path(), &Device::Cpu).unwrap();
+    let host = HostAttention::new(&model, DType::F32).unwrap();
+    let block = nightshift::engine::KV_BLOCK_TOKENS;
+    let instruction: Vec<u32> = A.iter().chain(B).chain(A).chain(B).chain(A).copied().take(2 * block).collect();
+    let with = |tail: &[u32]| -> Vec<u32> { instruction.iter().chain(tail).copied().collect() };
+    let (p, q) = (with(B), with(&[A, A].concat()));
+    // A full prefill of P.
+    let mut full = host.new_cache(64);
+    let expected = model.forward(&host, &mut [Segment { tokens: &p, cache: &mut full }]).unwrap().remove(0);
+    // Q is prefilled first; P then starts from Q's first two blocks and prefills only its own tail.
+    let mut writer = host.new_cache(64);
+    let q_logits = model.forward(&host, &mut [Segment { tokens: &q, cache: &mut writer }]).unwrap().remove(0);
+    let shared: Vec<_> = (0..2).map(|i| host.share_block(&writer, i).expect("a full block")).collect();
+    let mut reader = host.cache_from_blocks(shared, 64).unwrap();
+    assert_eq!(reader.len(), 2 * block);
+    let cached = model.forward(&host, &mut [Segment { tokens: B, cache: &mut reader }]).unwrap().remove(0);
+    assert_eq!(cached, expected, "a cached prefix changes the logits by up to {}", max_abs_diff(&cached, &expected));
+    // A tail of one token: a pass of one row.
+    let one = with(&B[..1]);
+    let mut full_one = host.new_cache(64);
+    let expected_one = model.forward(&host, &mut [Segment { tokens: &one, cache: &mut full_one }]).unwrap().remove(0);
+    let shared: Vec<_> = (0..2).map(|i| host.share_block(&writer, i).expect("a full block")).collect();
+    let mut reader_one = host.cache_from_blocks(shared, 64).unwrap();
+    let cached_one = model.forward(&host, &mut [Segment { tokens: &B[..1], cache: &mut reader_one }]).unwrap().remove(0);
+    assert_eq!(cached_one, expected_one, "a cached prefix changes a one-token tail's logits by up to {}", max_abs_diff(&cached_one, &expected_one));
+    // The writer goes on as if nothing had been shared: its next step equals an unshared copy's.
+    let mut alone = host.new_cache(64);
+    model.forward(&host, &mut [Segment { tokens: &q, cache: &mut alone }]).unwrap();
+    let next = [nightshift::engine::sampling::argmax(&q_logits)];
+    let shared_next = model.forward(&host, &mut [Segment { tokens: &next, cache: &mut writer }]).unwrap().remove(0);
+    let alone_next = model.forward(&host, &mut [Segment { tokens: &next, cache: &mut alone }]).unwrap().remove(0);
+    assert_eq!(shared_next, alone_next, "sharing a block changed the sequence that wrote it");
+    // A fork shares every block, the partly filled last one too; each side's writes go to its own copy.
+    let mut fork = host.fork(&alone).unwrap();
+    let (x, y) = ([A[0]], [B[0]]);
+    let both = model.forward(&host, &mut [Segment { tokens: &x, cache: &mut alone }, Segment { tokens: &y, cache: &mut fork }]).unwrap();
+    let mut solo = host.new_cache(64);
+    model.forward(&host, &mut [Segment { tokens: &q, cache: &mut solo }]).unwrap();
+    model.forward(&host, &mut [Segment { tokens: &next, cache: &mut solo }]).unwrap();
+    let solo_y = model.forward(&host, &mut [Segment { tokens: &y, cache: &mut solo }]).unwrap().remove(0);
+    assert_eq!(both[1], solo_y, "a fork's write reached the other sequence, or the other's reached it");
+}

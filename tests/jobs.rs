@@ -588,6 +588,8 @@ fn a_small_kv_cache_preempts_and_recomputes_with_the_same_greedy_outputs() {
     assert_eq!(small_metrics["kv_cache_blocks"], Some(14.0));
     assert!(small_metrics["kv_utilisation_peak"].unwrap() <= 1.0);
     assert!(small_metrics["packing_efficiency"].unwrap() < 1.0, "recomputation is waste");
+    // The prefix cache (on by default) served the chat template's opening to later rows and to recomputations.
+    assert!(small_metrics["cached_prompt_tokens"].unwrap() > 0.0, "{small_metrics:?}");
     assert_eq!(ample_metrics["preemptions"], Some(0.0));
     assert_eq!(ample_metrics["packing_efficiency"], Some(1.0));
     assert!(ample_metrics["prefill_s"].unwrap() > 0.0 && ample_metrics["decode_s"].unwrap() > 0.0, "{ample_metrics:?}");

@@ -402,3 +402,116 @@ fn per_row_schemas_are_compiled_once_and_bad_ones_fail_only_their_row() {
         assert!(run.stderr.contains("generation.json_schema"), "{command}: {}", run.stderr);
     }
 }
+
+/// Runs a job over `columns` with `runtime` as its `[runtime]` section: its results (as JSON, by id) and metrics.
+fn run_with_runtime(name: &str, columns: Vec<(&str, ArrayRef)>, generation: &str, input_extra: &str, runtime: &str) -> (BTreeMap<String, Value>, BTreeMap<String, Option<f64>>) {
+    let dir = scratch(name);
+    let input = dir.join("in.parquet");
+    write_parquet(&input, columns);
+    let out = dir.join("out");
+    let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), generation, &format!("[runtime]\n{runtime}"));
+    let text = std::fs::read_to_string(&job).unwrap().replace("[model]", &format!("{input_extra}\n[model]"));
+    std::fs::write(&job, text).unwrap();
+    nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    (read_results_json(&out), read_metrics(&out))
+}
+
+/// A row's result without what may differ between runs of the same rows (timing) or with the cache (its use).
+fn outputs(rows: &BTreeMap<String, Value>) -> BTreeMap<String, Value> {
+    rows.iter()
+        .map(|(id, row)| {
+            let mut row = row.clone();
+            for key in ["queue_s", "ttft_s", "e2e_s", "tpot_s", "cached_tokens"] {
+                row.as_object_mut().unwrap().remove(key);
+            }
+            (id.clone(), row)
+        })
+        .collect()
+}
+
+/// Two long instructions, each in front of several questions, and questions alone: rows of different prefixes
+/// mixed in one unit.
+fn instruction_rows() -> (Vec<String>, Vec<String>) {
+    let a = "You extract fields from support tickets. Read the ticket, then answer with the product, the customer's \
+        problem in one sentence, its urgency (low, medium or high) and the team that should handle it. "
+        .repeat(6);
+    let b = "You are a careful copy editor. Rewrite the text below in plain English for a general reader, keep every \
+        fact, remove jargon, and never add information that is not in the text. "
+        .repeat(6);
+    let (mut ids, mut prompts) = (Vec::new(), Vec::new());
+    for (i, q) in ["What is the capital of France?", "Name three colours of the rainbow.", "What is 12 plus 30?", "Give a synonym for happy.", "Why do leaves fall in autumn?"].iter().enumerate() {
+        for (family, instruction) in [("a", &a), ("b", &b)] {
+            ids.push(format!("{family}{i}"));
+            prompts.push(format!("{instruction}\n\n{q}"));
+        }
+        ids.push(format!("q{i}"));
+        prompts.push(q.to_string());
+    }
+    (ids, prompts)
+}
+
+/// The prefix cache (on by default) changes no result: the same rows give the same texts, choices and
+/// log-probabilities (exact floats) with it on at several `max_seqs`, off, and on with a KV budget that holds only a
+/// few prefixes (cached blocks are evicted to make room), with `n = 2` and JSON-schema rows among them. With
+/// it on, rows after the first of their instruction take the instruction from the cache (`cached_tokens`), and the
+/// metrics count exactly the tokens served and the tokens computed.
+#[test]
+fn the_prefix_cache_changes_no_result_and_serves_a_shared_instruction() {
+    let (ids, prompts) = instruction_rows();
+    let schema = r#"{"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}}, "required": ["answer"]}"#;
+    let columns = || {
+        let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let prompt_refs: Vec<&str> = prompts.iter().map(String::as_str).collect();
+        let n: Vec<Option<i64>> = ids.iter().map(|id| (id == "a3").then_some(2)).collect();
+        let schemas: Vec<Option<&str>> = ids.iter().map(|id| (id == "b2").then_some(schema)).collect();
+        vec![id_column(&id_refs), prompt_column(&prompt_refs), ("n", ints(&n)), ("schema", strings(&schemas))]
+    };
+    let generation = "max_new_tokens = 12\ntemperature = 0.8\nseed = 3\nlogprobs = 1";
+    let parameters = "[input.parameters]\nn = \"n\"\njson_schema = \"schema\"\n";
+    let run = |name: &str, runtime: &str| run_with_runtime(name, columns(), generation, parameters, runtime);
+    let (off, off_metrics) = run("prefix-off", "max_seqs = 16\nprefix_cache = false");
+    let (on, on_metrics) = run("prefix-on", "max_seqs = 16");
+    let (one, one_metrics) = run("prefix-on-2", "max_seqs = 2");
+    let (four, _) = run("prefix-on-4", "max_seqs = 4");
+    // 40 blocks of 16 positions hold two of these prompts (about 290 tokens each) and their answers.
+    let (tight, tight_metrics) = run("prefix-tight", &format!("max_seqs = 16\nkv_cache_memory = {}", 40 * 30 * 2 * 3 * 64 * 4 * 16));
+    assert_eq!(off.len(), ids.len());
+    assert!(off.values().all(|r| r["status"] == "succeeded"), "{off:?}");
+    assert_eq!(off["a3"]["choices"].as_array().map(Vec::len), Some(2), "{}", off["a3"]);
+    for (name, rows) in [("on", &on), ("max_seqs 2", &one), ("max_seqs 4", &four), ("tight", &tight)] {
+        for (id, row) in outputs(rows) {
+            assert_eq!(row, outputs(&off)[&id], "{id} differs with the cache {name}");
+        }
+    }
+    let cached = |rows: &BTreeMap<String, Value>, id: &str| rows[id]["cached_tokens"].as_u64().unwrap();
+    assert!(ids.iter().all(|id| cached(&off, id) == 0));
+    assert_eq!(off_metrics["cached_prompt_tokens"], Some(0.0));
+    for (rows, metrics) in [(&on, &on_metrics), (&one, &one_metrics)] {
+        for id in ["a1", "a2", "a3", "a4", "b1", "b3", "b4"] {
+            assert!(cached(rows, id) >= 224, "{id}: {}", rows[id]);
+        }
+        let served: u64 = ids.iter().map(|id| cached(rows, id)).sum();
+        for id in &ids {
+            assert!(cached(rows, id) % 16 == 0 && cached(rows, id) < rows[id]["prompt_tokens"].as_u64().unwrap(), "{}", rows[id]);
+        }
+        assert_eq!(metrics["cached_prompt_tokens"], Some(served as f64));
+        assert_eq!(metrics["prefill_tokens"].unwrap() + served as f64, metrics["prompt_tokens"].unwrap(), "{metrics:?}");
+    }
+    // More than two thirds of the prompt tokens come from the cache.
+    assert!(on_metrics["cached_prompt_tokens"].unwrap() * 3.0 > on_metrics["prompt_tokens"].unwrap() * 2.0, "{on_metrics:?}");
+    assert!(tight_metrics["prefix_cache_evictions"].unwrap() > 0.0, "{tight_metrics:?}");
+    assert!(tight_metrics["cached_prompt_tokens"].unwrap() > 0.0, "{tight_metrics:?}");
+
+    // A scoring job: the log-probabilities of given completions are the same with the cache on and off.
+    let labels: Vec<Option<&str>> = ids.iter().map(|_| Some(" Paris is the answer.")).collect();
+    let scoring = |name: &str, runtime: &str| {
+        let mut columns = columns();
+        columns.truncate(2);
+        columns.push(("label", strings(&labels)));
+        run_with_runtime(name, columns, "logprobs = 2", "completion_column = \"label\"\n", runtime).0
+    };
+    let (scored_on, scored_off) = (scoring("prefix-score-on", "max_seqs = 8"), scoring("prefix-score-off", "prefix_cache = false"));
+    assert!(scored_on.values().all(|r| r["finish_reason"] == "scored"), "{scored_on:?}");
+    assert_eq!(outputs(&scored_on), outputs(&scored_off));
+    assert!(cached(&scored_on, "a4") >= 224, "{}", scored_on["a4"]);
+}
