@@ -38,16 +38,18 @@ def main():
             body = {"prompt": row["prompt"], "n_predict": row["max_new"], "ignore_eos": row["ignore_eos"],
                     "temperature": 0.0, "cache_prompt": args.cache_prompt}
             r = post(base + "/completion", body, timeout=7200)
-            return r["tokens_evaluated"], r["tokens_predicted"]
+            # timings.prompt_n: the prompt tokens it computed (the rest came from the slot's cache).
+            return r["tokens_evaluated"], r["tokens_predicted"], r.get("timings", {}).get("prompt_n", r["tokens_evaluated"])
 
         started = time.time()
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(rows)) as pool:
             results = list(pool.map(one, rows))
         seconds = time.time() - started
-    prompt = sum(p for p, _ in results)
-    output = sum(o for _, o in results)
+    prompt = sum(r[0] for r in results)
+    output = sum(r[1] for r in results)
+    computed = sum(r[2] for r in results)
     report = {
-        "peer": "llama-server", "slots": args.slots, "cache_prompt": args.cache_prompt, "rows": len(rows), "prompt_tokens": prompt, "output_tokens": output,
+        "peer": "llama-server", "slots": args.slots, "cache_prompt": args.cache_prompt, "rows": len(rows), "prompt_tokens": prompt, "computed_prompt_tokens": computed, "output_tokens": output,
         "seconds": seconds, "requests_per_s": len(rows) / seconds, "total_tokens_per_s": (prompt + output) / seconds,
         "output_tokens_per_s": output / seconds,
     }
@@ -55,7 +57,7 @@ def main():
         print(json.dumps(report))
     else:
         cache = ", prompt cache on" if args.cache_prompt else ""
-        print(f"llama-server, {args.slots} slots{cache}: {len(rows)} rows, {prompt} prompt and {output} output tokens in {seconds:.1f} s: "
+        print(f"llama-server, {args.slots} slots{cache}: {len(rows)} rows, {prompt} prompt ({computed} computed) and {output} output tokens in {seconds:.1f} s: "
               f"{report['requests_per_s']:.2f} requests/s, {report['total_tokens_per_s']:.1f} total tokens/s, "
               f"{report['output_tokens_per_s']:.1f} output tokens/s")
 

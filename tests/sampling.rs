@@ -251,11 +251,14 @@ fn n_choices_share_one_prefill_and_are_reproducible() {
         assert!(distinct.len() >= 2, "four samples at temperature 1 are not all the same: {distinct:?}");
         assert_eq!(first[id]["choices"], second[id]["choices"], "the same seed, the same choices");
     }
-    // Prefilled once per prompt: the engine prefilled exactly the prompts' tokens (nothing was preempted).
+    // Prefilled once per prompt: the engine prefilled exactly the prompts' tokens, less those the prefix cache
+    // served (the chat template's opening, for the second), and nothing was preempted.
     let metrics = read_metrics(&out);
     assert_eq!(metrics["preemptions"], Some(0.0));
     let prompt_tokens: u64 = first.values().map(|r| r["prompt_tokens"].as_u64().unwrap()).sum();
-    assert_eq!(metrics["prefill_tokens"], Some(prompt_tokens as f64), "{metrics:?}");
+    let cached: u64 = first.values().map(|r| r["cached_tokens"].as_u64().unwrap()).sum();
+    assert_eq!(metrics["cached_prompt_tokens"], Some(cached as f64), "{metrics:?}");
+    assert_eq!(metrics["prefill_tokens"], Some((prompt_tokens - cached) as f64), "{metrics:?}");
 }
 
 #[test]

@@ -191,11 +191,7 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
         kv_cache_dtype = kv_dtype.as_str(), kv_bytes_per_token = block_bytes / engine::KV_BLOCK_TOKENS, "decoder");
     let kv_bytes = engine::kv_cache_bytes(job.runtime.kv_cache_memory, device);
     let mut batch = BatchConfig::new(job.runtime.max_seqs, job.runtime.max_batch_tokens, kv_bytes, block_bytes);
-    // The paged backend does not share blocks yet: it runs without the cache.
-    batch.prefix_cache = job.runtime.prefix_cache && backend == Backend::Host;
-    if job.runtime.prefix_cache && !batch.prefix_cache {
-        info!(attention = ?backend, "the prefix cache is off: this attention backend does not share KV blocks yet");
-    }
+    batch.prefix_cache = job.runtime.prefix_cache;
     let longest = batch.max_sequence_tokens(cfg);
     info!(
         max_seqs = batch.max_seqs, max_batch_tokens = batch.max_batch_tokens, prefix_cache = batch.prefix_cache,

@@ -237,7 +237,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         kv_blocks: stats.kv_blocks,
         peak_kv_blocks: stats.peak_kv_blocks,
         preemptions: stats.preemptions,
-        prefix_cache: options.prefix_cache && !backend.is_paged(),
+        prefix_cache: options.prefix_cache,
         cached_prompt_tokens: stats.cached_prompt_tokens,
         computed_prompt_tokens: stats.prefill_tokens,
         packing_efficiency: stats.packing_efficiency().unwrap_or(1.0),

@@ -578,6 +578,8 @@ where
 
     fn reset_stats(&mut self) {
         debug_assert!(self.seqs.is_empty(), "stats are reset between runs");
+        // The new scheduler starts with an empty prefix cache: so does the engine.
+        self.prefix_blocks.clear();
         self.scheduler = Scheduler::new(self.config.schedule());
         self.stats = EngineStats { kv_blocks: self.config.kv_blocks, ..EngineStats::default() };
     }

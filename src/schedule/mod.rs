@@ -29,8 +29,8 @@
 //!   until its memory is needed, then is evicted, least recently used first (a chain's deepest blocks before their
 //!   parents). Cached blocks count against the same budget as everything else.
 //!   Admission with the cache: the oldest waiting sequence still goes first, and a step's prompt token budget
-//!   counts only the tokens it computes; the step is then filled from sequences that find a cached prefix first,
-//!   then by length bucket. A sequence whose next uncached block another sequence of the same step is about to
+//!   counts only the tokens it computes; the step is then filled from the sequences with the longest cached
+//!   prefixes first, then by length bucket. A sequence whose next uncached block another sequence of the same step is about to
 //!   write waits for the next step, to find it cached (the first row of a group is prefilled before its
 //!   siblings). The choices of a row share its prompt's cached blocks, and each books only the blocks it writes.
 
@@ -421,10 +421,11 @@ impl Scheduler {
         let mut in_flight: HashSet<BlockKey> = HashSet::new();
         let (&head_order, head) = self.waiting.iter().next().expect("waiting is not empty");
         let head_bucket = bucket(head.tokens);
-        let mut candidates: Vec<(u64, bool, u32)> =
-            self.waiting.iter().map(|(&o, w)| (o, self.hits(&w.prefix, &in_flight).0 > 0, bucket(w.tokens).abs_diff(head_bucket))).collect();
-        // The head first, then those with a cached prefix, then the closest buckets, oldest first within a bucket.
-        candidates.sort_by_key(|&(o, cached, distance)| (o != head_order, !cached, distance, o));
+        let mut candidates: Vec<(u64, usize, u32)> =
+            self.waiting.iter().map(|(&o, w)| (o, self.hits(&w.prefix, &in_flight).0, bucket(w.tokens).abs_diff(head_bucket))).collect();
+        // The head first, then those with the longest cached prefixes (the cheapest to prefill, and a shared
+        // instruction's rows together), then the closest buckets, oldest first within a bucket.
+        candidates.sort_by_key(|&(o, cached, distance)| (o != head_order, std::cmp::Reverse(cached), distance, o));
         for (order, _, _) in candidates {
             if places == 0 {
                 break;

@@ -219,8 +219,10 @@ fn greedy_rows_come_back_as_the_argmax() {
 /// A fork holds its own copy: both continue as the original would; blocks go back to the pool when caches drop;
 /// a step the pool cannot hold is an error that leaves the cache as it was. (A cache of one backend cannot reach
 /// the other: each backend's forward pass takes only its own cache type.)
+/// Forks share their blocks; the first write into a shared block copies it, from the pool's free blocks, and a
+/// step that needs a copy the pool cannot hold fails, leaving the cache as it was.
 #[test]
-fn forks_and_the_pool_limits() {
+fn forks_share_blocks_and_copy_on_write_within_the_pool() {
     let (model, _) = Model::load(&model_path(), &Device::Cpu).unwrap();
     let paged = paged(model, 4);
     let (model, attention) = paged.pair();
@@ -229,19 +231,61 @@ fn forks_and_the_pool_limits() {
     assert_eq!(cache.blocks(), 2);
     let mut fork = attention.fork(&cache).unwrap();
     assert_eq!((fork.len(), fork.blocks()), (cache.len(), 2));
+    // The original copies the shared partly filled block (3 of 4 blocks in use); the fork then holds the old one alone.
     let next = [argmax(&prompt)];
     let a = model.forward(attention, &mut [Segment { tokens: &next, cache: &mut cache }]).unwrap().remove(0);
     let b = model.forward(attention, &mut [Segment { tokens: &next, cache: &mut fork }]).unwrap().remove(0);
     assert_eq!(max_abs_diff(&a, &b), 0.0, "a fork continues exactly as its original");
-    // Four blocks, all held: one more sequence cannot start, and its cache stays empty.
+    // One block is left: a third sequence takes it, a fourth cannot start and its cache stays empty.
     let mut third = attention.new_cache(8);
-    let err = model.forward(attention, &mut [Segment { tokens: PROMPTS[0], cache: &mut third }]).unwrap_err().to_string();
-    assert!(err.contains("free blocks"), "{err}");
-    assert!(third.is_empty() && third.blocks() == 0);
-    assert!(attention.fork(&cache).is_err(), "a fork the pool cannot hold");
-    drop(fork);
     model.forward(attention, &mut [Segment { tokens: PROMPTS[0], cache: &mut third }]).unwrap();
-    assert_eq!(third.blocks(), 1);
+    let mut fourth = attention.new_cache(8);
+    let err = model.forward(attention, &mut [Segment { tokens: PROMPTS[2], cache: &mut fourth }]).unwrap_err().to_string();
+    assert!(err.contains("free blocks"), "{err}");
+    assert!(fourth.is_empty() && fourth.blocks() == 0);
+    // A fork of the third needs a copy of its partly filled block to write: none is free.
+    let mut third_fork = attention.fork(&third).unwrap();
+    let one = [PROMPTS[0][0]];
+    assert!(model.forward(attention, &mut [Segment { tokens: &one, cache: &mut third_fork }]).is_err());
+    assert_eq!((third_fork.len(), third_fork.blocks()), (PROMPTS[0].len(), 1));
+    // Dropping the fork of the first frees the block it held alone (the other is still the original's).
+    drop(fork);
+    let with_copy = model.forward(attention, &mut [Segment { tokens: &one, cache: &mut third_fork }]).unwrap().remove(0);
+    // The pool is full again, but the third now holds its block alone: its write needs no copy.
+    let again = model.forward(attention, &mut [Segment { tokens: &one, cache: &mut third }]).unwrap().remove(0);
+    assert_eq!(max_abs_diff(&with_copy, &again), 0.0, "the copy and the original continue alike");
+}
+
+/// The prefix cache on the paged pool: a prompt whose first blocks are another sequence's (shared, not copied)
+/// gives a full prefill's next-token logits within f32 rounding (the pool's products are candle's, whose sums may
+/// be ordered by the pass's row count) and its argmax; the shared blocks outlive their writer, and every block is
+/// free again once nothing holds it.
+#[test]
+fn a_cached_prefix_on_the_paged_pool_gives_a_full_prefills_logits() {
+    let (model, _) = Model::load(&model_path(), &Device::Cpu).unwrap();
+    let paged = paged(model, 8);
+    let (model, attention) = paged.pair();
+    let instruction: Vec<u32> = PROMPTS[1].iter().chain(PROMPTS[1]).copied().take(32).collect();
+    let with = |tail: &[u32]| -> Vec<u32> { instruction.iter().chain(tail).copied().collect() };
+    let (p, q) = (with(PROMPTS[0]), with(PROMPTS[2]));
+    let mut full = attention.new_cache(64);
+    let expected = model.forward(attention, &mut [Segment { tokens: &p, cache: &mut full }]).unwrap().remove(0);
+    drop(full);
+    let mut writer = attention.new_cache(64);
+    model.forward(attention, &mut [Segment { tokens: &q, cache: &mut writer }]).unwrap();
+    let shared: Vec<_> = (0..2).map(|i| attention.share_block(&writer, i).expect("a full block")).collect();
+    let mut reader = attention.cache_from_blocks(shared.clone(), 64).unwrap();
+    drop(writer);
+    let cached = model.forward(attention, &mut [Segment { tokens: PROMPTS[0], cache: &mut reader }]).unwrap().remove(0);
+    let diff = max_abs_diff(&cached, &expected);
+    assert!(diff <= 1e-4 * largest(&expected).max(1.0), "a cached prefix changes the logits by {diff}");
+    assert_eq!(argmax(&cached), argmax(&expected));
+    // Held by the reader and the handles: 3 blocks in use. Once all let go, 8 free blocks hold 128 positions.
+    drop((reader, shared));
+    let mut big = attention.new_cache(128);
+    let long: Vec<u32> = (0..128).map(|i| PROMPTS[1][i % PROMPTS[1].len()]).collect();
+    model.forward(attention, &mut [Segment { tokens: &long, cache: &mut big }]).unwrap();
+    assert_eq!(big.blocks(), 8);
 }
 
 /// The host backend computes only what its kernels compute, f32 on the CPU: a bf16 model is refused (it runs the
@@ -285,13 +329,13 @@ fn jobs_on_the_paged_path_give_the_cpu_paths_results() {
     let texts: Vec<String> = (0..12).map(|i| format!("the tea {i} at the hall, {}", "and more ".repeat(i / 2))).collect();
     let text_refs: Vec<&str> = texts.iter().map(String::as_str).collect();
     write_parquet(&dir.join("in.parquet"), prompts(&ids, &text_refs));
-    let run = |out: &str, generation: &str, paged: bool| -> std::collections::BTreeMap<String, serde_json::Value> {
+    let run_input = |input: &str, out: &str, generation: &str, runtime: &str, paged: bool| -> std::collections::BTreeMap<String, serde_json::Value> {
         let job = dir.join(format!("{out}.toml"));
         std::fs::write(
             &job,
             format!(
-                "[input]\nurl = {:?}\nid_column = \"id\"\n[model]\npath = {:?}\n[generation]\n{generation}\n[runtime]\nmax_seqs = 6\nkv_cache_memory = \"400KiB\"\n[output]\nurl = {:?}\n",
-                dir.join("in.parquet").to_string_lossy(),
+                "[input]\nurl = {:?}\nid_column = \"id\"\n[model]\npath = {:?}\n[generation]\n{generation}\n[runtime]\nmax_seqs = 6\nkv_cache_memory = \"400KiB\"\n{runtime}\n[output]\nurl = {:?}\n",
+                dir.join(input).to_string_lossy(),
                 model.to_string_lossy(),
                 dir.join(out).to_string_lossy()
             ),
@@ -300,6 +344,7 @@ fn jobs_on_the_paged_path_give_the_cpu_paths_results() {
         nightshift(&["run", job.to_str().unwrap()], &[("NIGHTSHIFT_PAGED", if paged { "1" } else { "0" })]).assert_ok();
         read_results_json(&dir.join(out))
     };
+    let run = |out: &str, generation: &str, paged: bool| run_input("in.parquet", out, generation, "", paged);
     for (name, generation) in [
         ("greedy", "max_new_tokens = 24"),
         ("sampled", "max_new_tokens = 16\ntemperature = 0.9\nseed = 7\nn = 3\nlogprobs = 2"),
@@ -325,5 +370,21 @@ fn jobs_on_the_paged_path_give_the_cpu_paths_results() {
                 }
             }
         }
+    }
+    // Rows after one instruction: the paged pool serves it from the prefix cache, with the results of the host
+    // backend and of no cache.
+    let shared: Vec<String> = (0..12).map(|i| format!("{} question {i}", "the tea at the hall and more ".repeat(2))).collect();
+    let shared_refs: Vec<&str> = shared.iter().map(String::as_str).collect();
+    write_parquet(&dir.join("shared.parquet"), prompts(&ids, &shared_refs));
+    let greedy = "max_new_tokens = 24";
+    let host = run_input("shared.parquet", "shared-cpu", greedy, "", false);
+    let paged = run_input("shared.parquet", "shared-paged", greedy, "", true);
+    let paged_metrics = read_metrics(&dir.join("shared-paged"));
+    let off = run_input("shared.parquet", "shared-paged-off", greedy, "prefix_cache = false", true);
+    assert!(paged_metrics["cached_prompt_tokens"].unwrap() > 0.0, "{paged_metrics:?}");
+    for (id, row) in &host {
+        assert_eq!(row["status"], "succeeded", "{row}");
+        assert_eq!(row["text"], paged[id]["text"], "{id}: host and paged");
+        assert_eq!(row["text"], off[id]["text"], "{id}: paged with and without the cache");
     }
 }

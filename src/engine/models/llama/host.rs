@@ -255,9 +255,9 @@ impl HostAttention {
             DType::F32 => (Vec::new(), Vec::new()),
             _ => (vec![0f32; hd * BLOCK], vec![0f32; BLOCK * hd]),
         };
-        for b in 0..visible(rows - 1).div_ceil(BLOCK) {
-            let kt = blocks[b].keys[layer].read(kv * hd * BLOCK, hd * BLOCK, &mut k_scratch);
-            let vb = blocks[b].values[layer].read(kv * BLOCK * hd, BLOCK * hd, &mut v_scratch);
+        for (b, block) in blocks.iter().enumerate().take(visible(rows - 1).div_ceil(BLOCK)) {
+            let kt = block.keys[layer].read(kv * hd * BLOCK, hd * BLOCK, &mut k_scratch);
+            let vb = block.values[layer].read(kv * BLOCK * hd, BLOCK * hd, &mut v_scratch);
             // Every row's scores against the block, four rows at a time (independent sums in registers).
             let mut r = 0;
             while r < rows {

@@ -41,11 +41,13 @@ pub struct PagedAttention {
     device: Device,
 }
 
-/// Per layer, keys and values of every pool block, allocated at the first write; and the free blocks.
+/// Per layer, keys and values of every pool block, allocated at the first write; the free blocks, and how many
+/// holders each block has (caches listing it, [`PagedBlock`] handles): a block is free when the last lets go.
 struct Pool {
     keys: Vec<Tensor>,
     values: Vec<Tensor>,
     free: Vec<u32>,
+    refs: Vec<u32>,
     blocks: usize,
     layers: usize,
     kv_heads: usize,
@@ -66,7 +68,63 @@ impl Pool {
         }
         // Popped from the end: the lowest blocks first.
         self.free = (0..self.blocks as u32).rev().collect();
+        self.refs = vec![0; self.blocks];
         Ok(())
+    }
+
+    /// A free block, with one holder.
+    fn take(&mut self) -> Option<u32> {
+        let id = self.free.pop()?;
+        self.refs[id as usize] = 1;
+        Some(id)
+    }
+
+    fn hold(&mut self, id: u32) {
+        self.refs[id as usize] += 1;
+    }
+
+    /// One holder lets go of a block; the last frees it.
+    fn release(&mut self, id: u32) {
+        let r = &mut self.refs[id as usize];
+        *r -= 1;
+        if *r == 0 {
+            self.free.push(id);
+        }
+    }
+
+    /// Copies whole blocks (every layer's keys and values): `(from, to)` pairs.
+    fn copy_blocks(&self, pairs: &[(u32, u32)]) -> candle_core::Result<()> {
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let rows = |ids: &mut dyn Iterator<Item = u32>| -> Vec<u32> { ids.flat_map(|id| (0..BLOCK as u32).map(move |c| id * BLOCK as u32 + c)).collect() };
+        let from = rows(&mut pairs.iter().map(|p| p.0));
+        let n = from.len();
+        let from = Tensor::from_vec(from, n, &self.device)?;
+        let to = scatter_index(rows(&mut pairs.iter().map(|p| p.1)), self.kv_heads, self.head_dim, &self.device)?;
+        for t in self.keys.iter().chain(&self.values) {
+            t.scatter_set(&to, &t.index_select(&from, 1)?, 1)?;
+        }
+        Ok(())
+    }
+}
+
+/// A full block of a paged cache, held for the prefix cache: the pool keeps it while a handle or a cache holds it.
+pub struct PagedBlock {
+    id: u32,
+    pool: Arc<Mutex<Pool>>,
+}
+
+impl Clone for PagedBlock {
+    fn clone(&self) -> Self {
+        lock(&self.pool).hold(self.id);
+        PagedBlock { id: self.id, pool: self.pool.clone() }
+    }
+}
+
+impl Drop for PagedBlock {
+    fn drop(&mut self) {
+        lock(&self.pool).release(self.id);
     }
 }
 
@@ -91,7 +149,9 @@ struct Plan {
 }
 
 /// A sequence's cache on the paged backend: the pool blocks it holds, in position order (its block table), and its
-/// length. The blocks go back to the pool when it is dropped.
+/// length. Blocks may be shared with other caches (a fork, a prefix cache hit); a shared block is copied before a
+/// write into it (copy on write: only a partly filled block is ever written again). Its holds on the blocks are
+/// let go when it is dropped.
 pub struct PagedCache {
     ids: Vec<u32>,
     len: usize,
@@ -123,7 +183,10 @@ impl PagedCache {
 
 impl Drop for PagedCache {
     fn drop(&mut self) {
-        lock(&self.pool).free.append(&mut self.ids);
+        let mut pool = lock(&self.pool);
+        for &id in &self.ids {
+            pool.release(id);
+        }
     }
 }
 
@@ -148,6 +211,7 @@ impl PagedAttention {
             keys: Vec::new(),
             values: Vec::new(),
             free: Vec::new(),
+            refs: Vec::new(),
             blocks: blocks.max(1),
             layers: config.layers,
             kv_heads: config.kv_heads,
@@ -166,21 +230,44 @@ impl PagedAttention {
         })
     }
 
-    /// Takes the blocks the step's new positions need, for every segment or (when the pool is short) none.
+    /// Takes the blocks the step's new positions need, for every segment or (when the pool is short) none: new
+    /// blocks, and a copy of a shared block a segment writes into.
     fn book(&self, segments: &mut [Segment<'_, PagedCache>]) -> candle_core::Result<()> {
         let mut pool = lock(&self.pool);
         pool.allocate()?;
-        let needed: usize = segments.iter().map(|s| (s.cache.len + s.tokens.len()).div_ceil(BLOCK).saturating_sub(s.cache.ids.len())).sum();
+        // The block holding a segment's first new position, when it exists and another cache holds it too.
+        let shared_at = |pool: &Pool, c: &PagedCache| -> Option<usize> {
+            let b = c.len / BLOCK;
+            (!c.len.is_multiple_of(BLOCK) && b < c.ids.len() && pool.refs[c.ids[b] as usize] > 1).then_some(b)
+        };
+        // Copies: a shared block is copied by each segment writing into it, except the last of its holders when all
+        // of them write in this step (it finds the block its own by then).
+        let mut writers: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
+        for s in segments.iter() {
+            if let Some(b) = shared_at(&pool, s.cache) {
+                *writers.entry(s.cache.ids[b]).or_default() += 1;
+            }
+        }
+        let copies: usize = writers.iter().map(|(&id, &w)| if w >= pool.refs[id as usize] as usize { w - 1 } else { w }).sum();
+        let needed = copies + segments.iter().map(|s| (s.cache.len + s.tokens.len()).div_ceil(BLOCK).saturating_sub(s.cache.ids.len())).sum::<usize>();
         if needed > pool.free.len() {
             candle_core::bail!("the KV pool has {} free blocks, the step needs {needed}", pool.free.len());
         }
+        let mut copies = Vec::new();
         for s in segments.iter_mut() {
+            if let Some(b) = shared_at(&pool, s.cache) {
+                let copy = pool.take().expect("counted above");
+                copies.push((s.cache.ids[b], copy));
+                pool.release(s.cache.ids[b]);
+                s.cache.ids[b] = copy;
+            }
             let needed = (s.cache.len + s.tokens.len()).div_ceil(BLOCK);
             while s.cache.ids.len() < needed {
-                s.cache.ids.push(pool.free.pop().expect("counted above"));
+                let id = pool.take().expect("counted above");
+                s.cache.ids.push(id);
             }
         }
-        Ok(())
+        pool.copy_blocks(&copies)
     }
 
     /// The step's attention tables (after its blocks are allocated; positions from each cache's current length).
@@ -244,33 +331,41 @@ impl PagedAttention {
 impl Attention for PagedAttention {
     type Cache = PagedCache;
     type Step = PagedStep;
-    type Block = ();
+    type Block = PagedBlock;
 
     fn new_cache(&self, _capacity_tokens: usize) -> PagedCache {
         PagedCache { ids: Vec::new(), len: 0, pool: self.pool.clone() }
     }
 
-    /// New blocks holding the same rows.
+    /// The same blocks, shared: the first of the two to write into a shared block copies it.
     fn fork(&self, source: &PagedCache) -> candle_core::Result<PagedCache> {
-        if source.ids.is_empty() {
-            return Ok(PagedCache { ids: Vec::new(), len: source.len, pool: self.pool.clone() });
-        }
         let mut pool = lock(&self.pool);
-        if pool.free.len() < source.ids.len() {
-            candle_core::bail!("the KV pool has {} free blocks, a fork needs {}", pool.free.len(), source.ids.len());
+        for &id in &source.ids {
+            pool.hold(id);
         }
-        let at = pool.free.len() - source.ids.len();
-        let ids: Vec<u32> = pool.free.split_off(at);
-        let copy = PagedCache { ids, len: source.len, pool: self.pool.clone() };
-        let rows = |c: &PagedCache| -> Vec<u32> { (0..c.ids.len() * BLOCK).map(|p| c.slot(p)).collect() };
-        let n = source.ids.len() * BLOCK;
-        let from = Tensor::from_vec(rows(source), n, &pool.device)?;
-        let to = scatter_index(rows(&copy), pool.kv_heads, pool.head_dim, &pool.device)?;
-        for t in pool.keys.iter().chain(&pool.values) {
-            t.scatter_set(&to, &t.index_select(&from, 1)?, 1)?;
+        Ok(PagedCache { ids: source.ids.clone(), len: source.len, pool: self.pool.clone() })
+    }
+
+    fn shares_blocks(&self) -> bool {
+        true
+    }
+
+    fn share_block(&self, cache: &PagedCache, index: usize) -> Option<PagedBlock> {
+        let id = *cache.ids.get(index)?;
+        lock(&self.pool).hold(id);
+        Some(PagedBlock { id, pool: self.pool.clone() })
+    }
+
+    fn cache_from_blocks(&self, blocks: Vec<PagedBlock>, _capacity_tokens: usize) -> candle_core::Result<PagedCache> {
+        let ids: Vec<u32> = blocks.iter().map(|b| b.id).collect();
+        let mut pool = lock(&self.pool);
+        for &id in &ids {
+            pool.hold(id);
         }
         drop(pool);
-        Ok(copy)
+        // The handles let go after the cache holds the blocks.
+        drop(blocks);
+        Ok(PagedCache { len: ids.len() * BLOCK, ids, pool: self.pool.clone() })
     }
 
     fn block_bytes(&self) -> usize {
