@@ -633,16 +633,22 @@ fn plan_counts_the_prompt_tokens_rows_share_with_an_earlier_rows_start() {
         run.assert_ok();
         let r: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
         assert_eq!(r["shared_prefix_exact"], true, "{r}");
-        (r["shared_prefix_tokens"].as_u64().unwrap(), r["prompt_tokens"].as_u64().unwrap())
+        // The simulated schedule serves from the cache what an unbounded cache could, at most, and computes the rest.
+        let (cached, computed) = (r["simulation"]["cached_tokens"].as_u64().unwrap(), r["simulation"]["prefill_tokens"].as_u64().unwrap());
+        let (shared, total) = (r["shared_prefix_tokens"].as_u64().unwrap(), r["prompt_tokens"].as_u64().unwrap());
+        assert!(cached <= shared && cached + computed == total, "{r}");
+        (shared, total, cached)
     };
     // Six questions after one long instruction: rows two to six find the instruction's blocks (and the chat
     // template's) in row one.
     let first: Vec<String> = QUESTIONS.iter().take(6).map(|q| format!("{instruction}\n\n{q}")).collect();
-    let (shared, total) = plan("first", first);
+    let (shared, total, cached) = plan("first", first);
     assert!(shared * 10 >= total * 6, "{shared} of {total} prompt tokens shared with the instruction first");
+    // With the whole budget, the schedule serves all of it.
+    assert_eq!(cached, shared);
     // The same instruction after each question: only the chat template's opening is common, a block or two.
     let last: Vec<String> = QUESTIONS.iter().take(6).map(|q| format!("{q}\n\n{instruction}")).collect();
-    let (shared, total) = plan("last", last);
+    let (shared, total, _) = plan("last", last);
     assert!(shared <= 5 * 2 * 16 && total > 6 * 100, "{shared} of {total} prompt tokens shared with the instruction last");
 }
 
@@ -658,8 +664,9 @@ fn plan_reports_lengths_over_length_rows_schedule_and_estimate_without_touching_
     let row_ids = ids("p", refs.len());
     write_parquet(&input, support::prompts(&row_ids, &refs));
     let out = dir.join("out");
-    // 12 blocks: 192 tokens, so every question fits (with room to preempt) and the long prompts do not.
-    let extra = format!("[runtime]\nmax_seqs = 4\nkv_cache_memory = {}", 12 * SMOLLM2_KV_BLOCK_BYTES);
+    // 12 blocks: 192 tokens, so every question fits (with room to preempt) and the long prompts do not. (Without
+    // the prefix cache, whose share of the schedule the prefix test checks, every prompt token is computed.)
+    let extra = format!("[runtime]\nmax_seqs = 4\nprefix_cache = false\nkv_cache_memory = {}", 12 * SMOLLM2_KV_BLOCK_BYTES);
     let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 64", &extra);
     let run = nightshift(&["plan", job.to_str().unwrap(), "--calibration-rows", "2", "--json"], &[]);
     run.assert_ok();

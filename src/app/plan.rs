@@ -29,6 +29,7 @@ pub struct JobPlanReport {
     pub max_output_tokens: u64,
     /// Prompt tokens (a scoring row's completion included) in whole KV blocks that repeat the start of an earlier
     /// row's prompt, token for token: work a prefix cache keeping every block could skip ([`report::PrefixShare`]).
+    /// What the cache serves within the job's budget and schedule is `simulation.cached_tokens`.
     pub shared_prefix_tokens: u64,
     /// Whether every block was counted (false past [`report::PrefixShare::MAX_BLOCKS`]: a lower bound).
     pub shared_prefix_exact: bool,
@@ -60,6 +61,8 @@ struct Tokenized {
     /// (prompt tokens, output tokens at most) of each row that tokenized.
     lengths: Vec<(usize, usize)>,
     prefix: report::PrefixShare,
+    /// Each row's blocks in `prefix`, in the order of `lengths`.
+    chains: Vec<report::Chain>,
     /// The first rows, for the calibration run.
     calibration: Vec<Request>,
     over_length_rows: u64,
@@ -93,7 +96,7 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
     let prompt_tokens: u64 = t.lengths.iter().map(|l| l.0 as u64).sum();
     let max_output_tokens: u64 = t.lengths.iter().map(|l| l.1 as u64).sum();
     let mean_sequence = (prompt_tokens + max_output_tokens).div_ceil(t.lengths.len().max(1) as u64).max(1) as usize;
-    let simulation = report::simulate(&t.lengths, &batch.schedule());
+    let simulation = report::simulate(&t.lengths, Some((&t.prefix, &t.chains)), &batch.schedule());
 
     // Calibration: the first rows, at most 32 new tokens each, through the real engine.
     let calibration = match t.calibration.is_empty() {
@@ -159,11 +162,11 @@ async fn tokenize_all(job: &Job, input: &Input, prepare: &dyn Prepare, longest: 
                         // A scoring row's completion is prefilled with its prompt; nothing is generated.
                         let (prompt, max_new) = match &row.completion {
                             Some(c) => {
-                                t.prefix.add(&[tokens.as_slice(), c].concat());
+                                t.chains.push(t.prefix.add(&[tokens.as_slice(), c].concat(), c.len() + 1));
                                 (tokens.len() + c.len(), 0)
                             }
                             None => {
-                                t.prefix.add(&tokens);
+                                t.chains.push(t.prefix.add(&tokens, 1));
                                 (tokens.len(), params.max_new_tokens as usize)
                             }
                         };

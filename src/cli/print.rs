@@ -202,6 +202,13 @@ pub fn print_plan(r: &crate::app::JobPlanReport, json: bool) {
         "schedule (every row generating max_new_tokens): {} steps, {} with prefills (max_batch_tokens {}), {:.1} sequences decoding per step, peak {} KV blocks, {} preemptions ({} tokens recomputed)",
         s.steps, s.prefill_steps, r.max_batch_tokens, s.mean_running, s.peak_kv_blocks, s.preemptions, s.recomputed_tokens
     );
+    println!(
+        "prefix cache in that schedule: {} prompt tokens served ({:.1} %), {} computed, {} cached blocks evicted",
+        s.cached_tokens,
+        100.0 * s.cached_tokens as f64 / r.prompt_tokens.max(1) as f64,
+        s.prefill_tokens,
+        s.prefix_evictions
+    );
     match (&r.calibration, r.estimated_seconds) {
         (Some(c), Some(secs)) => println!(
             "estimate: at most {}, from {} calibration rows in {:.1} s: prefill {:.0} tokens/s, decode {:.0} tokens/s",
