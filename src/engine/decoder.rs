@@ -205,8 +205,8 @@ impl<A: Attention> BatchEngine<A> {
     }
 
     /// Prefix cache keys of every full block of `tokens`: each a 128-bit hash of the block's tokens and the key
-    /// before it, so it names everything up to the block's end. (Keyed hashes: a collision, about one in 2^64 for
-    /// 2^32 blocks, cannot be crafted by the rows.)
+    /// before it, so it names everything up to the block's end. (Keyed hashes: a collision, under 2^-64 for 2^32
+    /// distinct blocks, cannot be crafted by the rows.)
     fn block_keys(&self, tokens: &[u32]) -> Arc<[BlockKey]> {
         if !self.config.prefix_cache {
             return Arc::from(Vec::new());
