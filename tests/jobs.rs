@@ -169,9 +169,12 @@ fn greedy_outputs_are_identical_across_runs_and_batch_sizes() {
     let six = run_prompts("greedy-6", QUESTIONS, generation, &["--max-seqs", "6"]);
     let again = run_prompts("greedy-6-again", QUESTIONS, generation, &["--max-seqs", "6"]);
     let three = run_prompts("greedy-3", QUESTIONS, generation, &["--max-seqs", "3"]);
+    // The prefix cache (on in the runs above: the prompts share the chat template's opening) changes nothing.
+    let off = run_prompts("greedy-no-prefix-cache", QUESTIONS, &format!("{generation}\n[runtime]\nprefix_cache = false"), &["--max-seqs", "6"]);
     assert_eq!(texts(&one), texts(&six));
     assert_eq!(texts(&six), texts(&again));
     assert_eq!(texts(&six), texts(&three));
+    assert_eq!(texts(&six), texts(&off));
     assert!(one.values().all(|r| r.status == "succeeded" && r.completion_tokens > 0));
 }
 
