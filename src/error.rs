@@ -72,7 +72,9 @@ impl Error {
             Error::Job(_) | Error::Shard(_) | Error::Usage(_) => Exit::InvalidJob,
             Error::Source(_) => Exit::InvalidInput,
             Error::Model(_) | Error::Tokenizer(_) => Exit::InvalidModel,
-            Error::Sink(crate::sink::SinkError::Incomplete { .. }) | Error::Interrupted { .. } | Error::StoreFailed { .. } => {
+            Error::Sink(crate::sink::SinkError::Incomplete { .. } | crate::sink::SinkError::MissingFile { .. })
+            | Error::Interrupted { .. }
+            | Error::StoreFailed { .. } => {
                 Exit::Partial
             }
             Error::Sink(_) => Exit::OutputFailed,

@@ -319,6 +319,45 @@ fn two_processes_at_once_commit_each_unit_once(store: Store) {
 
 on_both_stores!(two_processes_at_once_commit_each_unit_once, two_processes_at_once_commit_each_unit_once_local, two_processes_at_once_commit_each_unit_once_s3);
 
+/// A committed unit whose result or metrics file was deleted afterwards is not committed: `status` says so, `finalize`
+/// refuses to write a manifest naming the missing file (exit 75: a rerun repairs it), and a rerun computes the
+/// unit again, with `_SUCCESS` and the manifest removed first when they were left in place (issue #23, class 2).
+fn a_deleted_unit_file_is_recomputed_not_trusted(store: Store) {
+    let world = World::new(&format!("deleted-{store:?}").to_lowercase(), store);
+    let (reference, _) = world.reference();
+    let out = world.output("reference");
+    let data = out.list("data");
+    let metrics = out.list("metrics");
+    // A results file deleted with _SUCCESS and the manifest, then a metrics file deleted under a complete output.
+    for (victim, keep_success) in [(data[1].clone(), false), (metrics[2].clone(), true)] {
+        out.delete(&victim);
+        if !keep_success {
+            out.delete("_SUCCESS");
+            out.delete("_manifest.json");
+            let fin = finalize(&world, "reference");
+            assert_eq!(fin.code, 75, "{}", fin.stderr);
+            assert!(fin.stderr.contains("missing") && fin.stderr.contains(&victim), "{}", fin.stderr);
+            assert!(!out.exists("_manifest.json"), "a manifest naming a missing file was written");
+        }
+        let status = world.tool(&["status", &world.output_url("reference"), "--json"]);
+        status.assert_ok();
+        let s: serde_json::Value = serde_json::from_str(status.stdout.trim()).unwrap();
+        assert_eq!(s["complete"], false, "{s}");
+        assert_eq!(s["damaged_units"].as_array().map(Vec::len), Some(1), "{s}");
+        assert_eq!(s["committed_units"], UNITS as u64 - 1, "{s}");
+        let run = world.run(&world.job("reference", ""));
+        run.assert_ok();
+        assert!(run.stderr.contains("missing"), "the rerun says why it computes a unit again: {}", run.stderr);
+        assert_complete_and_equal(&out, &reference);
+        let manifest = out.manifest();
+        for file in manifest["results"].as_array().unwrap().iter().chain(manifest["metrics"].as_array().unwrap()) {
+            assert!(out.exists(file.as_str().unwrap()), "the manifest names {file}, which is missing");
+        }
+    }
+}
+
+on_both_stores!(a_deleted_unit_file_is_recomputed_not_trusted, a_deleted_unit_file_is_recomputed_not_trusted_local, a_deleted_unit_file_is_recomputed_not_trusted_s3);
+
 fn sigterm_drains_and_exits_resumable(store: Store) {
     let world = World::new(&format!("sigterm-{store:?}").to_lowercase(), store);
     let (reference, _) = world.reference();

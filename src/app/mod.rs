@@ -200,14 +200,15 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         attempt: sink::new_attempt(),
     };
     let report = Report { output: &output, assignment: &assignment };
-    if rt.block_on(output.is_complete())? {
+    if rt.block_on(output.is_complete_and_whole())? {
         let manifest = match rt.block_on(output.finalize())? {
             Finalized::AlreadyComplete(m) | Finalized::Done(m) => m,
         };
         info!(output = output.url(), "the output is complete already; nothing to do");
         return Ok(report.of(RunStatus::AlreadyComplete, Some(manifest), 0, plan.units.len(), JobMetrics::default(), Vec::new()));
     }
-    let committed = rt.block_on(output.committed_units())?;
+    // A unit counts as committed only with its files there (one deleted since is computed again).
+    let committed = rt.block_on(output.verified_committed_units())?;
     let ours_units: Vec<&Unit> = plan.units.iter().filter(|u| assignment.includes(u.shard)).collect();
     let pending: Vec<Unit> = ours_units.iter().filter(|u| !committed.contains(&u.id)).map(|u| (*u).clone()).collect();
     let units_skipped = ours_units.len() - pending.len();

@@ -400,6 +400,14 @@ pub fn print_status(status: &OutputStatus, json: bool) {
     };
     println!("output: {}", redact_urls(&status.url));
     println!("state: {state}");
+    if !status.damaged_units.is_empty() {
+        let first: Vec<String> = status.damaged_units.iter().take(5).map(|u| format!("u{u:06}")).collect();
+        println!(
+            "damaged: {} committed unit(s) name a file that is missing (first: {}); not counted as committed: running the job again computes them",
+            status.damaged_units.len(),
+            first.join(", ")
+        );
+    }
     println!(
         "plan: {} units in {} shard(s), {} rows ({} committed), fingerprint {}",
         status.units,

@@ -72,6 +72,11 @@ pub enum SinkError {
          process of a job must use the plan's shard count (or run `--shard all`)"
     )]
     ShardCount { url: String, planned: u32, asked: String },
+    #[error(
+        "output `{url}`: unit u{unit:06} is committed by `{file}`, which is missing (deleted since); run the job \
+         again to compute the unit anew"
+    )]
+    MissingFile { url: String, unit: u32, file: String },
 }
 
 pub const PLAN_FILE: &str = "_plan.json";
@@ -338,6 +343,67 @@ impl Output {
             .collect())
     }
 
+    /// Every file under `data/` and `metrics/`.
+    pub(super) async fn unit_files(&self) -> Result<std::collections::HashSet<Path>, SinkError> {
+        let mut files = std::collections::HashSet::new();
+        for dir in [DATA_DIR, METRICS_DIR] {
+            let read_err = |e: object_store::Error| SinkError::Read { url: self.display(dir), source: e.into() };
+            let listed: Vec<_> = self.store().list(Some(&self.path(dir))).try_collect().await.map_err(read_err)?;
+            files.extend(listed.into_iter().map(|meta| meta.location));
+        }
+        Ok(files)
+    }
+
+    /// The first file a marker names that is not in `files`.
+    pub(super) fn missing_file<'m>(&self, marker: &'m Marker, files: &std::collections::HashSet<Path>) -> Option<&'m String> {
+        [&marker.results, &marker.metrics].into_iter().find(|f| !files.contains(&self.path(f)))
+    }
+
+    /// The units committed with their files: a marker naming a file that is gone (deleted since its commit) does
+    /// not commit its unit. Such a marker is removed, with what is left of the unit's files, and logged, so that the
+    /// unit is computed and committed again. (The files are listed after the markers: a unit's files are written
+    /// before its marker, so every marker listed has its files listed, unless they were deleted.)
+    pub async fn verified_committed_units(&self) -> Result<std::collections::BTreeSet<u32>, SinkError> {
+        let markers = self.markers().await?;
+        let files = self.unit_files().await?;
+        let mut committed = std::collections::BTreeSet::new();
+        for (unit, marker) in markers {
+            let Some(missing) = self.missing_file(&marker, &files) else {
+                committed.insert(unit);
+                continue;
+            };
+            tracing::warn!(unit, missing = %self.display(missing), "a committed unit's file is missing: the unit is not committed, and runs again");
+            let marker_path = format!("{COMMITS_DIR}/shard={}/u{:06}.json", marker.shard, marker.unit);
+            for file in [&marker.results, &marker.metrics, &marker_path] {
+                match self.store().delete(&self.path(file)).await {
+                    Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                    Err(e) => return Err(SinkError::Write { url: self.display(file), source: e.into() }),
+                }
+            }
+        }
+        Ok(committed)
+    }
+
+    /// Whether `_SUCCESS` is there and every file its manifest names too. When a file is gone, `_SUCCESS` and the
+    /// manifest no longer describe the output: both are removed (logged), so that a run recomputes what is missing
+    /// and finalizes again.
+    pub async fn is_complete_and_whole(&self) -> Result<bool, SinkError> {
+        if !self.is_complete().await? {
+            return Ok(false);
+        }
+        let Some(manifest) = self.read_manifest().await? else { return Ok(true) };
+        let files = self.unit_files().await?;
+        let Some(missing) = manifest.units.iter().find_map(|m| self.missing_file(m, &files)) else { return Ok(true) };
+        tracing::warn!(missing = %self.display(missing), "a file the manifest names is missing: the output is no longer complete");
+        for file in [SUCCESS_FILE, MANIFEST_FILE] {
+            match self.store().delete(&self.path(file)).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(SinkError::Write { url: self.display(file), source: e.into() }),
+            }
+        }
+        Ok(false)
+    }
+
     /// Every commit marker, by unit.
     pub async fn markers(&self) -> Result<BTreeMap<u32, Marker>, SinkError> {
         let dir = self.path(COMMITS_DIR);
@@ -462,6 +528,11 @@ impl Output {
             return Err(SinkError::Incomplete { url: self.url().into(), missing: missing.len(), total: plan.units.len(), shards, first });
         }
         let units: Vec<Marker> = plan.units.iter().map(|u| markers[&u.id].clone()).collect();
+        // A manifest never names a file that is not there.
+        let files = self.unit_files().await?;
+        if let Some((marker, missing)) = units.iter().find_map(|m| self.missing_file(m, &files).map(|f| (m, f))) {
+            return Err(SinkError::MissingFile { url: self.url().into(), unit: marker.unit, file: missing.clone() });
+        }
         let rows: u64 = units.iter().map(|m| m.rows).sum();
         if rows != plan.total_rows() {
             return Err(SinkError::Write {

@@ -12,8 +12,11 @@ use super::{Output, SinkError};
 #[derive(Clone, Debug, Serialize)]
 pub struct OutputStatus {
     pub url: String,
-    /// `_SUCCESS` is written.
+    /// `_SUCCESS` is written, and every file the commits name is there.
     pub complete: bool,
+    /// Units whose commit names a file that is missing (deleted since): not counted as committed; a run computes
+    /// them again.
+    pub damaged_units: Vec<u32>,
     pub fingerprint: String,
     pub units: usize,
     pub committed_units: usize,
@@ -67,8 +70,12 @@ impl Output {
     pub async fn status(&self) -> Result<OutputStatus, SinkError> {
         use futures::StreamExt;
         let plan = self.read_plan().await?.ok_or_else(|| SinkError::NoPlan { url: self.url().into() })?;
-        let complete = self.is_complete().await?;
-        let markers = self.markers().await?;
+        let success = self.is_complete().await?;
+        let mut markers = self.markers().await?;
+        let files = self.unit_files().await?;
+        let damaged_units: Vec<u32> = markers.values().filter(|m| self.missing_file(m, &files).is_some()).map(|m| m.unit).collect();
+        markers.retain(|unit, _| !damaged_units.contains(unit));
+        let complete = success && damaged_units.is_empty();
         // (unit, attempt, job_s at commit) for every committed unit.
         let timings: Vec<(u32, String, f64)> = futures::stream::iter(markers.values().cloned())
             .map(|m| async move {
@@ -124,6 +131,7 @@ impl Output {
         Ok(OutputStatus {
             url: self.url().into(),
             complete,
+            damaged_units,
             fingerprint: plan.fingerprint.digest(),
             units: plan.units.len(),
             committed_units: markers.len(),
