@@ -358,6 +358,39 @@ fn a_deleted_unit_file_is_recomputed_not_trusted(store: Store) {
 
 on_both_stores!(a_deleted_unit_file_is_recomputed_not_trusted, a_deleted_unit_file_is_recomputed_not_trusted_local, a_deleted_unit_file_is_recomputed_not_trusted_s3);
 
+/// Garbage in the output's own metadata (a commit marker, the manifest) is damage, not a transient fault: `run`,
+/// `finalize` and `status` exit 5 naming the object, never 75, which a scheduler would retry forever (issue #23,
+/// class 3).
+fn damaged_output_metadata_is_exit_5_naming_the_object(store: Store) {
+    let world = World::new(&format!("damaged-{store:?}").to_lowercase(), store);
+    world.reference();
+    let out = world.output("reference");
+    let marker = out.list("_commits")[0].clone();
+    for (object, also_remove_success) in [("_manifest.json".to_string(), false), (marker, true)] {
+        let good = out.get(&object).unwrap();
+        out.put(&object, b"{\"unit\": 0, garbage".to_vec());
+        // A marker is read when the output is not complete yet.
+        let success = out.get("_SUCCESS");
+        if also_remove_success {
+            out.delete("_SUCCESS");
+            out.delete("_manifest.json");
+        }
+        let run = world.run(&world.job("reference", ""));
+        let fin = finalize(&world, "reference");
+        let status = world.tool(&["status", &world.output_url("reference")]);
+        for (what, r) in [("run", &run), ("finalize", &fin), ("status", &status)] {
+            assert_eq!(r.code, 5, "{object}, {what}: {}", r.stderr);
+            assert!(r.stderr.contains(&object) && r.stderr.contains("damaged"), "{object}, {what}: {}", r.stderr);
+        }
+        out.put(&object, good.to_vec());
+        if let Some(success) = success {
+            out.put("_SUCCESS", success.to_vec());
+        }
+    }
+}
+
+on_both_stores!(damaged_output_metadata_is_exit_5_naming_the_object, damaged_output_metadata_is_exit_5_naming_the_object_local, damaged_output_metadata_is_exit_5_naming_the_object_s3);
+
 fn sigterm_drains_and_exits_resumable(store: Store) {
     let world = World::new(&format!("sigterm-{store:?}").to_lowercase(), store);
     let (reference, _) = world.reference();

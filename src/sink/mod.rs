@@ -55,6 +55,10 @@ pub enum SinkError {
     Write { url: String, #[source] source: Box<dyn std::error::Error + Send + Sync> },
     #[error("cannot read `{url}`")]
     Read { url: String, #[source] source: Box<dyn std::error::Error + Send + Sync> },
+    /// An object of the output's own metadata (plan, commit marker, manifest) that does not parse: damaged, not a
+    /// transient fault, so retrying cannot help (exit 5, not 75).
+    #[error("`{url}` is damaged: it is not the JSON nightshift wrote; move the output aside (or repair the file) and run again")]
+    Damaged { url: String, #[source] source: serde_json::Error },
     #[error(
         "output `{url}` belongs to a different job ({differences}); resuming into it would mix results, so \
          write to a new output, or remove this one to start over"
@@ -265,7 +269,7 @@ impl Output {
             Err(object_store::Error::NotFound { .. }) => return Ok(None),
             Err(e) => return Err(read_err(e.into())),
         };
-        serde_json::from_slice(&bytes).map(Some).map_err(|e| read_err(e.into()))
+        serde_json::from_slice(&bytes).map(Some).map_err(|source| SinkError::Damaged { url: self.display(relative), source })
     }
 
     /// Writes a small JSON object create-once. `Ok(false)` when it already exists.

@@ -71,6 +71,10 @@ impl Output {
         use futures::StreamExt;
         let plan = self.read_plan().await?.ok_or_else(|| SinkError::NoPlan { url: self.url().into() })?;
         let success = self.is_complete().await?;
+        if success {
+            // A complete output's manifest is what readers go by: a damaged one is an error here too.
+            self.read_manifest().await?;
+        }
         let mut markers = self.markers().await?;
         let files = self.unit_files().await?;
         let damaged_units: Vec<u32> = markers.values().filter(|m| self.missing_file(m, &files).is_some()).map(|m| m.unit).collect();
