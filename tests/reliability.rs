@@ -391,6 +391,32 @@ fn damaged_output_metadata_is_exit_5_naming_the_object(store: Store) {
 
 on_both_stores!(damaged_output_metadata_is_exit_5_naming_the_object, damaged_output_metadata_is_exit_5_naming_the_object_local, damaged_output_metadata_is_exit_5_naming_the_object_s3);
 
+/// A local output that fails mid-run (a write refused, as on a full disk: here the metrics directory replaced by a
+/// file after the first commit) ends the run "partial, resumable" (75), and the message counts the units this run
+/// committed before the failure, as the output holds them (issue #23, class 8: it said 0); the rerun completes.
+#[test]
+fn an_output_that_fails_mid_run_reports_the_units_it_committed() {
+    let world = World::new("fails-mid-run", Store::Local);
+    let (reference, _) = world.reference();
+    let job = world.job("failing", "max_seqs = 2");
+    let output = world.output("failing");
+    let mut child = world.spawn(&job);
+    assert!(wait_for_first_commit(&mut child, &output), "the job ended before its first commit was seen");
+    let metrics = world.dir.join("failing/metrics");
+    std::fs::rename(&metrics, world.dir.join("metrics-aside")).unwrap();
+    std::fs::write(&metrics, b"not a directory").unwrap();
+    let run = finish(child);
+    assert_eq!(run.code, 75, "{}", run.stderr);
+    let committed = output.list("_commits").len();
+    assert!(committed >= 1 && committed < UNITS, "{committed}");
+    let said = format!("{committed} of {UNITS} units");
+    assert!(run.stderr.contains(&said), "expected `{said}`: {}", run.stderr);
+    std::fs::remove_file(&metrics).unwrap();
+    std::fs::rename(world.dir.join("metrics-aside"), &metrics).unwrap();
+    world.run(&job).assert_ok();
+    assert_complete_and_equal(&output, &reference);
+}
+
 fn sigterm_drains_and_exits_resumable(store: Store) {
     let world = World::new(&format!("sigterm-{store:?}").to_lowercase(), store);
     let (reference, _) = world.reference();

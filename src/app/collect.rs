@@ -105,12 +105,18 @@ fn count(outcome: &Outcome, total: &mut Collector, buffer: &mut UnitBuffer) {
     }
 }
 
-/// Receives every output row until the channel closes, committing each unit as it completes.
-pub async fn collect(mut rows: mpsc::Receiver<Outcome>, c: Collect<'_>) -> Result<Collected, Error> {
+/// Receives every output row until the channel closes, committing each unit as it completes. An error comes with
+/// the units this run committed before it (what a resumable failure reports).
+pub async fn collect(rows: mpsc::Receiver<Outcome>, c: Collect<'_>) -> Result<Collected, (Error, usize)> {
+    let mut units_committed = 0usize;
+    let collected = collect_counting(rows, c, &mut units_committed).await;
+    collected.map_err(|e| (e, units_committed))
+}
+
+async fn collect_counting(mut rows: mpsc::Receiver<Outcome>, c: Collect<'_>, units_committed: &mut usize) -> Result<Collected, Error> {
     let mut total = Collector::default();
     let mut sample = Vec::new();
     let mut open: HashMap<u32, UnitBuffer> = HashMap::new();
-    let mut units_committed = 0usize;
     while let Some(outcome) = rows.recv().await {
         let tag = outcome.tag();
         let unit = c.units.get(&tag.unit).ok_or_else(|| Error::Internal(format!("a row of unit {} that is not pending (a bug)", tag.unit)))?;
@@ -132,11 +138,11 @@ pub async fn collect(mut rows: mpsc::Receiver<Outcome>, c: Collect<'_>) -> Resul
         if buffer.filled == unit.rows {
             let buffer = open.remove(&tag.unit).expect("the buffer is open");
             if commit(unit, buffer, &c).await? {
-                units_committed += 1;
+                *units_committed += 1;
             }
         }
     }
-    Ok(Collected { rows: total, sample, units_committed, unfinished: open.len() })
+    Ok(Collected { rows: total, sample, units_committed: *units_committed, unfinished: open.len() })
 }
 
 /// Commits a complete unit; whether this attempt's copy won.

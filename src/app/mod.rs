@@ -382,10 +382,14 @@ impl Stages<'_> {
         let _ = tokenize_thread.join();
         let source_result = self.rt.block_on(source_task).map_err(|e| fail(Error::Internal(format!("the source task failed: {e}"))))?;
         // The first real cause wins: a source error explains a short engine run, an engine error a short sink run.
-        let committed_by_sink = sink_result.as_ref().map(|r| r.units_committed).unwrap_or(0);
+        // The units committed before a failure (a store that fails mid-run reports them).
+        let committed_by_sink = match &sink_result {
+            Ok(collected) => collected.units_committed,
+            Err((_, committed)) => *committed,
+        };
         source_result.map_err(|e| (e, committed_by_sink))?;
         let final_stats = engine_result.map_err(|e: EngineError| fail(Error::Engine(e)))?;
-        let collected = sink_result.map_err(fail)?;
+        let collected = sink_result?;
         Ok((collected, final_stats, generation_started.elapsed().as_secs_f64()))
     }
 }
