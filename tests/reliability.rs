@@ -408,7 +408,7 @@ fn an_output_that_fails_mid_run_reports_the_units_it_committed() {
     let run = finish(child);
     assert_eq!(run.code, 75, "{}", run.stderr);
     let committed = output.list("_commits").len();
-    assert!(committed >= 1 && committed < UNITS, "{committed}");
+    assert!((1..UNITS).contains(&committed), "{committed}");
     let said = format!("{committed} of {UNITS} units");
     assert!(run.stderr.contains(&said), "expected `{said}`: {}", run.stderr);
     std::fs::remove_file(&metrics).unwrap();
