@@ -262,7 +262,7 @@ fn a_cached_prefix_gives_the_logits_of_a_full_prefill_and_shared_blocks_stay_int
     let mut writer = host.new_cache(64);
     let q_logits = model.forward(&host, &mut [Segment { tokens: &q, cache: &mut writer }]).unwrap().remove(0);
     let shared: Vec<_> = (0..2).map(|i| host.share_block(&writer, i).expect("a full block")).collect();
-    let mut reader = host.cache_from_blocks(shared, 64).unwrap();
+    let mut reader = host.cache_from_blocks(shared, 64);
     assert_eq!(reader.len(), 2 * block);
     let cached = model.forward(&host, &mut [Segment { tokens: B, cache: &mut reader }]).unwrap().remove(0);
     assert_eq!(cached, expected, "a cached prefix changes the logits by up to {}", max_abs_diff(&cached, &expected));
@@ -271,7 +271,7 @@ fn a_cached_prefix_gives_the_logits_of_a_full_prefill_and_shared_blocks_stay_int
     let mut full_one = host.new_cache(64);
     let expected_one = model.forward(&host, &mut [Segment { tokens: &one, cache: &mut full_one }]).unwrap().remove(0);
     let shared: Vec<_> = (0..2).map(|i| host.share_block(&writer, i).expect("a full block")).collect();
-    let mut reader_one = host.cache_from_blocks(shared, 64).unwrap();
+    let mut reader_one = host.cache_from_blocks(shared, 64);
     let cached_one = model.forward(&host, &mut [Segment { tokens: &B[..1], cache: &mut reader_one }]).unwrap().remove(0);
     assert_eq!(cached_one, expected_one, "a cached prefix changes a one-token tail's logits by up to {}", max_abs_diff(&cached_one, &expected_one));
     // The writer goes on as if nothing had been shared: its next step equals an unshared copy's.

@@ -181,9 +181,7 @@ impl<A: Attention> BatchEngine<A> {
     /// An engine over a loaded model and its attention backend (a paged backend's pool sized to
     /// `setup.config.kv_blocks`, the scheduler's budget).
     pub fn new(attention: A, model: Model, setup: DecoderSetup) -> Self {
-        let DecoderSetup { tokenizer, params, stop, mut config, .. } = setup;
-        // A backend that cannot share blocks runs without the cache.
-        config.prefix_cache &= attention.shares_blocks();
+        let DecoderSetup { tokenizer, params, stop, config, .. } = setup;
         let scheduler = Scheduler::new(config.schedule());
         let stats = EngineStats { kv_blocks: config.kv_blocks, ..EngineStats::default() };
         BatchEngine {
@@ -247,10 +245,10 @@ impl<A: Attention> BatchEngine<A> {
         compiled.map(Some).map_err(|e| ("generation.json_schema", format!("cannot be used: {e}")))
     }
 
-    fn new_sequence(&self, group: SeqId, index: u32, pending: Vec<u32>, cache: A::Cache, max_new_tokens: usize) -> Result<Sequence<A::Cache>, String> {
+    fn new_sequence(&self, group: SeqId, index: u32, pending: Vec<u32>, cache: A::Cache, max_new_tokens: usize, keys: Arc<[BlockKey]>) -> Result<Sequence<A::Cache>, String> {
         let g = &self.groups[&group];
         let choice = ChoiceState::new(index, &g.request.id, &g.params, max_new_tokens, g.grammar.as_deref())?;
-        Ok(Sequence { group, pending, cache, choice, forks: 0, keys: Arc::from(Vec::new()) })
+        Ok(Sequence { group, pending, cache, choice, forks: 0, keys })
     }
 
     /// Chooses a sequence's next token and applies it; returns why it finished, if it did.
@@ -357,8 +355,7 @@ impl<A: Attention> BatchEngine<A> {
             let parent = &self.seqs[&id];
             let max_new = parent.choice.max_new_tokens();
             let cache = self.attention.fork(&parent.cache).map_err(|e| format!("cannot fork the KV cache: {e}"))?;
-            let keys = parent.keys.clone();
-            let seq = Sequence { keys, ..self.new_sequence(group, index, Vec::new(), cache, max_new)? };
+            let seq = self.new_sequence(group, index, Vec::new(), cache, max_new, parent.keys.clone())?;
             self.scheduler.fork(id, child);
             self.seqs.insert(child, seq);
             ids.push(child);
@@ -396,7 +393,7 @@ impl<A: Attention> BatchEngine<A> {
         let shared: Option<Vec<A::Block>> = seq.keys.get(..blocks).and_then(|keys| keys.iter().map(|k| self.prefix_blocks.get(k).cloned()).collect());
         let shared = shared.ok_or_else(|| EngineError::Bug(format!("a sequence reuses {blocks} blocks the prefix cache does not hold")))?;
         let capacity = seq.pending.len() + seq.choice.max_new_tokens().min(INITIAL_ANSWER_TOKENS);
-        seq.cache = self.attention.cache_from_blocks(shared, capacity)?;
+        seq.cache = self.attention.cache_from_blocks(shared, capacity);
         seq.pending.drain(..blocks * KV_BLOCK_TOKENS);
         // A row's first prefill (a recomputation comes after a sampled token).
         if seq.choice.generated().is_empty() {
@@ -480,10 +477,9 @@ where
         let timing = RowTiming::new(request.arrival);
         self.groups.insert(id, Group { request, params, penalty_prompt, grammar, choices: vec![None; n], live: n, timing, cached_tokens: 0 });
         let cache = self.attention.new_cache(prompt + max_new_tokens.min(INITIAL_ANSWER_TOKENS));
-        match self.new_sequence(id, 0, pending, cache, max_new_tokens) {
+        match self.new_sequence(id, 0, pending, cache, max_new_tokens, keys) {
             Ok(mut seq) => {
                 seq.forks = n as u32 - 1;
-                seq.keys = keys;
                 self.seqs.insert(id, seq);
                 Ok(())
             }

@@ -30,9 +30,10 @@
 //!   parents). Cached blocks count against the same budget as everything else.
 //!   Admission with the cache: the oldest waiting sequence still goes first, and a step's prompt token budget
 //!   counts only the tokens it computes; the step is then filled from the sequences with the longest cached
-//!   prefixes first, then by length bucket. A sequence whose next uncached block another sequence of the same step is about to
-//!   write waits for the next step, to find it cached (the first row of a group is prefilled before its
-//!   siblings). The choices of a row share its prompt's cached blocks, and each books only the blocks it writes.
+//!   prefixes first, then by length bucket. A sequence whose next uncached block another sequence of the same
+//!   step is about to write waits for the next step, to find it cached (the first row of a group is prefilled
+//!   before its siblings). The choices of a row share its prompt's cached blocks, and each books only the blocks
+//!   it writes. With the cache off, sequences are queued without keys, so nothing is looked up or kept.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
@@ -433,7 +434,7 @@ impl Scheduler {
             let w = &self.waiting[&order];
             let (hit, idle_hits) = self.hits(&w.prefix, &in_flight);
             // Its next block is being written by this step: it waits a step to find it cached.
-            if hit < w.prefix.keys.len() && in_flight.contains(&w.prefix.keys[hit]) {
+            if w.prefix.keys.get(hit).is_some_and(|k| in_flight.contains(k)) {
                 continue;
             }
             let computed = w.tokens - hit * c.block_tokens;
@@ -441,8 +442,7 @@ impl Scheduler {
             // The blocks it writes, and those the rest of its group writes: a choice shares the prompt's cached
             // blocks and books the others (new ones joining the cache count once, with the first).
             let own = c.blocks_for(w.tokens) - hit;
-            let joining =
-                if c.prefix_cache { w.prefix.keys[hit..].iter().filter(|k| !self.cache.contains_key(k)).count() } else { 0 };
+            let joining = w.prefix.keys[hit..].iter().filter(|k| !self.cache.contains_key(k)).count();
             let blocks = own + (w.width - 1) * (own - joining);
             let available = self.free_blocks + self.idle.len() - idle_hits;
             let fits_blocks = blocks + reserve + w.width - 1 < available
@@ -465,14 +465,12 @@ impl Scheduler {
                 self.acquire(key);
             }
             self.take_free(blocks, step);
-            if c.prefix_cache {
-                for (i, &key) in w.prefix.keys.iter().enumerate().skip(hit) {
-                    if let std::collections::hash_map::Entry::Vacant(e) = self.cache.entry(key) {
-                        e.insert(Cached { refs: 1, released: 0 });
-                        shared.push(key);
-                        in_flight.insert(key);
-                        step.registered.push((w.id, i, key));
-                    }
+            for (i, &key) in w.prefix.keys.iter().enumerate().skip(hit) {
+                if let std::collections::hash_map::Entry::Vacant(e) = self.cache.entry(key) {
+                    e.insert(Cached { refs: 1, released: 0 });
+                    shared.push(key);
+                    in_flight.insert(key);
+                    step.registered.push((w.id, i, key));
                 }
             }
             if w.recompute {

@@ -408,24 +408,18 @@ impl Output {
         Ok(false)
     }
 
-    /// Every commit marker, by unit.
+    /// Every commit marker, by unit (read 16 at a time: a resume reads them all).
     pub async fn markers(&self) -> Result<BTreeMap<u32, Marker>, SinkError> {
+        use futures::StreamExt;
         let dir = self.path(COMMITS_DIR);
         let read_err = |e: object_store::Error| SinkError::Read { url: self.display(COMMITS_DIR), source: e.into() };
         let listed: Vec<_> = self.store().list(Some(&dir)).try_collect().await.map_err(read_err)?;
-        let mut markers = BTreeMap::new();
-        for meta in listed {
-            let name = meta.location.filename().unwrap_or_default();
-            if !name.ends_with(".json") {
-                continue;
-            }
-            let relative = meta.location.prefix_match(&self.location.path).map(|p| p.map(|s| s.as_ref().to_string()).collect::<Vec<_>>().join("/"));
-            let Some(relative) = relative else { continue };
-            if let Some(marker) = self.read_json::<Marker>(&relative).await? {
-                markers.insert(marker.unit, marker);
-            }
-        }
-        Ok(markers)
+        let relatives = listed.iter().filter(|meta| meta.location.filename().unwrap_or_default().ends_with(".json")).filter_map(|meta| {
+            meta.location.prefix_match(&self.location.path).map(|p| p.map(|s| s.as_ref().to_string()).collect::<Vec<_>>().join("/"))
+        });
+        let read: Vec<Option<Marker>> =
+            futures::stream::iter(relatives).map(|relative| async move { self.read_json::<Marker>(&relative).await }).buffer_unordered(16).try_collect().await?;
+        Ok(read.into_iter().flatten().map(|marker| (marker.unit, marker)).collect())
     }
 
     /// Uploads a complete unit's results (in input order) and metrics under attempt-unique names, then commits it
@@ -544,7 +538,7 @@ impl Output {
                 source: format!("the commits hold {rows} rows but the plan has {} (a bug)", plan.total_rows()).into(),
             });
         }
-        self.remove_orphans(&units).await?;
+        self.remove_orphans(&units, files).await?;
         let manifest = Manifest {
             nightshift_version: env!("CARGO_PKG_VERSION").into(),
             fingerprint: plan.fingerprint.digest(),
@@ -578,21 +572,15 @@ impl Output {
         Ok(Finalized::Done(manifest))
     }
 
-    /// Deletes files under `data/` and `metrics/` that no marker names.
-    async fn remove_orphans(&self, units: &[Marker]) -> Result<(), SinkError> {
+    /// Deletes the listed unit files (`files`, from [`Output::unit_files`]) that no marker names.
+    async fn remove_orphans(&self, units: &[Marker], files: std::collections::HashSet<Path>) -> Result<(), SinkError> {
         let keep: std::collections::HashSet<Path> =
             units.iter().flat_map(|m| [self.path(&m.results), self.path(&m.metrics)]).collect();
-        for dir in [DATA_DIR, METRICS_DIR] {
-            let read_err = |e: object_store::Error| SinkError::Read { url: self.display(dir), source: e.into() };
-            let listed: Vec<_> = self.store().list(Some(&self.path(dir))).try_collect().await.map_err(read_err)?;
-            for meta in listed {
-                if !keep.contains(&meta.location) {
-                    tracing::info!(file = %self.location.display(&meta.location), "removing an uncommitted attempt's file");
-                    match self.store().delete(&meta.location).await {
-                        Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
-                        Err(e) => return Err(SinkError::Write { url: self.location.display(&meta.location), source: e.into() }),
-                    }
-                }
+        for location in files.into_iter().filter(|f| !keep.contains(f)) {
+            tracing::info!(file = %self.location.display(&location), "removing an uncommitted attempt's file");
+            match self.store().delete(&location).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(SinkError::Write { url: self.location.display(&location), source: e.into() }),
             }
         }
         Ok(())

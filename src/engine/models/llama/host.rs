@@ -338,19 +338,15 @@ impl Attention for HostAttention {
         Ok(cache.clone())
     }
 
-    fn shares_blocks(&self) -> bool {
-        true
-    }
-
     fn share_block(&self, cache: &HostCache, index: usize) -> Option<Arc<HostBlock>> {
         cache.blocks.get(index).cloned()
     }
 
-    fn cache_from_blocks(&self, blocks: Vec<Arc<HostBlock>>, capacity_tokens: usize) -> candle_core::Result<HostCache> {
+    fn cache_from_blocks(&self, blocks: Vec<Arc<HostBlock>>, capacity_tokens: usize) -> HostCache {
         let mut cache = self.new_cache(capacity_tokens.max(blocks.len() * BLOCK));
         cache.len = blocks.len() * BLOCK;
         cache.blocks.extend(blocks);
-        Ok(cache)
+        cache
     }
 
     fn block_bytes(&self) -> usize {

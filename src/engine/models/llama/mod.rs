@@ -245,23 +245,12 @@ pub trait Attention {
     /// A copy of a sequence's cache, for a fork (`n` choices). Can fail (a full pool, a device error).
     fn fork(&self, cache: &Self::Cache) -> candle_core::Result<Self::Cache>;
 
-    /// Whether caches can share blocks ([`Attention::share_block`], [`Attention::cache_from_blocks`]): what the
-    /// prefix cache needs.
-    fn shares_blocks(&self) -> bool {
-        false
-    }
-
-    /// Block `index` of a cache (a full one), to be shared; `None` where blocks are not shared or there is no such
-    /// block.
-    fn share_block(&self, _cache: &Self::Cache, _index: usize) -> Option<Self::Block> {
-        None
-    }
+    /// Block `index` of a cache (a full one), to be shared; `None` when there is no such block.
+    fn share_block(&self, cache: &Self::Cache, index: usize) -> Option<Self::Block>;
 
     /// A cache whose first positions are the given full blocks' (shared, not copied), with room in its block table
     /// for `capacity_tokens`.
-    fn cache_from_blocks(&self, _blocks: Vec<Self::Block>, _capacity_tokens: usize) -> candle_core::Result<Self::Cache> {
-        candle_core::bail!("this attention backend does not share blocks (a bug)")
-    }
+    fn cache_from_blocks(&self, blocks: Vec<Self::Block>, capacity_tokens: usize) -> Self::Cache;
 
     /// KV cache bytes of one block of [`KV_BLOCK_TOKENS`] positions, all layers.
     fn block_bytes(&self) -> usize;

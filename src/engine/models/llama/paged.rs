@@ -346,17 +346,13 @@ impl Attention for PagedAttention {
         Ok(PagedCache { ids: source.ids.clone(), len: source.len, pool: self.pool.clone() })
     }
 
-    fn shares_blocks(&self) -> bool {
-        true
-    }
-
     fn share_block(&self, cache: &PagedCache, index: usize) -> Option<PagedBlock> {
         let id = *cache.ids.get(index)?;
         lock(&self.pool).hold(id);
         Some(PagedBlock { id, pool: self.pool.clone() })
     }
 
-    fn cache_from_blocks(&self, blocks: Vec<PagedBlock>, _capacity_tokens: usize) -> candle_core::Result<PagedCache> {
+    fn cache_from_blocks(&self, blocks: Vec<PagedBlock>, _capacity_tokens: usize) -> PagedCache {
         let ids: Vec<u32> = blocks.iter().map(|b| b.id).collect();
         let mut pool = lock(&self.pool);
         for &id in &ids {
@@ -365,7 +361,7 @@ impl Attention for PagedAttention {
         drop(pool);
         // The handles let go after the cache holds the blocks.
         drop(blocks);
-        Ok(PagedCache { len: ids.len() * BLOCK, ids, pool: self.pool.clone() })
+        PagedCache { len: ids.len() * BLOCK, ids, pool: self.pool.clone() }
     }
 
     fn block_bytes(&self) -> usize {
