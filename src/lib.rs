@@ -22,8 +22,10 @@
 //! a row comes out as (a completion, an embedding, a failure); [`host`] probes the machine's memory; [`metrics`]
 //! the plain structs filled as the job runs; [`bench`] the synthetic throughput benchmarks; [`app`] wires the
 //! stages together with bounded channels and threads, one file per verb and stage; [`cli`] is the command line;
-//! [`error`] maps failures to documented exit codes; [`synth`] writes random-weight models of published shapes.
+//! [`error`] maps failures to documented exit codes; [`synth`] writes random-weight models of published shapes;
+//! [`alloc`] is the allocator, which bounds the memory of untrusted programs (chat templates).
 
+pub mod alloc;
 pub mod app;
 pub mod bench;
 pub mod cli;

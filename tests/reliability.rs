@@ -802,3 +802,30 @@ fn cluster_examples_agree_with_the_binary() {
     assert!(command.windows(2).any(|w| w == ["--shard", "auto"]));
     assert!(read("Dockerfile").contains("COPY jobs/cluster/nightly.toml /etc/nightshift/nightly.toml"));
 }
+
+/// A drain is not held up by chat templates that run to their limits: rows are prepared a few at a time, and each
+/// render is bounded, so the first signal ends the job within its grace period.
+#[test]
+fn sigterm_drains_within_its_grace_while_chat_templates_run_to_their_limits() {
+    let template = format!(
+        "{{% if messages[-1]['content'] == 'spin' %}}{{% for i in range(90000) %}}{{% for j in range(90000) %}}{{% endfor %}}{{% endfor %}}{{% endif %}}{}",
+        crate::tokenizer::CHATML_TURNS
+    );
+    let texts = vec!["spin"; 400];
+    let (job, out) = crate::tokenizer::model_with_template("template-sigterm", &template, &texts, "drain_grace_s = 10");
+    let child = Command::new(env!("CARGO_BIN_EXE_nightshift"))
+        .args(["run", job.to_str().unwrap()])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Every row spends its template's instruction limit: about a minute of rendering in all.
+    std::thread::sleep(Duration::from_secs(2));
+    signal(&child, "TERM");
+    let signalled = Instant::now();
+    let run = finish(child);
+    assert_eq!(run.code, 75, "{}", run.stderr);
+    assert!(signalled.elapsed() < Duration::from_secs(10), "the drain took {:?}", signalled.elapsed());
+    assert!(!out.join("_SUCCESS").exists());
+}

@@ -102,3 +102,80 @@ fn generation_ends_at_the_models_end_of_turn_tokens() {
     ends.sort();
     assert_eq!(ends, vec![0, 2]);
 }
+
+// Hostile chat templates (a template is a program from the model file): bounded work, output and memory.
+
+/// A tiny Hugging Face model directory whose tokenizer_config.json carries `template`, and a job over `prompts`.
+pub(crate) fn model_with_template(name: &str, template: &str, texts: &[&str], runtime: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    use crate::support::*;
+    let dir = scratch(name);
+    let model = dir.join("model");
+    write_tiny_hf_model(&model, HfVariant::SmolLm);
+    let config = model.join("tokenizer_config.json");
+    let mut value: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    value["chat_template"] = serde_json::Value::String(template.into());
+    std::fs::write(&config, value.to_string()).unwrap();
+    let ids: Vec<String> = (0..texts.len()).map(|i| format!("r{i}")).collect();
+    write_parquet(&dir.join("in.parquet"), prompts(&ids, texts));
+    let out = dir.join("out");
+    let job = dir.join("job.toml");
+    std::fs::write(
+        &job,
+        format!(
+            "[input]\nurl = {:?}\nid_column = \"id\"\n[model]\npath = {:?}\n[generation]\nmax_new_tokens = 4\n[output]\nurl = {:?}\n[runtime]\n{runtime}\n",
+            dir.join("in.parquet").to_str().unwrap(),
+            model.to_str().unwrap(),
+            out.to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    (job, out)
+}
+
+pub(crate) const CHATML_TURNS: &str = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n";
+
+#[test]
+fn a_chat_template_past_its_limits_stops_validate_and_run_with_exit_4_naming_it() {
+    use crate::support::*;
+    let cases = [
+        // Nested loops: 8.1e9 iterations; fuel ends it.
+        ("spin", "{% for i in range(90000) %}{% for j in range(90000) %}{% endfor %}{% endfor %}", "instructions"),
+        // A string doubled forty times, kept across iterations in a namespace: the memory limit ends it.
+        ("double", "{% set ns = namespace(s='abcdefgh') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}", "memory"),
+        // A hundred million bytes written: the output limit ends it.
+        ("write", "{% for i in range(10) %}{{ 'x' * 10000000 }}{% endfor %}", "output"),
+    ];
+    for (name, template, limit) in cases {
+        let (job, out) = model_with_template(&format!("template-{name}"), template, &["hello"], "");
+        for verb in ["validate", "run"] {
+            let run = nightshift(&[verb, job.to_str().unwrap()], &[]);
+            assert_eq!(run.code, 4, "{name}: {verb}\n{}", run.stderr);
+            assert!(run.stderr.contains("chat template") && run.stderr.contains(limit) && run.stderr.contains("model"), "{name}: {verb}: {}", run.stderr);
+            assert!(!out.join("_SUCCESS").exists());
+        }
+    }
+}
+
+#[test]
+fn a_chat_template_past_its_limits_on_one_row_fails_that_row_and_the_job_goes_on() {
+    use crate::support::*;
+    // Fuel: only the row that says `spin` loops.
+    let template = format!("{{% if messages[-1]['content'] == 'spin' %}}{{% for i in range(90000) %}}{{% for j in range(90000) %}}{{% endfor %}}{{% endfor %}}{{% endif %}}{CHATML_TURNS}");
+    let (job, out) = model_with_template("template-row-spin", &template, &["hello", "spin", "world"], "");
+    nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    let rows = read_results(&out);
+    assert_eq!(rows["r0"].status, "succeeded");
+    assert_eq!(rows["r1"].error_code.as_deref(), Some("template_error"));
+    assert!(rows["r1"].error_message.as_deref().unwrap().contains("instructions"), "{:?}", rows["r1"]);
+    assert_eq!(rows["r2"].status, "succeeded");
+
+    // Memory: the row that says `double` doubles a string forty times. The process survives it; the template is
+    // not run again, so rows prepared after it fail too, and the job still completes.
+    let template = format!("{{% if messages[-1]['content'] == 'double' %}}{{% set ns = namespace(s='abcdefgh') %}}{{% for i in range(40) %}}{{% set ns.s = ns.s ~ ns.s %}}{{% endfor %}}{{{{ ns.s|length }}}}{{% endif %}}{CHATML_TURNS}");
+    let (job, out) = model_with_template("template-row-double", &template, &["hello", "double"], "");
+    nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    let rows = read_results(&out);
+    assert_eq!(rows["r1"].error_code.as_deref(), Some("template_error"));
+    assert!(rows["r1"].error_message.as_deref().unwrap().contains("memory limit"), "{:?}", rows["r1"]);
+    assert!(out.join("_SUCCESS").exists());
+}

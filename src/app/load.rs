@@ -15,7 +15,7 @@ use crate::engine::{self, BatchConfig, DecoderSetup, Engine, ModelError, StopRul
 use crate::error::Error;
 use crate::job::{Job, JobError, JobKind};
 use crate::sink::ResultsLayout;
-use crate::tokenize::{EncoderPreprocessor, Prepare, Preprocessor};
+use crate::tokenize::{EncoderPreprocessor, Prepare, Preprocessor, TokenizerError};
 
 /// The model as `validate` reports it.
 #[derive(Debug)]
@@ -46,7 +46,11 @@ pub fn check_model(job: &Job) -> Result<ModelCheck, Error> {
             let info = llama::inspect(path)?;
             // A Hugging Face directory is fingerprinted by its files, like the encoders' directories.
             let sha256 = if path.is_dir() { check_model_dir(job)? } else { check_model_file(job)? };
-            let pre = Preprocessor::new(&info.vocab, &job.model.chat_template, &job.input, info.config.context_length, job.generation.max_new_tokens)?;
+            let pre = Preprocessor::new(&info.vocab, &job.model.chat_template, &job.input, info.config.context_length, job.generation.max_new_tokens)
+                .map_err(|e| match e {
+                    TokenizerError::Template(problem) => TokenizerError::Template(format!("`{}`: {problem}", path.display())),
+                    e => e,
+                })?;
             check_generation(job, &info, pre.tokenizer())?;
             ModelCheck { template: info.vocab.chat_template.clone(), summary: ModelSummary::Decoder(info), sha256 }
         }

@@ -421,6 +421,9 @@ fn spawn_source(
     })
 }
 
+/// Rows the tokenizer thread prepares between checks for a drain.
+const PREPARE_CHUNK: usize = 16;
+
 /// The tokenizer thread: source rows to requests for the engine, or to failed rows for the sink.
 fn spawn_tokenizer(
     prepare: Box<dyn Prepare>,
@@ -433,16 +436,25 @@ fn spawn_tokenizer(
         .name("nightshift-tokenize".into())
         .spawn(move || {
             while let Some(batch) = rows.blocking_recv() {
-                if drain.requested() {
-                    return;
-                }
-                for row in prepare.prepare_all(batch) {
-                    let sent = match Request::ready(row) {
-                        Ok(request) => requests.send(request).is_ok(),
-                        Err(failure) => failed.blocking_send(Outcome::Failed(failure)).is_ok(),
-                    };
-                    if !sent {
+                // Rows are prepared a few at a time, so a drain is seen soon even where a row's chat template runs
+                // up to its limits: the rest of the unit is never prepared (its unit is not committed).
+                let mut batch = batch.into_iter();
+                loop {
+                    if drain.requested() {
                         return;
+                    }
+                    let chunk: Vec<SourceRow> = batch.by_ref().take(PREPARE_CHUNK).collect();
+                    if chunk.is_empty() {
+                        break;
+                    }
+                    for row in prepare.prepare_all(chunk) {
+                        let sent = match Request::ready(row) {
+                            Ok(request) => requests.send(request).is_ok(),
+                            Err(failure) => failed.blocking_send(Outcome::Failed(failure)).is_ok(),
+                        };
+                        if !sent {
+                            return;
+                        }
                     }
                 }
             }
