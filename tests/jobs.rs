@@ -294,6 +294,19 @@ fn rows_without_an_id_column_get_file_and_row_number_ids() {
     nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
     let rows = read_results(&out);
     assert_eq!(rows.keys().cloned().collect::<Vec<_>>(), vec!["in.parquet:0", "in.parquet:1"]);
+
+    // Files of the same name in different directories (Hive-style partitions) get different ids: the path below
+    // the input's prefix names the file.
+    std::fs::remove_file(dir.join("in.parquet")).unwrap();
+    for day in ["dt=2026-11-29", "dt=2026-11-30"] {
+        std::fs::create_dir_all(dir.join(day)).unwrap();
+        write_parquet(&dir.join(day).join("part-0.parquet"), vec![("prompt", strings(&[Some("Say hi."), Some("Say bye.")]))]);
+    }
+    let out = scratch("no-id-out-hive").join("out");
+    std::fs::write(&job, std::fs::read_to_string(&job).unwrap().replace("no-id-out/out", "no-id-out-hive/out")).unwrap();
+    nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    let ids: Vec<String> = read_results(&out).keys().cloned().collect();
+    assert_eq!(ids, ["dt=2026-11-29/part-0.parquet:0", "dt=2026-11-29/part-0.parquet:1", "dt=2026-11-30/part-0.parquet:0", "dt=2026-11-30/part-0.parquet:1"]);
 }
 
 fn messages_array(conversations: &[Option<&[(&str, &str)]>]) -> ArrayRef {

@@ -532,6 +532,16 @@ fn duplicate_ids_are_refused_before_any_generation() {
     let run = nightshift(&["run", job.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]);
     assert_eq!(run.code, 3, "{}", &run.stderr[..run.stderr.len().min(2000)]);
     assert!(run.stderr.len() < 2000 && run.stderr.contains("... (260000 bytes) (row 0"), "{}", &run.stderr[..run.stderr.len().min(2000)]);
+    // A null id is the row's default id, `<file>:<row>`, and is checked with the others: here it is row 2's,
+    // which row 0 also names.
+    write_parquet(&input, vec![("id", strings(&[Some("in.parquet:2"), Some("x"), None])), ("prompt", strings(&[Some("one"), Some("two"), Some("three")]))]);
+    let run = nightshift(&["run", job.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]);
+    assert_eq!(run.code, 3, "{}", run.stderr);
+    assert!(run.stderr.contains("duplicate ids (1 in all)") && run.stderr.contains("\"in.parquet:2\" (row 0"), "{}", run.stderr);
+    // Without the clash, the null id row runs under its default id.
+    write_parquet(&input, vec![("id", strings(&[Some("w"), Some("x"), None])), ("prompt", strings(&[Some("one"), Some("two"), Some("three")]))]);
+    nightshift(&["run", job.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]).assert_ok();
+    assert_eq!(read_results(&out).keys().cloned().collect::<Vec<_>>(), vec!["in.parquet:2", "w", "x"]);
 }
 
 #[test]

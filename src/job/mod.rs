@@ -65,7 +65,7 @@ pub enum JobKind {
 pub struct InputSpec {
     /// A local path, `file://`, `s3://`, `gs://` or `az://` URL: one file, a prefix ending in `/`, or a glob.
     pub url: String,
-    /// Unique row id column; when absent, ids are `<file name>:<row number>`.
+    /// Unique row id column; when absent (or null), ids are `<file>:<row number>`, the file by its path below the input's prefix.
     pub id_column: Option<String>,
     pub prompt: PromptColumn,
     pub system_prompt: Option<String>,

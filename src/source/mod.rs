@@ -88,6 +88,9 @@ const FOOTER_PREFETCH: usize = 64 * 1024;
 struct InputFile {
     meta: ObjectMeta,
     url: String,
+    /// The file's path relative to the input's prefix (its name for an input of one file): a row without an id
+    /// gets `<this>:<row>`, unique over the whole input (`a/x.parquet` and `b/x.parquet` differ).
+    id_name: String,
     metadata: ArrowReaderMetadata,
     id_index: Option<usize>,
     prompt_index: usize,
@@ -127,6 +130,10 @@ impl Input {
         let mut files = Vec::with_capacity(metas.len());
         for meta in metas {
             let url = location.display(&meta.location);
+            let id_name = match relative_parts(&meta.location, &location.path) {
+                parts if parts.is_empty() => meta.location.filename().unwrap_or_default().to_string(),
+                parts => parts.join("/"),
+            };
             let mut reader = PinnedReader { store: location.store.clone(), meta: meta.clone() };
             let metadata = ArrowReaderMetadata::load_async(&mut reader, ArrowReaderOptions::new())
                 .await
@@ -149,7 +156,7 @@ impl Input {
                 Some(name) => Some(check_column(&url, &schema, name, ColumnKind::Text)?),
                 None => None,
             };
-            files.push(InputFile { meta, url, metadata, id_index, prompt_index, param_indices, completion_index });
+            files.push(InputFile { meta, url, id_name, metadata, id_index, prompt_index, param_indices, completion_index });
         }
         let total_rows = files.iter().map(|f| f.rows()).sum();
         Ok(Input { location, files, prompt: spec.prompt.clone(), id_column: spec.id_column.clone(), total_rows })
@@ -164,8 +171,9 @@ impl Input {
     }
 
     /// Reads the id column of every file and refuses duplicates, naming the first few. Ids key the results and
-    /// the per-row seeds, so a duplicate would make two rows indistinguishable. Inputs without an id column get
-    /// unique `<file>:<row>` ids and pass at once.
+    /// the per-row seeds, so a duplicate would make two rows indistinguishable. A null id is the row's default id,
+    /// `<file>:<row>`, checked with the others (a real id may be the same text). Inputs without an id column get
+    /// default ids only, unique by construction, and pass at once.
     pub async fn check_unique_ids(&self) -> Result<(), SourceError> {
         let Some(column) = &self.id_column else { return Ok(()) };
         let mut seen: std::collections::HashMap<String, (usize, u64)> = std::collections::HashMap::new();
@@ -186,21 +194,26 @@ impl Input {
                 let batch = batch.map_err(|e| file.read_error(e))?;
                 let ids = to_strings(batch.column(0)).map_err(read_err)?;
                 for i in 0..ids.len() {
-                    if !ids.is_null(i) {
-                        if let Some(&(first_file, first_row)) = seen.get(ids.value(i)) {
-                            count += 1;
-                            if examples.len() < 5 {
-                                examples.push(format!(
-                                    "{} (row {first_row} of `{}` and row {} of `{}`)",
-                                    crate::row::id_for_message(ids.value(i)),
-                                    self.files[first_file].url,
-                                    row + i as u64,
-                                    file.url
-                                ));
-                            }
-                        } else {
-                            seen.insert(ids.value(i).to_string(), (index, row + i as u64));
+                    let default;
+                    let id = if ids.is_null(i) {
+                        default = default_id(&file.id_name, row + i as u64);
+                        default.as_str()
+                    } else {
+                        ids.value(i)
+                    };
+                    if let Some(&(first_file, first_row)) = seen.get(id) {
+                        count += 1;
+                        if examples.len() < 5 {
+                            examples.push(format!(
+                                "{} (row {first_row} of `{}` and row {} of `{}`)",
+                                crate::row::id_for_message(id),
+                                self.files[first_file].url,
+                                row + i as u64,
+                                file.url
+                            ));
                         }
+                    } else {
+                        seen.insert(id.to_string(), (index, row + i as u64));
                     }
                 }
                 row += batch.num_rows() as u64;
@@ -279,11 +292,10 @@ impl Input {
             .with_batch_size(BATCH_ROWS)
             .build()
             .map_err(read_err)?;
-        let file_name = file.meta.location.filename().unwrap_or_default().to_string();
         let mut offset = 0u32;
         while let Some(batch) = stream.next().await {
             let batch = batch.map_err(|e| file.read_error(e))?;
-            let rows = rows_of(&batch, &self.prompt, file, &file_name, unit, offset).map_err(read_err)?;
+            let rows = rows_of(&batch, &self.prompt, file, unit, offset).map_err(read_err)?;
             offset += batch.num_rows() as u32;
             if tx.send(rows).await.is_err() {
                 return Ok(false);
@@ -359,6 +371,11 @@ async fn list(url: &str) -> Result<(Location, Vec<ObjectMeta>), SourceError> {
 }
 
 /// The path segments of `path` below `prefix`.
+/// The id of a row with none: its file (relative to the input's prefix) and its row number in that file.
+fn default_id(file: &str, row: u64) -> String {
+    format!("{file}:{row}")
+}
+
 fn relative_parts(path: &Path, prefix: &Path) -> Vec<String> {
     path.prefix_match(prefix).map(|parts| parts.map(|p| p.as_ref().to_string()).collect()).unwrap_or_default()
 }
@@ -503,7 +520,6 @@ fn rows_of(
     batch: &RecordBatch,
     prompt: &PromptColumn,
     file: &InputFile,
-    file_name: &str,
     unit: &Unit,
     first_offset: u32,
 ) -> Result<Vec<SourceRow>, ParquetError> {
@@ -554,7 +570,7 @@ fn rows_of(
             let offset = first_offset + i as u32;
             let id = match &ids {
                 Some(ids) if !ids.is_null(i) => ids.value(i).to_string(),
-                _ => format!("{file_name}:{}", unit.first_row + offset as u64),
+                _ => default_id(&file.id_name, unit.first_row + offset as u64),
             };
             let (prompt, params) = match params {
                 Ok(params) => (prompt, params),
