@@ -713,3 +713,116 @@ fn plan_reports_lengths_over_length_rows_schedule_and_estimate_without_touching_
     assert!(run.stdout.contains("over-length: 2 rows") && run.stdout.contains("p006, p007"), "{}", run.stdout);
     assert!(run.stdout.contains("estimate: none"), "{}", run.stdout);
 }
+
+/// Patches one tensor's entry in a GGUF header: its type (`dtype`) and its offset in the tensor data (`offset`).
+fn patch_gguf_tensor(path: &std::path::Path, name: &str, dtype: Option<u32>, offset: impl FnOnce(u64) -> u64) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let mut key = (name.len() as u64).to_le_bytes().to_vec();
+    key.extend_from_slice(name.as_bytes());
+    let at = bytes.windows(key.len()).position(|w| w == key.as_slice()).expect("the tensor's entry") + key.len();
+    let n_dims = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+    let type_at = at + 4 + 8 * n_dims;
+    if let Some(dtype) = dtype {
+        bytes[type_at..type_at + 4].copy_from_slice(&dtype.to_le_bytes());
+    }
+    let offset_at = type_at + 4;
+    let old = u64::from_le_bytes(bytes[offset_at..offset_at + 8].try_into().unwrap());
+    bytes[offset_at..offset_at + 8].copy_from_slice(&offset(old).to_le_bytes());
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn a_model_that_cannot_be_computed_as_stored_is_refused_at_validate_and_run_naming_the_file_and_field() {
+    let dir = scratch("bad-models");
+    let input = dir.join("in.parquet");
+    write_parquet(&input, prompts(&ids("r", 2), &["one", "two"]));
+    let out = dir.join("out");
+    let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 4", "");
+    let fails = |model: &std::path::Path, names: &[&str]| {
+        for verb in ["validate", "run"] {
+            let run = nightshift(&[verb, job.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]);
+            assert_fails(&run, 4, names, &out);
+            assert!(run.stderr.contains(model.to_str().unwrap()), "{verb} names the model: {}", run.stderr);
+        }
+    };
+
+    // GGUF tensor data as llama.cpp checks it. The tiny model's tensors are written in order, 32-byte aligned.
+    let gguf = dir.join("tiny.gguf");
+    write_tiny_model(&gguf);
+    nightshift(&["validate", job.to_str().unwrap(), "--model", gguf.to_str().unwrap()], &[]).assert_ok();
+    let pristine = std::fs::read(&gguf).unwrap();
+    patch_gguf_tensor(&gguf, "output_norm.weight", None, |o| o + 4);
+    fails(&gguf, &["output_norm.weight", "not aligned"]);
+    std::fs::write(&gguf, &pristine).unwrap();
+    patch_gguf_tensor(&gguf, "output_norm.weight", None, |_| 0);
+    fails(&gguf, &["output_norm.weight", "overlap"]);
+    // A Q8_0 matrix that claims to be f32 needs 3.8 times its bytes: it overlaps the next tensor or runs past the end.
+    std::fs::write(&gguf, &pristine).unwrap();
+    patch_gguf_tensor(&gguf, "output.weight", Some(0), |o| o);
+    let run = nightshift(&["validate", job.to_str().unwrap(), "--model", gguf.to_str().unwrap()], &[]);
+    assert_eq!(run.code, 4, "{}", run.stderr);
+    assert!(run.stderr.contains("output.weight") && (run.stderr.contains("overlap") || run.stderr.contains("past the end")), "{}", run.stderr);
+    // Q4_K blocks hold 256 values: rows of 64 cannot be Q4_K.
+    std::fs::write(&gguf, &pristine).unwrap();
+    patch_gguf_tensor(&gguf, "output_norm.weight", Some(12), |o| o);
+    fails(&gguf, &["output_norm.weight", "whole number"]);
+
+    // A BOS token id outside the vocabulary (it failed the first row mid-job).
+    std::fs::write(&gguf, &pristine).unwrap();
+    let mut bytes = pristine.clone();
+    let key = b"tokenizer.ggml.bos_token_id";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+    assert_eq!(u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()), 4, "a u32 value");
+    bytes[at + 4..at + 8].copy_from_slice(&5000u32.to_le_bytes());
+    std::fs::write(&gguf, &bytes).unwrap();
+    fails(&gguf, &["BOS token id 5000", "outside the vocabulary of 262"]);
+
+    // A device is not a model file (it would be read forever).
+    fails(std::path::Path::new("/dev/zero"), &["not a regular file"]);
+
+    // Special tokens outside the vocabulary, and an empty vocabulary, in a Hugging Face directory.
+    let hf = dir.join("hf");
+    write_tiny_hf_model(&hf, HfVariant::SmolLm);
+    nightshift(&["validate", job.to_str().unwrap(), "--model", hf.to_str().unwrap()], &[]).assert_ok();
+    std::fs::write(hf.join("generation_config.json"), r#"{"eos_token_id": [261, 70000]}"#).unwrap();
+    fails(&hf, &["token id 70000", "outside the vocabulary of 262"]);
+    std::fs::write(hf.join("generation_config.json"), r#"{"eos_token_id": [261]}"#).unwrap();
+    let path = hf.join("tokenizer.json");
+    let mut tokenizer: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    tokenizer["model"]["vocab"] = serde_json::json!({});
+    tokenizer["model"]["merges"] = serde_json::json!([]);
+    tokenizer["added_tokens"] = serde_json::json!([]);
+    std::fs::write(&path, tokenizer.to_string()).unwrap();
+    fails(&hf, &["vocabulary is empty"]);
+}
+
+#[test]
+fn an_embedding_models_bad_pooling_config_is_named_as_the_json_file_it_is() {
+    let dir = scratch("bad-pooling");
+    let source = repo().join("models/all-MiniLM-L6-v2");
+    let model = dir.join("model");
+    std::fs::create_dir_all(model.join("1_Pooling")).unwrap();
+    for entry in std::fs::read_dir(&source).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::os::unix::fs::symlink(entry.path(), model.join(entry.file_name())).unwrap();
+        }
+    }
+    std::fs::write(model.join("1_Pooling/config.json"), r#"{"word_embedding_dimension": 384, "pooling_mode_mean_tokens": "yes"}"#).unwrap();
+    let input = dir.join("in.parquet");
+    write_parquet(&input, prompts(&ids("r", 1), &["one"]));
+    let job = dir.join("job.toml");
+    std::fs::write(
+        &job,
+        format!(
+            "kind = \"embed\"\n[input]\nurl = {:?}\nid_column = \"id\"\n[model]\npath = {:?}\n[output]\nurl = {:?}\n",
+            input.to_str().unwrap(),
+            model.to_str().unwrap(),
+            dir.join("out").to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let run = nightshift(&["validate", job.to_str().unwrap()], &[]);
+    assert_eq!(run.code, 4, "{}", run.stderr);
+    assert!(run.stderr.contains("1_Pooling/config.json") && run.stderr.contains("invalid type") && !run.stderr.contains("GGUF"), "{}", run.stderr);
+}

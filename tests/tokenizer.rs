@@ -179,3 +179,14 @@ fn a_chat_template_past_its_limits_on_one_row_fails_that_row_and_the_job_goes_on
     assert!(rows["r1"].error_message.as_deref().unwrap().contains("memory limit"), "{:?}", rows["r1"]);
     assert!(out.join("_SUCCESS").exists());
 }
+
+#[test]
+fn a_prompt_the_template_renders_to_nothing_is_an_empty_prompt_row() {
+    use crate::support::*;
+    let template = format!("{{% if messages[-1]['content'] != 'nothing' %}}{CHATML_TURNS}{{% endif %}}");
+    let (job, out) = model_with_template("template-empty", &template, &["hello", "nothing"], "");
+    nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    let rows = read_results(&out);
+    assert_eq!(rows["r0"].status, "succeeded");
+    assert_eq!(rows["r1"].error_code.as_deref(), Some("empty_prompt"), "{:?}", rows["r1"]);
+}

@@ -43,7 +43,7 @@ pub fn check_model(job: &Job) -> Result<ModelCheck, Error> {
     let path = &job.model.path;
     Ok(match job.kind {
         JobKind::Generate => {
-            let info = llama::inspect(path)?;
+            let info = llama::inspect(path).map_err(|e| e.at(path))?;
             // A Hugging Face directory is fingerprinted by its files, like the encoders' directories.
             let sha256 = if path.is_dir() { check_model_dir(job)? } else { check_model_file(job)? };
             let pre = Preprocessor::new(&info.vocab, &job.model.chat_template, &job.input, info.config.context_length, job.generation.max_new_tokens)
@@ -55,13 +55,13 @@ pub fn check_model(job: &Job) -> Result<ModelCheck, Error> {
             ModelCheck { template: info.vocab.chat_template.clone(), summary: ModelSummary::Decoder(info), sha256 }
         }
         JobKind::Seq2seq => {
-            let config = T5::inspect(path)?;
+            let config = T5::inspect(path).map_err(|e| e.at(path))?;
             let sha256 = check_model_dir(job)?;
             EncoderPreprocessor::new(bert::tokenizer(path)?, MAX_SOURCE_TOKENS, job.input.truncate)?;
             ModelCheck { summary: ModelSummary::Seq2seq(config), sha256, template: None }
         }
         JobKind::Embed => {
-            let info = bert::inspect(path)?;
+            let info = bert::inspect(path).map_err(|e| e.at(path))?;
             let sha256 = check_model_dir(job)?;
             EncoderPreprocessor::new(bert::tokenizer(path)?, info.max_tokens, job.input.truncate)?;
             ModelCheck { summary: ModelSummary::Encoder(info), sha256, template: None }
@@ -84,6 +84,9 @@ fn check_generation(job: &Job, info: &ModelInfo, tokenizer: &tokenizers::Tokeniz
 /// sha256 of a file, lower-case hex.
 pub fn sha256_file(path: &Path) -> Result<String, ModelError> {
     let open = |source| ModelError::Open { path: path.into(), source };
+    if !std::fs::metadata(path).map_err(open)?.is_file() {
+        return Err(ModelError::NotAFile { path: path.into() });
+    }
     let mut file = std::fs::File::open(path).map_err(open)?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
@@ -156,7 +159,7 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
     match job.kind {
         JobKind::Generate => load_decoder(job, device, check),
         JobKind::Seq2seq => {
-            let model = T5::load(&job.model.path, device)?;
+            let model = T5::load(&job.model.path, device).map_err(|e| e.at(&job.model.path))?;
             let c = &model.config;
             info!(layers = c.num_layers, decoder_layers = c.decoder_layers(), d_model = c.d_model, heads = c.num_heads, "encoder-decoder");
             let tokenizer = bert::tokenizer(&job.model.path)?;
@@ -167,7 +170,7 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
             Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "f32", layout: ResultsLayout::Generate, queue, decoder: None })
         }
         JobKind::Embed => {
-            let encoder = Encoder::load(&job.model.path, device)?;
+            let encoder = Encoder::load(&job.model.path, device).map_err(|e| e.at(&job.model.path))?;
             let info = &encoder.info;
             info!(layers = info.config.num_hidden_layers, dimensions = info.dimensions, pooling = ?info.pooling,
                 normalize = info.normalize, max_tokens = info.max_tokens, "encoder");
@@ -181,7 +184,7 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
 }
 
 fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> Result<Loaded, Error> {
-    let (model, info) = Model::load_as(&job.model.path, device, job.runtime.cpu_weights)?;
+    let (model, info) = Model::load_as(&job.model.path, device, job.runtime.cpu_weights).map_err(|e| e.at(&job.model.path))?;
     let cfg = &info.config;
     let backend = Backend::for_model(&model);
     let kv_dtype = backend

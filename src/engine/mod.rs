@@ -40,6 +40,14 @@ pub enum ModelError {
     Architecture { name: String, supported: &'static str },
     #[error("the model's metadata is invalid: {0}")]
     Metadata(String),
+    /// [`ModelError::Metadata`] with the model's path ([`ModelError::at`]).
+    #[error("the model's metadata in `{path}` is invalid: {message}")]
+    MetadataAt { path: PathBuf, message: String },
+    /// A JSON or tokenizer file of a model directory that does not parse.
+    #[error("`{path}` is not valid: {message}")]
+    File { path: PathBuf, message: String },
+    #[error("`{path}` is not a regular file or directory: a model is read from files")]
+    NotAFile { path: PathBuf },
     #[error("model file `{path}` has sha256 {actual}, but the job expects {expected}")]
     Checksum { path: PathBuf, expected: String, actual: String },
     #[error("device `{0}` is not available: this nightshift was built without CUDA support")]
@@ -48,6 +56,21 @@ pub enum ModelError {
     /// candle's error or the text of a panic inside cudarc, which has no error type to keep as a source.
     #[error("CUDA device `{device}` cannot be opened: {message}")]
     Cuda { device: String, message: String },
+}
+
+impl ModelError {
+    /// Names the model's path in a metadata error, which is made where the path is not known.
+    pub fn at(self, path: &std::path::Path) -> ModelError {
+        match self {
+            ModelError::Metadata(message) => ModelError::MetadataAt { path: path.into(), message },
+            e => e,
+        }
+    }
+}
+
+/// The first line of a candle error's text: with `RUST_BACKTRACE` set, candle appends a backtrace to it.
+pub fn first_line(e: &impl std::fmt::Display) -> String {
+    e.to_string().lines().next().unwrap_or_default().to_string()
 }
 
 /// Why an engine stopped: the job cannot go on (a row's own problems are row errors, not these).

@@ -140,6 +140,9 @@ impl Preprocessor {
         };
         let tokens = row.prompt.and_then(|prompt| {
             let tokens = self.encode(&self.render(&prompt)?)?;
+            if tokens.is_empty() {
+                return Err(RowError::new(ErrorCode::EmptyPrompt, "the prompt, with the chat template, is no tokens at all"));
+            }
             // At least one position must remain for the first generated token (or all of the completion to score).
             if tokens.len() + completion.as_ref().map_or(0, |c| c.len().saturating_sub(1)) < self.context_length {
                 return Ok(tokens);

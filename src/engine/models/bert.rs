@@ -126,8 +126,8 @@ pub struct Encoder {
     eps: f32,
 }
 
-fn format_err(dir: &Path, message: impl std::fmt::Display) -> ModelError {
-    ModelError::Format { path: dir.into(), message: message.to_string() }
+fn format_err(path: &Path, message: impl std::fmt::Display) -> ModelError {
+    ModelError::File { path: path.into(), message: crate::engine::first_line(&message) }
 }
 
 fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>, ModelError> {

@@ -225,7 +225,7 @@ impl T5 {
     pub fn inspect(dir: &Path) -> Result<T5Config, ModelError> {
         let config_path = dir.join("config.json");
         let config: T5Config = match std::fs::read(&config_path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| ModelError::Format { path: config_path.clone(), message: e.to_string() })?,
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| ModelError::File { path: config_path.clone(), message: e.to_string() })?,
             Err(source) => return Err(ModelError::Open { path: config_path, source }),
         };
         if let Some(kind) = config.model_type.as_deref().filter(|k| *k != "t5") {
@@ -251,7 +251,7 @@ impl T5 {
         let config = T5::inspect(dir)?;
         let c = &config;
         let path = dir.join("model.safetensors");
-        let fmt = |e: candle_core::Error| ModelError::Format { path: path.clone(), message: e.to_string() };
+        let fmt = |e: candle_core::Error| ModelError::File { path: path.clone(), message: crate::engine::first_line(&e) };
         let mut tensors: HashMap<String, Tensor> = candle_core::safetensors::load(&path, device).map_err(|e| match path.exists() {
             true => fmt(e),
             false => ModelError::Open { path: path.clone(), source: std::io::ErrorKind::NotFound.into() },

@@ -51,9 +51,57 @@ fn meta_strings(content: &Content, key: &str) -> Result<Vec<String>, ModelError>
 }
 
 fn read_content(path: &Path) -> Result<(File, Content), ModelError> {
-    let mut file = File::open(path).map_err(|source| ModelError::Open { path: path.into(), source })?;
-    let content = Content::read(&mut file).map_err(|e| ModelError::Format { path: path.into(), message: e.to_string() })?;
+    let open = |source| ModelError::Open { path: path.into(), source };
+    // A device or a pipe (`/dev/zero`) would be read forever.
+    if !std::fs::metadata(path).map_err(open)?.is_file() {
+        return Err(ModelError::NotAFile { path: path.into() });
+    }
+    let mut file = File::open(path).map_err(open)?;
+    let content = Content::read(&mut file).map_err(|e| ModelError::Format { path: path.into(), message: crate::engine::first_line(&e) })?;
+    let length = file.metadata().map_err(open)?.len();
+    check_layout(&content, length).map_err(|message| ModelError::Format { path: path.into(), message })?;
     Ok((file, content))
+}
+
+/// The tensor data as llama.cpp checks it: every tensor at an aligned offset, a whole number of its type's blocks
+/// per row, inside the file, and no two overlapping. candle reads a tensor wherever its offset points, so without
+/// this a file whose tensors share bytes, or claim more bytes than the file has, would load (or fail mid-job).
+fn check_layout(content: &Content, file_length: u64) -> Result<(), String> {
+    let alignment = meta_u32(content, "general.alignment").unwrap_or(32) as u64;
+    if !alignment.is_power_of_two() {
+        return Err(format!("`general.alignment` is {alignment}, not a power of two"));
+    }
+    let data = file_length
+        .checked_sub(content.tensor_data_offset)
+        .ok_or_else(|| format!("the tensor data starts at byte {}, past the end of the file ({file_length} bytes)", content.tensor_data_offset))?;
+    let mut spans = Vec::with_capacity(content.tensor_infos.len());
+    for (name, info) in &content.tensor_infos {
+        let dims = info.shape.dims();
+        let (block, type_size) = (info.ggml_dtype.block_size() as u64, info.ggml_dtype.type_size() as u64);
+        if dims.last().is_some_and(|&row| row as u64 % block != 0) {
+            return Err(format!("tensor `{name}` has rows of {} {:?} values, not a whole number of its blocks of {block}", dims[dims.len() - 1], info.ggml_dtype));
+        }
+        let bytes = dims
+            .iter()
+            .try_fold(1u64, |n, &d| n.checked_mul(d as u64))
+            .and_then(|elements| (elements / block).checked_mul(type_size))
+            .ok_or_else(|| format!("tensor `{name}` has an impossible shape {dims:?}"))?;
+        if info.offset % alignment != 0 {
+            return Err(format!("tensor `{name}` starts at offset {}, not aligned to {alignment} bytes", info.offset));
+        }
+        let end = info.offset.checked_add(bytes).filter(|&end| end <= data).ok_or_else(|| {
+            format!("tensor `{name}` ({bytes} bytes of {:?} at offset {}) runs past the end of the file's {data} bytes of tensor data", info.ggml_dtype, info.offset)
+        })?;
+        spans.push((info.offset, end, name));
+    }
+    spans.sort();
+    for pair in spans.windows(2) {
+        let ((_, end, first), (start, _, second)) = (pair[0], pair[1]);
+        if start < end {
+            return Err(format!("tensors `{first}` and `{second}` overlap"));
+        }
+    }
+    Ok(())
 }
 
 fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
@@ -127,6 +175,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         token_types,
         tokenizer: None,
     };
+    super::check_vocab(&vocab, config.vocab_size)?;
     let mut counts = std::collections::BTreeMap::new();
     for info in content.tensor_infos.values() {
         *counts.entry(format!("{:?}", info.ggml_dtype).to_lowercase()).or_insert(0) += 1;
@@ -281,7 +330,7 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
     let info = info_of(&content)?;
     let layout = layout(&info.config);
     let config = info.config.clone();
-    let fmt = |e: candle_core::Error| ModelError::Format { path: path.into(), message: e.to_string() };
+    let fmt = |e: candle_core::Error| ModelError::Format { path: path.into(), message: crate::engine::first_line(&e) };
     let mut qtensor = |name: &str| -> Result<QTensor, ModelError> {
         content.tensor(&mut file, name, device).map_err(fmt)
     };

@@ -395,6 +395,7 @@ impl Checkpoint {
             }
         }
         let vocab = vocab(dir, &hf, config.vocab_size)?;
+        super::check_vocab(&vocab, config.vocab_size)?;
         let info = ModelInfo { config, vocab, tensor_types: shards.dtype_counts() };
         Ok(Checkpoint { info, variant, shards })
     }

@@ -350,6 +350,22 @@ pub enum StepLogits {
     Argmax(u32),
 }
 
+/// The vocabulary against the model: tokens to tokenize with, and special tokens the embedding has rows for (a BOS
+/// outside it would fail the first row mid-job; an empty vocabulary would tokenize every prompt to nothing).
+pub(crate) fn check_vocab(vocab: &VocabMetadata, vocab_size: usize) -> Result<(), ModelError> {
+    if vocab.tokens.is_empty() || vocab_size == 0 {
+        return Err(ModelError::Metadata("the tokenizer's vocabulary is empty".into()));
+    }
+    let named = [("BOS", vocab.bos), ("EOS", vocab.eos), ("end-of-turn", vocab.eot)];
+    let ids = named.into_iter().chain(vocab.more_ends.iter().map(|&id| ("end", Some(id))));
+    for (name, id) in ids {
+        if let Some(id) = id.filter(|&id| id as usize >= vocab_size) {
+            return Err(ModelError::Metadata(format!("the {name} token id {id} is outside the vocabulary of {vocab_size} tokens")));
+        }
+    }
+    Ok(())
+}
+
 /// Reads a model's metadata (architecture, shapes, tokenizer) without loading its weights: a GGUF file, or a
 /// Hugging Face directory (whose tensors' names and shapes are checked too).
 pub fn inspect(path: &Path) -> Result<ModelInfo, ModelError> {
