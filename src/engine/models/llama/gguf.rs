@@ -78,7 +78,7 @@ fn check_layout(content: &Content, file_length: u64) -> Result<(), String> {
     for (name, info) in &content.tensor_infos {
         let dims = info.shape.dims();
         let (block, type_size) = (info.ggml_dtype.block_size() as u64, info.ggml_dtype.type_size() as u64);
-        if dims.last().is_some_and(|&row| row as u64 % block != 0) {
+        if dims.last().is_some_and(|&row| !(row as u64).is_multiple_of(block)) {
             return Err(format!("tensor `{name}` has rows of {} {:?} values, not a whole number of its blocks of {block}", dims[dims.len() - 1], info.ggml_dtype));
         }
         let bytes = dims
