@@ -18,6 +18,7 @@ fn init_tracing(format: LogFormat) {
 }
 
 fn main() -> ExitCode {
+    nightshift::error::install_panic_hook();
     app::tune_cpu_threads();
     let cli = Cli::parse();
     init_tracing(cli.log_format);

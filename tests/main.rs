@@ -10,3 +10,4 @@ mod embed;
 mod seq2seq;
 mod jobs;
 mod reliability;
+mod fuzz;

@@ -57,6 +57,13 @@ fn pre_tokenizer(pre: &str) -> Result<Value, TokenizerError> {
     })
 }
 
+/// Reads a Hugging Face `tokenizer.json`. The `tokenizers` crate panics on some malformed files (a decoder that
+/// does not parse); that is an error here like any other. Errors name no path: the caller's do.
+pub fn from_file(path: &std::path::Path) -> Result<Tokenizer, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    crate::error::catch_panic(|| text.parse::<Tokenizer>()).and_then(|parsed| parsed.map_err(|e| e.to_string()))
+}
+
 pub fn build(meta: &VocabMetadata) -> Result<Tokenizer, TokenizerError> {
     if let Some(tokenizer) = &meta.tokenizer {
         return Ok(Tokenizer::clone(tokenizer));

@@ -240,7 +240,7 @@ pub fn inspect(dir: &Path) -> Result<EncoderInfo, ModelError> {
 /// over-long rows follow the job's `input.truncate`.
 pub fn tokenizer(dir: &Path) -> Result<Tokenizer, ModelError> {
     let path = dir.join("tokenizer.json");
-    let mut tokenizer = Tokenizer::from_file(&path).map_err(|e| format_err(&path, e))?;
+    let mut tokenizer = crate::tokenize::vocab::from_file(&path).map_err(|e| format_err(&path, e))?;
     tokenizer.with_padding(None);
     tokenizer.with_truncation(None).map_err(|e| format_err(&path, e))?;
     Ok(tokenizer)

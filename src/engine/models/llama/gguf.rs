@@ -77,6 +77,10 @@ fn check_layout(content: &Content, file_length: u64) -> Result<(), String> {
     let mut spans = Vec::with_capacity(content.tensor_infos.len());
     for (name, info) in &content.tensor_infos {
         let dims = info.shape.dims();
+        // No model tensor is empty; and candle reads an empty one through a dangling pointer of the wrong alignment.
+        if dims.contains(&0) {
+            return Err(format!("tensor `{name}` has no values (shape {dims:?})"));
+        }
         let (block, type_size) = (info.ggml_dtype.block_size() as u64, info.ggml_dtype.type_size() as u64);
         if dims.last().is_some_and(|&row| !(row as u64).is_multiple_of(block)) {
             return Err(format!("tensor `{name}` has rows of {} {:?} values, not a whole number of its blocks of {block}", dims[dims.len() - 1], info.ggml_dtype));

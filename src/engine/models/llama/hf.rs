@@ -528,7 +528,7 @@ fn vocab(dir: &Path, config: &HfConfig, vocab_size: usize) -> Result<VocabMetada
         return Err(ModelError::Open { path, source: std::io::ErrorKind::NotFound.into() });
     }
     let mut tokenizer =
-        Tokenizer::from_file(&path).map_err(|e| ModelError::Metadata(format!("`{}` is not a valid tokenizer: {e}", path.display())))?;
+        crate::tokenize::vocab::from_file(&path).map_err(|message| ModelError::File { path: path.clone(), message })?;
     tokenizer.with_padding(None);
     tokenizer.with_truncation(None).map_err(|e| ModelError::Metadata(format!("`{}`: {e}", path.display())))?;
     let tokenizer_config = read_json(&dir.join("tokenizer_config.json"))?;
