@@ -196,3 +196,15 @@ pub fn install_panic_hook() {
         }
     }));
 }
+
+/// [`catch_panic`] for a future: each poll runs under it, and a panic ends the future with its message.
+pub async fn catch_panic_async<F: std::future::Future>(f: F) -> Result<F::Output, String> {
+    use std::task::Poll;
+    let mut f = std::pin::pin!(f);
+    std::future::poll_fn(move |cx| match catch_panic(|| f.as_mut().poll(cx)) {
+        Ok(Poll::Ready(value)) => Poll::Ready(Ok(value)),
+        Ok(Poll::Pending) => Poll::Pending,
+        Err(message) => Poll::Ready(Err(message)),
+    })
+    .await
+}

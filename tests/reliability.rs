@@ -488,6 +488,60 @@ fn s3_outage_mid_job_is_ridden_out_by_retries() {
 }
 
 #[test]
+fn s3_throttling_and_slow_responses_lose_nothing() {
+    let world = World::new("throttled", Store::S3).with_proxy();
+    let (reference, _) = world.reference();
+    let job = world.job("throttled", "max_seqs = 2");
+    let output = world.output("throttled");
+    let mut child = world.spawn(&job);
+    assert!(wait_for_first_commit(&mut child, &output), "the job ended before its first commit was seen");
+    let proxy = world.proxy.as_ref().unwrap();
+    // Half the requests refused with 503 SlowDown or 429, then every response 300 ms late: reads, uploads and
+    // create-once commits all meet both.
+    proxy.set_fault(Fault::Throttle);
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(child.try_wait().unwrap().is_none(), "the job ended before the faults were over: the test proves nothing");
+    proxy.set_fault(Fault::Slow);
+    std::thread::sleep(Duration::from_secs(3));
+    proxy.set_fault(Fault::None);
+    let run = finish(child);
+    run.assert_ok();
+    assert!(proxy.requests_under_fault() > 10, "{} requests met the faults", proxy.requests_under_fault());
+    assert_complete_and_equal(&output, &reference);
+}
+
+/// A store whose listings lag its writes (some S3-compatible stores and caching proxies): a unit is committed only
+/// by its marker, a missing marker in a listing only delays completion (exit 75, nothing claimed), and a committed
+/// unit whose files a stale listing misses is looked up, not recomputed.
+#[test]
+fn s3_stale_listings_lose_nothing_and_claim_nothing() {
+    let world = World::new("stale", Store::S3).with_proxy();
+    let (reference, _) = world.reference();
+    let job = world.job("stale", "max_seqs = 2");
+    let output = world.output("stale");
+    let mut child = world.spawn(&job);
+    assert!(wait_for_first_commit(&mut child, &output), "the job ended before its first commit was seen");
+    let _ = child.kill();
+    let _ = child.wait();
+    let proxy = world.proxy.as_ref().unwrap();
+    proxy.set_fault(Fault::StaleListing);
+    // The rerun lists the commits and files as they are now; those listings then stay as they were. Its finalize
+    // sees too few commits: not complete, resumable.
+    let run = world.run(&job);
+    assert_eq!(run.code, 75, "{}", run.stderr);
+    assert!(!output.exists("_SUCCESS"));
+    assert_eq!(output.list("_commits").len(), UNITS, "every unit is committed, whatever the listing says");
+    // Now the commits are listed afresh but the files as they were: the units the listing misses files of are
+    // looked up, found, and not run again.
+    proxy.forget_listings("_commits");
+    let run = world.run(&job);
+    run.assert_ok();
+    assert!(!run.stderr.contains("file is missing"), "{}", run.stderr);
+    proxy.set_fault(Fault::None);
+    assert_complete_and_equal(&output, &reference);
+}
+
+#[test]
 fn input_rewritten_mid_run_fails_loudly_and_a_rerun_is_refused() {
     let world = World::new("rewritten", Store::Local);
     let job = world.job("out", "max_seqs = 2");

@@ -358,9 +358,21 @@ impl Output {
         Ok(files)
     }
 
-    /// The first file a marker names that is not in `files`.
-    pub(super) fn missing_file<'m>(&self, marker: &'m Marker, files: &std::collections::HashSet<Path>) -> Option<&'m String> {
-        [&marker.results, &marker.metrics].into_iter().find(|f| !files.contains(&self.path(f)))
+    /// The first file a marker names that is not in the store. A file missing from the listing `files` is looked
+    /// up on its own before it counts as missing: a listing may be stale (some stores and proxies list eventually),
+    /// and a committed unit is not given up on the word of a listing.
+    pub(super) async fn missing_file<'m>(&self, marker: &'m Marker, files: &std::collections::HashSet<Path>) -> Result<Option<&'m String>, SinkError> {
+        for file in [&marker.results, &marker.metrics] {
+            if files.contains(&self.path(file)) {
+                continue;
+            }
+            match self.store().head(&self.path(file)).await {
+                Ok(_) => tracing::debug!(file = %self.display(file), "a committed file missing from a listing is there (a stale listing)"),
+                Err(object_store::Error::NotFound { .. }) => return Ok(Some(file)),
+                Err(e) => return Err(SinkError::Read { url: self.display(file), source: e.into() }),
+            }
+        }
+        Ok(None)
     }
 
     /// The units committed with their files: a marker naming a file that is gone (deleted since its commit) does
@@ -372,7 +384,7 @@ impl Output {
         let files = self.unit_files().await?;
         let mut committed = std::collections::BTreeSet::new();
         for (unit, marker) in markers {
-            let Some(missing) = self.missing_file(&marker, &files) else {
+            let Some(missing) = self.missing_file(&marker, &files).await? else {
                 committed.insert(unit);
                 continue;
             };
@@ -397,7 +409,14 @@ impl Output {
         }
         let Some(manifest) = self.read_manifest().await? else { return Ok(true) };
         let files = self.unit_files().await?;
-        let Some(missing) = manifest.units.iter().find_map(|m| self.missing_file(m, &files)) else { return Ok(true) };
+        let mut first_missing = None;
+        for marker in &manifest.units {
+            if let Some(file) = self.missing_file(marker, &files).await? {
+                first_missing = Some(file);
+                break;
+            }
+        }
+        let Some(missing) = first_missing else { return Ok(true) };
         tracing::warn!(missing = %self.display(missing), "a file the manifest names is missing: the output is no longer complete");
         for file in [SUCCESS_FILE, MANIFEST_FILE] {
             match self.store().delete(&self.path(file)).await {
@@ -528,8 +547,10 @@ impl Output {
         let units: Vec<Marker> = plan.units.iter().map(|u| markers[&u.id].clone()).collect();
         // A manifest never names a file that is not there.
         let files = self.unit_files().await?;
-        if let Some((marker, missing)) = units.iter().find_map(|m| self.missing_file(m, &files).map(|f| (m, f))) {
-            return Err(SinkError::MissingFile { url: self.url().into(), unit: marker.unit, file: missing.clone() });
+        for marker in &units {
+            if let Some(missing) = self.missing_file(marker, &files).await? {
+                return Err(SinkError::MissingFile { url: self.url().into(), unit: marker.unit, file: missing.clone() });
+            }
         }
         let rows: u64 = units.iter().map(|m| m.rows).sum();
         if rows != plan.total_rows() {

@@ -77,7 +77,12 @@ impl Output {
         }
         let mut markers = self.markers().await?;
         let files = self.unit_files().await?;
-        let damaged_units: Vec<u32> = markers.values().filter(|m| self.missing_file(m, &files).is_some()).map(|m| m.unit).collect();
+        let mut damaged_units = Vec::new();
+        for marker in markers.values() {
+            if self.missing_file(marker, &files).await?.is_some() {
+                damaged_units.push(marker.unit);
+            }
+        }
         markers.retain(|unit, _| !damaged_units.contains(unit));
         let complete = success && damaged_units.is_empty();
         // (unit, attempt, job_s at commit) for every committed unit.

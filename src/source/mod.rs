@@ -19,6 +19,7 @@ use object_store::path::Path;
 use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt};
 use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions, RowSelection, RowSelector};
 use parquet::arrow::async_reader::AsyncFileReader;
+use parquet::arrow::async_reader::ParquetRecordBatchStream;
 use parquet::arrow::{ParquetRecordBatchStreamBuilder, ProjectionMask};
 use parquet::errors::ParquetError;
 use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataReader};
@@ -135,9 +136,11 @@ impl Input {
                 parts => parts.join("/"),
             };
             let mut reader = PinnedReader { store: location.store.clone(), meta: meta.clone() };
-            let metadata = ArrowReaderMetadata::load_async(&mut reader, ArrowReaderOptions::new())
+            let metadata = crate::error::catch_panic_async(ArrowReaderMetadata::load_async(&mut reader, ArrowReaderOptions::new()))
                 .await
+                .unwrap_or_else(|panic| Err(ParquetError::General(format!("the footer does not decode: {panic}"))))
                 .map_err(|source| SourceError::Parquet { url: url.clone(), source })?;
+            check_chunks(&metadata, meta.size).map_err(|problem| SourceError::Parquet { url: url.clone(), source: ParquetError::General(problem) })?;
             let schema = metadata.schema().clone();
             let prompt_index = check_column(&url, &schema, spec.prompt.name(), match &spec.prompt {
                 PromptColumn::Text(_) => ColumnKind::Text,
@@ -190,7 +193,7 @@ impl Input {
                 .build()
                 .map_err(read_err)?;
             let mut row = 0u64;
-            while let Some(batch) = stream.next().await {
+            while let Some(batch) = next_batch(&mut stream).await {
                 let batch = batch.map_err(|e| file.read_error(e))?;
                 let ids = to_strings(batch.column(0)).map_err(read_err)?;
                 for i in 0..ids.len() {
@@ -293,7 +296,7 @@ impl Input {
             .build()
             .map_err(read_err)?;
         let mut offset = 0u32;
-        while let Some(batch) = stream.next().await {
+        while let Some(batch) = next_batch(&mut stream).await {
             let batch = batch.map_err(|e| file.read_error(e))?;
             let rows = rows_of(&batch, &self.prompt, file, unit, offset).map_err(read_err)?;
             offset += batch.num_rows() as u32;
@@ -371,6 +374,34 @@ async fn list(url: &str) -> Result<(Location, Vec<ObjectMeta>), SourceError> {
 }
 
 /// The path segments of `path` below `prefix`.
+/// The next batch of a Parquet stream. The parquet and arrow crates assert on some damaged data instead of
+/// returning an error; such a file is an error like any other unreadable one.
+async fn next_batch(stream: &mut ParquetRecordBatchStream<PinnedReader>) -> Option<Result<RecordBatch, ParquetError>> {
+    crate::error::catch_panic_async(stream.next())
+        .await
+        .unwrap_or_else(|panic| Some(Err(ParquetError::General(format!("the data does not decode: {panic}")))))
+}
+
+/// The footer's row groups and column chunks against the file: row counts that are not negative, and every chunk
+/// inside the file. The parquet crate trusts these numbers (a negative offset is an assertion failure deep in its
+/// reader), so a damaged footer is refused here, before any row is read.
+fn check_chunks(metadata: &ArrowReaderMetadata, file_size: u64) -> Result<(), String> {
+    for (g, rg) in metadata.metadata().row_groups().iter().enumerate() {
+        if rg.num_rows() < 0 {
+            return Err(format!("row group {g} has {} rows", rg.num_rows()));
+        }
+        for c in rg.columns() {
+            let start = c.dictionary_page_offset().unwrap_or(c.data_page_offset());
+            let (start, length) = (u64::try_from(start), u64::try_from(c.compressed_size()));
+            let inside = matches!((start, length), (Ok(s), Ok(l)) if s.checked_add(l).is_some_and(|end| end <= file_size));
+            if !inside {
+                return Err(format!("a column chunk of row group {g} ({}) lies outside the file", c.column_path()));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The id of a row with none: its file (relative to the input's prefix) and its row number in that file.
 fn default_id(file: &str, row: u64) -> String {
     format!("{file}:{row}")

@@ -1,4 +1,5 @@
-//! A moto S3 server the tests start on 127.0.0.1, and a TCP proxy in front of it that can take the store down.
+//! A moto S3 server the tests start on 127.0.0.1, and a TCP proxy in front of it that can take the store down, or
+//! turn it into a store that throttles, answers slowly or lists stale.
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -67,6 +68,102 @@ pub struct Proxy {
     pub port: u16,
     up: Arc<std::sync::atomic::AtomicBool>,
     stop: Arc<std::sync::atomic::AtomicBool>,
+    fault: Arc<std::sync::atomic::AtomicU8>,
+    state: Arc<FaultState>,
+}
+
+/// How the proxy treats requests while it is up. Under a fault every request gets a connection of its own
+/// (`Connection: close` both ways), so that each one meets the fault.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Fault {
+    /// Bytes pass through.
+    None = 0,
+    /// Every other request is refused, as a store refuses a client that is too fast: `503 SlowDown` (S3) and
+    /// `429 Too Many Requests` (GCS, Azure) in turn.
+    Throttle = 1,
+    /// Every response waits 300 ms before its first byte.
+    Slow = 2,
+    /// A listing (`list-type=2`) is answered as it was the first time it was asked, whatever was written since.
+    StaleListing = 3,
+}
+
+/// Requests and responses under a fault: the stale listings kept, and a count for taking turns.
+#[derive(Default)]
+struct FaultState {
+    listings: std::sync::Mutex<std::collections::HashMap<String, Vec<u8>>>,
+    requests: std::sync::atomic::AtomicUsize,
+}
+
+/// Reads an HTTP message's head (to the blank line) and its `Content-Length` body. `None` at end of stream.
+fn read_message(stream: &mut std::net::TcpStream, until_eof: bool) -> Option<(String, Vec<u8>)> {
+    use std::io::Read;
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        if stream.read(&mut byte).ok()? == 0 {
+            return None;
+        }
+        buf.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&buf).into_owned();
+    let mut body = Vec::new();
+    if until_eof {
+        stream.read_to_end(&mut body).ok()?;
+    } else {
+        let length = head
+            .lines()
+            .find_map(|l| l.split_once(':').filter(|(k, _)| k.trim().eq_ignore_ascii_case("content-length")).map(|(_, v)| v.trim().parse::<usize>().unwrap_or(0)))
+            .unwrap_or(0);
+        body.resize(length, 0);
+        stream.read_exact(&mut body).ok()?;
+    }
+    Some((head, body))
+}
+
+/// `head` with its `Connection` header replaced by `Connection: close`.
+fn closing(head: &str) -> String {
+    let mut lines: Vec<&str> = head.trim_end_matches("\r\n").split("\r\n").filter(|l| !l.to_ascii_lowercase().starts_with("connection:")).collect();
+    lines.push("Connection: close");
+    format!("{}\r\n\r\n", lines.join("\r\n"))
+}
+
+/// Serves one request of a client connection under `fault`.
+fn serve_with_fault(mut client: std::net::TcpStream, upstream: u16, fault: Fault, state: &FaultState) {
+    use std::io::Write;
+    let Some((head, body)) = read_message(&mut client, false) else { return };
+    let turn = state.requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    if fault == Fault::Throttle && turn % 2 == 0 {
+        let (status, text) = if turn % 4 == 0 {
+            ("503 Slow Down", "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>")
+        } else {
+            ("429 Too Many Requests", "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>TooManyRequests</Code><Message>Too many requests.</Message></Error>")
+        };
+        let _ = write!(client, "HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}", text.len());
+        return;
+    }
+    let request_line = head.lines().next().unwrap_or_default().to_string();
+    let listing = fault == Fault::StaleListing && request_line.starts_with("GET ") && request_line.contains("list-type=2");
+    if listing {
+        if let Some(kept) = state.listings.lock().unwrap().get(&request_line) {
+            let _ = client.write_all(kept);
+            return;
+        }
+    }
+    let Ok(mut server) = std::net::TcpStream::connect(("127.0.0.1", upstream)) else { return };
+    if server.write_all(closing(&head).as_bytes()).and_then(|_| server.write_all(&body)).is_err() {
+        return;
+    }
+    let Some((response_head, response_body)) = read_message(&mut server, true) else { return };
+    let mut response = closing(&response_head).into_bytes();
+    response.extend_from_slice(&response_body);
+    if fault == Fault::Slow {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+    if listing {
+        state.listings.lock().unwrap().entry(request_line).or_insert_with(|| response.clone());
+    }
+    let _ = client.write_all(&response);
 }
 
 impl Proxy {
@@ -76,8 +173,12 @@ impl Proxy {
         let port = listener.local_addr().unwrap().port();
         let up = Arc::new(AtomicBool::new(true));
         let stop = Arc::new(AtomicBool::new(false));
-        let (up2, stop2) = (up.clone(), stop.clone());
+        let fault = Arc::new(std::sync::atomic::AtomicU8::new(Fault::None as u8));
+        let (up2, stop2, fault2) = (up.clone(), stop.clone(), fault.clone());
+        let state = Arc::new(FaultState::default());
+        let state2 = state.clone();
         std::thread::spawn(move || {
+            let state = state2;
             let mut listener = Some(listener);
             let open: Arc<std::sync::Mutex<Vec<std::net::TcpStream>>> = Default::default();
             while !stop2.load(Ordering::SeqCst) {
@@ -94,6 +195,18 @@ impl Proxy {
                 match l.accept() {
                     Ok((client, _)) => {
                         client.set_nonblocking(false).unwrap();
+                        let fault = match fault2.load(Ordering::SeqCst) {
+                            1 => Fault::Throttle,
+                            2 => Fault::Slow,
+                            3 => Fault::StaleListing,
+                            _ => Fault::None,
+                        };
+                        if fault != Fault::None {
+                            open.lock().unwrap().push(client.try_clone().unwrap());
+                            let state = state.clone();
+                            std::thread::spawn(move || serve_with_fault(client, upstream, fault, &state));
+                            continue;
+                        }
                         let Ok(server) = std::net::TcpStream::connect(("127.0.0.1", upstream)) else { continue };
                         let mut guard = open.lock().unwrap();
                         guard.push(client.try_clone().unwrap());
@@ -110,11 +223,30 @@ impl Proxy {
                 }
             }
         });
-        Proxy { port, up, stop }
+        Proxy { port, up, stop, fault, state }
     }
 
     pub fn set_up(&self, up: bool) {
         self.up.store(up, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Puts `fault` in force for the requests that follow. Connections already open are cut (as a blip in the
+    /// store would), so that clients reconnect and meet it.
+    /// Requests served under a fault so far.
+    pub fn requests_under_fault(&self) -> usize {
+        self.state.requests.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Forgets the kept listings whose request names `prefix`: the next one is listed afresh (and kept).
+    pub fn forget_listings(&self, prefix: &str) {
+        self.state.listings.lock().unwrap().retain(|request, _| !request.contains(prefix));
+    }
+
+    pub fn set_fault(&self, fault: Fault) {
+        self.fault.store(fault as u8, std::sync::atomic::Ordering::SeqCst);
+        self.set_up(false);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        self.set_up(true);
     }
 }
 

@@ -35,7 +35,6 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use serde::Deserialize;
 use serde_json::Value;
-use tokenizers::Tokenizer;
 
 use super::{Layer, Model, ModelConfig, ModelInfo, RopeScaling, Weights, MAX_CONTEXT};
 use crate::engine::ModelError;
