@@ -133,8 +133,8 @@ fn serve_with_fault(mut client: std::net::TcpStream, upstream: u16, fault: Fault
     use std::io::Write;
     let Some((head, body)) = read_message(&mut client, false) else { return };
     let turn = state.requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    if fault == Fault::Throttle && turn % 2 == 0 {
-        let (status, text) = if turn % 4 == 0 {
+    if fault == Fault::Throttle && turn.is_multiple_of(2) {
+        let (status, text) = if turn.is_multiple_of(4) {
             ("503 Slow Down", "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>")
         } else {
             ("429 Too Many Requests", "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>TooManyRequests</Code><Message>Too many requests.</Message></Error>")
