@@ -29,6 +29,7 @@ fn main() -> ExitCode {
             progress: !args.no_progress,
             show: args.show,
             shard: args.shard.clone(),
+            prometheus: nightshift::metrics::prometheus::Targets { textfile: args.metrics_textfile.clone(), pushgateway: args.pushgateway.clone() },
         })
         .map(|r| cli::print_run(&r)),
         Command::Validate(args) => app::validate(&args.job, &args.overrides()).map(|r| cli::print_validate(&r)),

@@ -893,3 +893,55 @@ fn sigterm_drains_within_its_grace_while_chat_templates_run_to_their_limits() {
     assert!(signalled.elapsed() < Duration::from_secs(10), "the drain took {:?}", signalled.elapsed());
     assert!(!out.join("_SUCCESS").exists());
 }
+
+/// The value of the sample `name` whose labels include `labels`.
+fn sample(samples: &[(String, BTreeMap<String, String>, f64)], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    samples.iter().find(|(n, l, _)| n == name && labels.iter().all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))).map(|s| s.2)
+}
+
+#[test]
+fn prometheus_textfile_and_pushgateway_follow_the_run() {
+    let world = World::new("prometheus", Store::Local);
+    let job = world.job("nightly-tickets", "max_seqs = 2");
+    let output = world.output("nightly-tickets");
+    let textfile = world.dir.join("nightshift.prom");
+    let gateway = Pushgateway::start();
+    let args = ["--metrics-textfile", textfile.to_str().unwrap(), "--pushgateway", gateway.url.as_str()];
+    let mut child = world.spawn_with(&job, &args, &[]);
+    assert!(wait_for_first_commit(&mut child, &output), "the job ended before its first commit was seen");
+    // Mid-run: the textfile is there, whole, and says the run goes on.
+    let labels = [("job", "nightly-tickets"), ("shard", "all")];
+    let mid = parse_prometheus(&std::fs::read_to_string(&textfile).unwrap());
+    assert_eq!(sample(&mid, "nightshift_running", &labels), Some(1.0));
+    assert_eq!(sample(&mid, "nightshift_units", &labels), Some(UNITS as f64));
+    assert!(sample(&mid, "nightshift_units_committed", &labels).unwrap() >= 1.0);
+    assert!(sample(&mid, "nightshift_exit_code", &labels).is_none());
+    let run = finish(child);
+    run.assert_ok();
+    let end = parse_prometheus(&std::fs::read_to_string(&textfile).unwrap());
+    let rows = |s: &[_], status| sample(s, "nightshift_rows_total", &[labels[0], labels[1], ("status", status)]).unwrap();
+    assert_eq!(rows(&end, "succeeded") + rows(&end, "errored"), ROWS as f64);
+    assert_eq!(sample(&end, "nightshift_units_committed", &labels), Some(UNITS as f64));
+    assert_eq!(sample(&end, "nightshift_running", &labels), Some(0.0));
+    assert_eq!(sample(&end, "nightshift_exit_code", &labels), Some(0.0));
+    assert!(sample(&end, "nightshift_completion_tokens_total", &labels).unwrap() > 0.0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    let success = sample(&end, "nightshift_last_success_timestamp_seconds", &labels).unwrap();
+    assert!((now - 600.0..=now + 1.0).contains(&success), "{success} vs {now}");
+    // The Pushgateway holds the same figures, grouped by job and instance (the shard).
+    let pushed = parse_prometheus(&gateway.scrape());
+    let grouped = [("job", "nightly-tickets"), ("instance", "all")];
+    for name in ["nightshift_units_committed", "nightshift_exit_code", "nightshift_running", "nightshift_completion_tokens_total", "nightshift_last_success_timestamp_seconds"] {
+        assert_eq!(sample(&pushed, name, &grouped), sample(&end, name, &labels), "{name}");
+    }
+    // A later run that cannot finish (its input is gone) reports its exit code and keeps the last success.
+    std::fs::write(&job, std::fs::read_to_string(&job).unwrap().replace(&world.input_url(), "/nonexistent/input.parquet")).unwrap();
+    let run = nightshift(&["run", job.to_str().unwrap(), "--metrics-textfile", textfile.to_str().unwrap(), "--pushgateway", gateway.url.as_str()], &[]);
+    assert_eq!(run.code, 3, "{}", run.stderr);
+    let failed = parse_prometheus(&std::fs::read_to_string(&textfile).unwrap());
+    assert_eq!(sample(&failed, "nightshift_exit_code", &labels), Some(3.0));
+    assert_eq!(sample(&failed, "nightshift_last_success_timestamp_seconds", &labels), Some(success));
+    let pushed = parse_prometheus(&gateway.scrape());
+    assert_eq!(sample(&pushed, "nightshift_exit_code", &grouped), Some(3.0));
+    assert_eq!(sample(&pushed, "nightshift_last_success_timestamp_seconds", &grouped), Some(success));
+}

@@ -51,6 +51,9 @@ pub struct Collect<'a> {
     pub show: usize,
     /// When generation started, for the progress bar's rate.
     pub generation_started: Instant,
+    /// Where progress goes for Prometheus, told of every commit, with the units committed before this run.
+    pub exporter: Option<Arc<crate::metrics::prometheus::Exporter>>,
+    pub committed_before: usize,
 }
 
 /// What the collector did.
@@ -139,6 +142,9 @@ async fn collect_counting(mut rows: mpsc::Receiver<Outcome>, c: Collect<'_>, uni
             let buffer = open.remove(&tag.unit).expect("the buffer is open");
             if commit(unit, buffer, &c).await? {
                 *units_committed += 1;
+            }
+            if let Some(exporter) = &c.exporter {
+                exporter.progress(&total, c.committed_before + *units_committed);
             }
         }
     }

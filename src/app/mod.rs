@@ -44,6 +44,7 @@ use crate::outcome::Outcome;
 use crate::plan::shard::{self, Assignment, ShardArg};
 use crate::plan::{Fingerprint, Plan, Unit, OUTPUT_FORMAT_VERSION};
 use crate::sink::{self, Finalized, Manifest, Output, RunMetadata};
+use crate::metrics::prometheus::Exporter;
 use crate::source::{Input, SourceRow};
 use crate::tokenize::Prepare;
 use collect::{Collect, Collected, RunFigures};
@@ -65,6 +66,8 @@ pub struct RunOptions {
     pub show: usize,
     /// `--shard`: which units this process runs (default: all).
     pub shard: Option<ShardArg>,
+    /// Where the run's progress goes for Prometheus (`--metrics-textfile`, `--pushgateway`).
+    pub prometheus: crate::metrics::prometheus::Targets,
 }
 
 /// How a run ended, when it did not fail.
@@ -173,8 +176,32 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         limit_threads(threads);
     }
     let rt = runtime()?;
+    let exporter = options.prometheus.any().then(|| {
+        let name = job.file.file_stem().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let shard = match &assignment {
+            Assignment::One { index, count, .. } => format!("{index}-of-{count}"),
+            _ => "all".to_string(),
+        };
+        Arc::new(Exporter::new(options.prometheus.clone(), &name, &shard))
+    });
+    let result = run_job(&options, &job, &assignment, &rt, started, exporter.clone());
+    if let Some(exporter) = &exporter {
+        exporter.finish(&rt, result.as_ref().map_or_else(|e| e.exit() as i32, |_| 0));
+    }
+    result
+}
+
+/// [`run`] once the job, its shard and the runtime are known.
+fn run_job(
+    options: &RunOptions,
+    job: &Job,
+    assignment: &Assignment,
+    rt: &tokio::runtime::Runtime,
+    started: Instant,
+    exporter: Option<Arc<Exporter>>,
+) -> Result<RunReport, Error> {
     let drain = Arc::new(Drain::default());
-    signals::watch_signals(&rt, drain.clone(), job.runtime.drain_grace)?;
+    signals::watch_signals(rt, drain.clone(), job.runtime.drain_grace)?;
 
     let (input, output) = rt.block_on(async { Ok::<_, Error>((Input::open(&job.input).await?, Output::open(&job.output.url).await?)) })?;
     info!(url = input.url(), files = input.file_urls().len(), rows = input.total_rows(), "input opened");
@@ -183,14 +210,14 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     // that could never start would refuse the corrected job.
     let device = engine::select_device(&job.runtime.device)?;
     let load_started = Instant::now();
-    let loaded = load::load(&job, &device)?;
+    let loaded = load::load(job, &device)?;
     let model_load_s = load_started.elapsed().as_secs_f64();
     info!(path = %job.model.path.display(), weights_mib = loaded.weights_bytes >> 20, seconds = format!("{model_load_s:.2}"), "model loaded");
     let figures = RunFigures { started, model_load_s, weights_bytes: loaded.weights_bytes as u64, weights_layout: loaded.weights_layout, kv_cache_dtype: loaded.kv_cache_dtype };
 
     // The plan: this job's fingerprint against the one stored at the output, if any.
-    let ours = fingerprint(&job, &loaded.check.sha256, loaded.check.template.as_deref(), &input);
-    let plan = rt.block_on(stored_plan(&job, &input, &output, &assignment, &ours))?;
+    let ours = fingerprint(job, &loaded.check.sha256, loaded.check.template.as_deref(), &input);
+    let plan = rt.block_on(stored_plan(job, &input, &output, assignment, &ours))?;
     let run = RunMetadata {
         layout: loaded.layout,
         model_sha256: loaded.check.sha256.clone(),
@@ -199,7 +226,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         fingerprint: plan.fingerprint.digest(),
         attempt: sink::new_attempt(),
     };
-    let report = Report { output: &output, assignment: &assignment };
+    let report = Report { output: &output, assignment };
     if rt.block_on(output.is_complete_and_whole())? {
         let manifest = match rt.block_on(output.finalize())? {
             Finalized::AlreadyComplete(m) | Finalized::Done(m) => m,
@@ -212,14 +239,17 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let ours_units: Vec<&Unit> = plan.units.iter().filter(|u| assignment.includes(u.shard)).collect();
     let pending: Vec<Unit> = ours_units.iter().filter(|u| !committed.contains(&u.id)).map(|u| (*u).clone()).collect();
     let units_skipped = ours_units.len() - pending.len();
+    if let Some(exporter) = &exporter {
+        exporter.planned(ours_units.len(), units_skipped);
+    }
     info!(
         units = plan.units.len(), shards = plan.shards, ours = ours_units.len(), committed = units_skipped, pending = pending.len(),
         attempt = %run.attempt, fingerprint = %run.fingerprint, "plan"
     );
 
     let progress = progress_bar(options.progress, pending.iter().map(|u| u.rows as u64).sum());
-    let stages = Stages { rt: &rt, input, output: &output, run: &run, drain: &drain, figures: &figures, progress: &progress, show: options.show };
-    let ended = stages.run(&job, loaded, pending);
+    let stages = Stages { rt, input, output: &output, run: &run, drain: &drain, figures: &figures, progress: &progress, show: options.show, exporter, committed_before: units_skipped };
+    let ended = stages.run(job, loaded, pending);
     // The output was writable when the run started (the probe), so a read or write of it failing now, after
     // object_store's retries, is an outage: what is committed stays, and the job can be resumed.
     let units_total = ours_units.len();
@@ -325,6 +355,9 @@ struct Stages<'a> {
     figures: &'a RunFigures,
     progress: &'a ProgressBar,
     show: usize,
+    /// Where progress goes for Prometheus, with the units committed before this run.
+    exporter: Option<Arc<Exporter>>,
+    committed_before: usize,
 }
 
 /// The engine thread's outcome consumer: output rows to the sink, and the engine's figures for the unit commits.
@@ -375,6 +408,8 @@ impl Stages<'_> {
             progress: self.progress,
             show: self.show,
             generation_started,
+            exporter: self.exporter.clone(),
+            committed_before: self.committed_before,
         };
         let sink_result = self.rt.block_on(collect::collect(sink_rx, collect));
         // Whatever happened, the engine and tokenizer threads end once their channels close.

@@ -404,4 +404,11 @@ pub struct RunArgs {
     /// default).
     #[arg(long, env = "NIGHTSHIFT_SHARD")]
     pub shard: Option<crate::plan::shard::ShardArg>,
+    /// Write the run's progress for node_exporter's textfile collector to this file (replaced atomically as units
+    /// commit and when the run ends).
+    #[arg(long, env = "NIGHTSHIFT_METRICS_TEXTFILE")]
+    pub metrics_textfile: Option<std::path::PathBuf>,
+    /// Push the same metrics to this Prometheus Pushgateway (`http://host:9091`), grouped by job and shard.
+    #[arg(long, env = "NIGHTSHIFT_PUSHGATEWAY")]
+    pub pushgateway: Option<String>,
 }

@@ -1,11 +1,13 @@
 //! Plain structs filled as the job runs, and the figures users compare (requests/s, tokens/s, TTFT and latency
-//! percentiles, peak memory). Written as a one-row Parquet file by the sink.
+//! percentiles, peak memory). Written as a one-row Parquet file by the sink; [`prometheus`] publishes a run's
+//! progress for monitoring.
 
 use crate::engine::EngineStats;
 use crate::outcome::Completion;
 
 #[macro_use]
 mod columns;
+pub mod prometheus;
 
 pub use columns::{metrics_columns, MetricField, MetricType, MetricValue, MetricsColumn, MetricsRow};
 

@@ -83,7 +83,7 @@ fn with_timeouts<B>(mut builder: B, env_prefix: &str, set: impl Fn(B, ClientConf
 
 /// The cloud stores' TLS is rustls with the ring provider (no C/cmake crypto build); it is installed once, before
 /// the first client is built.
-fn install_crypto_provider() {
+pub fn install_crypto_provider() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // An error means another provider is installed already, which serves as well.

@@ -255,3 +255,60 @@ impl Drop for Proxy {
         self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 }
+
+/// Debian's `prometheus-pushgateway` on 127.0.0.1, stopped when dropped.
+pub struct Pushgateway {
+    child: Child,
+    pub url: String,
+}
+
+impl Pushgateway {
+    pub fn start() -> Pushgateway {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let child = Command::new("prometheus-pushgateway")
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus-pushgateway runs (scripts/test.sh installs it)");
+        let gateway = Pushgateway { child, url: format!("http://127.0.0.1:{port}") };
+        for _ in 0..200 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return gateway;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        panic!("the Pushgateway did not start");
+    }
+
+    /// What it serves on `/metrics`.
+    pub fn scrape(&self) -> String {
+        use std::io::{Read, Write};
+        let port = self.url.rsplit(':').next().unwrap();
+        let mut stream = std::net::TcpStream::connect(format!("127.0.0.1:{port}")).unwrap();
+        // HTTP/1.0: the body comes whole, not chunked.
+        write!(stream, "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default()
+    }
+}
+
+impl Drop for Pushgateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Prometheus' text format parsed by the reference parser (the Python client's): (name, labels, value) per sample.
+pub fn parse_prometheus(text: &str) -> Vec<(String, std::collections::BTreeMap<String, String>, f64)> {
+    use std::io::Write;
+    let script = "import sys, json\nfrom prometheus_client.parser import text_string_to_metric_families\n\
+                  print(json.dumps([[s.name, s.labels, s.value] for f in text_string_to_metric_families(sys.stdin.read()) for s in f.samples]))";
+    let mut child = Command::new("python3").args(["-c", script]).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "the Prometheus parser refused:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}

@@ -1,0 +1,217 @@
+//! A run's progress for Prometheus, as batch jobs report it: a node_exporter textfile-collector file
+//! (`--metrics-textfile`, replaced atomically) and a Pushgateway group (`--pushgateway`), both updated when a unit
+//! commits and when the run ends.
+//!
+//! Names follow Prometheus' conventions: a `nightshift_` prefix, base units in the name (`_seconds`), `_total` on
+//! counters. Every series carries `job` (the job file's name without `.toml`) and `shard` labels; the Pushgateway
+//! groups by `job` and `instance` (the shard), so that the shards of one job push side by side.
+//! `nightshift_last_success_timestamp_seconds` is written by a run that completes its work, and kept by one that
+//! does not (read back from the textfile; the Pushgateway keeps it, as a push replaces only the series it names),
+//! so that an alert on the time since the last success works across failed nights.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tracing::warn;
+
+use super::Collector;
+
+/// Where a run's Prometheus metrics go.
+#[derive(Clone, Debug, Default)]
+pub struct Targets {
+    pub textfile: Option<PathBuf>,
+    pub pushgateway: Option<String>,
+}
+
+impl Targets {
+    pub fn any(&self) -> bool {
+        self.textfile.is_some() || self.pushgateway.is_some()
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+struct State {
+    succeeded: u64,
+    errored: u64,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    units_committed: usize,
+    units: usize,
+    running: bool,
+    exit_code: Option<i32>,
+    last_success: Option<f64>,
+}
+
+/// Publishes a run's progress to its [`Targets`].
+pub struct Exporter {
+    targets: Targets,
+    job: String,
+    shard: String,
+    started: Instant,
+    state: Mutex<State>,
+    client: Option<reqwest::Client>,
+}
+
+fn now_s() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The value of `nightshift_last_success_timestamp_seconds` in a textfile written before, if any.
+fn previous_success(path: &Path) -> Option<f64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines().filter(|l| l.starts_with("nightshift_last_success_timestamp_seconds")).find_map(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// A label value as the text format quotes it.
+fn quoted(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+impl Exporter {
+    /// An exporter for the job named `job`, run as `shard` (`all`, or `3-of-8`).
+    pub fn new(targets: Targets, job: &str, shard: &str) -> Exporter {
+        let last_success = targets.textfile.as_deref().and_then(previous_success);
+        let client = targets.pushgateway.as_ref().and_then(|_| {
+            crate::source::store::install_crypto_provider();
+            reqwest::Client::builder().timeout(Duration::from_secs(10)).build().map_err(|e| warn!(error = %e, "cannot make a Pushgateway client")).ok()
+        });
+        Exporter {
+            targets,
+            job: job.to_string(),
+            shard: shard.to_string(),
+            started: Instant::now(),
+            state: Mutex::new(State { running: true, last_success, ..State::default() }),
+            client,
+        }
+    }
+
+    /// The run's units, once planned.
+    pub fn planned(&self, units: usize, committed_before: usize) {
+        let mut s = self.state.lock().expect("not poisoned");
+        s.units = units;
+        s.units_committed = committed_before;
+    }
+
+    /// The rows done so far and the units committed (before this run and by it); written out, and pushed in the
+    /// background (a monitoring outage never holds up or fails the job).
+    pub fn progress(&self, rows: &Collector, units_committed: usize) {
+        {
+            let mut s = self.state.lock().expect("not poisoned");
+            (s.succeeded, s.errored, s.prompt_tokens, s.completion_tokens) = (rows.succeeded, rows.errored, rows.prompt_tokens, rows.completion_tokens);
+            s.units_committed = units_committed;
+        }
+        let text = self.render();
+        self.write_textfile(&text);
+        if let Some(push) = self.push(text) {
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                handle.spawn(push);
+            }
+        }
+    }
+
+    /// The run ended with `exit_code` (0: its work is done); written out and pushed, waiting for the push.
+    pub fn finish(&self, rt: &tokio::runtime::Runtime, exit_code: i32) {
+        {
+            let mut s = self.state.lock().expect("not poisoned");
+            s.running = false;
+            s.exit_code = Some(exit_code);
+            if exit_code == 0 {
+                s.last_success = Some(now_s());
+            }
+        }
+        let text = self.render();
+        self.write_textfile(&text);
+        if let Some(push) = self.push(text) {
+            rt.block_on(push);
+        }
+    }
+
+    /// The metrics in Prometheus' text format.
+    pub fn render(&self) -> String {
+        let s = self.state.lock().expect("not poisoned").clone();
+        let elapsed = self.started.elapsed().as_secs_f64();
+        let labels = format!("job=\"{}\",shard=\"{}\"", quoted(&self.job), quoted(&self.shard));
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, samples: &[(Option<&str>, f64)]| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (extra, value) in samples {
+                let extra = extra.map(|e| format!(",{e}")).unwrap_or_default();
+                let _ = writeln!(out, "{name}{{{labels}{extra}}} {value}");
+            }
+        };
+        metric("nightshift_rows_total", "counter", "Rows this run finished, by status.", &[
+            (Some("status=\"succeeded\""), s.succeeded as f64),
+            (Some("status=\"errored\""), s.errored as f64),
+        ]);
+        metric("nightshift_prompt_tokens_total", "counter", "Prompt tokens of the rows this run finished.", &[(None, s.prompt_tokens as f64)]);
+        metric("nightshift_completion_tokens_total", "counter", "Tokens this run generated.", &[(None, s.completion_tokens as f64)]);
+        let rate = if elapsed > 0.0 { s.completion_tokens as f64 / elapsed } else { 0.0 };
+        metric("nightshift_output_tokens_per_second", "gauge", "Tokens generated per second of this run, model load included.", &[(None, rate)]);
+        metric("nightshift_units_committed", "gauge", "Units of this run's shard committed in the output, by this run or before it.", &[(None, s.units_committed as f64)]);
+        metric("nightshift_units", "gauge", "Units of this run's shard.", &[(None, s.units as f64)]);
+        metric("nightshift_run_duration_seconds", "gauge", "Seconds since this run started.", &[(None, elapsed)]);
+        metric("nightshift_running", "gauge", "1 while the run goes on, 0 once it ended.", &[(None, if s.running { 1.0 } else { 0.0 })]);
+        if let Some(code) = s.exit_code {
+            metric("nightshift_exit_code", "gauge", "How the run ended: 0 done, 75 partial and resumable, others failed (README, Exit codes).", &[(None, code as f64)]);
+        }
+        if let Some(t) = s.last_success {
+            metric("nightshift_last_success_timestamp_seconds", "gauge", "When a run of this job last finished its work (Unix time).", &[(None, t)]);
+        }
+        out
+    }
+
+    /// Replaces the textfile: written beside it under a name the collector ignores, then renamed over it.
+    fn write_textfile(&self, text: &str) {
+        let Some(path) = &self.targets.textfile else { return };
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let temporary = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+        let written = std::fs::write(&temporary, text).and_then(|()| std::fs::rename(&temporary, path));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&temporary);
+            warn!(path = %path.display(), error = %e, "cannot write the metrics textfile");
+        }
+    }
+
+    /// The push of `text` to the Pushgateway group of this job and shard (POST: series not named keep their
+    /// values), if one is configured.
+    fn push(&self, text: String) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
+        let (base, client) = (self.targets.pushgateway.as_ref()?, self.client.clone()?);
+        let segment = |s: &str| url::form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>().replace('+', "%20");
+        let url = format!("{}/metrics/job/{}/instance/{}", base.trim_end_matches('/'), segment(&self.job), segment(&self.shard));
+        Some(async move {
+            let sent = client.post(&url).header("Content-Type", "text/plain; version=0.0.4").body(text).send().await;
+            match sent.map(|r| r.error_for_status()) {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) | Err(e) => warn!(url = %crate::error::redact_urls(&url), error = %e, "cannot push metrics to the Pushgateway"),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_text_format_names_every_series_with_its_labels_and_keeps_the_last_success() {
+        let dir = std::env::temp_dir().join(format!("nightshift-prom-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("job.prom");
+        std::fs::write(&path, "nightshift_last_success_timestamp_seconds{job=\"a\",shard=\"all\"} 1700000000.5\n").unwrap();
+        let e = Exporter::new(Targets { textfile: Some(path.clone()), pushgateway: None }, "nightly \"tickets\"", "all");
+        e.planned(4, 1);
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        e.finish(&rt, 75);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains("nightshift_units{job=\"nightly \\\"tickets\\\"\",shard=\"all\"} 4"), "{text}");
+        assert!(text.contains("nightshift_exit_code{job=\"nightly \\\"tickets\\\"\",shard=\"all\"} 75"), "{text}");
+        assert!(text.contains("nightshift_last_success_timestamp_seconds{job=\"nightly \\\"tickets\\\"\",shard=\"all\"} 1700000000.5"), "{text}");
+        e.finish(&rt, 0);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(!text.contains("1700000000.5"), "a success replaces the last one: {text}");
+        assert!(std::fs::read_dir(&dir).unwrap().count() == 1, "no temporary file is left");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
