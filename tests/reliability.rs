@@ -909,10 +909,15 @@ fn prometheus_textfile_and_pushgateway_follow_the_run() {
     let args = ["--metrics-textfile", textfile.to_str().unwrap(), "--pushgateway", gateway.url.as_str()];
     let mut child = world.spawn_with(&job, &args, &[]);
     assert!(wait_for_first_commit(&mut child, &output), "the job ended before its first commit was seen");
-    // Mid-run: the textfile is there, whole, and says the run goes on.
+    // Mid-run: the textfile is there from the start, whole, and says the run goes on; a commit shows in it.
     let labels = [("job", "nightly-tickets"), ("shard", "all")];
-    let mid = parse_prometheus(&std::fs::read_to_string(&textfile).unwrap());
-    assert_eq!(sample(&mid, "nightshift_running", &labels), Some(1.0));
+    let mut mid = parse_prometheus(&std::fs::read_to_string(&textfile).unwrap());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while sample(&mid, "nightshift_units_committed", &labels) == Some(0.0) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+        mid = parse_prometheus(&std::fs::read_to_string(&textfile).unwrap());
+    }
+    assert_eq!(sample(&mid, "nightshift_running", &labels), Some(1.0), "the run had ended: the test proves nothing");
     assert_eq!(sample(&mid, "nightshift_units", &labels), Some(UNITS as f64));
     assert!(sample(&mid, "nightshift_units_committed", &labels).unwrap() >= 1.0);
     assert!(sample(&mid, "nightshift_exit_code", &labels).is_none());

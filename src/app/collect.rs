@@ -120,6 +120,7 @@ async fn collect_counting(mut rows: mpsc::Receiver<Outcome>, c: Collect<'_>, uni
     let mut total = Collector::default();
     let mut sample = Vec::new();
     let mut open: HashMap<u32, UnitBuffer> = HashMap::new();
+    let mut units_done = 0;
     while let Some(outcome) = rows.recv().await {
         let tag = outcome.tag();
         let unit = c.units.get(&tag.unit).ok_or_else(|| Error::Internal(format!("a row of unit {} that is not pending (a bug)", tag.unit)))?;
@@ -143,8 +144,10 @@ async fn collect_counting(mut rows: mpsc::Receiver<Outcome>, c: Collect<'_>, uni
             if commit(unit, buffer, &c).await? {
                 *units_committed += 1;
             }
+            // Committed either way: by this attempt or by another first.
+            units_done += 1;
             if let Some(exporter) = &c.exporter {
-                exporter.progress(&total, c.committed_before + *units_committed);
+                exporter.progress(&total, c.committed_before + units_done);
             }
         }
     }

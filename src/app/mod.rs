@@ -240,7 +240,7 @@ fn run_job(
     let pending: Vec<Unit> = ours_units.iter().filter(|u| !committed.contains(&u.id)).map(|u| (*u).clone()).collect();
     let units_skipped = ours_units.len() - pending.len();
     if let Some(exporter) = &exporter {
-        exporter.planned(ours_units.len(), units_skipped);
+        exporter.planned(rt, ours_units.len(), units_skipped);
     }
     info!(
         units = plan.units.len(), shards = plan.shards, ours = ours_units.len(), committed = units_skipped, pending = pending.len(),

@@ -87,11 +87,18 @@ impl Exporter {
         }
     }
 
-    /// The run's units, once planned.
-    pub fn planned(&self, units: usize, committed_before: usize) {
-        let mut s = self.state.lock().expect("not poisoned");
-        s.units = units;
-        s.units_committed = committed_before;
+    /// The run's units, once planned: the first report (the run goes on, nothing done yet).
+    pub fn planned(&self, rt: &tokio::runtime::Runtime, units: usize, committed_before: usize) {
+        {
+            let mut s = self.state.lock().expect("not poisoned");
+            s.units = units;
+            s.units_committed = committed_before;
+        }
+        let text = self.render();
+        self.write_textfile(&text);
+        if let Some(push) = self.push(text) {
+            rt.spawn(push);
+        }
     }
 
     /// The rows done so far and the units committed (before this run and by it); written out, and pushed in the
@@ -201,8 +208,8 @@ mod tests {
         let path = dir.join("job.prom");
         std::fs::write(&path, "nightshift_last_success_timestamp_seconds{job=\"a\",shard=\"all\"} 1700000000.5\n").unwrap();
         let e = Exporter::new(Targets { textfile: Some(path.clone()), pushgateway: None }, "nightly \"tickets\"", "all");
-        e.planned(4, 1);
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        e.planned(&rt, 4, 1);
         e.finish(&rt, 75);
         let text = std::fs::read_to_string(&path).unwrap();
         assert!(text.contains("nightshift_units{job=\"nightly \\\"tickets\\\"\",shard=\"all\"} 4"), "{text}");
