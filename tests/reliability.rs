@@ -950,3 +950,102 @@ fn prometheus_textfile_and_pushgateway_follow_the_run() {
     assert_eq!(sample(&pushed, "nightshift_exit_code", &grouped), Some(3.0));
     assert_eq!(sample(&pushed, "nightshift_last_success_timestamp_seconds", &grouped), Some(success));
 }
+
+#[test]
+fn a_model_in_object_storage_is_fetched_once_into_the_cache() {
+    let world = World::new("model-from-s3", Store::S3).with_proxy();
+    let bytes = std::fs::read(&world.model).unwrap();
+    OutputStore::s3(world.moto.as_ref().unwrap(), "nightly", "models").put("tiny.gguf", bytes.clone());
+    let size = bytes.len() as u64;
+    let proxy = world.proxy.as_ref().unwrap();
+    let job_for = |name: &str, cache: &Path, extra_model: &str| {
+        let job = world.job(name, &format!("model_cache = {:?}", cache.to_str().unwrap()));
+        let text = std::fs::read_to_string(&job).unwrap();
+        let text = text.replace(&format!("path = {:?}", world.model.to_string_lossy()), &format!("path = \"s3://nightly/models/tiny.gguf\"{extra_model}"));
+        std::fs::write(&job, text).unwrap();
+        job
+    };
+    let cache = world.dir.join("cache");
+    let job = job_for("remote", &cache, "");
+    let validate = |job: &Path| finish(world.command_for("validate", job).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
+
+    // The first use fetches the model; the next ones read no weight bytes from the store.
+    let before = proxy.bytes_down();
+    validate(&job).assert_ok();
+    let first = proxy.bytes_down() - before;
+    let before = proxy.bytes_down();
+    validate(&job).assert_ok();
+    let overhead = proxy.bytes_down() - before;
+    eprintln!("validate read {first} bytes from the store, then {overhead} with the model cached (the model is {size})");
+    // The input and the output's state are read through the same proxy both times; the model only the first time.
+    assert!(first >= size + overhead && overhead < size, "{first} then {overhead} bytes");
+    // A run reads the model from the cache too, and writes what a local model gives.
+    world.run(&job).assert_ok();
+    let (reference, _) = world.reference();
+    assert_complete_and_equal(&world.output("remote"), &reference);
+
+    // Four processes at once on an empty cache fetch it once.
+    let shared = world.dir.join("cache-shared");
+    let job4 = job_for("remote4", &shared, "");
+    let before = proxy.bytes_down();
+    let children: Vec<Child> = (0..4).map(|_| world.command_for("validate", &job4).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()).collect();
+    for child in children {
+        finish(child).assert_ok();
+    }
+    // Each reads the input and the output's state (`overhead` bytes, as above); the model is read once in all.
+    let fetched = proxy.bytes_down() - before - 4 * overhead;
+    assert!((size..2 * size).contains(&fetched), "four processes read {fetched} bytes of a {size}-byte model");
+
+    // A damaged cache entry is found and fetched again.
+    let cached = std::fs::read_dir(shared.join("models")).unwrap().next().unwrap().unwrap().path().join("files/tiny.gguf");
+    let mut damaged = std::fs::read(&cached).unwrap();
+    let middle = damaged.len() / 2;
+    damaged[middle] ^= 0xff;
+    std::fs::write(&cached, damaged).unwrap();
+    let before = proxy.bytes_down();
+    let run = validate(&job4);
+    run.assert_ok();
+    assert!(proxy.bytes_down() - before >= size + overhead, "the damaged file was fetched again");
+    assert_eq!(std::fs::read(&cached).unwrap(), bytes);
+
+    // A download killed half-way resumes: the ranges listed as done are not read again. (Made from the cached file:
+    // the second half of it zeroed and not listed.)
+    let chunk = 8192u64;
+    let meta: serde_json::Value = serde_json::from_slice(&std::fs::read(format!("{}.meta.json", cached.display())).unwrap()).unwrap();
+    let e_tag: Option<String> = meta["e_tag"].as_str().map(String::from);
+    let chunks = size.div_ceil(chunk);
+    let mut partial = bytes.clone();
+    partial[(chunks / 2 * chunk) as usize..].fill(0);
+    std::fs::write(format!("{}.partial", cached.display()), &partial).unwrap();
+    let done: Vec<String> = (0..chunks / 2).map(|c| c.to_string()).collect();
+    std::fs::write(format!("{}.partial.done", cached.display()), format!("{:?} {size}\n{}\n", e_tag, done.join("\n"))).unwrap();
+    std::fs::remove_file(&cached).unwrap();
+    std::fs::remove_file(format!("{}.meta.json", cached.display())).unwrap();
+    let before = proxy.bytes_down();
+    let child = world.command_for("validate", &job4).env("NIGHTSHIFT_FETCH_CHUNK_BYTES", chunk.to_string()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    finish(child).assert_ok();
+    let read = proxy.bytes_down() - before - overhead;
+    let rest = size - chunks / 2 * chunk;
+    assert!((rest..rest + size / 4).contains(&read), "resuming read {read} bytes; {rest} were missing");
+    assert_eq!(std::fs::read(&cached).unwrap(), bytes);
+
+    // A Hugging Face directory under a prefix.
+    let hf = world.dir.join("hf");
+    write_tiny_hf_model(&hf, HfVariant::SmolLm);
+    let store = OutputStore::s3(world.moto.as_ref().unwrap(), "nightly", "models/hf");
+    for entry in std::fs::read_dir(&hf).unwrap() {
+        let path = entry.unwrap().path();
+        store.put(path.file_name().unwrap().to_str().unwrap(), std::fs::read(&path).unwrap());
+    }
+    let hf_job = job_for("remote-hf", &cache, "");
+    std::fs::write(&hf_job, std::fs::read_to_string(&hf_job).unwrap().replace("s3://nightly/models/tiny.gguf", "s3://nightly/models/hf/")).unwrap();
+    let run = validate(&hf_job);
+    run.assert_ok();
+    assert!(run.stdout.contains("llama"), "{}", run.stdout);
+
+    // A model whose sha256 is not the job's: exit 4.
+    let wrong = job_for("remote-wrong", &cache, &format!("\nsha256 = \"{}\"", "0".repeat(64)));
+    let run = validate(&wrong);
+    assert_eq!(run.code, 4, "{}", run.stderr);
+    assert!(run.stderr.contains("sha256"), "{}", run.stderr);
+}

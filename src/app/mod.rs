@@ -100,6 +100,17 @@ pub struct RunReport {
     pub sample: Vec<Outcome>,
 }
 
+/// A job whose `model.path` is an object store URL reads the model from the local cache, fetching it first.
+fn local_model(job: &mut Job, rt: &tokio::runtime::Runtime) -> Result<(), Error> {
+    if crate::source::model::is_remote(&job.model.path) {
+        let url = job.model.path.to_string_lossy().into_owned();
+        let cache = job.runtime.model_cache.clone().unwrap_or_else(crate::job::default_model_cache);
+        job.model.path = rt.block_on(crate::source::model::fetch(&url, &cache))?;
+        info!(url = %crate::error::redact_urls(&url), path = %job.model.path.display(), "model from the local cache");
+    }
+    Ok(())
+}
+
 fn runtime() -> Result<tokio::runtime::Runtime, Error> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -166,7 +177,7 @@ fn fingerprint(job: &Job, model_sha256: &str, template: Option<&str>, input: &In
 /// a time; the output finalized when every unit is in.
 pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let started = Instant::now();
-    let job = Job::load(&options.job, &options.overrides)?;
+    let mut job = Job::load(&options.job, &options.overrides)?;
     let assignment = shard::resolve(options.shard.as_ref(), job.output.shards, |name| std::env::var(name).ok())?;
     let _span = info_span!("job", file = %job.file.display(), shard = %assignment).entered();
     if let Assignment::One { from, .. } = &assignment {
@@ -176,6 +187,7 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
         limit_threads(threads);
     }
     let rt = runtime()?;
+    local_model(&mut job, &rt)?;
     let exporter = options.prometheus.any().then(|| {
         let name = job.file.file_stem().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let shard = match &assignment {

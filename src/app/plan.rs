@@ -73,7 +73,7 @@ struct Tokenized {
 /// `nightshift plan`: tokenizes every row (in parallel), reports the lengths, the schedule the engine would make
 /// and its KV cache fit, and times a short calibration run on the job's first rows. Writes nothing anywhere.
 pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize) -> Result<JobPlanReport, Error> {
-    let job = Job::load(job_path, overrides)?;
+    let mut job = Job::load(job_path, overrides)?;
     if job.kind != JobKind::Generate {
         return Err(Error::Job(crate::job::JobError::Invalid {
             path: job.file.clone(),
@@ -85,6 +85,7 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
         limit_threads(threads);
     }
     let rt = runtime()?;
+    super::local_model(&mut job, &rt)?;
     let input = rt.block_on(Input::open(&job.input))?;
     let device = crate::engine::select_device(&job.runtime.device)?;
     let load::Loaded { mut engine, prepare, weights_bytes, weights_layout, decoder, .. } = load::load(&job, &device)?;

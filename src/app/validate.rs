@@ -25,8 +25,9 @@ pub struct ValidateReport {
 /// job's parameters against it (as a run does, [`check_model`]), and whether the output holds this job's plan (or a
 /// different job's).
 pub fn validate(job_path: &Path, overrides: &Overrides) -> Result<ValidateReport, Error> {
-    let job = Job::load(job_path, overrides)?;
+    let mut job = Job::load(job_path, overrides)?;
     let rt = runtime()?;
+    super::local_model(&mut job, &rt)?;
     let input = rt.block_on(Input::open(&job.input))?;
     let output = Output::resolve(&job.output.url)?;
     let check = check_model(&job)?;

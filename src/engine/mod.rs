@@ -48,6 +48,9 @@ pub enum ModelError {
     File { path: PathBuf, message: String },
     #[error("`{path}` is not a regular file or directory: a model is read from files")]
     NotAFile { path: PathBuf },
+    /// A model in object storage that cannot be fetched into the local cache.
+    #[error("cannot fetch the model `{url}`: {message}")]
+    Fetch { url: String, message: String },
     #[error("model file `{path}` has sha256 {actual}, but the job expects {expected}")]
     Checksum { path: PathBuf, expected: String, actual: String },
     #[error("device `{0}` is not available: this nightshift was built without CUDA support")]

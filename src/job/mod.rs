@@ -17,7 +17,7 @@ pub use generation::{
     set_row_param, GenerationParams, ParamType, ParamValue, Parameter, RowParams, Stored, StoredAs, MAX_LOGPROBS, MAX_N,
     MAX_NEW_TOKENS_LIMIT, PARAMETERS, ROW_PARAMETERS,
 };
-pub use runtime::{CpuWeights, DeviceChoice, KvCacheDtype, MemoryBudget, RuntimeSpec};
+pub use runtime::{default_model_cache, CpuWeights, DeviceChoice, KvCacheDtype, MemoryBudget, RuntimeSpec};
 
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {

@@ -16,6 +16,7 @@ pub(super) struct RuntimeSection {
     cpu_weights: Option<String>,
     kv_cache_dtype: Option<String>,
     prefix_cache: Option<bool>,
+    model_cache: Option<std::path::PathBuf>,
 }
 
 /// A size in a job file: bytes as an integer, or a string such as `"4GiB"`, `"512MB"` or `"40%"`.
@@ -133,6 +134,17 @@ pub struct RuntimeSpec {
     pub kv_cache_dtype: KvCacheDtype,
     /// Whether a decoder keeps prefilled KV blocks and serves them to later prompts with the same beginning.
     pub prefix_cache: bool,
+    /// Where models fetched from object storage are kept (`runtime.model_cache`); `None`: the default,
+    /// [`default_model_cache`].
+    pub model_cache: Option<std::path::PathBuf>,
+}
+
+/// `$XDG_CACHE_HOME/nightshift`, or `~/.cache/nightshift`.
+pub fn default_model_cache() -> std::path::PathBuf {
+    let base = std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()).map(std::path::PathBuf::from).unwrap_or_else(|| {
+        std::env::var_os("HOME").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir).join(".cache")
+    });
+    base.join("nightshift")
 }
 
 /// How much memory a job may use for something.
@@ -200,6 +212,7 @@ impl Default for RuntimeSpec {
             cpu_weights: CpuWeights::default(),
             kv_cache_dtype: KvCacheDtype::default(),
             prefix_cache: true,
+            model_cache: None,
         }
     }
 }
@@ -249,6 +262,7 @@ impl RuntimeSpec {
                 Some(t) => KvCacheDtype::parse(t).map_err(|m| invalid("runtime.kv_cache_dtype", m))?,
             },
             prefix_cache: r.prefix_cache.unwrap_or(defaults.prefix_cache),
+            model_cache: r.model_cache.clone(),
         })
     }
 }

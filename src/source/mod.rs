@@ -5,6 +5,7 @@
 //! row group at a time into batches of [`SourceRow`]s sent through a bounded channel, so memory is bounded by a
 //! row group and the channel depth, not by the dataset.
 
+pub mod model;
 pub mod store;
 
 use std::ops::Range;

@@ -70,6 +70,28 @@ pub struct Proxy {
     stop: Arc<std::sync::atomic::AtomicBool>,
     fault: Arc<std::sync::atomic::AtomicU8>,
     state: Arc<FaultState>,
+    /// Bytes passed from the server to clients (outside faults).
+    down: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// A stream that counts the bytes written through it.
+struct Counted {
+    to: std::net::TcpStream,
+    counter: Option<Arc<std::sync::atomic::AtomicU64>>,
+}
+
+impl std::io::Write for Counted {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.to.write(buf)?;
+        if let Some(c) = &self.counter {
+            c.fetch_add(n as u64, std::sync::atomic::Ordering::SeqCst);
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.to.flush()
+    }
 }
 
 /// How the proxy treats requests while it is up. Under a fault every request gets a connection of its own
@@ -177,6 +199,8 @@ impl Proxy {
         let (up2, stop2, fault2) = (up.clone(), stop.clone(), fault.clone());
         let state = Arc::new(FaultState::default());
         let state2 = state.clone();
+        let down = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let down2 = down.clone();
         std::thread::spawn(move || {
             let state = state2;
             let mut listener = Some(listener);
@@ -211,10 +235,12 @@ impl Proxy {
                         let mut guard = open.lock().unwrap();
                         guard.push(client.try_clone().unwrap());
                         guard.push(server.try_clone().unwrap());
-                        for (mut from, mut to) in [(client.try_clone().unwrap(), server.try_clone().unwrap()), (server, client)] {
+                        let pairs = [(client.try_clone().unwrap(), server.try_clone().unwrap(), None), (server, client, Some(down2.clone()))];
+                        for (mut from, to, counter) in pairs {
                             std::thread::spawn(move || {
-                                let _ = std::io::copy(&mut from, &mut to);
-                                let _ = to.shutdown(std::net::Shutdown::Write);
+                                let mut counted = Counted { to, counter };
+                                let _ = std::io::copy(&mut from, &mut counted);
+                                let _ = counted.to.shutdown(std::net::Shutdown::Write);
                             });
                         }
                     }
@@ -223,7 +249,7 @@ impl Proxy {
                 }
             }
         });
-        Proxy { port, up, stop, fault, state }
+        Proxy { port, up, stop, fault, state, down }
     }
 
     pub fn set_up(&self, up: bool) {
@@ -232,6 +258,11 @@ impl Proxy {
 
     /// Puts `fault` in force for the requests that follow. Connections already open are cut (as a blip in the
     /// store would), so that clients reconnect and meet it.
+    /// Bytes the server sent to clients so far (outside faults).
+    pub fn bytes_down(&self) -> u64 {
+        self.down.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// Requests served under a fault so far.
     pub fn requests_under_fault(&self) -> usize {
         self.state.requests.load(std::sync::atomic::Ordering::SeqCst)

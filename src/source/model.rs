@@ -1,0 +1,172 @@
+//! Models from object storage: `model.path` as an `s3://`, `gs://` or `az://` URL of a GGUF file, or of a Hugging
+//! Face directory (a prefix ending in `/`), fetched once into a local cache (`runtime.model_cache`) and read from
+//! there.
+//!
+//! A cache entry is keyed by the URL; each file in it is kept with the e_tag, size and sha256 it was fetched with
+//! (`<file>.meta.json`). A file is fetched in 16 MiB ranges, 8 at a time, into `<file>.partial`, with the ranges
+//! done listed beside it, so a killed download resumes where it stopped (while the object's e_tag is the same). A
+//! file whose bytes no longer hash to its sha256 (a corrupt cache) is fetched again. Processes on one machine (the
+//! shards of a job, several pods on a node) take the entry's lock in turn, so one fetches and the others find it
+//! fetched.
+
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use futures::{StreamExt, TryStreamExt};
+use object_store::{ObjectMeta, ObjectStoreExt};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tracing::info;
+
+use super::store;
+use crate::engine::ModelError;
+
+const CHUNK: u64 = 16 << 20;
+const PARALLEL: usize = 8;
+
+/// The range size: [`CHUNK`], or `NIGHTSHIFT_FETCH_CHUNK_BYTES` (for tests of resuming with small files).
+fn chunk_bytes() -> u64 {
+    std::env::var("NIGHTSHIFT_FETCH_CHUNK_BYTES").ok().and_then(|v| v.parse().ok()).filter(|&n: &u64| n > 0).unwrap_or(CHUNK)
+}
+
+/// Whether a `model.path` names an object store rather than a local path.
+pub fn is_remote(path: &Path) -> bool {
+    let s = path.to_string_lossy();
+    ["s3://", "gs://", "az://", "abfs://", "abfss://"].iter().any(|scheme| s.starts_with(scheme))
+}
+
+/// What a cached file was fetched as.
+#[derive(Serialize, Deserialize, PartialEq, Debug)]
+struct Meta {
+    e_tag: Option<String>,
+    size: u64,
+    sha256: String,
+}
+
+fn fetch_err(url: &str, message: impl std::fmt::Display) -> ModelError {
+    ModelError::Fetch { url: crate::error::redact_urls(url).into_owned(), message: message.to_string() }
+}
+
+fn sha256_of(path: &Path) -> std::io::Result<String> {
+    let mut file = std::fs::File::open(path)?;
+    let mut hasher = Sha256::new();
+    std::io::copy(&mut file, &mut hasher)?;
+    Ok(format!("{:x}", hasher.finalize()))
+}
+
+/// Fetches the model at `url` into `cache` (unless it is there already) and returns its local path: the file, or
+/// the directory holding a prefix's files.
+pub async fn fetch(url: &str, cache: &Path) -> Result<PathBuf, ModelError> {
+    let location = store::resolve(url).map_err(|e| fetch_err(url, e))?;
+    let prefix = url.ends_with('/');
+    // The objects: one file, or every file under the prefix (hidden names skipped).
+    let objects: Vec<(String, ObjectMeta)> = if prefix {
+        let listed: Vec<ObjectMeta> = location.store.list(Some(&location.path)).try_collect().await.map_err(|e| fetch_err(url, e))?;
+        let mut objects: Vec<(String, ObjectMeta)> = listed
+            .into_iter()
+            .filter_map(|m| {
+                let parts: Vec<String> = m.location.prefix_match(&location.path)?.map(|p| p.as_ref().to_string()).collect();
+                (!parts.is_empty() && !parts.iter().any(|p| p.starts_with(['.', '_']))).then(|| (parts.join("/"), m))
+            })
+            .collect();
+        objects.sort_by(|a, b| a.0.cmp(&b.0));
+        if objects.is_empty() {
+            return Err(fetch_err(url, "no files under this prefix"));
+        }
+        objects
+    } else {
+        let meta = location.store.head(&location.path).await.map_err(|e| fetch_err(url, e))?;
+        let name = location.path.filename().unwrap_or("model").to_string();
+        vec![(name, meta)]
+    };
+    let key = format!("{:x}", Sha256::digest(url.as_bytes()));
+    let entry = cache.join("models").join(&key[..32]);
+    let files = entry.join("files");
+    std::fs::create_dir_all(&files).map_err(|e| fetch_err(url, format!("cannot create the model cache `{}`: {e}", files.display())))?;
+    // One process at a time per entry: the others wait, then find the files fetched.
+    let lock = std::fs::File::create(entry.join(".lock")).map_err(|e| fetch_err(url, e))?;
+    let locked = tokio::task::spawn_blocking(move || lock.lock().map(|()| lock)).await.map_err(|e| fetch_err(url, e))?;
+    let _lock = locked.map_err(|e| fetch_err(url, format!("cannot lock the model cache: {e}")))?;
+    for (relative, meta) in &objects {
+        let dest = files.join(relative);
+        if let Some(parent) = dest.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| fetch_err(url, e))?;
+        }
+        fetch_file(&location, meta, &dest, url).await?;
+    }
+    Ok(if prefix { files } else { files.join(&objects[0].0) })
+}
+
+/// Fetches one object into `dest`, unless `dest` holds it already, whole.
+async fn fetch_file(location: &store::Location, object: &ObjectMeta, dest: &Path, url: &str) -> Result<(), ModelError> {
+    let meta_path = PathBuf::from(format!("{}.meta.json", dest.display()));
+    let wanted = |m: &Meta| m.e_tag == object.e_tag && m.size == object.size;
+    if let Some(meta) = std::fs::read(&meta_path).ok().and_then(|b| serde_json::from_slice::<Meta>(&b).ok()).filter(wanted) {
+        let path = dest.to_path_buf();
+        let sha = tokio::task::spawn_blocking(move || sha256_of(&path)).await.map_err(|e| fetch_err(url, e))?;
+        if sha.as_deref().ok() == Some(meta.sha256.as_str()) {
+            info!(file = %dest.display(), "model file in the cache");
+            return Ok(());
+        }
+        tracing::warn!(file = %dest.display(), "a cached model file does not match its sha256: fetched again");
+        let _ = std::fs::remove_file(dest);
+    }
+    let _ = std::fs::remove_file(&meta_path);
+    // Resume a partial download of the same object (its e_tag and size written first), or start one.
+    let partial = PathBuf::from(format!("{}.partial", dest.display()));
+    let done_path = PathBuf::from(format!("{}.partial.done", dest.display()));
+    let stamp = format!("{:?} {}", object.e_tag, object.size);
+    let done_text = std::fs::read_to_string(&done_path).unwrap_or_default();
+    let resumable = partial.exists() && done_text.lines().next() == Some(stamp.as_str());
+    let done: std::collections::HashSet<u64> = if resumable { done_text.lines().skip(1).filter_map(|l| l.parse().ok()).collect() } else { Default::default() };
+    if !resumable {
+        std::fs::write(&done_path, format!("{stamp}\n")).map_err(|e| fetch_err(url, e))?;
+    }
+    let file = std::fs::OpenOptions::new().create(true).write(true).truncate(false).open(&partial).map_err(|e| fetch_err(url, e))?;
+    file.set_len(object.size).map_err(|e| fetch_err(url, e))?;
+    let log = std::sync::Mutex::new(std::fs::OpenOptions::new().append(true).open(&done_path).map_err(|e| fetch_err(url, e))?);
+    let chunk_size = chunk_bytes();
+    let chunks: Vec<u64> = (0..object.size.div_ceil(chunk_size)).filter(|c| !done.contains(c)).collect();
+    info!(file = %dest.display(), bytes = object.size, resumed_ranges = done.len(), "fetching a model file");
+    let bar = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        let bar = indicatif::ProgressBar::new(object.size);
+        if let Ok(style) = indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}") {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar.set_message(dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
+        bar.set_position((done.len() as u64 * chunk_size).min(object.size));
+        bar
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    futures::stream::iter(chunks)
+        .map(|chunk| {
+            let (file, log, bar) = (&file, &log, &bar);
+            async move {
+                let start = chunk * chunk_size;
+                let end = (start + chunk_size).min(object.size);
+                let bytes = location.store.get_range(&object.location, start..end).await.map_err(|e| fetch_err(url, e))?;
+                if bytes.len() as u64 != end - start {
+                    return Err(fetch_err(url, format!("a read of bytes {start}..{end} returned {} bytes", bytes.len())));
+                }
+                file.write_all_at(&bytes, start).map_err(|e| fetch_err(url, e))?;
+                writeln!(log.lock().expect("not poisoned"), "{chunk}").map_err(|e| fetch_err(url, e))?;
+                bar.inc(end - start);
+                Ok::<_, ModelError>(())
+            }
+        })
+        .buffer_unordered(PARALLEL)
+        .try_collect::<Vec<()>>()
+        .await?;
+    bar.finish_and_clear();
+    file.sync_all().map_err(|e| fetch_err(url, e))?;
+    drop(file);
+    let path = partial.clone();
+    let sha256 = tokio::task::spawn_blocking(move || sha256_of(&path)).await.map_err(|e| fetch_err(url, e))?.map_err(|e| fetch_err(url, e))?;
+    std::fs::rename(&partial, dest).map_err(|e| fetch_err(url, e))?;
+    let meta = Meta { e_tag: object.e_tag.clone(), size: object.size, sha256 };
+    std::fs::write(&meta_path, serde_json::to_vec(&meta).expect("plain data")).map_err(|e| fetch_err(url, e))?;
+    let _ = std::fs::remove_file(&done_path);
+    Ok(())
+}
