@@ -1018,7 +1018,7 @@ fn a_model_in_object_storage_is_fetched_once_into_the_cache() {
     partial[(chunks / 2 * chunk) as usize..].fill(0);
     std::fs::write(format!("{}.partial", cached.display()), &partial).unwrap();
     let done: Vec<String> = (0..chunks / 2).map(|c| c.to_string()).collect();
-    std::fs::write(format!("{}.partial.done", cached.display()), format!("{:?} {size}\n{}\n", e_tag, done.join("\n"))).unwrap();
+    std::fs::write(format!("{}.partial.done", cached.display()), format!("{:?} {size} {chunk}\n{}\n", e_tag, done.join("\n"))).unwrap();
     std::fs::remove_file(&cached).unwrap();
     std::fs::remove_file(format!("{}.meta.json", cached.display())).unwrap();
     let before = proxy.bytes_down();

@@ -116,7 +116,9 @@ async fn fetch_file(location: &store::Location, object: &ObjectMeta, dest: &Path
     // Resume a partial download of the same object (its e_tag and size written first), or start one.
     let partial = PathBuf::from(format!("{}.partial", dest.display()));
     let done_path = PathBuf::from(format!("{}.partial.done", dest.display()));
-    let stamp = format!("{:?} {}", object.e_tag, object.size);
+    let chunk_size = chunk_bytes();
+    // The ranges listed are of this object and this range size; anything else starts over.
+    let stamp = format!("{:?} {} {chunk_size}", object.e_tag, object.size);
     let done_text = std::fs::read_to_string(&done_path).unwrap_or_default();
     let resumable = partial.exists() && done_text.lines().next() == Some(stamp.as_str());
     let done: std::collections::HashSet<u64> = if resumable { done_text.lines().skip(1).filter_map(|l| l.parse().ok()).collect() } else { Default::default() };
@@ -126,7 +128,6 @@ async fn fetch_file(location: &store::Location, object: &ObjectMeta, dest: &Path
     let file = std::fs::OpenOptions::new().create(true).write(true).truncate(false).open(&partial).map_err(|e| fetch_err(url, e))?;
     file.set_len(object.size).map_err(|e| fetch_err(url, e))?;
     let log = std::sync::Mutex::new(std::fs::OpenOptions::new().append(true).open(&done_path).map_err(|e| fetch_err(url, e))?);
-    let chunk_size = chunk_bytes();
     let chunks: Vec<u64> = (0..object.size.div_ceil(chunk_size)).filter(|c| !done.contains(c)).collect();
     info!(file = %dest.display(), bytes = object.size, resumed_ranges = done.len(), "fetching a model file");
     let bar = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
@@ -151,6 +152,8 @@ async fn fetch_file(location: &store::Location, object: &ObjectMeta, dest: &Path
                     return Err(fetch_err(url, format!("a read of bytes {start}..{end} returned {} bytes", bytes.len())));
                 }
                 file.write_all_at(&bytes, start).map_err(|e| fetch_err(url, e))?;
+                // On disk before it is listed as done: a resume after a crash never trusts bytes that were lost.
+                file.sync_data().map_err(|e| fetch_err(url, e))?;
                 writeln!(log.lock().expect("not poisoned"), "{chunk}").map_err(|e| fetch_err(url, e))?;
                 bar.inc(end - start);
                 Ok::<_, ModelError>(())
