@@ -8,7 +8,8 @@ scripts/fetch-models.sh
 python3 -m pip install --quiet --disable-pip-version-check 'moto[server]>=5.1,<6' 'jsonschema>=4.18,<5' 'prometheus-client>=0.20,<1'
 # Debian's Pushgateway, which the Prometheus tests start on 127.0.0.1.
 if ! command -v prometheus-pushgateway >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus-pushgateway >/dev/null
+    sudo=$([ "$(id -u)" = 0 ] || echo sudo)
+    $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus-pushgateway >/dev/null
 fi
 python3 -c 'import moto.server' # fail here, clearly, if moto cannot be imported
 

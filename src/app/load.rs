@@ -1,8 +1,6 @@
 //! The job's model: checked without loading weights (the same checks for `validate` and `run`), then loaded into
 //! the engine its kind runs on, with the preprocessor that turns its rows into requests.
 
-use std::io::Read;
-use std::path::Path;
 
 use sha2::{Digest, Sha256};
 use tracing::{info, warn};
@@ -14,6 +12,7 @@ use crate::engine::seq2seq::{Seq2SeqEngine, MAX_SOURCE_TOKENS};
 use crate::engine::{self, BatchConfig, DecoderSetup, Engine, ModelError, StopRules};
 use crate::error::Error;
 use crate::job::{Job, JobError, JobKind};
+pub use crate::source::model::sha256_file;
 use crate::sink::ResultsLayout;
 use crate::tokenize::{EncoderPreprocessor, Prepare, Preprocessor, TokenizerError};
 
@@ -79,25 +78,6 @@ fn check_generation(job: &Job, info: &ModelInfo, tokenizer: &tokenizers::Tokeniz
             .map_err(|e| invalid(("generation.json_schema", format!("cannot be used: {e}"))))?;
     }
     Ok(())
-}
-
-/// sha256 of a file, lower-case hex.
-pub fn sha256_file(path: &Path) -> Result<String, ModelError> {
-    let open = |source| ModelError::Open { path: path.into(), source };
-    if !std::fs::metadata(path).map_err(open)?.is_file() {
-        return Err(ModelError::NotAFile { path: path.into() });
-    }
-    let mut file = std::fs::File::open(path).map_err(open)?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = file.read(&mut buf).map_err(open)?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-    }
-    Ok(format!("{:x}", hasher.finalize()))
 }
 
 fn check_model_file(job: &Job) -> Result<String, ModelError> {

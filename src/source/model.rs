@@ -48,10 +48,22 @@ fn fetch_err(url: &str, message: impl std::fmt::Display) -> ModelError {
     ModelError::Fetch { url: crate::error::redact_urls(url).into_owned(), message: message.to_string() }
 }
 
-fn sha256_of(path: &Path) -> std::io::Result<String> {
-    let mut file = std::fs::File::open(path)?;
+/// Opens a model file for reading, refusing a path that is not a regular file (a device or a pipe, such as
+/// `/dev/zero`, would be read forever).
+pub fn open_regular(path: &Path) -> Result<std::fs::File, ModelError> {
+    let open = |source| ModelError::Open { path: path.into(), source };
+    if !std::fs::metadata(path).map_err(open)?.is_file() {
+        return Err(ModelError::NotAFile { path: path.into() });
+    }
+    std::fs::File::open(path).map_err(open)
+}
+
+/// sha256 of a model file, lower-case hex ([`open_regular`]).
+pub fn sha256_file(path: &Path) -> Result<String, ModelError> {
+    let open = |source| ModelError::Open { path: path.into(), source };
+    let mut file = open_regular(path)?;
     let mut hasher = Sha256::new();
-    std::io::copy(&mut file, &mut hasher)?;
+    std::io::copy(&mut file, &mut hasher).map_err(open)?;
     Ok(format!("{:x}", hasher.finalize()))
 }
 
@@ -104,7 +116,7 @@ async fn fetch_file(location: &store::Location, object: &ObjectMeta, dest: &Path
     let wanted = |m: &Meta| m.e_tag == object.e_tag && m.size == object.size;
     if let Some(meta) = std::fs::read(&meta_path).ok().and_then(|b| serde_json::from_slice::<Meta>(&b).ok()).filter(wanted) {
         let path = dest.to_path_buf();
-        let sha = tokio::task::spawn_blocking(move || sha256_of(&path)).await.map_err(|e| fetch_err(url, e))?;
+        let sha = tokio::task::spawn_blocking(move || sha256_file(&path)).await.map_err(|e| fetch_err(url, e))?;
         if sha.as_deref().ok() == Some(meta.sha256.as_str()) {
             info!(file = %dest.display(), "model file in the cache");
             return Ok(());
@@ -166,7 +178,7 @@ async fn fetch_file(location: &store::Location, object: &ObjectMeta, dest: &Path
     file.sync_all().map_err(|e| fetch_err(url, e))?;
     drop(file);
     let path = partial.clone();
-    let sha256 = tokio::task::spawn_blocking(move || sha256_of(&path)).await.map_err(|e| fetch_err(url, e))?.map_err(|e| fetch_err(url, e))?;
+    let sha256 = tokio::task::spawn_blocking(move || sha256_file(&path)).await.map_err(|e| fetch_err(url, e))??;
     std::fs::rename(&partial, dest).map_err(|e| fetch_err(url, e))?;
     let meta = Meta { e_tag: object.e_tag.clone(), size: object.size, sha256 };
     std::fs::write(&meta_path, serde_json::to_vec(&meta).expect("plain data")).map_err(|e| fetch_err(url, e))?;

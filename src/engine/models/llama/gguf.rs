@@ -52,11 +52,7 @@ fn meta_strings(content: &Content, key: &str) -> Result<Vec<String>, ModelError>
 
 fn read_content(path: &Path) -> Result<(File, Content), ModelError> {
     let open = |source| ModelError::Open { path: path.into(), source };
-    // A device or a pipe (`/dev/zero`) would be read forever.
-    if !std::fs::metadata(path).map_err(open)?.is_file() {
-        return Err(ModelError::NotAFile { path: path.into() });
-    }
-    let mut file = File::open(path).map_err(open)?;
+    let mut file = crate::source::model::open_regular(path)?;
     let content = Content::read(&mut file).map_err(|e| ModelError::Format { path: path.into(), message: crate::engine::first_line(&e) })?;
     let length = file.metadata().map_err(open)?.len();
     check_layout(&content, length).map_err(|message| ModelError::Format { path: path.into(), message })?;
