@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it: fetches the models, installs the S3 test server (moto), runs every test.
+# The whole test suite, as CI runs it: fetches the models, installs the S3 test server (moto), the Pushgateway and
+# Chromium, runs every test.
 # The end-to-end tests start and stop their own moto server (and Pushgateway) on 127.0.0.1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/fetch-models.sh
 python3 -m pip install --quiet --disable-pip-version-check 'moto[server]>=5.1,<6' 'jsonschema>=4.18,<5' 'prometheus-client>=0.20,<1'
-# Debian's Pushgateway, which the Prometheus tests start on 127.0.0.1.
-if ! command -v prometheus-pushgateway >/dev/null; then
+# Debian's Pushgateway, which the Prometheus tests start on 127.0.0.1, and Chromium, which renders the job reports
+# headless.
+missing=()
+command -v prometheus-pushgateway >/dev/null || missing+=(prometheus-pushgateway)
+command -v chromium >/dev/null || missing+=(chromium)
+if [ "${#missing[@]}" -gt 0 ]; then
     sudo=$([ "$(id -u)" = 0 ] || echo sudo)
-    $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus-pushgateway >/dev/null
+    $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 python3 -c 'import moto.server' # fail here, clearly, if moto cannot be imported
 

@@ -1,6 +1,11 @@
 //! What the host machine has: memory probes read from Linux's `/proc` and cgroup files. Below every stage:
 //! the engine sizes its KV cache from them, the metrics report them.
 
+/// The wall clock: seconds since the Unix epoch (0 on a clock set before it).
+pub fn unix_s() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// The process's peak resident memory (`VmHWM`), on Linux.
 pub fn peak_rss_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;

@@ -36,6 +36,7 @@ pub mod job;
 pub mod metrics;
 pub mod outcome;
 pub mod plan;
+pub mod report;
 pub mod row;
 pub mod schedule;
 pub mod sink;

@@ -35,6 +35,7 @@ fn main() -> ExitCode {
         Command::Validate(args) => app::validate(&args.job, &args.overrides()).map(|r| cli::print_validate(&r)),
         Command::Plan(args) => app::plan_job(&args.job.job, &args.job.overrides(), args.calibration_rows).map(|r| cli::print_plan(&r, args.json)),
         Command::Status(args) => app::status(&args.output).map(|s| cli::print_status(&s, args.json)),
+        Command::Report(args) => app::report(&args.output).and_then(|html| cli::print_report(&html, args.to.as_deref())),
         Command::Finalize(args) => app::finalize(&args.output).map(|(f, url)| cli::print_finalize(&f, &url)),
         Command::Bench(cli::BenchCommand::Generate(args)) => {
             if let Some(threads) = args.threads {

@@ -100,6 +100,35 @@ fn sample_job_writes_sensible_summaries() {
     // Its KV cache holds f32, the dtype the CPU computes in (runtime.kv_cache_dtype = "auto").
     assert_eq!(read_metrics_text(&out)["kv_cache_dtype"], "f32");
     assert!(run.stderr.contains("kv_cache_dtype=\"f32\""), "{}", run.stderr);
+
+    // The job report, listed in the manifest, as Chromium lays it out: the job, its outcome and its figures agree
+    // with the results.
+    let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("_manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["report"], "_report.html");
+    assert!(run.stdout.contains("_report.html"), "the run says where the report is: {}", run.stdout);
+    let html = std::fs::read_to_string(out.join("_report.html")).unwrap();
+    let page = browser::render(&html, "sample-job");
+    page.assert_well_formed();
+    assert_eq!(page.probe["state"], "complete");
+    assert!(page.text().contains("summarise.toml") && page.text().contains("SmolLM2-135M-Instruct.Q4_1.gguf"), "the job and model are named");
+    assert!(page.text().contains("b179c9523d0e"), "the model's sha256");
+    assert_eq!((page.card("rows"), page.card("succeeded"), page.card("errored")), ("12", "12", "0"));
+    assert_eq!(page.card("output-tokens"), completion.to_string());
+    assert_eq!(page.marks("outcome"), 1, "one outcome bar: every row succeeded");
+    let reasons: std::collections::BTreeSet<&str> = rows.values().map(|r| r.finish_reason.as_str()).collect();
+    assert_eq!(page.marks("finish-reasons"), reasons.len() as u64, "a bar per finish reason: {reasons:?}");
+    for reason in &reasons {
+        assert!(page.section("outcome").contains(reason), "{reason}");
+    }
+    assert_eq!(page.marks("timeline"), 2, "one attempt: its start-up and its generation");
+    assert_eq!(page.marks("throughput"), 1);
+    for chart in ["prompt-lengths", "output-lengths", "ttft", "tpot"] {
+        assert!(page.marks(chart) >= 1, "{chart} has bars");
+    }
+    let longest = rows.values().map(|r| r.completion_tokens).max().unwrap();
+    assert!(page.chart("output-lengths")["caption"].as_str().unwrap().contains(&format!("max {longest}.")), "{}", page.chart("output-lengths")["caption"]);
+    assert_eq!(page.probe["tables"]["slowest-units"], 2, "a header and the one unit");
+    assert!(page.section("job").contains("max_new_tokens") && page.section("job").contains("48"), "the job's parameters");
 }
 
 /// The CPU kernels' levels compute the same bits (src/engine/kernels), so a job's results, log-probabilities

@@ -736,6 +736,26 @@ fn four_shards_in_parallel_on_s3_with_one_killed_and_rerun() {
     run.assert_ok();
     assert!(run.stdout.contains("incomplete") && run.stdout.contains("4 shard(s)"), "{}", run.stdout);
 
+    // The report of the incomplete output, as Chromium lays it out: incomplete, naming the missing units of shard
+    // 3, with a lane and a throughput line per attempt (shards 0 to 2 and the killed shard 3).
+    let report = world.dir.join("incomplete.html");
+    let run = world.tool(&["report", &world.output_url("sharded"), "--to", report.to_str().unwrap()]);
+    run.assert_ok();
+    assert!(run.stdout.contains("report: ") && run.stdout.contains("incomplete.html"), "{}", run.stdout);
+    let page = browser::render(&std::fs::read_to_string(&report).unwrap(), "sharded-incomplete");
+    page.assert_well_formed();
+    assert_eq!(page.probe["state"], "incomplete");
+    let committed = shard_of.len() - status["shards"][3]["missing_units"].as_array().unwrap().len();
+    assert!(page.text().contains(&format!("{committed} of {UNITS} units committed")), "{}", page.text());
+    assert!(page.section("throughput").contains("Not committed yet: shard 3: "), "{}", page.section("throughput"));
+    assert_eq!((page.marks("timeline"), page.marks("throughput")), (8, 4), "four attempts: a start-up and a run span each, a line each");
+    let run = world.tool(&["report", &world.output_url("sharded")]);
+    run.assert_ok();
+    assert!(run.stdout.starts_with("<!doctype html>") && run.stdout.contains(r#"data-state="incomplete""#), "without --to, the page goes to stdout");
+    let run = world.tool(&["report", &world.output_url("sharded"), "--to", "/nonexistent-dir/report.html"]);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.stderr.contains("cannot write the report to `/nonexistent-dir/report.html`"), "{}", run.stderr);
+
     // A process of another job, or with another shard count, is refused: it would mix results or split the plan
     // differently.
     let other = world.dir.join("other.toml");
@@ -752,6 +772,18 @@ fn four_shards_in_parallel_on_s3_with_one_killed_and_rerun() {
     run.assert_ok();
     assert!(run.stdout.contains("manifest:"), "the last shard finalizes: {}", run.stdout);
     assert_complete_and_equal(&output, &reference);
+
+    // Its report, written by finalize: complete, every row, and five attempts (shard 3 twice: killed, then rerun).
+    let html = String::from_utf8(output.get("_report.html").expect("finalize writes the report").to_vec()).unwrap();
+    let page = browser::render(&html, "sharded-complete");
+    page.assert_well_formed();
+    assert_eq!(page.probe["state"], "complete");
+    assert_eq!(page.card("rows"), "2,000");
+    assert_eq!(page.card("attempts"), "5");
+    assert_eq!((page.marks("timeline"), page.marks("throughput")), (10, 5));
+    assert_eq!(page.probe["tables"]["attempts"], 6, "a header and a row per attempt");
+    assert_eq!(page.section("memory").matches("shard 3 · ").count(), 2, "shard 3's two attempts: {}", page.section("memory"));
+    assert!(!page.text().contains("Not committed yet"));
 
     // Two finalizes at once on an output whose units are all committed but not finalized (the last shard killed
     // between its last commit and its finalize): both succeed and agree.

@@ -19,6 +19,8 @@ use crate::sink::{Commit, Output, RunMetadata};
 /// Figures of the run that every metrics row carries, beside the rows' own.
 pub struct RunFigures {
     pub started: Instant,
+    /// `started` as seconds since the Unix epoch.
+    pub started_unix_s: f64,
     pub model_load_s: f64,
     pub weights_bytes: u64,
     pub weights_layout: &'static str,
@@ -34,6 +36,7 @@ impl RunFigures {
         metrics.weights_layout = self.weights_layout;
         metrics.kv_cache_dtype = self.kv_cache_dtype;
         metrics.job_s = self.started.elapsed().as_secs_f64();
+        metrics.started_unix_s = self.started_unix_s;
         metrics
     }
 }

@@ -225,7 +225,8 @@ fn run_job(
     let loaded = load::load(job, &device)?;
     let model_load_s = load_started.elapsed().as_secs_f64();
     info!(path = %job.model.path.display(), weights_mib = loaded.weights_bytes >> 20, seconds = format!("{model_load_s:.2}"), "model loaded");
-    let figures = RunFigures { started, model_load_s, weights_bytes: loaded.weights_bytes as u64, weights_layout: loaded.weights_layout, kv_cache_dtype: loaded.kv_cache_dtype };
+    let started_unix_s = crate::host::unix_s() - started.elapsed().as_secs_f64();
+    let figures = RunFigures { started, started_unix_s, model_load_s, weights_bytes: loaded.weights_bytes as u64, weights_layout: loaded.weights_layout, kv_cache_dtype: loaded.kv_cache_dtype };
 
     // The plan: this job's fingerprint against the one stored at the output, if any.
     let ours = fingerprint(job, &loaded.check.sha256, loaded.check.template.as_deref(), &input);
@@ -524,6 +525,13 @@ pub fn status(url: &str) -> Result<sink::OutputStatus, Error> {
     let rt = runtime()?;
     let output = Output::resolve(url)?;
     Ok(rt.block_on(output.status())?)
+}
+
+/// `nightshift report`: the job report of an output, complete or not, as an HTML page.
+pub fn report(url: &str) -> Result<String, Error> {
+    let rt = runtime()?;
+    let output = Output::resolve(url)?;
+    Ok(crate::report::render(&rt.block_on(output.report_data(false))?))
 }
 
 /// `nightshift finalize`: completes an output whose units are all committed.

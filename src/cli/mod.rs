@@ -41,6 +41,11 @@ pub enum Command {
     /// Show an output's progress per shard: committed and missing units, rows done, throughput (from the metrics
     /// files). Reads only.
     Status(StatusArgs),
+    /// Render an output's job report, complete or not: one self-contained HTML page (inline SVG charts, no
+    /// scripts, nothing fetched) with the job, its outcome, throughput over time per shard and attempt, length and
+    /// latency distributions, KV cache and memory, and the slowest units. Reads only. (Finalize writes the same
+    /// page into every completed output as `_report.html`.)
+    Report(ReportArgs),
     /// Measure throughput on a synthetic workload (in-process, no object-store I/O).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -335,6 +340,15 @@ pub struct StatusArgs {
     /// Print the status as one JSON object.
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// The job's output URL or path.
+    pub output: String,
+    /// Write the page to this file instead of standard output.
+    #[arg(long)]
+    pub to: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

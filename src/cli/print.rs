@@ -242,6 +242,9 @@ fn print_manifest(m: &Manifest, manifest_url: &str) {
         m.prompt_tokens,
         m.completion_tokens
     );
+    if let (Some(report), Some(root)) = (&m.report, manifest_url.strip_suffix(crate::sink::MANIFEST_FILE)) {
+        println!("report: {}{report}", redact_urls(root));
+    }
 }
 
 pub fn print_run(report: &RunReport) {
@@ -461,4 +464,21 @@ mod tests {
         assert_eq!(unit_ranges(&[1, 3, 5, 7], 2), "u000001, u000003, ... (2 more ranges)");
         assert_eq!(unit_ranges(&[], 4), "");
     }
+}
+
+/// `nightshift report`: the page to standard output, or written to `to` (whole or not at all: a temporary file
+/// beside it, renamed) with one line saying where.
+pub fn print_report(html: &str, to: Option<&std::path::Path>) -> Result<(), crate::error::Error> {
+    use std::io::Write;
+    let Some(path) = to else {
+        let mut stdout = std::io::stdout().lock();
+        return stdout.write_all(html.as_bytes()).and_then(|()| stdout.flush()).map_err(|e| crate::error::Error::Internal(format!("cannot write the report to standard output: {e}")));
+    };
+    let cannot = |e: std::io::Error| crate::error::Error::Usage(format!("cannot write the report to `{}`: {e}", path.display()));
+    let name = path.file_name().ok_or_else(|| crate::error::Error::Usage(format!("--to `{}` is not a file name", path.display())))?;
+    let partial = path.with_file_name(format!(".{}.partial", name.to_string_lossy()));
+    std::fs::write(&partial, html).map_err(cannot)?;
+    std::fs::rename(&partial, path).map_err(cannot)?;
+    println!("report: {} ({} KiB)", path.display(), html.len().div_ceil(1024));
+    Ok(())
 }

@@ -83,6 +83,9 @@ job_metrics! {
         pub completion_tokens: u64,
         /// Seconds from the process start to this unit's commit.
         pub job_s: f64,
+        /// When the attempt (process) started, in seconds since the Unix epoch (UTC); the unit was committed at
+        /// started_unix_s + job_s.
+        pub started_unix_s: f64,
         /// Seconds to hash and load the model.
         pub model_load_s: f64,
         /// Seconds from the unit's first row being ready for the engine to its last result.

@@ -12,7 +12,7 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use tracing::warn;
 
@@ -52,10 +52,6 @@ pub struct Exporter {
     started: Instant,
     state: Mutex<State>,
     client: Option<reqwest::Client>,
-}
-
-fn now_s() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// The value of `nightshift_last_success_timestamp_seconds` in a textfile written before, if any.
@@ -125,7 +121,7 @@ impl Exporter {
             s.running = false;
             s.exit_code = Some(exit_code);
             if exit_code == 0 {
-                s.last_success = Some(now_s());
+                s.last_success = Some(crate::host::unix_s());
             }
         }
         let text = self.render();

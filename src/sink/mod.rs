@@ -6,6 +6,7 @@
 //! OUT/data/shard=S/u<unit>-a<attempt>.parquet     a unit's result rows, in input order (schemas/results.json)
 //! OUT/metrics/shard=S/u<unit>-a<attempt>.parquet  a unit's figures, one row (schemas/metrics.json)
 //! OUT/_commits/shard=S/u<unit>.json               create-once marker: the unit is committed, by these two files
+//! OUT/_report.html                               by finalize, before the manifest that lists it: the job report
 //! OUT/_manifest.json                              create-once, by finalize: every committed file, and totals
 //! OUT/_SUCCESS                                    create-once, written last
 //! ```
@@ -18,9 +19,10 @@
 //!
 //! This file holds the commit protocol and finalize; `schema.rs` the Arrow schemas of the files (checked against
 //! `schemas/`), `batches.rs` the record batches written into them, `status.rs` what `nightshift status` reads
-//! back.
+//! back and `report.rs` what the job report (`crate::report`) reads.
 
 mod batches;
+mod report;
 mod schema;
 mod status;
 
@@ -85,6 +87,7 @@ pub enum SinkError {
 
 pub const PLAN_FILE: &str = "_plan.json";
 pub const MANIFEST_FILE: &str = "_manifest.json";
+pub const REPORT_FILE: &str = "_report.html";
 pub const SUCCESS_FILE: &str = "_SUCCESS";
 const COMMITS_DIR: &str = "_commits";
 const DATA_DIR: &str = "data";
@@ -160,6 +163,9 @@ pub struct Manifest {
     /// Result files in unit order (input order), relative to the output root.
     pub results: Vec<String>,
     pub metrics: Vec<String>,
+    /// The job report (`_report.html`), when finalize could make it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub report: Option<String>,
     pub units: Vec<Marker>,
 }
 
@@ -560,6 +566,7 @@ impl Output {
             });
         }
         self.remove_orphans(&units, files).await?;
+        let report = self.write_report().await;
         let manifest = Manifest {
             nightshift_version: env!("CARGO_PKG_VERSION").into(),
             fingerprint: plan.fingerprint.digest(),
@@ -570,6 +577,7 @@ impl Output {
             completion_tokens: units.iter().map(|m| m.completion_tokens).sum(),
             results: units.iter().map(|m| m.results.clone()).collect(),
             metrics: units.iter().map(|m| m.metrics.clone()).collect(),
+            report,
             units,
         };
         if !self.create_json(MANIFEST_FILE, &manifest).await? {
@@ -591,6 +599,23 @@ impl Output {
         });
         self.create_json(SUCCESS_FILE, &summary).await?;
         Ok(Finalized::Done(manifest))
+    }
+
+    /// Writes `_report.html` for an output being finalized; `None`, logged, when it cannot be made: the report
+    /// describes the output, and the output is complete without it.
+    async fn write_report(&self) -> Option<String> {
+        let made = async {
+            let html = crate::report::render(&self.report_data(true).await?);
+            let url = self.display(REPORT_FILE);
+            self.store().put(&self.path(REPORT_FILE), PutPayload::from(html)).await.map_err(|e| SinkError::Write { url, source: e.into() })
+        };
+        match made.await {
+            Ok(_) => Some(REPORT_FILE.to_string()),
+            Err(e) => {
+                tracing::warn!(error = %crate::error::report(&e), "cannot write the job report; the output is finalized without it");
+                None
+            }
+        }
     }
 
     /// Deletes the listed unit files (`files`, from [`Output::unit_files`]) that no marker names.

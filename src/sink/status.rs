@@ -150,7 +150,7 @@ impl Output {
         })
     }
 
-    async fn read_bytes(&self, relative: &str) -> Result<bytes::Bytes, SinkError> {
+    pub(super) async fn read_bytes(&self, relative: &str) -> Result<bytes::Bytes, SinkError> {
         let read_err = |e: object_store::Error| SinkError::Read { url: self.display(relative), source: e.into() };
         self.store().get(&self.path(relative)).await.map_err(read_err)?.bytes().await.map_err(read_err)
     }

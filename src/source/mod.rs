@@ -661,12 +661,17 @@ fn object_err(e: object_store::Error) -> ParquetError {
 /// range request carries `If-Match: <e_tag>`, so a file rewritten during the run fails loudly instead of mixing
 /// versions. The known size means the footer is read with bounded ranges, never a suffix request.
 #[derive(Clone, Debug)]
-struct PinnedReader {
+pub(crate) struct PinnedReader {
     store: Arc<dyn ObjectStore>,
     meta: ObjectMeta,
 }
 
 impl PinnedReader {
+    /// A reader of the version of `meta.location` that `meta` describes (from a listing or a HEAD).
+    pub(crate) fn new(store: Arc<dyn ObjectStore>, meta: ObjectMeta) -> PinnedReader {
+        PinnedReader { store, meta }
+    }
+
     fn options(&self, range: Range<u64>) -> GetOptions {
         GetOptions::new().with_range(Some(range)).with_if_match(self.meta.e_tag.clone())
     }

@@ -1,10 +1,11 @@
 //! Helpers for the integration tests, by concern: running the binary and scratch directories (here), input
 //! Parquet ([`parquet`]), reading outputs back ([`output`]), the S3 server and a proxy that takes it down ([`s3`]),
-//! and the tiny random-weight models ([`models`]). Everything is re-exported, so a test says `use crate::support::*`.
+//! the tiny random-weight models ([`models`]), and headless Chromium rendering reports ([`browser`]). Everything is re-exported, so a test says `use crate::support::*`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+pub mod browser;
 mod models;
 mod output;
 mod parquet;
