@@ -283,9 +283,10 @@ fn output_metadata() {
     std::fs::write(&job, job_text).unwrap();
     nightshift(&["run", job.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]).assert_ok();
     let pristine = snapshot(&out);
-    let marker = pristine.keys().find(|p| p.starts_with("_commits")).expect("a commit marker").clone();
+    let first_under = |dir: &str| pristine.keys().find(|p| p.starts_with(dir)).unwrap_or_else(|| panic!("a file under {dir}")).clone();
+    let (marker, metrics, results) = (first_under("_commits"), first_under("metrics"), first_under("data"));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    for (id, file) in [PathBuf::from("_plan.json"), marker, PathBuf::from("_manifest.json")].into_iter().enumerate() {
+    for (id, file) in [PathBuf::from("_plan.json"), marker, PathBuf::from("_manifest.json"), metrics, results].into_iter().enumerate() {
         let base = pristine[&file].clone();
         let name = file.file_name().unwrap().to_string_lossy().into_owned();
         let tally = fuzz(&format!("output {name}"), 40 + id as u64, 300, &base, 0..base.len(), |bytes| {
@@ -293,13 +294,14 @@ fn output_metadata() {
             std::fs::write(out.join(&file), bytes).unwrap();
             rt.block_on(async {
                 let output = Output::resolve(out.to_str().unwrap()).unwrap();
-                // What run, status and finalize read.
+                // What run, status, report and finalize read.
                 let plan = output.read_plan().await;
                 let status = output.status().await;
+                let report = output.report_data(false).await;
                 let manifest = output.read_manifest().await;
                 let units = output.verified_committed_units().await;
                 let whole = output.is_complete_and_whole().await;
-                plan.is_ok() && status.is_ok() && manifest.is_ok() && units.is_ok() && whole.is_ok()
+                plan.is_ok() && status.is_ok() && report.is_ok() && manifest.is_ok() && units.is_ok() && whole.is_ok()
             })
         });
         assert!(tally.refused > 0, "{name}: {tally:?}");

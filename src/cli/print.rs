@@ -454,18 +454,6 @@ pub fn print_kernel_bench(report: &[crate::bench::KernelMeasurement], json: bool
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn missing_units_print_as_ranges() {
-        assert_eq!(unit_ranges(&[3, 4, 5, 9], 4), "u000003-u000005, u000009");
-        assert_eq!(unit_ranges(&[1, 3, 5, 7], 2), "u000001, u000003, ... (2 more ranges)");
-        assert_eq!(unit_ranges(&[], 4), "");
-    }
-}
-
 /// `nightshift report`: the page to standard output, or written to `to` (whole or not at all: a temporary file
 /// beside it, renamed) with one line saying where.
 pub fn print_report(html: &str, to: Option<&std::path::Path>) -> Result<(), crate::error::Error> {
@@ -481,4 +469,16 @@ pub fn print_report(html: &str, to: Option<&std::path::Path>) -> Result<(), crat
     std::fs::rename(&partial, path).map_err(cannot)?;
     println!("report: {} ({} KiB)", path.display(), html.len().div_ceil(1024));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_units_print_as_ranges() {
+        assert_eq!(unit_ranges(&[3, 4, 5, 9], 4), "u000003-u000005, u000009");
+        assert_eq!(unit_ranges(&[1, 3, 5, 7], 2), "u000001, u000003, ... (2 more ranges)");
+        assert_eq!(unit_ranges(&[], 4), "");
+    }
 }

@@ -28,7 +28,7 @@ fn thousands(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -268,7 +268,7 @@ fn outcome(out: &mut String, data: &ReportData) {
         out.push_str(r#"<p class="empty">No finish reasons: no row generated text (an embedding job, or none succeeded).</p>"#);
     } else {
         let mut reasons: Vec<(String, u64, &str)> = r.finish_reasons.iter().map(|(k, v)| (k.clone(), *v, PALETTE[0])).collect();
-        reasons.sort_by(|a, b| b.1.cmp(&a.1));
+        reasons.sort_by_key(|r| std::cmp::Reverse(r.1));
         figure(out, "finish-reasons", "Succeeded rows by finish reason: stop (an end token or stop string), length (max_new_tokens), and others.", &svg::bars(&reasons));
     }
     out.push_str("</div></section>");

@@ -26,7 +26,7 @@ struct Axis {
 impl Axis {
     fn new(min: f64, max: f64, log: bool) -> Axis {
         let (mut min, mut max) = if log { (min.max(1e-9), max.max(1e-9)) } else { (min, max) };
-        if !(max > min) {
+        if max.partial_cmp(&min) != Some(std::cmp::Ordering::Greater) {
             // One value: a range around it, so that it is drawn and labelled.
             if log {
                 (min, max) = (min / 2.0, max * 2.0);
