@@ -69,6 +69,8 @@ pub enum Error {
 impl Error {
     pub fn exit(&self) -> Exit {
         match self {
+            // A model store that did not answer is not the model's fault: a rerun may fetch it.
+            Error::Model(crate::engine::ModelError::Unreachable { .. }) => Exit::Partial,
             Error::Job(_) | Error::Shard(_) | Error::Usage(_) => Exit::InvalidJob,
             Error::Source(_) => Exit::InvalidInput,
             Error::Model(_) | Error::Tokenizer(_) => Exit::InvalidModel,

@@ -1080,4 +1080,45 @@ fn a_model_in_object_storage_is_fetched_once_into_the_cache() {
     let run = validate(&wrong);
     assert_eq!(run.code, 4, "{}", run.stderr);
     assert!(run.stderr.contains("sha256"), "{}", run.stderr);
+
+    // The same GGUF file and Hugging Face directory over plain HTTP (moto serves objects anyone may read at
+    // http://host/bucket/key): fetched once, then read from the cache. The directory cannot be listed over HTTP: its
+    // files are found by name.
+    let moto = world.moto.as_ref().unwrap();
+    moto.put_public("nightly", "public/tiny.gguf", &bytes);
+    for entry in std::fs::read_dir(&hf).unwrap() {
+        let path = entry.unwrap().path();
+        moto.put_public("nightly", &format!("public/hf/{}", path.file_name().unwrap().to_str().unwrap()), &std::fs::read(&path).unwrap());
+    }
+    let http = |key: &str| format!("http://127.0.0.1:{}/nightly/public/{key}", proxy.port);
+    let http_cache = world.dir.join("cache-http");
+    let http_job = job_for("remote-http", &http_cache, "");
+    std::fs::write(&http_job, std::fs::read_to_string(&http_job).unwrap().replace("s3://nightly/models/tiny.gguf", &http("tiny.gguf"))).unwrap();
+    let before = proxy.bytes_down();
+    validate(&http_job).assert_ok();
+    let first = proxy.bytes_down() - before;
+    let before = proxy.bytes_down();
+    validate(&http_job).assert_ok();
+    let again = proxy.bytes_down() - before;
+    assert!(first >= size + again && again < size, "over HTTP: {first} then {again} bytes");
+    let hf_http = job_for("remote-hf-http", &http_cache, "");
+    std::fs::write(&hf_http, std::fs::read_to_string(&hf_http).unwrap().replace("s3://nightly/models/tiny.gguf", &http("hf/"))).unwrap();
+    let run = validate(&hf_http);
+    run.assert_ok();
+    assert!(run.stdout.contains("llama"), "{}", run.stdout);
+    let missing = job_for("remote-http-missing", &http_cache, "");
+    std::fs::write(&missing, std::fs::read_to_string(&missing).unwrap().replace("s3://nightly/models/tiny.gguf", &http("nothing/"))).unwrap();
+    let run = validate(&missing);
+    assert_eq!(run.code, 4, "a directory with no config.json is the model's fault: {}", run.stderr);
+    assert!(run.stderr.contains("no `config.json` under this prefix"), "{}", run.stderr);
+
+    // A store that does not answer is not the model's fault: exit 75, worth a retry, and the retry succeeds.
+    proxy.set_up(false);
+    let outage_cache = world.dir.join("cache-outage");
+    let outage = job_for("remote-outage", &outage_cache, "");
+    let run = finish(world.command_for("validate", &outage).env("NIGHTSHIFT_STORE_RETRY_S", "2").stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
+    assert_eq!(run.code, 75, "{}", run.stderr);
+    assert!(run.stderr.contains("the store did not answer"), "{}", run.stderr);
+    proxy.set_up(true);
+    validate(&outage).assert_ok();
 }

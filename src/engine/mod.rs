@@ -51,6 +51,9 @@ pub enum ModelError {
     /// A model in object storage that cannot be fetched into the local cache.
     #[error("cannot fetch the model `{url}`: {message}")]
     Fetch { url: String, message: String },
+    /// The model's store did not answer, or failed, past its retries: a rerun may succeed (exit 75).
+    #[error("cannot fetch the model `{url}`: the store did not answer, past its retries ({message}); run the job again")]
+    Unreachable { url: String, message: String },
     #[error("model file `{path}` has sha256 {actual}, but the job expects {expected}")]
     Checksum { path: PathBuf, expected: String, actual: String },
     #[error("device `{0}` is not available: this nightshift was built without CUDA support")]

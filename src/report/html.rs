@@ -295,7 +295,7 @@ fn throughput(out: &mut String, data: &ReportData, attempts: &[AttemptSummary]) 
             label: attempt_label(a, shards),
             colour: PALETTE[i % PALETTE.len()],
             spans: vec![(*o, o + a.model_load_s.min(a.last_commit_s), true), (o + a.model_load_s.min(a.last_commit_s), o + a.last_commit_s, false)],
-            ticks: a.commits.iter().map(|c| o + c.0).collect(),
+            ticks: a.commits.iter().map(|c| o + c.at_s).collect(),
         })
         .collect();
     out.push_str(r#"<div class="charts">"#);
@@ -310,18 +310,8 @@ fn throughput(out: &mut String, data: &ReportData, attempts: &[AttemptSummary]) 
         .zip(&offsets)
         .enumerate()
         .map(|(i, (a, o))| {
-            let mut before = a.model_load_s.min(a.commits.first().map_or(0.0, |c| c.0));
-            let steps = a
-                .commits
-                .iter()
-                .map(|&(at, prompt, generated_tokens)| {
-                    let tokens = if generated { generated_tokens } else { prompt + generated_tokens };
-                    let span = (at - before).max(1e-3);
-                    let step = (o + before, o + at, tokens as f64 / span);
-                    before = at;
-                    step
-                })
-                .collect();
+            let from = a.model_load_s.min(a.last_commit_s);
+            let steps = a.rate_over_time(from, 40, generated).into_iter().map(|(x0, x1, rate)| (o + x0, o + x1, rate)).collect();
             Steps { label: attempt_label(a, shards), colour: PALETTE[i % PALETTE.len()], steps }
         })
         .collect();
@@ -329,7 +319,10 @@ fn throughput(out: &mut String, data: &ReportData, attempts: &[AttemptSummary]) 
     figure(
         out,
         "throughput",
-        &format!("{} per attempt, between one unit's commit and the next (the first from the end of model loading).", if generated { "Generated tokens per second" } else { "Prompt tokens per second" }),
+        &format!(
+            "{} per attempt, from the end of its model load to its last commit: each unit's tokens spread over its generation window (its first row ready to its last result), summed over the units in flight.",
+            if generated { "Generated tokens per second" } else { "Tokens per second" }
+        ),
         &svg::step_lines(&series, &seconds, &count, &x_title, y_title),
     );
     out.push_str("</div>");

@@ -72,7 +72,7 @@ impl ReportData {
                     rows: units.iter().map(|u| u.rows).sum(),
                     prompt_tokens: units.iter().map(|u| u.prompt_tokens).sum(),
                     completion_tokens: units.iter().map(|u| u.completion_tokens).sum(),
-                    commits: units.iter().map(|u| (u.job_s, u.prompt_tokens, u.completion_tokens)).collect(),
+                    commits: units.iter().map(|u| Commit { at_s: u.job_s, generation_s: u.generation_s, prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens }).collect(),
                     kv_cache_blocks: last.kv_cache_blocks,
                     kv_utilisation_peak: units.iter().filter_map(|u| u.kv_utilisation_peak).reduce(f64::max),
                     kv_utilisation_mean: last.kv_utilisation_mean,
@@ -140,8 +140,8 @@ pub struct AttemptSummary {
     pub rows: u64,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
-    /// (seconds from the start, prompt tokens, generated tokens) per committed unit, in commit order.
-    pub commits: Vec<(f64, u64, u64)>,
+    /// Its committed units, in commit order.
+    pub commits: Vec<Commit>,
     pub kv_cache_blocks: u64,
     pub kv_utilisation_peak: Option<f64>,
     pub kv_utilisation_mean: Option<f64>,
@@ -153,6 +153,49 @@ pub struct AttemptSummary {
     pub weights_bytes: u64,
     pub weights_layout: String,
     pub kv_cache_dtype: String,
+}
+
+/// One unit's commit by an attempt.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Commit {
+    /// Seconds from the attempt's start.
+    pub at_s: f64,
+    /// Seconds from the unit's first row ready to its last result: the window its tokens were made in.
+    pub generation_s: f64,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+impl AttemptSummary {
+    /// Tokens per second over time, in `buckets` equal steps from `from` to the last commit (seconds from the
+    /// attempt's start): each unit's tokens (generated ones, or all when `generated` is false) spread evenly over
+    /// its generation window, and the units' rates summed where windows overlap (units run concurrently). The
+    /// steps' areas add up to the attempt's tokens.
+    pub fn rate_over_time(&self, from: f64, buckets: usize, generated: bool) -> Vec<(f64, f64, f64)> {
+        let to = self.last_commit_s;
+        if buckets == 0 || to <= from {
+            return Vec::new();
+        }
+        let width = (to - from) / buckets as f64;
+        let mut tokens = vec![0.0; buckets];
+        for c in &self.commits {
+            let n = if generated { c.completion_tokens } else { c.prompt_tokens + c.completion_tokens } as f64;
+            let (start, end) = ((c.at_s - c.generation_s).max(from), c.at_s.max(from));
+            if end - start <= 0.0 {
+                // A window of no length (or before `from`): its tokens land in the bucket of its commit.
+                let b = (((end - from) / width) as usize).min(buckets - 1);
+                tokens[b] += n;
+                continue;
+            }
+            let per_s = n / (end - start);
+            let (first, last) = ((((start - from) / width) as usize).min(buckets - 1), (((end - from) / width) as usize).min(buckets - 1));
+            for (b, t) in tokens.iter_mut().enumerate().take(last + 1).skip(first) {
+                let (lo, hi) = (from + b as f64 * width, from + (b + 1) as f64 * width);
+                *t += per_s * (end.min(hi) - start.max(lo)).max(0.0);
+            }
+        }
+        tokens.iter().enumerate().map(|(b, t)| (from + b as f64 * width, from + (b + 1) as f64 * width, t / width)).collect()
+    }
 }
 
 /// What the committed result rows hold, summarised: counts by outcome, and distributions of succeeded rows.
@@ -397,6 +440,42 @@ mod tests {
         let bins = h.bins(30);
         assert!(bins.len() <= 30 && bins.len() >= 20, "{}", bins.len());
         assert_eq!(bins.iter().map(|b| b.2).sum::<u64>(), 5000);
+    }
+
+    #[test]
+    fn the_rate_over_time_spreads_each_units_tokens_over_its_window_and_keeps_their_sum() {
+        let commit = |at_s, generation_s, completion_tokens| Commit { at_s, generation_s, prompt_tokens: 10, completion_tokens };
+        let attempt = AttemptSummary {
+            attempt: "a".into(),
+            shards: vec![0],
+            started_unix_s: None,
+            model_load_s: 1.0,
+            last_commit_s: 5.0,
+            units: 3,
+            rows: 3,
+            prompt_tokens: 30,
+            completion_tokens: 700,
+            // Two units made together over [1, 3], one alone over [3, 5], and one committed with no window.
+            commits: vec![commit(3.0, 2.0, 200), commit(3.0, 2.0, 200), commit(5.0, 2.0, 200), commit(5.0, 0.0, 100)],
+            kv_cache_blocks: 0,
+            kv_utilisation_peak: None,
+            kv_utilisation_mean: None,
+            preemptions: 0,
+            recomputed_tokens: 0,
+            cached_prompt_tokens: 0,
+            prefix_cache_evictions: 0,
+            peak_rss_bytes: 0,
+            weights_bytes: 0,
+            weights_layout: String::new(),
+            kv_cache_dtype: String::new(),
+        };
+        let steps = attempt.rate_over_time(1.0, 4, true);
+        assert_eq!(steps.iter().map(|s| s.2).collect::<Vec<_>>(), vec![200.0, 200.0, 100.0, 300.0]);
+        assert_eq!(steps.first().unwrap().0, 1.0);
+        assert_eq!(steps.last().unwrap().1, 5.0);
+        let area: f64 = attempt.rate_over_time(1.0, 7, false).iter().map(|(a, b, r)| (b - a) * r).sum();
+        assert!((area - 740.0).abs() < 1e-9, "{area}");
+        assert!(attempt.rate_over_time(5.0, 4, true).is_empty());
     }
 
     #[test]

@@ -57,7 +57,13 @@ impl Axis {
         if self.log && self.max / self.min >= 10.0 {
             let (lo, hi) = (self.min.log10().ceil() as i32, self.max.log10().floor() as i32);
             let every = ((hi - lo) as usize / n.max(1) + 1) as i32;
-            return (lo..=hi).filter(|e| (e - lo) % every == 0).map(|e| 10f64.powi(e)).collect();
+            let decades: Vec<f64> = (lo..=hi).filter(|e| (e - lo) % every == 0).map(|e| 10f64.powi(e)).collect();
+            if decades.len() >= 3 {
+                return decades;
+            }
+            // One or two decades: 2 and 5 times each power of ten too.
+            let inside = |v: &f64| *v >= self.min * (1.0 - 1e-9) && *v <= self.max * (1.0 + 1e-9);
+            return (lo - 1..=hi).flat_map(|e| [1.0, 2.0, 5.0].map(|m| m * 10f64.powi(e))).filter(inside).collect();
         }
         let raw = (self.max - self.min) / n.max(1) as f64;
         let power = 10f64.powf(raw.log10().floor());
@@ -352,6 +358,7 @@ mod tests {
         let ticks = Axis::new(0.0, 97.0, false).ticks(4);
         assert_eq!(ticks, vec![0.0, 20.0, 40.0, 60.0, 80.0]);
         assert_eq!(Axis::new(0.003, 40.0, true).ticks(6), vec![0.01, 0.1, 1.0, 10.0]);
+        assert_eq!(Axis::new(0.15, 1.3, true).ticks(6), vec![0.2, 0.5, 1.0]);
         let narrow = Axis::new(0.2, 0.5, true).ticks(4);
         assert!(!narrow.is_empty() && narrow.iter().all(|t| (0.2..=0.5).contains(t)), "{narrow:?}");
         // A single value still gets an axis with a range and labels.

@@ -49,8 +49,13 @@ pub struct ShardStatus {
     pub output_tokens_per_s: Option<f64>,
 }
 
-/// A metrics file's `job_s`: the attempt's age when it committed the unit.
+/// A metrics file's `job_s`: the attempt's age when it committed the unit. A damaged file is an error: the parquet
+/// crate's panics on a footer it cannot trust (chunk offsets out of range) are caught.
 fn metrics_job_s(bytes: bytes::Bytes) -> Result<f64, Box<dyn std::error::Error + Send + Sync>> {
+    crate::error::catch_panic(|| read_job_s(bytes)).unwrap_or_else(|panic| Err(format!("the file does not decode: {panic}").into()))
+}
+
+fn read_job_s(bytes: bytes::Bytes) -> Result<f64, Box<dyn std::error::Error + Send + Sync>> {
     use arrow::array::{Array, AsArray};
     let mut reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(bytes)?.build()?;
     let batch = reader.next().ok_or("the metrics file has no rows")??;

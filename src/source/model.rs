@@ -1,6 +1,6 @@
-//! Models from object storage: `model.path` as an `s3://`, `gs://` or `az://` URL of a GGUF file, or of a Hugging
-//! Face directory (a prefix ending in `/`), fetched once into a local cache (`runtime.model_cache`) and read from
-//! there.
+//! Models from object storage: `model.path` as an `s3://`, `gs://`, `az://` or `http(s)://` URL of a GGUF file,
+//! or of a Hugging Face directory (a prefix ending in `/`; over HTTP, its files are found by name), fetched once
+//! into a local cache (`runtime.model_cache`) and read from there.
 //!
 //! A cache entry is keyed by the URL; each file in it is kept with the e_tag, size and sha256 it was fetched with
 //! (`<file>.meta.json`). A file is fetched in 16 MiB ranges, 8 at a time, into `<file>.partial`, with the ranges
@@ -33,7 +33,65 @@ fn chunk_bytes() -> u64 {
 /// Whether a `model.path` names an object store rather than a local path.
 pub fn is_remote(path: &Path) -> bool {
     let s = path.to_string_lossy();
-    ["s3://", "gs://", "az://", "abfs://", "abfss://"].iter().any(|scheme| s.starts_with(scheme))
+    ["s3://", "gs://", "az://", "abfs://", "abfss://", "http://", "https://"].iter().any(|scheme| s.starts_with(scheme))
+}
+
+fn is_http(url: &str) -> bool {
+    url.starts_with("http://") || url.starts_with("https://")
+}
+
+/// The files of a Hugging Face directory, by name, for a prefix that cannot be listed (plain HTTP, such as
+/// `https://huggingface.co/ORG/MODEL/resolve/main/`): whether each must be there. The weights are
+/// `model.safetensors`, or the files `model.safetensors.index.json` names.
+const HF_FILES: &[(&str, bool)] = &[
+    ("config.json", true),
+    ("tokenizer.json", true),
+    ("tokenizer_config.json", false),
+    ("generation_config.json", false),
+    ("special_tokens_map.json", false),
+    ("modules.json", false),
+    ("sentence_bert_config.json", false),
+    ("1_Pooling/config.json", false),
+    ("model.safetensors", false),
+    ("model.safetensors.index.json", false),
+];
+
+/// A Hugging Face directory under an HTTP prefix: its files found by name (a HEAD each), the weights' shards from
+/// the index when there is one.
+async fn http_directory(location: &store::Location, url: &str) -> Result<Vec<(String, ObjectMeta)>, ModelError> {
+    let head = |name: String| async move {
+        let path = name.split('/').fold(location.path.clone(), |path, part| path.join(part));
+        match location.store.head(&path).await {
+            Ok(meta) => Ok(Some((name, meta))),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(store_err(url, e)),
+        }
+    };
+    let found: Vec<Option<(String, ObjectMeta)>> = futures::stream::iter(HF_FILES.iter().map(|(name, _)| head(name.to_string()))).buffered(PARALLEL).try_collect().await?;
+    let mut objects: Vec<(String, ObjectMeta)> = found.into_iter().flatten().collect();
+    for (name, required) in HF_FILES {
+        if *required && !objects.iter().any(|(n, _)| n == name) {
+            return Err(fetch_err(url, format!("no `{name}` under this prefix (a Hugging Face directory has one)")));
+        }
+    }
+    if let Some((_, index)) = objects.iter().find(|(n, _)| n == "model.safetensors.index.json") {
+        let bytes = location.store.get(&index.location).await.map_err(|e| store_err(url, e))?.bytes().await.map_err(|e| store_err(url, e))?;
+        let index: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| fetch_err(url, format!("model.safetensors.index.json: {e}")))?;
+        let mut shards: Vec<String> = index["weight_map"].as_object().map(|m| m.values().filter_map(|v| v.as_str().map(String::from)).collect()).unwrap_or_default();
+        shards.sort();
+        shards.dedup();
+        if shards.iter().any(|s| s.starts_with(['.', '/']) || s.contains("..")) {
+            return Err(fetch_err(url, "model.safetensors.index.json names a file outside the directory"));
+        }
+        for shard in shards {
+            let meta = head(shard.clone()).await?.ok_or_else(|| fetch_err(url, format!("`{shard}`, named by model.safetensors.index.json, is not under this prefix")))?;
+            objects.push(meta);
+        }
+    } else if !objects.iter().any(|(n, _)| n == "model.safetensors") {
+        return Err(fetch_err(url, "no `model.safetensors` or `model.safetensors.index.json` under this prefix"));
+    }
+    objects.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(objects)
 }
 
 /// What a cached file was fetched as.
@@ -48,6 +106,17 @@ fn fetch_err(url: &str, message: impl std::fmt::Display) -> ModelError {
     ModelError::Fetch { url: crate::error::redact_urls(url).into_owned(), message: message.to_string() }
 }
 
+/// A store's answer as a fetch error: a missing object, a refused credential or a bad path is the model's fault
+/// (exit 4); anything else (the store unreachable, or failing, past the retries) may pass, and a rerun may
+/// succeed (exit 75).
+fn store_err(url: &str, e: object_store::Error) -> ModelError {
+    use object_store::Error::*;
+    match e {
+        NotFound { .. } | PermissionDenied { .. } | Unauthenticated { .. } | InvalidPath { .. } | NotSupported { .. } | NotImplemented { .. } => fetch_err(url, e),
+        other => ModelError::Unreachable { url: crate::error::redact_urls(url).into_owned(), message: crate::error::redact_urls(&other.to_string()).into_owned() },
+    }
+}
+
 /// Opens a model file for reading, refusing a path that is not a regular file (a device or a pipe, such as
 /// `/dev/zero`, would be read forever).
 pub fn open_regular(path: &Path) -> Result<std::fs::File, ModelError> {
@@ -58,23 +127,57 @@ pub fn open_regular(path: &Path) -> Result<std::fs::File, ModelError> {
     std::fs::File::open(path).map_err(open)
 }
 
-/// sha256 of a model file, lower-case hex ([`open_regular`]).
+/// What identifies a file's version on disk: device, inode, size and modification time (to the nanosecond).
+type FileVersion = (u64, u64, u64, Option<std::time::SystemTime>);
+
+fn file_version(meta: &std::fs::Metadata) -> FileVersion {
+    use std::os::unix::fs::MetadataExt;
+    (meta.dev(), meta.ino(), meta.len(), meta.modified().ok())
+}
+
+/// The sha256 of files hashed by this process, by path and version: a model fetched (or found) in the cache is
+/// hashed there, and the checks before loading it find the hash here instead of reading gigabytes again.
+fn hashed() -> &'static std::sync::Mutex<std::collections::HashMap<PathBuf, (FileVersion, String)>> {
+    static HASHED: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<PathBuf, (FileVersion, String)>>> = std::sync::OnceLock::new();
+    HASHED.get_or_init(Default::default)
+}
+
+/// sha256 of a model file, lower-case hex ([`open_regular`]); a file this process hashed before, unchanged since
+/// (same inode, size and modification time), is not read again.
 pub fn sha256_file(path: &Path) -> Result<String, ModelError> {
     let open = |source| ModelError::Open { path: path.into(), source };
     let mut file = open_regular(path)?;
+    let version = file_version(&file.metadata().map_err(open)?);
+    if let Some((seen, sha)) = hashed().lock().expect("not poisoned").get(path) {
+        if *seen == version {
+            return Ok(sha.clone());
+        }
+    }
     let mut hasher = Sha256::new();
     std::io::copy(&mut file, &mut hasher).map_err(open)?;
-    Ok(format!("{:x}", hasher.finalize()))
+    let sha = format!("{:x}", hasher.finalize());
+    hashed().lock().expect("not poisoned").insert(path.to_path_buf(), (version, sha.clone()));
+    Ok(sha)
+}
+
+/// Records `sha` as the hash of `path` as it is now (a file hashed under another name, then renamed).
+fn remember_sha256(path: &Path, sha: &str) {
+    if let Ok(meta) = std::fs::metadata(path) {
+        hashed().lock().expect("not poisoned").insert(path.to_path_buf(), (file_version(&meta), sha.to_string()));
+    }
 }
 
 /// Fetches the model at `url` into `cache` (unless it is there already) and returns its local path: the file, or
 /// the directory holding a prefix's files.
 pub async fn fetch(url: &str, cache: &Path) -> Result<PathBuf, ModelError> {
-    let location = store::resolve(url).map_err(|e| fetch_err(url, e))?;
+    let location = if is_http(url) { store::resolve_http(url) } else { store::resolve(url) }.map_err(|e| fetch_err(url, e))?;
     let prefix = url.ends_with('/');
-    // The objects: one file, or every file under the prefix (hidden names skipped).
-    let objects: Vec<(String, ObjectMeta)> = if prefix {
-        let listed: Vec<ObjectMeta> = location.store.list(Some(&location.path)).try_collect().await.map_err(|e| fetch_err(url, e))?;
+    // The objects: one file, or every file under the prefix (hidden names skipped), or, over plain HTTP, which
+    // cannot list, a Hugging Face directory's files by name.
+    let objects: Vec<(String, ObjectMeta)> = if prefix && is_http(url) {
+        http_directory(&location, url).await?
+    } else if prefix {
+        let listed: Vec<ObjectMeta> = location.store.list(Some(&location.path)).try_collect().await.map_err(|e| store_err(url, e))?;
         let mut objects: Vec<(String, ObjectMeta)> = listed
             .into_iter()
             .filter_map(|m| {
@@ -88,7 +191,7 @@ pub async fn fetch(url: &str, cache: &Path) -> Result<PathBuf, ModelError> {
         }
         objects
     } else {
-        let meta = location.store.head(&location.path).await.map_err(|e| fetch_err(url, e))?;
+        let meta = location.store.head(&location.path).await.map_err(|e| store_err(url, e))?;
         let name = location.path.filename().unwrap_or("model").to_string();
         vec![(name, meta)]
     };
@@ -159,7 +262,7 @@ async fn fetch_file(location: &store::Location, object: &ObjectMeta, dest: &Path
             async move {
                 let start = chunk * chunk_size;
                 let end = (start + chunk_size).min(object.size);
-                let bytes = location.store.get_range(&object.location, start..end).await.map_err(|e| fetch_err(url, e))?;
+                let bytes = location.store.get_range(&object.location, start..end).await.map_err(|e| store_err(url, e))?;
                 if bytes.len() as u64 != end - start {
                     return Err(fetch_err(url, format!("a read of bytes {start}..{end} returned {} bytes", bytes.len())));
                 }
@@ -180,8 +283,34 @@ async fn fetch_file(location: &store::Location, object: &ObjectMeta, dest: &Path
     let path = partial.clone();
     let sha256 = tokio::task::spawn_blocking(move || sha256_file(&path)).await.map_err(|e| fetch_err(url, e))??;
     std::fs::rename(&partial, dest).map_err(|e| fetch_err(url, e))?;
+    remember_sha256(dest, &sha256);
     let meta = Meta { e_tag: object.e_tag.clone(), size: object.size, sha256 };
     std::fs::write(&meta_path, serde_json::to_vec(&meta).expect("plain data")).map_err(|e| fetch_err(url, e))?;
     let _ = std::fs::remove_file(&done_path);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hash_is_remembered_until_the_file_changes() {
+        let dir = std::env::temp_dir().join(format!("nightshift-sha-memo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("model.gguf");
+        std::fs::write(&path, b"weights").unwrap();
+        let real = format!("{:x}", Sha256::digest(b"weights"));
+        assert_eq!(sha256_file(&path).unwrap(), real);
+        // What this process recorded is what it answers, without reading the file: a stand-in proves it.
+        remember_sha256(&path, "remembered");
+        assert_eq!(sha256_file(&path).unwrap(), "remembered");
+        // Rewritten (same size, another time): read and hashed again.
+        std::fs::write(&path, b"WEIGHTS").unwrap();
+        let file = std::fs::File::options().write(true).open(&path).unwrap();
+        file.set_modified(std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000)).unwrap();
+        drop(file);
+        assert_eq!(sha256_file(&path).unwrap(), format!("{:x}", Sha256::digest(b"WEIGHTS")));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
 use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
+use object_store::http::HttpBuilder;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
 use object_store::{ClientConfigKey, ObjectStore, ObjectStoreScheme, RetryConfig};
@@ -52,6 +53,7 @@ impl Location {
 /// took 19 s). A nightly job should ride out a minute or two of an endpoint restarting or throttling: base 3
 /// makes the mean wait grow 1.5x per retry, 20 retries from 250 ms with waits of at most 20 s, all within
 /// object_store's 3-minute bound (requests are retried without re-signing, so the bound stays under 5 minutes).
+/// `NIGHTSHIFT_STORE_RETRY_S` sets that bound in seconds: longer to ride out longer outages, shorter to fail fast.
 fn retry() -> RetryConfig {
     RetryConfig {
         backoff: object_store::BackoffConfig {
@@ -60,7 +62,7 @@ fn retry() -> RetryConfig {
             base: 3.0,
         },
         max_retries: 20,
-        retry_timeout: std::time::Duration::from_secs(180),
+        retry_timeout: std::time::Duration::from_secs(std::env::var("NIGHTSHIFT_STORE_RETRY_S").ok().and_then(|v| v.parse().ok()).unwrap_or(180)),
     }
 }
 
@@ -131,6 +133,25 @@ pub fn resolve(url: &str) -> Result<Location, StoreError> {
         }
     };
     Ok(Location { store, path, url: url.into() })
+}
+
+/// An `http://` or `https://` URL as a store: its origin (`scheme://host:port`) is the store, the rest the path.
+/// Plain HTTP has no listing, so only named files can be read (models fetched by name: `source::model`).
+pub fn resolve_http(url: &str) -> Result<Location, StoreError> {
+    let bad = |e: Box<dyn std::error::Error + Send + Sync>| StoreError::BadUrl { url: url.into(), source: e };
+    install_crypto_provider();
+    let parsed = Url::parse(url).map_err(|e| bad(e.into()))?;
+    let (ObjectStoreScheme::Http, path) = ObjectStoreScheme::parse(&parsed).map_err(|e| bad(e.into()))? else {
+        return Err(bad("not an http:// or https:// URL".into()));
+    };
+    let origin = &parsed[..url::Position::BeforePath];
+    let mut options = object_store::ClientOptions::new().with_allow_http(true);
+    for (key, value) in [(ClientConfigKey::Timeout, REQUEST_TIMEOUT), (ClientConfigKey::ConnectTimeout, CONNECT_TIMEOUT)] {
+        options = options.with_config(key, value);
+    }
+    let store = HttpBuilder::new().with_url(origin).with_client_options(options).with_retry(retry()).build();
+    let store = store.map_err(|e| StoreError::Build { url: url.into(), source: e })?;
+    Ok(Location { store: Arc::new(store), path, url: url.into() })
 }
 
 /// The characters that make a URL a glob.

@@ -43,6 +43,19 @@ impl Moto {
         assert!(response.starts_with("HTTP/1.1 200"), "CreateBucket failed: {response}");
     }
 
+    /// Puts an object anyone may read (`x-amz-acl: public-read`), with a plain unsigned request as above: what a
+    /// model served over plain HTTP is.
+    pub fn put_public(&self, bucket: &str, key: &str, bytes: &[u8]) {
+        use std::io::{Read, Write};
+        let addr = self.endpoint.trim_start_matches("http://");
+        let mut stream = std::net::TcpStream::connect(addr).unwrap();
+        let head = format!("PUT /{bucket}/{key} HTTP/1.1\r\nHost: {addr}\r\nx-amz-acl: public-read\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", bytes.len());
+        stream.write_all(head.as_bytes()).and_then(|()| stream.write_all(bytes)).unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        assert!(response.starts_with("HTTP/1.1 200"), "PutObject failed: {response}");
+    }
+
     pub fn env(&self) -> Vec<(&'static str, String)> {
         vec![
             ("AWS_ENDPOINT", self.endpoint.clone()),
