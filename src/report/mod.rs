@@ -455,7 +455,8 @@ mod tests {
             rows: 3,
             prompt_tokens: 30,
             completion_tokens: 700,
-            // Two units made together over [1, 3], one alone over [3, 5], and one committed with no window.
+            // Two units made together over [1, 3] (100 tokens/s each), one alone over [3, 5], and one committed with no
+            // window, whose 100 tokens land in the last step.
             commits: vec![commit(3.0, 2.0, 200), commit(3.0, 2.0, 200), commit(5.0, 2.0, 200), commit(5.0, 0.0, 100)],
             kv_cache_blocks: 0,
             kv_utilisation_peak: None,
@@ -470,7 +471,7 @@ mod tests {
             kv_cache_dtype: String::new(),
         };
         let steps = attempt.rate_over_time(1.0, 4, true);
-        assert_eq!(steps.iter().map(|s| s.2).collect::<Vec<_>>(), vec![200.0, 200.0, 100.0, 300.0]);
+        assert_eq!(steps.iter().map(|s| s.2).collect::<Vec<_>>(), vec![200.0, 200.0, 100.0, 200.0]);
         assert_eq!(steps.first().unwrap().0, 1.0);
         assert_eq!(steps.last().unwrap().1, 5.0);
         let area: f64 = attempt.rate_over_time(1.0, 7, false).iter().map(|(a, b, r)| (b - a) * r).sum();

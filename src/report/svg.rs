@@ -225,9 +225,15 @@ pub fn step_lines(series: &[Steps], x_fmt: &dyn Fn(f64) -> String, y_fmt: &dyn F
     let plot = Plot { height: plot_height, x: Axis::new(lo, hi, false), y: Axis::new(0.0, top * 1.1, false) };
     plot.axes(&mut out, x_fmt, y_fmt, x_title, y_title);
     for s in series {
+        // One connected line where steps meet (a vertical rise or fall between them), a new one after a gap.
         let mut d = String::new();
+        let mut end: Option<f64> = None;
         for &(a, b, v) in &s.steps {
-            let _ = write!(d, "M{:.1} {:.1}H{:.1}", plot.px(a), plot.py(v), plot.px(b));
+            match end {
+                Some(e) if (e - a).abs() < 1e-9 => _ = write!(d, "V{:.1}H{:.1}", plot.py(v), plot.px(b)),
+                _ => _ = write!(d, "M{:.1} {:.1}H{:.1}", plot.px(a), plot.py(v), plot.px(b)),
+            }
+            end = Some(b);
         }
         let _ = write!(out, r##"<path class="mark line" d="{d}" stroke="{}"><title>{}</title></path>"##, s.colour, escape(&s.label));
     }
@@ -358,7 +364,7 @@ mod tests {
         let ticks = Axis::new(0.0, 97.0, false).ticks(4);
         assert_eq!(ticks, vec![0.0, 20.0, 40.0, 60.0, 80.0]);
         assert_eq!(Axis::new(0.003, 40.0, true).ticks(6), vec![0.01, 0.1, 1.0, 10.0]);
-        assert_eq!(Axis::new(0.15, 1.3, true).ticks(6), vec![0.2, 0.5, 1.0]);
+        assert_eq!(Axis::new(0.1, 1.3, true).ticks(6), vec![0.1, 0.2, 0.5, 1.0]);
         let narrow = Axis::new(0.2, 0.5, true).ticks(4);
         assert!(!narrow.is_empty() && narrow.iter().all(|t| (0.2..=0.5).contains(t)), "{narrow:?}");
         // A single value still gets an axis with a range and labels.
