@@ -193,6 +193,15 @@ fn embed_job_bad_rows_and_bad_job_files() {
     assert_eq!(rows["b"].as_deref(), Some("null_prompt"));
     assert_eq!(rows["c"].as_deref(), Some("prompt_too_long"));
     assert!(read_embeddings(&dir.join("strict"))["b"].is_none());
+    // Its report, as Chromium lays it out: the errored rows by code, and an embedding job's figures (row latency, no
+    // generated tokens).
+    let page = browser::render(&std::fs::read_to_string(dir.join("strict/_report.html")).unwrap(), "embed-errors");
+    page.assert_well_formed();
+    assert_eq!((page.card("rows"), page.card("succeeded"), page.card("errored")), ("3", "1", "2"));
+    assert_eq!(page.marks("outcome"), 3, "succeeded, null_prompt and prompt_too_long");
+    assert!(page.section("outcome").contains("null_prompt") && page.section("outcome").contains("prompt_too_long"), "{}", page.section("outcome"));
+    assert!(page.probe["charts"]["output-lengths"].is_null() && page.section("lengths").contains("No generated tokens"));
+    assert!(page.section("latency").starts_with("Row latency") && page.marks("e2e") == 1, "{}", page.section("latency"));
     nightshift(&["run", job("cut", "truncate = \"right\"", "").to_str().unwrap()], &[]).assert_ok();
     assert_eq!(read_results_codes(&dir.join("cut"))["c"], None);
     // Generation settings have no meaning for an embedding job: exit 2, naming the key.

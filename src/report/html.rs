@@ -143,7 +143,7 @@ header h1 { font-size: 22px; margin: 0 0 4px; }
 .card.bad .value { color: var(--bad); }
 section { background: #fff; border: 1px solid var(--line); border-radius: 8px; padding: 14px 16px; margin: 14px 0; }
 section h2 { font-size: 16px; margin: 0 0 8px; }
-.charts { display: grid; grid-template-columns: repeat(auto-fit, minmax(440px, 1fr)); gap: 16px; }
+.charts { display: grid; grid-template-columns: repeat(auto-fill, minmax(440px, 1fr)); gap: 16px; }
 figure { margin: 0; min-width: 0; }
 figure svg { width: 100%; height: auto; display: block; }
 figcaption { color: var(--muted); font-size: 12px; margin-top: 4px; }
@@ -363,8 +363,12 @@ fn length_figure(out: &mut String, name: &str, what: &str, lengths: &super::Leng
 fn lengths(out: &mut String, data: &ReportData) {
     out.push_str(r#"<section id="lengths"><h2>Prompt and output lengths</h2><div class="charts">"#);
     length_figure(out, "prompt-lengths", "Prompt tokens (after the chat template)", &data.rows.prompt_tokens);
-    length_figure(out, "output-lengths", "Generated tokens", &data.rows.completion_tokens);
-    out.push_str("</div>");
+    if data.rows.completion_tokens.count() > 0 || data.rows.succeeded == 0 {
+        length_figure(out, "output-lengths", "Generated tokens", &data.rows.completion_tokens);
+        out.push_str("</div>");
+    } else {
+        out.push_str(r#"</div><p class="empty">No generated tokens: the rows were embedded (or scored), not generated.</p>"#);
+    }
     let prompt = data.rows.prompt_tokens.sum();
     if data.rows.cached_tokens > 0 {
         let _ = write!(
@@ -380,7 +384,8 @@ fn lengths(out: &mut String, data: &ReportData) {
 
 fn latency(out: &mut String, data: &ReportData) {
     let r = &data.rows;
-    out.push_str(r#"<section id="latency"><h2>Time to first token and time per output token</h2>"#);
+    let title = if r.ttft_s.count() > 0 { "Time to first token and time per output token" } else { "Row latency" };
+    let _ = write!(out, r#"<section id="latency"><h2>{title}</h2>"#);
     if r.ttft_s.count() == 0 && r.e2e_s.count() == 0 {
         out.push_str(r#"<p class="empty">No succeeded rows yet.</p></section>"#);
         return;
@@ -519,9 +524,13 @@ fn job_section(out: &mut String, data: &ReportData) {
     if fp.input.len() > 20 {
         let _ = write!(out, r#"<tr><td colspan=3>and {} more</td></tr>"#, fp.input.len() - 20);
     }
-    out.push_str(r#"</table></div><div><h3>Generation parameters</h3><table id="generation">"#);
-    settings_rows(out, &fp.generation);
-    out.push_str(r#"</table><h3>Prompts</h3><table id="prompt">"#);
+    out.push_str("</table></div><div>");
+    if !fp.generation.is_null() {
+        out.push_str(r#"<h3>Generation parameters</h3><table id="generation">"#);
+        settings_rows(out, &fp.generation);
+        out.push_str("</table>");
+    }
+    out.push_str(r#"<h3>Prompts</h3><table id="prompt">"#);
     settings_rows(out, &fp.prompt);
     out.push_str("</table></div></div></section>");
 }

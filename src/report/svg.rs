@@ -85,6 +85,8 @@ struct Plot {
     height: f64,
     x: Axis,
     y: Axis,
+    /// The y axis counts (rows): only whole numbers are labelled.
+    whole_y: bool,
 }
 
 impl Plot {
@@ -99,11 +101,17 @@ impl Plot {
     /// The frame: grid lines and labels on both axes, and the axes' titles.
     fn axes(&self, out: &mut String, x_fmt: &dyn Fn(f64) -> String, y_fmt: &dyn Fn(f64) -> String, x_title: &str, y_title: &str) {
         let (x0, x1, y0, y1) = (LEFT, WIDTH - RIGHT, TOP, self.height - BOTTOM);
-        for t in self.y.ticks(4) {
+        for t in self.y.ticks(4).into_iter().filter(|t| !self.whole_y || t.fract() == 0.0) {
             let y = self.py(t);
             let _ = write!(out, r##"<line class="grid" x1="{x0:.1}" x2="{x1:.1}" y1="{y:.1}" y2="{y:.1}"/><text class="tick" x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"##, x0 - 6.0, y + 4.0, escape(&y_fmt(t)));
         }
+        let mut last_label = String::new();
         for t in self.x.ticks(6) {
+            // A label equal to the one before (a range narrower than the labels' precision) is left out.
+            if x_fmt(t) == last_label {
+                continue;
+            }
+            last_label = x_fmt(t);
             let x = self.px(t);
             let _ = write!(out, r##"<line class="tick-line" x1="{x:.1}" x2="{x:.1}" y1="{y1:.1}" y2="{:.1}"/><text class="tick" x="{x:.1}" y="{:.1}" text-anchor="{}">{}</text>"##, y1 + 4.0, y1 + 16.0, anchor(x), escape(&x_fmt(t)));
         }
@@ -135,7 +143,7 @@ pub fn histogram(bins: &[(f64, f64, u64)], log_x: bool, x_fmt: &dyn Fn(f64) -> S
     let mut out = open(height, x_title);
     let (lo, hi) = (bins.first().map_or(0.0, |b| b.0), bins.last().map_or(1.0, |b| b.1));
     let most = bins.iter().map(|b| b.2).max().unwrap_or(0) as f64;
-    let plot = Plot { height, x: Axis::new(lo, hi, log_x), y: Axis::new(0.0, most.max(1.0), false) };
+    let plot = Plot { height, x: Axis::new(lo, hi, log_x), y: Axis::new(0.0, most.max(1.0), false), whole_y: true };
     plot.axes(&mut out, x_fmt, &|v| count(v), x_title, "rows");
     for &(low, high, n) in bins.iter().filter(|b| b.2 > 0) {
         let (x0, x1) = (plot.px(low), plot.px(high));
@@ -222,7 +230,7 @@ pub fn step_lines(series: &[Steps], x_fmt: &dyn Fn(f64) -> String, y_fmt: &dyn F
     if !lo.is_finite() {
         (lo, hi) = (0.0, 1.0);
     }
-    let plot = Plot { height: plot_height, x: Axis::new(lo, hi, false), y: Axis::new(0.0, top * 1.1, false) };
+    let plot = Plot { height: plot_height, x: Axis::new(lo, hi, false), y: Axis::new(0.0, top * 1.1, false), whole_y: false };
     plot.axes(&mut out, x_fmt, y_fmt, x_title, y_title);
     for s in series {
         // One connected line where steps meet (a vertical rise or fall between them), a new one after a gap.
@@ -337,17 +345,22 @@ pub fn count(v: f64) -> String {
     }
 }
 
-/// A duration: 850 µs, 12 ms, 3.4 s, 5.0 min, 2.1 h.
+/// A duration to three significant digits: 850 µs, 12.3 ms, 3.42 s, 5.0 min, 2.1 h.
 pub fn seconds(v: f64) -> String {
+    let three = |x: f64, unit: &str| match x.abs() {
+        a if a < 9.995 => format!("{x:.2} {unit}"),
+        a if a < 99.95 => format!("{x:.1} {unit}"),
+        _ => format!("{x:.0} {unit}"),
+    };
     let a = v.abs();
     if a == 0.0 {
         "0 s".into()
     } else if a < 1e-3 {
-        format!("{:.0} µs", v * 1e6)
+        three(v * 1e6, "µs")
     } else if a < 1.0 {
-        format!("{:.0} ms", v * 1e3)
+        three(v * 1e3, "ms")
     } else if a < 100.0 {
-        format!("{v:.1} s")
+        three(v, "s")
     } else if a < 6000.0 {
         format!("{:.1} min", v / 60.0)
     } else {
@@ -388,6 +401,9 @@ mod tests {
     #[test]
     fn numbers_read_as_people_write_them() {
         assert_eq!([count(950.0), count(1234.0), count(56_789.0), count(3_400_000.0), count(0.5)], ["950", "1.2k", "57k", "3.4M", "0.5"]);
-        assert_eq!([seconds(0.0), seconds(0.0004), seconds(0.012), seconds(3.42), seconds(300.0), seconds(7560.0)], ["0 s", "400 µs", "12 ms", "3.4 s", "5.0 min", "2.1 h"]);
+        assert_eq!(
+            [seconds(0.0), seconds(0.0004), seconds(0.012), seconds(0.02425), seconds(3.42), seconds(42.0), seconds(300.0), seconds(7560.0)],
+            ["0 s", "400 µs", "12.0 ms", "24.2 ms", "3.42 s", "42.0 s", "5.0 min", "2.1 h"]
+        );
     }
 }
