@@ -427,7 +427,7 @@ fn memory(out: &mut String, data: &ReportData, attempts: &[AttemptSummary]) {
         out.push_str(r#"<p class="empty">No unit is committed yet.</p></section>"#);
         return;
     }
-    let preemptions: u64 = attempts.iter().map(|a| a.preemptions).sum();
+    let preemptions: u64 = attempts.iter().map(|a| a.engine.preemptions).sum();
     let _ = write!(
         out,
         r#"<p>{} preemption(s) in all{}. The KV cache budget is in blocks of 16 positions; utilisation is blocks in use over the budget.</p>"#,
@@ -440,16 +440,16 @@ fn memory(out: &mut String, data: &ReportData, attempts: &[AttemptSummary]) {
             out,
             r#"<tr><td>{}</td><td>{} ({}; KV {})</td><td class="n">{}</td><td>{}</td><td>{}</td><td class="n">{}</td><td class="n">{}</td><td class="n">{}</td><td class="n">{}</td><td class="n">{}</td></tr>"#,
             escape(&attempt_label(a, data.plan.shards)),
-            bytes(a.weights_bytes),
-            escape(&a.weights_layout),
-            escape(&a.kv_cache_dtype),
-            thousands(a.kv_cache_blocks),
-            meter(a.kv_utilisation_peak),
-            meter(a.kv_utilisation_mean),
-            thousands(a.preemptions),
-            thousands(a.recomputed_tokens),
-            thousands(a.cached_prompt_tokens),
-            bytes(a.peak_rss_bytes),
+            bytes(a.engine.weights_bytes),
+            escape(&a.engine.weights_layout),
+            escape(&a.engine.kv_cache_dtype),
+            thousands(a.engine.kv_cache_blocks),
+            meter(a.engine.kv_utilisation_peak),
+            meter(a.engine.kv_utilisation_mean),
+            thousands(a.engine.preemptions),
+            thousands(a.engine.recomputed_tokens),
+            thousands(a.engine.cached_prompt_tokens),
+            bytes(a.engine.peak_rss_bytes),
             seconds(a.model_load_s),
         );
     }
@@ -599,9 +599,7 @@ mod tests {
             model_load_s: 0.5,
             generation_s: job_s / 2.0,
             output_tokens_per_s: 50.0,
-            kv_cache_blocks: 64,
-            kv_utilisation_peak: Some(0.5),
-            kv_utilisation_mean: Some(0.25),
+            engine: crate::report::EngineFigures { kv_cache_blocks: 64, kv_utilisation_peak: Some(0.5), kv_utilisation_mean: Some(0.25), ..Default::default() },
             ..Default::default()
         }
     }

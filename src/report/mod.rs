@@ -73,17 +73,11 @@ impl ReportData {
                     prompt_tokens: units.iter().map(|u| u.prompt_tokens).sum(),
                     completion_tokens: units.iter().map(|u| u.completion_tokens).sum(),
                     commits: units.iter().map(|u| Commit { at_s: u.job_s, generation_s: u.generation_s, prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens }).collect(),
-                    kv_cache_blocks: last.kv_cache_blocks,
-                    kv_utilisation_peak: units.iter().filter_map(|u| u.kv_utilisation_peak).reduce(f64::max),
-                    kv_utilisation_mean: last.kv_utilisation_mean,
-                    preemptions: last.preemptions,
-                    recomputed_tokens: last.recomputed_tokens,
-                    cached_prompt_tokens: last.cached_prompt_tokens,
-                    prefix_cache_evictions: last.prefix_cache_evictions,
-                    peak_rss_bytes: units.iter().map(|u| u.peak_rss_bytes).max().unwrap_or(0),
-                    weights_bytes: last.weights_bytes,
-                    weights_layout: last.weights_layout.clone(),
-                    kv_cache_dtype: last.kv_cache_dtype.clone(),
+                    engine: EngineFigures {
+                        kv_utilisation_peak: units.iter().filter_map(|u| u.engine.kv_utilisation_peak).reduce(f64::max),
+                        peak_rss_bytes: units.iter().map(|u| u.engine.peak_rss_bytes).max().unwrap_or(0),
+                        ..last.engine.clone()
+                    },
                 }
             })
             .collect();
@@ -95,8 +89,24 @@ impl ReportData {
     }
 }
 
-/// One committed unit's figures, from its marker and metrics file. Engine figures (KV, preemptions, memory) are
-/// the attempt's up to the unit's commit, as the metrics files hold them.
+/// What the engine of an attempt held and did, from the metrics files (the attempt's running figures).
+#[derive(Clone, Debug, Default)]
+pub struct EngineFigures {
+    pub kv_cache_blocks: u64,
+    pub kv_utilisation_peak: Option<f64>,
+    pub kv_utilisation_mean: Option<f64>,
+    pub preemptions: u64,
+    pub recomputed_tokens: u64,
+    pub cached_prompt_tokens: u64,
+    pub prefix_cache_evictions: u64,
+    pub peak_rss_bytes: u64,
+    pub weights_bytes: u64,
+    pub weights_layout: String,
+    pub kv_cache_dtype: String,
+}
+
+/// One committed unit's figures, from its marker and metrics file. Its engine figures (KV, preemptions, memory)
+/// are the attempt's up to the unit's commit, as the metrics files hold them.
 #[derive(Clone, Debug, Default)]
 pub struct UnitFigures {
     pub unit: u32,
@@ -114,17 +124,7 @@ pub struct UnitFigures {
     pub generation_s: f64,
     pub output_tokens_per_s: f64,
     pub total_tokens_per_s: f64,
-    pub kv_cache_blocks: u64,
-    pub kv_utilisation_peak: Option<f64>,
-    pub kv_utilisation_mean: Option<f64>,
-    pub preemptions: u64,
-    pub recomputed_tokens: u64,
-    pub cached_prompt_tokens: u64,
-    pub prefix_cache_evictions: u64,
-    pub peak_rss_bytes: u64,
-    pub weights_bytes: u64,
-    pub weights_layout: String,
-    pub kv_cache_dtype: String,
+    pub engine: EngineFigures,
 }
 
 /// One attempt (process start), summarised over its committed units.
@@ -142,17 +142,7 @@ pub struct AttemptSummary {
     pub completion_tokens: u64,
     /// Its committed units, in commit order.
     pub commits: Vec<Commit>,
-    pub kv_cache_blocks: u64,
-    pub kv_utilisation_peak: Option<f64>,
-    pub kv_utilisation_mean: Option<f64>,
-    pub preemptions: u64,
-    pub recomputed_tokens: u64,
-    pub cached_prompt_tokens: u64,
-    pub prefix_cache_evictions: u64,
-    pub peak_rss_bytes: u64,
-    pub weights_bytes: u64,
-    pub weights_layout: String,
-    pub kv_cache_dtype: String,
+    pub engine: EngineFigures,
 }
 
 /// One unit's commit by an attempt.
@@ -458,17 +448,7 @@ mod tests {
             // Two units made together over [1, 3] (100 tokens/s each), one alone over [3, 5], and one committed with no
             // window, whose 100 tokens land in the last step.
             commits: vec![commit(3.0, 2.0, 200), commit(3.0, 2.0, 200), commit(5.0, 2.0, 200), commit(5.0, 0.0, 100)],
-            kv_cache_blocks: 0,
-            kv_utilisation_peak: None,
-            kv_utilisation_mean: None,
-            preemptions: 0,
-            recomputed_tokens: 0,
-            cached_prompt_tokens: 0,
-            prefix_cache_evictions: 0,
-            peak_rss_bytes: 0,
-            weights_bytes: 0,
-            weights_layout: String::new(),
-            kv_cache_dtype: String::new(),
+            engine: EngineFigures::default(),
         };
         let steps = attempt.rate_over_time(1.0, 4, true);
         assert_eq!(steps.iter().map(|s| s.2).collect::<Vec<_>>(), vec![200.0, 200.0, 100.0, 200.0]);

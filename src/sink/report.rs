@@ -14,7 +14,7 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::{ParquetRecordBatchStreamBuilder, ProjectionMask};
 
 use super::{Marker, Output, SinkError};
-use crate::report::{ReportData, RowStats, UnitFigures};
+use crate::report::{EngineFigures, ReportData, RowStats, UnitFigures};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -81,17 +81,19 @@ fn unit_figures(marker: &Marker, m: &MetricsRow) -> UnitFigures {
         generation_s: m.number("generation_s"),
         output_tokens_per_s: m.number("output_tokens_per_s"),
         total_tokens_per_s: m.number("total_tokens_per_s"),
-        kv_cache_blocks: m.count("kv_cache_blocks"),
-        kv_utilisation_peak: optional("kv_utilisation_peak"),
-        kv_utilisation_mean: optional("kv_utilisation_mean"),
-        preemptions: m.count("preemptions"),
-        recomputed_tokens: m.count("recomputed_tokens"),
-        cached_prompt_tokens: m.count("cached_prompt_tokens"),
-        prefix_cache_evictions: m.count("prefix_cache_evictions"),
-        peak_rss_bytes: m.count("peak_rss_bytes"),
-        weights_bytes: m.count("weights_bytes"),
-        weights_layout: m.text.get("weights_layout").cloned().unwrap_or_default(),
-        kv_cache_dtype: m.text.get("kv_cache_dtype").cloned().unwrap_or_default(),
+        engine: EngineFigures {
+            kv_cache_blocks: m.count("kv_cache_blocks"),
+            kv_utilisation_peak: optional("kv_utilisation_peak"),
+            kv_utilisation_mean: optional("kv_utilisation_mean"),
+            preemptions: m.count("preemptions"),
+            recomputed_tokens: m.count("recomputed_tokens"),
+            cached_prompt_tokens: m.count("cached_prompt_tokens"),
+            prefix_cache_evictions: m.count("prefix_cache_evictions"),
+            peak_rss_bytes: m.count("peak_rss_bytes"),
+            weights_bytes: m.count("weights_bytes"),
+            weights_layout: m.text.get("weights_layout").cloned().unwrap_or_default(),
+            kv_cache_dtype: m.text.get("kv_cache_dtype").cloned().unwrap_or_default(),
+        },
     }
 }
 
@@ -145,15 +147,7 @@ impl Output {
     pub async fn report_data(&self, finalizing: bool) -> Result<ReportData, SinkError> {
         let plan = self.read_plan().await?.ok_or_else(|| SinkError::NoPlan { url: self.url().into() })?;
         let success = finalizing || self.is_complete().await?;
-        let mut markers = self.markers().await?;
-        let files = self.unit_files().await?;
-        let mut damaged_units = Vec::new();
-        for marker in markers.values() {
-            if self.missing_file(marker, &files).await?.is_some() {
-                damaged_units.push(marker.unit);
-            }
-        }
-        markers.retain(|unit, _| !damaged_units.contains(unit));
+        let (markers, damaged_units) = self.whole_markers().await?;
         let mut read = futures::stream::iter(markers.into_values())
             .map(|marker| async move {
                 let unit = crate::error::catch_panic_async(self.read_unit(&marker)).await;

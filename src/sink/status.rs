@@ -80,15 +80,7 @@ impl Output {
             // A complete output's manifest is what readers go by: a damaged one is an error here too.
             self.read_manifest().await?;
         }
-        let mut markers = self.markers().await?;
-        let files = self.unit_files().await?;
-        let mut damaged_units = Vec::new();
-        for marker in markers.values() {
-            if self.missing_file(marker, &files).await?.is_some() {
-                damaged_units.push(marker.unit);
-            }
-        }
-        markers.retain(|unit, _| !damaged_units.contains(unit));
+        let (markers, damaged_units) = self.whole_markers().await?;
         let complete = success && damaged_units.is_empty();
         // (unit, attempt, job_s at commit) for every committed unit.
         let timings: Vec<(u32, String, f64)> = futures::stream::iter(markers.values().cloned())
@@ -153,6 +145,21 @@ impl Output {
             committed_rows: markers.values().map(|m| m.rows).sum(),
             shards,
         })
+    }
+
+    /// The commit markers whose files are all there, and the units whose markers name a missing file (deleted
+    /// since their commit: not counted as committed). Reads only.
+    pub(super) async fn whole_markers(&self) -> Result<(BTreeMap<u32, super::Marker>, Vec<u32>), SinkError> {
+        let mut markers = self.markers().await?;
+        let files = self.unit_files().await?;
+        let mut damaged_units = Vec::new();
+        for marker in markers.values() {
+            if self.missing_file(marker, &files).await?.is_some() {
+                damaged_units.push(marker.unit);
+            }
+        }
+        markers.retain(|unit, _| !damaged_units.contains(unit));
+        Ok((markers, damaged_units))
     }
 
     pub(super) async fn read_bytes(&self, relative: &str) -> Result<bytes::Bytes, SinkError> {
