@@ -287,41 +287,70 @@ fn throughput(out: &mut String, data: &ReportData, attempts: &[AttemptSummary]) 
     };
     let generated = attempts.iter().any(|a| a.completion_tokens > 0);
     let shards = data.plan.shards;
-    let lanes: Vec<Lane> = attempts
+    // Many attempts (a job of many shards) would make a lane or a line each unreadable: past MAX_LANES, the lanes
+    // shown are the reruns' (shards with more than one attempt) and then the last to finish; past MAX_LINES, one
+    // line sums every attempt.
+    const MAX_LANES: usize = 40;
+    const MAX_LINES: usize = 8;
+    let end = |i: usize| offsets[i] + attempts[i].last_commit_s;
+    let mut shown: Vec<usize> = (0..attempts.len()).collect();
+    if attempts.len() > MAX_LANES {
+        let reruns = |i: &usize| attempts.iter().filter(|a| a.shards == attempts[*i].shards).count() > 1;
+        shown.sort_by(|a, b| reruns(b).cmp(&reruns(a)).then(end(*b).total_cmp(&end(*a))));
+        shown.truncate(MAX_LANES);
+        shown.sort_unstable();
+    }
+    let lanes: Vec<Lane> = shown
         .iter()
-        .zip(&offsets)
-        .enumerate()
-        .map(|(i, (a, o))| Lane {
-            label: attempt_label(a, shards),
-            colour: PALETTE[i % PALETTE.len()],
-            spans: vec![(*o, o + a.model_load_s.min(a.last_commit_s), true), (o + a.model_load_s.min(a.last_commit_s), o + a.last_commit_s, false)],
-            ticks: a.commits.iter().map(|c| o + c.at_s).collect(),
+        .map(|&i| {
+            let (a, o) = (&attempts[i], offsets[i]);
+            Lane {
+                label: attempt_label(a, shards),
+                colour: PALETTE[i % PALETTE.len()],
+                spans: vec![(o, o + a.model_load_s.min(a.last_commit_s), true), (o + a.model_load_s.min(a.last_commit_s), o + a.last_commit_s, false)],
+                ticks: a.commits.iter().map(|c| o + c.at_s).collect(),
+            }
         })
         .collect();
     out.push_str(r#"<div class="charts">"#);
-    figure(
-        out,
-        "timeline",
-        "When each attempt (process start) ran: start-up and model load lighter, then a tick at each unit it committed. An attempt that stops early was killed or drained; its rerun is a later lane of the same shard.",
-        &svg::timeline(&lanes, &seconds, &x_title),
-    );
-    let series: Vec<Steps> = attempts
-        .iter()
-        .zip(&offsets)
-        .enumerate()
-        .map(|(i, (a, o))| {
-            let from = a.model_load_s.min(a.last_commit_s);
-            let steps = a.rate_over_time(from, 40, generated).into_iter().map(|(x0, x1, rate)| (o + x0, o + x1, rate)).collect();
-            Steps { label: attempt_label(a, shards), colour: PALETTE[i % PALETTE.len()], steps }
-        })
-        .collect();
+    let mut caption = "When each attempt (process start) ran: start-up and model load lighter, then a tick at each unit it committed. An attempt that stops early was killed or drained; its rerun is a later lane of the same shard.".to_string();
+    if shown.len() < attempts.len() {
+        caption.push_str(&format!(" {} of {} attempts are shown: the reruns first, then those that finished last.", shown.len(), attempts.len()));
+    }
+    figure(out, "timeline", &caption, &svg::timeline(&lanes, &seconds, &x_title));
+    let series: Vec<Steps> = if attempts.len() <= MAX_LINES {
+        attempts
+            .iter()
+            .zip(&offsets)
+            .enumerate()
+            .map(|(i, (a, o))| {
+                let from = a.model_load_s.min(a.last_commit_s);
+                let steps = a.rate_over_time(from, 40, generated).into_iter().map(|(x0, x1, rate)| (o + x0, o + x1, rate)).collect();
+                Steps { label: attempt_label(a, shards), colour: PALETTE[i % PALETTE.len()], steps }
+            })
+            .collect()
+    } else {
+        let (lo, hi) = (0.0, (0..attempts.len()).map(end).fold(0.0, f64::max));
+        let buckets = 60;
+        let width = (hi - lo) / buckets as f64;
+        let steps = (0..buckets)
+            .filter(|_| width > 0.0)
+            .map(|b| {
+                let (t0, t1) = (lo + b as f64 * width, lo + (b + 1) as f64 * width);
+                let tokens: f64 = attempts.iter().zip(&offsets).map(|(a, o)| a.tokens_between(t0 - o, if b + 1 == buckets { f64::INFINITY } else { t1 - o }, generated)).sum();
+                (t0, t1, tokens / width)
+            })
+            .collect();
+        vec![Steps { label: format!("all {} attempts", attempts.len()), colour: PALETTE[0], steps }]
+    };
     let y_title = if generated { "output tokens/s" } else { "tokens/s" };
     figure(
         out,
         "throughput",
         &format!(
-            "{} per attempt, from the end of its model load to its last commit: each unit's tokens spread over its generation window (its first row ready to its last result), summed over the units in flight.",
-            if generated { "Generated tokens per second" } else { "Tokens per second" }
+            "{} {}: each unit's tokens spread over its generation window (its first row ready to its last result), summed over the units in flight.",
+            if generated { "Generated tokens per second" } else { "Tokens per second" },
+            if attempts.len() <= MAX_LINES { "per attempt, from the end of its model load to its last commit" } else { "of all attempts together" }
         ),
         &svg::step_lines(&series, &seconds, &count, &x_title, y_title),
     );
@@ -633,6 +662,35 @@ mod tests {
         assert!(html.contains("attempts end to end"), "no start times: a relative axis");
         let empty = render(&data(vec![], 2));
         assert!(empty.contains("No unit is committed yet") && !empty.contains("NaN"));
+    }
+
+    #[test]
+    fn a_job_of_many_shards_shows_its_reruns_and_one_line_for_all() {
+        // 50 shards of one unit each; shards 0 to 9 were killed after their unit and rerun (a unit of their own
+        // in the rerun, for the test), so 60 attempts.
+        let mut units = Vec::new();
+        for shard in 0..50u32 {
+            units.push(unit(shard, shard, &format!("first{shard:03}"), 2.0, Some(1000.0)));
+            if shard < 10 {
+                units.push(unit(100 + shard, shard, &format!("rerun{shard:03}"), 1.0, Some(1010.0)));
+            }
+        }
+        let mut report = data(units, 0);
+        report.plan.shards = 50;
+        let html = render(&report);
+        assert_eq!(html.matches("class=\"mark startup\"").count(), 40, "40 lanes of 60 attempts");
+        assert!(html.contains("40 of 60 attempts are shown"));
+        for shard in 0..10 {
+            assert!(html.contains(&format!("shard {shard} · rerun{shard:03}")), "shard {shard}: its rerun has a lane");
+        }
+        assert_eq!(html.matches(r#"class="mark line""#).count(), 1);
+        assert!(html.contains("all 60 attempts"));
+        // The summed line's area is every attempt's generated tokens.
+        let attempts = report.attempts();
+        let total: f64 = attempts.iter().map(|a| a.completion_tokens as f64).sum();
+        let (offsets, _) = offsets(&attempts);
+        let area: f64 = (0..60).map(|b| attempts.iter().zip(&offsets).map(|(a, o)| a.tokens_between(b as f64 * 0.2 - o, if b == 59 { f64::INFINITY } else { (b + 1) as f64 * 0.2 - o }, true)).sum::<f64>()).sum();
+        assert!((area - total).abs() < 1e-6, "{area} vs {total}");
     }
 
     #[test]

@@ -157,34 +157,41 @@ pub struct Commit {
 }
 
 impl AttemptSummary {
+    /// The tokens (generated ones, or all when `generated` is false) the attempt made between `lo` and `hi`
+    /// seconds from its start: each unit's tokens spread evenly over its generation window (its first row ready to
+    /// its commit); a unit with no window counts at its commit.
+    pub fn tokens_between(&self, lo: f64, hi: f64, generated: bool) -> f64 {
+        self.commits
+            .iter()
+            .map(|c| {
+                let n = if generated { c.completion_tokens } else { c.prompt_tokens + c.completion_tokens } as f64;
+                let (start, end) = (c.at_s - c.generation_s.max(0.0), c.at_s);
+                if end - start <= 0.0 {
+                    return if lo <= end && end < hi { n } else { 0.0 };
+                }
+                n * (end.min(hi) - start.max(lo)).max(0.0) / (end - start)
+            })
+            .sum()
+    }
+
     /// Tokens per second over time, in `buckets` equal steps from `from` to the last commit (seconds from the
-    /// attempt's start): each unit's tokens (generated ones, or all when `generated` is false) spread evenly over
-    /// its generation window, and the units' rates summed where windows overlap (units run concurrently). The
-    /// steps' areas add up to the attempt's tokens.
+    /// attempt's start), from [`tokens_between`](Self::tokens_between): the units' rates summed where their windows
+    /// overlap (units run concurrently). Tokens made before `from` count in the first step, so the steps' areas add
+    /// up to the attempt's tokens.
     pub fn rate_over_time(&self, from: f64, buckets: usize, generated: bool) -> Vec<(f64, f64, f64)> {
         let to = self.last_commit_s;
         if buckets == 0 || to <= from {
             return Vec::new();
         }
         let width = (to - from) / buckets as f64;
-        let mut tokens = vec![0.0; buckets];
-        for c in &self.commits {
-            let n = if generated { c.completion_tokens } else { c.prompt_tokens + c.completion_tokens } as f64;
-            let (start, end) = ((c.at_s - c.generation_s).max(from), c.at_s.max(from));
-            if end - start <= 0.0 {
-                // A window of no length (or before `from`): its tokens land in the bucket of its commit.
-                let b = (((end - from) / width) as usize).min(buckets - 1);
-                tokens[b] += n;
-                continue;
-            }
-            let per_s = n / (end - start);
-            let (first, last) = ((((start - from) / width) as usize).min(buckets - 1), (((end - from) / width) as usize).min(buckets - 1));
-            for (b, t) in tokens.iter_mut().enumerate().take(last + 1).skip(first) {
+        (0..buckets)
+            .map(|b| {
                 let (lo, hi) = (from + b as f64 * width, from + (b + 1) as f64 * width);
-                *t += per_s * (end.min(hi) - start.max(lo)).max(0.0);
-            }
-        }
-        tokens.iter().enumerate().map(|(b, t)| (from + b as f64 * width, from + (b + 1) as f64 * width, t / width)).collect()
+                // The first step takes what came before `from`; the last, what came at `to` itself.
+                let (lo_in, hi_in) = (if b == 0 { f64::NEG_INFINITY } else { lo }, if b + 1 == buckets { f64::INFINITY } else { hi });
+                (lo, hi, self.tokens_between(lo_in, hi_in, generated) / width)
+            })
+            .collect()
     }
 }
 
