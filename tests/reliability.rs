@@ -1000,14 +1000,16 @@ fn a_model_in_object_storage_is_fetched_once_into_the_cache() {
     let cache = world.dir.join("cache");
     let job = job_for("remote", &cache, "");
     let validate = |job: &Path| finish(world.command_for("validate", job).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
+    // Bytes a successful validate reads from the store.
+    let bytes_read_validating = |job: &Path| {
+        let before = proxy.bytes_down();
+        validate(job).assert_ok();
+        proxy.bytes_down() - before
+    };
 
     // The first use fetches the model; the next ones read no weight bytes from the store.
-    let before = proxy.bytes_down();
-    validate(&job).assert_ok();
-    let first = proxy.bytes_down() - before;
-    let before = proxy.bytes_down();
-    validate(&job).assert_ok();
-    let overhead = proxy.bytes_down() - before;
+    let first = bytes_read_validating(&job);
+    let overhead = bytes_read_validating(&job);
     eprintln!("validate read {first} bytes from the store, then {overhead} with the model cached (the model is {size})");
     // The input and the output's state are read through the same proxy both times; the model only the first time.
     assert!(first >= size + overhead && overhead < size, "{first} then {overhead} bytes");
@@ -1094,12 +1096,8 @@ fn a_model_in_object_storage_is_fetched_once_into_the_cache() {
     let http_cache = world.dir.join("cache-http");
     let http_job = job_for("remote-http", &http_cache, "");
     std::fs::write(&http_job, std::fs::read_to_string(&http_job).unwrap().replace("s3://nightly/models/tiny.gguf", &http("tiny.gguf"))).unwrap();
-    let before = proxy.bytes_down();
-    validate(&http_job).assert_ok();
-    let first = proxy.bytes_down() - before;
-    let before = proxy.bytes_down();
-    validate(&http_job).assert_ok();
-    let again = proxy.bytes_down() - before;
+    let first = bytes_read_validating(&http_job);
+    let again = bytes_read_validating(&http_job);
     assert!(first >= size + again && again < size, "over HTTP: {first} then {again} bytes");
     let hf_http = job_for("remote-hf-http", &http_cache, "");
     std::fs::write(&hf_http, std::fs::read_to_string(&hf_http).unwrap().replace("s3://nightly/models/tiny.gguf", &http("hf/"))).unwrap();

@@ -12,7 +12,7 @@ use crate::engine::seq2seq::{Seq2SeqEngine, MAX_SOURCE_TOKENS};
 use crate::engine::{self, BatchConfig, DecoderSetup, Engine, ModelError, StopRules};
 use crate::error::Error;
 use crate::job::{Job, JobError, JobKind};
-pub use crate::source::model::sha256_file;
+use crate::source::model::sha256_file;
 use crate::sink::ResultsLayout;
 use crate::tokenize::{EncoderPreprocessor, Prepare, Preprocessor, TokenizerError};
 

@@ -48,7 +48,7 @@ use crate::metrics::prometheus::Exporter;
 use crate::source::{Input, SourceRow};
 use crate::tokenize::Prepare;
 use collect::{Collect, Collected, RunFigures};
-pub use load::{check_model, sha256_file, ModelCheck, ModelSummary};
+pub use load::{check_model, ModelCheck, ModelSummary};
 pub use plan::{plan_job, JobPlanReport};
 pub use signals::Drain;
 pub use validate::{validate, ValidateReport};

@@ -629,7 +629,6 @@ mod tests {
             generation_s: job_s / 2.0,
             output_tokens_per_s: 50.0,
             engine: crate::report::EngineFigures { kv_cache_blocks: 64, kv_utilisation_peak: Some(0.5), kv_utilisation_mean: Some(0.25), ..Default::default() },
-            ..Default::default()
         }
     }
 

@@ -68,9 +68,6 @@ impl ReportData {
                     started_unix_s: last.started_unix_s,
                     model_load_s: last.model_load_s,
                     last_commit_s: last.job_s,
-                    units: units.len(),
-                    rows: units.iter().map(|u| u.rows).sum(),
-                    prompt_tokens: units.iter().map(|u| u.prompt_tokens).sum(),
                     completion_tokens: units.iter().map(|u| u.completion_tokens).sum(),
                     commits: units.iter().map(|u| Commit { at_s: u.job_s, generation_s: u.generation_s, prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens }).collect(),
                     engine: EngineFigures {
@@ -98,7 +95,6 @@ pub struct EngineFigures {
     pub preemptions: u64,
     pub recomputed_tokens: u64,
     pub cached_prompt_tokens: u64,
-    pub prefix_cache_evictions: u64,
     pub peak_rss_bytes: u64,
     pub weights_bytes: u64,
     pub weights_layout: String,
@@ -107,7 +103,7 @@ pub struct EngineFigures {
 
 /// One committed unit's figures, from its marker and metrics file. Its engine figures (KV, preemptions, memory)
 /// are the attempt's up to the unit's commit, as the metrics files hold them.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct UnitFigures {
     pub unit: u32,
     pub shard: u32,
@@ -123,7 +119,6 @@ pub struct UnitFigures {
     pub model_load_s: f64,
     pub generation_s: f64,
     pub output_tokens_per_s: f64,
-    pub total_tokens_per_s: f64,
     pub engine: EngineFigures,
 }
 
@@ -136,9 +131,6 @@ pub struct AttemptSummary {
     pub model_load_s: f64,
     /// Seconds from the start to the attempt's last commit.
     pub last_commit_s: f64,
-    pub units: usize,
-    pub rows: u64,
-    pub prompt_tokens: u64,
     pub completion_tokens: u64,
     /// Its committed units, in commit order.
     pub commits: Vec<Commit>,
@@ -448,9 +440,6 @@ mod tests {
             started_unix_s: None,
             model_load_s: 1.0,
             last_commit_s: 5.0,
-            units: 3,
-            rows: 3,
-            prompt_tokens: 30,
             completion_tokens: 700,
             // Two units made together over [1, 3] (100 tokens/s each), one alone over [3, 5], and one committed with no
             // window, whose 100 tokens land in the last step.

@@ -80,7 +80,6 @@ fn unit_figures(marker: &Marker, m: &MetricsRow) -> UnitFigures {
         model_load_s: m.number("model_load_s"),
         generation_s: m.number("generation_s"),
         output_tokens_per_s: m.number("output_tokens_per_s"),
-        total_tokens_per_s: m.number("total_tokens_per_s"),
         engine: EngineFigures {
             kv_cache_blocks: m.count("kv_cache_blocks"),
             kv_utilisation_peak: optional("kv_utilisation_peak"),
@@ -88,7 +87,6 @@ fn unit_figures(marker: &Marker, m: &MetricsRow) -> UnitFigures {
             preemptions: m.count("preemptions"),
             recomputed_tokens: m.count("recomputed_tokens"),
             cached_prompt_tokens: m.count("cached_prompt_tokens"),
-            prefix_cache_evictions: m.count("prefix_cache_evictions"),
             peak_rss_bytes: m.count("peak_rss_bytes"),
             weights_bytes: m.count("weights_bytes"),
             weights_layout: m.text.get("weights_layout").cloned().unwrap_or_default(),
