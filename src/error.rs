@@ -46,6 +46,8 @@ pub enum Error {
     Sink(#[from] crate::sink::SinkError),
     #[error(transparent)]
     Shard(#[from] crate::plan::shard::ShardError),
+    #[error(transparent)]
+    Reuse(#[from] crate::reuse::sources::ReuseError),
     #[error("the engine failed")]
     Engine(#[source] crate::engine::EngineError),
     #[error(
@@ -72,7 +74,7 @@ impl Error {
             // A model store that did not answer is not the model's fault: a rerun may fetch it.
             Error::Model(crate::engine::ModelError::Unreachable { .. }) => Exit::Partial,
             Error::Job(_) | Error::Shard(_) | Error::Usage(_) => Exit::InvalidJob,
-            Error::Source(_) => Exit::InvalidInput,
+            Error::Source(_) | Error::Reuse(_) => Exit::InvalidInput,
             Error::Model(_) | Error::Tokenizer(_) => Exit::InvalidModel,
             Error::Sink(crate::sink::SinkError::Incomplete { .. } | crate::sink::SinkError::MissingFile { .. })
             | Error::Interrupted { .. }

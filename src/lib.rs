@@ -37,6 +37,7 @@ pub mod metrics;
 pub mod outcome;
 pub mod plan;
 pub mod report;
+pub mod reuse;
 pub mod row;
 pub mod schedule;
 pub mod sink;

@@ -1,7 +1,7 @@
 //! The sink side of a run: output rows arrive in any order, are put back in their unit's input order, and a unit
 //! is committed (results and metrics, create-once) as soon as its last row is in.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -14,6 +14,8 @@ use crate::error::Error;
 use crate::metrics::{Collector, JobMetrics};
 use crate::outcome::Outcome;
 use crate::plan::Unit;
+use crate::reuse::dedup::Dedup;
+use crate::reuse::sources::Sources;
 use crate::sink::{Commit, Output, RunMetadata};
 
 /// Figures of the run that every metrics row carries, beside the rows' own.
@@ -57,6 +59,10 @@ pub struct Collect<'a> {
     /// Where progress goes for Prometheus, told of every commit, with the units committed before this run.
     pub exporter: Option<Arc<crate::metrics::prometheus::Exporter>>,
     pub committed_before: usize,
+    /// Identical requests computed once: gives each computed row its key and copies for the rows that waited.
+    pub dedup: Arc<Dedup>,
+    /// Where reused rows are read from.
+    pub sources: Option<Arc<Sources>>,
 }
 
 /// What the collector did.
@@ -99,9 +105,14 @@ fn count(outcome: &Outcome, total: &mut Collector, buffer: &mut UnitBuffer) {
             buffer.row_took(c.e2e_s);
         }
         Outcome::Embedded(e) => {
-            total.embedded(e.prompt_tokens, e.e2e_s);
-            buffer.collector.embedded(e.prompt_tokens, e.e2e_s);
+            let duplicate = e.duplicate_of.is_some();
+            total.embedded(e.prompt_tokens, e.e2e_s, duplicate);
+            buffer.collector.embedded(e.prompt_tokens, e.e2e_s, duplicate);
             buffer.row_took(e.e2e_s);
+        }
+        Outcome::Reused(_) => {
+            total.reused();
+            buffer.collector.reused();
         }
         Outcome::Failed(f) => {
             debug!(id = %f.id, code = %f.error.code, "row errored");
@@ -124,7 +135,22 @@ async fn collect_counting(mut rows: mpsc::Receiver<Outcome>, c: Collect<'_>, uni
     let mut sample = Vec::new();
     let mut open: HashMap<u32, UnitBuffer> = HashMap::new();
     let mut units_done = 0;
-    while let Some(outcome) = rows.recv().await {
+    let mut copies = VecDeque::new();
+    loop {
+        let outcome = match copies.pop_front() {
+            Some(copy) => copy,
+            None => match rows.recv().await {
+                Some(mut outcome) => {
+                    let (key, waiting) = c.dedup.finished(&outcome);
+                    if let Some(key) = key {
+                        outcome.set_request_key(key);
+                    }
+                    copies.extend(waiting);
+                    outcome
+                }
+                None => break,
+            },
+        };
         let tag = outcome.tag();
         let unit = c.units.get(&tag.unit).ok_or_else(|| Error::Internal(format!("a row of unit {} that is not pending (a bug)", tag.unit)))?;
         let buffer = open.entry(tag.unit).or_insert_with(|| UnitBuffer::new(unit));
@@ -159,7 +185,10 @@ async fn collect_counting(mut rows: mpsc::Receiver<Outcome>, c: Collect<'_>, uni
 
 /// Commits a complete unit; whether this attempt's copy won.
 async fn commit(unit: &Unit, buffer: UnitBuffer, c: &Collect<'_>) -> Result<bool, Error> {
-    let rows: Vec<Outcome> = buffer.rows.into_iter().map(|r| r.expect("every row is filled")).collect();
+    let mut rows: Vec<Outcome> = buffer.rows.into_iter().map(|r| r.expect("every row is filled")).collect();
+    if let Some(sources) = &c.sources {
+        sources.resolve(&mut rows).await?;
+    }
     let generation_s = buffer.first_ready.map_or(0.0, |t| t.elapsed().as_secs_f64());
     let stats = c.engine_stats.lock().expect("not poisoned").clone();
     let metrics = c.figures.metrics(&buffer.collector, &stats, generation_s);

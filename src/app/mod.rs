@@ -46,6 +46,9 @@ use crate::plan::{Fingerprint, Plan, Unit, OUTPUT_FORMAT_VERSION};
 use crate::sink::{self, Finalized, Manifest, Output, RunMetadata};
 use crate::metrics::prometheus::Exporter;
 use crate::source::{Input, SourceRow};
+use crate::reuse::dedup::{Admit, Dedup};
+use crate::reuse::sources::Sources;
+use crate::reuse::KeyContext;
 use crate::tokenize::Prepare;
 use collect::{Collect, Collected, RunFigures};
 pub use load::{check_model, ModelCheck, ModelSummary};
@@ -231,7 +234,12 @@ fn run_job(
     // The plan: this job's fingerprint against the one stored at the output, if any.
     let ours = fingerprint(job, &loaded.check.sha256, loaded.check.template.as_deref(), &input);
     let plan = rt.block_on(stored_plan(job, &input, &output, assignment, &ours))?;
+    let cpu_kernels = (device.is_cpu() && loaded.weights_layout == engine::Layout::AsStored.name()).then(|| engine::kernels::Level::active().name());
+    let prefix_cache = job.kind == JobKind::Generate && job.runtime.prefix_cache;
+    let numerics = crate::reuse::numerics(device.is_cuda(), loaded.weights_layout, loaded.kv_cache_dtype, cpu_kernels, prefix_cache);
+    let keys = KeyContext::new(&loaded.check.sha256, job.kind, &numerics, &job.generation);
     let run = RunMetadata {
+        numerics: numerics.clone(),
         layout: loaded.layout,
         model_sha256: loaded.check.sha256.clone(),
         model: job.model.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
@@ -260,8 +268,15 @@ fn run_job(
         attempt = %run.attempt, fingerprint = %run.fingerprint, "plan"
     );
 
+    let sources = match job.reuse.from.is_empty() || pending.is_empty() {
+        true => None,
+        false => Some(Arc::new(rt.block_on(Sources::open(&job.reuse.from, job.reuse.allow_incomplete, &plan.fingerprint, &numerics))?)),
+    };
     let progress = progress_bar(options.progress, pending.iter().map(|u| u.rows as u64).sum());
-    let stages = Stages { rt, input, output: &output, run: &run, drain: &drain, figures: &figures, progress: &progress, show: options.show, exporter, committed_before: units_skipped };
+    let stages = Stages {
+        rt, input, output: &output, run: &run, drain: &drain, figures: &figures, progress: &progress, show: options.show, exporter,
+        committed_before: units_skipped, keys, sources,
+    };
     let ended = stages.run(job, loaded, pending);
     // The output was writable when the run started (the probe), so a read or write of it failing now, after
     // object_store's retries, is an outage: what is committed stays, and the job can be resumed.
@@ -371,6 +386,9 @@ struct Stages<'a> {
     /// Where progress goes for Prometheus, with the units committed before this run.
     exporter: Option<Arc<Exporter>>,
     committed_before: usize,
+    /// Request keys, and the earlier outputs that serve rows by them.
+    keys: KeyContext,
+    sources: Option<Arc<Sources>>,
 }
 
 /// The engine thread's outcome consumer: output rows to the sink, and the engine's figures for the unit commits.
@@ -403,7 +421,9 @@ impl Stages<'_> {
         let engine_stats = Arc::new(Mutex::new(EngineStats::default()));
 
         let source_task = spawn_source(self.rt, self.input, self.output.clone(), self.drain.clone(), pending.clone(), source_tx);
-        let tokenize_thread = spawn_tokenizer(loaded.prepare, source_rx, request_tx, sink_tx.clone(), self.drain.clone()).map_err(fail)?;
+        let dedup = Arc::new(Dedup::default());
+        let rows = KeyedRows { keys: self.keys.clone(), dedup: dedup.clone(), sources: self.sources.clone() };
+        let tokenize_thread = spawn_tokenizer(loaded.prepare, rows, source_rx, request_tx, sink_tx.clone(), self.drain.clone()).map_err(fail)?;
         let generation_started = Instant::now();
         let (engine_drain, mut to_sink) = (self.drain.clone(), ToSink { sink: sink_tx, stats: engine_stats.clone() });
         let mut engine = loaded.engine;
@@ -423,6 +443,8 @@ impl Stages<'_> {
             generation_started,
             exporter: self.exporter.clone(),
             committed_before: self.committed_before,
+            dedup,
+            sources: self.sources.clone(),
         };
         let sink_result = self.rt.block_on(collect::collect(sink_rx, collect));
         // Whatever happened, the engine and tokenizer threads end once their channels close.
@@ -472,9 +494,35 @@ fn spawn_source(
 /// Rows the tokenizer thread prepares between checks for a drain.
 const PREPARE_CHUNK: usize = 16;
 
-/// The tokenizer thread: source rows to requests for the engine, or to failed rows for the sink.
+/// What the tokenizer thread decides for each tokenized row by its request key: copied from a reuse source,
+/// waiting on (or copied from) an identical request of this run, or computed.
+struct KeyedRows {
+    keys: KeyContext,
+    dedup: Arc<Dedup>,
+    sources: Option<Arc<Sources>>,
+}
+
+impl KeyedRows {
+    /// The outcome to send to the sink at once, or the request to compute (`Ok(None)`: the row waits for an
+    /// identical one).
+    fn route(&self, request: Request) -> Result<Option<Request>, Outcome> {
+        let Some(key) = self.keys.key(&request.id, &request.params, &request.tokens, request.completion.as_deref()) else { return Ok(Some(request)) };
+        if let Some(found) = self.sources.as_ref().and_then(|s| s.lookup(&key)) {
+            return Err(Outcome::Reused(crate::outcome::Reused { id: request.id, tag: request.tag, key, file: found.file, row: found.row, data: None }));
+        }
+        match self.dedup.admit(key, &request.id, request.tag) {
+            Admit::Compute => Ok(Some(request)),
+            Admit::Wait => Ok(None),
+            Admit::Copy(outcome) => Err(outcome),
+        }
+    }
+}
+
+/// The tokenizer thread: source rows to requests for the engine, or to outcomes for the sink (failed rows, reused
+/// rows, copies of identical requests).
 fn spawn_tokenizer(
     prepare: Box<dyn Prepare>,
+    keyed: KeyedRows,
     mut rows: mpsc::Receiver<Vec<SourceRow>>,
     requests: std_mpsc::SyncSender<Request>,
     failed: mpsc::Sender<Outcome>,
@@ -496,9 +544,10 @@ fn spawn_tokenizer(
                         break;
                     }
                     for row in prepare.prepare_all(chunk) {
-                        let sent = match Request::ready(row) {
-                            Ok(request) => requests.send(request).is_ok(),
-                            Err(failure) => failed.blocking_send(Outcome::Failed(failure)).is_ok(),
+                        let sent = match Request::ready(row).map_err(Outcome::Failed).and_then(|request| keyed.route(request)) {
+                            Ok(Some(request)) => requests.send(request).is_ok(),
+                            Ok(None) => true,
+                            Err(outcome) => failed.blocking_send(outcome).is_ok(),
                         };
                         if !sent {
                             return;

@@ -271,6 +271,7 @@ fn run_rows(engine: &mut dyn Engine, rows: &[(Vec<u32>, u32)]) -> Result<Vec<Com
             Outcome::Completed(c) => Ok(c),
             Outcome::Failed(f) => Err(Error::Engine(EngineError::Row { id: f.id, message: f.error.message })),
             Outcome::Embedded(e) => Err(Error::Engine(EngineError::Bug(format!("row `{}` was embedded by a decoder", e.id)))),
+            Outcome::Reused(r) => Err(Error::Engine(EngineError::Bug(format!("row `{}` was reused in a benchmark", r.id)))),
         })
         .collect()
 }

@@ -389,6 +389,13 @@ pub struct JobArgs {
     /// count for schedulers that do not put it in the environment (a Kubernetes Indexed Job's `completions`).
     #[arg(long, env = "NIGHTSHIFT_SHARDS")]
     pub shards: Option<u32>,
+    /// A completed output of an earlier run whose rows, where a row's request key matches, are copied instead of
+    /// computed; repeatable, added to `reuse.from`.
+    #[arg(long = "reuse", value_name = "OUTPUT_URL")]
+    pub reuse: Vec<String>,
+    /// Let `--reuse` sources without `_SUCCESS` serve their committed units (`reuse.allow_incomplete`).
+    #[arg(long)]
+    pub reuse_incomplete: bool,
 }
 
 impl JobArgs {
@@ -399,6 +406,8 @@ impl JobArgs {
             model_path: self.model.clone(),
             max_seqs: self.max_seqs,
             shards: self.shards,
+            reuse: self.reuse.clone(),
+            reuse_incomplete: self.reuse_incomplete,
         }
     }
 }

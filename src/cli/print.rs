@@ -289,6 +289,7 @@ pub fn print_run(report: &RunReport) {
                 println!("  [{}] {} tokens -> [{}, ...] ({} dimensions)", e.id, e.prompt_tokens, head.join(", "), e.vector.len())
             }
             Outcome::Failed(f) => println!("  [{}] error {}: {}", f.id, f.error.code, f.error.message),
+            Outcome::Reused(r) => println!("  [{}] reused", r.id),
         }
     }
 }

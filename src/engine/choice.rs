@@ -277,5 +277,7 @@ pub fn complete(request: Request, params: GenerationParams, timing: RowTiming, c
         ttft_s: (first - arrival).as_secs_f64(),
         e2e_s: (now - arrival).as_secs_f64(),
         tpot_s: (most_sampled > 1).then(|| (now - first).as_secs_f64() / (most_sampled - 1) as f64),
+        request_key: None,
+        duplicate_of: None,
     }
 }

@@ -81,6 +81,8 @@ impl Engine for EmbedEngine {
                     id: request.id,
                     tag: request.tag,
                     vector,
+                    request_key: None,
+                    duplicate_of: None,
                 })
             })
             .collect())

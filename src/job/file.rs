@@ -10,7 +10,7 @@ use super::generation::{GenerationSection, SEQ2SEQ_UNSUPPORTED};
 use super::runtime::RuntimeSection;
 use super::{
     ChatTemplateChoice, GenerationParams, InputSpec, Invalid, Job, JobError, JobKind, ModelSpec, OutputSpec, Overrides,
-    ParameterColumns, PromptColumn, RuntimeSpec, Truncate, ROW_PARAMETERS,
+    ParameterColumns, PromptColumn, ReuseSpec, RuntimeSpec, Truncate, ROW_PARAMETERS,
 };
 
 #[derive(Debug, Deserialize)]
@@ -24,6 +24,19 @@ struct JobFile {
     output: OutputSection,
     #[serde(default)]
     runtime: RuntimeSection,
+    #[serde(default)]
+    reuse: ReuseSection,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReuseSection {
+    /// Completed outputs of earlier runs whose rows this run copies instead of computing.
+    #[serde(default)]
+    from: Vec<String>,
+    /// Serve from sources without `_SUCCESS` (their committed units).
+    #[serde(default)]
+    allow_incomplete: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -74,7 +87,7 @@ impl Job {
         let file: JobFile = toml::from_str(text)
             .map_err(|e| JobError::Parse { path: path.into(), message: e.to_string().trim_end().to_string() })?;
         let invalid = |key: &'static str, problem: String| JobError::Invalid { path: path.into(), key, problem };
-        let JobFile { kind, input, model, generation, output, runtime } = file;
+        let JobFile { kind, input, model, generation, output, runtime, reuse } = file;
 
         let url = overrides.input_url.clone().unwrap_or_else(|| input.url.clone());
         if url.trim().is_empty() {
@@ -101,6 +114,16 @@ impl Job {
         };
         let parameters = parameter_columns(input.parameters, scoring, kind, &invalid)?;
         let runtime = RuntimeSpec::from_section(runtime, overrides, &invalid)?;
+        let mut from = reuse.from;
+        from.extend(overrides.reuse.iter().cloned());
+        if let Some(empty) = from.iter().position(|u| u.trim().is_empty()) {
+            return Err(invalid("reuse.from", format!("entry {empty} is empty")));
+        }
+        let output_root = output.url.trim_end_matches('/');
+        if from.iter().any(|u| u.trim_end_matches('/') == output_root) {
+            return Err(invalid("reuse.from", format!("names the job's own output `{}`: a rerun resumes it anyway; name earlier runs' outputs", output.url)));
+        }
+        let reuse = ReuseSpec { from, allow_incomplete: reuse.allow_incomplete || overrides.reuse_incomplete };
 
         Ok(Job {
             file: path.into(),
@@ -118,6 +141,7 @@ impl Job {
             generation,
             output,
             runtime,
+            reuse,
         })
     }
 }
@@ -495,12 +519,27 @@ mod tests {
             model_path: Some("other.gguf".into()),
             max_seqs: Some(3),
             shards: Some(6),
+            reuse: vec!["s3://b/night-2/".into()],
+            reuse_incomplete: true,
         };
-        let job = Job::parse(&MINIMAL.replace("url = \"out/\"", "url = \"out/\"\nshards = 8"), Path::new("job.toml"), &o).unwrap();
+        let text = MINIMAL.replace("url = \"out/\"", "url = \"out/\"\nshards = 8") + "\n[reuse]\nfrom = [\"s3://b/night-1/\"]\n";
+        let job = Job::parse(&text, Path::new("job.toml"), &o).unwrap();
+        assert_eq!(job.reuse.from, ["s3://b/night-1/", "s3://b/night-2/"]);
+        assert!(job.reuse.allow_incomplete);
         assert_eq!(job.output.shards, Some(6));
         assert_eq!(job.input.url, "s3://b/in.parquet");
         assert_eq!(job.output.url, "s3://b/out/");
         assert_eq!(job.model.path, PathBuf::from("other.gguf"));
         assert_eq!(job.runtime.max_seqs, 3);
+    }
+
+    #[test]
+    fn reuse_sources_are_checked() {
+        let m = message(&(MINIMAL.to_string() + "\n[reuse]\nfrom = [\"\"]\n"));
+        assert!(m.contains("reuse.from") && m.contains("entry 0 is empty"), "{m}");
+        let m = message(&(MINIMAL.to_string() + "\n[reuse]\nfrom = [\"out\"]\n"));
+        assert!(m.contains("reuse.from") && m.contains("own output"), "{m}");
+        let m = message(&(MINIMAL.to_string() + "\n[reuse]\nform = []\n"));
+        assert!(m.contains("form"), "{m}");
     }
 }

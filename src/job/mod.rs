@@ -42,6 +42,10 @@ pub struct Overrides {
     pub max_seqs: Option<usize>,
     /// Overrides `output.shards`.
     pub shards: Option<u32>,
+    /// Added to `reuse.from`.
+    pub reuse: Vec<String>,
+    /// Sets `reuse.allow_incomplete`.
+    pub reuse_incomplete: bool,
 }
 
 /// Makes the error for a key of the job file at hand.
@@ -177,6 +181,15 @@ pub struct Job {
     pub generation: GenerationParams,
     pub output: OutputSpec,
     pub runtime: RuntimeSpec,
+    pub reuse: ReuseSpec,
+}
+
+/// `[reuse]`: earlier runs' outputs that serve this run's rows with equal request keys (see `crate::reuse`).
+#[derive(Clone, Debug, Default)]
+pub struct ReuseSpec {
+    pub from: Vec<String>,
+    /// Serve from sources without `_SUCCESS` (their committed units).
+    pub allow_incomplete: bool,
 }
 
 /// Job files for the tests of this module's files.

@@ -19,6 +19,10 @@ pub struct Collector {
     pub errored: u64,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
+    /// Succeeded rows copied from a reuse source, and copied from an identical request of this run; the other
+    /// succeeded rows were computed.
+    pub reused: u64,
+    pub deduplicated: u64,
     ttft_s: Vec<f64>,
     e2e_s: Vec<f64>,
     tpot_s: Vec<f64>,
@@ -28,6 +32,11 @@ impl Collector {
     pub fn completed(&mut self, c: &Completion) {
         self.rows += 1;
         self.succeeded += 1;
+        // A copy of another row's computation: its tokens and timings are that row's, counted once.
+        if c.duplicate_of.is_some() {
+            self.deduplicated += 1;
+            return;
+        }
         // A scoring row's completion is read, not generated: its tokens count as prompt tokens.
         if c.choices[0].finish_reason == crate::row::FinishReason::Scored {
             self.prompt_tokens += (c.prompt_tokens + c.completion_tokens()) as u64;
@@ -41,11 +50,27 @@ impl Collector {
     }
 
     /// A row embedded: its tokens count as prompt tokens; it has no time to first token.
-    pub fn embedded(&mut self, prompt_tokens: u32, e2e_s: f64) {
+    pub fn embedded(&mut self, prompt_tokens: u32, e2e_s: f64, duplicate: bool) {
         self.rows += 1;
         self.succeeded += 1;
+        if duplicate {
+            self.deduplicated += 1;
+            return;
+        }
         self.prompt_tokens += prompt_tokens as u64;
         self.e2e_s.push(e2e_s);
+    }
+
+    /// A row copied from a reuse source: this run computed nothing for it.
+    pub fn reused(&mut self) {
+        self.rows += 1;
+        self.succeeded += 1;
+        self.reused += 1;
+    }
+
+    /// Succeeded rows this run computed.
+    pub fn computed(&self) -> u64 {
+        self.succeeded - self.reused - self.deduplicated
     }
 
     pub fn errored(&mut self) {
@@ -77,9 +102,15 @@ job_metrics! {
         pub succeeded_rows: u64,
         /// Rows with status errored.
         pub errored_rows: u64,
-        /// Prompt tokens of succeeded rows.
+        /// Succeeded rows this run computed (not reused, not deduplicated).
+        pub computed_rows: u64,
+        /// Succeeded rows copied from a reuse source (`[reuse]`, `--reuse`) instead of computed.
+        pub reused_rows: u64,
+        /// Succeeded rows that shared the computation of an identical request of this run (`duplicate_of`).
+        pub deduplicated_rows: u64,
+        /// Prompt tokens of the succeeded rows this run computed.
         pub prompt_tokens: u64,
-        /// Generated tokens of succeeded rows.
+        /// Generated tokens of the succeeded rows this run computed.
         pub completion_tokens: u64,
         /// Seconds from the process start to this unit's commit.
         pub job_s: f64,
@@ -90,7 +121,7 @@ job_metrics! {
         pub model_load_s: f64,
         /// Seconds from the unit's first row being ready for the engine to its last result.
         pub generation_s: f64,
-        /// Succeeded rows per second of generation.
+        /// Succeeded rows this run computed, per second of generation.
         pub requests_per_s: f64,
         /// Prompt plus generated tokens per second of generation.
         pub total_tokens_per_s: f64,
@@ -164,10 +195,13 @@ impl JobMetrics {
             rows: c.rows,
             succeeded_rows: c.succeeded,
             errored_rows: c.errored,
+            computed_rows: c.computed(),
+            reused_rows: c.reused,
+            deduplicated_rows: c.deduplicated,
             prompt_tokens: c.prompt_tokens,
             completion_tokens: c.completion_tokens,
             generation_s,
-            requests_per_s: per_s(c.succeeded as f64),
+            requests_per_s: per_s(c.computed() as f64),
             total_tokens_per_s: per_s((c.prompt_tokens + c.completion_tokens) as f64),
             output_tokens_per_s: per_s(c.completion_tokens as f64),
             ttft_p50_s: percentile(&c.ttft_s, 50.0),

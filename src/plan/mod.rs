@@ -12,7 +12,7 @@ pub mod report;
 pub mod shard;
 
 /// Bumped when the output layout or the results schema changes incompatibly.
-pub const OUTPUT_FORMAT_VERSION: u32 = 1;
+pub const OUTPUT_FORMAT_VERSION: u32 = 2;
 
 /// One input file as planned.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

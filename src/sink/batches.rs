@@ -5,9 +5,9 @@ use std::sync::Arc;
 use arrow::array::{ArrayRef, Float64Builder, RecordBatch, StringBuilder, StructArray, UInt32Builder};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 
-use super::schema::error_fields;
+use super::schema::{error_fields, OWN_COLUMNS};
 use super::Outcome;
-use crate::outcome::{Completion, RowFailure};
+use crate::outcome::{Completion, Reused, RowFailure};
 use crate::metrics::{metrics_columns, MetricValue, MetricsRow};
 use crate::row::{FinishReason, RowError};
 
@@ -21,6 +21,71 @@ fn nested_json(c: Option<&Completion>) -> serde_json::Value {
         "choices": (c.choices.len() > 1).then_some(&c.choices),
         "params": c.params.to_json_object(),
     })
+}
+
+/// The reuse columns of one row ([`reuse_fields`]), as JSON.
+fn reuse_json(row: &Outcome) -> serde_json::Value {
+    let (key, duplicate_of) = match row {
+        Outcome::Completed(c) => (c.request_key.map(|k| k.hex()), c.duplicate_of.as_deref()),
+        Outcome::Embedded(e) => (e.request_key.map(|k| k.hex()), e.duplicate_of.as_deref()),
+        Outcome::Reused(r) => (Some(r.key.hex()), None),
+        Outcome::Failed(_) => (None, None),
+    };
+    let reused_from = match row {
+        Outcome::Reused(Reused { data: Some(d), .. }) => {
+            let [queue_s, ttft_s, e2e_s, tpot_s] = d.timings;
+            serde_json::json!({"url": d.url, "id": d.source_id, "queue_s": queue_s, "ttft_s": ttft_s, "e2e_s": e2e_s, "tpot_s": tpot_s})
+        }
+        _ => serde_json::Value::Null,
+    };
+    serde_json::json!({"request_key": key, "duplicate_of": duplicate_of, "reused_from": reused_from})
+}
+
+/// Columns `fields` of `rows` through arrow's JSON decoder, which builds nested columns from serde values.
+fn json_columns(rows: &[Outcome], fields: Vec<arrow::datatypes::FieldRef>, json: impl Fn(&Outcome) -> serde_json::Value) -> Result<Vec<ArrayRef>, arrow::error::ArrowError> {
+    let schema = Arc::new(Schema::new(fields));
+    let mut decoder = arrow::json::ReaderBuilder::new(schema.clone()).with_batch_size(rows.len().max(1)).build_decoder()?;
+    let values: Vec<serde_json::Value> = rows.iter().map(json).collect();
+    decoder.serialize(&values)?;
+    Ok(match decoder.flush()? {
+        Some(batch) => batch.columns().to_vec(),
+        None => schema.fields().iter().map(|f| arrow::array::new_empty_array(f.data_type())).collect(),
+    })
+}
+
+/// A batch whose reused rows (placeholders as built) take every column from their source's row except this
+/// run's own ([`OWN_COLUMNS`]).
+fn with_reused_rows(batch: RecordBatch, rows: &[Outcome]) -> Result<RecordBatch, arrow::error::ArrowError> {
+    let reused: Vec<(usize, &RecordBatch)> = rows
+        .iter()
+        .enumerate()
+        .filter_map(|(i, row)| match row {
+            Outcome::Reused(r) => Some(r.data.as_ref().map(|d| (i, &d.row)).ok_or_else(|| wrong_kind(&r.id, "a reused row whose result was not read"))),
+            _ => None,
+        })
+        .collect::<Result<_, _>>()?;
+    if reused.is_empty() {
+        return Ok(batch);
+    }
+    let schema = batch.schema();
+    let mut columns = batch.columns().to_vec();
+    for (c, field) in schema.fields().iter().enumerate() {
+        if OWN_COLUMNS.contains(&field.name().as_str()) {
+            continue;
+        }
+        let mut arrays: Vec<&dyn arrow::array::Array> = vec![columns[c].as_ref()];
+        let mut indices: Vec<(usize, usize)> = (0..batch.num_rows()).map(|i| (0, i)).collect();
+        for (k, (i, source)) in reused.iter().enumerate() {
+            let column = source.column_by_name(field.name()).ok_or_else(|| wrong_kind(rows[*i].id(), &format!("reused from a file without a `{}` column", field.name())))?;
+            if column.data_type() != field.data_type() {
+                return Err(wrong_kind(rows[*i].id(), &format!("reused from a file whose `{}` column has another type", field.name())));
+            }
+            arrays.push(column.as_ref());
+            indices[*i] = (k + 1, 0);
+        }
+        columns[c] = arrow::compute::interleave(&arrays, &indices)?;
+    }
+    RecordBatch::try_new(schema, columns)
 }
 
 /// The `id`, `status` and `error` columns every results schema starts with.
@@ -104,11 +169,21 @@ pub(super) fn embeddings_batch(rows: &[Outcome], schema: SchemaRef, dimensions: 
                 tokens.append_null();
                 e2e.append_null();
             }
+            Outcome::Reused(r) => {
+                // Filled from the source's row.
+                base.succeeded(&r.id);
+                vectors.values().append_slice(&vec![0.0; dimensions]);
+                vectors.append(false);
+                tokens.append_null();
+                e2e.append_null();
+            }
             Outcome::Completed(c) => return Err(wrong_kind(&c.id, "a completion in an embedding job")),
         }
     }
-    let columns = base.finish(vec![Arc::new(vectors.finish()), Arc::new(tokens.finish()), Arc::new(e2e.finish())])?;
-    RecordBatch::try_new(schema, columns)
+    let mut columns = base.finish(vec![Arc::new(vectors.finish()), Arc::new(tokens.finish()), Arc::new(e2e.finish())])?;
+    let reuse_fields: Vec<_> = schema.fields().iter().skip(columns.len()).cloned().collect();
+    columns.extend(json_columns(rows, reuse_fields, reuse_json)?);
+    with_reused_rows(RecordBatch::try_new(schema, columns)?, rows)
 }
 
 pub(super) fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<RecordBatch, arrow::error::ArrowError> {
@@ -151,6 +226,19 @@ pub(super) fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<Recor
                 e2e.append_null();
                 tpot.append_null();
             }
+            Outcome::Reused(r) => {
+                // Filled from the source's row.
+                base.succeeded(&r.id);
+                text.append_null();
+                finish.append_value(FinishReason::Stop.as_str());
+                prompt_tokens.append_null();
+                cached_tokens.append_null();
+                completion_tokens.append_value(0);
+                queue.append_null();
+                ttft.append_null();
+                e2e.append_null();
+                tpot.append_null();
+            }
             Outcome::Embedded(e) => return Err(wrong_kind(&e.id, "an embedding in a generation job")),
         }
     }
@@ -167,22 +255,18 @@ pub(super) fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<Recor
     ])?;
     // The nested columns through arrow's JSON decoder, which builds lists of structs from serde values.
     let nested_fields: Vec<_> = schema.fields().iter().skip(columns.len()).cloned().collect();
-    let nested_schema = Arc::new(Schema::new(nested_fields));
-    let mut decoder = arrow::json::ReaderBuilder::new(nested_schema).with_batch_size(n.max(1)).build_decoder()?;
-    let values: Vec<serde_json::Value> = rows
-        .iter()
-        .map(|row| nested_json(match row {
+    let mut columns = columns;
+    columns.extend(json_columns(rows, nested_fields, |row| {
+        let mut value = nested_json(match row {
             Outcome::Completed(c) => Some(c),
             _ => None,
-        }))
-        .collect();
-    decoder.serialize(&values)?;
-    let mut columns = columns;
-    match decoder.flush()? {
-        Some(nested) => columns.extend(nested.columns().iter().cloned()),
-        None => columns.extend(schema.fields().iter().skip(columns.len()).map(|f| arrow::array::new_empty_array(f.data_type()))),
-    }
-    RecordBatch::try_new(schema, columns)
+        });
+        if let (Some(object), serde_json::Value::Object(reuse)) = (value.as_object_mut(), reuse_json(row)) {
+            object.extend(reuse);
+        }
+        value
+    })?);
+    with_reused_rows(RecordBatch::try_new(schema, columns)?, rows)
 }
 
 /// The one row of a metrics file: a column per entry of [`metrics_columns`], in order.

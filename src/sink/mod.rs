@@ -23,6 +23,7 @@
 
 mod batches;
 mod report;
+pub mod reuse;
 mod schema;
 mod status;
 
@@ -117,6 +118,8 @@ pub struct RunMetadata {
     /// The plan's fingerprint digest: every file of one output carries the same one.
     pub fingerprint: String,
     pub attempt: String,
+    /// The arithmetic the rows were computed with (`reuse::numerics`).
+    pub numerics: String,
 }
 
 impl RunMetadata {
@@ -128,6 +131,7 @@ impl RunMetadata {
             ("nightshift.job".into(), self.job.clone()),
             ("nightshift.fingerprint".into(), self.fingerprint.clone()),
             ("nightshift.attempt".into(), self.attempt.clone()),
+            (reuse::NUMERICS_KEY.into(), self.numerics.clone()),
         ]
     }
 }

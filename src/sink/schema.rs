@@ -31,8 +31,32 @@ pub fn results_schema() -> Schema {
         Field::new("cumulative_logprob", DataType::Float64, true),
         Field::new("choices", list(DataType::Struct(choice_fields())), true),
         Field::new("params", DataType::Struct(params_fields()), true),
+        reuse_fields()[0].clone(),
+        reuse_fields()[1].clone(),
+        reuse_fields()[2].clone(),
     ])
 }
+
+/// The columns every results schema ends with: the row's request key and where its result came from.
+pub(super) fn reuse_fields() -> [Field; 3] {
+    let f64 = |name: &str| Field::new(name, DataType::Float64, true);
+    let reused = Fields::from(vec![
+        Field::new("url", DataType::Utf8, false),
+        Field::new("id", DataType::Utf8, false),
+        f64("queue_s"),
+        f64("ttft_s"),
+        f64("e2e_s"),
+        f64("tpot_s"),
+    ]);
+    [
+        Field::new("request_key", DataType::Utf8, true),
+        Field::new("duplicate_of", DataType::Utf8, true),
+        Field::new("reused_from", DataType::Struct(reused), true),
+    ]
+}
+
+/// The columns of a reused row that are this run's own, not copied from its source.
+pub(super) const OWN_COLUMNS: &[&str] = &["id", "queue_s", "ttft_s", "e2e_s", "tpot_s", "request_key", "duplicate_of", "reused_from"];
 
 /// `List<item>`, its items never null.
 fn list(item: DataType) -> DataType {
@@ -89,6 +113,9 @@ pub fn embeddings_schema(dimensions: usize) -> Schema {
         Field::new("embedding", DataType::FixedSizeList(item, dimensions as i32), true),
         Field::new("prompt_tokens", DataType::UInt32, true),
         Field::new("e2e_s", DataType::Float64, true),
+        reuse_fields()[0].clone(),
+        reuse_fields()[1].clone(),
+        reuse_fields()[2].clone(),
     ])
 }
 

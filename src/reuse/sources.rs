@@ -1,0 +1,211 @@
+//! Reuse sources: completed outputs of earlier runs whose rows a run copies instead of computing.
+//!
+//! # The lookup
+//! When a run starts, each source's result files are read for two columns only (`status` and `request_key`,
+//! with ranged reads, 8 files at a time), and the first 16 bytes of every succeeded row's key go into one hash
+//! map with the row's place (file, row): 24 bytes per source row, about 40 with the map's slack, and the full key
+//! is checked again when the row is read. The keys are hashes, so a shard cannot tell which of them it needs
+//! without tokenizing its rows first: every shard reads every source key once (64 bytes per row on the wire),
+//! which for 10 million source rows is about 640 MB read and 400 MB of memory per shard
+//! (`BENCHMARKS.md` has the measured figures). Rows are read when a unit that reuses them is committed: whole
+//! result files, a few at a time, the last [`CACHED_FILES`] kept, so the rows of one source unit cost one read.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use arrow::array::{Array, AsArray, RecordBatch, StructArray};
+use arrow::datatypes::Float64Type;
+use futures::{StreamExt, TryStreamExt};
+use tracing::{info, warn};
+
+use super::RequestKey;
+use crate::outcome::{Outcome, ReusedData};
+use crate::plan::Fingerprint;
+use crate::sink::reuse::ReuseFiles;
+use crate::sink::{Output, SinkError};
+
+/// Result files of the sources kept decoded for the rows of the next units.
+pub const CACHED_FILES: usize = 4;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReuseError {
+    #[error(
+        "reuse source `{url}` is incomplete (no `_SUCCESS`): finish it (`nightshift finalize`, or run its job \
+         again), or allow it with `reuse.allow_incomplete = true` (`--reuse-incomplete`), which serves its \
+         committed units"
+    )]
+    Incomplete { url: String },
+    #[error("reuse source `{url}` has no `_plan.json`: it is not an output of nightshift")]
+    NotAnOutput { url: String },
+    #[error("reuse source `{url}` cannot be read")]
+    Read { url: String, #[source] source: SinkError },
+    #[error("reuse source `{url}`: row {row} of `{file}` does not hold the request key it was indexed with (the file changed mid-run)")]
+    Changed { url: String, file: String, row: u32 },
+}
+
+/// What the sources hold, for the log and the plan.
+#[derive(Clone, Debug, Default)]
+pub struct SourcesSummary {
+    pub sources: usize,
+    /// Sources that serve nothing (another model, template or parameters), with why.
+    pub refused: Vec<(String, String)>,
+    pub files: usize,
+    pub keys: usize,
+    /// Files computed with other numerics, which serve nothing.
+    pub other_numerics_files: usize,
+    pub seconds: f64,
+}
+
+pub struct Sources {
+    outputs: Vec<Output>,
+    /// (output, result file relative to it).
+    files: Vec<(usize, String)>,
+    index: HashMap<u128, (u32, u32)>,
+    cache: Mutex<VecDeque<(u32, Arc<RecordBatch>)>>,
+    pub summary: SourcesSummary,
+}
+
+/// Where a reusable row is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Found {
+    pub file: u32,
+    pub row: u32,
+}
+
+impl Sources {
+    /// Opens the sources and reads their keys. A source of another job (model, template, prompt settings or
+    /// generation parameters) serves nothing and is named once in the log; so are files of other numerics.
+    pub async fn open(urls: &[String], allow_incomplete: bool, ours: &Fingerprint, numerics: &str) -> Result<Sources, ReuseError> {
+        let started = Instant::now();
+        let mut sources = Sources { outputs: Vec::new(), files: Vec::new(), index: HashMap::new(), cache: Mutex::default(), summary: SourcesSummary::default() };
+        sources.summary.sources = urls.len();
+        for url in urls {
+            let read = |source| ReuseError::Read { url: url.clone(), source };
+            let output = Output::resolve(url).map_err(read)?;
+            let plan = output.read_plan().await.map_err(read)?.ok_or_else(|| ReuseError::NotAnOutput { url: url.clone() })?;
+            let files = match output.reuse_files().await.map_err(read)? {
+                ReuseFiles::Complete(files) => files,
+                ReuseFiles::Incomplete(_) if !allow_incomplete => return Err(ReuseError::Incomplete { url: url.clone() }),
+                ReuseFiles::Incomplete(files) => {
+                    warn!(source = %url, units = files.len(), "reuse source is incomplete; its committed units serve");
+                    files
+                }
+            };
+            // The input snapshot differs from night to night by design; everything else must be the same job.
+            let strip = |f: &Fingerprint| Fingerprint { input: Vec::new(), ..f.clone() };
+            let differences = strip(&plan.fingerprint).differences(&strip(ours));
+            if !differences.is_empty() {
+                let why = differences.join("; ");
+                warn!(source = %url, differences = %why, "reuse source is of another job; it serves nothing");
+                sources.summary.refused.push((url.clone(), why));
+                continue;
+            }
+            let o = sources.outputs.len();
+            sources.outputs.push(output);
+            let first = sources.files.len();
+            sources.files.extend(files.into_iter().map(|f| (o, f)));
+            let output = &sources.outputs[o];
+            let mut read = futures::stream::iter(first..sources.files.len())
+                .map(|f| {
+                    let relative = sources.files[f].1.clone();
+                    async move { output.read_keys(&relative).await.map(|keys| (f, keys)) }
+                })
+                .buffer_unordered(8);
+            let mut other_numerics = 0usize;
+            while let Some((f, keys)) = read.try_next().await.map_err(read_err(url))? {
+                if keys.numerics.as_deref() != Some(numerics) {
+                    other_numerics += 1;
+                    continue;
+                }
+                sources.summary.keys += keys.keys.len();
+                for (row, hex) in keys.keys {
+                    if let Some(key) = RequestKey::parse(&hex) {
+                        sources.index.entry(key.short()).or_insert((f as u32, row));
+                    }
+                }
+            }
+            if other_numerics > 0 {
+                warn!(source = %url, files = other_numerics, ours = numerics, "result files of the reuse source were computed with other numerics (or before request keys); they serve nothing");
+            }
+            sources.summary.other_numerics_files += other_numerics;
+        }
+        sources.summary.files = sources.files.len();
+        sources.summary.seconds = started.elapsed().as_secs_f64();
+        let s = &sources.summary;
+        info!(sources = s.sources, refused = s.refused.len(), files = s.files, keys = s.keys, distinct = sources.index.len(),
+            seconds = format!("{:.2}", s.seconds), "reuse sources indexed");
+        Ok(sources)
+    }
+
+    pub fn lookup(&self, key: &RequestKey) -> Option<Found> {
+        self.index.get(&key.short()).map(|&(file, row)| Found { file, row })
+    }
+
+    /// Distinct keys the sources serve.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Reads the results of a unit's reused rows from their sources (a file at a time, cached).
+    pub async fn resolve(&self, rows: &mut [Outcome]) -> Result<(), ReuseError> {
+        for row in rows.iter_mut() {
+            let Outcome::Reused(r) = row else { continue };
+            if r.data.is_some() {
+                continue;
+            }
+            let batch = self.file(r.file).await?;
+            let (o, relative) = &self.files[r.file as usize];
+            let url = self.outputs[*o].url().to_string();
+            let changed = || ReuseError::Changed { url: url.clone(), file: relative.clone(), row: r.row };
+            if r.row as usize >= batch.num_rows() {
+                return Err(changed());
+            }
+            let one = batch.slice(r.row as usize, 1);
+            let text = |name: &str| one.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).filter(|c| c.is_valid(0)).map(|c| c.value(0).to_string());
+            if text("request_key").as_deref() != Some(r.key.hex().as_str()) || text("status").as_deref() != Some("succeeded") {
+                return Err(changed());
+            }
+            let source_id = text("id").unwrap_or_default();
+            r.data = Some(Arc::new(ReusedData { url, source_id, timings: timings(&one), row: one }));
+        }
+        Ok(())
+    }
+
+    async fn file(&self, file: u32) -> Result<Arc<RecordBatch>, ReuseError> {
+        if let Some((_, batch)) = self.cache.lock().expect("not poisoned").iter().find(|(f, _)| *f == file) {
+            return Ok(batch.clone());
+        }
+        let (o, relative) = &self.files[file as usize];
+        let output = &self.outputs[*o];
+        let batch = Arc::new(output.read_result_file(relative).await.map_err(read_err(output.url()))?);
+        let mut cache = self.cache.lock().expect("not poisoned");
+        if cache.len() >= CACHED_FILES {
+            cache.pop_front();
+        }
+        cache.push_back((file, batch.clone()));
+        Ok(batch)
+    }
+}
+
+fn read_err(url: &str) -> impl Fn(SinkError) -> ReuseError + '_ {
+    move |source| ReuseError::Read { url: url.to_string(), source }
+}
+
+/// The timings of the run that computed a row: its own columns, or, for a row that was itself reused, those it
+/// carried from its source.
+fn timings(one: &RecordBatch) -> [Option<f64>; 4] {
+    let carried = one.column_by_name("reused_from").and_then(|c| c.as_struct_opt()).filter(|s| s.is_valid(0));
+    let value = |name: &str| -> Option<f64> {
+        let column = match carried {
+            Some(s) => StructArray::column_by_name(s, name),
+            None => one.column_by_name(name),
+        };
+        column.and_then(|c| c.as_primitive_opt::<Float64Type>()).filter(|c| c.is_valid(0)).map(|c| c.value(0))
+    };
+    ["queue_s", "ttft_s", "e2e_s", "tpot_s"].map(value)
+}
