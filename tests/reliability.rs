@@ -122,6 +122,34 @@ impl World {
         path
     }
 
+    /// Writes an input of the world's store and returns its URL.
+    fn input(&self, name: &str, ids: &[String], prompts: &[String]) -> String {
+        let local = self.dir.join(format!("{name}.parquet"));
+        let refs: Vec<&str> = prompts.iter().map(String::as_str).collect();
+        write_parquet_groups(&local, support_prompts(ids, &refs), Some(GROUP_ROWS));
+        match self.store {
+            Store::Local => local.to_string_lossy().into_owned(),
+            Store::S3 => {
+                OutputStore::s3(self.moto.as_ref().unwrap(), "nightly", name).put("part-0.parquet", std::fs::read(&local).unwrap());
+                format!("s3://nightly/{name}/part-0.parquet")
+            }
+        }
+    }
+
+    /// [`World::job`] over another input.
+    fn job_over(&self, name: &str, input: &str, runtime: &str) -> PathBuf {
+        self.job_with(name, input, "max_new_tokens = 12", runtime)
+    }
+
+    /// [`World::job`] over another input, with its own `[generation]`.
+    fn job_with(&self, name: &str, input: &str, generation: &str, runtime: &str) -> PathBuf {
+        let path = self.job(name, runtime);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let text = text.replacen(&format!("url = {:?}", self.input_url()), &format!("url = {input:?}"), 1).replacen("max_new_tokens = 12", generation, 1);
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
     fn command(&self, job: &Path) -> Command {
         self.command_for("run", job)
     }
@@ -1120,3 +1148,5 @@ fn a_model_in_object_storage_is_fetched_once_into_the_cache() {
     proxy.set_up(true);
     validate(&outage).assert_ok();
 }
+
+mod reuse;

@@ -269,8 +269,8 @@ pub fn print_run(report: &RunReport) {
     }
     println!("units: {} committed by this run, {} before it ({})", report.units_committed, report.units_skipped, report.assignment);
     println!(
-        "this run: {} rows, {:.2} requests/s, {:.1} total tokens/s, {:.1} output tokens/s over {:.1} s (model load {:.1} s)",
-        m.rows, m.requests_per_s, m.total_tokens_per_s, m.output_tokens_per_s, m.generation_s, m.model_load_s
+        "this run: {} rows ({} computed, {} reused, {} deduplicated, {} errored), {:.2} requests/s, {:.1} total tokens/s, {:.1} output tokens/s over {:.1} s (model load {:.1} s)",
+        m.rows, m.computed_rows, m.reused_rows, m.deduplicated_rows, m.errored_rows, m.requests_per_s, m.total_tokens_per_s, m.output_tokens_per_s, m.generation_s, m.model_load_s
     );
     for outcome in &report.sample {
         match outcome {
