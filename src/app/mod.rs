@@ -176,6 +176,13 @@ fn fingerprint(job: &Job, model_sha256: &str, template: Option<&str>, input: &In
         input: input.snapshot(),
     }
 }
+/// The arithmetic a job's rows are computed with ([`crate::reuse::numerics`]).
+fn run_numerics(job: &Job, device: &candle_core::Device, weights_layout: &str, kv_cache_dtype: &str) -> String {
+    let cpu_kernels = (device.is_cpu() && weights_layout == engine::Layout::AsStored.name()).then(|| engine::kernels::Level::active().name());
+    let prefix_cache = job.kind == JobKind::Generate && job.runtime.prefix_cache;
+    crate::reuse::numerics(device.is_cuda(), weights_layout, kv_cache_dtype, cpu_kernels, prefix_cache)
+}
+
 /// `nightshift run`: the job's uncommitted units (of this process's shard) through the stages, committed a unit at
 /// a time; the output finalized when every unit is in.
 pub fn run(options: RunOptions) -> Result<RunReport, Error> {
@@ -234,9 +241,7 @@ fn run_job(
     // The plan: this job's fingerprint against the one stored at the output, if any.
     let ours = fingerprint(job, &loaded.check.sha256, loaded.check.template.as_deref(), &input);
     let plan = rt.block_on(stored_plan(job, &input, &output, assignment, &ours))?;
-    let cpu_kernels = (device.is_cpu() && loaded.weights_layout == engine::Layout::AsStored.name()).then(|| engine::kernels::Level::active().name());
-    let prefix_cache = job.kind == JobKind::Generate && job.runtime.prefix_cache;
-    let numerics = crate::reuse::numerics(device.is_cuda(), loaded.weights_layout, loaded.kv_cache_dtype, cpu_kernels, prefix_cache);
+    let numerics = run_numerics(job, &device, loaded.weights_layout, loaded.kv_cache_dtype);
     let keys = KeyContext::new(&loaded.check.sha256, job.kind, &numerics, &job.generation);
     let run = RunMetadata {
         numerics: numerics.clone(),

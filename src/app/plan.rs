@@ -14,6 +14,8 @@ use crate::job::{Job, JobKind, Overrides};
 use crate::outcome::Outcome;
 use crate::plan::report;
 use crate::plan::Unit;
+use crate::reuse::sources::Sources;
+use crate::reuse::KeyContext;
 use crate::row::ErrorCode;
 use crate::source::{Input, SourceRow};
 use crate::tokenize::Prepare;
@@ -49,15 +51,34 @@ pub struct JobPlanReport {
     pub weights_bytes: usize,
     /// How the weights are computed ([`Layout::name`](crate::engine::Layout::name)).
     pub weights_layout: &'static str,
+    /// Rows a reuse source (`reuse.from`, `--reuse`) serves and rows that repeat an earlier row's request: the
+    /// run copies these instead of computing them, and the figures above and below count only the rest.
+    pub reuse: Option<ReusePlan>,
+    pub duplicate_rows: u64,
     pub simulation: crate::plan::report::Simulation,
     pub calibration: Option<crate::plan::report::Calibration>,
     pub estimated_seconds: Option<f64>,
+}
+
+/// What the job's reuse sources would serve.
+#[derive(Debug, serde::Serialize)]
+pub struct ReusePlan {
+    pub sources: usize,
+    /// Sources of another job, which serve nothing, with why.
+    pub refused: Vec<(String, String)>,
+    pub source_files: usize,
+    pub source_keys: usize,
+    /// Seconds to read the sources' keys.
+    pub index_seconds: f64,
+    pub reused_rows: u64,
 }
 
 /// The rows of a job as `plan` counts them.
 #[derive(Default)]
 struct Tokenized {
     rows: u64,
+    reused_rows: u64,
+    duplicate_rows: u64,
     /// (prompt tokens, output tokens at most) of each row that tokenized.
     lengths: Vec<(usize, usize)>,
     prefix: report::PrefixShare,
@@ -88,11 +109,28 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
     super::local_model(&mut job, &rt)?;
     let input = rt.block_on(Input::open(&job.input))?;
     let device = crate::engine::select_device(&job.runtime.device)?;
-    let load::Loaded { mut engine, prepare, weights_bytes, weights_layout, decoder, .. } = load::load(&job, &device)?;
+    let load::Loaded { mut engine, prepare, weights_bytes, weights_layout, kv_cache_dtype, decoder, check, .. } = load::load(&job, &device)?;
     let load::DecoderPlan { model, batch, block_bytes } = decoder.expect("a generate job loads a decoder");
     let longest = batch.max_sequence_tokens(&model);
+    let numerics = super::run_numerics(&job, &device, weights_layout, kv_cache_dtype);
+    let keys = KeyContext::new(&check.sha256, job.kind, &numerics, &job.generation);
+    let sources = match job.reuse.from.is_empty() {
+        true => None,
+        false => {
+            let ours = super::fingerprint(&job, &check.sha256, check.template.as_deref(), &input);
+            Some(rt.block_on(Sources::open(&job.reuse.from, job.reuse.allow_incomplete, &ours, &numerics))?)
+        }
+    };
 
-    let t = rt.block_on(tokenize_all(&job, &input, prepare.as_ref(), longest, calibration_rows))?;
+    let t = rt.block_on(tokenize_all(&job, &input, prepare.as_ref(), longest, calibration_rows, &keys, sources.as_ref()))?;
+    let reuse = sources.map(|s| ReusePlan {
+        sources: s.summary.sources,
+        refused: s.summary.refused.clone(),
+        source_files: s.summary.files,
+        source_keys: s.summary.keys,
+        index_seconds: s.summary.seconds,
+        reused_rows: t.reused_rows,
+    });
     let histogram = report::Histogram::new(&t.lengths.iter().map(|l| l.0).collect::<Vec<_>>());
     let prompt_tokens: u64 = t.lengths.iter().map(|l| l.0 as u64).sum();
     let max_output_tokens: u64 = t.lengths.iter().map(|l| l.1 as u64).sum();
@@ -116,6 +154,8 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
         over_length_rows: t.over_length_rows,
         over_length_ids: t.over_length_ids,
         other_errors: t.other_errors.into_iter().collect(),
+        reuse,
+        duplicate_rows: t.duplicate_rows,
         max_seqs: batch.max_seqs,
         max_batch_tokens: batch.max_batch_tokens,
         kv_cache_bytes: (batch.kv_blocks * block_bytes) as u64,
@@ -131,7 +171,17 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
 }
 
 /// Every row of the input, a file at a time, tokenized in parallel and counted.
-async fn tokenize_all(job: &Job, input: &Input, prepare: &dyn Prepare, longest: usize, calibration_rows: usize) -> Result<Tokenized, Error> {
+async fn tokenize_all(
+    job: &Job,
+    input: &Input,
+    prepare: &dyn Prepare,
+    longest: usize,
+    calibration_rows: usize,
+    keys: &KeyContext,
+    sources: Option<&Sources>,
+) -> Result<Tokenized, Error> {
+    // The requests seen, by the first 16 bytes of their keys (as a reuse source's index holds them).
+    let mut seen = std::collections::HashSet::<u128>::new();
     let (tx, mut rx) = mpsc::channel::<Vec<SourceRow>>(SOURCE_DEPTH);
     let files = input.snapshot();
     let reader = async move {
@@ -160,6 +210,16 @@ async fn tokenize_all(job: &Job, input: &Input, prepare: &dyn Prepare, longest: 
                             *t.other_errors.entry(ErrorCode::InvalidParameters.as_str().to_string()).or_default() += 1;
                             continue;
                         };
+                        if let Some(key) = keys.key(&row.id, &row.params, &tokens, row.completion.as_deref()) {
+                            if sources.is_some_and(|s| s.lookup(&key).is_some()) {
+                                t.reused_rows += 1;
+                                continue;
+                            }
+                            if !seen.insert(key.short()) {
+                                t.duplicate_rows += 1;
+                                continue;
+                            }
+                        }
                         // A scoring row's completion is prefilled with its prompt; nothing is generated.
                         let (prompt, max_new) = match &row.completion {
                             Some(c) => {

@@ -154,7 +154,23 @@ pub fn print_plan(r: &crate::app::JobPlanReport, json: bool) {
         return;
     }
     let mean = |tokens: u64, rows: u64| if rows > 0 { tokens as f64 / rows as f64 } else { 0.0 };
-    println!("rows: {} ({} ready for the engine)", r.rows, r.ok_rows);
+    if let Some(reuse) = &r.reuse {
+        println!(
+            "reuse: {} rows served by {} source(s) ({} files, {} request keys, read in {:.2} s)",
+            reuse.reused_rows, reuse.sources, reuse.source_files, reuse.source_keys, reuse.index_seconds
+        );
+        for (url, why) in &reuse.refused {
+            println!("  `{}` serves nothing: another job ({why})", redact_urls(url));
+        }
+    }
+    if r.duplicate_rows > 0 {
+        println!("duplicates: {} rows repeat an earlier row's request and are computed once", r.duplicate_rows);
+    }
+    let copied = r.reuse.as_ref().map_or(0, |u| u.reused_rows) + r.duplicate_rows;
+    match copied {
+        0 => println!("rows: {} ({} ready for the engine)", r.rows, r.ok_rows),
+        _ => println!("rows: {} ({} to compute; the figures below are theirs)", r.rows, r.ok_rows),
+    }
     println!(
         "prompt tokens: {} ({:.0} per row); output tokens: at most {} ({:.0} per row)",
         r.prompt_tokens,

@@ -26,6 +26,13 @@ fn night_two(world: &World) -> (String, Vec<String>, Vec<String>) {
     (url, ids2, changed)
 }
 
+/// `nightshift plan JOB ARGS --json`, without a calibration run.
+fn plan_json(world: &World, job: &Path, args: &[&str]) -> serde_json::Value {
+    let out = world.command_for("plan", job).args(args).args(["--calibration-rows", "0", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// The columns of a result row that are the computation's (not the run's own: id, timings, reuse columns).
 fn computed_part(row: &serde_json::Value) -> serde_json::Value {
     let mut row = row.clone();
@@ -51,6 +58,11 @@ fn nightly_reuse(store: Store) {
     let (input2, ids2, changed) = night_two(&world);
     let night1_url = world.output_url("night1");
     let job2 = world.job_over("night2", &input2, "");
+    // `plan` says what the source would serve before anything runs.
+    let planned = plan_json(&world, &job2, &["--reuse", &night1_url]);
+    assert_eq!(planned["reuse"]["reused_rows"], (ids2.len() - changed.len()) as u64, "{planned}");
+    assert_eq!((planned["reuse"]["source_keys"].as_u64(), planned["duplicate_rows"].as_u64()), (Some(ROWS as u64), Some(0)));
+    assert_eq!(planned["ok_rows"], changed.len() as u64);
     let run = finish(world.spawn_with(&job2, &["--reuse", &night1_url], &[("RUST_LOG", "info")]));
     run.assert_ok();
     let output2 = world.output("night2");
@@ -171,7 +183,9 @@ fn identical_requests_are_computed_once() {
         }
     }
     let input = world.input("dups", &ids, &prompts);
-    world.run(&world.job_over("dedup", &input, "")).assert_ok();
+    let job = world.job_over("dedup", &input, "");
+    assert_eq!(plan_json(&world, &job, &[])["duplicate_rows"], (ROWS * 3 / 10) as u64);
+    world.run(&job).assert_ok();
     let output = world.output("dedup");
     let rows = output.results_json();
     let duplicates = ROWS * 3 / 10;
