@@ -237,7 +237,11 @@ fn cards(out: &mut String, data: &ReportData, attempts: &[AttemptSummary]) {
     out.push_str(r#"<div class="cards" id="summary">"#);
     let rows_note = if r.rows == planned { "every input row".to_string() } else { format!("of {} planned", thousands(planned)) };
     card(out, "rows", "Rows", &thousands(r.rows), &rows_note);
-    card(out, "succeeded", "Succeeded", &thousands(r.succeeded), &percent(r.succeeded, r.rows));
+    let succeeded_note = match r.reused + r.deduplicated {
+        0 => percent(r.succeeded, r.rows),
+        _ => format!("{}; {} computed, {} reused, {} deduplicated", percent(r.succeeded, r.rows), thousands(r.succeeded - r.reused - r.deduplicated), thousands(r.reused), thousands(r.deduplicated)),
+    };
+    card(out, "succeeded", "Succeeded", &thousands(r.succeeded), &succeeded_note);
     card(out, "errored", "Errored", &thousands(r.errored), &percent(r.errored, r.rows));
     let output_tokens = r.completion_tokens.sum();
     card(out, "output-tokens", "Output tokens", &count(output_tokens as f64), &format!("{} prompt tokens", count(r.prompt_tokens.sum() as f64)));

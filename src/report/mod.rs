@@ -193,6 +193,9 @@ pub struct RowStats {
     pub rows: u64,
     pub succeeded: u64,
     pub errored: u64,
+    /// Succeeded rows copied from a reuse source, and copied from an identical request of their run.
+    pub reused: u64,
+    pub deduplicated: u64,
     /// Errored rows by error code.
     pub errors: BTreeMap<String, u64>,
     /// Succeeded rows by (first choice's) finish reason.
@@ -211,6 +214,8 @@ impl RowStats {
         self.rows += other.rows;
         self.succeeded += other.succeeded;
         self.errored += other.errored;
+        self.reused += other.reused;
+        self.deduplicated += other.deduplicated;
         for (code, n) in other.errors {
             *self.errors.entry(code).or_default() += n;
         }

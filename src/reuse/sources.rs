@@ -2,15 +2,16 @@
 //!
 //! # The lookup
 //! When a run starts, each source's result files are read for two columns only (`status` and `request_key`,
-//! with ranged reads, 8 files at a time), and the first 16 bytes of every succeeded row's key go into one hash
-//! map with the row's place (file, row): 24 bytes per source row, about 40 with the map's slack, and the full key
-//! is checked again when the row is read. The keys are hashes, so a shard cannot tell which of them it needs
-//! without tokenizing its rows first: every shard reads every source key once (64 bytes per row on the wire),
-//! which for 10 million source rows is about 640 MB read and 400 MB of memory per shard
-//! (`BENCHMARKS.md` has the measured figures). Rows are read when a unit that reuses them is committed: whole
-//! result files, a few at a time, the last [`CACHED_FILES`] kept, so the rows of one source unit cost one read.
+//! with ranged reads, 8 files at a time), and the first 16 bytes of every succeeded row's key go into one sorted
+//! array with the row's place (file, row): 24 bytes per source row, no slack, looked up by binary search; the
+//! full key is checked again when the row is read. The keys are hashes, so a shard cannot tell which of them it
+//! needs without tokenizing its rows first: every shard reads every source key once (64 hex digits per row on
+//! the wire, zstd-compressed to about 34 bytes), which for 10 million source rows is about 330 MB read and
+//! 240 MB of memory per shard (`BENCHMARKS.md` has the measured figures). Rows are read when a unit that reuses
+//! them is committed: whole result files, the last [`CACHED_FILES`] kept, so the rows of one source unit cost one
+//! read.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -61,9 +62,22 @@ pub struct Sources {
     outputs: Vec<Output>,
     /// (output, result file relative to it).
     files: Vec<(usize, String)>,
-    index: HashMap<u128, (u32, u32)>,
+    /// Sorted by key, one entry per key.
+    index: Vec<Entry>,
     cache: Mutex<VecDeque<(u32, Arc<RecordBatch>)>>,
     pub summary: SourcesSummary,
+}
+
+/// A key's first 16 bytes (as two words, so an entry is 24 bytes) and where its row is.
+#[derive(Clone, Copy)]
+struct Entry {
+    key: [u64; 2],
+    file: u32,
+    row: u32,
+}
+
+fn words(short: u128) -> [u64; 2] {
+    [(short >> 64) as u64, short as u64]
 }
 
 /// Where a reusable row is.
@@ -78,7 +92,7 @@ impl Sources {
     /// generation parameters) serves nothing and is named once in the log; so are files of other numerics.
     pub async fn open(urls: &[String], allow_incomplete: bool, ours: &Fingerprint, numerics: &str) -> Result<Sources, ReuseError> {
         let started = Instant::now();
-        let mut sources = Sources { outputs: Vec::new(), files: Vec::new(), index: HashMap::new(), cache: Mutex::default(), summary: SourcesSummary::default() };
+        let mut sources = Sources { outputs: Vec::new(), files: Vec::new(), index: Vec::new(), cache: Mutex::default(), summary: SourcesSummary::default() };
         sources.summary.sources = urls.len();
         for url in urls {
             let read = |source| ReuseError::Read { url: url.clone(), source };
@@ -119,17 +133,17 @@ impl Sources {
                     continue;
                 }
                 sources.summary.keys += keys.keys.len();
-                for (row, hex) in keys.keys {
-                    if let Some(key) = RequestKey::parse(&hex) {
-                        sources.index.entry(key.short()).or_insert((f as u32, row));
-                    }
-                }
+                sources.index.extend(keys.keys.into_iter().map(|(row, short)| Entry { key: words(short), file: f as u32, row }));
             }
             if other_numerics > 0 {
                 warn!(source = %url, files = other_numerics, ours = numerics, "result files of the reuse source were computed with other numerics (or before request keys); they serve nothing");
             }
             sources.summary.other_numerics_files += other_numerics;
         }
+        // The first source, and the first file of a source, that holds a key serves it.
+        sources.index.sort_by_key(|e| (e.key, e.file, e.row));
+        sources.index.dedup_by_key(|e| e.key);
+        sources.index.shrink_to_fit();
         sources.summary.files = sources.files.len();
         sources.summary.seconds = started.elapsed().as_secs_f64();
         let s = &sources.summary;
@@ -139,7 +153,10 @@ impl Sources {
     }
 
     pub fn lookup(&self, key: &RequestKey) -> Option<Found> {
-        self.index.get(&key.short()).map(|&(file, row)| Found { file, row })
+        let key = words(key.short());
+        let i = self.index.binary_search_by_key(&key, |e| e.key).ok()?;
+        let e = self.index[i];
+        Some(Found { file: e.file, row: e.row })
     }
 
     /// Distinct keys the sources serve.

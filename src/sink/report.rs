@@ -19,7 +19,8 @@ use crate::report::{EngineFigures, ReportData, RowStats, UnitFigures};
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The result columns a report reads.
-const RESULT_COLUMNS: &[&str] = &["status", "error", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "tpot_s", "e2e_s"];
+const RESULT_COLUMNS: &[&str] =
+    &["status", "error", "finish_reason", "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "tpot_s", "e2e_s", "duplicate_of", "reused_from"];
 
 /// A metrics file's row, by column name: numbers as f64 (null as absent), text as text.
 #[derive(Default)]
@@ -104,6 +105,7 @@ fn add_rows(stats: &mut RowStats, batch: &RecordBatch) -> Result<(), BoxError> {
     let code = batch.column_by_name("error").and_then(|c| c.as_struct_opt()).and_then(|s| s.column_by_name("code")).and_then(|c| c.as_string_opt::<i32>());
     let (finish, prompt, cached, completion) = (text("finish_reason"), u32s("prompt_tokens"), u32s("cached_tokens"), u32s("completion_tokens"));
     let (ttft, tpot, e2e) = (f64s("ttft_s"), f64s("tpot_s"), f64s("e2e_s"));
+    let (duplicate, reused) = (text("duplicate_of"), batch.column_by_name("reused_from"));
     let value_u32 = |a: Option<&arrow::array::UInt32Array>, i: usize| a.filter(|a| a.is_valid(i)).map(|a| a.value(i));
     let value_f64 = |a: Option<&arrow::array::Float64Array>, i: usize| a.filter(|a| a.is_valid(i)).map(|a| a.value(i));
     for i in 0..batch.num_rows() {
@@ -115,6 +117,14 @@ fn add_rows(stats: &mut RowStats, batch: &RecordBatch) -> Result<(), BoxError> {
             continue;
         }
         stats.succeeded += 1;
+        if reused.is_some_and(|r| r.is_valid(i)) {
+            stats.reused += 1;
+        }
+        // A copy's timings are its original's, counted once.
+        let copy = duplicate.is_some_and(|d| d.is_valid(i));
+        if copy {
+            stats.deduplicated += 1;
+        }
         if let Some(reason) = finish.filter(|f| f.is_valid(i)) {
             *stats.finish_reasons.entry(reason.value(i).to_string()).or_default() += 1;
         }
@@ -125,6 +135,9 @@ fn add_rows(stats: &mut RowStats, batch: &RecordBatch) -> Result<(), BoxError> {
             stats.completion_tokens.add(n);
         }
         stats.cached_tokens += u64::from(value_u32(cached, i).unwrap_or(0));
+        if copy {
+            continue;
+        }
         if let Some(s) = value_f64(ttft, i) {
             stats.ttft_s.add(s);
         }

@@ -17,8 +17,8 @@ pub const NUMERICS_KEY: &str = "nightshift.numerics";
 pub struct FileKeys {
     /// The file's `nightshift.numerics`; `None` in files written before request keys.
     pub numerics: Option<String>,
-    /// (row in the file, request key as hex).
-    pub keys: Vec<(u32, String)>,
+    /// (row in the file, the first 16 bytes of its request key: [`crate::reuse::RequestKey::short`]).
+    pub keys: Vec<(u32, u128)>,
 }
 
 /// The result files an output serves reuse from.
@@ -76,7 +76,9 @@ impl Output {
             };
             for i in 0..batch.num_rows() {
                 if status.is_valid(i) && status.value(i) == "succeeded" && key.is_valid(i) {
-                    keys.push((row + i as u32, key.value(i).to_string()));
+                    if let Some(short) = crate::reuse::RequestKey::parse(key.value(i)).map(|k| k.short()) {
+                        keys.push((row + i as u32, short));
+                    }
                 }
             }
             row += batch.num_rows() as u32;

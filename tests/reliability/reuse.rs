@@ -70,6 +70,9 @@ fn nightly_reuse(store: Store) {
     assert_eq!(output2.ids_in_order(), ids2);
     assert_eq!((sum(&output2, "computed_rows"), sum(&output2, "reused_rows"), sum(&output2, "deduplicated_rows")), (changed.len() as f64, (ids2.len() - changed.len()) as f64, 0.0));
     assert!(run.stdout.contains(&format!("{} reused", ids2.len() - changed.len())), "the summary says it: {}", run.stdout);
+    // So does the job report.
+    let html = String::from_utf8(output2.get("_report.html").unwrap().to_vec()).unwrap();
+    assert!(html.contains("300 computed, 1,700 reused, 0 deduplicated"), "the report's cards count them");
     for (id, row) in &rows2 {
         if changed.contains(id) {
             assert!(row.get("reused_from").is_none(), "{id} was changed or is new: computed");
@@ -145,6 +148,25 @@ fn reuse_through_kills_and_lost_sources(store: Store) {
         assert_eq!(computed_part(&rows[id]), computed_part(&night1[id]), "{id}");
     }
 
+    // SIGTERM with reuse on: the run drains (exit 75, or 0 if it finished), a rerun completes it, every row once.
+    let job = world.job_over("drained", &input2, "");
+    let output = world.output("drained");
+    let mut child = world.spawn_with(&job, &reuse, &[]);
+    assert!(wait_for_first_commit(&mut child, &output), "the run ended before its first commit");
+    signal(&child, "TERM");
+    let run = finish(child);
+    assert!(run.code == 75 || (run.code == 0 && output.exists("_SUCCESS")), "{}", run.stderr);
+    eprintln!("SIGTERM with reuse: exit {}, {} unit(s) committed", run.code, output.list("_commits").len());
+    if run.code == 75 {
+        world.run(&job).assert_ok();
+    }
+    assert_eq!(output.ids_in_order(), ids2);
+    assert_eq!(sum(&output, "computed_rows") + sum(&output, "reused_rows"), ids2.len() as f64);
+    let drained = output.results_json();
+    for id in ids2.iter().filter(|id| !changed.contains(id)) {
+        assert_eq!(computed_part(&drained[id]), computed_part(&night1[id]), "{id}");
+    }
+
     // The source's result files deleted while a run reads them: the run fails (exit 3) naming the source, and the
     // units it committed stay; a rerun without the source completes the output.
     let job = world.job_over("lost", &input2, "");
@@ -190,6 +212,8 @@ fn identical_requests_are_computed_once() {
     let rows = output.results_json();
     let duplicates = ROWS * 3 / 10;
     assert_eq!((sum(&output, "deduplicated_rows"), sum(&output, "computed_rows")), (duplicates as f64, (ROWS - duplicates) as f64));
+    let html = String::from_utf8(output.get("_report.html").unwrap().to_vec()).unwrap();
+    assert!(html.contains("1,400 computed, 0 reused, 600 deduplicated"), "the report's cards count them");
     let distinct: std::collections::BTreeSet<&str> = rows.values().map(|r| r["request_key"].as_str().unwrap()).collect();
     assert_eq!(distinct.len(), ROWS - duplicates);
     for (i, id) in ids.iter().enumerate() {
