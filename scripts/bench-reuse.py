@@ -93,26 +93,29 @@ def computed_part(row):
     return {k: v for k, v in row.items() if k not in OWN}
 
 
-def forge_source(dest, template, keys, numerics, files=20):
+def forge_source(dest, template, keys, numerics, unit_rows=2048):
     """An output that looks complete to a reuse lookup: night 1's plan, `keys` succeeded rows with random request
-    keys in `files` result files, a manifest and `_SUCCESS`."""
+    keys in result files of `unit_rows` rows (the default `output.unit_rows`), a manifest and `_SUCCESS`."""
+    files = -(-keys // unit_rows)
     shutil.rmtree(dest, ignore_errors=True)
     (dest / "data").mkdir(parents=True)
     shutil.copy(template / "_plan.json", dest / "_plan.json")
     per = -(-keys // files)
-    names = []
+    names, units = [], []
     for f in range(files):
         n = min(per, keys - f * per)
         if n <= 0:
             break
-        hexes = pa.array([os.urandom(32).hex() for _ in range(n)])
+        hexes = pa.array([h.hex() for h in (blob[i:i + 32] for blob in [os.urandom(32 * n)] for i in range(0, 32 * n, 32))])
         table = pa.table({"id": pa.array([f"f{f}-{i}" for i in range(n)]), "status": pa.array(["succeeded"] * n), "request_key": hexes})
         table = table.replace_schema_metadata({"nightshift.numerics": numerics})
         name = f"data/u{f:06d}.parquet"
         pq.write_table(table, dest / name, compression="zstd")
         names.append(name)
+        units.append({"unit": f, "shard": 0, "attempt": "forged", "results": name, "metrics": "", "rows": n, "succeeded_rows": n,
+                      "errored_rows": 0, "prompt_tokens": 0, "completion_tokens": 0})
     manifest = json.loads((template / "_manifest.json").read_text())
-    manifest.update(results=names, metrics=[], units=[], rows=keys, succeeded_rows=keys, errored_rows=0)
+    manifest.update(results=names, metrics=[], units=units, rows=keys, succeeded_rows=keys, errored_rows=0)
     (dest / "_manifest.json").write_text(json.dumps(manifest))
     (dest / "_SUCCESS").write_text("")
 
@@ -124,8 +127,12 @@ def main():
     ap.add_argument("--binary", default=str(REPO / "target" / "release" / "nightshift"))
     ap.add_argument("--scale", default="1000000,3000000,10000000", help="source keys for the lookup's cost; empty to skip")
     ap.add_argument("--skip-full", action="store_true", help="skip night 2 computed from scratch")
+    ap.add_argument("--only-scale", action="store_true", help="only the lookup's cost, against the outputs of an earlier run of this script")
     a = ap.parse_args()
     work = REPO / "target" / "bench-reuse"
+    if a.only_scale:
+        scale(a, work)
+        return
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     n = a.rows
@@ -189,23 +196,32 @@ def main():
         print(f"night 2 with reuse equal to night 2 from scratch: {same_as_full} of {len(ids2)} rows")
     print(f"30 % duplicates: {distinct} distinct prompts of {n}; computed {m4['computed_rows']}")
 
+    scale(a, work)
+
+
+def scale(a, work):
+    """`nightshift plan --reuse` against forged sources of each size in `--scale`: seconds to read the keys and
+    peak memory over the same plan without a source."""
     scales = [int(x) for x in a.scale.split(",") if x]
-    if scales:
-        numerics = pq.read_schema(out["night1"][1] / json.loads((out["night1"][1] / "_manifest.json").read_text())["results"][0]).metadata[b"nightshift.numerics"].decode()
-        _, base_s, base_rss = run(a.binary, ["plan", str(out["night2"][0]), "--calibration-rows", "0", "--json"])
-        print()
-        print("| source keys | source files MiB | read keys s | plan peak RSS MiB | over plan without reuse MiB | bytes per key |")
-        print("|---|---|---|---|---|---|")
-        for keys in scales:
-            src = work / f"forged-{keys}"
-            forge_source(src, out["night1"][1], keys, numerics)
-            size = sum(p.stat().st_size for p in (src / "data").iterdir())
-            plan, _, rss = run(a.binary, ["plan", str(out["night2"][0]), "--reuse", str(src), "--calibration-rows", "0", "--json"])
-            r = json.loads(plan)["reuse"]
-            assert r["source_keys"] == keys, r
-            extra = rss - base_rss
-            print(f"| {keys:,} | {size >> 20} | {r['index_seconds']:.2f} | {rss >> 20} | {extra >> 20} | {extra / keys:.0f} |")
-            shutil.rmtree(src)
+    if not scales:
+        return
+    night1, job2 = work / "night1", work / "night2.toml"
+    numerics = pq.read_schema(night1 / json.loads((night1 / "_manifest.json").read_text())["results"][0]).metadata[b"nightshift.numerics"].decode()
+    _, base_s, base_rss = run(a.binary, ["plan", str(job2), "--calibration-rows", "0", "--json"])
+    print()
+    print(f"plan without a source: {base_s:.2f} s, peak RSS {base_rss >> 20} MiB")
+    print("| source keys | source files MiB | plan wall s | read keys s | plan peak RSS MiB | over plan without reuse MiB | bytes per key |")
+    print("|---|---|---|---|---|---|---|")
+    for keys in scales:
+        src = work / f"forged-{keys}"
+        forge_source(src, night1, keys, numerics)
+        size = sum(p.stat().st_size for p in (src / "data").iterdir())
+        plan, secs, rss = run(a.binary, ["plan", str(job2), "--reuse", str(src), "--calibration-rows", "0", "--json"])
+        r = json.loads(plan)["reuse"]
+        assert r["source_keys"] == keys, r
+        extra = rss - base_rss
+        print(f"| {keys:,} | {size >> 20} | {secs:.2f} | {r['index_seconds']:.2f} | {rss >> 20} | {extra >> 20} | {extra / keys:.0f} |", flush=True)
+        shutil.rmtree(src)
 
 
 if __name__ == "__main__":

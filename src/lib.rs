@@ -16,7 +16,8 @@
 //!    and `_SUCCESS`).
 //!
 //! [`plan`] is the run's plan (input snapshot, units, job fingerprint) stored at the output, which makes reruns
-//! resume instead of starting over.
+//! resume instead of starting over. [`reuse`] gives every row a request key, copies rows of earlier outputs with
+//! equal keys instead of computing them, and computes identical requests of a run once.
 //!
 //! [`row`] holds the per-row types every stage shares (prompts, row errors, finish reasons) and [`outcome`] what
 //! a row comes out as (a completion, an embedding, a failure); [`host`] probes the machine's memory; [`metrics`]

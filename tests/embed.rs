@@ -169,6 +169,49 @@ fn embed_job_runs_end_to_end_through_the_cli() {
     assert!(run.stdout.contains("complete already"), "{}", run.stdout);
 }
 
+/// Embedding rows with equal texts are embedded once, and a second run reuses the first's vectors by request key.
+#[test]
+fn embed_rows_are_deduplicated_and_reused() {
+    let dir = scratch("embed-reuse");
+    let job = |name: &str, ids: &[&str], texts: &[&str]| {
+        let input = dir.join(format!("{name}.parquet"));
+        let ids: Vec<Option<&str>> = ids.iter().map(|i| Some(*i)).collect();
+        let texts: Vec<Option<&str>> = texts.iter().map(|t| Some(*t)).collect();
+        write_parquet(&input, vec![("id", strings(&ids)), ("text", strings(&texts))]);
+        let path = dir.join(format!("{name}.toml"));
+        let text = format!(
+            "kind = \"embed\"\n[input]\nurl = {:?}\nid_column = \"id\"\nprompt_column = \"text\"\n[model]\npath = {:?}\n[output]\nurl = {:?}\n",
+            input.to_string_lossy(),
+            minilm().to_string_lossy(),
+            dir.join(name).to_string_lossy()
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let first = job("first", &["a", "b", "c", "d"], &["The printer jams.", "The printer jams.", "A refund, please.", "The printer jams."]);
+    nightshift(&["run", first.to_str().unwrap()], &[]).assert_ok();
+    let rows = read_results_json(&dir.join("first"));
+    assert_eq!((rows["b"]["duplicate_of"].as_str(), rows["d"]["duplicate_of"].as_str()), (Some("a"), Some("a")));
+    assert!(rows["a"].get("duplicate_of").is_none() && rows["c"].get("duplicate_of").is_none());
+    assert_eq!(rows["b"]["embedding"], rows["a"]["embedding"]);
+    assert_eq!(rows["b"]["request_key"], rows["a"]["request_key"]);
+    assert_ne!(rows["c"]["request_key"], rows["a"]["request_key"]);
+    let metrics = read_metrics(&dir.join("first"));
+    assert_eq!((metrics["computed_rows"], metrics["deduplicated_rows"]), (Some(2.0), Some(2.0)));
+
+    let second = job("second", &["x", "y"], &["A refund, please.", "Something new."]);
+    let first_url = dir.join("first").to_string_lossy().into_owned();
+    nightshift(&["run", second.to_str().unwrap(), "--reuse", &first_url], &[]).assert_ok();
+    let again = read_results_json(&dir.join("second"));
+    assert_eq!((again["x"]["reused_from"]["id"].as_str(), again["x"]["reused_from"]["url"].as_str()), (Some("c"), Some(first_url.as_str())));
+    assert_eq!(again["x"]["embedding"], rows["c"]["embedding"]);
+    assert_eq!(again["x"]["prompt_tokens"], rows["c"]["prompt_tokens"]);
+    assert!(again["x"].get("e2e_s").is_none() && again["x"]["reused_from"]["e2e_s"] == rows["c"]["e2e_s"]);
+    assert!(again["y"].get("reused_from").is_none() && again["y"]["embedding"].is_array());
+    let metrics = read_metrics(&dir.join("second"));
+    assert_eq!((metrics["computed_rows"], metrics["reused_rows"]), (Some(1.0), Some(1.0)));
+}
+
 #[test]
 fn embed_job_bad_rows_and_bad_job_files() {
     let dir = scratch("embed-bad");

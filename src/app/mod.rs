@@ -16,7 +16,9 @@
 //! without writing `_SUCCESS`.
 //!
 //! The source reads the plan's uncommitted units in order; every row carries its unit and position, and the sink
-//! commits a unit as soon as its last row is in. A rerun of the same job skips committed units.
+//! commits a unit as soon as its last row is in. A rerun of the same job skips committed units. The tokenizer
+//! thread keys each row ([`crate::reuse`]): a row a reuse source holds, or one an identical request of the run
+//! serves, goes to the sink without the engine, and the sink fills it in.
 
 mod collect;
 pub mod drive;
@@ -178,9 +180,8 @@ fn fingerprint(job: &Job, model_sha256: &str, template: Option<&str>, input: &In
 }
 /// The arithmetic a job's rows are computed with ([`crate::reuse::numerics`]).
 fn run_numerics(job: &Job, device: &candle_core::Device, weights_layout: &str, kv_cache_dtype: &str) -> String {
-    let cpu_kernels = (device.is_cpu() && weights_layout == engine::Layout::AsStored.name()).then(|| engine::kernels::Level::active().name());
     let prefix_cache = job.kind == JobKind::Generate && job.runtime.prefix_cache;
-    crate::reuse::numerics(device.is_cuda(), weights_layout, kv_cache_dtype, cpu_kernels, prefix_cache)
+    crate::reuse::numerics(!device.is_cpu(), weights_layout, kv_cache_dtype, prefix_cache)
 }
 
 /// `nightshift run`: the job's uncommitted units (of this process's shard) through the stages, committed a unit at
@@ -507,18 +508,25 @@ struct KeyedRows {
     sources: Option<Arc<Sources>>,
 }
 
+/// Where a tokenized row goes.
+#[allow(clippy::large_enum_variant)] // moved straight on, never stored
+enum Route {
+    Engine(Request),
+    /// An identical request is being computed; the sink copies its outcome.
+    Wait,
+    Sink(Outcome),
+}
+
 impl KeyedRows {
-    /// The outcome to send to the sink at once, or the request to compute (`Ok(None)`: the row waits for an
-    /// identical one).
-    fn route(&self, request: Request) -> Result<Option<Request>, Outcome> {
-        let Some(key) = self.keys.key(&request.id, &request.params, &request.tokens, request.completion.as_deref()) else { return Ok(Some(request)) };
+    fn route(&self, request: Request) -> Route {
+        let Some(key) = self.keys.key(&request.id, &request.params, &request.tokens, request.completion.as_deref()) else { return Route::Engine(request) };
         if let Some(found) = self.sources.as_ref().and_then(|s| s.lookup(&key)) {
-            return Err(Outcome::Reused(crate::outcome::Reused { id: request.id, tag: request.tag, key, file: found.file, row: found.row, data: None }));
+            return Route::Sink(Outcome::Reused(crate::outcome::Reused { id: request.id, tag: request.tag, key, file: found.file, row: found.row, data: None }));
         }
         match self.dedup.admit(key, &request.id, request.tag) {
-            Admit::Compute => Ok(Some(request)),
-            Admit::Wait => Ok(None),
-            Admit::Copy(outcome) => Err(outcome),
+            Admit::Compute => Route::Engine(request),
+            Admit::Wait => Route::Wait,
+            Admit::Copy(outcome) => Route::Sink(*outcome),
         }
     }
 }
@@ -549,10 +557,14 @@ fn spawn_tokenizer(
                         break;
                     }
                     for row in prepare.prepare_all(chunk) {
-                        let sent = match Request::ready(row).map_err(Outcome::Failed).and_then(|request| keyed.route(request)) {
-                            Ok(Some(request)) => requests.send(request).is_ok(),
-                            Ok(None) => true,
-                            Err(outcome) => failed.blocking_send(outcome).is_ok(),
+                        let route = match Request::ready(row) {
+                            Ok(request) => keyed.route(request),
+                            Err(failure) => Route::Sink(Outcome::Failed(failure)),
+                        };
+                        let sent = match route {
+                            Route::Engine(request) => requests.send(request).is_ok(),
+                            Route::Wait => true,
+                            Route::Sink(outcome) => failed.blocking_send(outcome).is_ok(),
                         };
                         if !sent {
                             return;

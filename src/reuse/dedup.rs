@@ -20,7 +20,7 @@ pub enum Admit {
     /// An identical request is being computed; the collector copies its outcome when it comes.
     Wait,
     /// An identical request was computed: this is its outcome, for this row.
-    Copy(Outcome),
+    Copy(Box<Outcome>),
 }
 
 #[derive(Default)]
@@ -46,7 +46,7 @@ impl Dedup {
     pub fn admit(&self, key: RequestKey, id: &str, tag: RowTag) -> Admit {
         let mut t = self.table.lock().expect("not poisoned");
         if let Some(done) = t.finished.get(&key) {
-            return Admit::Copy(done.copy_for(done.id(), id, tag));
+            return Admit::Copy(Box::new(done.copy_for(done.id(), id, tag)));
         }
         if let Some(pending) = t.pending.get_mut(&key) {
             pending.followers.push((id.to_string(), tag));
@@ -117,7 +117,10 @@ mod tests {
         assert_eq!(copied, [("c".into(), 2, Some("a".into())), ("d".into(), 3, Some("a".into()))]);
         // After it finished: copied at once.
         match d.admit(k1, "e", tag(4)) {
-            Admit::Copy(Outcome::Embedded(e)) => assert_eq!((e.id.as_str(), e.tag.offset, e.duplicate_of.as_deref()), ("e", 4, Some("a"))),
+            Admit::Copy(copy) => match *copy {
+                Outcome::Embedded(e) => assert_eq!((e.id.as_str(), e.tag.offset, e.duplicate_of.as_deref()), ("e", 4, Some("a"))),
+                _ => panic!("an embedding"),
+            },
             _ => panic!("a copy"),
         }
         // A row that was not admitted to compute (a copy, or unknown) has no key here.

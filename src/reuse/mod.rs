@@ -12,8 +12,9 @@
 //! equal outputs. Only succeeded rows are copied from a source; errored ones are computed again.
 //!
 //! The arithmetic is named by [`numerics`]: a version bumped whenever a kernel or the engine's arithmetic
-//! changes, the device kind, how the weights are computed, the KV cache's dtype, the CPU kernels' level and
-//! whether the prefix cache is on (a cached prefix matches a full prefill only within a bound).
+//! changes, the device kind, how the weights are computed and the KV cache's dtype. The CPU kernels' levels
+//! (portable, AVX2, VNNI) and the prefix cache compute bit-identical results on the CPU (both tested), so neither
+//! is part of it there; on an accelerator, where that is not established, the prefix cache is.
 
 pub mod dedup;
 pub mod sources;
@@ -27,10 +28,13 @@ use crate::job::{GenerationParams, JobKind, RowParams};
 pub const NUMERICS_VERSION: u32 = 1;
 
 /// The arithmetic a run computes with, as written in every result file's `nightshift.numerics` metadata.
-pub fn numerics(cuda: bool, weights_layout: &str, kv_cache_dtype: &str, cpu_kernels: Option<&str>, prefix_cache: bool) -> String {
-    let device = if cuda { "cuda" } else { "cpu" };
-    let kernels = cpu_kernels.unwrap_or("-");
-    format!("v{NUMERICS_VERSION};device={device};weights={weights_layout};kv={kv_cache_dtype};kernels={kernels};prefix_cache={prefix_cache}")
+pub fn numerics(accelerator: bool, weights_layout: &str, kv_cache_dtype: &str, prefix_cache: bool) -> String {
+    let device = if accelerator { "accelerator" } else { "cpu" };
+    let base = format!("v{NUMERICS_VERSION};device={device};weights={weights_layout};kv={kv_cache_dtype}");
+    match accelerator {
+        true => format!("{base};prefix_cache={prefix_cache}"),
+        false => base,
+    }
 }
 
 /// The sha256 of everything that decides a row's output (see the module's rules).
@@ -54,9 +58,14 @@ impl RequestKey {
         Some(RequestKey(key))
     }
 
-    /// The first 16 bytes, as a lookup index holds them.
+    /// The first 16 bytes, as a set of keys holds them.
     pub fn short(&self) -> u128 {
         u128::from_le_bytes(self.0[..16].try_into().expect("16 bytes"))
+    }
+
+    /// The first 16 bytes as two words, as a reuse source's index holds them (8-byte aligned, unlike a `u128`).
+    pub fn words(&self) -> [u64; 2] {
+        [u64::from_le_bytes(self.0[..8].try_into().expect("8 bytes")), u64::from_le_bytes(self.0[8..16].try_into().expect("8 bytes"))]
     }
 }
 
@@ -147,7 +156,7 @@ mod tests {
     use super::*;
 
     fn context(generation: &GenerationParams) -> KeyContext {
-        KeyContext::new("abc", JobKind::Generate, &numerics(false, "as-stored", "f32", Some("avx2"), true), generation)
+        KeyContext::new("abc", JobKind::Generate, &numerics(false, "as-stored", "f32", true), generation)
     }
 
     #[test]
@@ -167,15 +176,18 @@ mod tests {
         let longer = RowParams { max_new_tokens: Some(9), ..RowParams::default() };
         assert_ne!(c.key("a", &longer, &[1, 2, 3], None), Some(k));
         let others = [
-            KeyContext::new("abd", JobKind::Generate, &numerics(false, "as-stored", "f32", Some("avx2"), true), &greedy),
-            KeyContext::new("abc", JobKind::Seq2seq, &numerics(false, "as-stored", "f32", Some("avx2"), true), &greedy),
-            KeyContext::new("abc", JobKind::Generate, &numerics(false, "as-stored", "f16", Some("avx2"), true), &greedy),
-            KeyContext::new("abc", JobKind::Generate, &numerics(false, "as-stored", "f32", Some("vnni"), true), &greedy),
-            KeyContext::new("abc", JobKind::Generate, &numerics(false, "as-stored", "f32", Some("avx2"), false), &greedy),
+            KeyContext::new("abd", JobKind::Generate, &numerics(false, "as-stored", "f32", true), &greedy),
+            KeyContext::new("abc", JobKind::Seq2seq, &numerics(false, "as-stored", "f32", true), &greedy),
+            KeyContext::new("abc", JobKind::Generate, &numerics(false, "as-stored", "f16", true), &greedy),
+            KeyContext::new("abc", JobKind::Generate, &numerics(false, "q8_0", "f32", true), &greedy),
+            KeyContext::new("abc", JobKind::Generate, &numerics(true, "as-stored", "f32", true), &greedy),
         ];
         for other in others {
             assert_ne!(other.key("a", &none, &[1, 2, 3], None), Some(k));
         }
+        // The prefix cache is exact on the CPU, and named on an accelerator.
+        assert_eq!(numerics(false, "as-stored", "f32", false), numerics(false, "as-stored", "f32", true));
+        assert_ne!(numerics(true, "as-stored", "f32", false), numerics(true, "as-stored", "f32", true));
         // Invalid parameters: no key.
         let invalid = RowParams { min_new_tokens: Some(100), ..RowParams::default() };
         assert_eq!(c.key("a", &invalid, &[1], None), None);

@@ -40,7 +40,7 @@ pub enum ReuseError {
     #[error("reuse source `{url}` has no `_plan.json`: it is not an output of nightshift")]
     NotAnOutput { url: String },
     #[error("reuse source `{url}` cannot be read")]
-    Read { url: String, #[source] source: SinkError },
+    Read { url: String, #[source] source: Box<SinkError> },
     #[error("reuse source `{url}`: row {row} of `{file}` does not hold the request key it was indexed with (the file changed mid-run)")]
     Changed { url: String, file: String, row: u32 },
 }
@@ -76,10 +76,6 @@ struct Entry {
     row: u32,
 }
 
-fn words(short: u128) -> [u64; 2] {
-    [(short >> 64) as u64, short as u64]
-}
-
 /// Where a reusable row is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Found {
@@ -95,7 +91,7 @@ impl Sources {
         let mut sources = Sources { outputs: Vec::new(), files: Vec::new(), index: Vec::new(), cache: Mutex::default(), summary: SourcesSummary::default() };
         sources.summary.sources = urls.len();
         for url in urls {
-            let read = |source| ReuseError::Read { url: url.clone(), source };
+            let read = |source| ReuseError::Read { url: url.clone(), source: Box::new(source) };
             let output = Output::resolve(url).map_err(read)?;
             let plan = output.read_plan().await.map_err(read)?.ok_or_else(|| ReuseError::NotAnOutput { url: url.clone() })?;
             let files = match output.reuse_files().await.map_err(read)? {
@@ -115,6 +111,9 @@ impl Sources {
                 sources.summary.refused.push((url.clone(), why));
                 continue;
             }
+            // One allocation for the index, sized from the commit markers' counts.
+            sources.index.reserve_exact(files.iter().map(|(_, rows)| *rows as usize).sum());
+            let files: Vec<String> = files.into_iter().map(|(file, _)| file).collect();
             let o = sources.outputs.len();
             sources.outputs.push(output);
             let first = sources.files.len();
@@ -133,7 +132,7 @@ impl Sources {
                     continue;
                 }
                 sources.summary.keys += keys.keys.len();
-                sources.index.extend(keys.keys.into_iter().map(|(row, short)| Entry { key: words(short), file: f as u32, row }));
+                sources.index.extend(keys.keys.into_iter().map(|(row, key)| Entry { key, file: f as u32, row }));
             }
             if other_numerics > 0 {
                 warn!(source = %url, files = other_numerics, ours = numerics, "result files of the reuse source were computed with other numerics (or before request keys); they serve nothing");
@@ -153,7 +152,7 @@ impl Sources {
     }
 
     pub fn lookup(&self, key: &RequestKey) -> Option<Found> {
-        let key = words(key.short());
+        let key = key.words();
         let i = self.index.binary_search_by_key(&key, |e| e.key).ok()?;
         let e = self.index[i];
         Some(Found { file: e.file, row: e.row })
@@ -168,27 +167,41 @@ impl Sources {
         self.index.is_empty()
     }
 
-    /// Reads the results of a unit's reused rows from their sources (a file at a time, cached).
+    /// Reads the results of a unit's reused rows from their sources, a source file at a time (cached). Each file's
+    /// rows are copied out of it (`take`), so a unit holds only its own rows, never whole source files.
     pub async fn resolve(&self, rows: &mut [Outcome]) -> Result<(), ReuseError> {
-        for row in rows.iter_mut() {
-            let Outcome::Reused(r) = row else { continue };
-            if r.data.is_some() {
-                continue;
+        let mut by_file: std::collections::BTreeMap<u32, Vec<usize>> = std::collections::BTreeMap::new();
+        for (i, row) in rows.iter().enumerate() {
+            if let Outcome::Reused(r) = row {
+                if r.data.is_none() {
+                    by_file.entry(r.file).or_default().push(i);
+                }
             }
-            let batch = self.file(r.file).await?;
-            let (o, relative) = &self.files[r.file as usize];
+        }
+        for (file, places) in by_file {
+            let batch = self.file(file).await?;
+            let (o, relative) = &self.files[file as usize];
             let url = self.outputs[*o].url().to_string();
-            let changed = || ReuseError::Changed { url: url.clone(), file: relative.clone(), row: r.row };
-            if r.row as usize >= batch.num_rows() {
-                return Err(changed());
+            let changed = |row: u32| ReuseError::Changed { url: url.clone(), file: relative.clone(), row };
+            let wanted: Vec<u32> = places.iter().map(|&i| match &rows[i] {
+                Outcome::Reused(r) => r.row,
+                _ => unreachable!("grouped reused rows"),
+            }).collect();
+            if let Some(&row) = wanted.iter().find(|&&row| row as usize >= batch.num_rows()) {
+                return Err(changed(row));
             }
-            let one = batch.slice(r.row as usize, 1);
-            let text = |name: &str| one.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).filter(|c| c.is_valid(0)).map(|c| c.value(0).to_string());
-            if text("request_key").as_deref() != Some(r.key.hex().as_str()) || text("status").as_deref() != Some("succeeded") {
-                return Err(changed());
+            let taken = arrow::compute::take_record_batch(&batch, &arrow::array::UInt32Array::from(wanted.clone()))
+                .map_err(|e| ReuseError::Read { url: url.clone(), source: Box::new(SinkError::Read { url: relative.clone(), source: e.into() }) })?;
+            for (k, &i) in places.iter().enumerate() {
+                let Outcome::Reused(r) = &mut rows[i] else { unreachable!("grouped reused rows") };
+                let one = taken.slice(k, 1);
+                let text = |name: &str| one.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).filter(|c| c.is_valid(0)).map(|c| c.value(0).to_string());
+                if text("request_key").as_deref() != Some(r.key.hex().as_str()) || text("status").as_deref() != Some("succeeded") {
+                    return Err(changed(wanted[k]));
+                }
+                let source_id = text("id").unwrap_or_default();
+                r.data = Some(Arc::new(ReusedData { url: url.clone(), source_id, timings: timings(&one), row: one }));
             }
-            let source_id = text("id").unwrap_or_default();
-            r.data = Some(Arc::new(ReusedData { url, source_id, timings: timings(&one), row: one }));
         }
         Ok(())
     }
@@ -210,7 +223,7 @@ impl Sources {
 }
 
 fn read_err(url: &str) -> impl Fn(SinkError) -> ReuseError + '_ {
-    move |source| ReuseError::Read { url: url.to_string(), source }
+    move |source| ReuseError::Read { url: url.to_string(), source: Box::new(source) }
 }
 
 /// The timings of the run that computed a row: its own columns, or, for a row that was itself reused, those it

@@ -17,27 +17,30 @@ pub const NUMERICS_KEY: &str = "nightshift.numerics";
 pub struct FileKeys {
     /// The file's `nightshift.numerics`; `None` in files written before request keys.
     pub numerics: Option<String>,
-    /// (row in the file, the first 16 bytes of its request key: [`crate::reuse::RequestKey::short`]).
-    pub keys: Vec<(u32, u128)>,
+    /// (row in the file, the first 16 bytes of its request key: [`crate::reuse::RequestKey::short`], as two
+    /// words so that an entry is 24 bytes).
+    pub keys: Vec<(u32, [u64; 2])>,
 }
 
-/// The result files an output serves reuse from.
+/// The result files an output serves reuse from, with their succeeded rows (to size the index once).
 pub enum ReuseFiles {
     /// `_SUCCESS` and the manifest: the manifest's files.
-    Complete(Vec<String>),
+    Complete(Vec<(String, u64)>),
     /// No `_SUCCESS`: the committed units' files, whose markers name files that are there.
-    Incomplete(Vec<String>),
+    Incomplete(Vec<(String, u64)>),
 }
 
 impl Output {
     pub async fn reuse_files(&self) -> Result<ReuseFiles, SinkError> {
         if self.is_complete().await? {
             if let Some(manifest) = self.read_manifest().await? {
-                return Ok(ReuseFiles::Complete(manifest.results));
+                let rows: std::collections::HashMap<&str, u64> = manifest.units.iter().map(|m| (m.results.as_str(), m.succeeded_rows)).collect();
+                let files = manifest.results.iter().map(|f| (f.clone(), rows.get(f.as_str()).copied().unwrap_or(0))).collect();
+                return Ok(ReuseFiles::Complete(files));
             }
         }
         let (markers, _damaged) = self.whole_markers().await?;
-        Ok(ReuseFiles::Incomplete(markers.into_values().map(|m| m.results).collect()))
+        Ok(ReuseFiles::Incomplete(markers.into_values().map(|m| (m.results, m.succeeded_rows)).collect()))
     }
 
     async fn result_stream(&self, relative: &str, columns: Option<&[&str]>) -> Result<(ParquetRecordBatchStreamBuilder<crate::source::PinnedReader>, Option<ProjectionMask>), SinkError> {
@@ -76,8 +79,8 @@ impl Output {
             };
             for i in 0..batch.num_rows() {
                 if status.is_valid(i) && status.value(i) == "succeeded" && key.is_valid(i) {
-                    if let Some(short) = crate::reuse::RequestKey::parse(key.value(i)).map(|k| k.short()) {
-                        keys.push((row + i as u32, short));
+                    if let Some(key) = crate::reuse::RequestKey::parse(key.value(i)) {
+                        keys.push((row + i as u32, key.words()));
                     }
                 }
             }
