@@ -214,23 +214,19 @@ pub(super) fn results_batch(rows: &[Outcome], schema: SchemaRef) -> Result<Recor
                 e2e.append_value(c.e2e_s);
                 tpot.append_option(c.tpot_s);
             }
-            Outcome::Failed(RowFailure { id, error, .. }) => {
-                base.errored(id, error);
+            Outcome::Failed(_) | Outcome::Reused(_) => {
+                // An errored row has no result; a reused row's comes from its source's row (`with_reused_rows`).
+                match row {
+                    Outcome::Failed(RowFailure { id, error, .. }) => {
+                        base.errored(id, error);
+                        finish.append_value(FinishReason::Error.as_str());
+                    }
+                    _ => {
+                        base.succeeded(row.id());
+                        finish.append_value(FinishReason::Stop.as_str());
+                    }
+                }
                 text.append_null();
-                finish.append_value(FinishReason::Error.as_str());
-                prompt_tokens.append_null();
-                cached_tokens.append_null();
-                completion_tokens.append_value(0);
-                queue.append_null();
-                ttft.append_null();
-                e2e.append_null();
-                tpot.append_null();
-            }
-            Outcome::Reused(r) => {
-                // Filled from the source's row.
-                base.succeeded(&r.id);
-                text.append_null();
-                finish.append_value(FinishReason::Stop.as_str());
                 prompt_tokens.append_null();
                 cached_tokens.append_null();
                 completion_tokens.append_value(0);
