@@ -76,7 +76,7 @@ impl Error {
             Error::Job(_) | Error::Shard(_) | Error::Usage(_) => Exit::InvalidJob,
             Error::Source(_) | Error::Reuse(_) => Exit::InvalidInput,
             Error::Model(_) | Error::Tokenizer(_) => Exit::InvalidModel,
-            Error::Sink(crate::sink::SinkError::Incomplete { .. } | crate::sink::SinkError::MissingFile { .. })
+            Error::Sink(crate::sink::SinkError::Incomplete { .. } | crate::sink::SinkError::MissingFile { .. } | crate::sink::SinkError::NotComplete { .. })
             | Error::Interrupted { .. }
             | Error::StoreFailed { .. } => {
                 Exit::Partial

@@ -32,6 +32,7 @@ pub mod bench;
 pub mod cli;
 pub mod engine;
 pub mod error;
+pub mod export;
 pub mod host;
 pub mod job;
 pub mod metrics;

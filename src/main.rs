@@ -37,6 +37,9 @@ fn main() -> ExitCode {
         Command::Status(args) => app::status(&args.output).map(|s| cli::print_status(&s, args.json)),
         Command::Report(args) => app::report(&args.output).and_then(|html| cli::print_report(&html, args.to.as_deref())),
         Command::Finalize(args) => app::finalize(&args.output).map(|(f, url)| cli::print_finalize(&f, &url)),
+        Command::Export(args) => match args.format {
+            cli::ExportFormat::OpenaiBatch => app::export_openai_batch(&args.output, &args.to, args.model.as_deref()).map(|e| cli::print_export(&e)),
+        },
         Command::Bench(cli::BenchCommand::Generate(args)) => {
             if let Some(threads) = args.threads {
                 app::limit_threads(threads);

@@ -9,5 +9,6 @@ mod sampling;
 mod embed;
 mod seq2seq;
 mod jobs;
+mod export;
 mod reliability;
 mod fuzz;

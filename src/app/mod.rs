@@ -600,6 +600,14 @@ pub fn report(url: &str) -> Result<String, Error> {
     Ok(crate::report::render(&rt.block_on(output.report_data(false))?))
 }
 
+/// `nightshift export --format openai-batch`: a completed output as the Batch API's two files under `to`.
+pub fn export_openai_batch(url: &str, to: &str, model: Option<&str>) -> Result<sink::export::Exported, Error> {
+    let rt = runtime()?;
+    let output = Output::resolve(url)?;
+    let to = Output::resolve(to)?;
+    Ok(rt.block_on(output.export_openai_batch(&to, model))?)
+}
+
 /// `nightshift finalize`: completes an output whose units are all committed.
 pub fn finalize(url: &str) -> Result<(Finalized, String), Error> {
     let rt = runtime()?;

@@ -46,6 +46,10 @@ pub enum Command {
     /// latency distributions, KV cache and memory, and the slowest units. Reads only. (Finalize writes the same
     /// page into every completed output as `_report.html`.)
     Report(ReportArgs),
+    /// Write a completed output in another format: `--format openai-batch` writes `results.jsonl` and
+    /// `errors.jsonl` under `--to` (a path or an object-store URL), the two files OpenAI's Batch API returns, a
+    /// line per row in input order. Reads the output; streams.
+    Export(ExportArgs),
     /// Measure throughput on a synthetic workload (in-process, no object-store I/O).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -349,6 +353,26 @@ pub struct ReportArgs {
     /// Write the page to this file instead of standard output.
     #[arg(long)]
     pub to: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum ExportFormat {
+    /// OpenAI's (and Azure OpenAI's) Batch API output and error files.
+    OpenaiBatch,
+}
+
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// The job's output URL or path (complete: `_SUCCESS` written).
+    pub output: String,
+    #[arg(long, value_enum)]
+    pub format: ExportFormat,
+    /// Where the files go: a directory or an object-store prefix.
+    #[arg(long)]
+    pub to: String,
+    /// The model name the response bodies carry (default: the model file's name).
+    #[arg(long)]
+    pub model: Option<String>,
 }
 
 #[derive(Debug, Args)]

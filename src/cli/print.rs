@@ -473,6 +473,11 @@ pub fn print_kernel_bench(report: &[crate::bench::KernelMeasurement], json: bool
 
 /// `nightshift report`: the page to standard output, or written to `to` (whole or not at all: a temporary file
 /// beside it, renamed) with one line saying where.
+pub fn print_export(e: &crate::sink::export::Exported) {
+    println!("{} lines of {} responses: {}", e.results, e.endpoint.url(), redact_urls(&e.results_url));
+    println!("{} error lines: {}", e.errors, redact_urls(&e.errors_url));
+}
+
 pub fn print_report(html: &str, to: Option<&std::path::Path>) -> Result<(), crate::error::Error> {
     use std::io::Write;
     let Some(path) = to else {

@@ -22,6 +22,7 @@
 //! back and `report.rs` what the job report (`crate::report`) reads.
 
 mod batches;
+pub mod export;
 mod report;
 pub mod reuse;
 mod schema;
@@ -69,6 +70,8 @@ pub enum SinkError {
     DifferentJob { url: String, differences: String },
     #[error("output `{url}` has no `_plan.json`: it was not written by a run of this nightshift")]
     NoPlan { url: String },
+    #[error("output `{url}` is not complete (no `_SUCCESS`): run the job (or `nightshift finalize`) to finish it, then export it")]
+    NotComplete { url: String },
     #[error(
         "output `{url}` is incomplete: {missing} of {total} units are not committed, in {shards} (first: {first}); \
          run the job (or those shards) again to finish them"
