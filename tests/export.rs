@@ -123,6 +123,9 @@ fn openai_batch_files_agree_with_the_documentation_one_line_per_row() {
 fn raw_prompts_export_as_text_completions_and_s3_works_both_ways() {
     let dir = scratch("export-text");
     let (job, _) = tiny_job(&dir, "none");
+    // The run that completes the output exports it too (`output.export`, the last section of the job file).
+    let text = std::fs::read_to_string(&job).unwrap() + "export = \"openai-batch\"\n";
+    std::fs::write(&job, text).unwrap();
     let moto = Moto::start();
     moto.create_bucket("batches");
     let env = moto.env();
@@ -143,4 +146,6 @@ fn raw_prompts_export_as_text_completions_and_s3_works_both_ways() {
         assert_eq!((logprobs["token_logprobs"].as_array().unwrap().len(), logprobs["text_offset"].as_array().unwrap().len()), (tokens.len(), tokens.len()));
     }
     assert_eq!(String::from_utf8(store.get("errors.jsonl").unwrap().to_vec()).unwrap().lines().count(), 2);
+    let by_run = OutputStore::s3(&moto, "batches", "out/openai-batch");
+    assert_eq!(by_run.get("results.jsonl").unwrap(), store.get("results.jsonl").unwrap(), "the run's export and `nightshift export` agree");
 }

@@ -309,6 +309,9 @@ fn run_job(
     let Collected { sample, units_committed, .. } = collected;
     match rt.block_on(output.finalize()) {
         Ok(Finalized::Done(manifest) | Finalized::AlreadyComplete(manifest)) => {
+            if let Some(format) = job.output.export {
+                export_after_run(rt, &output, format)?;
+            }
             info!(
                 rows = manifest.rows, errored = manifest.errored_rows, output_tokens_per_s = format!("{:.1}", metrics.output_tokens_per_s),
                 seconds = format!("{:.1}", metrics.job_s), "job complete"
@@ -598,6 +601,16 @@ pub fn report(url: &str) -> Result<String, Error> {
     let rt = runtime()?;
     let output = Output::resolve(url)?;
     Ok(crate::report::render(&rt.block_on(output.report_data(false))?))
+}
+
+/// `output.export`: the completed output written in `format` under `OUT/<format>/` too.
+fn export_after_run(rt: &tokio::runtime::Runtime, output: &Output, format: crate::job::ExportFormat) -> Result<(), Error> {
+    let to = Output::resolve(&format!("{}/{}/", output.url().trim_end_matches('/'), format.name()))?;
+    let exported = match format {
+        crate::job::ExportFormat::OpenaiBatch => rt.block_on(output.export_openai_batch(&to, None))?,
+    };
+    info!(results = %crate::error::redact_urls(&exported.results_url), lines = exported.results, errors = exported.errors, "exported ({})", format.name());
+    Ok(())
 }
 
 /// `nightshift export --format openai-batch`: a completed output as the Batch API's two files under `to`.

@@ -73,6 +73,8 @@ struct OutputSection {
     url: String,
     unit_rows: Option<i64>,
     shards: Option<i64>,
+    /// A format the run that completes the output also writes it in (`nightshift export`).
+    export: Option<String>,
 }
 
 impl Job {
@@ -316,7 +318,12 @@ impl OutputSpec {
             Some(n) if (1..=100_000).contains(&n) => Some(n as u32),
             Some(n) => return Err(invalid("output.shards", format!("must be in 1..=100000, got {n}"))),
         };
-        Ok(OutputSpec { url, unit_rows, shards })
+        let export = match output.export.as_deref() {
+            None => None,
+            Some("openai-batch") => Some(super::ExportFormat::OpenaiBatch),
+            Some(other) => return Err(invalid("output.export", format!("must be \"openai-batch\", got {other:?}"))),
+        };
+        Ok(OutputSpec { url, unit_rows, shards, export })
     }
 }
 

@@ -165,6 +165,23 @@ pub struct OutputSpec {
     /// Shards the plan is split into, when the command line does not say (`--shard i/n`, or a scheduler's
     /// array size under `--shard auto`).
     pub shards: Option<u32>,
+    /// Written by the run that completes the output, under `OUT/<format>/` (`output.export`).
+    pub export: Option<ExportFormat>,
+}
+
+/// Formats an output is exported in (`nightshift export`, `output.export`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExportFormat {
+    /// OpenAI's Batch API output and error files: `results.jsonl`, `errors.jsonl`.
+    OpenaiBatch,
+}
+
+impl ExportFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            ExportFormat::OpenaiBatch => "openai-batch",
+        }
+    }
 }
 
 impl OutputSpec {
