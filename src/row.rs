@@ -21,6 +21,11 @@ pub enum ErrorCode {
     InvalidParameters,
     /// A scoring job's completion is null or empty.
     InvalidCompletion,
+    /// An OpenAI Batch input line that is not a request this job can run: not JSON, a wrong method or url, an
+    /// unknown or ill-typed body field.
+    InvalidRequest,
+    /// An OpenAI Batch input line whose `body.model` is not the job's model.
+    ModelMismatch,
     /// The engine failed on this row.
     EngineError,
 }
@@ -35,6 +40,8 @@ impl ErrorCode {
             ErrorCode::PromptTooLong => "prompt_too_long",
             ErrorCode::InvalidParameters => "invalid_parameters",
             ErrorCode::InvalidCompletion => "invalid_completion",
+            ErrorCode::InvalidRequest => "invalid_request",
+            ErrorCode::ModelMismatch => "model_mismatch",
             ErrorCode::EngineError => "engine_error",
         }
     }

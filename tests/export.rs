@@ -149,3 +149,119 @@ fn raw_prompts_export_as_text_completions_and_s3_works_both_ways() {
     let by_run = OutputStore::s3(&moto, "batches", "out/openai-batch");
     assert_eq!(by_run.get("results.jsonl").unwrap(), store.get("results.jsonl").unwrap(), "the run's export and `nightshift export` agree");
 }
+
+/// An OpenAI Batch input line.
+fn request(custom_id: &str, body: Value) -> String {
+    serde_json::json!({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}).to_string()
+}
+
+fn chat(text: &str) -> Value {
+    serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 4})
+}
+
+/// A job over OpenAI Batch lines (`input.url` ending in `.jsonl`) on the tiny model.
+fn jsonl_job(dir: &Path, input: &str, output: &str, extra: &str) -> std::path::PathBuf {
+    let model = dir.join("tiny.gguf");
+    if !model.exists() {
+        write_tiny_model(&model);
+    }
+    let path = dir.join("job.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[input]\nurl = {input:?}\n{extra}\n[model]\npath = {:?}\n[generation]\nmax_new_tokens = 8\n[output]\nurl = {output:?}\nunit_rows = 50\n",
+            model.to_string_lossy()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// A mixed request file (good lines, bad JSON, bad fields, a wrong model, a blank line) gives one line per
+/// request across the exported files, nothing lost or duplicated, and the good lines' parameters are applied.
+#[test]
+fn openai_batch_input_runs_every_good_line_and_an_error_row_for_every_bad_one() {
+    let dir = scratch("batch-input");
+    let lines = [
+        request("a", chat("hello")),
+        "{\"custom_id\": \"b\", this is not json".to_string(),
+        request("c", serde_json::json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]})),
+        request("d", serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": []})),
+        request("e", serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": -3})),
+        String::new(),
+        request("f", serde_json::json!({"model": "tiny", "messages": [{"role": "system", "content": "Be short."}, {"role": "user", "content": "refund"}], "max_completion_tokens": 2, "logprobs": true, "top_logprobs": 2, "n": 2})),
+        serde_json::json!({"custom_id": "g", "method": "POST", "url": "/v1/embeddings", "body": {"model": "tiny", "input": "x"}}).to_string(),
+        request("h", chat("last line, no newline at the end")),
+    ];
+    let input = dir.join("requests.jsonl");
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let out = dir.join("out");
+    let job = jsonl_job(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "");
+    nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    let rows = read_results_json(&out);
+    assert_eq!(rows.len(), lines.len(), "{:?}", rows.keys());
+    let code = |id: &str| rows[id]["error"]["code"].as_str().map(str::to_string);
+    assert!(!rows.contains_key("b"), "a line that is not JSON has no custom_id: its id is its file and line");
+    assert_eq!(code("requests.jsonl:1").as_deref(), Some("invalid_request"));
+    assert_eq!(code("c").as_deref(), Some("model_mismatch"));
+    assert_eq!(code("d").as_deref(), Some("invalid_request"));
+    assert_eq!(code("e").as_deref(), Some("invalid_parameters"));
+    assert_eq!(code("requests.jsonl:5").as_deref(), Some("invalid_request"), "the blank line");
+    assert_eq!(code("g").as_deref(), Some("invalid_request"), "an embeddings line in a chat job");
+    for id in ["a", "f", "h"] {
+        assert_eq!(rows[id]["status"], "succeeded", "{id}: {}", rows[id]);
+    }
+    assert_eq!(rows["a"]["params"]["max_new_tokens"], 4);
+    assert_eq!((rows["f"]["params"]["max_new_tokens"].as_u64(), rows["f"]["params"]["logprobs"].as_u64(), rows["f"]["choices"].as_array().map(Vec::len)), (Some(2), Some(2), Some(2)));
+
+    let to = dir.join("batch");
+    nightshift(&["export", out.to_str().unwrap(), "--format", "openai-batch", "--to", to.to_str().unwrap()], &[]).assert_ok();
+    let (results, errors) = (self::lines(&to.join("results.jsonl")), self::lines(&to.join("errors.jsonl")));
+    assert_eq!(custom_ids(&results), ["a", "f", "h"]);
+    assert_eq!(custom_ids(&errors), ["requests.jsonl:1", "c", "d", "e", "requests.jsonl:5", "g"]);
+    assert_eq!(results[1]["response"]["body"]["choices"][1]["logprobs"]["content"][0]["top_logprobs"].as_array().map(Vec::len), Some(2));
+
+    // Duplicate custom_ids are refused before anything runs (exit 3), naming them.
+    let dup = dir.join("dup.jsonl");
+    std::fs::write(&dup, [request("x", chat("1")), request("y", chat("2")), request("x", chat("3"))].join("\n") + "\n").unwrap();
+    let job = jsonl_job(&dir, dup.to_str().unwrap(), dir.join("dup-out").to_str().unwrap(), "");
+    let run = nightshift(&["run", job.to_str().unwrap()], &[]);
+    assert_eq!(run.code, 3, "{}", run.stderr);
+    assert!(run.stderr.contains("custom_id") && run.stderr.contains("\"x\""), "{}", run.stderr);
+}
+
+/// Request files on S3, killed with -9 after the first commit and rerun: every request once, in order.
+#[test]
+fn openai_batch_input_on_s3_resumes_after_kill_nine() {
+    let dir = scratch("batch-input-s3");
+    let moto = Moto::start();
+    moto.create_bucket("batch");
+    let ids: Vec<String> = (0..1500).map(|i| format!("req-{i:04}")).collect();
+    let text: String = ids.iter().enumerate().map(|(i, id)| request(id, chat(&format!("ticket {i}: my printer jams"))) + "\n").collect();
+    OutputStore::s3(&moto, "batch", "in").put("requests.jsonl", text.into_bytes());
+    let job = jsonl_job(&dir, "s3://batch/in/requests.jsonl", "s3://batch/out/", "");
+    let env = moto.env();
+    let output = OutputStore::s3(&moto, "batch", "out");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_nightshift"))
+        .args(["run", job.to_str().unwrap()])
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while output.list("_commits").is_empty() && child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let committed = output.list("_commits").len();
+    eprintln!("killed with {committed} of 30 units committed");
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    nightshift(&["run", job.to_str().unwrap()], &env).assert_ok();
+    assert_eq!(output.ids_in_order(), ids);
+    assert_eq!(output.list("data").len(), 30, "one file per unit of 50 lines");
+    let rows = output.results_json();
+    assert!(rows.values().all(|r| r["status"] == "succeeded"), "every line is a good request");
+}

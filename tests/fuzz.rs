@@ -216,6 +216,7 @@ fn parquet_inputs() {
         truncate: Truncate::None,
         parameters: Default::default(),
         completion_column: None,
+        openai_batch: None,
     };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     // The footer (its metadata, then its length and magic) is where a reader trusts declared sizes.

@@ -18,6 +18,7 @@ fn preprocessor(system_prompt: Option<&str>) -> Preprocessor {
         truncate: nightshift::job::Truncate::None,
         parameters: Default::default(),
         completion_column: None,
+        openai_batch: None,
     };
     Preprocessor::new(&info.vocab, &ChatTemplateChoice::Auto, &input, info.config.context_length, 16).unwrap()
 }

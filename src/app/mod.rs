@@ -167,6 +167,10 @@ fn fingerprint(job: &Job, model_sha256: &str, template: Option<&str>, input: &In
         "truncate": job.input.truncate,
         "parameters": job.input.parameters,
     });
+    let mut prompt = prompt;
+    if let Some(rules) = &job.input.openai_batch {
+        prompt["openai_batch"] = serde_json::json!({"url": rules.url, "model": rules.model});
+    }
     Fingerprint {
         format_version: OUTPUT_FORMAT_VERSION,
         model_sha256: model_sha256.into(),

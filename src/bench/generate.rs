@@ -167,6 +167,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         truncate: Truncate::None,
         parameters: ParameterColumns::default(),
         completion_column: None,
+        openai_batch: None,
     };
     let pre = Preprocessor::new(&info.vocab, &ChatTemplateChoice::Auto, &input, context, options.max_new as u32)?;
     let rows = workload(options, &pre, context)?;

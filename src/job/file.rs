@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use super::generation::{GenerationSection, SEQ2SEQ_UNSUPPORTED};
+use crate::source::openai_batch::LineRules;
 use super::runtime::RuntimeSection;
 use super::{
     ChatTemplateChoice, GenerationParams, InputSpec, Invalid, Job, JobError, JobKind, ModelSpec, OutputSpec, Overrides,
@@ -52,6 +53,11 @@ struct InputSection {
     /// Per-row overrides of generation parameters: generation key = input column.
     #[serde(default)]
     parameters: BTreeMap<String, String>,
+    /// `"parquet"` (the default) or `"openai-batch"` (JSONL request lines; the default for a `.jsonl` URL).
+    format: Option<String>,
+    /// OpenAI Batch input: the model name lines must give in `body.model`; unset, the model file's name without
+    /// its extension. `"*"` accepts any.
+    model: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -95,8 +101,16 @@ impl Job {
         if url.trim().is_empty() {
             return Err(invalid("input.url", "must not be empty".into()));
         }
-        let prompt = prompt_column(&input, &invalid)?;
+        let mut prompt = prompt_column(&input, &invalid)?;
         let model = ModelSpec::from_section(model, overrides, &invalid)?;
+        let openai_batch = openai_batch(kind, &url, &input, &model, &invalid)?;
+        if let Some(rules) = &openai_batch {
+            prompt = match rules.url {
+                "/v1/chat/completions" => PromptColumn::Messages("messages".into()),
+                "/v1/completions" => PromptColumn::Text("prompt".into()),
+                _ => PromptColumn::Text("input".into()),
+            };
+        }
         check_conversation(kind, &model.chat_template, &prompt, &input, &invalid)?;
         let scoring = check_completion_column(kind, &input, &invalid)?;
         let section = generation_section(kind, generation, scoring, &prompt, &input, &invalid)?;
@@ -138,6 +152,7 @@ impl Job {
                 truncate,
                 parameters,
                 completion_column: input.completion_column,
+                openai_batch,
             },
             model,
             generation,
@@ -146,6 +161,45 @@ impl Job {
             reuse,
         })
     }
+}
+
+/// OpenAI Batch input (`input.format = "openai-batch"`, or a `.jsonl` URL): which lines the job runs. The
+/// columns and per-row parameter settings of Parquet input have no meaning for it.
+fn openai_batch(kind: JobKind, url: &str, input: &InputSection, model: &ModelSpec, invalid: Invalid) -> Result<Option<LineRules>, JobError> {
+    let batch = match input.format.as_deref() {
+        None => url.to_ascii_lowercase().ends_with(".jsonl"),
+        Some("parquet") => false,
+        Some("openai-batch") => true,
+        Some(other) => return Err(invalid("input.format", format!("must be \"parquet\" or \"openai-batch\", got {other:?}"))),
+    };
+    if !batch {
+        if input.model.is_some() {
+            return Err(invalid("input.model", "is for OpenAI Batch input (`input.format = \"openai-batch\"`)".into()));
+        }
+        return Ok(None);
+    }
+    for (set, key) in [
+        (input.id_column.is_some(), "input.id_column"),
+        (input.prompt_column.is_some(), "input.prompt_column"),
+        (input.messages_column.is_some(), "input.messages_column"),
+        (input.completion_column.is_some(), "input.completion_column"),
+        (!input.parameters.is_empty(), "input.parameters"),
+    ] {
+        if set {
+            return Err(invalid(key, "has no meaning for OpenAI Batch input: lines give `custom_id` and a request `body`".into()));
+        }
+    }
+    let url = match (kind, &model.chat_template) {
+        (JobKind::Embed, _) => "/v1/embeddings",
+        (JobKind::Seq2seq, _) | (JobKind::Generate, ChatTemplateChoice::None) => "/v1/completions",
+        (JobKind::Generate, ChatTemplateChoice::Auto) => "/v1/chat/completions",
+    };
+    let name = match input.model.as_deref() {
+        Some("*") => None,
+        Some(name) => Some(name.to_string()),
+        None => Some(model.path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()),
+    };
+    Ok(Some(LineRules { url, model: name }))
 }
 
 /// The input's prefix when the output location lies inside it (or is it): an input that is a prefix, or a glob

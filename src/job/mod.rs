@@ -80,6 +80,8 @@ pub struct InputSpec {
     /// A prompt-scoring job: the column whose text is scored as the completion of each row's prompt (its
     /// log-likelihood), and nothing is generated.
     pub completion_column: Option<String>,
+    /// OpenAI Batch input (JSONL request lines): the endpoint and model lines must name.
+    pub openai_batch: Option<crate::source::openai_batch::LineRules>,
 }
 
 /// Prompts longer than the model's context: an error row (the default), or cut to fit.

@@ -6,6 +6,8 @@
 //! row group and the channel depth, not by the dataset.
 
 pub mod model;
+mod jsonl;
+pub mod openai_batch;
 pub mod store;
 
 use std::ops::Range;
@@ -47,6 +49,8 @@ pub enum SourceError {
     ColumnType { url: String, column: String, actual: String, expected: &'static str },
     #[error("cannot read `{url}`")]
     Read { url: String, #[source] source: ParquetError },
+    #[error("cannot read `{url}`")]
+    Fetch { url: String, #[source] source: object_store::Error },
     #[error(
         "input file `{url}` changed during the run (it no longer matches the version in the plan); units already \
          committed are kept, but this output cannot be completed: write the new input's results to a new output"
@@ -110,6 +114,9 @@ pub struct Input {
     prompt: PromptColumn,
     id_column: Option<String>,
     total_rows: u64,
+    /// OpenAI Batch input: its JSONL files (and no Parquet files), and which lines the job runs.
+    jsonl: Vec<jsonl::JsonlFile>,
+    rules: Option<openai_batch::LineRules>,
 }
 
 impl InputFile {
@@ -128,14 +135,22 @@ impl InputFile {
 
 impl Input {
     pub async fn open(spec: &InputSpec) -> Result<Input, SourceError> {
-        let (location, metas) = list(&spec.url).await?;
+        if let Some(rules) = &spec.openai_batch {
+            let (location, metas) = list(&spec.url, ".jsonl").await?;
+            let mut files = Vec::with_capacity(metas.len());
+            for meta in metas {
+                let url = location.display(&meta.location);
+                let id_name = id_name(&meta.location, &location.path);
+                files.push(jsonl::scan(&location.store, meta, url, id_name).await?);
+            }
+            let total_rows = files.iter().map(|f| f.lines).sum();
+            return Ok(Input { location, files: Vec::new(), prompt: spec.prompt.clone(), id_column: None, total_rows, jsonl: files, rules: Some(rules.clone()) });
+        }
+        let (location, metas) = list(&spec.url, ".parquet").await?;
         let mut files = Vec::with_capacity(metas.len());
         for meta in metas {
             let url = location.display(&meta.location);
-            let id_name = match relative_parts(&meta.location, &location.path) {
-                parts if parts.is_empty() => meta.location.filename().unwrap_or_default().to_string(),
-                parts => parts.join("/"),
-            };
+            let id_name = id_name(&meta.location, &location.path);
             let mut reader = PinnedReader { store: location.store.clone(), meta: meta.clone() };
             let metadata = crate::error::catch_panic_async(ArrowReaderMetadata::load_async(&mut reader, ArrowReaderOptions::new()))
                 .await
@@ -163,11 +178,14 @@ impl Input {
             files.push(InputFile { meta, url, id_name, metadata, id_index, prompt_index, param_indices, completion_index });
         }
         let total_rows = files.iter().map(|f| f.rows()).sum();
-        Ok(Input { location, files, prompt: spec.prompt.clone(), id_column: spec.id_column.clone(), total_rows })
+        Ok(Input { location, files, prompt: spec.prompt.clone(), id_column: spec.id_column.clone(), total_rows, jsonl: Vec::new(), rules: None })
     }
 
     /// The files as they are now: path, size, e_tag and rows. Compared with the plan on every run.
     pub fn snapshot(&self) -> Vec<PlannedFile> {
+        if !self.jsonl.is_empty() {
+            return self.jsonl.iter().map(|f| PlannedFile { path: f.meta.location.to_string(), size: f.meta.size, e_tag: f.meta.e_tag.clone(), rows: f.lines }).collect();
+        }
         self.files
             .iter()
             .map(|f| PlannedFile { path: f.meta.location.to_string(), size: f.meta.size, e_tag: f.meta.e_tag.clone(), rows: f.rows() })
@@ -179,6 +197,9 @@ impl Input {
     /// `<file>:<row>`, checked with the others (a real id may be the same text). Inputs without an id column get
     /// default ids only, unique by construction, and pass at once.
     pub async fn check_unique_ids(&self) -> Result<(), SourceError> {
+        if !self.jsonl.is_empty() {
+            return jsonl::check_unique_ids(&self.location.store, &self.jsonl).await;
+        }
         let Some(column) = &self.id_column else { return Ok(()) };
         let mut seen: std::collections::HashMap<String, (usize, u64)> = std::collections::HashMap::new();
         let mut examples = Vec::new();
@@ -232,6 +253,10 @@ impl Input {
     /// The prompt column's uncompressed bytes in rows `first_row..first_row + rows` of file `file`, estimated from
     /// the footer alone: each row group's column-chunk size, shared evenly among its rows. Used to balance shards.
     pub fn prompt_bytes(&self, file: usize, first_row: u64, rows: u32) -> u64 {
+        if let Some(f) = self.jsonl.get(file) {
+            // A request line is mostly its prompt.
+            return f.meta.size * rows as u64 / f.lines.max(1);
+        }
         let Some(f) = self.files.get(file) else { return 0 };
         let name = self.prompt.name();
         let end = first_row + rows as u64;
@@ -257,7 +282,7 @@ impl Input {
 
     /// The input files' URLs, in reading order.
     pub fn file_urls(&self) -> Vec<String> {
-        self.files.iter().map(|f| f.url.clone()).collect()
+        self.files.iter().map(|f| f.url.clone()).chain(self.jsonl.iter().map(|f| f.url.clone())).collect()
     }
 
     pub fn url(&self) -> &str {
@@ -267,6 +292,10 @@ impl Input {
     /// Streams the rows of one unit of the plan, in order, into `tx`, tagged with their unit and position.
     /// Returns `false` (without error) when the receiver is gone.
     pub async fn stream_unit(&self, unit: &Unit, tx: &mpsc::Sender<Vec<SourceRow>>) -> Result<bool, SourceError> {
+        if let (Some(rules), false) = (&self.rules, self.jsonl.is_empty()) {
+            let file = self.jsonl.get(unit.file).ok_or_else(|| SourceError::NotFound { url: format!("input file {} of the plan", unit.file) })?;
+            return jsonl::stream_unit(&self.location.store, file, rules, unit, tx).await;
+        }
         let file = self.files.get(unit.file).ok_or_else(|| SourceError::NotFound { url: format!("input file {} of the plan", unit.file) })?;
         let read_err = |source| SourceError::Read { url: file.url.clone(), source };
         // The row groups the unit overlaps, and the unit's rows within them.
@@ -315,8 +344,16 @@ impl Input {
     }
 }
 
-/// Lists the files an input URL names, sorted by path.
-async fn list(url: &str) -> Result<(Location, Vec<ObjectMeta>), SourceError> {
+/// A file's name for default ids: its path below the input's prefix (its name for an input of one file).
+fn id_name(path: &Path, prefix: &Path) -> String {
+    match relative_parts(path, prefix) {
+        parts if parts.is_empty() => path.filename().unwrap_or_default().to_string(),
+        parts => parts.join("/"),
+    }
+}
+
+/// Lists the files an input URL names (under a prefix, those ending in `extension`), sorted by path.
+async fn list(url: &str, extension: &str) -> Result<(Location, Vec<ObjectMeta>), SourceError> {
     let list_err = |source| SourceError::List { url: url.into(), source };
     if store::is_glob(url) {
         let (prefix_url, pattern) = url.split_at(store::glob_prefix(url).len());
@@ -358,7 +395,7 @@ async fn list(url: &str) -> Result<(Location, Vec<ObjectMeta>), SourceError> {
         .store
         .list(Some(&prefix))
         .try_filter(|m| {
-            let keep = m.location.as_ref().ends_with(".parquet") && !hidden(&relative_parts(&m.location, &prefix));
+            let keep = m.location.as_ref().ends_with(extension) && !hidden(&relative_parts(&m.location, &prefix));
             std::future::ready(keep)
         })
         .try_collect()
