@@ -92,7 +92,7 @@ fn request(line: &Map<String, Value>, has_id: bool, rules: &LineRules) -> Result
                     return Err(wrong("\"float\""));
                 }
             }
-            (url, _) if url == "/v1/embeddings" => return Err(invalid(format!("unknown or unsupported field `body.{key}`"))),
+            ("/v1/embeddings", _) => return Err(invalid(format!("unknown or unsupported field `body.{key}`"))),
             (_, "max_tokens") | (_, "max_completion_tokens") => param(&mut params, "max_new_tokens", ParamValue::Integer(value.as_i64().ok_or_else(|| wrong("an integer"))?))?,
             (_, "min_tokens") => param(&mut params, "min_new_tokens", ParamValue::Integer(value.as_i64().ok_or_else(|| wrong("an integer"))?))?,
             (_, name @ ("temperature" | "top_p" | "min_p" | "repetition_penalty" | "presence_penalty" | "frequency_penalty")) => {
@@ -233,6 +233,40 @@ mod tests {
         let embed = LineRules { url: "/v1/embeddings", model: None };
         let l = json!({"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": "hello", "encoding_format": "float"}}).to_string();
         assert_eq!(parse_line(&l, &embed).request.unwrap().0, Prompt::Text("hello".into()));
+    }
+
+    /// Mutated lines (bytes flipped, cut, repeated) never panic: each is a request or a row error.
+    #[test]
+    fn mutated_lines_never_panic() {
+        let good = line(json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 3,
+            "stop": ["a"], "logprobs": true, "top_logprobs": 1, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}));
+        let rules = chat(Some("m"));
+        assert!(parse_line(&good, &rules).request.is_ok());
+        let mut state = 0x9e3779b97f4a7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        const ALPHABET: &[u8] = b" {}[]\":,0123456789tfnae.\\";
+        let (mut requests, mut errors) = (0, 0);
+        for _ in 0..3000 {
+            let mut bytes = good.clone().into_bytes();
+            for _ in 0..1 + next() % 4 {
+                let at = (next() % bytes.len() as u64) as usize;
+                match next() % 3 {
+                    0 => bytes[at] = ALPHABET[(next() % ALPHABET.len() as u64) as usize],
+                    1 => bytes.truncate(at.max(1)),
+                    _ => bytes.insert(at, bytes[at]),
+                }
+            }
+            match parse_line(&String::from_utf8_lossy(&bytes), &rules).request {
+                Ok(_) => requests += 1,
+                Err(_) => errors += 1,
+            }
+        }
+        assert!(requests > 0 && errors > 0, "{requests} requests, {errors} errors");
     }
 
     #[test]
