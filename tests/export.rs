@@ -265,3 +265,39 @@ fn openai_batch_input_on_s3_resumes_after_kill_nine() {
     let rows = output.results_json();
     assert!(rows.values().all(|r| r["status"] == "succeeded"), "every line is a good request");
 }
+
+/// Embedding requests (`/v1/embeddings`) run in an embed job and export as embedding lists; a chat line there is
+/// an error row.
+#[test]
+fn openai_batch_embedding_requests_round_trip() {
+    let dir = scratch("batch-embed");
+    let line = |id: &str, url: &str, body: Value| serde_json::json!({"custom_id": id, "method": "POST", "url": url, "body": body}).to_string();
+    let requests = [
+        line("e1", "/v1/embeddings", serde_json::json!({"model": "text-embedding-3-small", "input": "The printer jams.", "encoding_format": "float"})),
+        line("e2", "/v1/chat/completions", serde_json::json!({"model": "text-embedding-3-small", "messages": []})),
+        line("e3", "/v1/embeddings", serde_json::json!({"model": "text-embedding-3-small", "input": ["A refund, please."]})),
+    ];
+    let input = dir.join("embed.jsonl");
+    std::fs::write(&input, requests.join("\n") + "\n").unwrap();
+    let job = dir.join("job.toml");
+    std::fs::write(
+        &job,
+        format!(
+            "kind = \"embed\"\n[input]\nurl = {:?}\nmodel = \"text-embedding-3-small\"\n[model]\npath = {:?}\n[output]\nurl = {:?}\nexport = \"openai-batch\"\n",
+            input.to_string_lossy(),
+            repo().join("models/all-MiniLM-L6-v2").to_string_lossy(),
+            dir.join("out").to_string_lossy()
+        ),
+    )
+    .unwrap();
+    nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    let exported = dir.join("out/openai-batch");
+    let (results, errors) = (lines(&exported.join("results.jsonl")), lines(&exported.join("errors.jsonl")));
+    assert_eq!(custom_ids(&results), ["e1", "e3"]);
+    assert_eq!(custom_ids(&errors), ["e2"]);
+    assert_eq!(errors[0]["error"]["code"], "invalid_request");
+    for line in &results {
+        agrees(&example("embedding_response.json"), &line["response"]["body"], "body");
+        assert_eq!(line["response"]["body"]["data"][0]["embedding"].as_array().map(Vec::len), Some(384));
+    }
+}
