@@ -169,6 +169,20 @@ fn embed_job_runs_end_to_end_through_the_cli() {
     assert!(run.stdout.contains("complete already"), "{}", run.stdout);
 }
 
+/// Writes `DIR/NAME.toml`: an embed job over `input` (`id` and `text` columns) writing to `DIR/NAME`; `extra_input`
+/// goes into `[input]`, `extra` at the end.
+fn embed_job(dir: &std::path::Path, name: &str, input: &std::path::Path, extra_input: &str, extra: &str) -> std::path::PathBuf {
+    let path = dir.join(format!("{name}.toml"));
+    let text = format!(
+        "kind = \"embed\"\n[input]\nurl = {:?}\nid_column = \"id\"\nprompt_column = \"text\"\n{extra_input}\n[model]\npath = {:?}\n[output]\nurl = {:?}\n{extra}\n",
+        input.to_string_lossy(),
+        minilm().to_string_lossy(),
+        dir.join(name).to_string_lossy()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
 /// Embedding rows with equal texts are embedded once, and a second run reuses the first's vectors by request key.
 #[test]
 fn embed_rows_are_deduplicated_and_reused() {
@@ -178,15 +192,7 @@ fn embed_rows_are_deduplicated_and_reused() {
         let ids: Vec<Option<&str>> = ids.iter().map(|i| Some(*i)).collect();
         let texts: Vec<Option<&str>> = texts.iter().map(|t| Some(*t)).collect();
         write_parquet(&input, vec![("id", strings(&ids)), ("text", strings(&texts))]);
-        let path = dir.join(format!("{name}.toml"));
-        let text = format!(
-            "kind = \"embed\"\n[input]\nurl = {:?}\nid_column = \"id\"\nprompt_column = \"text\"\n[model]\npath = {:?}\n[output]\nurl = {:?}\n",
-            input.to_string_lossy(),
-            minilm().to_string_lossy(),
-            dir.join(name).to_string_lossy()
-        );
-        std::fs::write(&path, text).unwrap();
-        path
+        embed_job(&dir, name, &input, "", "")
     };
     let first = job("first", &["a", "b", "c", "d"], &["The printer jams.", "The printer jams.", "A refund, please.", "The printer jams."]);
     nightshift(&["run", first.to_str().unwrap()], &[]).assert_ok();
@@ -218,17 +224,7 @@ fn embed_job_bad_rows_and_bad_job_files() {
     let input = dir.join("in.parquet");
     let long = "word ".repeat(400);
     write_parquet(&input, vec![("id", strings(&[Some("a"), Some("b"), Some("c")])), ("text", strings(&[Some("Fine."), None, Some(&long)]))]);
-    let job = |name: &str, extra_input: &str, extra: &str| {
-        let path = dir.join(format!("{name}.toml"));
-        let text = format!(
-            "kind = \"embed\"\n[input]\nurl = {:?}\nid_column = \"id\"\nprompt_column = \"text\"\n{extra_input}\n[model]\npath = {:?}\n[output]\nurl = {:?}\n{extra}\n",
-            input.to_string_lossy(),
-            minilm().to_string_lossy(),
-            dir.join(name).to_string_lossy()
-        );
-        std::fs::write(&path, text).unwrap();
-        path
-    };
+    let job = |name: &str, extra_input: &str, extra: &str| embed_job(&dir, name, &input, extra_input, extra);
     // A null row and an over-long row are error rows by default; with truncation the long row is embedded.
     nightshift(&["run", job("strict", "", "").to_str().unwrap()], &[]).assert_ok();
     let rows = read_results_codes(&dir.join("strict"));

@@ -141,11 +141,7 @@ async fn collect_counting(mut rows: mpsc::Receiver<Outcome>, c: Collect<'_>, uni
             Some(copy) => copy,
             None => match rows.recv().await {
                 Some(mut outcome) => {
-                    let (key, waiting) = c.dedup.finished(&outcome);
-                    if let Some(key) = key {
-                        outcome.set_request_key(key);
-                    }
-                    copies.extend(waiting);
+                    copies.extend(c.dedup.finished(&mut outcome));
                     outcome
                 }
                 None => break,

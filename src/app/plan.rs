@@ -181,7 +181,7 @@ async fn tokenize_all(
     sources: Option<&Sources>,
 ) -> Result<Tokenized, Error> {
     // The requests seen, by the first 16 bytes of their keys (as a reuse source's index holds them).
-    let mut seen = std::collections::HashSet::<u128>::new();
+    let mut seen = std::collections::HashSet::<[u64; 2]>::new();
     let (tx, mut rx) = mpsc::channel::<Vec<SourceRow>>(SOURCE_DEPTH);
     let files = input.snapshot();
     let reader = async move {
@@ -215,7 +215,7 @@ async fn tokenize_all(
                                 t.reused_rows += 1;
                                 continue;
                             }
-                            if !seen.insert(key.short()) {
+                            if !seen.insert(key.words()) {
                                 t.duplicate_rows += 1;
                                 continue;
                             }

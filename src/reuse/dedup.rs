@@ -57,14 +57,13 @@ impl Dedup {
         Admit::Compute
     }
 
-    /// A row's outcome from the engine (or a failure before it): its request key, if it was admitted to compute,
-    /// and the copies of its outcome for the rows that waited on it.
-    pub fn finished(&self, outcome: &Outcome) -> (Option<RequestKey>, Vec<Outcome>) {
+    /// A row's outcome from the engine (or a failure before it): when the row was admitted to compute, gives it
+    /// its request key and returns copies of it for the rows that waited on it.
+    pub fn finished(&self, outcome: &mut Outcome) -> Vec<Outcome> {
         let mut t = self.table.lock().expect("not poisoned");
-        let Some(key) = t.computing.remove(&outcome.tag()) else { return (None, Vec::new()) };
-        let followers = t.pending.remove(&key).map(|p| p.followers).unwrap_or_default();
-        let mut outcome = outcome.clone();
+        let Some(key) = t.computing.remove(&outcome.tag()) else { return Vec::new() };
         outcome.set_request_key(key);
+        let followers = t.pending.remove(&key).map(|p| p.followers).unwrap_or_default();
         let copies = followers.into_iter().map(|(id, tag)| outcome.copy_for(outcome.id(), &id, tag)).collect();
         // Failures are not kept: a rerun of a failed row might succeed.
         if matches!(outcome, Outcome::Completed(_) | Outcome::Embedded(_)) {
@@ -73,10 +72,10 @@ impl Dedup {
                     t.finished.remove(&old);
                 }
             }
-            t.finished.insert(key, outcome);
+            t.finished.insert(key, outcome.clone());
             t.finished_order.push_back(key);
         }
-        (Some(key), copies)
+        copies
     }
 }
 
@@ -102,8 +101,9 @@ mod tests {
         assert!(matches!(d.admit(k2, "b", tag(1)), Admit::Compute));
         assert!(matches!(d.admit(k1, "c", tag(2)), Admit::Wait));
         assert!(matches!(d.admit(k1, "d", tag(3)), Admit::Wait));
-        let (key, copies) = d.finished(&embedded("a", 0));
-        assert_eq!(key, Some(k1));
+        let mut first = embedded("a", 0);
+        let copies = d.finished(&mut first);
+        assert!(matches!(&first, Outcome::Embedded(e) if e.request_key == Some(k1)));
         let copied: Vec<(String, u32, Option<String>)> = copies
             .iter()
             .map(|o| match o {
@@ -124,7 +124,9 @@ mod tests {
             _ => panic!("a copy"),
         }
         // A row that was not admitted to compute (a copy, or unknown) has no key here.
-        assert_eq!(d.finished(&embedded("e", 4)).0, None);
+        let mut copy = embedded("e", 4);
+        assert!(d.finished(&mut copy).is_empty());
+        assert!(matches!(&copy, Outcome::Embedded(e) if e.request_key.is_none()));
     }
 
     #[test]
@@ -133,8 +135,8 @@ mod tests {
         let k = RequestKey([3; 32]);
         assert!(matches!(d.admit(k, "a", tag(0)), Admit::Compute));
         assert!(matches!(d.admit(k, "b", tag(1)), Admit::Wait));
-        let failed = Outcome::Failed(RowFailure { id: "a".into(), tag: tag(0), error: RowError::new(ErrorCode::EngineError, "x") });
-        let (_, copies) = d.finished(&failed);
+        let mut failed = Outcome::Failed(RowFailure { id: "a".into(), tag: tag(0), error: RowError::new(ErrorCode::EngineError, "x") });
+        let copies = d.finished(&mut failed);
         assert!(matches!(&copies[..], [Outcome::Failed(f)] if f.id == "b" && f.tag.offset == 1));
         assert!(matches!(d.admit(k, "c", tag(2)), Admit::Compute));
     }
@@ -146,7 +148,7 @@ mod tests {
             let mut key = [0u8; 32];
             key[..4].copy_from_slice(&i.to_le_bytes());
             assert!(matches!(d.admit(RequestKey(key), "a", tag(i)), Admit::Compute));
-            d.finished(&embedded("a", i));
+            d.finished(&mut embedded("a", i));
         }
         let t = d.table.lock().unwrap();
         assert_eq!(t.finished.len(), WINDOW);

@@ -58,12 +58,7 @@ impl RequestKey {
         Some(RequestKey(key))
     }
 
-    /// The first 16 bytes, as a set of keys holds them.
-    pub fn short(&self) -> u128 {
-        u128::from_le_bytes(self.0[..16].try_into().expect("16 bytes"))
-    }
-
-    /// The first 16 bytes as two words, as a reuse source's index holds them (8-byte aligned, unlike a `u128`).
+    /// The first 16 bytes as two words, as a reuse source's index and `plan`'s set of requests hold them.
     pub fn words(&self) -> [u64; 2] {
         [u64::from_le_bytes(self.0[..8].try_into().expect("8 bytes")), u64::from_le_bytes(self.0[8..16].try_into().expect("8 bytes"))]
     }

@@ -158,15 +158,6 @@ impl Sources {
         Some(Found { file: e.file, row: e.row })
     }
 
-    /// Distinct keys the sources serve.
-    pub fn len(&self) -> usize {
-        self.index.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.index.is_empty()
-    }
-
     /// Reads the results of a unit's reused rows from their sources, a source file at a time (cached). Each file's
     /// rows are copied out of it (`take`), so a unit holds only its own rows, never whole source files.
     pub async fn resolve(&self, rows: &mut [Outcome]) -> Result<(), ReuseError> {

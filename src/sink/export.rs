@@ -4,8 +4,6 @@
 
 use futures::TryStreamExt;
 use object_store::buffered::BufWriter;
-use object_store::ObjectStoreExt;
-use parquet::arrow::ParquetRecordBatchStreamBuilder;
 use tokio::io::AsyncWriteExt;
 
 use super::{Output, SinkError};
@@ -78,9 +76,7 @@ impl Output {
         let written = async {
             for file in &manifest.results {
                 let read_err = |source: BoxError| SinkError::Read { url: self.display(file), source };
-                let meta = self.store().head(&self.path(file)).await.map_err(|e| read_err(e.into()))?;
-                let created = meta.last_modified.timestamp();
-                let builder = ParquetRecordBatchStreamBuilder::new(crate::source::PinnedReader::new(self.store().clone(), meta)).await.map_err(|e| read_err(e.into()))?;
+                let (builder, created) = self.open_parquet(file).await?;
                 let lines = lines.get_or_insert_with(|| {
                     let kv = builder.metadata().file_metadata().key_value_metadata();
                     let stored = kv.and_then(|kv| kv.iter().find(|kv| kv.key == "nightshift.model").and_then(|kv| kv.value.clone()));

@@ -9,9 +9,7 @@ use std::collections::HashMap;
 use arrow::array::{Array, AsArray, RecordBatch};
 use arrow::datatypes::{DataType, Float64Type, UInt32Type, UInt64Type};
 use futures::{StreamExt, TryStreamExt};
-use object_store::ObjectStoreExt;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
-use parquet::arrow::{ParquetRecordBatchStreamBuilder, ProjectionMask};
 
 use super::{Marker, Output, SinkError};
 use crate::report::{EngineFigures, ReportData, RowStats, UnitFigures};
@@ -196,11 +194,8 @@ impl Output {
         let metrics = read_metrics(metrics).map_err(|source| SinkError::Read { url: self.display(&marker.metrics), source })?;
         let figures = unit_figures(marker, &metrics);
         let read_err = |source: BoxError| SinkError::Read { url: self.display(&marker.results), source };
-        let meta = self.store().head(&self.path(&marker.results)).await.map_err(|e| read_err(e.into()))?;
-        let reader = crate::source::PinnedReader::new(self.store().clone(), meta);
-        let builder = ParquetRecordBatchStreamBuilder::new(reader).await.map_err(|e| read_err(e.into()))?;
-        let roots: Vec<usize> = builder.schema().fields().iter().enumerate().filter(|(_, f)| RESULT_COLUMNS.contains(&f.name().as_str())).map(|(i, _)| i).collect();
-        let mask = ProjectionMask::roots(builder.parquet_schema(), roots);
+        let (builder, _) = self.open_parquet(&marker.results).await?;
+        let mask = super::status::columns(&builder, RESULT_COLUMNS);
         let mut stream = builder.with_projection(mask).with_batch_size(8192).build().map_err(|e| read_err(e.into()))?;
         let mut stats = RowStats::default();
         while let Some(batch) = stream.try_next().await.map_err(|e| read_err(e.into()))? {

@@ -3,8 +3,6 @@
 
 use arrow::array::{Array, AsArray, RecordBatch};
 use futures::TryStreamExt;
-use object_store::ObjectStoreExt;
-use parquet::arrow::{ParquetRecordBatchStreamBuilder, ProjectionMask};
 
 use super::{Output, SinkError};
 
@@ -17,8 +15,7 @@ pub const NUMERICS_KEY: &str = "nightshift.numerics";
 pub struct FileKeys {
     /// The file's `nightshift.numerics`; `None` in files written before request keys.
     pub numerics: Option<String>,
-    /// (row in the file, the first 16 bytes of its request key: [`crate::reuse::RequestKey::short`], as two
-    /// words so that an entry is 24 bytes).
+    /// (row in the file, the first 16 bytes of its request key as two words: [`crate::reuse::RequestKey::words`]).
     pub keys: Vec<(u32, [u64; 2])>,
 }
 
@@ -43,22 +40,10 @@ impl Output {
         Ok(ReuseFiles::Incomplete(markers.into_values().map(|m| (m.results, m.succeeded_rows)).collect()))
     }
 
-    async fn result_stream(&self, relative: &str, columns: Option<&[&str]>) -> Result<(ParquetRecordBatchStreamBuilder<crate::source::PinnedReader>, Option<ProjectionMask>), SinkError> {
-        let read_err = |source: BoxError| SinkError::Read { url: self.display(relative), source };
-        let meta = self.store().head(&self.path(relative)).await.map_err(|e| read_err(e.into()))?;
-        let reader = crate::source::PinnedReader::new(self.store().clone(), meta);
-        let builder = ParquetRecordBatchStreamBuilder::new(reader).await.map_err(|e| read_err(e.into()))?;
-        let mask = columns.map(|columns| {
-            let roots: Vec<usize> = builder.schema().fields().iter().enumerate().filter(|(_, f)| columns.contains(&f.name().as_str())).map(|(i, _)| i).collect();
-            ProjectionMask::roots(builder.parquet_schema(), roots)
-        });
-        Ok((builder, mask))
-    }
-
     /// The request keys of a result file's succeeded rows, reading only the `status` and `request_key` columns.
     pub async fn read_keys(&self, relative: &str) -> Result<FileKeys, SinkError> {
         let read_err = |source: BoxError| SinkError::Read { url: self.display(relative), source };
-        let (builder, mask) = self.result_stream(relative, Some(&["status", "request_key"])).await?;
+        let (builder, _) = self.open_parquet(relative).await?;
         let numerics = builder
             .metadata()
             .file_metadata()
@@ -68,7 +53,8 @@ impl Output {
         if builder.schema().field_with_name("request_key").is_err() {
             return Ok(FileKeys { numerics: None, keys });
         }
-        let mut stream = builder.with_projection(mask.expect("asked")).with_batch_size(8192).build().map_err(|e| read_err(e.into()))?;
+        let mask = super::status::columns(&builder, &["status", "request_key"]);
+        let mut stream = builder.with_projection(mask).with_batch_size(8192).build().map_err(|e| read_err(e.into()))?;
         let mut row = 0u32;
         while let Some(batch) = stream.try_next().await.map_err(|e| read_err(e.into()))? {
             let (Some(status), Some(key)) = (
@@ -92,7 +78,7 @@ impl Output {
     /// A whole result file, as one batch.
     pub async fn read_result_file(&self, relative: &str) -> Result<RecordBatch, SinkError> {
         let read_err = |source: BoxError| SinkError::Read { url: self.display(relative), source };
-        let (builder, _) = self.result_stream(relative, None).await?;
+        let (builder, _) = self.open_parquet(relative).await?;
         let schema = builder.schema().clone();
         let batches: Vec<RecordBatch> = builder.build().map_err(|e| read_err(e.into()))?.try_collect().await.map_err(|e| read_err(e.into()))?;
         arrow::compute::concat_batches(&schema, &batches).map_err(|e| read_err(e.into()))

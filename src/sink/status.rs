@@ -167,4 +167,23 @@ impl Output {
         self.store().get(&self.path(relative)).await.map_err(read_err)?.bytes().await.map_err(read_err)
     }
 
+    /// A Parquet file of the output opened for streaming (ranged reads pinned to the version a HEAD found), with
+    /// that version's last modification time (Unix seconds).
+    pub(super) async fn open_parquet(&self, relative: &str) -> Result<(ParquetFile, i64), SinkError> {
+        let read_err = |source: Box<dyn std::error::Error + Send + Sync>| SinkError::Read { url: self.display(relative), source };
+        let meta = self.store().head(&self.path(relative)).await.map_err(|e| read_err(e.into()))?;
+        let modified = meta.last_modified.timestamp();
+        let reader = crate::source::PinnedReader::new(self.store().clone(), meta);
+        Ok((ParquetFile::new(reader).await.map_err(|e| read_err(e.into()))?, modified))
+    }
+
+}
+
+/// An output's Parquet file, ready to stream.
+pub(super) type ParquetFile = parquet::arrow::ParquetRecordBatchStreamBuilder<crate::source::PinnedReader>;
+
+/// The projection of `file` onto its top-level columns named in `names`.
+pub(super) fn columns(file: &ParquetFile, names: &[&str]) -> parquet::arrow::ProjectionMask {
+    let roots: Vec<usize> = file.schema().fields().iter().enumerate().filter(|(_, f)| names.contains(&f.name().as_str())).map(|(i, _)| i).collect();
+    parquet::arrow::ProjectionMask::roots(file.parquet_schema(), roots)
 }
