@@ -53,7 +53,8 @@ fn main() -> ExitCode {
             if let Some(threads) = args.threads {
                 app::limit_threads(threads);
             }
-            nightshift::bench::kernels(&args.options()).map(|r| cli::print_kernel_bench(&r, args.json))
+            let options = args.options();
+            nightshift::bench::kernels(&options).and_then(|r| nightshift::bench::attention(&options).map(|a| cli::print_kernel_bench(&r, &a, args.json)))
         }
         Command::SynthModel(args) => args.gguf_type().and_then(|quant| {
             let report = args.run()?;

@@ -19,6 +19,26 @@ pub struct KernelBenchOptions {
     pub rows: Vec<usize>,
     /// Levels to measure (default: every one this CPU has).
     pub levels: Vec<Level>,
+    /// Cache lengths at which to measure a decode step's attention (none: not measured).
+    pub contexts: Vec<usize>,
+    /// Sequences in that decode step.
+    pub seqs: usize,
+}
+
+/// One decode step's attention, every layer, at one cache length: what it streams and how fast.
+#[derive(Clone, Debug, Serialize)]
+pub struct AttentionMeasurement {
+    pub kv_dtype: &'static str,
+    pub level: &'static str,
+    pub seqs: usize,
+    /// Positions each sequence attends to (its cache and the new token).
+    pub context: usize,
+    /// Median seconds of the step's attention, every layer.
+    pub seconds: f64,
+    /// KV cache bytes the step reads.
+    pub bytes: u64,
+    /// `bytes / seconds / 1e9`.
+    pub gbps: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -80,6 +100,60 @@ pub fn kernels(options: &KernelBenchOptions) -> Result<Vec<KernelMeasurement>, E
                     gflops: 2.0 * (rows * n * k) as f64 / seconds / 1e9,
                 });
             }
+        }
+    }
+    Ok(out)
+}
+
+/// A decode step's attention on the host backend, every layer of the model's shape, for `seqs` sequences whose
+/// caches hold `context - 1` positions (random keys and values, f32 and the 16-bit dtypes): the bytes of the KV
+/// cache it streams per second. At the active kernel level (`NIGHTSHIFT_CPU_KERNELS` chooses it).
+pub fn attention(options: &KernelBenchOptions) -> Result<Vec<AttentionMeasurement>, Error> {
+    use candle_core::DType;
+
+    use crate::engine::{Attention, HostAttention};
+
+    if options.contexts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let config = crate::engine::models::llama::inspect(&options.model).map_err(Error::Model)?.config;
+    crate::engine::device::join_cpu_pool();
+    let row = config.kv_heads * config.head_dim;
+    let noise = |n: usize, salt: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7919 + salt * 104_729) % 2001) as f32 / 1000.0 - 1.0).collect() };
+    let mut out = Vec::new();
+    for dtype in [DType::F32, DType::F16] {
+        let host = HostAttention::for_config(&config, dtype);
+        for &context in &options.contexts {
+            let context = context.clamp(1, config.context_length);
+            let caches: Vec<_> = (0..options.seqs).map(|s| host.filled_cache(&noise(context * row, 2 * s), &noise(context * row, 2 * s + 1), context)).collect();
+            let q = noise(options.seqs * config.heads * config.head_dim, 7);
+            let _ = host.decode_attention(&caches, &q);
+            let once = Instant::now();
+            let _ = host.decode_attention(&caches, &q);
+            let reps = ((0.05 / once.elapsed().as_secs_f64().max(1e-7)) as usize).clamp(1, 1000);
+            let mut samples: Vec<f64> = (0..5)
+                .map(|_| {
+                    let t = Instant::now();
+                    for _ in 0..reps {
+                        std::hint::black_box(host.decode_attention(&caches, &q));
+                    }
+                    t.elapsed().as_secs_f64() / reps as f64
+                })
+                .collect();
+            samples.sort_by(f64::total_cmp);
+            let seconds = samples[2];
+            // Every layer reads each sequence's keys and values for its `context` positions, in whole blocks.
+            let blocks = context.div_ceil(crate::engine::KV_BLOCK_TOKENS) as u64;
+            let bytes = options.seqs as u64 * blocks * host.block_bytes() as u64;
+            out.push(AttentionMeasurement {
+                kv_dtype: if dtype == DType::F32 { "f32" } else { "f16" },
+                level: Level::active().name(),
+                seqs: options.seqs,
+                context,
+                seconds,
+                bytes,
+                gbps: bytes as f64 / seconds / 1e9,
+            });
         }
     }
     Ok(out)

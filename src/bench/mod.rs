@@ -6,7 +6,7 @@ mod generate;
 mod kernels;
 mod parity;
 pub use generate::{generate, GenerateBenchOptions, GenerateBenchReport, Workload};
-pub use kernels::{kernels, KernelBenchOptions, KernelMeasurement};
+pub use kernels::{attention, kernels, AttentionMeasurement, KernelBenchOptions, KernelMeasurement};
 pub use parity::{parity, Comparison, ParityOptions, ParityReport};
 
 use std::path::PathBuf;

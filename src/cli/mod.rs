@@ -129,6 +129,13 @@ pub struct KernelBenchArgs {
     /// CPU threads (default: one per core).
     #[arg(long, value_parser = at_least_one)]
     pub threads: Option<usize>,
+    /// Cache lengths at which to measure a decode step's attention, every layer (f32 and f16 caches, at the
+    /// active kernel level); `--contexts 0` for none.
+    #[arg(long, value_delimiter = ',', default_value = "256,1024")]
+    pub contexts: Vec<usize>,
+    /// Sequences in that decode step.
+    #[arg(long, value_parser = at_least_one, default_value = "16")]
+    pub seqs: usize,
     /// Print one JSON object per measurement.
     #[arg(long)]
     pub json: bool,
@@ -150,7 +157,8 @@ fn parse_level(text: &str) -> Result<crate::engine::kernels::Level, String> {
 
 impl KernelBenchArgs {
     pub fn options(&self) -> crate::bench::KernelBenchOptions {
-        crate::bench::KernelBenchOptions { model: self.model.clone(), rows: self.rows.clone(), levels: self.levels.clone() }
+        let contexts = self.contexts.iter().copied().filter(|&c| c > 0).collect();
+        crate::bench::KernelBenchOptions { model: self.model.clone(), rows: self.rows.clone(), levels: self.levels.clone(), contexts, seqs: self.seqs }
     }
 }
 

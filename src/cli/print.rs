@@ -457,9 +457,12 @@ pub fn print_status(status: &OutputStatus, json: bool) {
 }
 
 /// `bench kernels`: one line per tensor, level and row count.
-pub fn print_kernel_bench(report: &[crate::bench::KernelMeasurement], json: bool) {
+pub fn print_kernel_bench(report: &[crate::bench::KernelMeasurement], attention: &[crate::bench::AttentionMeasurement], json: bool) {
     if json {
         for m in report {
+            println!("{}", serde_json::to_string(m).expect("a measurement serializes"));
+        }
+        for m in attention {
             println!("{}", serde_json::to_string(m).expect("a measurement serializes"));
         }
         return;
@@ -468,6 +471,14 @@ pub fn print_kernel_bench(report: &[crate::bench::KernelMeasurement], json: bool
     for m in report {
         let shape = format!("[{}, {}]", m.shape[0], m.shape[1]);
         println!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11.1} {:>8.1}", m.tensor, m.dtype, shape, m.level, m.rows, m.seconds * 1e6, m.gflops);
+    }
+    if attention.is_empty() {
+        return;
+    }
+    println!();
+    println!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11} {:>8}", "decode attention", "kv", "context", "level", "seqs", "us", "GB/s");
+    for m in attention {
+        println!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11.1} {:>8.1}", "every layer", m.kv_dtype, m.context, m.level, m.seqs, m.seconds * 1e6, m.gbps);
     }
 }
 

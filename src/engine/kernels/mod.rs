@@ -363,6 +363,13 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
     outs
 }
 
+/// Weight rows (whole panels) per slice of a task: about 256 KiB of weights, which stay in the L2 cache while
+/// every activation row passes over them.
+fn l2_rows(w: &Packed) -> usize {
+    let per_row = w.bytes().div_ceil(w.n.max(1)).max(1);
+    ((256 << 10) / per_row).next_multiple_of(2 * PANEL).max(2 * PANEL)
+}
+
 /// Weight rows `rows` times every activation row.
 fn run_rows(level: Level, w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     assert!(rows.end <= w.n && x.k == w.k && rows.start.is_multiple_of(PANEL), "kernel rows out of range (a bug)");

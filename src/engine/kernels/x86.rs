@@ -294,13 +294,21 @@ macro_rules! kernels {
             #[target_feature(enable = $features)]
             pub(in super::super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                 let m = x.rows();
-                for r0 in (0..m).step_by(16) {
-                    let count = 16.min(m - r0);
-                    match &w.data {
-                        Data::F16(bits) => float_panel::<false>(bits, rows.clone(), x, r0, count, out),
-                        Data::Bf16(bits) => float_panel::<true>(bits, rows.clone(), x, r0, count, out),
-                        _ => quantized_panel(w, rows.start / PANEL..rows.end.div_ceil(PANEL), x, r0, count, out),
+                // Weight rows a slice at a time, sized to stay in the L2 cache while every activation row passes
+                // over them (a task of the output projection holds megabytes of weights).
+                let slice = super::super::l2_rows(w);
+                let mut start = rows.start;
+                while start < rows.end {
+                    let part = start..(start + slice).min(rows.end);
+                    for r0 in (0..m).step_by(16) {
+                        let count = 16.min(m - r0);
+                        match &w.data {
+                            Data::F16(bits) => float_panel::<false>(bits, part.clone(), x, r0, count, out),
+                            Data::Bf16(bits) => float_panel::<true>(bits, part.clone(), x, r0, count, out),
+                            _ => quantized_panel(w, part.start / PANEL..part.end.div_ceil(PANEL), x, r0, count, out),
+                        }
                     }
+                    start = part.end;
                 }
             }
         }
