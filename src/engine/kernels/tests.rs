@@ -186,3 +186,26 @@ fn activation_codes_are_the_same_at_every_level() {
     assert!(reference.qs.iter().any(|&q| q == 127 || q == -127));
     assert!(reference.qs.iter().all(|&q| q != i8::MIN));
 }
+
+/// A task whose weights are larger than its L2 slice (`l2_rows`) runs them a slice at a time: every row is
+/// computed once, the same bits as the portable kernels (which do not slice), the last panel's padding included.
+#[test]
+fn a_task_larger_than_its_cache_slice_computes_every_row_once() {
+    for (dtype, k) in [(GgmlDType::Q8_0, 576), (GgmlDType::Q4_1, 576), (GgmlDType::F16, 2048)] {
+        let probe = Packed::from_qtensor(&matrix(dtype, 16, k, 9)).unwrap().unwrap();
+        let n = 2 * l2_rows(&probe) + 12;
+        let packed = Packed::from_qtensor(&matrix(dtype, n, k, 9)).unwrap().unwrap();
+        assert!(l2_rows(&packed) < n && l2_rows(&packed).is_multiple_of(16), "{dtype:?}: slices of {} rows", l2_rows(&packed));
+        let m = 19;
+        let x = activations(m, k, 3);
+        let reference = packed.matmul_at(Level::Portable, &x, m);
+        for level in Level::available() {
+            let acts = Acts::new(level, &x, k, packed.quantized());
+            let mut y = vec![f32::NAN; m * n];
+            // One task over every row: three slices, the last ending in a partly padded panel.
+            run_rows(level, &packed, 0..n, &acts, Out { ptr: y.as_mut_ptr(), n, len: y.len() });
+            let same = y.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{dtype:?} {level:?}: a sliced task differs from the portable kernels");
+        }
+    }
+}
