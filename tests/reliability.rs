@@ -1028,6 +1028,9 @@ fn a_model_in_object_storage_is_fetched_once_into_the_cache() {
     let cache = world.dir.join("cache");
     let job = job_for("remote", &cache, "");
     let validate = |job: &Path| finish(world.command_for("validate", job).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
+    // Response headers' bytes that may differ between two otherwise identical validates (measured: up to 260
+    // over moto's HTTP; a model is 121,152 bytes, so a refetch would still show).
+    const HEADERS: u64 = 2048;
     // Bytes a successful validate reads from the store.
     let bytes_read_validating = |job: &Path| {
         let before = proxy.bytes_down();
@@ -1040,7 +1043,8 @@ fn a_model_in_object_storage_is_fetched_once_into_the_cache() {
     let overhead = bytes_read_validating(&job);
     eprintln!("validate read {first} bytes from the store, then {overhead} with the model cached (the model is {size})");
     // The input and the output's state are read through the same proxy both times; the model only the first time.
-    assert!(first >= size + overhead && overhead < size, "{first} then {overhead} bytes");
+    // The responses' headers vary by a few hundred bytes between runs (request ids, dates): HEADERS of slack.
+    assert!(first + HEADERS >= size + overhead && overhead < size, "{first} then {overhead} bytes");
     // A run reads the model from the cache too, and writes what a local model gives.
     world.run(&job).assert_ok();
     let (reference, _) = world.reference();
@@ -1126,7 +1130,7 @@ fn a_model_in_object_storage_is_fetched_once_into_the_cache() {
     std::fs::write(&http_job, std::fs::read_to_string(&http_job).unwrap().replace("s3://nightly/models/tiny.gguf", &http("tiny.gguf"))).unwrap();
     let first = bytes_read_validating(&http_job);
     let again = bytes_read_validating(&http_job);
-    assert!(first >= size + again && again < size, "over HTTP: {first} then {again} bytes");
+    assert!(first + HEADERS >= size + again && again < size, "over HTTP: {first} then {again} bytes");
     let hf_http = job_for("remote-hf-http", &http_cache, "");
     std::fs::write(&hf_http, std::fs::read_to_string(&hf_http).unwrap().replace("s3://nightly/models/tiny.gguf", &http("hf/"))).unwrap();
     let run = validate(&hf_http);
