@@ -74,22 +74,7 @@ pub fn kernels(options: &KernelBenchOptions) -> Result<Vec<KernelMeasurement>, E
         for &rows in &options.rows {
             let x: Vec<f32> = (0..rows * k).map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0).collect();
             for &level in &levels {
-                // Repeated until a sample takes 20 ms, after a warm-up; the median of five samples.
-                let _ = packed.matmul_at(level, &x, rows);
-                let once = Instant::now();
-                let _ = packed.matmul_at(level, &x, rows);
-                let reps = ((0.02 / once.elapsed().as_secs_f64().max(1e-7)) as usize).clamp(1, 10_000);
-                let mut samples: Vec<f64> = (0..5)
-                    .map(|_| {
-                        let t = Instant::now();
-                        for _ in 0..reps {
-                            std::hint::black_box(packed.matmul_at(level, &x, rows));
-                        }
-                        t.elapsed().as_secs_f64() / reps as f64
-                    })
-                    .collect();
-                samples.sort_by(f64::total_cmp);
-                let seconds = samples[2];
+                let seconds = median_seconds(0.02, 10_000, || packed.matmul_at(level, &x, rows));
                 out.push(KernelMeasurement {
                     tensor: name.clone(),
                     dtype: format!("{:?}", packed.stored_dtype()).to_lowercase(),
@@ -125,23 +110,9 @@ pub fn attention(options: &KernelBenchOptions) -> Result<Vec<AttentionMeasuremen
         let host = HostAttention::for_config(&config, dtype);
         for &context in &options.contexts {
             let context = context.clamp(1, config.context_length);
-            let caches: Vec<_> = (0..options.seqs).map(|s| host.filled_cache(&noise(context * row, 2 * s), &noise(context * row, 2 * s + 1), context)).collect();
+            let mut caches: Vec<_> = (0..options.seqs).map(|s| host.filled_cache(&noise(context * row, 2 * s), &noise(context * row, 2 * s + 1), context)).collect();
             let q = noise(options.seqs * config.heads * config.head_dim, 7);
-            let _ = host.decode_attention(&caches, &q);
-            let once = Instant::now();
-            let _ = host.decode_attention(&caches, &q);
-            let reps = ((0.05 / once.elapsed().as_secs_f64().max(1e-7)) as usize).clamp(1, 1000);
-            let mut samples: Vec<f64> = (0..5)
-                .map(|_| {
-                    let t = Instant::now();
-                    for _ in 0..reps {
-                        std::hint::black_box(host.decode_attention(&caches, &q));
-                    }
-                    t.elapsed().as_secs_f64() / reps as f64
-                })
-                .collect();
-            samples.sort_by(f64::total_cmp);
-            let seconds = samples[2];
+            let seconds = median_seconds(0.05, 1000, || host.decode_attention(&mut caches, &q));
             // Every layer reads each sequence's keys and values for its `context` positions, in whole blocks.
             let blocks = context.div_ceil(crate::engine::KV_BLOCK_TOKENS) as u64;
             let bytes = options.seqs as u64 * blocks * host.block_bytes() as u64;
@@ -157,4 +128,24 @@ pub fn attention(options: &KernelBenchOptions) -> Result<Vec<AttentionMeasuremen
         }
     }
     Ok(out)
+}
+
+/// Seconds one call of `f` takes: repeated until a sample takes `sample_s` (at most `max_reps` times), after a
+/// warm-up; the median of five samples.
+fn median_seconds<T>(sample_s: f64, max_reps: usize, mut f: impl FnMut() -> T) -> f64 {
+    std::hint::black_box(f());
+    let once = Instant::now();
+    std::hint::black_box(f());
+    let reps = ((sample_s / once.elapsed().as_secs_f64().max(1e-7)) as usize).clamp(1, max_reps);
+    let mut samples: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..reps {
+                std::hint::black_box(f());
+            }
+            t.elapsed().as_secs_f64() / reps as f64
+        })
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    samples[2]
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
-use super::{Attention, Backend, KvCache, Model, ModelConfig, Segment, BLOCK};
+use super::{Attention, KvCache, Model, ModelConfig, Segment, BLOCK};
 use crate::engine::kernels::elementwise::{exp, narrow_f16, widen_bf16, widen_f16};
 use crate::engine::kernels::Level;
 
@@ -168,26 +168,27 @@ impl HostAttention {
         if !matches!(kv_dtype, DType::F32 | DType::F16 | DType::BF16) {
             candle_core::bail!("the host attention backend holds keys and values in f32, f16 or bf16, not {kv_dtype:?}");
         }
-        let (rope_cos, rope_sin) = super::rope_tables(&model.config);
-        let block_bytes = Backend::Host.block_bytes(model, kv_dtype);
-        Ok(HostAttention { config: model.config.clone(), out_width: model.attn_width, rope_cos, rope_sin, kv_dtype, block_bytes, device: Device::Cpu })
+        Ok(HostAttention::build(&model.config, model.attn_width, kv_dtype))
     }
 
     /// The backend for a configuration alone (no weights): what `bench kernels` measures attention with. The
     /// attention output is `heads x head_dim` wide.
     pub fn for_config(config: &ModelConfig, kv_dtype: DType) -> HostAttention {
+        HostAttention::build(config, config.heads * config.head_dim, kv_dtype)
+    }
+
+    fn build(config: &ModelConfig, out_width: usize, kv_dtype: DType) -> HostAttention {
         let (rope_cos, rope_sin) = super::rope_tables(config);
-        let block_bytes = config.layers * 2 * config.kv_heads * config.head_dim * kv_dtype.size_in_bytes() * BLOCK;
-        HostAttention { config: config.clone(), out_width: config.heads * config.head_dim, rope_cos, rope_sin, kv_dtype, block_bytes, device: Device::Cpu }
+        let block_bytes = config.kv_block_bytes(kv_dtype);
+        HostAttention { config: config.clone(), out_width, rope_cos, rope_sin, kv_dtype, block_bytes, device: Device::Cpu }
     }
 
     /// One decode step's attention over every layer for sequences already holding `caches` (one new token each,
-    /// queries `q` `[caches, heads x head_dim]`), the caches left as they were: `bench kernels`' measurement of the
-    /// part of a step that streams the KV cache.
-    pub fn decode_attention(&self, caches: &[HostCache], q: &[f32]) -> Vec<f32> {
+    /// queries `q` `[caches, heads x head_dim]`), which it reads and leaves as they were: `bench kernels`'
+    /// measurement of the part of a step that streams the KV cache.
+    pub fn decode_attention(&self, caches: &mut [HostCache], q: &[f32]) -> Vec<f32> {
         const ONE: [u32; 1] = [0];
-        let mut copies: Vec<HostCache> = caches.to_vec();
-        let segments: Vec<Segment<'_, HostCache>> = copies.iter_mut().map(|cache| Segment { tokens: &ONE, cache }).collect();
+        let segments: Vec<Segment<'_, HostCache>> = caches.iter_mut().map(|cache| Segment { tokens: &ONE, cache }).collect();
         let mut out = Vec::new();
         for layer in 0..self.config.layers {
             out = self.attention(layer, q, &segments);
@@ -589,9 +590,9 @@ mod tests {
             let held = |x: f32| if dtype == DType::F16 { half::f16::from_f32(x).to_f32() } else { x };
             for len in [1, 15, 16, 17, 100, 300] {
                 let kv: Vec<(Vec<f32>, Vec<f32>)> = (0..3).map(|s| (noise(len * kv_row, 10 * s + len as u64), noise(len * kv_row, 10 * s + 5 + len as u64))).collect();
-                let caches: Vec<HostCache> = kv.iter().map(|(k, v)| host.filled_cache(k, v, len)).collect();
+                let mut caches: Vec<HostCache> = kv.iter().map(|(k, v)| host.filled_cache(k, v, len)).collect();
                 let q = noise(3 * q_row, 99);
-                let out = host.decode_attention(&caches, &q);
+                let out = host.decode_attention(&mut caches, &q);
                 assert_eq!(out.len(), 3 * q_row);
                 for (s, (k, v)) in kv.iter().enumerate() {
                     for h in 0..cfg.heads {

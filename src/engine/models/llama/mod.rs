@@ -60,6 +60,14 @@ pub struct ModelConfig {
     pub vocab_size: usize,
 }
 
+impl ModelConfig {
+    /// Bytes of one block of [`KV_BLOCK_TOKENS`] positions of a sequence's cache, every layer's keys and values
+    /// held in `kv_dtype`.
+    pub fn kv_block_bytes(&self, kv_dtype: DType) -> usize {
+        self.layers * 2 * self.kv_heads * self.head_dim * kv_dtype.size_in_bytes() * BLOCK
+    }
+}
+
 /// Llama 3's RoPE frequency scaling (`rope_scaling.rope_type = "llama3"`): wavelengths longer than
 /// `original_context / low_freq_factor` are stretched by `factor`, shorter than `original_context /
 /// high_freq_factor` kept, and those between interpolated.
@@ -332,8 +340,7 @@ impl Backend {
 
     /// KV cache bytes of one block on this backend, its keys and values held in `kv_dtype` ([`Backend::kv_dtype`]).
     pub fn block_bytes(self, model: &Model, kv_dtype: DType) -> usize {
-        let c = &model.config;
-        c.layers * 2 * c.kv_heads * c.head_dim * kv_dtype.size_in_bytes() * BLOCK
+        model.config.kv_block_bytes(kv_dtype)
     }
 
     pub fn is_paged(self) -> bool {
@@ -696,8 +703,8 @@ fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> candle_core::Result<Tensor
 /// RMSNorm of each row of `x` (rows as wide as `weight`) as llama.cpp computes it (`ggml_compute_forward_rms_norm`
 /// and the weight's multiply): each square rounded to f32 and summed in f64, the mean rounded to f32, then
 /// `x * (1 / sqrt(mean + eps)) * weight`. Summing in f64 is the more exact of the two; candle's f32 sum and divide
-/// agreed with llama.cpp's greedy choices at 96.9 % of the Q4_1 file's positions, this at 97.3 %
-/// (`scripts/fidelity-llama.py`). Rows in parallel past 32.
+/// agreed with llama.cpp's greedy choices at 96.9 % of the Q4_1 file's positions, this at 97.2 %
+/// (`scripts/fidelity-llama.py`, BENCHMARKS.md). Rows in parallel past 32.
 fn rms_norm_host(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     let width = weight.len();
     let mut out = vec![0f32; x.len()];
