@@ -2,7 +2,9 @@
 # Builds a release `nightshift` with the `cuda` feature on a Linux x86_64 machine that has no GPU and no CUDA
 # toolkit, for an NVIDIA H100/H200 host (compute capability 9.0) whose driver supports CUDA 13.0 (driver 580+).
 #
-#   scripts/build-cuda.sh            # from anywhere; 12-25 minutes on 2 cores, about a minute when nothing changed
+#   scripts/build-cuda.sh               # from anywhere; 12-25 minutes on 2 cores, about a minute when nothing changed
+#   scripts/build-cuda.sh --flash-attn  # also the `flash-attn` feature: candle-flash-attn's kernels for the paged
+#                                       # path (see BENCHMARKS.md for the first build's time; cached afterwards)
 #
 # Needs: cargo (rustup), gcc/g++ (nvcc's host compiler), python3 with pip (the toolkit comes from PyPI wheels),
 # readelf, strip, and xz or zstd. Writes target/cuda/nightshift-cuda.xz (or .zst), stripped and compressed.
@@ -13,6 +15,11 @@
 #   JOBS                  cargo jobs (default 2)
 #   CUDAFORGE_THREADS     parallel nvcc processes inside candle-kernels' build script (default: half the cores)
 #   COMPRESS              xz or zstd (default: xz when installed; it is on more hosts than zstd)
+#   CUTLASS_GIT           with --flash-attn: where to clone CUTLASS from (candle-flash-attn's build pins a commit
+#                         and clones it from GitHub; a local mirror works when GitHub is out of reach)
+#
+# With --flash-attn the kernels' build is cached in $NIGHTSHIFT_CUDA_WORK/flash-attn (CANDLE_FLASH_ATTN_BUILD_DIR)
+# and CUTLASS in $NIGHTSHIFT_CUDA_WORK/cudaforge (CUDAFORGE_HOME): a rebuild, even after `cargo clean`, reuses both.
 #
 # On the GPU host: the binary links libcuda.so.1 (from the driver) and the CUDA 13 runtime libraries libcudart.so.13,
 # libcublas.so.13 (which loads libcublasLt.so.13) and libcurand.so.10, which the nvidia-*-cu13 wheels of a PyTorch
@@ -45,6 +52,12 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK=${NIGHTSHIFT_CUDA_WORK:-$HOME/.cache/nightshift-cuda}
 JOBS=${JOBS:-2}
 TARGET_DIR="$REPO/target/cuda"
+FEATURES=cuda
+case "${1:-}" in
+  "") ;;
+  --flash-attn) FEATURES=flash-attn ;;
+  *) die "usage: scripts/build-cuda.sh [--flash-attn]" ;;
+esac
 
 case "$WORK/" in
   "$REPO"/*) die "NIGHTSHIFT_CUDA_WORK ($WORK) must be outside the repository" ;;
@@ -108,7 +121,7 @@ say "nvcc: $(nvcc --version | tail -1)"
 cd "$REPO"
 say "cargo fetch"
 cargo fetch --locked >/dev/null
-CUDARC_SRC=$(cargo metadata --locked --format-version 1 --features cuda | python3 -c '
+CUDARC_SRC=$(cargo metadata --locked --format-version 1 --features "$FEATURES" | python3 -c '
 import json, os, sys
 dirs = [os.path.dirname(p["manifest_path"]) for p in json.load(sys.stdin)["packages"] if p["name"] == "cudarc"]
 if len(dirs) != 1: sys.exit(f"expected one cudarc in the dependency graph, found {len(dirs)}")
@@ -125,17 +138,44 @@ mv "$STUB_C.new" "$STUB_C"
 gcc -shared -fPIC -O1 -Wl,-soname,libcuda.so.1 -o "$CUDA_HOME/lib64/stubs/libcuda.so" "$STUB_C"
 say "libcuda.so stub: $FUNCTIONS functions from $(basename "$CUDARC_SRC")"
 
-# ---- 4. build ----------------------------------------------------------------------------------------------------
+# ---- 4. flash-attention's inputs (--flash-attn) -----------------------------------------------------------------
+# candle-flash-attn's build script (through cudaforge) compiles 53 kernel files against CUTLASS at a pinned commit,
+# which it clones into $CUDAFORGE_HOME/git/checkouts/cutlass-<commit prefix> unless a checkout of exactly that
+# commit is there. The pin is read from the locked crate's build.rs.
+if [ "$FEATURES" = flash-attn ]; then
+  FA_SRC=$(cargo metadata --locked --format-version 1 --features "$FEATURES" | python3 -c '
+import json, os, sys
+dirs = [os.path.dirname(p["manifest_path"]) for p in json.load(sys.stdin)["packages"] if p["name"] == "candle-flash-attn"]
+if len(dirs) != 1: sys.exit(f"expected one candle-flash-attn in the dependency graph, found {len(dirs)}")
+print(dirs[0])')
+  CUTLASS_COMMIT=$(sed -nE 's/^const CUTLASS_COMMIT: &str = "([0-9a-f]{40})";/\1/p' "$FA_SRC/build.rs")
+  [ -n "$CUTLASS_COMMIT" ] || die "no CUTLASS_COMMIT in $FA_SRC/build.rs: its layout changed"
+  export CUDAFORGE_HOME="$WORK/cudaforge"
+  export CANDLE_FLASH_ATTN_BUILD_DIR="$WORK/flash-attn"
+  mkdir -p "$CANDLE_FLASH_ATTN_BUILD_DIR" "$CUDAFORGE_HOME/git/checkouts"
+  CHECKOUT="$CUDAFORGE_HOME/git/checkouts/cutlass-${CUTLASS_COMMIT:0:16}"
+  if [ "$(git -C "$CHECKOUT" rev-parse HEAD 2>/dev/null)" != "$CUTLASS_COMMIT" ] || [ ! -d "$CHECKOUT/include" ]; then
+    say "CUTLASS $CUTLASS_COMMIT from ${CUTLASS_GIT:=https://github.com/NVIDIA/cutlass.git}"
+    rm -rf "$CHECKOUT"
+    git clone --quiet --no-checkout "$CUTLASS_GIT" "$CHECKOUT"
+    git -C "$CHECKOUT" -c advice.detachedHead=false checkout --quiet --detach "$CUTLASS_COMMIT"
+  fi
+  say "CUTLASS: $CHECKOUT; kernels cached in $CANDLE_FLASH_ATTN_BUILD_DIR"
+fi
+
+# ---- 5. build ----------------------------------------------------------------------------------------------------
 export CUDA_COMPUTE_CAP=90
 export CUDARC_CUDA_VERSION=13000
 export RUSTFLAGS="-C target-cpu=x86-64-v3"
-say "cargo build --release --locked --features cuda --target-dir target/cuda -j$JOBS (RUSTFLAGS=$RUSTFLAGS)"
+say "cargo build --release --locked --features $FEATURES --target-dir target/cuda -j$JOBS (RUSTFLAGS=$RUSTFLAGS)"
 start=$(date +%s)
-cargo build --release --locked --features cuda --target-dir "$TARGET_DIR" -j"$JOBS"
+# CPU time too: the wall time depends on what else the machine is doing, the CPU seconds much less.
+/usr/bin/time -f '%U %S' -o "$TARGET_DIR.cpu" cargo build --release --locked --features "$FEATURES" --target-dir "$TARGET_DIR" -j"$JOBS"
 seconds=$(( $(date +%s) - start ))
-say "build time: $((seconds / 60)) min $((seconds % 60)) s"
+cpu=$(awk '{ printf "%d", $1 + $2 }' "$TARGET_DIR.cpu")
+say "build time: $((seconds / 60)) min $((seconds % 60)) s wall, $((cpu / 60)) min of CPU time (features: $FEATURES)"
 
-# ---- 5. strip, compress, report --------------------------------------------------------------------------------
+# ---- 6. strip, compress, report --------------------------------------------------------------------------------
 BIN="$TARGET_DIR/release/nightshift"
 STRIPPED="$TARGET_DIR/nightshift-cuda"
 OUT="$STRIPPED.$EXT"

@@ -17,12 +17,26 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
+/// `run --data-parallel`: the workers' run; the code to exit with.
+fn data_parallel(args: &cli::RunArgs) -> Result<i32, nightshift::error::Error> {
+    let asked = args.data_parallel.as_ref().expect("checked by the caller");
+    let job = nightshift::job::Job::load(&args.job.job, &args.job.overrides())?;
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let report = app::parallel::run(asked, &argv, &job.output.url, args.job.shards)?;
+    cli::print_data_parallel(&report);
+    Ok(report.code)
+}
+
 fn main() -> ExitCode {
     nightshift::error::install_panic_hook();
     app::tune_cpu_threads();
     let cli = Cli::parse();
     init_tracing(cli.log_format);
     let result = match &cli.command {
+        Command::Run(args) if args.data_parallel.is_some() => match data_parallel(args) {
+            Ok(code) => return ExitCode::from(code.clamp(0, 255) as u8),
+            Err(e) => Err(e),
+        },
         Command::Run(args) => app::run(RunOptions {
             job: args.job.job.clone(),
             overrides: args.job.overrides(),

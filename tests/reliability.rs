@@ -445,6 +445,47 @@ fn an_output_that_fails_mid_run_reports_the_units_it_committed() {
     assert_complete_and_equal(&output, &reference);
 }
 
+/// `run --data-parallel 2` with no GPU: two workers (shards 0 and 1 of 2, half the cores each) give the single
+/// process's rows, every one once, in an output whose plan has two shards, finalized; SIGTERM to the parent reaches
+/// both workers, which drain, and the parent exits with the worst worker's code (75: resumable); the same command
+/// again completes the output.
+#[test]
+fn data_parallel_workers_split_the_job_pass_signals_on_and_resume() {
+    let world = World::new("data-parallel", Store::Local);
+    let (reference, _) = world.reference();
+    let no_gpu = [("CUDA_VISIBLE_DEVICES", "")];
+    let job = world.job("parallel", "");
+    let run = finish(world.spawn_with(&job, &["--data-parallel", "2"], &no_gpu));
+    run.assert_ok();
+    for w in 0..2 {
+        assert!(run.stdout.contains(&format!("worker {w} (shard {w} of 2, ")), "{}", run.stdout);
+    }
+    assert!(run.stdout.contains("the output is finalized"), "{}", run.stdout);
+    let output = world.output("parallel");
+    assert!(output.exists("_SUCCESS"));
+    let plan: serde_json::Value = serde_json::from_slice(&output.get("_plan.json").expect("a plan")).unwrap();
+    assert_eq!(plan["shards"], 2, "one shard per worker");
+    assert_complete_and_equal(&output, &reference);
+
+    // Interrupted as soon as the plan is written: the workers are starting or running (each takes under a second
+    // for its shard here, so a later signal could find them done).
+    let job = world.job("parallel-drained", "max_seqs = 1");
+    let output = world.output("parallel-drained");
+    let child = world.spawn_with(&job, &["--data-parallel", "2"], &no_gpu);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while output.get("_plan.json").is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    signal(&child, "TERM");
+    let run = finish(child);
+    assert_eq!(run.code, 75, "the worst worker's code\n{}\n{}", run.stdout, run.stderr);
+    assert!(run.stdout.contains("exit 75"), "a worker was interrupted: {}", run.stdout);
+    assert!(!output.exists("_SUCCESS"));
+    assert!(output.list("_commits").len() < UNITS);
+    finish(world.spawn_with(&job, &["--data-parallel", "2"], &no_gpu)).assert_ok();
+    assert_complete_and_equal(&output, &reference);
+}
+
 fn sigterm_drains_and_exits_resumable(store: Store) {
     let world = World::new(&format!("sigterm-{store:?}").to_lowercase(), store);
     let (reference, _) = world.reference();

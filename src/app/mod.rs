@@ -23,6 +23,7 @@
 mod collect;
 pub mod drive;
 mod load;
+pub mod parallel;
 mod plan;
 pub mod signals;
 mod validate;
@@ -140,11 +141,19 @@ pub fn limit_threads(threads: usize) {
 /// (`CANDLE_BARRIER_POOL_SPIN_LIMIT`). candle's default (25,000 spins, about a millisecond) keeps its threads
 /// busy-waiting while nightshift's own threads run attention between matmuls, and on a machine with few cores they
 /// take each other's time: measured on 2 cores, 100 spins took the generation benchmark from 210 to 242 total
-/// tokens/s. Called at start-up, before any thread exists.
+/// tokens/s.
+///
+/// And the thread count candle's CPU matmul asks for at every call, fixed once: without `RAYON_NUM_THREADS`, candle
+/// 0.11 counts the physical cores by reading and parsing `/proc/cpuinfo` at every matrix product (about 15 reads a
+/// step on the tiny model; on a many-core GPU host the file is hundreds of KiB). The count is the same: candle's own,
+/// computed once. Called at start-up, before any thread exists.
 pub fn tune_cpu_threads() {
+    // Sound: called first thing in `main`, while the process has one thread.
     if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
-        // Sound: called first thing in `main`, while the process has one thread.
         std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", "100");
+    }
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", candle_core::utils::get_num_threads().to_string());
     }
 }
 

@@ -83,6 +83,11 @@ pub struct GenerateBenchReport {
     pub prefill_s: f64,
     pub decode_s: f64,
     pub steps: u64,
+    /// Per step, the model's forward pass, and everything else of the run: the engine's scheduling, the step's
+    /// inputs, sampling, stop checks and bookkeeping, and the driver's admission and collection (the run's
+    /// seconds less the forward passes', over the steps).
+    pub forward_ms_per_step: f64,
+    pub host_ms_per_step: f64,
     /// From a row's entering the engine's queue (up to `max_seqs` rows wait beside the running ones) to its first token.
     pub ttft_p50_s: f64,
     pub ttft_p90_s: f64,
@@ -210,6 +215,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
     let ttft: Vec<f64> = done.iter().map(|c| c.ttft_s).collect();
     let tpot: Vec<f64> = done.iter().filter_map(|c| c.tpot_s).collect();
     let p = |v: &[f64], q: f64| percentile(v, q).unwrap_or(0.0);
+    let per_step = |s: f64| 1000.0 * s / stats.steps.max(1) as f64;
     Ok(GenerateBenchReport {
         model: options.model.display().to_string(),
         workload: options.workload,
@@ -227,6 +233,8 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         prefill_s: stats.prefill_s,
         decode_s: stats.decode_s,
         steps: stats.steps,
+        forward_ms_per_step: per_step(stats.forward_s),
+        host_ms_per_step: per_step((seconds - stats.forward_s).max(0.0)),
         ttft_p50_s: p(&ttft, 50.0),
         ttft_p90_s: p(&ttft, 90.0),
         ttft_p99_s: p(&ttft, 99.0),

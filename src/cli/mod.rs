@@ -74,6 +74,9 @@ pub struct SynthModelArgs {
     /// `q4_1`, `q8_0`, `q4k`, `q6k`, ... (candle's names), for the GGUF path's kernels.
     #[arg(long)]
     pub gguf: Option<String>,
+    /// The context length, instead of the shape's (`tiny` has 1,024 positions; long prompts on a small model).
+    #[arg(long)]
+    pub context: Option<usize>,
 }
 
 impl SynthModelArgs {
@@ -95,7 +98,14 @@ impl SynthModelArgs {
             "f32" => candle_core::DType::F32,
             other => return Err(crate::error::Error::Internal(format!("--dtype must be bf16, f16 or f32, got {other:?}"))),
         };
-        crate::synth::synth_model(&self.dir, &crate::synth::Shape::named(&self.shape)?, dtype, self.seed)
+        let mut shape = crate::synth::Shape::named(&self.shape)?;
+        if let Some(context) = self.context {
+            if context == 0 {
+                return Err(crate::error::Error::Usage("--context must be at least 1".into()));
+            }
+            shape.context = context;
+        }
+        crate::synth::synth_model(&self.dir, &shape, dtype, self.seed)
     }
 }
 
@@ -466,4 +476,9 @@ pub struct RunArgs {
     /// Push the same metrics to this Prometheus Pushgateway (`http://host:9091`), grouped by job and shard.
     #[arg(long, env = "NIGHTSHIFT_PUSHGATEWAY")]
     pub pushgateway: Option<String>,
+    /// Run the job on every GPU of this machine: N workers (`auto`: one per visible GPU), each running shard i of
+    /// N with only its GPU visible and 1/N of the cores; signals are passed on, the output finalized, and the exit
+    /// code is the worst worker's. Without GPUs, N workers split the cores.
+    #[arg(long, value_name = "N|auto")]
+    pub data_parallel: Option<crate::app::parallel::DataParallel>,
 }

@@ -82,6 +82,7 @@ pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
         "steps: prefill {:.1} s ({:.1} prompt tok/s, decode tokens riding along), decode-only {:.1} s ({:.1} tok/s)",
         r.prefill_s, r.prefill_tokens_per_s, r.decode_s, r.decode_tokens_per_s
     );
+    println!("per step: {:.2} ms in the model's forward pass, {:.2} ms of host time (the engine and driver)", r.forward_ms_per_step, r.host_ms_per_step);
     println!(
         "latency: TTFT p50 {:.3} s, p90 {:.3} s, p99 {:.3} s (from entering the engine's queue); TPOT p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms",
         r.ttft_p50_s,
@@ -307,6 +308,17 @@ pub fn print_run(report: &RunReport) {
             Outcome::Failed(f) => println!("  [{}] error {}: {}", f.id, f.error.code, f.error.message),
             Outcome::Reused(r) => println!("  [{}] reused", r.id),
         }
+    }
+}
+
+pub fn print_data_parallel(report: &crate::app::parallel::ParallelReport) {
+    for w in &report.workers {
+        let gpu = w.worker.gpu.as_deref().map_or_else(|| format!("{} CPU threads", w.worker.threads), |g| format!("GPU {g}"));
+        println!("worker {} (shard {} of {}, {gpu}): exit {}", w.worker.shard, w.worker.shard, report.workers.len(), w.code);
+    }
+    match (report.code, report.finalized) {
+        (0, true) => println!("every shard is committed; the output is finalized"),
+        (code, _) => println!("exit {code}: the worst worker's (rerun the same command to resume; committed units are kept)"),
     }
 }
 

@@ -261,7 +261,9 @@ impl<A: Attention> BatchEngine<A> {
         group.timing.first_token.get_or_insert(now);
         let finished = seq.choice.advance(token, &rules, seq.cache.len() + 1 > limit)?;
         if finished.is_none() {
-            seq.pending = vec![token];
+            // The prompt's buffer, reused: no allocation per sequence and step.
+            seq.pending.clear();
+            seq.pending.push(token);
         }
         Ok(finished)
     }
@@ -322,7 +324,11 @@ impl<A: Attention> BatchEngine<A> {
         let mut chosen: Vec<(usize, &mut Sequence<A::Cache>)> = self.seqs.iter_mut().filter_map(|(id, s)| wanted.get(id).map(|&i| (i, s))).collect();
         chosen.sort_by_key(|c| c.0);
         let mut segments: Vec<Segment<'_, A::Cache>> = chosen.into_iter().map(|(_, s)| Segment { tokens: &s.pending, cache: &mut s.cache }).collect();
-        Ok(self.model.forward_step(&self.attention, &mut segments, &outputs, &greedy)?)
+        // The forward pass's time, less the step's inputs it builds on the host first (host time).
+        let started = Instant::now();
+        let (logits, inputs) = self.model.forward_step_timed(&self.attention, &mut segments, &outputs, &greedy)?;
+        self.stats.forward_s += (started.elapsed() - inputs).as_secs_f64();
+        Ok(logits)
     }
 
     /// A scoring row's result: the log-probability of each completion token after the tokens before it.
@@ -371,6 +377,15 @@ impl<A: Attention> BatchEngine<A> {
             return;
         }
         let mut row = rows.pop().expect("one row of logits per sequence");
+        if self.seqs[&id].forks == 0 {
+            // Every step of every sequence but a row's first prefill with `n` > 1: no forks, no list of them.
+            match self.decide(id, row, now) {
+                Ok(Some(reason)) => settled.push(Settled::Finished(id, reason)),
+                Ok(None) => {}
+                Err(e) => settled.push(Settled::Failed(group, e)),
+            }
+            return;
+        }
         let ids = match self.fork_choices(id) {
             Ok(ids) => ids,
             Err(e) => return settled.push(Settled::Failed(group, e)),

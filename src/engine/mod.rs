@@ -140,6 +140,10 @@ pub struct EngineStats {
     pub decode_s: f64,
     /// Tokens of the decode-only steps (`decode_s`).
     pub decode_only_tokens: u64,
+    /// Seconds in the model's forward passes (decoder engines), less the time they spend building the step's
+    /// inputs on the host: the rest of a run is the engine's own time (scheduling, the step's inputs and attention
+    /// tables, sampling, stop checks, bookkeeping) and the driver's.
+    pub forward_s: f64,
     /// Sequences preempted when the KV cache ran short, and the tokens prefilled again for them.
     pub preemptions: u64,
     pub recomputed_tokens: u64,

@@ -68,6 +68,14 @@ impl HfVariant {
 /// The end tokens are named as real directories name them, for the loader to read: tokenizer_config.json's
 /// `eos_token` as an added-token object, and generation_config.json's list of end tokens (`<|im_end|>`, then
 /// `<|endoftext|>`, as Qwen's lists them).
+/// The tiny shape with an 8,192-position context, f32 Hugging Face safetensors: long prompts at little cost.
+pub fn write_long_context_model(dir: &Path) {
+    let tiny = Shape::named("tiny").unwrap();
+    let shape = Shape { name: "tiny-8k", vocab: VOCABULARY.size, context: 8192, rope_theta: 100000, ..tiny };
+    let spec = Spec { shape, vocabulary: VOCABULARY, dtype: DType::F32, init: Init::Peaked, seed: 0x8192 };
+    synth::write_hf(dir, &spec).unwrap();
+}
+
 pub fn write_tiny_hf_model(dir: &Path, variant: HfVariant) {
     // synth's "tiny" shape with the tests' vocabulary.
     let tiny = Shape::named("tiny").unwrap();

@@ -211,8 +211,9 @@ fn rope_tables(config: &ModelConfig) -> (Vec<f32>, Vec<f32>) {
 }
 
 /// Positions per block of the KV cache: the width of the host backend's score vectors, and the unit the
-/// scheduler books.
-pub const KV_BLOCK_TOKENS: usize = 16;
+/// scheduler books and the prefix cache keeps. 32 in a build with flash-attention, whose paged kernel takes
+/// blocks of a multiple of 32 positions.
+pub const KV_BLOCK_TOKENS: usize = if cfg!(feature = "flash-attn") { 32 } else { 16 };
 const BLOCK: usize = KV_BLOCK_TOKENS;
 
 /// New tokens of one sequence for one forward pass, and that sequence's cache (of the backend's kind).
@@ -542,9 +543,23 @@ impl Model {
         outputs: &[usize],
         greedy: &[bool],
     ) -> candle_core::Result<Vec<Vec<StepLogits>>> {
+        Ok(self.forward_step_timed(attention, segments, outputs, greedy)?.0)
+    }
+
+    /// [`Model::forward_step`], and how long it took to build the step's inputs on the host (checking the
+    /// segments, booking KV blocks, the attention tables and their upload): host time, not the model's.
+    pub fn forward_step_timed<A: Attention>(
+        &self,
+        attention: &A,
+        segments: &mut [Segment<'_, A::Cache>],
+        outputs: &[usize],
+        greedy: &[bool],
+    ) -> candle_core::Result<(Vec<Vec<StepLogits>>, std::time::Duration)> {
         let cfg = &self.config;
+        let started = std::time::Instant::now();
         let (positions, tokens) = self.check_segments(segments, outputs)?;
         let step = attention.begin(segments, &positions)?;
+        let inputs = started.elapsed();
         let n = tokens.len();
         let ids = Tensor::from_vec(tokens, n, &self.device)?;
         let mut x = self.embedding.index_select(&ids, 0)?;
@@ -564,7 +579,7 @@ impl Model {
         }
         attention.advance(segments);
         let logits = self.head(&x, segments, outputs)?;
-        read_back(&logits, outputs, if attention.device_argmax() { greedy } else { &[] })
+        Ok((read_back(&logits, outputs, if attention.device_argmax() { greedy } else { &[] })?, inputs))
     }
 
     /// The layers of [`Model::forward_step`] on host vectors, for a model with `host_norms` (its layers' norm

@@ -3,21 +3,28 @@
 //! them).
 //!
 //! The KV cache is a paged pool ([`Pool`]): per layer, one keys tensor and one values tensor of
-//! `[kv_heads, blocks x BLOCK, head_dim]` on the device, in the activations' dtype; a position's slot is its
-//! block's id x BLOCK plus its offset in the block, and a sequence's [`PagedCache`] holds its pool blocks, in
-//! position order (its block table). New keys and values are scattered into their slots; attention gathers
-//! each sequence's slots along the middle dimension, which gives `[kv_heads, positions, head_dim]` with no
-//! transposing copy:
+//! `[blocks x BLOCK, kv_heads, head_dim]` on the device, in the activations' dtype (flash-attention's paged layout,
+//! `[blocks, BLOCK, kv_heads, head_dim]`, without a copy); a position's slot is its block's id x BLOCK plus its
+//! offset in the block, and a sequence's [`PagedCache`] holds its pool blocks, in position order (its block
+//! table). New keys and values are scattered into their slots.
 //!
-//! - the single-token segments of a step (decodes) together: their slots gathered into
-//!   `[kv_heads, B, L, head_dim]` with `L` the longest sequence, scores masked past each sequence's own length,
-//!   one batched matmul for scores and one for values;
-//! - each longer segment (a prefill) on its own, with a causal mask from the segment's start.
+//! Attention runs in tiles, with memory bounded by the tile, not by the prompt or the batch ([`tiled`]):
+//! - every segment of a step is cut into query tiles, a decode (one new token) being a tile of one query and a
+//!   prefill tiles of up to [`QUERY_TILE`] queries; the tiles of all the step's decodes run together, and so do the
+//!   tiles of all its prefills, in chunks whose scores fit [`SCORE_BYTES`];
+//! - a chunk walks the keys [`KEY_TILE`] positions at a time: it gathers that many keys and values of each tile's
+//!   sequence from the pool, scores them and folds them into a running softmax (the running maximum, sum and
+//!   weighted values: flash attention's online softmax), so no score matrix of a whole prompt and no gathered copy
+//!   of a whole sequence's keys ever exists;
+//! - tiles are ordered longest first, so a key tile past a tile's last visible position is not computed for it.
 //!
-//! Queries are grouped by kv head (`[kv_head, ..., group, head_dim]`), so grouped-query attention needs no copies
-//! of keys.
-//! RoPE uses candle's interleaved-pair kernel with each token's own position. Scores and the softmax are in
-//! f32 whatever the activations' dtype.
+//! With the `flash-attn` feature, on CUDA in f16 or bf16, flash-attention's variable-length paged kernel attends
+//! every segment of the step in one call straight from the pool ([`PagedAttention::flash`]);
+//! `NIGHTSHIFT_PAGED_ATTENTION=tiled` chooses the tiles instead (the GPU check measures both).
+//!
+//! Queries are grouped by kv head, so grouped-query attention needs no copies of keys. RoPE uses candle's
+//! interleaved-pair kernel with each token's own position. Scores and the softmax are in f32 whatever the
+//! activations' dtype.
 //!
 //! The backend runs on any device; on the CPU it is what the tests check against the host backend ([`super::host`]),
 //! which stays the CPU's default: it computes each block in place without gathering.
@@ -37,8 +44,13 @@ pub struct PagedAttention {
     cos: Tensor,
     sin: Tensor,
     pool: Arc<Mutex<Pool>>,
+    #[cfg(feature = "flash-attn")]
+    pool_blocks: usize,
     block_bytes: usize,
     device: Device,
+    /// Whether flash-attention's kernel attends (CUDA, f16 or bf16, and not turned off) instead of the tiles.
+    #[cfg(feature = "flash-attn")]
+    flash: bool,
 }
 
 /// Per layer, keys and values of every pool block, allocated at the first write; the free blocks, and how many
@@ -61,7 +73,7 @@ impl Pool {
         if !self.keys.is_empty() {
             return Ok(());
         }
-        let shape = (self.kv_heads, self.blocks * BLOCK, self.head_dim);
+        let shape = (self.blocks * BLOCK, self.kv_heads, self.head_dim);
         for _ in 0..self.layers {
             self.keys.push(Tensor::zeros(shape, self.dtype, &self.device)?);
             self.values.push(Tensor::zeros(shape, self.dtype, &self.device)?);
@@ -103,7 +115,7 @@ impl Pool {
         let from = Tensor::from_vec(from, n, &self.device)?;
         let to = scatter_index(rows(&mut pairs.iter().map(|p| p.1)), self.kv_heads, self.head_dim, &self.device)?;
         for t in self.keys.iter().chain(&self.values) {
-            t.scatter_set(&to, &t.index_select(&from, 1)?, 1)?;
+            t.scatter_set(&to, &t.index_select(&from, 0)?, 0)?;
         }
         Ok(())
     }
@@ -134,18 +146,126 @@ fn lock(pool: &Mutex<Pool>) -> MutexGuard<'_, Pool> {
     pool.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Query positions of a prefill tile (a decode's tile has one).
+pub const QUERY_TILE: usize = 128;
+/// Key positions a tile scores at a time.
+pub const KEY_TILE: usize = 512;
+/// The f32 scores of one chunk of tiles against one key tile, at most (a single tile may exceed it alone).
+pub const SCORE_BYTES: usize = 64 << 20;
+
 /// Attention inputs of a step, built once and used by every layer.
 struct Plan {
-    /// Token rows, in the step's order, of the single-token segments; and their gather table `[B x L]` with the
-    /// mask `[1, B, 1, L]` (0 where visible, -inf past the sequence's length).
-    decode_rows: Vec<u32>,
-    decode: Option<(Tensor, Tensor, usize)>,
-    /// Per longer segment: first token row, new tokens, gather table `[total]`, causal mask `[new, total]`.
-    prefill: Vec<(usize, usize, Tensor, Tensor)>,
-    /// `[kv_heads, tokens, head_dim]`: each new token's slot, for `scatter_set` along the slots.
-    write: Tensor,
-    /// Where each of the step's token rows is among the concatenated parts, when that is not where it is.
+    /// The tiled path's chunks: the decodes' first, then the prefills'.
+    chunks: Vec<Chunk>,
+    /// Where each of the step's token rows is among the chunks' concatenated (padded) query rows, when that is not
+    /// where it is.
     order: Option<Tensor>,
+    /// `[tokens, kv_heads, head_dim]`: each new token's slot, for `scatter_set` along the slots.
+    write: Tensor,
+    /// flash-attention's inputs, when it runs this step.
+    #[cfg(feature = "flash-attn")]
+    flash: Option<FlashPlan>,
+}
+
+/// Tiles attended together: `tiles` tiles of `tq` query rows each (a shorter tile's rows padded with its last),
+/// walking the keys `tk` positions at a time.
+struct Chunk {
+    tiles: usize,
+    tq: usize,
+    tk: usize,
+    /// `[tiles x tq]`: each query row's token row in the step.
+    rows: Tensor,
+    /// `[tiles, 1, 1, tq, 1]`, f32: each query row's position.
+    positions: Tensor,
+    /// Per key tile, the tiles that see any of its positions (a prefix: tiles are ordered by their last position,
+    /// longest first) and their pool slots, `[active x tk]` (a slot past a tile's sequence is any slot, masked).
+    keys: Vec<(usize, Tensor)>,
+    /// `[1, 1, 1, 1, max keys]`, f32: 0, 1, 2, ...
+    key_positions: Tensor,
+}
+
+/// flash-attention's varlen paged inputs: cumulative query and key lengths `[segments + 1]`, the block tables
+/// `[segments, most blocks]`, the longest query run and the longest sequence.
+#[cfg(feature = "flash-attn")]
+struct FlashPlan {
+    seqlens_q: Tensor,
+    seqlens_k: Tensor,
+    block_table: Tensor,
+    max_q: usize,
+    max_k: usize,
+}
+
+/// One query tile while a step is planned: its first token row, its query count, the position of its first query
+/// and its sequence's cache (the block table).
+struct Tile<'c> {
+    row: usize,
+    queries: usize,
+    first: usize,
+    cache: &'c PagedCache,
+}
+
+impl Tile<'_> {
+    /// Positions the tile sees: up to its last query's.
+    fn visible(&self) -> usize {
+        self.first + self.queries
+    }
+}
+
+/// The chunks of one group of tiles (all of one step's decodes, or all of its prefills), `tq` queries per tile.
+/// `rows_at`: where the group's first padded query row lands among every chunk's; each token row's place is
+/// written into `place`.
+fn chunks(mut tiles: Vec<Tile<'_>>, tq: usize, heads: usize, rows_at: &mut usize, place: &mut [u32], device: &Device) -> candle_core::Result<Vec<Chunk>> {
+    // Longest first, so each key tile's tiles are a prefix; a stable sort keeps the step's order among equals.
+    tiles.sort_by_key(|t| std::cmp::Reverse(t.visible()));
+    let longest = tiles.first().map_or(0, Tile::visible);
+    // The key tile: no longer than the longest sequence needs (rounded up to whole blocks).
+    let tk = KEY_TILE.min(longest.next_multiple_of(BLOCK)).max(BLOCK);
+    let per_tile = heads * tq * tk * 4;
+    let per_chunk = (SCORE_BYTES / per_tile.max(1)).max(1);
+    let mut out = Vec::new();
+    for group in tiles.chunks(per_chunk) {
+        let mut rows = Vec::with_capacity(group.len() * tq);
+        let mut positions = Vec::with_capacity(group.len() * tq);
+        for (i, t) in group.iter().enumerate() {
+            for q in 0..tq {
+                // Padding rows repeat the tile's last query: always a position with something visible.
+                let q_in = q.min(t.queries - 1);
+                rows.push((t.row + q_in) as u32);
+                positions.push((t.first + q_in) as f32);
+                if q < t.queries {
+                    place[t.row + q] = (*rows_at + i * tq + q) as u32;
+                }
+            }
+        }
+        *rows_at += group.len() * tq;
+        let longest = group[0].visible();
+        let mut keys = Vec::new();
+        for start in (0..longest).step_by(tk) {
+            let active = group.iter().take_while(|t| t.visible() > start).count();
+            let mut slots = Vec::with_capacity(active * tk);
+            for t in &group[..active] {
+                let ids = &t.cache.ids;
+                for p in start..start + tk {
+                    // Past the sequence's blocks: its first slot (masked: past every query's position).
+                    let block = ids.get(p / BLOCK).copied().unwrap_or(ids[0]);
+                    slots.push(block * BLOCK as u32 + (p % BLOCK) as u32);
+                }
+            }
+            keys.push((active, Tensor::from_vec(slots, active * tk, device)?));
+        }
+        let n = group.len();
+        let spans = longest.div_ceil(tk) * tk;
+        out.push(Chunk {
+            tiles: n,
+            tq,
+            tk,
+            rows: Tensor::from_vec(rows, n * tq, device)?,
+            positions: Tensor::from_vec(positions, (n, 1, 1, tq, 1), device)?,
+            keys,
+            key_positions: Tensor::arange(0u32, spans as u32, device)?.to_dtype(DType::F32)?.reshape((1, 1, 1, 1, spans))?,
+        });
+    }
+    Ok(out)
 }
 
 /// A sequence's cache on the paged backend: the pool blocks it holds, in position order (its block table), and its
@@ -219,7 +339,15 @@ impl PagedAttention {
             dtype,
             device: device.clone(),
         };
+        #[cfg(feature = "flash-attn")]
+        let flash = device.is_cuda()
+            && matches!(dtype, DType::F16 | DType::BF16)
+            && std::env::var("NIGHTSHIFT_PAGED_ATTENTION").map_or(true, |v| v != "tiled");
         Ok(PagedAttention {
+            #[cfg(feature = "flash-attn")]
+            flash,
+            #[cfg(feature = "flash-attn")]
+            pool_blocks: blocks.max(1),
             out_width: model.attn_width,
             cos: table(rope_cos)?,
             sin: table(rope_sin)?,
@@ -274,59 +402,180 @@ impl PagedAttention {
     fn plan(&self, segments: &[Segment<'_, PagedCache>]) -> candle_core::Result<Plan> {
         let device = &self.device;
         let mut write = Vec::new();
-        let mut decode_rows = Vec::new();
-        let mut decode_seqs = Vec::new();
-        let mut prefill = Vec::new();
-        let mut at = 0;
+        let mut decodes = Vec::new();
+        let mut prefills = Vec::new();
+        let mut longest_prefill = 0;
+        let mut row = 0;
         for s in segments {
-            let blocks = &*s.cache;
             let (start, new) = (s.cache.len, s.tokens.len());
-            write.extend((start..start + new).map(|p| blocks.slot(p)));
+            write.extend((start..start + new).map(|p| s.cache.slot(p)));
             if new == 1 {
-                decode_rows.push(at as u32);
-                decode_seqs.push((blocks, start + 1));
+                decodes.push(Tile { row, queries: 1, first: start, cache: &*s.cache });
             } else {
-                let total = start + new;
-                let table = Tensor::from_vec((0..total).map(|p| blocks.slot(p)).collect::<Vec<u32>>(), total, device)?;
-                let mask: Vec<f32> =
-                    (0..new).flat_map(|t| (0..total).map(move |p| if p <= start + t { 0.0 } else { f32::NEG_INFINITY })).collect();
-                prefill.push((at, new, table, Tensor::from_vec(mask, (new, total), device)?));
+                longest_prefill = longest_prefill.max(new);
+                for at in (0..new).step_by(QUERY_TILE) {
+                    let queries = QUERY_TILE.min(new - at);
+                    prefills.push(Tile { row: row + at, queries, first: start + at, cache: &*s.cache });
+                }
             }
-            at += new;
+            row += new;
         }
-        let decode = match decode_seqs.iter().map(|d| d.1).max() {
-            None => None,
-            Some(longest) => {
-                let b = decode_seqs.len();
-                let mut table = Vec::with_capacity(b * longest);
-                let mut mask = Vec::with_capacity(b * longest);
-                for (blocks, len) in &decode_seqs {
-                    for p in 0..longest {
-                        // Past a sequence's length: any row (its own first), masked out.
-                        table.push(blocks.slot(if p < *len { p } else { 0 }));
-                        mask.push(if p < *len { 0.0 } else { f32::NEG_INFINITY });
-                    }
-                }
-                Some((Tensor::from_vec(table, b * longest, device)?, Tensor::from_vec(mask, (1, b, 1, longest), device)?, longest))
-            }
-        };
-        // The parts come back decodes first, then prefills in step order; when that is not the step's order,
-        // a permutation puts each row back.
-        let concatenated: Vec<u32> = decode_rows.iter().copied().chain(prefill.iter().flat_map(|p| p.0 as u32..(p.0 + p.1) as u32)).collect();
-        let order = match concatenated.iter().enumerate().all(|(i, &r)| r as usize == i) {
-            true => None,
-            false => {
-                let mut inverse = vec![0u32; concatenated.len()];
-                for (i, &r) in concatenated.iter().enumerate() {
-                    inverse[r as usize] = i as u32;
-                }
-                Some(Tensor::from_vec(inverse, concatenated.len(), device)?)
-            }
-        };
         let write = scatter_index(write, self.config.kv_heads, self.config.head_dim, device)?;
-        Ok(Plan { decode_rows, decode, prefill, write, order })
+        #[cfg(feature = "flash-attn")]
+        if self.flash {
+            let flash = Some(self.flash_plan(segments)?);
+            return Ok(Plan { chunks: Vec::new(), order: None, write, flash });
+        }
+        let heads = self.config.heads;
+        let (mut rows_at, mut place) = (0, vec![0u32; row]);
+        let mut chunks_ = chunks(decodes, 1, heads, &mut rows_at, &mut place, device)?;
+        // A prefill's tiles hold QUERY_TILE queries, or the longest prefill's when all are shorter.
+        chunks_.extend(chunks(prefills, QUERY_TILE.min(longest_prefill).max(1), heads, &mut rows_at, &mut place, device)?);
+        let order = match rows_at == row && place.iter().enumerate().all(|(i, &r)| r as usize == i) {
+            true => None,
+            false => Some(Tensor::from_vec(place, row, device)?),
+        };
+        Ok(Plan {
+            chunks: chunks_,
+            order,
+            write,
+            #[cfg(feature = "flash-attn")]
+            flash: None,
+        })
+    }
+
+    /// The attention output at the model's laid-out width (zero-padded past `heads x head_dim`).
+    fn padded(&self, attn: Tensor) -> candle_core::Result<Tensor> {
+        let width = self.config.heads * self.config.head_dim;
+        match self.out_width > width {
+            true => attn.pad_with_zeros(1, 0, self.out_width - width),
+            false => Ok(attn),
+        }
+    }
+
+    /// Which attention runs: `flash` (flash-attention's paged kernel) or `tiled`.
+    pub fn kernel(&self) -> &'static str {
+        #[cfg(feature = "flash-attn")]
+        if self.flash {
+            return "flash";
+        }
+        "tiled"
+    }
+
+    /// flash-attention's inputs for a step: every segment's new tokens are a run of the queries, its whole
+    /// sequence (the cache and the new positions) its keys, through its block table.
+    #[cfg(feature = "flash-attn")]
+    fn flash_plan(&self, segments: &[Segment<'_, PagedCache>]) -> candle_core::Result<FlashPlan> {
+        let device = &self.device;
+        let (mut seqlens_q, mut seqlens_k) = (vec![0u32], vec![0u32]);
+        let (mut max_q, mut max_k) = (0, 0);
+        let most = segments.iter().map(|s| s.cache.ids.len()).max().unwrap_or(1);
+        let mut table = Vec::with_capacity(segments.len() * most);
+        for s in segments {
+            let (new, total) = (s.tokens.len(), s.cache.len + s.tokens.len());
+            seqlens_q.push(seqlens_q.last().copied().unwrap_or(0) + new as u32);
+            seqlens_k.push(seqlens_k.last().copied().unwrap_or(0) + total as u32);
+            (max_q, max_k) = (max_q.max(new), max_k.max(total));
+            table.extend(s.cache.ids.iter().copied().chain(std::iter::repeat(0)).take(most));
+        }
+        let n = segments.len();
+        Ok(FlashPlan {
+            seqlens_q: Tensor::from_vec(seqlens_q, n + 1, device)?,
+            seqlens_k: Tensor::from_vec(seqlens_k, n + 1, device)?,
+            block_table: Tensor::from_vec(table, (n, most), device)?,
+            max_q,
+            max_k,
+        })
+    }
+
+    /// One chunk of tiles against the pool (`q`: the step's rotated queries, `[tokens, heads x head_dim]`): the
+    /// attention output of its padded query rows, `[tiles x tq, heads x head_dim]`.
+    fn tiled(&self, chunk: &Chunk, q: &Tensor, keys: &Tensor, values: &Tensor) -> candle_core::Result<Tensor> {
+        let cfg = &self.config;
+        let (hd, kvh, heads) = (cfg.head_dim, cfg.kv_heads, cfg.heads);
+        let group = heads / kvh;
+        let (n, tq, tk) = (chunk.tiles, chunk.tq, chunk.tk);
+        let gq = group * tq;
+        let scale = 1.0 / (hd as f64).sqrt();
+        // `[tiles, kv_head, group x tq, head_dim]`: a tile's queries of one kv head's group, together.
+        let qt = q.index_select(&chunk.rows, 0)?.reshape((n, tq, kvh, group, hd))?.permute((0, 2, 3, 1, 4))?.contiguous()?.reshape((n, kvh, gq, hd))?;
+        // The running maximum and sum `[active, kv_head, group x tq, 1]` and the weighted values
+        // `[active, kv_head, group x tq, head_dim]`, f32; and the finished tiles' outputs, last tiles first.
+        let mut state: Option<(Tensor, Tensor, Tensor)> = None;
+        let mut done = Vec::new();
+        for (j, (active, slots)) in chunk.keys.iter().enumerate() {
+            let a = *active;
+            if let Some((m, l, acc)) = state.take() {
+                let before = m.dim(0)?;
+                if a < before {
+                    done.push(acc.narrow(0, a, before - a)?.broadcast_div(&l.narrow(0, a, before - a)?)?);
+                }
+                state = Some((m.narrow(0, 0, a)?, l.narrow(0, 0, a)?, acc.narrow(0, 0, a)?));
+            }
+            // `[active, kv_head, tk, head_dim]`: the key tile of each active tile's sequence.
+            let gather = |t: &Tensor| t.index_select(slots, 0)?.reshape((a, tk, kvh, hd))?.transpose(1, 2)?.contiguous();
+            let (kg, vg) = (gather(keys)?, gather(values)?);
+            let scores = (qt.narrow(0, 0, a)?.matmul(&kg.transpose(2, 3)?)?.to_dtype(DType::F32)? * scale)?;
+            // Masked: key positions past each query's own (past its sequence, for the longest's padding).
+            let hidden = chunk.key_positions.narrow(4, j * tk, tk)?.broadcast_gt(&chunk.positions.narrow(0, 0, a)?)?;
+            let bias = (hidden.to_dtype(DType::F32)? * MASKED)?;
+            let scores = scores.reshape((a, kvh, group, tq, tk))?.broadcast_add(&bias)?.reshape((a, kvh, gq, tk))?;
+            let top = scores.max_keepdim(3)?;
+            let (m, carried) = match &state {
+                None => (top, None),
+                Some((m, l, acc)) => {
+                    let m_new = m.maximum(&top)?;
+                    let alpha = (m - &m_new)?.exp()?;
+                    (m_new, Some((l.broadcast_mul(&alpha)?, acc.broadcast_mul(&alpha)?)))
+                }
+            };
+            let p = scores.broadcast_sub(&m)?.exp()?;
+            let sum = p.sum_keepdim(3)?;
+            let weighted = p.to_dtype(vg.dtype())?.matmul(&vg)?.to_dtype(DType::F32)?;
+            state = Some(match carried {
+                None => (m, sum, weighted),
+                Some((l, acc)) => (m, (l + sum)?, (acc + weighted)?),
+            });
+        }
+        let (_, l, acc) = state.ok_or_else(|| candle_core::Error::Msg("a chunk with no key tiles (a bug)".into()))?;
+        done.push(acc.broadcast_div(&l)?);
+        done.reverse();
+        let out = if done.len() == 1 { done.pop().expect("one part") } else { Tensor::cat(&done, 0)? };
+        // Back to `[tiles x tq, heads x head_dim]`, rows in tile order.
+        out.to_dtype(q.dtype())?.reshape((n, kvh, group, tq, hd))?.permute((0, 3, 1, 2, 4))?.contiguous()?.reshape((n * tq, heads * hd))
+    }
+
+    /// The step's attention by flash-attention's varlen paged kernel, straight from the pool: `[tokens, heads x
+    /// head_dim]` in step order.
+    #[cfg(feature = "flash-attn")]
+    fn flash(&self, f: &FlashPlan, q: &Tensor, keys: &Tensor, values: &Tensor) -> candle_core::Result<Tensor> {
+        let cfg = &self.config;
+        let (hd, kvh, heads) = (cfg.head_dim, cfg.kv_heads, cfg.heads);
+        let n = q.dim(0)?;
+        let paged = |t: &Tensor| t.reshape((self.pool_blocks, BLOCK, kvh, hd));
+        let out = candle_flash_attn::flash_attn_varlen_paged_windowed(
+            &q.reshape((n, heads, hd))?,
+            &paged(keys)?,
+            &paged(values)?,
+            &f.seqlens_q,
+            &f.seqlens_k,
+            &f.block_table,
+            None,
+            f.max_q,
+            f.max_k,
+            (1.0 / (hd as f64).sqrt()) as f32,
+            None,
+            Some(0),
+            BLOCK,
+            None,
+        )?;
+        out.reshape((n, heads * hd))
     }
 }
+
+/// The bias of a masked score: exp of it less any real score's maximum is 0 (finite, unlike -inf, so a key tile
+/// that hides every position of a row adds nothing instead of a NaN).
+const MASKED: f64 = -1e30;
 
 impl Attention for PagedAttention {
     type Cache = PagedCache;
@@ -382,8 +631,6 @@ impl Attention for PagedAttention {
     fn attend(&self, step: &PagedStep, layer: usize, qkv: [Tensor; 3], _segments: &mut [Segment<'_, PagedCache>]) -> candle_core::Result<Tensor> {
         let cfg = &self.config;
         let (hd, kvh, heads) = (cfg.head_dim, cfg.kv_heads, cfg.heads);
-        let group = heads / kvh;
-        let scale = 1.0 / (hd as f64).sqrt();
         let plan = &step.plan;
         let [q, k, v] = qkv;
         let n = q.dim(0)?;
@@ -391,33 +638,19 @@ impl Attention for PagedAttention {
         let k = candle_nn::rotary_emb::rope_i(&k.reshape((n, kvh, 1, hd))?, &step.cos, &step.sin)?;
         let pool = lock(&self.pool);
         let (keys, values) = (&pool.keys[layer], &pool.values[layer]);
-        // `[kv_head, token, head_dim]`, the pool's order. (The pool, the queries and the hidden state share the
+        // `[token, kv_head, head_dim]`, the pool's order. (The pool, the queries and the hidden state share the
         // activations' dtype: the pool is made in the embedding's.)
-        let by_head = |t: &Tensor| t.reshape((n, kvh, hd))?.transpose(0, 1)?.contiguous();
-        keys.scatter_set(&plan.write, &by_head(&k)?, 1)?;
-        values.scatter_set(&plan.write, &by_head(&v)?, 1)?;
-
-        // Attention outputs, `[rows, heads x head_dim]`, decodes first, then each prefill.
-        let mut parts = Vec::with_capacity(1 + plan.prefill.len());
-        if let Some((table, mask, longest)) = &plan.decode {
-            let b = plan.decode_rows.len();
-            // `[kv_head, B, group, head_dim]` against `[kv_head, B, L, head_dim]`.
-            let qd = super::select_rows(&q, &plan.decode_rows)?.reshape((b, kvh, group, hd))?.transpose(0, 1)?.contiguous()?;
-            let gather = |t: &Tensor| t.index_select(table, 1)?.reshape((kvh, b, *longest, hd));
-            let (kg, vg) = (gather(keys)?, gather(values)?);
-            let scores = (qd.matmul(&kg.transpose(2, 3)?)?.to_dtype(DType::F32)? * scale)?.broadcast_add(mask)?;
-            let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(vg.dtype())?;
-            parts.push(p.matmul(&vg)?.transpose(0, 1)?.contiguous()?.reshape((b, heads * hd))?);
+        keys.scatter_set(&plan.write, &k.reshape((n, kvh, hd))?.contiguous()?, 0)?;
+        values.scatter_set(&plan.write, &v.reshape((n, kvh, hd))?.contiguous()?, 0)?;
+        #[cfg(feature = "flash-attn")]
+        if let Some(f) = &plan.flash {
+            let attn = self.flash(f, &q, keys, values)?;
+            drop(pool);
+            return self.padded(attn);
         }
-        for (first, new, table, mask) in &plan.prefill {
-            let total = table.dim(0)?;
-            let qs = q.narrow(0, *first, *new)?.reshape((*new, kvh, group, hd))?.permute((1, 2, 0, 3))?.contiguous()?.reshape((kvh, group * new, hd))?;
-            let gather = |t: &Tensor| t.index_select(table, 1);
-            let (kg, vg) = (gather(keys)?, gather(values)?);
-            let scores = (qs.matmul(&kg.t()?)?.to_dtype(DType::F32)? * scale)?.reshape((kvh, group, *new, total))?.broadcast_add(mask)?;
-            let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(vg.dtype())?.reshape((kvh, group * new, total))?;
-            let out = p.matmul(&vg)?.reshape((kvh, group, *new, hd))?.permute((2, 0, 1, 3))?.contiguous()?;
-            parts.push(out.reshape((*new, heads * hd))?);
+        let mut parts = Vec::with_capacity(plan.chunks.len());
+        for chunk in &plan.chunks {
+            parts.push(self.tiled(chunk, &q, keys, values)?);
         }
         drop(pool);
         let attn = if parts.len() == 1 { parts.pop().expect("one part") } else { Tensor::cat(&parts, 0)? };
@@ -425,10 +658,7 @@ impl Attention for PagedAttention {
             Some(order) => attn.index_select(order, 0)?,
             None => attn,
         };
-        if self.out_width > heads * hd {
-            return attn.pad_with_zeros(1, 0, self.out_width - heads * hd);
-        }
-        Ok(attn)
+        self.padded(attn)
     }
 
     fn advance(&self, segments: &mut [Segment<'_, PagedCache>]) {
@@ -442,9 +672,9 @@ impl Attention for PagedAttention {
     }
 }
 
-/// The index tensor for `scatter_set` along the slots of a `[kv_heads, slots, head_dim]` pool: `[kv_heads,
-/// slots.len(), head_dim]`, each slot repeated across heads and values.
+/// The index tensor for `scatter_set` along the slots of a `[slots, kv_heads, head_dim]` pool: `[slots.len(),
+/// kv_heads, head_dim]`, each slot repeated across heads and values.
 fn scatter_index(slots: Vec<u32>, kv_heads: usize, head_dim: usize, device: &Device) -> candle_core::Result<Tensor> {
     let n = slots.len();
-    Tensor::from_vec(slots, (1, n, 1), device)?.broadcast_as((kv_heads, n, head_dim))?.contiguous()
+    Tensor::from_vec(slots, (n, 1, 1), device)?.broadcast_as((n, kv_heads, head_dim))?.contiguous()
 }
