@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The standing GPU check: one script, under 8 minutes on an H200, that writes its table and logs to OUT_DIR.
+# The standing GPU check: one script, under 9 minutes on an H200 (BUDGET seconds, 510 by default: every step's time
+# limit is cut to what is left, and a step with under 15 s left is skipped), that writes its table and logs to OUT_DIR.
 #
 #   scripts/gpu-check.sh OUT_DIR
 #
 cp "$WORK/$SHAPE/config.json" "$OUT/model-config.json" 2>/dev/null
 
+# (0) smoke: the tiny model's generation on the device, first; when it fails (the device does not open, a library
+#     is missing) the check stops at once with exit 3, leaving time for a fixed binary in the same device session;
 # (a) parity: `nightshift bench parity`, the GPU's forward pass (the paged path) against the CPU path in f32 on the
 #     same random-weight models, and batched against one sequence at a time, within the tolerances it states;
 # (b) `nightshift bench generate`, fixed-length workload (PROMPT prompt tokens, NEW new tokens per row, end of
@@ -13,6 +16,10 @@ cp "$WORK/$SHAPE/config.json" "$OUT/model-config.json" 2>/dev/null
 #     (scripts/gpu-peer.py generate);
 # (d) the roofline: weight bytes per decode step over the measured copy bandwidth, and 2 x parameters x tokens
 #     over the measured bf16 matmul rate (scripts/gpu-peer.py roofline);
+# (e) long prompts: LONG_PROMPT (2,048) prompt + LONG_NEW (128) new tokens at batch LONG_BATCH (64), and
+#     XL_PROMPT (8,064) + 32 new at batch XL_BATCH (8): memory bounded by tiles, no out-of-memory;
+# (f) with a binary built with `--flash-attn` (its reports say `"attention": "flash"`), the long-prompt workload and
+#     batch 256 once more on the tiled path (NIGHTSHIFT_PAGED_ATTENTION=tiled), both attention paths side by side;
 # and the GGUF path (candle's CUDA quantized kernels): the same weights as GGUF_TYPE GGUF files, parity on the
 # small shape and throughput at batch 1 and 64 on the large one.
 # Then OUT_DIR/table.md (and the same on stdout, last): the figures side by side, ratios to the peer and to the
@@ -22,8 +29,8 @@ cp "$WORK/$SHAPE/config.json" "$OUT/model-config.json" 2>/dev/null
 # The binary: $NIGHTSHIFT_BIN, else target/cuda/nightshift-cuda, else target/cuda/nightshift-cuda.xz unpacked
 # (scripts/build-cuda.sh builds both). The CUDA libraries come from the driver's folder and the PyTorch venv's
 # CUDA 13 wheels (../shared/reference/cuda-build.md). A dry run without a GPU checks the script itself:
-#   DEVICE=cpu SHAPE=tiny BATCHES=1,4 PARITY_SHAPES=tiny NIGHTSHIFT_BIN=target/release/nightshift \
-#     scripts/gpu-check.sh /tmp/gpu-check
+#   DEVICE=cpu SHAPE=tiny BATCHES=1,4 PARITY_SHAPES=tiny LONG_PROMPT=600 LONG_BATCH=4 XL_PROMPT=900 XL_BATCH=2 \
+#     NIGHTSHIFT_BIN=target/release/nightshift NIGHTSHIFT_PAGED=1 scripts/gpu-check.sh /tmp/gpu-check
 # (the peer and roofline steps are then skipped when python3 has no CUDA).
 set -uo pipefail
 
@@ -41,6 +48,12 @@ GGUF_TYPE=${GGUF_TYPE:-q4_1}
 GGUF_BATCHES=${GGUF_BATCHES:-1,64}
 PROMPT=${PROMPT:-128}
 NEW=${NEW:-128}
+LONG_PROMPT=${LONG_PROMPT:-2048}
+LONG_NEW=${LONG_NEW:-128}
+LONG_BATCH=${LONG_BATCH:-64}
+XL_PROMPT=${XL_PROMPT:-8064}
+XL_BATCH=${XL_BATCH:-8}
+BUDGET=${BUDGET:-510}
 WORK=${WORK:-$(mktemp -d /tmp/gpu-check.XXXXXX)}
 mkdir -p "$WORK"
 STARTED=$(date +%s)
@@ -77,17 +90,45 @@ export RUST_LOG=${RUST_LOG:-warn}
 } > "$OUT/env.txt"
 cat "$OUT/env.txt" >&2
 
-# step NAME SECONDS COMMAND...: runs with a time limit, its output to OUT/NAME.log; records its exit status.
+# step NAME SECONDS COMMAND...: runs with a time limit (cut to what is left of BUDGET, keeping 10 s for the table),
+# its output to OUT/NAME.log; records its exit status (`skipped` with under 15 s left). Returns the command's status.
 step() {
   local name=$1 limit=$2; shift 2
+  local left=$(( STARTED + BUDGET - 10 - $(date +%s) ))
+  if [ "$left" -lt 15 ]; then
+    say "$name skipped: ${left}s of the budget left"
+    echo "$name rc=skipped seconds=0" >> "$OUT/steps.txt"
+    return 1
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
   say "$name (limit ${limit}s): $*"
   local t0=$(date +%s)
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "$name rc=$rc seconds=$(( $(date +%s) - t0 ))" >> "$OUT/steps.txt"
   [ $rc -eq 0 ] || { say "$name failed (rc $rc); its log:"; tail -20 "$OUT/$name.log" >&2; }
-  return 0
+  return $rc
 }
+
+# generate NAME ROWS PROMPT NEW [ENV=VALUE...]: `nightshift bench generate`, fixed-length rows, all ready at the start.
+generate() {
+  local name=$1 b=$2 prompt=$3 new=$4; shift 4
+  step "$name" 150 env "$@" "$BIN" bench generate --model "$WORK/$SHAPE" --device "$DEVICE" --workload fixed \
+    --rows "$b" --max-seqs "$b" --min-prompt "$prompt" --max-prompt "$prompt" --min-new "$new" --max-new "$new" \
+    --max-batch-tokens $(( b * (prompt + 16) > 65536 ? 65536 : b * (prompt + 16) )) --kv-cache-memory 8GiB \
+    --warmup-rows 2 --json
+}
+
+# (0) smoke: a tiny model on the device. If this fails nothing else can work: stop now, with the reason.
+step synth-smoke 60 "$BIN" synth-model "$WORK/smoke" --shape tiny --dtype bf16 --seed 1
+if ! step smoke 90 "$BIN" bench generate --model "$WORK/smoke" --device "$DEVICE" --workload fixed --rows 4 --max-seqs 4 \
+    --min-prompt 40 --max-prompt 40 --min-new 8 --max-new 8 --json; then
+  { echo "## GPU check"; echo; echo "The smoke step failed: the device did not run the tiny model. Its log:"; echo; echo '```';
+    tail -40 "$OUT/smoke.log"; echo '```'; } > "$OUT/table.md"
+  cat "$OUT/steps.txt" >&2
+  cat "$OUT/table.md"
+  exit 3
+fi
 
 # Models (bf16 safetensors, what the peer loads too).
 for shape in $SHAPE $PARITY_SHAPES; do
@@ -105,24 +146,20 @@ for shape in $PARITY_SHAPES; do
       --prompt-lengths "$lengths" --steps "$steps" --json
   done
 done
-first_parity=${PARITY_SHAPES%% *}
-step "parity-$first_parity-$GGUF_TYPE" 150 "$BIN" bench parity --model "$WORK/$first_parity/model-$GGUF_TYPE.gguf" \
-  --device "$DEVICE" --prompt-lengths 7,23,64,150 --steps 16 --json
 
 # (b) nightshift: every row ready at the start, batch = rows = max_seqs, the whole batch prefilled at once.
 for b in ${BATCHES//,/ }; do
-  step "bench-$b" 150 "$BIN" bench generate --model "$WORK/$SHAPE" --device "$DEVICE" --workload fixed \
-    --rows "$b" --max-seqs "$b" --min-prompt "$PROMPT" --max-prompt "$PROMPT" --min-new "$NEW" --max-new "$NEW" \
-    --max-batch-tokens $(( b * (PROMPT + 16) > 65536 ? 65536 : b * (PROMPT + 16) )) --kv-cache-memory 8GiB \
-    --warmup-rows 2 --json
+  generate "bench-$b" "$b" "$PROMPT" "$NEW"
 done
 
-for b in ${GGUF_BATCHES//,/ }; do
-  step "gguf-bench-$b" 150 "$BIN" bench generate --model "$WORK/$SHAPE/model-$GGUF_TYPE.gguf" --device "$DEVICE" \
-    --workload fixed --rows "$b" --max-seqs "$b" --min-prompt "$PROMPT" --max-prompt "$PROMPT" --min-new "$NEW" \
-    --max-new "$NEW" --max-batch-tokens $(( b * (PROMPT + 16) > 65536 ? 65536 : b * (PROMPT + 16) )) \
-    --kv-cache-memory 8GiB --warmup-rows 2 --json
-done
+# (e) long prompts, and (f) the tiled path beside flash-attention when the binary has it.
+generate "long-$LONG_BATCH" "$LONG_BATCH" "$LONG_PROMPT" "$LONG_NEW"
+generate "xl-$XL_BATCH" "$XL_BATCH" "$XL_PROMPT" 32
+if grep -Eq '"attention": ?"flash"' "$OUT/long-$LONG_BATCH.log" 2>/dev/null; then
+  generate "long-$LONG_BATCH-tiled" "$LONG_BATCH" "$LONG_PROMPT" "$LONG_NEW" NIGHTSHIFT_PAGED_ATTENTION=tiled
+  last=${BATCHES##*,}
+  generate "tiled-$last" "$last" "$PROMPT" "$NEW" NIGHTSHIFT_PAGED_ATTENTION=tiled
+fi
 
 # (c) and (d): PyTorch on the same GPU.
 if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
@@ -134,6 +171,17 @@ else
   echo "roofline rc=skipped" >> "$OUT/steps.txt"
   echo "peer rc=skipped" >> "$OUT/steps.txt"
 fi
+
+# The GGUF path last: the targets do not depend on it.
+first_parity=${PARITY_SHAPES%% *}
+step "parity-$first_parity-$GGUF_TYPE" 150 "$BIN" bench parity --model "$WORK/$first_parity/model-$GGUF_TYPE.gguf" \
+  --device "$DEVICE" --prompt-lengths 7,23,64,150 --steps 16 --json
+for b in ${GGUF_BATCHES//,/ }; do
+  step "gguf-bench-$b" 150 "$BIN" bench generate --model "$WORK/$SHAPE/model-$GGUF_TYPE.gguf" --device "$DEVICE" \
+    --workload fixed --rows "$b" --max-seqs "$b" --min-prompt "$PROMPT" --max-prompt "$PROMPT" --min-new "$NEW" \
+    --max-new "$NEW" --max-batch-tokens $(( b * (PROMPT + 16) > 65536 ? 65536 : b * (PROMPT + 16) )) \
+    --kv-cache-memory 8GiB --warmup-rows 2 --json
+done
 
 python3 "$REPO/scripts/gpu-table.py" "$OUT" > "$OUT/table.md" 2> "$OUT/table.log" || say "the table failed: $(cat "$OUT/table.log")"
 echo "total seconds: $(( $(date +%s) - STARTED ))" >> "$OUT/steps.txt"

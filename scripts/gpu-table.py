@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The table of scripts/gpu-check.sh, from what it left in OUT_DIR: parity-*.log and bench-*.log (each holding one
+"""The table of scripts/gpu-check.sh, from what it left in OUT_DIR: parity-*.log, bench-*.log, long-*.log, xl-*.log
+and tiled-*.log (each holding one
 JSON line from `nightshift bench ... --json`), peer.json and roofline.json (scripts/gpu-peer.py), model-config.json
 and env.txt. Prints Markdown; a figure whose step failed or was skipped shows as "n/a".
 
@@ -86,8 +87,8 @@ def main(out):
     print(f"### (b-d) Fixed-length generation ({prompt} prompt + {new} new tokens per row, batch = rows), "
           "against transformers and the roofline\n")
     print("| batch | nightshift output tok/s | transformers output tok/s | ratio | nightshift decode step | "
-          "bandwidth floor | x floor | FLOP floor | nightshift TTFT p50 | GPU memory in use |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "bandwidth floor | x floor | FLOP floor | nightshift TTFT p50 | host ms/step | attention | GPU memory in use |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     verdicts = []
     for path in sorted(glob.glob(os.path.join(out, "bench-*.log")), key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[0])):
         batch = int(re.findall(r"\d+", os.path.basename(path))[0])
@@ -109,7 +110,8 @@ def main(out):
         mem = r.get("device_memory_in_use_bytes") if r else None
         print(f"| {batch} | {fmt(ours, '.0f')} | {fmt(theirs, '.0f')} | {fmt(ratio, '.2f', 'x')} | {fmt(step_ms, '.2f', ' ms')} | "
               f"{fmt(floor_ms, '.3f', ' ms')} | {fmt(x_floor, '.1f', 'x')} | {fmt(flop_ms, '.3f', ' ms')} | "
-              f"{fmt(r['ttft_p50_s'] * 1e3 if r else None, '.0f', ' ms')} | {fmt(mem / 2**30 if mem else None, '.1f', ' GiB')} |")
+              f"{fmt(r['ttft_p50_s'] * 1e3 if r else None, '.0f', ' ms')} | {fmt(r.get('host_ms_per_step') if r else None, '.2f')} | "
+              f"{r.get('attention', 'n/a') if r else 'n/a'} | {fmt(mem / 2**30 if mem else None, '.1f', ' GiB')} |")
         if batch == 1:
             verdicts.append(f"batch 1 decode within 2x of the bandwidth roofline: "
                             f"{'n/a' if x_floor is None else ('met' if x_floor <= 2 else 'missed')} ({fmt(x_floor, '.1f', 'x')})")
@@ -117,6 +119,24 @@ def main(out):
             verdicts.append(f"batch 256 output tokens/s at least 5x transformers: "
                             f"{'n/a' if ratio is None else ('met' if ratio >= 5 else 'missed')} ({fmt(ratio, '.2f', 'x')})")
     print()
+    runs = [p for pattern in ("long-*.log", "xl-*.log", "tiled-*.log") for p in sorted(glob.glob(os.path.join(out, pattern)))]
+    if runs:
+        print("Long prompts, and the tiled attention beside flash-attention (when the binary has it):\n")
+        print("| run | attention | rows | prompt + new tokens per row | output tok/s | total tok/s | prefill tok/s | "
+              "TTFT p50 | host ms/step | GPU memory in use |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for path in runs:
+            name = os.path.basename(path)[:-len(".log")]
+            r = last_json(path)
+            if not r:
+                print(f"| {name} | | | (no report: see {os.path.basename(path)}) | | | | | | |")
+                continue
+            mem = r.get("device_memory_in_use_bytes")
+            print(f"| {name} | {r.get('attention', 'n/a')} | {r['rows']} | {r['prompt_tokens'] // max(r['rows'], 1)} + "
+                  f"{r['output_tokens'] // max(r['rows'], 1)} | {r['output_tokens_per_s']:.0f} | {r['total_tokens_per_s']:.0f} | "
+                  f"{r['prefill_tokens_per_s']:.0f} | {r['ttft_p50_s'] * 1e3:.0f} ms | {fmt(r.get('host_ms_per_step'), '.2f')} | "
+                  f"{fmt(mem / 2**30 if mem else None, '.1f', ' GiB')} |")
+        print()
     gguf = sorted(glob.glob(os.path.join(out, "gguf-bench-*.log")), key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[0]))
     if gguf:
         print("GGUF path (candle's quantized kernels), same shape and workload:\n")

@@ -117,6 +117,8 @@ pub struct GenerateBenchReport {
     /// The KV cache's dtype ([`Backend::kv_dtype`]).
     pub kv_cache_dtype: String,
     pub paged: bool,
+    /// Which attention ran: `host` (the CPU's backend), `tiled` or `flash` (the paged backend's kernels).
+    pub attention: String,
     /// A GPU's memory in use at the end (weights, the KV pool, the allocator's cache), from the driver.
     pub device_memory_in_use_bytes: Option<u64>,
 }
@@ -194,6 +196,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
     };
     let (weights_bytes, model_layout) = (model.weight_bytes(), model.layout().name());
     let backend = Backend::for_model(&model);
+    let attention = if backend.is_paged() { engine::PagedAttention::kernel_for(&device, model.dtype()) } else { "host" };
     let kv_bytes = crate::engine::kv_cache_bytes(options.kv_cache_memory, &device);
     let kv_dtype = backend.kv_dtype(&model, options.kv_cache_dtype).map_err(|m| Error::Usage(format!("--kv-cache-dtype: {m}")))?;
     let mut config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, backend.block_bytes(&model, kv_dtype));
@@ -257,6 +260,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         weights_layout: model_layout.to_string(),
         kv_cache_dtype: kv_dtype.as_str().to_string(),
         paged: backend.is_paged(),
+        attention: attention.to_string(),
         device_memory_in_use_bytes: crate::engine::device_memory_in_use(&device),
     })
 }

@@ -65,7 +65,7 @@ pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
         r.dtype,
         r.weights_layout,
         r.kv_cache_dtype,
-        if r.paged { ", paged KV cache" } else { "" }
+        if r.paged { format!(", paged KV cache, {} attention", r.attention) } else { String::new() }
     );
     println!(
         "tokens: {} prompt ({:.0} per row), {} output ({:.0} per row)",

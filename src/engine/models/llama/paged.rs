@@ -340,9 +340,7 @@ impl PagedAttention {
             device: device.clone(),
         };
         #[cfg(feature = "flash-attn")]
-        let flash = device.is_cuda()
-            && matches!(dtype, DType::F16 | DType::BF16)
-            && std::env::var("NIGHTSHIFT_PAGED_ATTENTION").map_or(true, |v| v != "tiled");
+        let flash = Self::kernel_for(&device, dtype) == "flash";
         Ok(PagedAttention {
             #[cfg(feature = "flash-attn")]
             flash,
@@ -453,13 +451,15 @@ impl PagedAttention {
         }
     }
 
-    /// Which attention runs: `flash` (flash-attention's paged kernel) or `tiled`.
-    pub fn kernel(&self) -> &'static str {
-        #[cfg(feature = "flash-attn")]
-        if self.flash {
-            return "flash";
+    /// Which attention the paged backend runs for a model on `device` in `dtype`: `flash` (flash-attention's paged
+    /// kernel: a build with the `flash-attn` feature, CUDA, f16 or bf16, unless `NIGHTSHIFT_PAGED_ATTENTION=tiled`)
+    /// or `tiled`.
+    pub fn kernel_for(device: &Device, dtype: DType) -> &'static str {
+        let asked_tiled = std::env::var("NIGHTSHIFT_PAGED_ATTENTION").is_ok_and(|v| v == "tiled");
+        match cfg!(feature = "flash-attn") && device.is_cuda() && matches!(dtype, DType::F16 | DType::BF16) && !asked_tiled {
+            true => "flash",
+            false => "tiled",
         }
-        "tiled"
     }
 
     /// flash-attention's inputs for a step: every segment's new tokens are a run of the queries, its whole
