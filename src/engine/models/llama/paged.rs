@@ -195,6 +195,36 @@ struct FlashPlan {
     max_k: usize,
 }
 
+/// flash-attention's varlen paged tables, on the host: every segment's new tokens are a run of the queries and
+/// its whole sequence (the cache and the new positions) its keys, through its block table. Cumulative query and
+/// key lengths (`segments + 1` each), the block tables padded with block 0 to the widest (`segments x width`), the
+/// longest query run and the longest sequence.
+#[derive(Debug, PartialEq)]
+struct FlashTables {
+    seqlens_q: Vec<u32>,
+    seqlens_k: Vec<u32>,
+    block_table: Vec<u32>,
+    width: usize,
+    max_q: usize,
+    max_k: usize,
+}
+
+/// [`FlashTables`] of a step's segments: each its cache's length, its new tokens and its block ids (the blocks of
+/// the new positions booked already).
+#[cfg_attr(not(feature = "flash-attn"), allow(dead_code))]
+fn flash_tables<'a>(segments: impl Iterator<Item = (usize, usize, &'a [u32])> + Clone) -> FlashTables {
+    let width = segments.clone().map(|s| s.2.len()).max().unwrap_or(1).max(1);
+    let mut t = FlashTables { seqlens_q: vec![0], seqlens_k: vec![0], block_table: Vec::new(), width, max_q: 0, max_k: 0 };
+    for (len, new, ids) in segments {
+        let total = len + new;
+        t.seqlens_q.push(t.seqlens_q.last().copied().unwrap_or(0) + new as u32);
+        t.seqlens_k.push(t.seqlens_k.last().copied().unwrap_or(0) + total as u32);
+        (t.max_q, t.max_k) = (t.max_q.max(new), t.max_k.max(total));
+        t.block_table.extend(ids.iter().copied().chain(std::iter::repeat(0)).take(width));
+    }
+    t
+}
+
 /// One query tile while a step is planned: its first token row, its query count, the position of its first query
 /// and its sequence's cache (the block table).
 struct Tile<'c> {
@@ -462,29 +492,18 @@ impl PagedAttention {
         }
     }
 
-    /// flash-attention's inputs for a step: every segment's new tokens are a run of the queries, its whole
-    /// sequence (the cache and the new positions) its keys, through its block table.
+    /// flash-attention's inputs for a step, uploaded ([`flash_tables`]).
     #[cfg(feature = "flash-attn")]
     fn flash_plan(&self, segments: &[Segment<'_, PagedCache>]) -> candle_core::Result<FlashPlan> {
         let device = &self.device;
-        let (mut seqlens_q, mut seqlens_k) = (vec![0u32], vec![0u32]);
-        let (mut max_q, mut max_k) = (0, 0);
-        let most = segments.iter().map(|s| s.cache.ids.len()).max().unwrap_or(1);
-        let mut table = Vec::with_capacity(segments.len() * most);
-        for s in segments {
-            let (new, total) = (s.tokens.len(), s.cache.len + s.tokens.len());
-            seqlens_q.push(seqlens_q.last().copied().unwrap_or(0) + new as u32);
-            seqlens_k.push(seqlens_k.last().copied().unwrap_or(0) + total as u32);
-            (max_q, max_k) = (max_q.max(new), max_k.max(total));
-            table.extend(s.cache.ids.iter().copied().chain(std::iter::repeat(0)).take(most));
-        }
+        let t = flash_tables(segments.iter().map(|s| (s.cache.len, s.tokens.len(), &s.cache.ids[..])));
         let n = segments.len();
         Ok(FlashPlan {
-            seqlens_q: Tensor::from_vec(seqlens_q, n + 1, device)?,
-            seqlens_k: Tensor::from_vec(seqlens_k, n + 1, device)?,
-            block_table: Tensor::from_vec(table, (n, most), device)?,
-            max_q,
-            max_k,
+            seqlens_q: Tensor::from_vec(t.seqlens_q, n + 1, device)?,
+            seqlens_k: Tensor::from_vec(t.seqlens_k, n + 1, device)?,
+            block_table: Tensor::from_vec(t.block_table, (n, t.width), device)?,
+            max_q: t.max_q,
+            max_k: t.max_k,
         })
     }
 
@@ -677,4 +696,21 @@ impl Attention for PagedAttention {
 fn scatter_index(slots: Vec<u32>, kv_heads: usize, head_dim: usize, device: &Device) -> candle_core::Result<Tensor> {
     let n = slots.len();
     Tensor::from_vec(slots, (n, 1, 1), device)?.broadcast_as((n, kv_heads, head_dim))?.contiguous()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A decode of a 40-position sequence (3 blocks with the new position), a 20-token prefill from nothing, and a
+    /// 5-token prefill after a 16-position cached prefix.
+    #[test]
+    fn flash_tables_run_every_segment_against_its_whole_sequence() {
+        let blocks: [&[u32]; 3] = [&[7, 2, 9], &[4, 5], &[1, 3]];
+        let t = flash_tables([(39, 1, blocks[0]), (0, 20, blocks[1]), (16, 5, blocks[2])].into_iter());
+        assert_eq!(t.seqlens_q, [0, 1, 21, 26]);
+        assert_eq!(t.seqlens_k, [0, 40, 60, 81]);
+        assert_eq!(t.block_table, [7, 2, 9, 4, 5, 0, 1, 3, 0]);
+        assert_eq!((t.width, t.max_q, t.max_k), (3, 20, 40));
+    }
 }
