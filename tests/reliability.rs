@@ -447,8 +447,8 @@ fn an_output_that_fails_mid_run_reports_the_units_it_committed() {
 
 /// `run --data-parallel 2` with no GPU: two workers (shards 0 and 1 of 2, half the cores each) give the single
 /// process's rows, every one once, in an output whose plan has two shards, finalized; SIGTERM to the parent reaches
-/// both workers, which drain, and the parent exits with the worst worker's code (75: resumable); the same command
-/// again completes the output.
+/// both workers, which drain, and the parent exits with the worst worker's code (75: resumable); SIGKILL to the
+/// parent stops both workers too; the same command again completes the output.
 #[test]
 fn data_parallel_workers_split_the_job_pass_signals_on_and_resume() {
     let world = World::new("data-parallel", Store::Local);
@@ -482,8 +482,45 @@ fn data_parallel_workers_split_the_job_pass_signals_on_and_resume() {
     assert!(run.stdout.contains("exit 75"), "a worker was interrupted: {}", run.stdout);
     assert!(!output.exists("_SUCCESS"));
     assert!(output.list("_commits").len() < UNITS);
+
+    // The parent killed with SIGKILL while its workers run: they get SIGTERM from the kernel (their parent-death
+    // signal), drain and exit instead of running on beside the rerun.
+    let mut child = world.spawn_with(&job, &["--data-parallel", "2"], &no_gpu);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut workers = Vec::new();
+    while workers.len() < 2 && Instant::now() < deadline && child.try_wait().unwrap().is_none() {
+        std::thread::sleep(Duration::from_millis(5));
+        workers = children_of(child.id());
+    }
+    assert_eq!(workers.len(), 2, "two workers started");
+    signal(&child, "KILL");
+    // Reaped without reading its pipes to their end: the workers hold them open until they exit.
+    child.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while workers.iter().any(|&pid| running(pid)) {
+        assert!(Instant::now() < deadline, "workers {workers:?} outlived their killed parent by a minute");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     finish(world.spawn_with(&job, &["--data-parallel", "2"], &no_gpu)).assert_ok();
     assert_complete_and_equal(&output, &reference);
+}
+
+/// The processes whose parent is `pid` (from /proc: every process's stat line).
+fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(|e| {
+        let child: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{child}/stat")).ok()?;
+        // `pid (comm) state ppid ...`: the name may hold spaces and parentheses, so read after its last ')'.
+        let ppid: u32 = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
+        (ppid == pid).then_some(child)
+    })
+    .collect()
+}
+
+/// Whether a process exists and has not exited (a zombie waiting for its new parent to reap it has).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|state| state != "Z" && state != "X"))
 }
 
 fn sigterm_drains_and_exits_resumable(store: Store) {

@@ -6,7 +6,8 @@
 //! (`CUDA_VISIBLE_DEVICES`) and gets an equal share of the cores for its CPU threads (`RAYON_NUM_THREADS`).
 //! The parent forwards SIGTERM and SIGINT to every worker still running (each drains as a lone run would; a
 //! second signal is forwarded too), finalizes the output when every worker completed its shard, and exits with
-//! the worst worker's code ([`worst`]).
+//! the worst worker's code ([`worst`]). A worker that the forwarded signal kills before its handlers are installed
+//! counts as interrupted (75), and a worker whose parent dies (`kill -9`) gets SIGTERM and drains.
 
 use std::ffi::OsString;
 use std::process::{Child, Command, Stdio};
@@ -49,11 +50,16 @@ pub struct Worker {
     pub threads: usize,
 }
 
-/// How a worker ended: its exit code, or 128 + the signal that killed it (as a shell reports it).
+/// How a worker ended: its exit code, or 128 + the signal that killed it (as a shell reports it), except that a
+/// worker the forwarded signal killed before it could drain (it had not installed its handlers yet) counts as
+/// interrupted: 75, with `signal` saying so. Its units are committed or absent, never half-written, so a rerun
+/// resumes it like any drained shard.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorkerExit {
     pub worker: Worker,
     pub code: i32,
+    /// The signal that ended it, when one did.
+    pub signal: Option<i32>,
 }
 
 /// The data-parallel run: every worker's end, the code the parent exits with, and whether it finalized the output.
@@ -139,48 +145,56 @@ pub fn run(asked: &DataParallel, args: &[OsString], output_url: &str, shards_ask
     let pending = Arc::new(AtomicI32::new(0));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).thread_name("nightshift-signals").enable_all().build().map_err(|e| Error::Internal(format!("cannot start the signal handlers: {e}")))?;
     watch(&rt, pending.clone())?;
-    let mut children: Vec<(Worker, Option<Child>, Option<i32>)> = Vec::with_capacity(workers.len());
+    let mut children: Vec<Running> = Vec::with_capacity(workers.len());
     for w in workers {
         let mut cmd = Command::new(&exe);
         cmd.args(worker_args(args, w.shard, count)?).env("RAYON_NUM_THREADS", w.threads.to_string());
         if let Some(gpu) = &w.gpu {
             cmd.env("CUDA_VISIBLE_DEVICES", gpu);
         }
+        stop_with_parent(&mut cmd);
         info!(shard = w.shard, gpu = w.gpu.as_deref().unwrap_or("none"), threads = w.threads, "starting worker {} of {count}", w.shard);
         match cmd.spawn() {
-            Ok(child) => children.push((w, Some(child), None)),
+            Ok(child) => children.push(Running { worker: w, child: Some(child), ended: None, forwarded: Vec::new() }),
             Err(e) => {
                 // The ones started are stopped as a signal would stop them; their units stay for a rerun.
                 warn!("cannot start worker {}: {e}; stopping the others", w.shard);
                 pending.store(libc::SIGTERM, Ordering::SeqCst);
-                children.push((w, None, Some(Exit::Failed as i32)));
+                children.push(Running { worker: w, child: None, ended: Some((Exit::Failed as i32, None)), forwarded: Vec::new() });
                 break;
             }
         }
     }
     loop {
         let signal = pending.swap(0, Ordering::SeqCst);
-        for (w, child, code) in children.iter_mut() {
-            let Some(c) = child.as_mut() else { continue };
+        for r in children.iter_mut() {
+            let Some(c) = r.child.as_mut() else { continue };
             if signal != 0 {
-                forward(c, signal, w.shard);
+                forward(c, signal, r.worker.shard);
+                r.forwarded.push(signal);
             }
             match c.try_wait() {
                 Ok(Some(status)) => {
-                    *code = Some(exit_code(status));
-                    *child = None;
+                    r.ended = Some(ended(status, &r.forwarded));
+                    r.child = None;
                 }
                 Ok(None) => {}
-                Err(e) => return Err(Error::Internal(format!("cannot wait for worker {}: {e}", w.shard))),
+                Err(e) => return Err(Error::Internal(format!("cannot wait for worker {}: {e}", r.worker.shard))),
             }
         }
-        if children.iter().all(|c| c.1.is_none()) {
+        if children.iter().all(|r| r.child.is_none()) {
             break;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
     drop(rt);
-    let workers: Vec<WorkerExit> = children.into_iter().map(|(worker, _, code)| WorkerExit { worker, code: code.unwrap_or(Exit::Failed as i32) }).collect();
+    let workers: Vec<WorkerExit> = children
+        .into_iter()
+        .map(|r| {
+            let (code, signal) = r.ended.unwrap_or((Exit::Failed as i32, None));
+            WorkerExit { worker: r.worker, code, signal }
+        })
+        .collect();
     let mut code = worst(&workers.iter().map(|w| w.code).collect::<Vec<_>>());
     let mut finalized = false;
     if code == 0 && workers.len() == count as usize {
@@ -194,6 +208,50 @@ pub fn run(asked: &DataParallel, args: &[OsString], output_url: &str, shards_ask
         }
     }
     Ok(ParallelReport { workers, code, finalized })
+}
+
+/// A worker while the parent waits: its process until reaped, how it ended, the signals passed on to it.
+struct Running {
+    worker: Worker,
+    child: Option<Child>,
+    ended: Option<(i32, Option<i32>)>,
+    forwarded: Vec<i32>,
+}
+
+/// Makes the worker get SIGTERM (and drain, as for a forwarded one) when the parent dies, whatever killed the
+/// parent: a `kill -9`, the OOM killer, or a scheduler that signals the main process only. Without it the
+/// workers would run on, orphaned, beside the rerun that resumes the job.
+fn stop_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs in the forked child before exec, where only async-signal-safe calls are allowed: it
+    // makes two system calls (prctl, getppid) and, when needed, `_exit`, all async-signal-safe, and touches no
+    // memory but its copied `parent` integer (no allocation, no lock). PR_SET_PDEATHSIG takes the signal number as
+    // an unsigned long and ignores the other arguments. The death signal follows the thread that spawned the child;
+    // that is the parent's main thread, which waits for the workers until they have all ended.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent died between the fork and the prctl: the signal will never come, so stop now.
+            if libc::getppid() != parent {
+                libc::_exit(Exit::Partial as i32);
+            }
+            Ok(())
+        });
+    }
+}
+
+/// A reaped worker's code and the signal that ended it: a worker killed by a signal the parent passed on to it
+/// counts as interrupted (75), since it stopped as asked, only before it could drain.
+fn ended(status: std::process::ExitStatus, forwarded: &[i32]) -> (i32, Option<i32>) {
+    use std::os::unix::process::ExitStatusExt;
+    match status.signal() {
+        Some(sig) if forwarded.contains(&sig) => (Exit::Partial as i32, Some(sig)),
+        Some(sig) => (128 + sig, Some(sig)),
+        None => (status.code().unwrap_or(Exit::Failed as i32), None),
+    }
 }
 
 /// The first and every later SIGTERM or SIGINT, recorded for the wait loop to forward.
@@ -225,10 +283,6 @@ fn forward(child: &Child, signal: i32, shard: u32) {
     }
 }
 
-fn exit_code(status: std::process::ExitStatus) -> i32 {
-    use std::os::unix::process::ExitStatusExt;
-    status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
-}
 
 #[cfg(test)]
 mod tests {
@@ -262,6 +316,48 @@ mod tests {
         assert!(plan_workers(&DataParallel::Auto, &[], 8).is_err(), "auto without a GPU");
         let cpu = plan_workers(&DataParallel::Workers(3), &[], 2).unwrap();
         assert_eq!(cpu.iter().map(|w| (w.gpu.is_none(), w.threads)).collect::<Vec<_>>(), [(true, 1); 3], "at least a thread each");
+    }
+
+    /// Real processes: a worker the forwarded SIGTERM kills is interrupted (75); one another signal kills is not.
+    #[test]
+    fn a_worker_killed_by_the_forwarded_signal_is_interrupted() {
+        use std::os::unix::process::ExitStatusExt;
+        let killed = |sig: i32| std::process::ExitStatus::from_raw(sig);
+        assert_eq!(ended(killed(libc::SIGTERM), &[libc::SIGTERM]), (75, Some(libc::SIGTERM)));
+        assert_eq!(ended(killed(libc::SIGKILL), &[libc::SIGTERM]), (137, Some(libc::SIGKILL)));
+        assert_eq!(ended(killed(libc::SIGTERM), &[]), (143, Some(libc::SIGTERM)), "nobody forwarded it");
+        let mut sleeper = Command::new("sleep").arg("30").spawn().unwrap();
+        forward(&sleeper, libc::SIGTERM, 0);
+        assert_eq!(ended(sleeper.wait().unwrap(), &[libc::SIGTERM]), (75, Some(libc::SIGTERM)));
+        let exited = Command::new("sh").args(["-c", "exit 4"]).status().unwrap();
+        assert_eq!(ended(exited, &[libc::SIGTERM]), (4, None));
+    }
+
+    /// A child started with [`stop_with_parent`] gets SIGTERM when its parent goes. The kernel sends the death
+    /// signal when the thread that spawned the child exits (for `run`, the main thread: the process), so a thread
+    /// that spawns a `sleep` and returns stands in for a parent killed with `kill -9`.
+    #[test]
+    fn a_worker_stops_when_its_parent_dies() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut cmd = Command::new("sleep");
+            cmd.arg("30");
+            stop_with_parent(&mut cmd);
+            tx.send(cmd.spawn().unwrap()).unwrap();
+        })
+        .join()
+        .unwrap();
+        let mut child = rx.recv().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(std::time::Instant::now() < deadline, "the child outlived the thread that started it");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc::SIGTERM));
     }
 
     #[test]

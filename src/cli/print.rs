@@ -314,7 +314,12 @@ pub fn print_run(report: &RunReport) {
 pub fn print_data_parallel(report: &crate::app::parallel::ParallelReport) {
     for w in &report.workers {
         let gpu = w.worker.gpu.as_deref().map_or_else(|| format!("{} CPU threads", w.worker.threads), |g| format!("GPU {g}"));
-        println!("worker {} (shard {} of {}, {gpu}): exit {}", w.worker.shard, w.worker.shard, report.workers.len(), w.code);
+        let how = match w.signal {
+            Some(sig) if w.code == crate::error::Exit::Partial as i32 => format!(" (signal {sig} passed on stopped it before it could drain)"),
+            Some(sig) => format!(" (killed by signal {sig})"),
+            None => String::new(),
+        };
+        println!("worker {} (shard {} of {}, {gpu}): exit {}{how}", w.worker.shard, w.worker.shard, report.workers.len(), w.code);
     }
     match (report.code, report.finalized) {
         (0, true) => println!("every shard is committed; the output is finalized"),
