@@ -501,6 +501,9 @@ fn data_parallel_workers_split_the_job_pass_signals_on_and_resume() {
         assert!(Instant::now() < deadline, "workers {workers:?} outlived their killed parent by a minute");
         std::thread::sleep(Duration::from_millis(20));
     }
+    // Stopped, not run to the end: left alone, the workers would have completed and finalized the output.
+    assert!(!output.exists("_SUCCESS"), "the orphaned workers ran on to the end");
+    assert!(output.list("_commits").len() < UNITS);
     finish(world.spawn_with(&job, &["--data-parallel", "2"], &no_gpu)).assert_ok();
     assert_complete_and_equal(&output, &reference);
 }
