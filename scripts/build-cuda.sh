@@ -16,7 +16,8 @@
 #   CUDAFORGE_THREADS     parallel nvcc processes inside candle-kernels' build script (default: half the cores)
 #   COMPRESS              xz or zstd (default: xz when installed; it is on more hosts than zstd)
 #   CUTLASS_GIT           with --flash-attn: where to clone CUTLASS from (candle-flash-attn's build pins a commit
-#                         and clones it from GitHub; a local mirror works when GitHub is out of reach)
+#                         and clones it from GitHub; a local mirror or bare repository holding that commit works
+#                         when GitHub is out of reach: only include/ and tools/util/include/ are checked out)
 #
 # With --flash-attn the kernels' build is cached in $NIGHTSHIFT_CUDA_WORK/flash-attn (CANDLE_FLASH_ATTN_BUILD_DIR)
 # and CUTLASS in $NIGHTSHIFT_CUDA_WORK/cudaforge (CUDAFORGE_HOME): a rebuild, even after `cargo clean`, reuses both.
@@ -158,6 +159,9 @@ print(dirs[0])')
     say "CUTLASS $CUTLASS_COMMIT from ${CUTLASS_GIT:=https://github.com/NVIDIA/cutlass.git}"
     rm -rf "$CHECKOUT"
     git clone --quiet --no-checkout "$CUTLASS_GIT" "$CHECKOUT"
+    # Only the headers the kernels include, as cudaforge's own fetch takes them: a mirror that lacks the large
+    # media files (some do) still serves a complete build.
+    git -C "$CHECKOUT" sparse-checkout set include tools/util/include
     git -C "$CHECKOUT" -c advice.detachedHead=false checkout --quiet --detach "$CUTLASS_COMMIT"
   fi
   say "CUTLASS: $CHECKOUT; kernels cached in $CANDLE_FLASH_ATTN_BUILD_DIR"
