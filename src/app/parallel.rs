@@ -283,7 +283,6 @@ fn forward(child: &Child, signal: i32, shard: u32) {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

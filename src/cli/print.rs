@@ -315,7 +315,7 @@ pub fn print_data_parallel(report: &crate::app::parallel::ParallelReport) {
     for w in &report.workers {
         let gpu = w.worker.gpu.as_deref().map_or_else(|| format!("{} CPU threads", w.worker.threads), |g| format!("GPU {g}"));
         let how = match w.signal {
-            Some(sig) if w.code == crate::error::Exit::Partial as i32 => format!(" (signal {sig} passed on stopped it before it could drain)"),
+            Some(sig) if w.code == crate::error::Exit::Partial as i32 => format!(" (stopped by the signal passed on to it, {sig}, before it could drain)"),
             Some(sig) => format!(" (killed by signal {sig})"),
             None => String::new(),
         };
