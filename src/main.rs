@@ -70,6 +70,7 @@ fn main() -> ExitCode {
             let options = args.options();
             nightshift::bench::kernels(&options).and_then(|r| nightshift::bench::attention(&options).map(|a| cli::print_kernel_bench(&r, &a, args.json)))
         }
+        Command::Tokenize(args) => cli::tokenize(args),
         Command::SynthModel(args) => args.gguf_type().and_then(|quant| {
             let report = args.run()?;
             cli::print_synth(&report, &args.dir);

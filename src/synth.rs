@@ -568,7 +568,7 @@ pub fn write_hf(dir: &Path, spec: &Spec) -> Result<u64, Error> {
         "tokenizer_config.json",
         &json!({"bos_token": bos_token, "add_bos_token": vocabulary.add_bos, "eos_token": "<|im_end|>", "chat_template": CHATML}),
     )?;
-    let tokenizer = crate::tokenize::vocab::build(&vocabulary.metadata()?)?;
+    let tokenizer = crate::tokenize::vocab::byte_level_json(&vocabulary.metadata()?)?;
     tokenizer.save(dir.join("tokenizer.json"), false).map_err(|e| io("tokenizer.json", &e))?;
 
     let weights_path = dir.join("model.safetensors");
@@ -599,9 +599,9 @@ mod tests {
         assert_eq!((model.config.hidden_size, model.config.layers, model.config.vocab_size), (128, 2, 512));
         assert_eq!(info.vocab.eos, Some(258));
         let tokenizer = crate::tokenize::vocab::build(&info.vocab).unwrap();
-        let ids = tokenizer.encode("héllo", false).unwrap().get_ids().to_vec();
+        let ids = tokenizer.encode("héllo", false).unwrap();
         assert_eq!(ids.len(), "héllo".len(), "one token per byte");
-        assert_eq!(tokenizer.decode(&ids, false).unwrap(), "héllo");
+        assert_eq!(tokenizer.decode(&ids, false), "héllo");
         // As GGUF: the same function, to quantization (q8_0 here), whichever path loads it.
         let (gguf, _) = synth_gguf(&dir, candle_core::quantized::GgmlDType::Q8_0).unwrap();
         let (quantized, gguf_info) = crate::engine::Model::load(&gguf, &Device::Cpu).unwrap();
@@ -643,7 +643,7 @@ mod tests {
         let metadata = vocabulary.metadata().unwrap();
         assert_eq!(metadata.tokens[256..261], ["he", "Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]);
         assert_eq!((vocabulary.special("<|endoftext|>"), vocabulary.special("<|im_end|>")), (258, 260));
-        let tokenizer = crate::tokenize::vocab::build(&metadata).unwrap();
+        let tokenizer = crate::tokenize::vocab::byte_level_json(&metadata).unwrap();
         assert_eq!(tokenizer.encode("the", false).unwrap().get_ids(), [u32::from(b't'), 256]);
         assert!(Vocabulary { size: 260, ..vocabulary }.metadata().is_err(), "too small for its named tokens");
     }

@@ -69,7 +69,7 @@ pub fn check_model(job: &Job) -> Result<ModelCheck, Error> {
 }
 
 /// The job's generation parameters against a decoder: its stop token ids, its `n` and its JSON Schema compiled.
-fn check_generation(job: &Job, info: &ModelInfo, tokenizer: &tokenizers::Tokenizer) -> Result<(), JobError> {
+fn check_generation(job: &Job, info: &ModelInfo, tokenizer: &crate::tokenize::Tokenizer) -> Result<(), JobError> {
     let invalid = |(key, problem): (&'static str, String)| JobError::Invalid { path: job.file.clone(), key, problem };
     engine::check_params(&job.generation, info.config.vocab_size, job.runtime.max_seqs).map_err(invalid)?;
     if let Some(schema) = &job.generation.json_schema {

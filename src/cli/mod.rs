@@ -7,6 +7,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use crate::job::Overrides;
 
 mod print;
+mod tokenize;
+pub use tokenize::tokenize;
 pub use print::*;
 
 #[derive(Debug, Parser)]
@@ -53,9 +55,42 @@ pub enum Command {
     /// Measure throughput on a synthetic workload (in-process, no object-store I/O).
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Tokenize texts with a model's tokenizer as a job does (a GGUF file's vocabulary exactly as llama.cpp reads
+    /// it; a vocabulary-only GGUF is enough): one text per line of standard input, or `--text`; one JSON line out
+    /// per text, `{"ids": [...], "text": "..."}`, the text detokenized from the ids.
+    Tokenize(TokenizeArgs),
     /// Write a random-weight llama-family model of a published model's shape as a Hugging Face directory
     /// (safetensors, config, byte-level tokenizer, ChatML template): real shapes where real weights cannot go.
     SynthModel(SynthModelArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TokenizeArgs {
+    /// A GGUF file or a Hugging Face model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The text to tokenize, instead of standard input's lines.
+    #[arg(long)]
+    pub text: Option<String>,
+    /// Input lines are hex-encoded bytes (any bytes, malformed UTF-8 included; a newline is `0a`).
+    #[arg(long)]
+    pub hex: bool,
+    /// Read special tokens' texts (`<|im_start|>`) as text, not as those tokens.
+    #[arg(long)]
+    pub no_parse_special: bool,
+    /// Add the BOS and EOS tokens the model asks for (llama.cpp's `add_special`).
+    #[arg(long)]
+    pub add_special: bool,
+    /// `json`, or `peer`: for `scripts/compare-tokenizers.py`, the tab-separated fields `scripts/tokenizer-peer.cpp`
+    /// writes for llama.cpp, from hex lines (or `#` and token ids to detokenize); the other flags are ignored.
+    #[arg(long, value_enum, default_value_t = TokenizeFormat::Json)]
+    pub format: TokenizeFormat,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TokenizeFormat {
+    Json,
+    Peer,
 }
 
 #[derive(Debug, Args)]

@@ -5,7 +5,6 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
-use tokenizers::Tokenizer;
 
 use super::constraint::{Constraint, Grammar};
 use super::models::llama::StepLogits;
@@ -14,7 +13,7 @@ use crate::job::GenerationParams;
 use crate::outcome::{Choice, Completion, TokenLogprob, TopLogprob};
 use super::Request;
 use crate::row::FinishReason;
-use crate::tokenize::TextStream;
+use crate::tokenize::{TextStream, Tokenizer};
 
 /// Token texts that end a turn in common chat formats; a control token with one of these names stops generation
 /// even when the model's metadata names a different EOS token.
@@ -220,7 +219,7 @@ impl ChoiceState {
         let text = match (reason, self.cut_text) {
             (FinishReason::Scored, _) => String::new(),
             (_, Some(text)) => text,
-            (_, None) => tokenizer.decode(&self.generated, true).unwrap_or_default(),
+            (_, None) => tokenizer.decode(&self.generated, true),
         };
         Choice {
             index: self.index,
@@ -236,7 +235,7 @@ impl ChoiceState {
 /// Reported log-probabilities of `token` at a position with these (raw) logits, with the `top` most likely.
 pub fn token_logprob(tokenizer: &Tokenizer, logits: &[f32], token: u32, top: u32) -> TokenLogprob {
     let (logprob, alternatives) = sampling::logprobs(logits, token, top as usize);
-    let text = |t: u32| tokenizer.decode(&[t], false).unwrap_or_default();
+    let text = |t: u32| tokenizer.token_text(t);
     TokenLogprob {
         token_id: token,
         token: text(token),

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use llguidance::api::TopLevelGrammar;
 use llguidance::{JsonCompileOptions, Matcher, ParserFactory};
 use serde_json::Value;
-use tokenizers::Tokenizer;
+use crate::tokenize::Tokenizer;
 use toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
 /// Compiled schemas kept by [`Grammars::compile`]; beyond this the least recently used is dropped. A job usually
@@ -76,8 +76,8 @@ impl TokenizerEnv for Vocabulary {
 
     fn tokenize_bytes(&self, bytes: &[u8]) -> Vec<TokenId> {
         // Bytes that are not UTF-8 (a token ending inside a character) go through the trie, greedily.
-        self.trie.tokenize_with_greedy_fallback(bytes, |text| match self.tokenizer.encode_fast(text, false) {
-            Ok(encoding) => encoding.get_ids().to_vec(),
+        self.trie.tokenize_with_greedy_fallback(bytes, |text| match self.tokenizer.encode(text, false) {
+            Ok(ids) => ids,
             Err(_) => self.trie.greedy_tokenize(text.as_bytes()),
         })
     }
@@ -104,13 +104,7 @@ impl Grammars {
         let Some(&eos) = end_tokens.first() else {
             return Err("constrained decoding needs the model's end-of-generation token, and it has none".into());
         };
-        let spec: Value = serde_json::from_str(
-            &tokenizer.to_string(false).map_err(|e| format!("cannot serialise the tokenizer: {e}"))?,
-        )
-        .map_err(|e| format!("cannot read the serialised tokenizer: {e}"))?;
-        let mut words = llguidance::token_bytes_from_tokenizer_json(&spec)
-            .map_err(|e| format!("cannot map the tokenizer's tokens to bytes: {}", one_line(&e)))?;
-        words.resize(words.len().max(tokenizer.get_vocab_size(true)), Vec::new());
+        let mut words = tokenizer.token_bytes().map_err(|e| clean(&e))?;
         // Tokens the model has no logit for can never be sampled, so llguidance must never force them.
         words.truncate(vocab_size);
         if let Some(&bad) = end_tokens.iter().find(|&&t| t as usize >= words.len()) {

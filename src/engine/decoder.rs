@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::DType;
-use tokenizers::Tokenizer;
+use crate::tokenize::Tokenizer;
 
 use super::choice::{self, token_logprob, ChoiceState, RowTiming, Rules, StopRules};
 use super::constraint::{self, Grammar};

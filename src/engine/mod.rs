@@ -40,6 +40,9 @@ pub enum ModelError {
     Architecture { name: String, supported: &'static str },
     #[error("the model's metadata is invalid: {0}")]
     Metadata(String),
+    /// A GGUF file's tokenizer that llama.cpp would refuse, or of a kind nightshift does not run.
+    #[error(transparent)]
+    Vocab(#[from] crate::tokenize::gguf::VocabError),
     /// [`ModelError::Metadata`] with the model's path ([`ModelError::at`]).
     #[error("the model's metadata in `{path}` is invalid: {message}")]
     MetadataAt { path: PathBuf, message: String },

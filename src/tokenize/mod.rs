@@ -4,24 +4,20 @@
 //! against the model's context, so a row reaches the engine only as a [`PreparedRow`] with tokens that fit; every
 //! other row becomes an error row here and skips the engine. Rows are processed in parallel on rayon.
 
+pub mod gguf;
 pub mod template;
 pub mod vocab;
 
 use rayon::prelude::*;
-use tokenizers::Tokenizer;
 
 use crate::job::{ChatTemplateChoice, InputSpec, Truncate};
 use crate::row::{ErrorCode, Message, Prompt, RowError, RowParams, RowTag};
 use crate::source::SourceRow;
 pub use template::ChatTemplate;
-pub use vocab::VocabMetadata;
+pub use vocab::{TextStream, Tokenizer, VocabMetadata};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    #[error("tokenizer kind `{0}` is not supported (only byte-level BPE, `gpt2`, is)")]
-    UnsupportedKind(String),
-    #[error("pre-tokenizer `{0}` is not supported (supported: `smollm`, `gpt2`)")]
-    UnsupportedPre(String),
     #[error("the model's tokenizer is invalid: {0}")]
     Invalid(String),
     #[error("the model's chat template is invalid: {0}")]
@@ -47,6 +43,8 @@ pub struct Preprocessor {
     template: Option<ChatTemplate>,
     system_prompt: Option<String>,
     bos: Option<u32>,
+    /// The EOS token a prompt ends with, for the rare vocabularies that ask for one (llama.cpp's `add_eos`).
+    eos: Option<u32>,
     context_length: usize,
     truncate: Truncate,
     /// The job's `max_new_tokens`, for rows that do not set their own: truncation leaves room for the answer.
@@ -76,6 +74,7 @@ impl Preprocessor {
             template,
             system_prompt: input.system_prompt.clone(),
             bos: vocab.bos.filter(|_| vocab.add_bos),
+            eos: vocab.eos.filter(|_| vocab.add_eos),
             context_length,
             truncate: input.truncate,
             max_new_tokens,
@@ -108,27 +107,27 @@ impl Preprocessor {
         template.render(&messages)
     }
 
-    /// Token ids of a text, special tokens (`<|im_start|>`, ...) parsed, BOS added when the model asks for it.
+    /// Token ids of a text, special tokens (`<|im_start|>`, ...) parsed, BOS added when the model asks for it (and
+    /// the text does not start with it already, as a chat template that writes its BOS does), EOS likewise.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, RowError> {
-        let encoding = self
-            .tokenizer
-            .encode_fast(text, false)
-            .map_err(|e| RowError::new(ErrorCode::TemplateError, format!("tokenization failed: {e}")))?;
-        let ids = encoding.get_ids();
-        let mut tokens = Vec::with_capacity(ids.len() + 1);
+        let ids = self.tokenizer.encode(text, true).map_err(|e| RowError::new(ErrorCode::TemplateError, format!("tokenization failed: {e}")))?;
+        let mut tokens = Vec::with_capacity(ids.len() + 2);
         if let Some(bos) = self.bos {
             if ids.first() != Some(&bos) {
                 tokens.push(bos);
             }
         }
-        tokens.extend_from_slice(ids);
+        tokens.extend_from_slice(&ids);
+        if let Some(eos) = self.eos {
+            tokens.push(eos);
+        }
         Ok(tokens)
     }
 
     pub fn prepare(&self, row: SourceRow) -> PreparedRow {
-        let completion = match row.completion.as_deref().map(|c| self.tokenizer.encode_fast(c, false)) {
+        let completion = match row.completion.as_deref().map(|c| self.tokenizer.encode(c, true)) {
             None => None,
-            Some(Ok(encoding)) => Some(encoding.get_ids().to_vec()),
+            Some(Ok(ids)) => Some(ids),
             Some(Err(e)) => {
                 let error = RowError::new(ErrorCode::TemplateError, format!("tokenization of the completion failed: {e}"));
                 return PreparedRow { id: row.id, tag: row.tag, params: row.params, tokens: Err(error), completion: None };
@@ -183,10 +182,8 @@ impl Preprocessor {
             };
             let ids = self
                 .tokenizer
-                .encode_fast(content.as_str(), false)
-                .map_err(|e| RowError::new(ErrorCode::TemplateError, format!("tokenization failed: {e}")))?
-                .get_ids()
-                .to_vec();
+                .encode(content.as_str(), false)
+                .map_err(|e| RowError::new(ErrorCode::TemplateError, format!("tokenization failed: {e}")))?;
             // Two tokens of slack: a cut can change how the text next to it merges.
             let keep = ids.len().saturating_sub(total.saturating_sub(limit) + 2);
             if keep == 0 {
@@ -196,7 +193,7 @@ impl Preprocessor {
                 Truncate::Left => &ids[ids.len() - keep..],
                 _ => &ids[..keep],
             };
-            *content = self.tokenizer.decode(kept, false).map_err(|e| RowError::new(ErrorCode::TemplateError, e.to_string()))?;
+            *content = self.tokenizer.decode(kept, false);
             let tokens = self.encode(&self.render(&prompt)?)?;
             if tokens.len() <= limit {
                 return Ok(tokens);
@@ -230,14 +227,14 @@ impl Prepare for Preprocessor {
 /// Rows -> token ids for an encoder: the text as it is (no chat template), with the model's special tokens
 /// (`[CLS] ... [SEP]`), checked against the model's maximum length.
 pub struct EncoderPreprocessor {
-    tokenizer: Tokenizer,
+    tokenizer: tokenizers::Tokenizer,
     /// The same tokenizer, cutting rows to `max_tokens` from the side `input.truncate` names.
-    truncating: Option<Tokenizer>,
+    truncating: Option<tokenizers::Tokenizer>,
     max_tokens: usize,
 }
 
 impl EncoderPreprocessor {
-    pub fn new(tokenizer: Tokenizer, max_tokens: usize, truncate: Truncate) -> Result<Self, TokenizerError> {
+    pub fn new(tokenizer: tokenizers::Tokenizer, max_tokens: usize, truncate: Truncate) -> Result<Self, TokenizerError> {
         use tokenizers::{TruncationDirection, TruncationParams, TruncationStrategy};
         let truncating = match truncate {
             Truncate::None => None,
@@ -277,30 +274,5 @@ impl Prepare for EncoderPreprocessor {
             Ok(ids.to_vec())
         });
         PreparedRow { id: row.id, tag: row.tag, params: row.params, tokens, completion: None }
-    }
-}
-
-/// Incremental detokenization of generated tokens, for stop strings: emits text only once the bytes decoded so
-/// far form complete characters (a multi-byte character can span tokens).
-#[derive(Clone, Debug, Default)]
-pub struct TextStream {
-    ids: Vec<u32>,
-    prefix_offset: usize,
-    read_offset: usize,
-}
-
-impl TextStream {
-    /// Adds a token and returns the text it completes (possibly empty).
-    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> String {
-        self.ids.push(id);
-        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], true).unwrap_or_default();
-        let full = tokenizer.decode(&self.ids[self.prefix_offset..], true).unwrap_or_default();
-        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prefix.len()) {
-            self.prefix_offset = self.read_offset;
-            self.read_offset = self.ids.len();
-            full[prefix.len()..].to_string()
-        } else {
-            String::new()
-        }
     }
 }

@@ -67,6 +67,10 @@ fn check_layout(content: &Content, file_length: u64) -> Result<(), String> {
     if !alignment.is_power_of_two() {
         return Err(format!("`general.alignment` is {alignment}, not a power of two"));
     }
+    // A file without tensors (llama.cpp's vocabulary-only files) may end before the data section's alignment.
+    if content.tensor_infos.is_empty() {
+        return Ok(());
+    }
     let data = file_length
         .checked_sub(content.tensor_data_offset)
         .ok_or_else(|| format!("the tensor data starts at byte {}, past the end of the file ({file_length} bytes)", content.tensor_data_offset))?;
@@ -104,6 +108,63 @@ fn check_layout(content: &Content, file_length: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// An array of numbers, each converted by `convert`; `None` when the key is absent.
+fn meta_numbers<T>(content: &Content, key: &str, convert: impl Fn(&Value) -> Option<T>) -> Result<Option<Vec<T>>, ModelError> {
+    let Some(v) = content.metadata.get(key) else { return Ok(None) };
+    let values = v.to_vec().map_err(|_| ModelError::Metadata(format!("`{key}` is not an array")))?;
+    values.iter().map(|x| convert(x).ok_or_else(|| ModelError::Metadata(format!("`{key}` holds a value of the wrong type")))).collect::<Result<_, _>>().map(Some)
+}
+
+fn meta_bool(content: &Content, key: &str) -> Option<bool> {
+    content.metadata.get(key).and_then(|v| v.to_bool().ok())
+}
+
+/// The tokenizer's keys of a GGUF file (`tokenizer.ggml.*`), as llama.cpp reads them.
+pub(super) fn tokenizer_metadata(content: &Content) -> Result<crate::tokenize::gguf::Metadata, ModelError> {
+    let string = |key: &str| content.metadata.get(key).and_then(|v| v.to_string().ok().cloned());
+    let id = |key: &str| meta_u32(content, key);
+    let model = string("tokenizer.ggml.model").ok_or_else(|| ModelError::Metadata("missing `tokenizer.ggml.model`".into()))?;
+    if !content.metadata.contains_key("tokenizer.ggml.tokens") {
+        return Err(ModelError::Metadata("missing `tokenizer.ggml.tokens`".into()));
+    }
+    let merges = match content.metadata.contains_key("tokenizer.ggml.merges") {
+        true => Some(meta_strings(content, "tokenizer.ggml.merges")?),
+        false => None,
+    };
+    Ok(crate::tokenize::gguf::Metadata {
+        model,
+        pre: string("tokenizer.ggml.pre"),
+        tokens: meta_strings(content, "tokenizer.ggml.tokens")?,
+        scores: meta_numbers(content, "tokenizer.ggml.scores", |v| v.to_f32().ok().or_else(|| v.to_i32().ok().map(|i| i as f32)))?,
+        token_types: meta_numbers(content, "tokenizer.ggml.token_type", |v| v.to_i32().ok())?,
+        merges,
+        precompiled_charsmap: meta_numbers(content, "tokenizer.ggml.precompiled_charsmap", |v| v.to_u8().ok().or_else(|| v.to_i8().ok().map(|b| b as u8)))?,
+        bos: id("tokenizer.ggml.bos_token_id"),
+        eos: id("tokenizer.ggml.eos_token_id"),
+        eot: id("tokenizer.ggml.eot_token_id"),
+        eom: id("tokenizer.ggml.eom_token_id"),
+        unknown: id("tokenizer.ggml.unknown_token_id"),
+        separator: id("tokenizer.ggml.seperator_token_id"),
+        padding: id("tokenizer.ggml.padding_token_id"),
+        mask: id("tokenizer.ggml.mask_token_id"),
+        fim_pre: id("tokenizer.ggml.fim_pre_token_id").or_else(|| id("tokenizer.ggml.prefix_token_id")),
+        fim_suf: id("tokenizer.ggml.fim_suf_token_id").or_else(|| id("tokenizer.ggml.suffix_token_id")),
+        fim_mid: id("tokenizer.ggml.fim_mid_token_id").or_else(|| id("tokenizer.ggml.middle_token_id")),
+        fim_pad: id("tokenizer.ggml.fim_pad_token_id"),
+        fim_rep: id("tokenizer.ggml.fim_rep_token_id"),
+        fim_sep: id("tokenizer.ggml.fim_sep_token_id"),
+        add_bos: meta_bool(content, "tokenizer.ggml.add_bos_token"),
+        add_eos: meta_bool(content, "tokenizer.ggml.add_eos_token"),
+        add_sep: meta_bool(content, "tokenizer.ggml.add_sep_token"),
+        add_space_prefix: meta_bool(content, "tokenizer.ggml.add_space_prefix"),
+        remove_extra_whitespaces: meta_bool(content, "tokenizer.ggml.remove_extra_whitespaces"),
+        lowercase: meta_bool(content, "tokenizer.ggml.normalizer.lowercase"),
+        strip_accents: meta_bool(content, "tokenizer.ggml.normalizer.strip_accents"),
+        name: string("general.name"),
+        architecture: string("general.architecture"),
+    })
+}
+
 fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
     let architecture = meta(content, "general.architecture")?
         .to_string()
@@ -125,16 +186,9 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
     if head_dim % 2 != 0 {
         return Err(ModelError::Metadata(format!("head size {head_dim} is odd")));
     }
-    let tokens = meta_strings(content, "tokenizer.ggml.tokens")?;
-    let token_types = match content.metadata.get("tokenizer.ggml.token_type") {
-        None => Vec::new(),
-        Some(v) => v
-            .to_vec()
-            .map_err(|_| ModelError::Metadata("`tokenizer.ggml.token_type` is not an array".into()))?
-            .iter()
-            .map(|t| t.to_i32().unwrap_or(1))
-            .collect(),
-    };
+    let tokenizer = tokenizer_metadata(content)?;
+    let chat_template = content.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok().cloned());
+    let vocab = VocabMetadata::of_gguf(crate::tokenize::gguf::Vocab::new(&tokenizer)?, &tokenizer, chat_template);
     let config = ModelConfig {
         name: content.metadata.get("general.name").and_then(|v| v.to_string().ok().cloned()),
         context_length: meta_usize(content, &a("context_length"))?,
@@ -143,7 +197,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         rms_eps: meta_f32(content, &a("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
         rope_base: meta_f32(content, &a("rope.freq_base")).unwrap_or(10_000.0),
         rope_scaling: None,
-        vocab_size: tokens.len(),
+        vocab_size: vocab.tokens.len(),
         hidden_size,
         heads,
         kv_heads,
@@ -157,24 +211,6 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
             config.context_length, config.layers
         )));
     }
-    let vocab = VocabMetadata {
-        kind: content
-            .metadata
-            .get("tokenizer.ggml.model")
-            .and_then(|v| v.to_string().ok().cloned())
-            .ok_or_else(|| ModelError::Metadata("missing `tokenizer.ggml.model`".into()))?,
-        pre: content.metadata.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok().cloned()),
-        merges: meta_strings(content, "tokenizer.ggml.merges")?,
-        bos: meta_u32(content, "tokenizer.ggml.bos_token_id"),
-        eos: meta_u32(content, "tokenizer.ggml.eos_token_id"),
-        eot: meta_u32(content, "tokenizer.ggml.eot_token_id"),
-        more_ends: Vec::new(),
-        add_bos: content.metadata.get("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(false),
-        chat_template: content.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok().cloned()),
-        tokens,
-        token_types,
-        tokenizer: None,
-    };
     super::check_vocab(&vocab, config.vocab_size)?;
     let mut counts = std::collections::BTreeMap::new();
     for info in content.tensor_infos.values() {
@@ -316,6 +352,14 @@ fn padded_norm(w: Tensor, width: usize) -> candle_core::Result<Tensor> {
         return Ok(w);
     }
     (w * (d as f64 / width as f64).sqrt())?.pad_with_zeros(0, 0, width - d)
+}
+
+/// Reads a GGUF file's tokenizer alone, whatever its architecture (llama.cpp's vocabulary-only files too).
+pub fn vocabulary(path: &Path) -> Result<VocabMetadata, ModelError> {
+    let (_, content) = read_content(path)?;
+    let tokenizer = tokenizer_metadata(&content)?;
+    let chat_template = content.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok().cloned());
+    Ok(VocabMetadata::of_gguf(crate::tokenize::gguf::Vocab::new(&tokenizer)?, &tokenizer, chat_template))
 }
 
 /// Reads a GGUF file's metadata (architecture, shapes, tokenizer) without loading its weights.

@@ -590,8 +590,10 @@ fn vocab(dir: &Path, config: &HfConfig, vocab_size: usize) -> Result<VocabMetada
         eot: ends.get(1).copied(),
         more_ends: ends.iter().skip(2).copied().collect(),
         add_bos,
+        add_eos: false,
         chat_template: chat_template(dir, tokenizer_config.as_ref())?,
         tokenizer: Some(std::sync::Arc::new(tokenizer)),
+        gguf: None,
     })
 }
 

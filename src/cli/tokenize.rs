@@ -1,0 +1,91 @@
+//! `nightshift tokenize`: a model's tokenizer on texts, as a job runs it (the check of the GGUF tokenizers against
+//! llama.cpp's, `scripts/compare-tokenizers.py`, drives it with `--format peer`).
+
+use std::io::{BufRead, Write};
+
+use super::{TokenizeArgs, TokenizeFormat};
+use crate::error::Error;
+use crate::tokenize::Tokenizer;
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(line: &str) -> Result<Vec<u8>, Error> {
+    let line = line.trim();
+    if line.len() % 2 != 0 || !line.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(Error::Internal(format!("`--hex`: the line `{line}` is not hex")));
+    }
+    Ok((0..line.len()).step_by(2).map(|i| u8::from_str_radix(&line[i..i + 2], 16).expect("hex digits")).collect())
+}
+
+fn join(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")
+}
+
+/// The five fields of `scripts/tokenizer-peer.cpp` for one input line (see there): a text, or `#` and token ids
+/// to detokenize.
+fn peer_line(tokenizer: &Tokenizer, line: &str) -> Result<String, Error> {
+    let Some(vocab) = tokenizer.gguf() else {
+        return Err(Error::Internal("`--format peer` compares GGUF vocabularies; this model has a tokenizer.json".into()));
+    };
+    if let Some(ids) = line.strip_prefix('#') {
+        let ids: Vec<u32> = ids.split_whitespace().map(|i| i.parse().map_err(|_| Error::Internal(format!("`{i}` is not a token id")))).collect::<Result<_, _>>()?;
+        let pieces: Vec<u8> = ids.iter().flat_map(|&id| vocab.piece(id, true).to_vec()).collect();
+        return Ok(format!("\t\t{}\t{}\t{}", hex(&vocab.detokenize(&ids, false, false)), hex(&vocab.detokenize(&ids, false, true)), hex(&pieces)));
+    }
+    let text = unhex(line)?;
+    let text = &text[..];
+    let fail = |e: crate::tokenize::gguf::TokenizeError| Error::Internal(format!("tokenization failed: {e}"));
+    let plain = vocab.tokenize(text, false, false).map_err(fail)?;
+    let special = vocab.tokenize(text, true, true).map_err(fail)?;
+    let pieces: Vec<u8> = special.iter().flat_map(|&id| vocab.piece(id, true).to_vec()).collect();
+    Ok(format!(
+        "{}\t{}\t{}\t{}\t{}",
+        join(&plain),
+        join(&special),
+        hex(&vocab.detokenize(&plain, false, false)),
+        hex(&vocab.detokenize(&special, false, true)),
+        hex(&pieces)
+    ))
+}
+
+pub fn tokenize(args: &TokenizeArgs) -> Result<(), Error> {
+    let vocab = if args.model.is_dir() {
+        crate::engine::models::llama::inspect(&args.model)?.vocab
+    } else {
+        crate::engine::models::llama::gguf::vocabulary(&args.model)?
+    };
+    let tokenizer = crate::tokenize::vocab::build(&vocab)?;
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    let io = |e: std::io::Error| Error::Internal(format!("cannot write the tokens: {e}"));
+    if args.format == TokenizeFormat::Peer {
+        let v = tokenizer.gguf().ok_or_else(|| Error::Internal("`--format peer` compares GGUF vocabularies".into()))?;
+        let id = |id: Option<u32>| id.map_or(-1, i64::from);
+        let eog: Vec<u32> = v.end_of_generation.iter().copied().collect();
+        writeln!(out, "{}\t{}\t{}\t{}\t{}", v.len(), id(v.specials.bos), id(v.specials.eos), id(v.specials.eot), join(&eog)).map_err(io)?;
+    }
+    let mut handle = |line: String| -> Result<(), Error> {
+        match args.format {
+            TokenizeFormat::Peer => writeln!(out, "{}", peer_line(&tokenizer, &line)?).map_err(io),
+            TokenizeFormat::Json => {
+                let text = if args.hex { unhex(&line)? } else { line.into_bytes() };
+                let ids = match &tokenizer {
+                    Tokenizer::Gguf(v) => v.tokenize(&text, args.add_special, !args.no_parse_special).map_err(|e| Error::Internal(format!("tokenization failed: {e}")))?,
+                    Tokenizer::Hf(_) => tokenizer.encode(&String::from_utf8_lossy(&text), !args.no_parse_special).map_err(|e| Error::Internal(format!("tokenization failed: {e}")))?,
+                };
+                let line = serde_json::json!({"ids": ids, "text": tokenizer.decode(&ids, false)});
+                writeln!(out, "{line}").map_err(io)
+            }
+        }
+    };
+    match &args.text {
+        Some(text) => handle(text.clone())?,
+        None => {
+            for line in std::io::stdin().lock().lines() {
+                handle(line.map_err(|e| Error::Internal(format!("cannot read standard input: {e}")))?)?;
+            }
+        }
+    }
+    out.flush().map_err(io)
+}
