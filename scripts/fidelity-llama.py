@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
 """How closely nightshift computes a GGUF model compared with llama.cpp, on llama.cpp's own greedy continuations.
 
-1. llama-server (the chat template from the GGUF, `--jinja`) answers every prompt greedily, returning the
-   log-probability of each token it chose; its `/tokenize` gives the token ids of each answer.
-2. A nightshift scoring job (`input.completion_column`, `generation.logprobs = 1`) scores the same answers under
-   the same prompts, once per `runtime.cpu_weights` layout and `runtime.kv_cache_dtype` asked for.
+1. llama-server (the chat template from the GGUF, `--jinja`, applied by its `/apply-template`) answers every
+   prompt (`/completion`): greedily, or sampled at `--temperature` (seeded) for a random-weight model, whose greedy
+   answers repeat one token; it returns the token ids it chose, the log-probability of each and its most likely
+   token at each position.
+2. A nightshift scoring job (`input.completion_column`, `generation.logprobs = 1`) scores the same token ids
+   (a `list<int64>` completion column: the answer as generated, not its text tokenized again, which a random-weight
+   model's answers would not survive) under the same prompts, once per `runtime.cpu_weights` layout and
+   `runtime.kv_cache_dtype` asked for.
 3. With `--llama-baseline`, llama-server scores the same answers too, one request per answer position (the
    prompt and the answer so far in one prompt-processing pass, as a scoring job does, against the one-token
    decode steps that wrote the answer): how closely llama.cpp agrees with itself across its two paths, the floor
    for any other implementation. Slow: a prompt pass per answer token (about 15 minutes for 48 answers on 2 cores).
-4. Per layout: top-1 agreement (the share of answer positions where nightshift's most likely token is the token
-   llama.cpp chose) and the mean absolute difference of the chosen tokens' log-probabilities (over answers that
-   both tokenize to the same ids, position by position).
+4. Per layout: top-1 agreement (the share of answer positions where nightshift's most likely token is
+   llama.cpp's most likely token: the token it chose, for greedy answers) and the mean absolute difference of the
+   chosen tokens' log-probabilities.
 
 The prompts are the sample tickets (jobs/data/tickets.parquet) under four instructions each (48 prompts), or the
 `prompt` column of `--prompts FILE`. Needs pyarrow (pip install pyarrow); nightshift itself does not.
@@ -48,16 +52,22 @@ def prompts_of(args):
 
 
 def llama_answers(args, prompts):
-    """llama-server's greedy answer to each prompt: (text, token ids, log-probability of each chosen token)."""
+    """llama-server's answer to each prompt: (text, token ids, log-probability of each chosen token, its most likely
+    token at each position)."""
     with serve(args.server, args.model, args.threads, args.slots, args.slots * 2048, args.port, ["--jinja"]) as base:
         def one(prompt):
-            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_new, "temperature": 0.0,
-                    "top_k": 1, "seed": 0, "logprobs": True, "top_logprobs": 1, "cache_prompt": False}
-            choice = post(base + "/v1/chat/completions", body)["choices"][0]
-            text = choice["message"]["content"] or ""
-            logprobs = [t["logprob"] for t in (choice.get("logprobs") or {}).get("content") or []]
-            ids = post(base + "/tokenize", {"content": text, "add_special": False})["tokens"]
-            return text, ids, logprobs
+            chat = post(base + "/apply-template", {"messages": [{"role": "user", "content": prompt}]})["prompt"]
+            sampling = {"temperature": 0.0, "top_k": 1} if args.temperature == 0 else {"temperature": args.temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+            body = {"prompt": chat, "n_predict": args.max_new, "seed": args.seed, "n_probs": 1, "return_tokens": True, "cache_prompt": False, **sampling}
+            answer = post(base + "/completion", body)
+            probs = answer.get("completion_probabilities") or []
+            ids = [p["id"] for p in probs]
+            logprobs = [p["logprob"] for p in probs]
+            tops = [p["top_logprobs"][0]["id"] for p in probs]
+            # The end-of-generation token, when the answer ended by itself, is scored but not part of the answer.
+            if len(ids) > len(answer.get("tokens") or []):
+                ids = ids[: len(answer["tokens"])]
+            return answer.get("content") or "", ids, logprobs, tops
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=args.slots) as pool:
             return list(pool.map(one, prompts))
@@ -65,9 +75,10 @@ def llama_answers(args, prompts):
 
 def nightshift_scores(args, work, prompts, answers, layout, kv):
     """Per row id: [(token id, log-probability, most likely token id)] of the answer, as nightshift scores it."""
-    rows = [(f"p{i:03}", p, a[0]) for i, (p, a) in enumerate(zip(prompts, answers)) if a[0]]
+    rows = [(f"p{i:03}", p, a[1]) for i, (p, a) in enumerate(zip(prompts, answers)) if a[1]]
     data = os.path.join(work, "in.parquet")
-    pq.write_table(pa.table({"id": [r[0] for r in rows], "prompt": [r[1] for r in rows], "completion": [r[2] for r in rows]}), data)
+    completions = pa.array([r[2] for r in rows], type=pa.list_(pa.int64()))
+    pq.write_table(pa.table({"id": [r[0] for r in rows], "prompt": [r[1] for r in rows], "completion": completions}), data)
     out = os.path.join(work, f"out-{layout}-{kv}")
     job = os.path.join(work, f"job-{layout}-{kv}.toml")
     with open(job, "w") as f:
@@ -110,8 +121,8 @@ def llama_scores(args, prompts, answers):
     (not cached, so the whole prefix is one prompt-processing pass)."""
     scores = {}
     with serve(args.server, args.model, args.threads, 1, 4096, args.port, ["--jinja"]) as base:
-        for i, (prompt, (text, ids, _)) in enumerate(zip(prompts, answers)):
-            if not text:
+        for i, (prompt, (text, ids, _, _)) in enumerate(zip(prompts, answers)):
+            if not ids:
                 continue
             chat = post(base + "/apply-template", {"messages": [{"role": "user", "content": prompt}]})["prompt"]
             row = []
@@ -128,13 +139,13 @@ def llama_scores(args, prompts, answers):
 def compare(answers, scores):
     positions = agree = same_rows = compared_rows = 0
     diffs = []
-    for i, (text, ids, logprobs) in enumerate(answers):
+    for i, (text, ids, logprobs, tops) in enumerate(answers):
         row = scores.get(f"p{i:03}")
         if row is None:
             continue
         compared_rows += 1
         positions += len(row)
-        agree += sum(1 for token, _, top in row if token == top)
+        agree += sum(1 for (_, _, top), llama_top in zip(row, tops) if top == llama_top)
         # llama.cpp's log-probabilities end with the end-of-turn token's when the answer ended by itself.
         if [t for t, _, _ in row] == ids and len(logprobs) in (len(ids), len(ids) + 1):
             same_rows += 1
@@ -158,6 +169,8 @@ def main():
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--port", type=int, default=18081)
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample llama.cpp's answers (0: greedy)")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llama-baseline", action="store_true", help="also have llama-server score its own answers (slow)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -175,7 +188,8 @@ def main():
     if args.json:
         print(json.dumps(report))
         return
-    print(f"{args.model}: {len(prompts)} prompts, llama.cpp's greedy answers (at most {args.max_new} tokens) scored by nightshift")
+    how = "greedy" if args.temperature == 0 else f"sampled (temperature {args.temperature}, seed {args.seed})"
+    print(f"{args.model}: {len(prompts)} prompts, llama.cpp's {how} answers (at most {args.max_new} tokens) scored by nightshift")
     print("| runtime.cpu_weights | positions | top-1 agreement | answers tokenized alike | mean abs logprob diff |")
     print("|---|---:|---:|---:|---:|")
     for layout, r in report["layouts"].items():

@@ -126,6 +126,38 @@ pub const SHAPES: &[Shape] = &[
         rope_scaling: None,
         tied: true,
     },
+    // Qwen/Qwen2.5-0.5B-Instruct: 494 M parameters, q/k/v biases, tied embeddings.
+    Shape {
+        name: "qwen2.5-0.5b",
+        family: Family::Qwen2,
+        hidden: 896,
+        layers: 24,
+        heads: 14,
+        kv_heads: 2,
+        head_dim: 64,
+        intermediate: 4864,
+        vocab: 151936,
+        context: 32768,
+        rope_theta: 1000000,
+        rope_scaling: None,
+        tied: true,
+    },
+    // Qwen/Qwen3-0.6B: 596 M parameters, heads of 128 (wider than hidden / heads), q/k norms, tied embeddings.
+    Shape {
+        name: "qwen3-0.6b",
+        family: Family::Qwen3,
+        hidden: 1024,
+        layers: 28,
+        heads: 16,
+        kv_heads: 8,
+        head_dim: 128,
+        intermediate: 3072,
+        vocab: 151936,
+        context: 40960,
+        rope_theta: 1000000,
+        rope_scaling: None,
+        tied: true,
+    },
     // A few megabytes, for tests.
     Shape {
         name: "tiny",
@@ -216,7 +248,7 @@ impl Vocabulary {
         let specials = 256 + self.merges.len();
         token_types[specials..specials + SPECIALS.len()].fill(crate::tokenize::vocab::TOKEN_TYPE_CONTROL);
         let merges = self.merges.iter().map(|m| m.to_string()).collect();
-        Ok(VocabMetadata { kind: "gpt2".into(), pre: Some("gpt2".into()), tokens, token_types, merges, ..Default::default() })
+        Ok(VocabMetadata { kind: "gpt2".into(), pre: Some("gpt-2".into()), tokens, token_types, merges, ..Default::default() })
     }
 }
 
@@ -226,10 +258,11 @@ pub enum Init {
     /// As Hugging Face initialises a model (uniform with about its 0.02 standard deviation; norm weights 1, biases
     /// 0), so activations keep their scale through the layers. For benchmarks, where only shapes matter.
     Hf,
-    /// Every weight shows in the logits, and the logits are peaked: embeddings in ±1, each matrix in
-    /// ±1/sqrt(its input width) (the output projection four times that), norm weights in 1 ± 0.2 (q/k norms
-    /// 1 ± 0.5), biases in ±0.5. For tests that hold one implementation against another: a norm weight or bias
-    /// that one of them drops changes the logits, and greedy tokens do not hang on near-ties.
+    /// Every weight shows in the logits, and the logits are peaked: embeddings in ±1 (tied ones at the output
+    /// projection's scale), each matrix in ±1/sqrt(its input width) (the output projection [`OUTPUT_GAIN`] times that), norm
+    /// weights in 1 ± 0.2 (q/k norms 1 ± 0.5), biases in ±0.5. For tests that hold one implementation against
+    /// another: a norm weight or bias that one of them drops changes the logits, and greedy tokens do not hang on
+    /// near-ties.
     Peaked,
 }
 
@@ -327,6 +360,11 @@ impl Draw {
     }
 }
 
+/// The output projection's gain over 1/sqrt(width) when [`Init::Peaked`]: logits with a standard deviation of about
+/// 9 nats, so that the top token's lead over the next is typically a few nats even among 150,000 tokens, far above
+/// the rounding two implementations differ by (an f16 KV cache, f16 activations).
+const OUTPUT_GAIN: f32 = 16.0;
+
 /// A spec's weights under their Hugging Face names, in its dtype.
 fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
     let shape = &spec.shape;
@@ -334,7 +372,13 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
     let (q, kv) = (shape.heads * hd, shape.kv_heads * hd);
     let mut draw = Draw { random: Random::new(spec.seed), init: spec.init, dtype: spec.dtype };
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
-    tensors.insert("model.embed_tokens.weight".into(), draw.uniform(&[shape.vocab, d], 1.0)?);
+    // Tied, the embedding is the output projection too: drawn at the output projection's scale, so that peaked
+    // logits are a few nats apart rather than hundreds (the input side's RMSNorm undoes its scale).
+    let embedding = match shape.tied {
+        true => draw.matrix(shape.vocab, d, OUTPUT_GAIN)?,
+        false => draw.uniform(&[shape.vocab, d], 1.0)?,
+    };
+    tensors.insert("model.embed_tokens.weight".into(), embedding);
     for i in 0..shape.layers {
         let p = format!("model.layers.{i}");
         tensors.insert(format!("{p}.input_layernorm.weight"), draw.norm(d, 0.2)?);
@@ -358,28 +402,63 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
     }
     tensors.insert("model.norm.weight".into(), draw.norm(d, 0.2)?);
     if !shape.tied {
-        tensors.insert("lm_head.weight".into(), draw.matrix(shape.vocab, d, 4.0)?);
+        tensors.insert("lm_head.weight".into(), draw.matrix(shape.vocab, d, OUTPUT_GAIN)?);
     }
     Ok(tensors)
 }
 
+/// The tokenizer a GGUF gets: the synthetic byte-level one, or a real vocabulary read from another GGUF file (a
+/// model's, or one of llama.cpp's vocabulary-only files), carried over key for key.
+#[derive(Clone, Debug)]
+pub enum GgufTokenizer {
+    ByteLevel(Vocabulary),
+    /// The tokenizer keys of a GGUF file, and its chat template.
+    From(Box<crate::tokenize::gguf::Metadata>, Option<String>),
+}
+
+impl GgufTokenizer {
+    /// The tokenizer of the GGUF file at `path`.
+    pub fn from_file(path: &Path) -> Result<GgufTokenizer, Error> {
+        let (meta, template) = crate::engine::models::llama::gguf::read_tokenizer(path)?;
+        Ok(GgufTokenizer::From(Box::new(meta), template))
+    }
+
+    /// Tokens in all: the embedding's rows.
+    pub fn size(&self) -> usize {
+        match self {
+            GgufTokenizer::ByteLevel(v) => v.size,
+            GgufTokenizer::From(meta, _) => meta.tokens.len(),
+        }
+    }
+}
+
+/// Llama 2's chat template (for a vocabulary without ChatML's markers and without a template of its own).
+const LLAMA2_CHAT: &str = "{% for message in messages %}{% if message['role'] == 'system' %}{{ '<<SYS>>\\n' + message['content'] + '\\n<</SYS>>\\n\\n' }}{% elif message['role'] == 'user' %}{{ bos_token + '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ ' ' + message['content'] + ' ' + eos_token }}{% endif %}{% endfor %}";
+
 /// Writes the model in `dir` (written by [`synth_model`]) as `dir/model-<type>.gguf`, its matrices quantized to
-/// `quant` (in parallel), norms in f32. Returns the file's path and size.
-pub fn synth_gguf(dir: &Path, quant: GgmlDType) -> Result<(std::path::PathBuf, u64), Error> {
+/// `quant` (in parallel), norms and biases in f32, with `tokenizer` (by default the directory's own byte-level
+/// one). Returns the file's path and size.
+pub fn synth_gguf(dir: &Path, quant: GgmlDType, tokenizer: Option<&GgufTokenizer>) -> Result<(std::path::PathBuf, u64), Error> {
     let fail = |e: &dyn std::fmt::Display| Error::Internal(format!("cannot write a GGUF of `{}`: {e}", dir.display()));
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).map_err(|e| fail(&e))?).map_err(|e| fail(&e))?;
     let get = |key: &str| config[key].as_u64().map(|v| v as usize).ok_or_else(|| fail(&format!("config.json has no `{key}`")));
     let (hidden, heads) = (get("hidden_size")?, get("num_attention_heads")?);
     let weights = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).map_err(|e| fail(&e))?;
+    let family = match config["model_type"].as_str() {
+        Some("qwen2") => Family::Qwen2,
+        Some("qwen3") => Family::Qwen3,
+        Some("mistral") => Family::Mistral,
+        _ => Family::Llama,
+    };
     let shape = Shape {
         name: "synthetic",
-        family: Family::Llama,
+        family,
         hidden,
         layers: get("num_hidden_layers")?,
         heads,
         kv_heads: get("num_key_value_heads")?,
-        head_dim: hidden / heads,
+        head_dim: get("head_dim").unwrap_or(hidden / heads),
         intermediate: get("intermediate_size")?,
         vocab: get("vocab_size")?,
         context: get("max_position_embeddings")?,
@@ -387,11 +466,15 @@ pub fn synth_gguf(dir: &Path, quant: GgmlDType) -> Result<(std::path::PathBuf, u
         rope_scaling: None,
         tied: !weights.contains_key("lm_head.weight"),
     };
+    let tokenizer = tokenizer.cloned().unwrap_or(GgufTokenizer::ByteLevel(Vocabulary { merges: &[], size: shape.vocab, add_bos: false }));
+    if tokenizer.size() != shape.vocab {
+        return Err(fail(&format!("a vocabulary of {} tokens for an embedding of {} rows", tokenizer.size(), shape.vocab)));
+    }
     let model = GgufModel {
-        name: format!("synthetic {}", config["_name_or_path"].as_str().unwrap_or("llama")),
+        name: format!("synthetic {}", config["_name_or_path"].as_str().unwrap_or(family.model_type())),
         shape: &shape,
         rms_eps: config["rms_norm_eps"].as_f64().unwrap_or(1e-5) as f32,
-        vocabulary: Vocabulary { merges: &[], size: shape.vocab, add_bos: false },
+        tokenizer,
     };
     let path = dir.join(format!("model-{}.gguf", format!("{quant:?}").to_lowercase()));
     let bytes = write_gguf_file(&path, &model, &weights, quant).map_err(|e| fail(&e))?;
@@ -399,18 +482,11 @@ pub fn synth_gguf(dir: &Path, quant: GgmlDType) -> Result<(std::path::PathBuf, u
 }
 
 /// Writes `spec`'s model as one GGUF file at `path`: the weights [`write_hf`] writes for the same spec (through its
-/// dtype), matrices quantized to `quant`, norms in f32, q and k permuted and the RoPE scaling left out as for
-/// [`synth_gguf`]. Only llama shapes whose heads are `hidden / heads` wide: GGUF's llama has no biases or q/k norms.
-/// Returns the file's size.
+/// dtype), matrices quantized to `quant`, norms and biases in f32, llama's q and k permuted and the RoPE scaling left
+/// out as for [`synth_gguf`]. Returns the file's size.
 pub fn write_gguf(path: &Path, spec: &Spec, quant: GgmlDType) -> Result<u64, Error> {
     let shape = &spec.shape;
-    if shape.family != Family::Llama || shape.head_dim * shape.heads != shape.hidden {
-        return Err(Error::Internal(format!(
-            "a GGUF is written for llama shapes with heads of hidden / heads, not {:?} with heads of {}",
-            shape.family, shape.head_dim
-        )));
-    }
-    let model = GgufModel { name: format!("synthetic {}", shape.name), shape, rms_eps: 1e-5, vocabulary: spec.vocabulary };
+    let model = GgufModel { name: format!("synthetic {}", shape.name), shape, rms_eps: 1e-5, tokenizer: GgufTokenizer::ByteLevel(spec.vocabulary) };
     write_gguf_file(path, &model, &weights(spec)?, quant)
         .map_err(|e| Error::Internal(format!("cannot write the GGUF `{}`: {e}", path.display())))
 }
@@ -420,11 +496,104 @@ struct GgufModel<'a> {
     name: String,
     shape: &'a Shape,
     rms_eps: f32,
-    vocabulary: Vocabulary,
+    tokenizer: GgufTokenizer,
 }
 
-/// Writes Hugging Face-named llama weights as GGUF: matrices quantized to `quant` (in parallel), norms in f32, q and
-/// k rows permuted for adjacent-pair RoPE. Returns the file's size.
+/// The GGUF architecture of a family, as llama.cpp names it: Mistral's checkpoints are llama's.
+fn gguf_architecture(family: Family) -> &'static str {
+    match family {
+        Family::Llama | Family::Mistral => "llama",
+        Family::Qwen2 => "qwen2",
+        Family::Qwen3 => "qwen3",
+    }
+}
+
+/// The tokenizer's keys, as llama.cpp's converter writes them.
+fn tokenizer_keys(tokenizer: &GgufTokenizer) -> Result<Vec<(String, candle_core::quantized::gguf_file::Value)>, Error> {
+    use candle_core::quantized::gguf_file::Value;
+    let strings = |v: &[String]| Value::Array(v.iter().map(|s| Value::String(s.clone())).collect());
+    let mut keys: Vec<(String, Value)> = Vec::new();
+    let mut key = |k: &str, v: Value| keys.push((k.to_string(), v));
+    match tokenizer {
+        GgufTokenizer::ByteLevel(vocabulary) => {
+            let meta = vocabulary.metadata()?;
+            key("tokenizer.ggml.model", Value::String(meta.kind.clone()));
+            key("tokenizer.ggml.pre", Value::String(meta.pre.clone().unwrap_or_default()));
+            key("tokenizer.ggml.tokens", strings(&meta.tokens));
+            key("tokenizer.ggml.token_type", Value::Array(meta.token_types.iter().map(|&t| Value::I32(t)).collect()));
+            // An empty list is written as an array of strings after the fact ([`type_empty_string_arrays`]).
+            key("tokenizer.ggml.merges", strings(&meta.merges));
+            key("tokenizer.ggml.bos_token_id", Value::U32(vocabulary.special("<|endoftext|>")));
+            key("tokenizer.ggml.eos_token_id", Value::U32(vocabulary.special("<|im_end|>")));
+            key("tokenizer.ggml.add_bos_token", Value::Bool(vocabulary.add_bos));
+            key("tokenizer.chat_template", Value::String(CHATML.into()));
+        }
+        GgufTokenizer::From(meta, template) => {
+            key("tokenizer.ggml.model", Value::String(meta.model.clone()));
+            if let Some(pre) = &meta.pre {
+                key("tokenizer.ggml.pre", Value::String(pre.clone()));
+            }
+            key("tokenizer.ggml.tokens", strings(&meta.tokens));
+            if let Some(types) = &meta.token_types {
+                key("tokenizer.ggml.token_type", Value::Array(types.iter().map(|&t| Value::I32(t)).collect()));
+            }
+            if let Some(scores) = &meta.scores {
+                key("tokenizer.ggml.scores", Value::Array(scores.iter().map(|&s| Value::F32(s)).collect()));
+            }
+            if let Some(merges) = &meta.merges {
+                key("tokenizer.ggml.merges", strings(merges));
+            }
+            if let Some(map) = &meta.precompiled_charsmap {
+                key("tokenizer.ggml.precompiled_charsmap", Value::Array(map.iter().map(|&b| Value::U8(b)).collect()));
+            }
+            for (name, id) in [
+                ("bos", meta.bos), ("eos", meta.eos), ("eot", meta.eot), ("eom", meta.eom), ("unknown", meta.unknown),
+                ("seperator", meta.separator), ("padding", meta.padding), ("mask", meta.mask),
+            ] {
+                if let Some(id) = id {
+                    key(&format!("tokenizer.ggml.{name}_token_id"), Value::U32(id));
+                }
+            }
+            for (name, flag) in [
+                ("add_bos_token", meta.add_bos), ("add_eos_token", meta.add_eos), ("add_sep_token", meta.add_sep),
+                ("add_space_prefix", meta.add_space_prefix), ("remove_extra_whitespaces", meta.remove_extra_whitespaces),
+            ] {
+                if let Some(flag) = flag {
+                    key(&format!("tokenizer.ggml.{name}"), Value::Bool(flag));
+                }
+            }
+            let chatml = ["<|im_start|>", "<|im_end|>"].iter().all(|t| meta.tokens.iter().any(|x| x == t));
+            let template = template.clone().unwrap_or_else(|| if chatml { CHATML.to_string() } else { LLAMA2_CHAT.to_string() });
+            key("tokenizer.chat_template", Value::String(template));
+        }
+    }
+    Ok(keys)
+}
+
+/// candle writes an empty array with the element type u32; llama.cpp reads `tokenizer.ggml.merges` only as an array
+/// of strings. Rewrites the element type of each empty array among `keys` in the file's header to string (8).
+fn type_empty_string_arrays(path: &Path, keys: &[&str]) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let mut file = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
+    let mut header = Vec::new();
+    (&mut file).take(64 << 20).read_to_end(&mut header)?;
+    for key in keys {
+        // key length (u64), key, value type 9 (array), element type 4 (u32), length 0 (u64)
+        let mut pattern = (key.len() as u64).to_le_bytes().to_vec();
+        pattern.extend_from_slice(key.as_bytes());
+        pattern.extend_from_slice(&9u32.to_le_bytes());
+        let Some(at) = header.windows(pattern.len() + 12).position(|w| w[..pattern.len()] == pattern[..] && w[pattern.len()..] == [4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]) else {
+            continue;
+        };
+        file.seek(SeekFrom::Start((at + pattern.len()) as u64))?;
+        file.write_all(&8u32.to_le_bytes())?;
+    }
+    file.sync_all()
+}
+
+/// Writes Hugging Face-named weights as GGUF for their family: matrices quantized to `quant` (in parallel), norms and
+/// biases in f32, llama's q and k rows permuted for adjacent-pair RoPE (Qwen2's and Qwen3's stay as they are:
+/// llama.cpp rotates halves for them). Returns the file's size.
 fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Tensor>, quant: GgmlDType) -> Result<u64, Error> {
     use candle_core::quantized::gguf_file::Value;
     use candle_core::quantized::QTensor;
@@ -432,12 +601,16 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
     let fail = |e: &dyn std::fmt::Display| Error::Internal(e.to_string());
     let shape = model.shape;
     let hd = shape.head_dim;
+    let arch = gguf_architecture(shape.family);
     let tensor = |name: &str| -> Result<Tensor, Error> {
         weights.get(name).ok_or_else(|| fail(&format!("no tensor `{name}`")))?.to_dtype(DType::F32).map_err(|e| fail(&e))
     };
     // Hugging Face rotates halves of each head; GGUF's llama weights are permuted for adjacent pairs.
     let rotary = |name: &str| -> Result<Tensor, Error> {
-        crate::engine::models::llama::hf::interleave_halves(&tensor(name)?, hd).map_err(|e| fail(&e))
+        match arch {
+            "llama" => crate::engine::models::llama::hf::interleave_halves(&tensor(name)?, hd).map_err(|e| fail(&e)),
+            _ => tensor(name),
+        }
     };
     let mut dense: Vec<(String, Tensor, GgmlDType)> = Vec::new();
     dense.push(("token_embd.weight".into(), tensor("model.embed_tokens.weight")?, quant));
@@ -457,42 +630,49 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
         dense.push((b("ffn_gate"), tensor(&p("mlp.gate_proj.weight"))?, quant));
         dense.push((b("ffn_up"), tensor(&p("mlp.up_proj.weight"))?, quant));
         dense.push((b("ffn_down"), tensor(&p("mlp.down_proj.weight"))?, quant));
+        for (hf, gguf) in [("q_proj.bias", "attn_q.bias"), ("k_proj.bias", "attn_k.bias"), ("v_proj.bias", "attn_v.bias")] {
+            if weights.contains_key(&p(&format!("self_attn.{hf}"))) {
+                let t = if hf == "v_proj.bias" { tensor(&p(&format!("self_attn.{hf}")))? } else { rotary(&p(&format!("self_attn.{hf}")))? };
+                dense.push((format!("blk.{i}.{gguf}"), t, GgmlDType::F32));
+            }
+        }
+        for (hf, gguf) in [("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")] {
+            if weights.contains_key(&p(&format!("self_attn.{hf}.weight"))) {
+                dense.push((b(gguf), rotary(&p(&format!("self_attn.{hf}.weight")))?, GgmlDType::F32));
+            }
+        }
     }
     let quantized: Vec<(String, QTensor)> = dense
         .into_par_iter()
         .map(|(name, t, q)| QTensor::quantize(&t, q).map(|t| (name, t)))
         .collect::<candle_core::Result<_>>()
         .map_err(|e| fail(&e))?;
-    let vocabulary = model.vocabulary.metadata()?;
-    let strings = |v: &[String]| Value::Array(v.iter().map(|s| Value::String(s.clone())).collect());
     let u32_of = |v: usize| Value::U32(v as u32);
-    let metadata: Vec<(&str, Value)> = vec![
-        ("general.architecture", Value::String("llama".into())),
-        ("general.name", Value::String(model.name.clone())),
-        ("llama.context_length", u32_of(shape.context)),
-        ("llama.embedding_length", u32_of(shape.hidden)),
-        ("llama.block_count", u32_of(shape.layers)),
-        ("llama.feed_forward_length", u32_of(shape.intermediate)),
-        ("llama.attention.head_count", u32_of(shape.heads)),
-        ("llama.attention.head_count_kv", u32_of(shape.kv_heads)),
-        ("llama.attention.layer_norm_rms_epsilon", Value::F32(model.rms_eps)),
-        ("llama.rope.freq_base", Value::F32(shape.rope_theta as f32)),
-        ("tokenizer.ggml.model", Value::String(vocabulary.kind.clone())),
-        ("tokenizer.ggml.pre", Value::String(vocabulary.pre.clone().unwrap_or_default())),
-        ("tokenizer.ggml.tokens", strings(&vocabulary.tokens)),
-        ("tokenizer.ggml.token_type", Value::Array(vocabulary.token_types.iter().map(|&t| Value::I32(t)).collect())),
-        ("tokenizer.ggml.merges", strings(&vocabulary.merges)),
-        ("tokenizer.ggml.bos_token_id", Value::U32(model.vocabulary.special("<|endoftext|>"))),
-        ("tokenizer.ggml.eos_token_id", Value::U32(model.vocabulary.special("<|im_end|>"))),
-        ("tokenizer.ggml.add_bos_token", Value::Bool(model.vocabulary.add_bos)),
-        ("tokenizer.chat_template", Value::String(CHATML.into())),
+    let a = |k: &str| format!("{arch}.{k}");
+    let mut metadata: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        ("general.name".into(), Value::String(model.name.clone())),
+        (a("context_length"), u32_of(shape.context)),
+        (a("embedding_length"), u32_of(shape.hidden)),
+        (a("block_count"), u32_of(shape.layers)),
+        (a("feed_forward_length"), u32_of(shape.intermediate)),
+        (a("attention.head_count"), u32_of(shape.heads)),
+        (a("attention.head_count_kv"), u32_of(shape.kv_heads)),
+        (a("attention.layer_norm_rms_epsilon"), Value::F32(model.rms_eps)),
+        (a("rope.freq_base"), Value::F32(shape.rope_theta as f32)),
     ];
+    if shape.head_dim * shape.heads != shape.hidden || shape.family == Family::Qwen3 {
+        metadata.push((a("attention.key_length"), u32_of(hd)));
+        metadata.push((a("attention.value_length"), u32_of(hd)));
+    }
+    metadata.extend(tokenizer_keys(&model.tokenizer)?);
     let mut file = std::io::BufWriter::new(std::fs::File::create(path).map_err(|e| fail(&e))?);
-    let meta: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let meta: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensors: Vec<(&str, &QTensor)> = quantized.iter().map(|(k, v)| (k.as_str(), v)).collect();
     candle_core::quantized::gguf_file::write(&mut file, &meta, &tensors).map_err(|e| fail(&e))?;
     std::io::Write::flush(&mut file).map_err(|e| fail(&e))?;
     drop(file);
+    type_empty_string_arrays(path, &["tokenizer.ggml.merges"]).map_err(|e| fail(&e))?;
     std::fs::metadata(path).map(|m| m.len()).map_err(|e| fail(&e))
 }
 
@@ -507,9 +687,9 @@ pub struct SynthReport {
 }
 
 /// Writes a random-weight model of `shape` into `dir` (created if needed).
-pub fn synth_model(dir: &Path, shape: &Shape, dtype: DType, seed: u64) -> Result<SynthReport, Error> {
+pub fn synth_model(dir: &Path, shape: &Shape, dtype: DType, seed: u64, init: Init) -> Result<SynthReport, Error> {
     let started = std::time::Instant::now();
-    let spec = Spec::new(shape, dtype, seed);
+    let spec = Spec { init, ..Spec::new(shape, dtype, seed) };
     let bytes = write_hf(dir, &spec)?;
     let dtype = dtype_name(dtype)?;
     Ok(SynthReport { shape: *shape, dtype: dtype.into(), parameters: shape.parameters(), bytes, seconds: started.elapsed().as_secs_f64() })
@@ -593,7 +773,7 @@ mod tests {
     fn a_synthetic_model_loads_tokenizes_bytes_and_has_its_shape() {
         let dir = std::env::temp_dir().join(format!("nightshift-synth-{}", std::process::id()));
         let shape = Shape::named("tiny").unwrap();
-        let report = synth_model(&dir, &shape, DType::BF16, 7).unwrap();
+        let report = synth_model(&dir, &shape, DType::BF16, 7, Init::Hf).unwrap();
         assert_eq!(report.parameters, shape.parameters());
         let (model, info) = crate::engine::Model::load(&dir, &Device::Cpu).unwrap();
         assert_eq!((model.config.hidden_size, model.config.layers, model.config.vocab_size), (128, 2, 512));
@@ -603,7 +783,7 @@ mod tests {
         assert_eq!(ids.len(), "héllo".len(), "one token per byte");
         assert_eq!(tokenizer.decode(&ids, false), "héllo");
         // As GGUF: the same function, to quantization (q8_0 here), whichever path loads it.
-        let (gguf, _) = synth_gguf(&dir, candle_core::quantized::GgmlDType::Q8_0).unwrap();
+        let (gguf, _) = synth_gguf(&dir, candle_core::quantized::GgmlDType::Q8_0, None).unwrap();
         let (quantized, gguf_info) = crate::engine::Model::load(&gguf, &Device::Cpu).unwrap();
         assert_eq!((quantized.config.hidden_size, quantized.config.layers, gguf_info.vocab.eos), (128, 2, Some(258)));
         let tokens: Vec<u32> = "hello, world".bytes().map(u32::from).collect();
@@ -619,7 +799,7 @@ mod tests {
         assert!(diff <= 0.05 * scale, "the GGUF computes another function: {diff} of {scale}");
         // The same seed writes the same weights.
         let again = dir.join("again");
-        synth_model(&again, &shape, DType::BF16, 7).unwrap();
+        synth_model(&again, &shape, DType::BF16, 7, Init::Hf).unwrap();
         assert_eq!(std::fs::read(dir.join("model.safetensors")).unwrap(), std::fs::read(again.join("model.safetensors")).unwrap());
         std::fs::remove_dir_all(&dir).unwrap();
     }

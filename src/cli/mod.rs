@@ -8,7 +8,7 @@ use crate::job::Overrides;
 
 mod print;
 mod tokenize;
-pub use tokenize::tokenize;
+pub use tokenize::{peer_header, peer_line, tokenize};
 pub use print::*;
 
 #[derive(Debug, Parser)]
@@ -112,6 +112,16 @@ pub struct SynthModelArgs {
     /// The context length, instead of the shape's (`tiny` has 1,024 positions; long prompts on a small model).
     #[arg(long)]
     pub context: Option<usize>,
+    /// The GGUF's tokenizer from this GGUF file (a model's, or one of llama.cpp's `ggml-vocab-*.gguf`), with its
+    /// size as the embedding's rows: a real vocabulary both nightshift and llama.cpp load (Qwen2's, SentencePiece's,
+    /// ...). The directory's tokenizer.json stays the byte-level one.
+    #[arg(long)]
+    pub vocab: Option<PathBuf>,
+    /// How weights are drawn: `hf` (Hugging Face's initialisation; for speed, where only shapes matter) or `peaked`
+    /// (every weight shows in the logits and the logits are peaked, so greedy tokens are not near-ties: for
+    /// fidelity against another implementation).
+    #[arg(long, default_value = "hf")]
+    pub init: String,
 }
 
 impl SynthModelArgs {
@@ -140,7 +150,20 @@ impl SynthModelArgs {
             }
             shape.context = context;
         }
-        crate::synth::synth_model(&self.dir, &shape, dtype, self.seed)
+        if let Some(tokenizer) = self.tokenizer()? {
+            shape.vocab = tokenizer.size();
+        }
+        let init = match self.init.as_str() {
+            "hf" => crate::synth::Init::Hf,
+            "peaked" => crate::synth::Init::Peaked,
+            other => return Err(crate::error::Error::Usage(format!("--init must be hf or peaked, got {other:?}"))),
+        };
+        crate::synth::synth_model(&self.dir, &shape, dtype, self.seed, init)
+    }
+
+    /// The GGUF's tokenizer `--vocab` names, if any.
+    pub fn tokenizer(&self) -> Result<Option<crate::synth::GgufTokenizer>, crate::error::Error> {
+        self.vocab.as_deref().map(crate::synth::GgufTokenizer::from_file).transpose()
     }
 }
 

@@ -5,6 +5,7 @@ use std::io::{BufRead, Write};
 
 use super::{TokenizeArgs, TokenizeFormat};
 use crate::error::Error;
+use crate::tokenize::gguf::Vocab;
 use crate::tokenize::Tokenizer;
 
 fn hex(bytes: &[u8]) -> String {
@@ -23,12 +24,17 @@ fn join(ids: &[u32]) -> String {
     ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")
 }
 
-/// The five fields of `scripts/tokenizer-peer.cpp` for one input line (see there): a text, or `#` and token ids
-/// to detokenize.
-fn peer_line(tokenizer: &Tokenizer, line: &str) -> Result<String, Error> {
-    let Some(vocab) = tokenizer.gguf() else {
-        return Err(Error::Internal("`--format peer` compares GGUF vocabularies; this model has a tokenizer.json".into()));
-    };
+/// The first line of `scripts/tokenizer-peer.cpp`'s output: the vocabulary's size, BOS, EOS and EOT ids (-1 for
+/// none), and its end-of-generation ids.
+pub fn peer_header(vocab: &Vocab) -> String {
+    let id = |id: Option<u32>| id.map_or(-1, i64::from);
+    let eog: Vec<u32> = vocab.end_of_generation.iter().copied().collect();
+    format!("{}\t{}\t{}\t{}\t{}", vocab.len(), id(vocab.specials.bos), id(vocab.specials.eos), id(vocab.specials.eot), join(&eog))
+}
+
+/// The five fields of `scripts/tokenizer-peer.cpp` for one input line (see there): a text in hex, or `#` and token
+/// ids to detokenize.
+pub fn peer_line(vocab: &Vocab, line: &str) -> Result<String, Error> {
     if let Some(ids) = line.strip_prefix('#') {
         let ids: Vec<u32> = ids.split_whitespace().map(|i| i.parse().map_err(|_| Error::Internal(format!("`{i}` is not a token id")))).collect::<Result<_, _>>()?;
         let pieces: Vec<u8> = ids.iter().flat_map(|&id| vocab.piece(id, true).to_vec()).collect();
@@ -59,16 +65,17 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<(), Error> {
     let tokenizer = crate::tokenize::vocab::build(&vocab)?;
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     let io = |e: std::io::Error| Error::Internal(format!("cannot write the tokens: {e}"));
-    if args.format == TokenizeFormat::Peer {
-        let v = tokenizer.gguf().ok_or_else(|| Error::Internal("`--format peer` compares GGUF vocabularies".into()))?;
-        let id = |id: Option<u32>| id.map_or(-1, i64::from);
-        let eog: Vec<u32> = v.end_of_generation.iter().copied().collect();
-        writeln!(out, "{}\t{}\t{}\t{}\t{}", v.len(), id(v.specials.bos), id(v.specials.eos), id(v.specials.eot), join(&eog)).map_err(io)?;
+    let peer = match args.format {
+        TokenizeFormat::Peer => Some(tokenizer.gguf().ok_or_else(|| Error::Internal("`--format peer` compares GGUF vocabularies; this model has a tokenizer.json".into()))?),
+        TokenizeFormat::Json => None,
+    };
+    if let Some(vocab) = peer {
+        writeln!(out, "{}", peer_header(vocab)).map_err(io)?;
     }
     let mut handle = |line: String| -> Result<(), Error> {
-        match args.format {
-            TokenizeFormat::Peer => writeln!(out, "{}", peer_line(&tokenizer, &line)?).map_err(io),
-            TokenizeFormat::Json => {
+        match peer {
+            Some(vocab) => writeln!(out, "{}", peer_line(vocab, &line)?).map_err(io),
+            None => {
                 let text = if args.hex { unhex(&line)? } else { line.into_bytes() };
                 let ids = match &tokenizer {
                     Tokenizer::Gguf(v) => v.tokenize(&text, args.add_special, !args.no_parse_special).map_err(|e| Error::Internal(format!("tokenization failed: {e}")))?,

@@ -382,7 +382,7 @@ mod tests {
         let trie = grammars.factory.tok_env().tok_trie();
         let bytes: Vec<u8> = tokens.iter().flat_map(|&t| trie.token(t).to_vec()).collect();
         let text = String::from_utf8(bytes).unwrap_or_else(|e| panic!("seed {seed}: not UTF-8: {e}"));
-        assert_eq!(fixture.tokenizer.decode(&tokens, false).unwrap(), text, "seed {seed}: trie bytes differ");
+        assert_eq!(fixture.tokenizer.decode(&tokens, false), text, "seed {seed}: trie bytes differ");
         println!(
             "seed {seed}: {} tokens, ended by {}: {text}",
             tokens.len(),
@@ -395,7 +395,7 @@ mod tests {
     fn random_walks_over_allowed_tokens_give_values_of_the_schema() {
         let fixture = fixture();
         let start = Instant::now();
-        let mut grammars = grammars(&fixture, fixture.tokenizer.get_vocab_size(true));
+        let mut grammars = grammars(&fixture, fixture.tokenizer.vocab_size());
         let built = start.elapsed();
         let start = Instant::now();
         let grammar = grammars.compile(PERSON).unwrap();
@@ -419,7 +419,7 @@ mod tests {
     #[test]
     fn an_open_ended_value_ends_with_an_end_token() {
         let fixture = fixture();
-        let mut grammars = grammars(&fixture, fixture.tokenizer.get_vocab_size(true));
+        let mut grammars = grammars(&fixture, fixture.tokenizer.vocab_size());
         // After a non-zero digit another may follow, so only an end token ends the number; a leading zero
         // cannot be followed by anything, so the grammar stops there.
         let grammar = grammars.compile(r#"{"type": "integer"}"#).unwrap();
@@ -437,12 +437,12 @@ mod tests {
     #[test]
     fn a_complete_value_allows_only_the_end_tokens() {
         let fixture = fixture();
-        let vocab_size = fixture.tokenizer.get_vocab_size(true);
+        let vocab_size = fixture.tokenizer.vocab_size();
         let mut grammars = grammars(&fixture, vocab_size);
         let grammar = grammars.compile(r#"{"enum": ["yes", "no"]}"#).unwrap();
         let mut constraint = Constraint::new(&grammar).unwrap();
         let text = r#""yes""#;
-        for token in fixture.tokenizer.encode(text, false).unwrap().get_ids() {
+        for token in &fixture.tokenizer.encode(text, false).unwrap() {
             let mut logits = vec![0.0f32; vocab_size];
             constraint.mask(&mut logits).unwrap();
             constraint.consume(*token).unwrap();
@@ -462,7 +462,7 @@ mod tests {
     #[test]
     fn local_refs_compile() {
         let fixture = fixture();
-        let mut grammars = grammars(&fixture, fixture.tokenizer.get_vocab_size(true));
+        let mut grammars = grammars(&fixture, fixture.tokenizer.vocab_size());
         let schema = json!({
             "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
             "type": "array", "items": {"$ref": "#/$defs/point"}
@@ -473,7 +473,7 @@ mod tests {
     #[test]
     fn invalid_schemas_are_refused_with_a_one_line_message() {
         let fixture = fixture();
-        let mut grammars = grammars(&fixture, fixture.tokenizer.get_vocab_size(true));
+        let mut grammars = grammars(&fixture, fixture.tokenizer.vocab_size());
         let cases = [
             (r#"{"type": "object""#, "not valid JSON"),
             ("[1, 2]", "must be an object"),
@@ -494,7 +494,7 @@ mod tests {
     #[test]
     fn compile_returns_the_cached_grammar_for_the_same_text() {
         let fixture = fixture();
-        let mut grammars = grammars(&fixture, fixture.tokenizer.get_vocab_size(true));
+        let mut grammars = grammars(&fixture, fixture.tokenizer.vocab_size());
         let first = grammars.compile(PERSON).unwrap();
         let other = grammars.compile(r#"{"type": "integer"}"#).unwrap();
         assert!(Arc::ptr_eq(&first, &grammars.compile(PERSON).unwrap()));
@@ -504,7 +504,7 @@ mod tests {
     #[test]
     fn ids_past_the_tokenizer_vocabulary_are_forbidden() {
         let fixture = fixture();
-        let tokenizer_size = fixture.tokenizer.get_vocab_size(true);
+        let tokenizer_size = fixture.tokenizer.vocab_size();
         let vocab_size = tokenizer_size + 77;
         let mut grammars = grammars(&fixture, vocab_size);
         // Any JSON value: the widest first-token set.

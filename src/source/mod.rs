@@ -80,8 +80,26 @@ pub struct SourceRow {
     /// The prompt, or why the row cannot be used (bad prompt or bad per-row parameters).
     pub prompt: Result<Prompt, RowError>,
     pub params: RowParams,
-    /// A scoring job's completion text (checked: a null or empty one makes `prompt` an error).
-    pub completion: Option<String>,
+    /// A scoring job's completion (checked: a null or empty one makes `prompt` an error).
+    pub completion: Option<Completion>,
+}
+
+/// What a scoring row scores after its prompt: a text, tokenized as the prompt is, or the token ids themselves (a
+/// `list<integer>` column), scored exactly, for sequences that tokenizing their text would not give back (a
+/// model's own sampled tokens).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Completion {
+    Text(String),
+    Tokens(Vec<i64>),
+}
+
+impl Completion {
+    pub fn is_empty(&self) -> bool {
+        match self {
+            Completion::Text(t) => t.is_empty(),
+            Completion::Tokens(t) => t.is_empty(),
+        }
+    }
 }
 
 /// Rows decoded per batch sent downstream.
@@ -172,7 +190,7 @@ impl Input {
                 param_indices.push((key, ty, check_column(&url, &schema, column, ColumnKind::Param(ty))?));
             }
             let completion_index = match &spec.completion_column {
-                Some(name) => Some(check_column(&url, &schema, name, ColumnKind::Text)?),
+                Some(name) => Some(check_column(&url, &schema, name, ColumnKind::Completion)?),
                 None => None,
             };
             files.push(InputFile { meta, url, id_name, metadata, id_index, prompt_index, param_indices, completion_index });
@@ -457,6 +475,8 @@ fn hidden(relative: &[String]) -> bool {
 #[derive(Clone, Copy)]
 enum ColumnKind {
     Text,
+    /// A string, or a list of integers (token ids).
+    Completion,
     Messages,
     Id,
     Param(job::ParamType),
@@ -474,6 +494,7 @@ fn check_column(url: &str, schema: &Schema, name: &str, kind: ColumnKind) -> Res
     let actual = schema.field(index).data_type();
     let (ok, expected) = match kind {
         ColumnKind::Text => (is_string(actual), "a string"),
+        ColumnKind::Completion => (is_string(actual) || list_item(actual).is_some_and(|t| t.is_integer()), "a string, or a list of integer token ids"),
         ColumnKind::Id => (is_string(actual) || actual.is_integer(), "a string or an integer"),
         ColumnKind::Messages => (messages_item(actual).is_some(), "list<struct<role: string, content: string>>"),
         ColumnKind::Param(ty) => match ty {
@@ -620,8 +641,27 @@ fn rows_of(
         PromptColumn::Messages(_) => messages_of(&prompt_array)?,
     };
     let params = params_of(column, file, batch.num_rows())?;
-    let completions = match file.completion_index {
-        Some(index) => Some(to_strings(&column(index)?)?),
+    let completions: Option<Box<dyn Fn(usize) -> Completion>> = match file.completion_index {
+        Some(index) => {
+            let array = column(index)?;
+            if is_string(array.data_type()) {
+                let texts = to_strings(&array)?;
+                Some(Box::new(move |i| Completion::Text(if texts.is_null(i) { String::new() } else { texts.value(i).to_string() })))
+            } else {
+                let item = Arc::new(arrow::datatypes::Field::new("item", DataType::Int64, true));
+                let list = arrow::compute::cast(&array, &DataType::List(item)).map_err(|e| ParquetError::General(e.to_string()))?;
+                Some(Box::new(move |i| {
+                    let list = list.as_list::<i32>();
+                    if list.is_null(i) {
+                        return Completion::Tokens(Vec::new());
+                    }
+                    let values = list.value(i);
+                    let v = values.as_primitive::<arrow::datatypes::Int64Type>();
+                    // A null id reads as -1, which the tokenizer's range check refuses.
+                    Completion::Tokens((0..v.len()).map(|j| if v.is_null(j) { -1 } else { v.value(j) }).collect())
+                }))
+            }
+        }
         None => None,
     };
     Ok(prompts
@@ -629,7 +669,7 @@ fn rows_of(
         .zip(params)
         .enumerate()
         .map(|(i, (prompt, params))| {
-            let completion = completions.as_ref().map(|c| if c.is_null(i) { String::new() } else { c.value(i).to_string() });
+            let completion = completions.as_ref().map(|c| c(i));
             let prompt = match &completion {
                 Some(c) if c.is_empty() => {
                     prompt.and(Err(RowError::new(ErrorCode::InvalidCompletion, "the completion to score is null or empty")))

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use crate::job::{ChatTemplateChoice, InputSpec, Truncate};
 use crate::row::{ErrorCode, Message, Prompt, RowError, RowParams, RowTag};
-use crate::source::SourceRow;
+use crate::source::{Completion, SourceRow};
 pub use template::ChatTemplate;
 pub use vocab::{TextStream, Tokenizer, VocabMetadata};
 
@@ -125,13 +125,23 @@ impl Preprocessor {
     }
 
     pub fn prepare(&self, row: SourceRow) -> PreparedRow {
-        let completion = match row.completion.as_deref().map(|c| self.tokenizer.encode(c, true)) {
+        let vocab_size = self.tokenizer.vocab_size();
+        let completion = match &row.completion {
             None => None,
-            Some(Ok(ids)) => Some(ids),
-            Some(Err(e)) => {
-                let error = RowError::new(ErrorCode::TemplateError, format!("tokenization of the completion failed: {e}"));
-                return PreparedRow { id: row.id, tag: row.tag, params: row.params, tokens: Err(error), completion: None };
-            }
+            Some(Completion::Text(text)) => match self.tokenizer.encode(text, true) {
+                Ok(ids) => Some(ids),
+                Err(e) => {
+                    let error = RowError::new(ErrorCode::TemplateError, format!("tokenization of the completion failed: {e}"));
+                    return PreparedRow { id: row.id, tag: row.tag, params: row.params, tokens: Err(error), completion: None };
+                }
+            },
+            Some(Completion::Tokens(ids)) => match ids.iter().find(|&&id| !(0..vocab_size as i64).contains(&id)) {
+                None => Some(ids.iter().map(|&id| id as u32).collect()),
+                Some(bad) => {
+                    let error = RowError::new(ErrorCode::InvalidCompletion, format!("the completion's token id {bad} is outside the vocabulary of {vocab_size} tokens"));
+                    return PreparedRow { id: row.id, tag: row.tag, params: row.params, tokens: Err(error), completion: None };
+                }
+            },
         };
         let max_new_tokens = match &completion {
             Some(c) => c.len(),

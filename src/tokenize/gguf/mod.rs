@@ -143,7 +143,7 @@ const STARCODER: [&str; 2] = ["\\p{N}", GPT2];
 
 /// llama.cpp's pre-tokenizer types, by the `tokenizer.ggml.pre` names that select them (first name: the one the
 /// README lists). The expressions are llama.cpp's (its adaptations of each model's tokenizer.json).
-pub const PRE_TOKENIZERS: &[PreTokenizer] = &[
+pub static PRE_TOKENIZERS: &[PreTokenizer] = &[
     PreTokenizer { add_bos: true, ignore_merges: true, ..pre(&["llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"], &[LLAMA3]) },
     pre(&["default"], &["[\\p{P}\\$\\+<=>\\^~\\|]+", GPT2, "\\p{N}+", "[0-9][0-9][0-9]"]),
     PreTokenizer { clean_spaces: false, ..pre(&["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"], &[QWEN2]) },
@@ -351,6 +351,12 @@ fn decode_byte_level(text: &[u8]) -> Vec<u8> {
 enum Fragment {
     Text(usize, usize),
     Token(u32),
+}
+
+impl std::fmt::Debug for Vocab {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vocab").field("kind", &self.kind).field("pre", &self.pre_name()).field("tokens", &self.tokens.len()).finish_non_exhaustive()
+    }
 }
 
 impl Vocab {

@@ -40,7 +40,7 @@ enum Rule {
     DigitGroups,
     /// Runs of newlines and runs of anything else.
     Newlines,
-    Regex { regex: Regex, collapsed: bool },
+    Regex { regex: Regex, collapsed: bool, surrogate: char },
 }
 
 /// The category stand-ins of collapsed text, and the ASCII members of each class.
@@ -79,13 +79,34 @@ fn collapse(cp: u32) -> char {
     }
 }
 
-/// A code point as the uncollapsed expressions see it: other whitespace is U+000B, surrogates (from malformed
-/// input) U+FFFD.
-fn widen(cp: u32) -> char {
+/// A code point as an uncollapsed expression sees it: other whitespace is U+000B. A surrogate (decoded from
+/// malformed input, ED A0 80 to ED BF BF) cannot be a Rust `char`: it becomes `surrogate`, a code point the
+/// expression's classes hold exactly when they hold the surrogates ([`surrogate_stand_in`]).
+fn widen(cp: u32, surrogate: char) -> char {
     if cp > 0x7F && unicode::flags(cp).is_whitespace() {
         return '\u{0B}';
     }
-    char::from_u32(cp).unwrap_or('\u{FFFD}')
+    char::from_u32(cp).unwrap_or(surrogate)
+}
+
+/// A code point that every range and character of `expr` takes or leaves as it takes or leaves the surrogates
+/// (llama.cpp matches them by value: AFMoE's CJK class runs from U+8C48 to U+FAFF, across them).
+fn surrogate_stand_in(expr: &str) -> char {
+    let chars: Vec<char> = expr.chars().collect();
+    let mut ranges: Vec<(u32, u32)> = Vec::new();
+    for (i, &c) in chars.iter().enumerate() {
+        if i + 2 < chars.len() && chars[i + 1] == '-' && !c.is_ascii() {
+            ranges.push((c as u32, chars[i + 2] as u32));
+        } else if !c.is_ascii() {
+            ranges.push((c as u32, c as u32));
+        }
+    }
+    let holds = |cp: u32| ranges.iter().map(|&(a, b)| (a..=b).contains(&cp)).collect::<Vec<bool>>();
+    let wanted = holds(0xD800);
+    (0xE000..0x11_0000u32)
+        .find(|&cp| holds(cp) == wanted && !unicode::flags(cp).is_whitespace())
+        .and_then(char::from_u32)
+        .unwrap_or('\u{FFFD}')
 }
 
 /// Rust's regex syntax for an ECMAScript expression (llama.cpp's subset: classes, groups, lookaround, counted
@@ -206,7 +227,7 @@ impl Rule {
                     .backtrack_limit(10_000_000)
                     .build()
                     .map_err(|e| format!("the expression `{expr}` does not compile: {e}"))?;
-                Rule::Regex { regex, collapsed }
+                Rule::Regex { regex, collapsed, surrogate: surrogate_stand_in(expr) }
             }
         })
     }
@@ -573,7 +594,7 @@ impl Splitter {
                     Rule::KimiK2 => kimi_k2(&piece, &mut cuts),
                     Rule::DigitGroups => digit_groups(&piece, &mut cuts),
                     Rule::Newlines => newlines(&piece, &mut cuts),
-                    Rule::Regex { regex, collapsed: is_collapsed } => {
+                    Rule::Regex { regex, collapsed: is_collapsed, surrogate } => {
                         let chars: &[char] = if *is_collapsed {
                             collapsed.get_or_insert_with(|| cpts.iter().map(|&c| collapse(c)).collect())
                         } else {
@@ -582,7 +603,7 @@ impl Splitter {
                         let piece_text: String = if *is_collapsed {
                             chars[start..start + len].iter().collect()
                         } else {
-                            cpts[start..start + len].iter().map(|&c| widen(c)).collect()
+                            cpts[start..start + len].iter().map(|&c| widen(c, *surrogate)).collect()
                         };
                         regex_cuts(regex, &piece_text, start, &mut cuts)?;
                     }
@@ -679,6 +700,17 @@ mod tests {
         assert_eq!(words(&["[\\p{P}\\$\\+<=>\\^~\\|]+"], "a,「b」$"), ["a", ",「", "b", "」$"]);
         // An ECMAScript word boundary is ASCII's: a letter outside ASCII is not a word character.
         assert_eq!(words(&["\\d{1,3}(?=(?:\\d{3})*\\b)"], "1234567"), ["1", "234", "567"]);
+    }
+
+    #[test]
+    fn a_surrogate_is_in_the_classes_that_span_the_surrogates() {
+        // U+8C48-U+FAFF holds them (AFMoE's CJK class, as llama.cpp's source has it); U+AC00-U+D7FF does not.
+        let spanning = surrogate_stand_in("[\u{8C48}-\u{FAFF}]+");
+        assert!(('\u{8C48}'..='\u{FAFF}').contains(&spanning));
+        let below = surrogate_stand_in("[\u{AC00}-\u{D7FF}\u{E000}]+");
+        assert!(!('\u{AC00}'..='\u{D7FF}').contains(&below) && below != '\u{E000}');
+        let splitter = Splitter::new(&["[\u{8C48}-\u{FAFF}]+"], false).unwrap();
+        assert_eq!(splitter.split(b"a\xED\xA0\x80b").unwrap().len(), 3, "the surrogate is a match of its own");
     }
 
     #[test]

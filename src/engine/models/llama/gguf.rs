@@ -165,38 +165,87 @@ pub(super) fn tokenizer_metadata(content: &Content) -> Result<crate::tokenize::g
     })
 }
 
+/// The GGUF architectures nightshift computes, as llama.cpp names them.
+pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3"];
+
+/// Whether an architecture's checkpoints rotate pairs `(i, i + head_dim / 2)` (llama.cpp's NEOX RoPE: Qwen2 and
+/// Qwen3, whose q and k rows GGUF stores as Hugging Face does) rather than adjacent pairs (llama's, whose rows
+/// llama.cpp's converter permutes).
+fn rotates_halves(architecture: &str) -> bool {
+    matches!(architecture, "qwen2" | "qwen3")
+}
+
 fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
     let architecture = meta(content, "general.architecture")?
         .to_string()
         .map_err(|_| ModelError::Metadata("`general.architecture` is not a string".into()))?
         .clone();
-    if architecture != "llama" {
-        return Err(ModelError::Architecture { name: architecture, supported: "llama in GGUF files" });
+    if !ARCHITECTURES.contains(&architecture.as_str()) {
+        return Err(ModelError::Architecture { name: architecture, supported: "llama (Llama 2 and 3, Mistral, SmolLM, ...), qwen2 and qwen3 in GGUF files" });
     }
     let a = |k: &str| format!("{architecture}.{k}");
     let hidden_size = meta_usize(content, &a("embedding_length"))?;
     let heads = meta_usize(content, &a("attention.head_count"))?;
     let kv_heads = meta_usize(content, &a("attention.head_count_kv")).unwrap_or(heads);
-    if heads == 0 || kv_heads == 0 || hidden_size % heads != 0 || heads % kv_heads != 0 {
+    // Heads may be wider or narrower than hidden / heads (Qwen3, Mistral Nemo): `key_length` says so.
+    let head_dim = match content.metadata.contains_key(&a("attention.key_length")) {
+        true => meta_usize(content, &a("attention.key_length"))?,
+        false if heads > 0 && hidden_size % heads == 0 => hidden_size / heads,
+        false => 0,
+    };
+    if heads == 0 || kv_heads == 0 || head_dim == 0 || heads % kv_heads != 0 || heads > 4096 || head_dim > 4096 {
         return Err(ModelError::Metadata(format!(
-            "inconsistent attention shape: hidden size {hidden_size}, {heads} heads, {kv_heads} kv heads"
+            "inconsistent attention shape: hidden size {hidden_size}, {heads} heads of {head_dim}, {kv_heads} kv heads"
         )));
     }
-    let head_dim = hidden_size / heads;
     if head_dim % 2 != 0 {
         return Err(ModelError::Metadata(format!("head size {head_dim} is odd")));
+    }
+    let value_length = meta_usize(content, &a("attention.value_length")).unwrap_or(head_dim);
+    let rotated = meta_usize(content, &a("rope.dimension_count")).unwrap_or(head_dim);
+    if value_length != head_dim || rotated != head_dim {
+        return Err(ModelError::Metadata(format!(
+            "heads of {head_dim} with values of {value_length} and {rotated} rotated dimensions: nightshift computes keys, values and RoPE over whole heads"
+        )));
+    }
+    // RoPE scaling as llama.cpp reads it: linear (positions divided by the factor), or per-frequency factors in a
+    // `rope_freqs` tensor (Llama 3.1 and later, read at load). Others are refused rather than computed without.
+    let mut rope_freq_factors = None;
+    match content.metadata.get(&a("rope.scaling.type")).and_then(|v| v.to_string().ok()).map(String::as_str) {
+        None | Some("none") => {}
+        Some("linear") => {
+            let factor = meta_f32(content, &a("rope.scaling.factor")).unwrap_or(1.0);
+            if !(factor.is_finite() && factor > 0.0) {
+                return Err(ModelError::Metadata(format!("`{}` is {factor}", a("rope.scaling.factor"))));
+            }
+            rope_freq_factors = Some(vec![factor; head_dim / 2]);
+        }
+        Some(other) => {
+            return Err(ModelError::Metadata(format!("RoPE scaling `{other}` is not supported (supported: none, linear, and `rope_freqs` factors)")));
+        }
     }
     let tokenizer = tokenizer_metadata(content)?;
     let chat_template = content.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok().cloned());
     let vocab = VocabMetadata::of_gguf(crate::tokenize::gguf::Vocab::new(&tokenizer)?, &tokenizer, chat_template);
+    let mut context_length = meta_usize(content, &a("context_length"))?;
+    // Sliding-window attention is not implemented: the context is capped at the window, where full attention
+    // computes the same function (as for Hugging Face directories).
+    if let Some(window) = meta_u32(content, &a("attention.sliding_window")).map(|w| w as usize).filter(|&w| w < context_length) {
+        if window == 0 {
+            return Err(ModelError::Metadata(format!("`{}` is 0", a("attention.sliding_window"))));
+        }
+        tracing::info!(window, declared = context_length, "context capped at the sliding window");
+        context_length = window;
+    }
     let config = ModelConfig {
         name: content.metadata.get("general.name").and_then(|v| v.to_string().ok().cloned()),
-        context_length: meta_usize(content, &a("context_length"))?,
+        context_length,
         layers: meta_usize(content, &a("block_count"))?,
         ffn_size: meta_usize(content, &a("feed_forward_length"))?,
         rms_eps: meta_f32(content, &a("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
         rope_base: meta_f32(content, &a("rope.freq_base")).unwrap_or(10_000.0),
         rope_scaling: None,
+        rope_freq_factors,
         vocab_size: vocab.tokens.len(),
         hidden_size,
         heads,
@@ -217,6 +266,30 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         *counts.entry(format!("{:?}", info.ggml_dtype).to_lowercase()).or_insert(0) += 1;
     }
     Ok(ModelInfo { config, vocab, tensor_types: counts.into_iter().collect() })
+}
+
+/// A q or k projection `[heads x head_dim, k]` with each head's rows reordered from pairs `(i, i + head_dim / 2)`
+/// to adjacent pairs, as [`super::hf::interleave_halves`] does, on the stored (quantized) rows themselves: a row's
+/// blocks are its own, so the permuted matrix is the same weights, bit for bit.
+fn interleave_rows(t: QTensor, head_dim: usize, device: &Device) -> candle_core::Result<QTensor> {
+    let dims = t.shape().dims().to_vec();
+    let rows = dims[0];
+    let data = t.data()?;
+    if rows % head_dim != 0 || data.len() % rows != 0 {
+        candle_core::bail!("{rows} rows are not whole heads of {head_dim}");
+    }
+    let row_bytes = data.len() / rows;
+    let half = head_dim / 2;
+    let mut out = Vec::with_capacity(data.len());
+    for head in 0..rows / head_dim {
+        for j in 0..half {
+            for side in 0..2 {
+                let row = head * head_dim + side * half + j;
+                out.extend_from_slice(&data[row * row_bytes..(row + 1) * row_bytes]);
+            }
+        }
+    }
+    candle_core::quantized::ggml_file::qtensor_from_ggml(t.dtype(), &out, dims, device)
 }
 
 /// How weights are laid out for the matmul kernels of this device.
@@ -354,11 +427,16 @@ fn padded_norm(w: Tensor, width: usize) -> candle_core::Result<Tensor> {
     (w * (d as f64 / width as f64).sqrt())?.pad_with_zeros(0, 0, width - d)
 }
 
-/// Reads a GGUF file's tokenizer alone, whatever its architecture (llama.cpp's vocabulary-only files too).
-pub fn vocabulary(path: &Path) -> Result<VocabMetadata, ModelError> {
+/// Reads a GGUF file's tokenizer keys alone, whatever its architecture (llama.cpp's vocabulary-only files too).
+pub fn read_tokenizer(path: &Path) -> Result<(crate::tokenize::gguf::Metadata, Option<String>), ModelError> {
     let (_, content) = read_content(path)?;
-    let tokenizer = tokenizer_metadata(&content)?;
     let chat_template = content.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok().cloned());
+    Ok((tokenizer_metadata(&content)?, chat_template))
+}
+
+/// A GGUF file's tokenizer, ready to run, whatever its architecture.
+pub fn vocabulary(path: &Path) -> Result<VocabMetadata, ModelError> {
+    let (tokenizer, chat_template) = read_tokenizer(path)?;
     Ok(VocabMetadata::of_gguf(crate::tokenize::gguf::Vocab::new(&tokenizer)?, &tokenizer, chat_template))
 }
 
@@ -373,11 +451,21 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
     let (mut file, content) = read_content(path)?;
     let info = info_of(&content)?;
     let layout = layout(&info.config);
-    let config = info.config.clone();
+    let mut config = info.config.clone();
     let fmt = |e: candle_core::Error| ModelError::Format { path: path.into(), message: crate::engine::first_line(&e) };
-    let mut qtensor = |name: &str| -> Result<QTensor, ModelError> {
-        content.tensor(&mut file, name, device).map_err(fmt)
-    };
+    let file = std::cell::RefCell::new(&mut file);
+    let read = |name: &str, on: &Device| -> Result<QTensor, ModelError> { content.tensor(&mut **file.borrow_mut(), name, on).map_err(fmt) };
+    // Per-frequency RoPE factors (Llama 3.1's `rope_freqs`), with a linear scaling's if both are given.
+    if content.tensor_infos.contains_key("rope_freqs.weight") {
+        let factors = read("rope_freqs.weight", &Device::Cpu)?.dequantize(&Device::Cpu).and_then(|t| t.flatten_all()?.to_vec1::<f32>()).map_err(fmt)?;
+        if factors.len() != config.head_dim / 2 || factors.iter().any(|f| !(f.is_finite() && *f > 0.0)) {
+            return Err(ModelError::Metadata(format!("`rope_freqs.weight` has {} factors for heads of {}, or one not positive", factors.len(), config.head_dim)));
+        }
+        let linear = config.rope_freq_factors.take().unwrap_or_else(|| vec![1.0; factors.len()]);
+        config.rope_freq_factors = Some(factors.iter().zip(linear).map(|(f, l)| f * l).collect());
+    }
+    let halves = rotates_halves(&config.architecture);
+    let qtensor = |name: &str| read(name, device);
     let expect = |t: &QTensor, name: &str, dims: &[usize]| -> Result<(), ModelError> {
         if t.shape().dims() != dims {
             return Err(ModelError::Metadata(format!(
@@ -408,7 +496,15 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
     for i in 0..config.layers {
         for (suffix, dims, pad) in shapes {
             let name = format!("blk.{i}.{suffix}.weight");
-            let t = qtensor(&name)?;
+            // Pairs `(i, i + head_dim / 2)` become adjacent ones: the rows are read on the host and reordered.
+            let t = match halves && (suffix == "attn_q" || suffix == "attn_k") {
+                true => {
+                    let t = read(&name, &Device::Cpu)?;
+                    expect(&t, &name, &dims)?;
+                    interleave_rows(t, hd, device).map_err(fmt)?
+                }
+                false => qtensor(&name)?,
+            };
             expect(&t, &name, &dims)?;
             raw.push((t, pad));
         }
@@ -423,7 +519,7 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
     for i in 0..config.layers {
         let mut next = || matrices.next().expect("seven matrices per layer");
         let (wq, wk, wv, wo, w_gate, w_up, w_down) = (next(), next(), next(), next(), next(), next(), next());
-        let mut norm = |suffix: &str| -> Result<Tensor, ModelError> {
+        let norm = |suffix: &str| -> Result<Tensor, ModelError> {
             let name = format!("blk.{i}.{suffix}.weight");
             let t = qtensor(&name)?;
             expect(&t, &name, &[d])?;
@@ -431,7 +527,32 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         };
         let attn_norm = norm("attn_norm")?;
         let ffn_norm = norm("ffn_norm")?;
-        layers.push(Layer { attn_norm, wq, wk, wv, wo, qkv_bias: None, wo_bias: None, qk_norm: None, ffn_norm, w_gate, w_up, w_down });
+        // A vector of the layer's in f32: biases and the per-head norms, `rotary` ones reordered as q and k rows are.
+        let vector = |suffix: &str, len: usize, rotary: bool| -> Result<Tensor, ModelError> {
+            let name = format!("blk.{i}.{suffix}");
+            let t = qtensor(&name)?;
+            expect(&t, &name, &[len])?;
+            let t = t.dequantize(device).map_err(fmt)?;
+            match rotary && halves {
+                true => super::hf::interleave_halves(&t, hd).map_err(fmt),
+                false => Ok(t),
+            }
+        };
+        let has = |suffix: &str| content.tensor_infos.contains_key(&format!("blk.{i}.{suffix}"));
+        // Qwen2's q, k and v biases (required, as llama.cpp requires them); a llama file's, where it has them.
+        let qkv_bias = match config.architecture == "qwen2" || has("attn_q.bias") {
+            true => Some([vector("attn_q.bias", q, true)?, vector("attn_k.bias", kv, true)?, vector("attn_v.bias", kv, false)?]),
+            false => None,
+        };
+        let wo_bias = match has("attn_output.bias") {
+            true => Some(vector("attn_output.bias", d, false)?.pad_with_zeros(0, 0, width - d).map_err(fmt)?),
+            false => None,
+        };
+        let qk_norm = match config.architecture == "qwen3" {
+            true => Some([vector("attn_q_norm.weight", hd, true)?, vector("attn_k_norm.weight", hd, true)?]),
+            false => None,
+        };
+        layers.push(Layer { attn_norm, wq, wk, wv, wo, qkv_bias, wo_bias, qk_norm, ffn_norm, w_gate, w_up, w_down });
     }
     let output_norm = qtensor("output_norm.weight")?;
     expect(&output_norm, "output_norm.weight", &[d])?;
@@ -483,6 +604,7 @@ mod tests {
             rms_eps: 1e-5,
             rope_base: 10000.0,
             rope_scaling: None,
+            rope_freq_factors: None,
             vocab_size: 1000,
         };
         let cpu = Device::Cpu;

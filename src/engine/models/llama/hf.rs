@@ -220,6 +220,7 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         rms_eps: rms_eps as f32,
         rope_base: rope_base as f32,
         rope_scaling,
+        rope_freq_factors: None,
         vocab_size: c.vocab_size,
     };
     Ok((config, variant))

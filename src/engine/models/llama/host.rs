@@ -562,6 +562,7 @@ mod tests {
             rms_eps: 1e-5,
             rope_base: 10000.0,
             rope_scaling: None,
+            rope_freq_factors: None,
             vocab_size: 100,
         }
     }

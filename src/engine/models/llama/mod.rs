@@ -57,6 +57,9 @@ pub struct ModelConfig {
     pub rope_base: f32,
     /// Llama 3's rescaling of the RoPE frequencies, when the checkpoint declares it.
     pub rope_scaling: Option<RopeScaling>,
+    /// A divisor of each pair's RoPE frequency (`head_dim / 2` of them): a GGUF file's `rope_freqs` tensor (Llama
+    /// 3.1's scaling as llama.cpp's converter stores it) and linear scaling's factor.
+    pub rope_freq_factors: Option<Vec<f32>>,
     pub vocab_size: usize,
 }
 
@@ -178,6 +181,10 @@ fn rope_frequencies(config: &ModelConfig) -> Vec<f64> {
     (0..hd / 2)
         .map(|i| {
             let freq = 1.0 / (config.rope_base as f64).powf(2.0 * i as f64 / hd as f64);
+            let freq = match &config.rope_freq_factors {
+                Some(factors) => freq / f64::from(factors[i]),
+                None => freq,
+            };
             let Some(s) = config.rope_scaling else { return freq };
             let wavelength = 2.0 * std::f64::consts::PI / freq;
             let original = s.original_context as f64;
