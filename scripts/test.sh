@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: fetches the models, installs the S3 test server (moto), the Pushgateway and
-# Chromium, runs every test.
+# Chromium, builds the llama.cpp peer the GGUF support is checked against, runs every test.
 # The end-to-end tests start and stop their own moto server (and Pushgateway) on 127.0.0.1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/fetch-models.sh
-python3 -m pip install --quiet --disable-pip-version-check 'moto[server]>=5.1,<6' 'jsonschema>=4.18,<5' 'prometheus-client>=0.20,<1'
+python3 -m pip install --quiet --disable-pip-version-check 'moto[server]>=5.1,<6' 'jsonschema>=4.18,<5' 'prometheus-client>=0.20,<1' 'numpy>=1.26,<3'
+# llama.cpp's library and scripts/llama-peer.cpp: the tests hold nightshift's tokenizers and GGUF models against it.
+scripts/build-peer.sh
+export NIGHTSHIFT_LLAMA_PEER="$PWD/target/peer/llama-peer"
 # Debian's Pushgateway, which the Prometheus tests start on 127.0.0.1, and Chromium, which renders the job reports
 # headless.
 missing=()

@@ -6,6 +6,7 @@ use nightshift::engine::{Attention, HostAttention, KvCache, Model, Segment};
 use crate::support::model_path;
 
 mod hf;
+mod llama_cpp;
 mod paged;
 
 /// A tiny random-weight Hugging Face model of every variant, named by variant.
@@ -137,7 +138,7 @@ fn padded_cpu_layout_predicts_real_text_like_the_stored_weights() {
         about it this week.";
     let (stored, info) = Model::load_with(&model_path(), &Device::Cpu, nightshift::engine::Layout::AsStored).unwrap();
     let tokenizer = nightshift::tokenize::vocab::build(&info.vocab).unwrap();
-    let tokens = tokenizer.encode(text, false).unwrap().get_ids().to_vec();
+    let tokens = tokenizer.encode(text, false).unwrap();
     assert!(tokens.len() > 60, "{} tokens", tokens.len());
     let (nll_stored, top_stored) = score(&stored, &tokens);
     drop(stored);

@@ -197,7 +197,7 @@ fn a_prompt_the_template_renders_to_nothing_is_an_empty_prompt_row() {
 // files, fetched with its vocabularies by scripts/fetch-models.sh).
 
 fn llama_vocab_dir() -> std::path::PathBuf {
-    repo().join("models/llama-vocab")
+    repo().join("models/llama.cpp/models")
 }
 
 /// The vocabulary a test data file names: a file of llama.cpp's, a model of ours, or a relabelled copy of one of
@@ -217,6 +217,15 @@ fn vocabulary_of(data: &serde_json::Value) -> nightshift::tokenize::gguf::Vocab 
     nightshift::tokenize::gguf::Vocab::new(&meta).unwrap()
 }
 
+/// Two vocabulary headers (scripts/llama-peer.cpp's first line) agree: size, BOS, EOS and the end-of-generation
+/// tokens exactly; the EOT ids may be two different candidates, both ending generation (llama.cpp takes the first
+/// its hash map visits of `<|eot_id|>`, `<|im_end|>`, `<|endoftext|>`, ...; see `tokenize::gguf`).
+pub(crate) fn same_header(ours: &str, theirs: &str) -> bool {
+    let (o, t): (Vec<&str>, Vec<&str>) = (ours.split('\t').collect(), theirs.split('\t').collect());
+    let eog: Vec<&str> = t[4].split(' ').collect();
+    o[..3] == t[..3] && o[4] == t[4] && (o[3] == t[3] || (eog.contains(&o[3]) && eog.contains(&t[3])))
+}
+
 #[test]
 fn gguf_tokenizers_match_llama_cpp_token_for_token_and_byte_for_byte() {
     let dir = repo().join("tests/data/tokenizers");
@@ -229,17 +238,18 @@ fn gguf_tokenizers_match_llama_cpp_token_for_token_and_byte_for_byte() {
         let name = data["vocabulary"].as_str().unwrap();
         let vocab = vocabulary_of(&data);
         kinds.insert(format!("{:?}", vocab.kind()));
-        assert_eq!(nightshift::cli::peer_header(&vocab), data["header"].as_str().unwrap(), "{name}: size, BOS, EOS, EOT, end-of-generation tokens");
+        let header = nightshift::cli::peer_header(&vocab);
+        assert!(same_header(&header, data["header"].as_str().unwrap()), "{name}: size, BOS, EOS, EOT, end-of-generation tokens: {header:?}, llama.cpp {}", data["header"]);
         for line in data["lines"].as_array().unwrap() {
             let (input, expected) = (line["in"].as_str().unwrap(), line["out"].as_str().unwrap());
             let ours = nightshift::cli::peer_line(&vocab, input).unwrap();
-            assert_eq!(ours, expected, "{name}: input {input} (ids, ids with specials, text, text with specials, pieces; see scripts/tokenizer-peer.cpp)");
+            assert_eq!(ours, expected, "{name}: input {input} (ids, ids with specials, text, text with specials, pieces; see scripts/llama-peer.cpp)");
             lines += 1;
         }
         vocabularies += 1;
     }
     // llama.cpp's 19 vocabulary files, SmolLM2's, and the relabelled ones; every tokenizer kind.
-    assert!(vocabularies >= 40 && lines >= 40 * 100, "{vocabularies} vocabularies, {lines} lines");
+    assert!(vocabularies >= 40 && lines >= 40 * 50, "{vocabularies} vocabularies, {lines} lines");
     assert_eq!(kinds.into_iter().collect::<Vec<_>>(), ["Bpe", "Spm", "Ugm", "Wpm"]);
 }
 
@@ -265,4 +275,40 @@ fn gguf_tokenizers_pass_llama_cpps_own_tokenizer_tests() {
         }
     }
     assert!(checked >= 16 * 40, "{checked} texts");
+}
+
+/// The llama.cpp peer (scripts/build-peer.sh; scripts/test.sh builds it and sets `NIGHTSHIFT_LLAMA_PEER`), or None
+/// when the suite runs without it (then the tests that need it say so and pass).
+pub(crate) fn llama_peer() -> Option<std::path::PathBuf> {
+    match std::env::var_os("NIGHTSHIFT_LLAMA_PEER") {
+        Some(path) => {
+            let path = std::path::PathBuf::from(path);
+            assert!(path.is_file(), "NIGHTSHIFT_LLAMA_PEER names {}, which is not there: run scripts/build-peer.sh", path.display());
+            Some(path)
+        }
+        None => {
+            eprintln!("skipped: NIGHTSHIFT_LLAMA_PEER is not set (scripts/build-peer.sh builds llama.cpp's peer; scripts/test.sh sets it)");
+            None
+        }
+    }
+}
+
+#[test]
+fn gguf_tokenizers_match_llama_cpp_on_a_fresh_corpus() {
+    let Some(peer) = llama_peer() else { return };
+    // Every vocabulary file of llama.cpp's, SmolLM2's, and three pre-tokenizers no published file carries on a real
+    // vocabulary: 200 texts and 40 token id sequences each, drawn anew from the corpus generator.
+    let out = std::process::Command::new("python3")
+        .arg(repo().join("scripts/compare-tokenizers.py"))
+        .args(["--peer", peer.to_str().unwrap(), "--nightshift", env!("CARGO_BIN_EXE_nightshift")])
+        .args(["--vocab-dir", "models/llama.cpp/models", "--model", "models/SmolLM2-135M-Instruct.Q4_1.gguf"])
+        .args(["--relabel", "--relabel-only", "tekken,gpt-4o,deepseek-v3", "--texts", "200", "--id-sequences", "40"])
+        .env("PYTHONPATH", repo().join("models/llama.cpp/gguf-py"))
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "nightshift and llama.cpp differ:\n{stdout}\n{stderr}");
+    let rows = stdout.lines().filter(|l| l.ends_with("| 40/40 |") && l.contains("| 200 | 200 | 200 | 200 | 200 | 200 |")).count();
+    assert!(rows >= 23, "{rows} vocabularies compared identical:\n{stdout}");
 }

@@ -81,7 +81,7 @@ pub struct TokenizeArgs {
     /// Add the BOS and EOS tokens the model asks for (llama.cpp's `add_special`).
     #[arg(long)]
     pub add_special: bool,
-    /// `json`, or `peer`: for `scripts/compare-tokenizers.py`, the tab-separated fields `scripts/tokenizer-peer.cpp`
+    /// `json`, or `peer`: for `scripts/compare-tokenizers.py`, the tab-separated fields `scripts/llama-peer.cpp`
     /// writes for llama.cpp, from hex lines (or `#` and token ids to detokenize); the other flags are ignored.
     #[arg(long, value_enum, default_value_t = TokenizeFormat::Json)]
     pub format: TokenizeFormat,

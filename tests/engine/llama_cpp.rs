@@ -1,0 +1,152 @@
+//! Tiny GGUF models of every family nightshift reads from GGUF (llama, qwen2 with its biases, qwen3 with its q/k
+//! norms and heads wider than hidden / heads), written by `synth`, computed by nightshift and by llama.cpp's forward
+//! pass on the same file (scripts/llama-peer.cpp): the same logits within the rounding the two differ by.
+
+use std::io::Write;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device};
+use nightshift::engine::{Attention, HostAttention, Model, Segment};
+use nightshift::synth::{self, Family, Init, Shape, Spec, Vocabulary};
+
+use crate::tokenizer::llama_peer;
+
+const VOCABULARY: Vocabulary = Vocabulary { merges: &["Ġ t", "h e", "Ġ a"], size: 262, add_bos: false };
+
+/// Token id sequences both compute: one token, a short prompt, and longer ones (RoPE at more positions).
+fn sequences() -> Vec<Vec<u32>> {
+    vec![vec![72], vec![259, 72, 101, 108, 108, 111], (0..23).map(|i| (i * 37 % 256) as u32).collect(), (0..61).map(|i| (i * 101 % 262) as u32).collect()]
+}
+
+/// llama.cpp's logits at the last position of each sequence.
+fn peer_logits(peer: &std::path::Path, model: &std::path::Path, seqs: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let mut child = std::process::Command::new(peer)
+        .args(["--logits", model.to_str().unwrap()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let input: String = seqs.iter().map(|s| format!("!{}\n", s.iter().map(u32::to_string).collect::<Vec<_>>().join(" "))).collect();
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "llama.cpp failed on {}: {}", model.display(), String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    // The first line is the vocabulary's (size, specials); then one line of logits per sequence.
+    text.lines().skip(1).map(|l| l.split(' ').map(|x| x.parse().unwrap()).collect()).collect()
+}
+
+fn nightshift_logits(model: &std::path::Path, seqs: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let (model, _) = Model::load(model, &Device::Cpu).unwrap();
+    let host = HostAttention::new(&model, DType::F32).unwrap();
+    seqs.iter()
+        .map(|tokens| {
+            let mut cache = host.new_cache(tokens.len() + 1);
+            model.forward(&host, &mut [Segment { tokens, cache: &mut cache }]).unwrap().remove(0)
+        })
+        .collect()
+}
+
+fn argmax(x: &[f32]) -> usize {
+    x.iter().enumerate().fold((0, f32::MIN), |best, (i, &v)| if v > best.1 { (i, v) } else { best }).0
+}
+
+/// The largest difference over the largest logit, and whether the argmax agrees, over every sequence.
+fn compare(a: &[Vec<f32>], b: &[Vec<f32>]) -> (f32, bool) {
+    let mut worst = 0f32;
+    let mut same = true;
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.len(), y.len());
+        let scale = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        worst = worst.max(x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max) / scale);
+        same &= argmax(x) == argmax(y);
+    }
+    (worst, same)
+}
+
+fn spec(family: Family, head_dim: usize, tied: bool, rope_theta: u32) -> Spec {
+    let shape = Shape {
+        name: "tiny-family",
+        family,
+        hidden: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim,
+        intermediate: 128,
+        vocab: VOCABULARY.size,
+        context: 256,
+        rope_theta,
+        rope_scaling: None,
+        tied,
+    };
+    Spec { shape, vocabulary: VOCABULARY, dtype: DType::F32, init: Init::Peaked, seed: 7 }
+}
+
+/// The largest logit difference allowed with F16 weights, over the largest logit: measured 1.2e-4 to 3.5e-4 (Q8_0:
+/// 2e-3 to 1.1e-2, allowed 2e-2).
+const F16_TOLERANCE: f32 = 2e-3;
+
+#[test]
+fn gguf_families_compute_what_llama_cpp_computes() {
+    let Some(peer) = llama_peer() else { return };
+    let dir = crate::support::scratch("gguf-families-llama-cpp");
+    let seqs = sequences();
+    // Q8_0 matrices (both quantize the activations to Q8_0 per block of 32, as llama.cpp defines it) and F16 ones
+    // (llama.cpp rounds activations to f16 for them, nightshift keeps f32); llama.cpp's KV cache is f16.
+    for (family, head_dim, tied) in [(Family::Llama, 16, false), (Family::Qwen2, 16, true), (Family::Qwen3, 24, true)] {
+        for (quant, tolerance) in [(GgmlDType::Q8_0, 0.02), (GgmlDType::F16, F16_TOLERANCE)] {
+            let path = dir.join(format!("{family:?}-{quant:?}.gguf"));
+            synth::write_gguf(&path, &spec(family, head_dim, tied, 10000), quant).unwrap();
+            let (theirs, ours) = (peer_logits(&peer, &path, &seqs), nightshift_logits(&path, &seqs));
+            let (diff, same) = compare(&theirs, &ours);
+            eprintln!("{family:?} {quant:?}: largest difference {diff} of the largest logit");
+            assert!(diff <= tolerance && same, "{family:?} {quant:?}: largest difference {diff} of the largest logit, argmax agrees: {same}");
+        }
+    }
+    // The comparison catches a model computed wrongly: RoPE's base 10,000 in llama.cpp's file, 20,000 in
+    // nightshift's (the same weights otherwise).
+    let good = dir.join("qwen2-good.gguf");
+    let bad = dir.join("qwen2-rope.gguf");
+    synth::write_gguf(&good, &spec(Family::Qwen2, 16, true, 10000), GgmlDType::F16).unwrap();
+    synth::write_gguf(&bad, &spec(Family::Qwen2, 16, true, 20000), GgmlDType::F16).unwrap();
+    let (diff, _) = compare(&peer_logits(&peer, &good, &seqs), &nightshift_logits(&bad, &seqs));
+    assert!(diff > 2.0 * F16_TOLERANCE, "a wrong RoPE base went unnoticed: {diff}");
+}
+
+#[test]
+fn synth_models_load_and_tokenize_in_llama_cpp() {
+    let Some(peer) = llama_peer() else { return };
+    let dir = crate::support::scratch("synth-gguf-llama-cpp");
+    let path = dir.join("tiny.gguf");
+    synth::write_gguf(&path, &spec(Family::Llama, 16, false, 10000), GgmlDType::Q4_1).unwrap();
+    // llama.cpp reads synth's byte-level vocabulary (with merges, and a typed empty merge list too) as nightshift does.
+    let texts = ["hello there", "<|im_start|>user\nthe tea<|im_end|>", "\u{00e9}t\u{00e9} 2026"];
+    let input: String = texts.iter().map(|t| format!("{}\n", t.bytes().map(|b| format!("{b:02x}")).collect::<String>())).collect();
+    for file in [path.clone(), {
+        let p = dir.join("no-merges.gguf");
+        let spec = Spec { vocabulary: Vocabulary { merges: &[], ..VOCABULARY }, ..spec(Family::Llama, 16, false, 10000) };
+        synth::write_gguf(&p, &spec, GgmlDType::Q8_0).unwrap();
+        p
+    }] {
+        let mut child = std::process::Command::new(&peer)
+            .arg(&file)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "llama.cpp refuses {}: {}", file.display(), String::from_utf8_lossy(&out.stderr));
+        let theirs = String::from_utf8(out.stdout).unwrap();
+        let vocab = nightshift::engine::models::llama::gguf::vocabulary(&file).unwrap();
+        let vocab = vocab.gguf.as_deref().unwrap();
+        let mut lines = theirs.lines();
+        let header = lines.next().unwrap();
+        assert!(crate::tokenizer::same_header(&nightshift::cli::peer_header(vocab), header), "{header}");
+        for (line, expected) in input.lines().zip(lines) {
+            assert_eq!(nightshift::cli::peer_line(vocab, line).unwrap(), expected, "{}", file.display());
+        }
+    }
+}
