@@ -58,16 +58,19 @@ def llama_answers(args, prompts):
         def one(prompt):
             chat = post(base + "/apply-template", {"messages": [{"role": "user", "content": prompt}]})["prompt"]
             sampling = {"temperature": 0.0, "top_k": 1} if args.temperature == 0 else {"temperature": args.temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
-            body = {"prompt": chat, "n_predict": args.max_new, "seed": args.seed, "n_probs": 1, "return_tokens": True, "cache_prompt": False, **sampling}
+            body = {"prompt": chat, "n_predict": args.max_new, "seed": args.seed, "n_probs": 2, "return_tokens": True, "cache_prompt": False, **sampling}
             answer = post(base + "/completion", body)
             probs = answer.get("completion_probabilities") or []
             ids = [p["id"] for p in probs]
             logprobs = [p["logprob"] for p in probs]
             tops = [p["top_logprobs"][0]["id"] for p in probs]
+            # How far llama.cpp's most likely token leads the next: the logits' peakedness, which makes top-1
+            # agreement meaningful (near-ties flip on rounding) or not.
+            margins = [p["top_logprobs"][0]["logprob"] - p["top_logprobs"][1]["logprob"] for p in probs if len(p["top_logprobs"]) > 1]
             # The end-of-generation token, when the answer ended by itself, is scored but not part of the answer.
             if len(ids) > len(answer.get("tokens") or []):
                 ids = ids[: len(answer["tokens"])]
-            return answer.get("content") or "", ids, logprobs, tops
+            return answer.get("content") or "", ids, logprobs, tops, margins
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=args.slots) as pool:
             return list(pool.map(one, prompts))
@@ -121,7 +124,7 @@ def llama_scores(args, prompts, answers):
     (not cached, so the whole prefix is one prompt-processing pass)."""
     scores = {}
     with serve(args.server, args.model, args.threads, 1, 4096, args.port, ["--jinja"]) as base:
-        for i, (prompt, (text, ids, _, _)) in enumerate(zip(prompts, answers)):
+        for i, (prompt, (text, ids, _, _, _)) in enumerate(zip(prompts, answers)):
             if not ids:
                 continue
             chat = post(base + "/apply-template", {"messages": [{"role": "user", "content": prompt}]})["prompt"]
@@ -139,7 +142,7 @@ def llama_scores(args, prompts, answers):
 def compare(answers, scores):
     positions = agree = same_rows = compared_rows = 0
     diffs = []
-    for i, (text, ids, logprobs, tops) in enumerate(answers):
+    for i, (text, ids, logprobs, tops, _) in enumerate(answers):
         row = scores.get(f"p{i:03}")
         if row is None:
             continue
@@ -178,7 +181,10 @@ def main():
 
     prompts = prompts_of(args)
     answers = llama_answers(args, prompts)
-    report = {"model": args.model, "prompts": len(prompts), "max_new": args.max_new, "layouts": {}}
+    margins = sorted(m for a in answers for m in a[4])
+    report = {"model": args.model, "prompts": len(prompts), "max_new": args.max_new, "layouts": {},
+              "median_top1_margin": margins[len(margins) // 2] if margins else None,
+              "share_margin_below_0_1": sum(1 for m in margins if m < 0.1) / max(len(margins), 1)}
     with tempfile.TemporaryDirectory(prefix="nightshift-fidelity-") as work:
         for layout in args.layouts.split(","):
             for kv in args.kv_cache_dtypes.split(","):
@@ -191,6 +197,8 @@ def main():
         return
     how = "greedy" if args.temperature == 0 else f"sampled (temperature {args.temperature}, seed {args.seed})"
     print(f"{args.model}: {len(prompts)} prompts, llama.cpp's {how} answers (at most {args.max_new} tokens) scored by nightshift")
+    if report["median_top1_margin"] is not None:
+        print(f"llama.cpp's top token leads the next by {report['median_top1_margin']:.2f} nats at the median position; by less than 0.1 at {100 * report['share_margin_below_0_1']:.1f} % of positions")
     print("| runtime.cpu_weights | positions | top-1 agreement | answers tokenized alike | mean abs logprob diff |")
     print("|---|---:|---:|---:|---:|")
     for layout, r in report["layouts"].items():

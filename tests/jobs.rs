@@ -855,3 +855,34 @@ fn an_embedding_models_bad_pooling_config_is_named_as_the_json_file_it_is() {
     assert_eq!(run.code, 4, "{}", run.stderr);
     assert!(run.stderr.contains("1_Pooling/config.json") && run.stderr.contains("invalid type") && !run.stderr.contains("GGUF"), "{}", run.stderr);
 }
+
+#[test]
+fn a_gguf_architecture_or_tokenizer_nightshift_does_not_run_stops_validate_and_run_with_exit_4_naming_it() {
+    let dir = scratch("gguf-unsupported");
+    let job = job_file(&dir, "jobs/data/tickets.parquet", dir.join("out").to_str().unwrap(), "max_new_tokens = 4", "");
+    let refused = |model: &std::path::Path, wanted: &[&str]| {
+        for verb in ["validate", "run"] {
+            let run = nightshift(&[verb, job.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]);
+            assert_eq!(run.code, 4, "{verb}: {}", run.stderr);
+            for w in wanted {
+                assert!(run.stderr.contains(w), "{verb}: no `{w}` in {}", run.stderr);
+            }
+            assert!(!dir.join("out/_plan.json").exists(), "nothing is written");
+        }
+    };
+    // llama.cpp's Gemma 4 vocabulary file: an architecture nightshift does not compute.
+    refused(&repo().join("models/llama.cpp/models/ggml-vocab-gemma-4.gguf"), &["`gemma4`", "not supported", "llama", "qwen2", "qwen3"]);
+    // A llama model whose tokenizer names a pre-tokenizer nightshift does not run, and one no program knows.
+    let hf = dir.join("hf");
+    write_tiny_hf_model(&hf, HfVariant::SmolLm);
+    let tiny = dir.join("tiny.gguf");
+    write_tiny_model(&tiny);
+    let (meta, template) = nightshift::engine::models::llama::gguf::read_tokenizer(&tiny).unwrap();
+    for (pre, wanted) in [("kimi-k2", ["`kimi-k2`", "llama-bpe"]), ("no-such-pre", ["`no-such-pre`", "tekken"])] {
+        let mut meta = meta.clone();
+        meta.pre = Some(pre.into());
+        let tokenizer = nightshift::synth::GgufTokenizer::From(Box::new(meta), template.clone());
+        let (path, _) = nightshift::synth::synth_gguf(&hf, candle_core::quantized::GgmlDType::Q8_0, Some(&tokenizer)).unwrap();
+        refused(&path, &["pre-tokenizer", wanted[0], wanted[1]]);
+    }
+}

@@ -43,6 +43,9 @@ pub enum ModelError {
     /// A GGUF file's tokenizer that llama.cpp would refuse, or of a kind nightshift does not run.
     #[error(transparent)]
     Vocab(#[from] crate::tokenize::gguf::VocabError),
+    /// [`ModelError::Vocab`] with the model's path ([`ModelError::at`]).
+    #[error("`{path}`: {message}")]
+    VocabAt { path: PathBuf, message: String },
     /// [`ModelError::Metadata`] with the model's path ([`ModelError::at`]).
     #[error("the model's metadata in `{path}` is invalid: {message}")]
     MetadataAt { path: PathBuf, message: String },
@@ -72,6 +75,7 @@ impl ModelError {
     pub fn at(self, path: &std::path::Path) -> ModelError {
         match self {
             ModelError::Metadata(message) => ModelError::MetadataAt { path: path.into(), message },
+            ModelError::Vocab(e) => ModelError::VocabAt { path: path.into(), message: e.to_string() },
             e => e,
         }
     }

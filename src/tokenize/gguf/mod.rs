@@ -181,7 +181,6 @@ pub static PRE_TOKENIZERS: &[PreTokenizer] = &[
     PreTokenizer { clean_spaces: false, ..pre(&["bailingmoe", "bailingmoe2", "llada-moe"], &["'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]|\\s+(?!\\S)|\\s+"]) },
     PreTokenizer { clean_spaces: false, ..pre(&["seed-coder"], &["(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1}| ?[^\\s\\p{L}\\p{N}\\r\\n]+|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"]) },
     PreTokenizer { clean_spaces: false, ..pre(&["hunyuan", "solar-open", "grok-2"], &[QWEN2]) },
-    PreTokenizer { clean_spaces: false, ..pre(&["kimi-k2"], &["\\p{Han}+"]) },
     PreTokenizer { clean_spaces: false, ..pre(&["ufakzeka"], &["[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"]) },
     PreTokenizer { clean_spaces: false, ..pre(&["afmoe"], &[
         "\\p{AFMoE_digits}",
@@ -405,9 +404,6 @@ impl Vocab {
         if kind == Kind::Bpe {
             let name = if meta.model == "gemma4" { Some("gemma4") } else { meta.pre.as_deref() };
             let p = pre_tokenizer(name).ok_or_else(|| VocabError::UnsupportedPre(name.unwrap_or_default().to_string()))?;
-            if p.names.contains(&"kimi-k2") {
-                return Err(VocabError::UnsupportedPre("kimi-k2".into()));
-            }
             clean_spaces = p.clean_spaces;
             add_bos = add_bos || p.add_bos;
             add_sep = add_sep || p.add_sep;
@@ -444,7 +440,13 @@ impl Vocab {
             tokens.push(Token { text, score, attr });
         }
 
-        // Special token ids: a default outside the vocabulary is none; the file's own, when inside it.
+        // Special token ids: a default outside the vocabulary is none. A file's own outside it is refused (llama.cpp
+        // warns and falls back to its default: a model would run with another BOS than its file says).
+        for (name, id) in [("BOS", meta.bos), ("EOS", meta.eos), ("EOT", meta.eot), ("EOM", meta.eom), ("unknown", meta.unknown), ("separator", meta.separator), ("padding", meta.padding), ("mask", meta.mask)] {
+            if let Some(id) = id.filter(|&id| id as usize >= n) {
+                return Err(invalid(format!("the {name} token id {id} is outside the vocabulary of {n} tokens")));
+            }
+        }
         let in_range = |id: Option<u32>| id.filter(|&id| (id as usize) < n);
         let pick = |default: Option<u32>, file: Option<u32>| in_range(file).or(in_range(default));
         specials = Specials {

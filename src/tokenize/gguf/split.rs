@@ -35,7 +35,6 @@ enum Rule {
     Llama3,
     Qwen2,
     Qwen35,
-    KimiK2,
     /// Digit runs cut into groups of three from the right (`\d{1,3}(?=(?:\d{3})*\b)`, AFMoE's and Tiny Aya's).
     DigitGroups,
     /// Runs of newlines and runs of anything else.
@@ -214,7 +213,6 @@ impl Rule {
             e if LLAMA3.contains(&e) => Rule::Llama3,
             QWEN2 => Rule::Qwen2,
             QWEN35 => Rule::Qwen35,
-            "\\p{Han}+" => Rule::KimiK2,
             "\\p{AFMoE_digits}" | "\\d{1,3}(?=(?:\\d{3})*\\b)" => Rule::DigitGroups,
             "[^\\n]+|[\\n]+" => Rule::Newlines,
             _ => {
@@ -441,93 +439,6 @@ fn llama3(p: &Piece, cuts: &mut Cuts, digits: usize, marks: bool) {
     }
 }
 
-/// CJK ideographs, as Kimi K2's tokenizer counts them.
-fn is_han(cp: u32) -> bool {
-    matches!(cp, 0x4E00..=0x9FFF | 0x3400..=0x4DBF | 0x20000..=0x2A6DF | 0x2A700..=0x2B73F | 0x2B740..=0x2B81F
-        | 0x2B820..=0x2CEAF | 0x2CEB0..=0x2EBEF | 0xF900..=0xFAFF | 0x2F800..=0x2FA1F)
-}
-
-fn kimi_k2(p: &Piece, cuts: &mut Cuts) {
-    let letter = |pos: usize| p.flags(pos).is_letter() && !is_han(p.cpt(pos));
-    let mut pos = p.start;
-    while pos < p.end {
-        let cpt = p.cpt(pos);
-        let flags = p.flags(pos);
-        if is_han(cpt) {
-            while is_han(p.cpt(pos)) {
-                pos += 1;
-            }
-            cuts.cut(pos);
-            continue;
-        }
-        let leading = !(cpt == '\r' as u32 || cpt == '\n' as u32 || flags.is_letter() || flags.is_number());
-        if letter(pos) || (leading && letter(pos + 1)) {
-            if leading {
-                pos += 1;
-            }
-            let mut any = false;
-            while letter(pos) {
-                any = true;
-                pos += 1;
-            }
-            if any || (!leading && letter(pos)) {
-                if !any {
-                    pos += 1;
-                }
-                while letter(pos) {
-                    pos += 1;
-                }
-                if let Some(n) = p.contraction(pos, true) {
-                    pos += n;
-                }
-                cuts.cut(pos);
-                continue;
-            } else if leading {
-                pos -= 1;
-            }
-        }
-        if flags.is_number() {
-            let mut first = pos;
-            while p.flags(pos).is_number() {
-                pos += 1;
-                if pos - first >= 3 {
-                    cuts.cut(pos);
-                    first = pos;
-                }
-            }
-            cuts.cut(pos);
-            continue;
-        }
-        let mut f = if cpt == ' ' as u32 { p.flags(pos + 1) } else { flags };
-        let other = |f: Flags| !(f.is_whitespace() || f.is_letter() || f.is_number()) && f.is_some();
-        if other(f) {
-            pos += usize::from(cpt == ' ' as u32);
-            while other(f) {
-                pos += 1;
-                f = p.flags(pos);
-            }
-            while p.cpt(pos) == '\r' as u32 || p.cpt(pos) == '\n' as u32 {
-                pos += 1;
-            }
-            cuts.cut(pos);
-            continue;
-        }
-        let (run_end, last_newline) = p.whitespace(pos);
-        if last_newline > 0 {
-            pos = last_newline;
-            cuts.cut(pos);
-            continue;
-        }
-        if let Some(end) = trailing_whitespace(p, pos, run_end) {
-            pos = end;
-            cuts.cut(pos);
-            continue;
-        }
-        pos += 1;
-        cuts.cut(pos);
-    }
-}
-
 /// Digit runs in groups of three counted from the right (a shorter group first); everything else left whole.
 fn digit_groups(p: &Piece, cuts: &mut Cuts) {
     let mut pos = p.start;
@@ -591,7 +502,6 @@ impl Splitter {
                     Rule::Llama3 => llama3(&piece, &mut cuts, 3, false),
                     Rule::Qwen2 => llama3(&piece, &mut cuts, 1, false),
                     Rule::Qwen35 => llama3(&piece, &mut cuts, 1, true),
-                    Rule::KimiK2 => kimi_k2(&piece, &mut cuts),
                     Rule::DigitGroups => digit_groups(&piece, &mut cuts),
                     Rule::Newlines => newlines(&piece, &mut cuts),
                     Rule::Regex { regex, collapsed: is_collapsed, surrogate } => {
