@@ -258,12 +258,18 @@ pub enum Init {
     /// As Hugging Face initialises a model (uniform with about its 0.02 standard deviation; norm weights 1, biases
     /// 0), so activations keep their scale through the layers. For benchmarks, where only shapes matter.
     Hf,
-    /// Every weight shows in the logits, and the logits are peaked: embeddings in ±1 (tied ones at the output
-    /// projection's scale), each matrix in ±1/sqrt(its input width) (the output projection [`OUTPUT_GAIN`] times that), norm
-    /// weights in 1 ± 0.2 (q/k norms 1 ± 0.5), biases in ±0.5. For tests that hold one implementation against
-    /// another: a norm weight or bias that one of them drops changes the logits, and greedy tokens do not hang on
-    /// near-ties.
+    /// Every weight shows in the logits, and the logits are peaked: embeddings in ±1, each matrix in
+    /// ±1/sqrt(its input width) (the output projection four times that), norm weights in 1 ± 0.2 (q/k norms
+    /// 1 ± 0.5), biases in ±0.5. For tests that hold one implementation against another: a norm weight or bias
+    /// that one of them drops changes the logits, and greedy tokens do not hang on near-ties.
     Peaked,
+    /// [`Init::Peaked`], with the q and k projections [`FIDELITY_QK_GAIN`] times wider (attention picks positions,
+    /// so the context and RoPE show in the logits) and the output projection [`FIDELITY_OUTPUT_GAIN`] / sqrt(width)
+    /// (a tied embedding too): for fidelity against llama.cpp on a published shape (`synth-model --init fidelity`,
+    /// scripts/fidelity-llama.py). Measured on a Qwen2.5-0.5B-shaped model with Qwen2's vocabulary: llama.cpp's top
+    /// token leads the next by 9 nats at the median position, so rounding does not flip it (top-1 agreement 100 % in
+    /// F16), while a wrong RoPE base or dropped biases do (96.5 % and 52 %: BENCHMARKS.md).
+    Fidelity,
 }
 
 /// A synthetic model, whole: the same spec writes the same bytes.
@@ -331,7 +337,7 @@ impl Draw {
     fn uniform(&mut self, dims: &[usize], peaked: f32) -> Result<Tensor, Error> {
         let scale = match self.init {
             Init::Hf => 0.02 * 3f32.sqrt(),
-            Init::Peaked => peaked,
+            Init::Peaked | Init::Fidelity => peaked,
         };
         let t = self.random.tensor(dims, scale)?;
         self.finish(Ok(t))
@@ -346,7 +352,7 @@ impl Draw {
     fn norm(&mut self, n: usize, spread: f32) -> Result<Tensor, Error> {
         let t = match self.init {
             Init::Hf => Tensor::ones(n, DType::F32, &Device::Cpu),
-            Init::Peaked => self.random.tensor(&[n], spread)?.affine(1.0, 1.0),
+            Init::Peaked | Init::Fidelity => self.random.tensor(&[n], spread)?.affine(1.0, 1.0),
         };
         self.finish(t)
     }
@@ -355,15 +361,17 @@ impl Draw {
     fn bias(&mut self, n: usize) -> Result<Tensor, Error> {
         match self.init {
             Init::Hf => self.finish(Tensor::zeros(n, DType::F32, &Device::Cpu)),
-            Init::Peaked => self.uniform(&[n], 0.5),
+            Init::Peaked | Init::Fidelity => self.uniform(&[n], 0.5),
         }
     }
 }
 
-/// The output projection's gain over 1/sqrt(width) when [`Init::Peaked`]: logits with a standard deviation of about
-/// 9 nats, so that the top token's lead over the next is typically a few nats even among 150,000 tokens, far above
-/// the rounding two implementations differ by (an f16 KV cache, f16 activations).
-const OUTPUT_GAIN: f32 = 16.0;
+/// [`Init::Fidelity`]'s q and k projections, over 1/sqrt(width). Twice as wide, attention no longer picks positions
+/// stably: rounding then flips llama.cpp's and nightshift's choices (91 % agreement in F16 at gain 8).
+pub const FIDELITY_QK_GAIN: f32 = 4.0;
+/// [`Init::Fidelity`]'s output projection, over 1/sqrt(width). At 4 the top token leads the next by a third of a nat
+/// at the median, and rounding flips a few percent of positions.
+pub const FIDELITY_OUTPUT_GAIN: f32 = 8.0;
 
 /// A spec's weights under their Hugging Face names, in its dtype.
 fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
@@ -372,10 +380,12 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
     let (q, kv) = (shape.heads * hd, shape.kv_heads * hd);
     let mut draw = Draw { random: Random::new(spec.seed), init: spec.init, dtype: spec.dtype };
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
-    // Tied, the embedding is the output projection too: drawn at the output projection's scale, so that peaked
-    // logits are a few nats apart rather than hundreds (the input side's RMSNorm undoes its scale).
-    let embedding = match shape.tied {
-        true => draw.matrix(shape.vocab, d, OUTPUT_GAIN)?,
+    let fidelity = spec.init == Init::Fidelity;
+    let (qk_gain, output_gain) = if fidelity { (FIDELITY_QK_GAIN, FIDELITY_OUTPUT_GAIN) } else { (1.0, 4.0) };
+    // Tied, the embedding is the output projection too: for fidelity it is drawn at the output projection's scale,
+    // so that the logits are nats apart rather than hundreds (the first layer's RMSNorm undoes its scale).
+    let embedding = match shape.tied && fidelity {
+        true => draw.matrix(shape.vocab, d, output_gain)?,
         false => draw.uniform(&[shape.vocab, d], 1.0)?,
     };
     tensors.insert("model.embed_tokens.weight".into(), embedding);
@@ -383,8 +393,8 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
         let p = format!("model.layers.{i}");
         tensors.insert(format!("{p}.input_layernorm.weight"), draw.norm(d, 0.2)?);
         tensors.insert(format!("{p}.post_attention_layernorm.weight"), draw.norm(d, 0.2)?);
-        tensors.insert(format!("{p}.self_attn.q_proj.weight"), draw.matrix(q, d, 1.0)?);
-        tensors.insert(format!("{p}.self_attn.k_proj.weight"), draw.matrix(kv, d, 1.0)?);
+        tensors.insert(format!("{p}.self_attn.q_proj.weight"), draw.matrix(q, d, qk_gain)?);
+        tensors.insert(format!("{p}.self_attn.k_proj.weight"), draw.matrix(kv, d, qk_gain)?);
         tensors.insert(format!("{p}.self_attn.v_proj.weight"), draw.matrix(kv, d, 1.0)?);
         tensors.insert(format!("{p}.self_attn.o_proj.weight"), draw.matrix(d, q, 1.0)?);
         if shape.family == Family::Qwen2 {
@@ -402,7 +412,7 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
     }
     tensors.insert("model.norm.weight".into(), draw.norm(d, 0.2)?);
     if !shape.tied {
-        tensors.insert("lm_head.weight".into(), draw.matrix(shape.vocab, d, OUTPUT_GAIN)?);
+        tensors.insert("lm_head.weight".into(), draw.matrix(shape.vocab, d, output_gain)?);
     }
     Ok(tensors)
 }
@@ -809,7 +819,7 @@ mod tests {
         let tiny = Shape::named("tiny").unwrap();
         for (family, head_dim, tied) in [(Family::Llama, 32, false), (Family::Mistral, 48, false), (Family::Qwen2, 32, true), (Family::Qwen3, 40, true)] {
             let shape = Shape { family, head_dim, tied, ..tiny };
-            for init in [Init::Hf, Init::Peaked] {
+            for init in [Init::Hf, Init::Peaked, Init::Fidelity] {
                 let spec = Spec { init, ..Spec::new(&shape, DType::F32, 1) };
                 let written: usize = weights(&spec).unwrap().values().map(|t| t.elem_count()).sum();
                 assert_eq!(written, shape.parameters(), "{family:?}, {init:?}");

@@ -117,9 +117,9 @@ pub struct SynthModelArgs {
     /// ...). The directory's tokenizer.json stays the byte-level one.
     #[arg(long)]
     pub vocab: Option<PathBuf>,
-    /// How weights are drawn: `hf` (Hugging Face's initialisation; for speed, where only shapes matter) or `peaked`
-    /// (every weight shows in the logits and the logits are peaked, so greedy tokens are not near-ties: for
-    /// fidelity against another implementation).
+    /// How weights are drawn: `hf` (Hugging Face's initialisation; for speed, where only shapes matter), `peaked`
+    /// (every weight shows in the logits, as the tests' models) or `fidelity` (peaked logits whose top token still
+    /// depends on the context: for fidelity against llama.cpp, scripts/fidelity-llama.py).
     #[arg(long, default_value = "hf")]
     pub init: String,
 }
@@ -156,7 +156,8 @@ impl SynthModelArgs {
         let init = match self.init.as_str() {
             "hf" => crate::synth::Init::Hf,
             "peaked" => crate::synth::Init::Peaked,
-            other => return Err(crate::error::Error::Usage(format!("--init must be hf or peaked, got {other:?}"))),
+            "fidelity" => crate::synth::Init::Fidelity,
+            other => return Err(crate::error::Error::Usage(format!("--init must be hf, peaked or fidelity, got {other:?}"))),
         };
         crate::synth::synth_model(&self.dir, &shape, dtype, self.seed, init)
     }

@@ -80,11 +80,11 @@ fn spec(family: Family, head_dim: usize, tied: bool, rope_theta: u32) -> Spec {
         rope_scaling: None,
         tied,
     };
-    Spec { shape, vocabulary: VOCABULARY, dtype: DType::F32, init: Init::Peaked, seed: 7 }
+    Spec { shape, vocabulary: VOCABULARY, dtype: DType::F32, init: Init::Fidelity, seed: 7 }
 }
 
-/// The largest logit difference allowed with F16 weights, over the largest logit: measured 1.2e-4 to 3.5e-4 (Q8_0:
-/// 2e-3 to 1.1e-2, allowed 2e-2).
+/// The largest logit difference allowed with F16 weights, over the largest logit: measured 1.7e-4 to 9.2e-4 (Q8_0:
+/// 4.1e-3 to 1.9e-2, allowed 4e-2).
 const F16_TOLERANCE: f32 = 2e-3;
 
 #[test]
@@ -95,7 +95,7 @@ fn gguf_families_compute_what_llama_cpp_computes() {
     // Q8_0 matrices (both quantize the activations to Q8_0 per block of 32, as llama.cpp defines it) and F16 ones
     // (llama.cpp rounds activations to f16 for them, nightshift keeps f32); llama.cpp's KV cache is f16.
     for (family, head_dim, tied) in [(Family::Llama, 16, false), (Family::Qwen2, 16, true), (Family::Qwen3, 24, true)] {
-        for (quant, tolerance) in [(GgmlDType::Q8_0, 0.02), (GgmlDType::F16, F16_TOLERANCE)] {
+        for (quant, tolerance) in [(GgmlDType::Q8_0, 0.04), (GgmlDType::F16, F16_TOLERANCE)] {
             let path = dir.join(format!("{family:?}-{quant:?}.gguf"));
             synth::write_gguf(&path, &spec(family, head_dim, tied, 10000), quant).unwrap();
             let (theirs, ours) = (peer_logits(&peer, &path, &seqs), nightshift_logits(&path, &seqs));
