@@ -556,9 +556,10 @@ fn tokenizer_keys(tokenizer: &GgufTokenizer) -> Result<Vec<(String, candle_core:
             if let Some(map) = &meta.precompiled_charsmap {
                 key("tokenizer.ggml.precompiled_charsmap", Value::Array(map.iter().map(|&b| Value::U8(b)).collect()));
             }
+            let ids = &meta.ids;
             for (name, id) in [
-                ("bos", meta.bos), ("eos", meta.eos), ("eot", meta.eot), ("eom", meta.eom), ("unknown", meta.unknown),
-                ("seperator", meta.separator), ("padding", meta.padding), ("mask", meta.mask),
+                ("bos", ids.bos), ("eos", ids.eos), ("eot", ids.eot), ("eom", ids.eom), ("unknown", ids.unknown),
+                ("seperator", ids.separator), ("padding", ids.padding), ("mask", ids.mask),
             ] {
                 if let Some(id) = id {
                     key(&format!("tokenizer.ggml.{name}_token_id"), Value::U32(id));

@@ -14,7 +14,7 @@ fn hex(bytes: &[u8]) -> String {
 
 fn unhex(line: &str) -> Result<Vec<u8>, Error> {
     let line = line.trim();
-    if line.len() % 2 != 0 || !line.bytes().all(|b| b.is_ascii_hexdigit()) {
+    if !line.len().is_multiple_of(2) || !line.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Err(Error::Internal(format!("`--hex`: the line `{line}` is not hex")));
     }
     Ok((0..line.len()).step_by(2).map(|i| u8::from_str_radix(&line[i..i + 2], 16).expect("hex digits")).collect())

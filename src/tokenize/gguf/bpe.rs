@@ -67,6 +67,9 @@ struct Symbol {
     next: i32,
 }
 
+/// Candidate merges: (rank, left symbol, right symbol, and the two symbols' strings when pushed), lowest first.
+type Queue = BinaryHeap<Reverse<(u32, i32, i32, Sym, Sym)>>;
+
 /// What [`encode_word`] needs of the vocabulary.
 pub struct Lookup<'a> {
     pub merges: &'a Merges,
@@ -97,8 +100,8 @@ pub fn encode_word(word: &[u8], lookup: &Lookup, out: &mut Vec<u32>) {
         }
     }
     // Pairs by (rank, left position): the lowest rank first, the leftmost among equals.
-    let mut queue: BinaryHeap<Reverse<(u32, i32, i32, Sym, Sym)>> = BinaryHeap::new();
-    let pair = |symbols: &[Symbol], left: i32, right: i32, queue: &mut BinaryHeap<Reverse<(u32, i32, i32, Sym, Sym)>>| {
+    let mut queue: Queue = BinaryHeap::new();
+    let pair = |symbols: &[Symbol], left: i32, right: i32, queue: &mut Queue| {
         if left < 0 || right < 0 {
             return;
         }

@@ -58,20 +58,8 @@ pub struct Metadata {
     pub token_types: Option<Vec<i32>>,
     pub merges: Option<Vec<String>>,
     pub precompiled_charsmap: Option<Vec<u8>>,
-    pub bos: Option<u32>,
-    pub eos: Option<u32>,
-    pub eot: Option<u32>,
-    pub eom: Option<u32>,
-    pub unknown: Option<u32>,
-    pub separator: Option<u32>,
-    pub padding: Option<u32>,
-    pub mask: Option<u32>,
-    pub fim_pre: Option<u32>,
-    pub fim_suf: Option<u32>,
-    pub fim_mid: Option<u32>,
-    pub fim_pad: Option<u32>,
-    pub fim_rep: Option<u32>,
-    pub fim_sep: Option<u32>,
+    /// The special token ids the file states (`tokenizer.ggml.bos_token_id`, ...).
+    pub ids: Specials,
     pub add_bos: Option<bool>,
     pub add_eos: Option<bool>,
     pub add_sep: Option<bool>,
@@ -442,7 +430,8 @@ impl Vocab {
 
         // Special token ids: a default outside the vocabulary is none. A file's own outside it is refused (llama.cpp
         // warns and falls back to its default: a model would run with another BOS than its file says).
-        for (name, id) in [("BOS", meta.bos), ("EOS", meta.eos), ("EOT", meta.eot), ("EOM", meta.eom), ("unknown", meta.unknown), ("separator", meta.separator), ("padding", meta.padding), ("mask", meta.mask)] {
+        let file = &meta.ids;
+        for (name, id) in [("BOS", file.bos), ("EOS", file.eos), ("EOT", file.eot), ("EOM", file.eom), ("unknown", file.unknown), ("separator", file.separator), ("padding", file.padding), ("mask", file.mask)] {
             if let Some(id) = id.filter(|&id| id as usize >= n) {
                 return Err(invalid(format!("the {name} token id {id} is outside the vocabulary of {n} tokens")));
             }
@@ -450,20 +439,20 @@ impl Vocab {
         let in_range = |id: Option<u32>| id.filter(|&id| (id as usize) < n);
         let pick = |default: Option<u32>, file: Option<u32>| in_range(file).or(in_range(default));
         specials = Specials {
-            bos: pick(specials.bos, meta.bos),
-            eos: pick(specials.eos, meta.eos),
-            eot: pick(specials.eot, meta.eot),
-            eom: pick(specials.eom, meta.eom),
-            unknown: pick(specials.unknown, meta.unknown),
-            separator: pick(specials.separator, meta.separator),
-            padding: pick(specials.padding, meta.padding),
-            mask: pick(specials.mask, meta.mask),
-            fim_pre: pick(specials.fim_pre, meta.fim_pre),
-            fim_suf: pick(specials.fim_suf, meta.fim_suf),
-            fim_mid: pick(specials.fim_mid, meta.fim_mid),
-            fim_pad: pick(specials.fim_pad, meta.fim_pad),
-            fim_rep: pick(specials.fim_rep, meta.fim_rep),
-            fim_sep: pick(specials.fim_sep, meta.fim_sep),
+            bos: pick(specials.bos, file.bos),
+            eos: pick(specials.eos, file.eos),
+            eot: pick(specials.eot, file.eot),
+            eom: pick(specials.eom, file.eom),
+            unknown: pick(specials.unknown, file.unknown),
+            separator: pick(specials.separator, file.separator),
+            padding: pick(specials.padding, file.padding),
+            mask: pick(specials.mask, file.mask),
+            fim_pre: pick(specials.fim_pre, file.fim_pre),
+            fim_suf: pick(specials.fim_suf, file.fim_suf),
+            fim_mid: pick(specials.fim_mid, file.fim_mid),
+            fim_pad: pick(specials.fim_pad, file.fim_pad),
+            fim_rep: pick(specials.fim_rep, file.fim_rep),
+            fim_sep: pick(specials.fim_sep, file.fim_sep),
         };
         if let Some(v) = meta.add_bos {
             add_bos = v;

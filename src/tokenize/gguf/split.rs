@@ -323,14 +323,23 @@ impl Cuts<'_> {
     }
 }
 
-/// `\s+(?!\S)|\s+` at `pos`, for the GPT-2 family: whitespace up to the last one before a non-space, or all of it
-/// at the piece's end. None if `pos` is not whitespace.
-fn trailing_whitespace(p: &Piece, pos: usize, run_end: usize) -> Option<usize> {
+/// The rules every GPT-2-family splitter ends with, at `pos`: `\s*[\r\n]+` (whitespace up to its last newline,
+/// when `newlines`), `\s+(?!\S)` (up to the last whitespace before a non-space), `\s+` (all of it, at the piece's
+/// end), else the one character. Cuts the word and returns its end.
+fn whitespace_word(p: &Piece, pos: usize, cuts: &mut Cuts, newlines: bool) -> usize {
+    let (run_end, last_newline) = p.whitespace(pos);
     let n = run_end - pos;
-    if n > 1 && p.cpt(run_end) != OUT {
-        return Some(run_end - 1);
-    }
-    (n > 0).then_some(run_end)
+    let end = if newlines && last_newline > 0 {
+        last_newline
+    } else if n > 1 && p.cpt(run_end) != OUT {
+        run_end - 1
+    } else if n > 0 {
+        run_end
+    } else {
+        pos + 1
+    };
+    cuts.cut(end);
+    end
 }
 
 fn gpt2(p: &Piece, cuts: &mut Cuts) {
@@ -362,14 +371,7 @@ fn gpt2(p: &Piece, cuts: &mut Cuts) {
             cuts.cut(pos);
             continue;
         }
-        let (run_end, _) = p.whitespace(pos);
-        if let Some(end) = trailing_whitespace(p, pos, run_end) {
-            pos = end;
-            cuts.cut(pos);
-            continue;
-        }
-        pos += 1;
-        cuts.cut(pos);
+        pos = whitespace_word(p, pos, cuts, false);
     }
 }
 
@@ -422,20 +424,7 @@ fn llama3(p: &Piece, cuts: &mut Cuts, digits: usize, marks: bool) {
             cuts.cut(pos);
             continue;
         }
-        let (run_end, last_newline) = p.whitespace(pos);
-        // \s*[\r\n]+
-        if last_newline > 0 {
-            pos = last_newline;
-            cuts.cut(pos);
-            continue;
-        }
-        if let Some(end) = trailing_whitespace(p, pos, run_end) {
-            pos = end;
-            cuts.cut(pos);
-            continue;
-        }
-        pos += 1;
-        cuts.cut(pos);
+        pos = whitespace_word(p, pos, cuts, true);
     }
 }
 
@@ -453,7 +442,7 @@ fn digit_groups(p: &Piece, cuts: &mut Cuts) {
         }
         let count = pos - start;
         let mut at = start;
-        if count % 3 > 0 {
+        if !count.is_multiple_of(3) {
             at += count % 3;
             cuts.cut(at);
         }

@@ -107,7 +107,7 @@ fn clean_spaces_tidies_as_llama_cpp() {
 fn wordpiece_lowercases_splits_punctuation_and_marks_unknown_words() {
     let tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "▁hello", "▁world", "▁,", "wor", "▁cafe"];
     let mut m = meta("bert", &tokens, &[3, 2, 3, 3, 1, 1, 1, 1, 1]);
-    (m.bos, m.unknown, m.separator) = (Some(2), Some(1), Some(3));
+    (m.ids.bos, m.ids.unknown, m.ids.separator) = (Some(2), Some(1), Some(3));
     let v = Vocab::new(&m).unwrap();
     assert_eq!(v.tokenize("Hello, WORLD xyz Café".as_bytes(), true, false).unwrap(), [2, 4, 6, 5, 1, 8, 3]);
     assert_eq!(v.detokenize(&[4, 6, 5], false, false), b" hello, world", "spaces before punctuation tidied");

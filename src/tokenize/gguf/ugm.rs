@@ -71,13 +71,16 @@ pub struct Options {
     pub treat_whitespace_as_suffix: bool,
 }
 
+/// A token's id and score by its text (normal, user-defined or unused tokens only).
+pub type TokenScore<'a> = &'a dyn Fn(&[u8]) -> Option<(u32, f64)>;
+
 /// The vocabulary as the Viterbi search reads it.
 pub struct Model<'a> {
     pub charsmap: Option<&'a Charsmap>,
     /// Every prefix of every user-defined token: the normaliser leaves the longest such prefix as it is.
     pub user_defined_prefixes: &'a HashSet<Vec<u8>>,
     /// The id and score of a normal, user-defined or unused token's text (user-defined ones score 0).
-    pub token: &'a dyn Fn(&[u8]) -> Option<(u32, f64)>,
+    pub token: TokenScore<'a>,
     pub max_token_len: usize,
     pub unknown: u32,
     pub unknown_score: f64,

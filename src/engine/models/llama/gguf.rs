@@ -139,20 +139,22 @@ pub(super) fn tokenizer_metadata(content: &Content) -> Result<crate::tokenize::g
         token_types: meta_numbers(content, "tokenizer.ggml.token_type", |v| v.to_i32().ok())?,
         merges,
         precompiled_charsmap: meta_numbers(content, "tokenizer.ggml.precompiled_charsmap", |v| v.to_u8().ok().or_else(|| v.to_i8().ok().map(|b| b as u8)))?,
-        bos: id("tokenizer.ggml.bos_token_id"),
-        eos: id("tokenizer.ggml.eos_token_id"),
-        eot: id("tokenizer.ggml.eot_token_id"),
-        eom: id("tokenizer.ggml.eom_token_id"),
-        unknown: id("tokenizer.ggml.unknown_token_id"),
-        separator: id("tokenizer.ggml.seperator_token_id"),
-        padding: id("tokenizer.ggml.padding_token_id"),
-        mask: id("tokenizer.ggml.mask_token_id"),
-        fim_pre: id("tokenizer.ggml.fim_pre_token_id").or_else(|| id("tokenizer.ggml.prefix_token_id")),
-        fim_suf: id("tokenizer.ggml.fim_suf_token_id").or_else(|| id("tokenizer.ggml.suffix_token_id")),
-        fim_mid: id("tokenizer.ggml.fim_mid_token_id").or_else(|| id("tokenizer.ggml.middle_token_id")),
-        fim_pad: id("tokenizer.ggml.fim_pad_token_id"),
-        fim_rep: id("tokenizer.ggml.fim_rep_token_id"),
-        fim_sep: id("tokenizer.ggml.fim_sep_token_id"),
+        ids: crate::tokenize::gguf::Specials {
+            bos: id("tokenizer.ggml.bos_token_id"),
+            eos: id("tokenizer.ggml.eos_token_id"),
+            eot: id("tokenizer.ggml.eot_token_id"),
+            eom: id("tokenizer.ggml.eom_token_id"),
+            unknown: id("tokenizer.ggml.unknown_token_id"),
+            separator: id("tokenizer.ggml.seperator_token_id"),
+            padding: id("tokenizer.ggml.padding_token_id"),
+            mask: id("tokenizer.ggml.mask_token_id"),
+            fim_pre: id("tokenizer.ggml.fim_pre_token_id").or_else(|| id("tokenizer.ggml.prefix_token_id")),
+            fim_suf: id("tokenizer.ggml.fim_suf_token_id").or_else(|| id("tokenizer.ggml.suffix_token_id")),
+            fim_mid: id("tokenizer.ggml.fim_mid_token_id").or_else(|| id("tokenizer.ggml.middle_token_id")),
+            fim_pad: id("tokenizer.ggml.fim_pad_token_id"),
+            fim_rep: id("tokenizer.ggml.fim_rep_token_id"),
+            fim_sep: id("tokenizer.ggml.fim_sep_token_id"),
+        },
         add_bos: meta_bool(content, "tokenizer.ggml.add_bos_token"),
         add_eos: meta_bool(content, "tokenizer.ggml.add_eos_token"),
         add_sep: meta_bool(content, "tokenizer.ggml.add_sep_token"),
@@ -275,7 +277,7 @@ fn interleave_rows(t: QTensor, head_dim: usize, device: &Device) -> candle_core:
     let dims = t.shape().dims().to_vec();
     let rows = dims[0];
     let data = t.data()?;
-    if rows % head_dim != 0 || data.len() % rows != 0 {
+    if !rows.is_multiple_of(head_dim) || !data.len().is_multiple_of(rows) {
         candle_core::bail!("{rows} rows are not whole heads of {head_dim}");
     }
     let row_bytes = data.len() / rows;
