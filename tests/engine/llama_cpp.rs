@@ -115,7 +115,7 @@ fn gguf_families_compute_what_llama_cpp_computes() {
 }
 
 #[test]
-fn synth_models_load_and_tokenize_in_llama_cpp() {
+fn synth_models_load_and_tokenize_in_llama_cpp_as_in_nightshift() {
     let Some(peer) = llama_peer() else { return };
     let dir = crate::support::scratch("synth-gguf-llama-cpp");
     let path = dir.join("tiny.gguf");
@@ -123,12 +123,16 @@ fn synth_models_load_and_tokenize_in_llama_cpp() {
     // llama.cpp reads synth's byte-level vocabulary (with merges, and a typed empty merge list too) as nightshift does.
     let texts = ["hello there", "<|im_start|>user\nthe tea<|im_end|>", "\u{00e9}t\u{00e9} 2026"];
     let input: String = texts.iter().map(|t| format!("{}\n", t.bytes().map(|b| format!("{b:02x}")).collect::<String>())).collect();
+    // `synth-model` with Llama 2's SentencePiece vocabulary (llama.cpp's file), through the command line.
+    let spm_dir = dir.join("spm");
+    let vocab = crate::support::repo().join("models/llama.cpp/models/ggml-vocab-llama-spm.gguf");
+    crate::support::nightshift(&["synth-model", spm_dir.to_str().unwrap(), "--shape", "tiny", "--vocab", vocab.to_str().unwrap(), "--gguf", "q8_0", "--init", "fidelity"], &[]).assert_ok();
     for file in [path.clone(), {
         let p = dir.join("no-merges.gguf");
         let spec = Spec { vocabulary: Vocabulary { merges: &[], ..VOCABULARY }, ..spec(Family::Llama, 16, false, 10000) };
         synth::write_gguf(&p, &spec, GgmlDType::Q8_0).unwrap();
         p
-    }] {
+    }, spm_dir.join("model-q8_0.gguf")] {
         let mut child = std::process::Command::new(&peer)
             .arg(&file)
             .stdin(std::process::Stdio::piped())
@@ -142,6 +146,8 @@ fn synth_models_load_and_tokenize_in_llama_cpp() {
         let theirs = String::from_utf8(out.stdout).unwrap();
         let vocab = nightshift::engine::models::llama::gguf::vocabulary(&file).unwrap();
         let vocab = vocab.gguf.as_deref().unwrap();
+        // The whole model loads in nightshift too.
+        Model::load(&file, &Device::Cpu).unwrap();
         let mut lines = theirs.lines();
         let header = lines.next().unwrap();
         assert!(crate::tokenizer::same_header(&nightshift::cli::peer_header(vocab), header), "{header}");
