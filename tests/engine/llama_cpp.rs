@@ -1,6 +1,9 @@
 //! Tiny GGUF models of every family nightshift reads from GGUF (llama, qwen2 with its biases, qwen3 with its q/k
 //! norms and heads wider than hidden / heads), written by `synth`, computed by nightshift and by llama.cpp's forward
-//! pass on the same file (scripts/llama-peer.cpp): the same logits within the rounding the two differ by.
+//! pass on the same file (scripts/llama-peer.cpp): the same logits within the rounding the two differ by. And the
+//! same files' F32 and F16 weights computed by a float64 forward pass written from the architectures' definitions
+//! (scripts/reference-forward.py): nightshift's arithmetic to within f32 rounding, which llama.cpp (f16 on the way)
+//! cannot check.
 
 use std::io::Write;
 
@@ -155,4 +158,55 @@ fn synth_models_load_and_tokenize_in_llama_cpp_as_in_nightshift() {
             assert_eq!(nightshift::cli::peer_line(vocab, line).unwrap(), expected, "{}", file.display());
         }
     }
+}
+
+/// The logits of a float64 forward pass written from the architectures' definitions (scripts/reference-forward.py,
+/// numpy) at the last position of each sequence.
+fn reference_logits(model: &std::path::Path, seqs: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let repo = crate::support::repo();
+    let mut child = std::process::Command::new("python3")
+        .arg(repo.join("scripts/reference-forward.py"))
+        .arg(model)
+        .env("PYTHONPATH", repo.join("models/llama.cpp/gguf-py"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 runs scripts/reference-forward.py");
+    let input: String = seqs.iter().map(|s| format!("!{}\n", s.iter().map(u32::to_string).collect::<Vec<_>>().join(" "))).collect();
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "the reference failed on {} (numpy and models/llama.cpp/gguf-py, which scripts/test.sh provides): {}", model.display(), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().lines().map(|l| l.split(' ').map(|x| x.parse().unwrap()).collect()).collect()
+}
+
+/// The largest logit difference from the float64 reference allowed, over the largest logit, for F32 and F16 weights
+/// (which nightshift computes with f32 activations and an f32 KV cache): measured 1.0e-7 to 6.9e-7. llama.cpp, which
+/// rounds to f16 on the way, is 5e-5 to 2e-4 from the reference on one layer.
+const REFERENCE_TOLERANCE: f32 = 1e-5;
+
+#[test]
+fn gguf_families_compute_the_reference_function_in_f32() {
+    // The reference needs what scripts/test.sh provides with the peer (numpy, llama.cpp's gguf-py).
+    let Some(_) = llama_peer() else { return };
+    let dir = crate::support::scratch("gguf-families-reference");
+    let seqs = sequences();
+    for (family, head_dim, tied) in [(Family::Llama, 16, false), (Family::Qwen2, 16, true), (Family::Qwen3, 24, true)] {
+        for quant in [GgmlDType::F32, GgmlDType::F16] {
+            let path = dir.join(format!("{family:?}-{quant:?}.gguf"));
+            synth::write_gguf(&path, &spec(family, head_dim, tied, 10000), quant).unwrap();
+            let (diff, same) = compare(&reference_logits(&path, &seqs), &nightshift_logits(&path, &seqs));
+            eprintln!("{family:?} {quant:?}: largest difference from the reference {diff} of the largest logit");
+            assert!(diff <= REFERENCE_TOLERANCE && same, "{family:?} {quant:?}: largest difference {diff} of the largest logit, argmax agrees: {same}");
+        }
+    }
+    // A change far below what the comparison with llama.cpp can see (2e-3) is caught: RoPE's base 10,000 against
+    // 10,005.
+    let good = dir.join("llama-good.gguf");
+    let bad = dir.join("llama-rope.gguf");
+    synth::write_gguf(&good, &spec(Family::Llama, 16, false, 10000), GgmlDType::F32).unwrap();
+    synth::write_gguf(&bad, &spec(Family::Llama, 16, false, 10005), GgmlDType::F32).unwrap();
+    let (diff, _) = compare(&reference_logits(&good, &seqs), &nightshift_logits(&bad, &seqs));
+    eprintln!("RoPE base 10,005 for 10,000: {diff} of the largest logit");
+    assert!(diff > 10.0 * REFERENCE_TOLERANCE, "a RoPE base 0.05 % off went unnoticed: {diff}");
 }

@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""A float64 forward pass of a GGUF decoder (llama, qwen2, qwen3), written from the architectures' definitions in
+numpy: the arbiter when nightshift and llama.cpp disagree, and the tight check of nightshift's arithmetic (llama.cpp
+rounds activations and its KV cache to f16 and so differs from both by about 1e-4 of the largest logit in one layer).
+
+    PYTHONPATH=models/llama.cpp/gguf-py python3 scripts/reference-forward.py MODEL.gguf < ids
+
+Each input line is `!` and token ids separated by spaces (as scripts/llama-peer.cpp --logits reads them); each output
+line the logits at the sequence's last position. Weights are dequantized by gguf-py and computed in float64, so a
+quantized file gives the exact function of its stored weights (without the activation rounding of a Q8_0 kernel).
+Slow and unbatched: for tiny models and short sequences.
+"""
+import sys
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+
+def main():
+    reader = GGUFReader(sys.argv[1])
+    fields = reader.fields
+    arch = bytes(fields["general.architecture"].parts[-1]).decode()
+    if arch not in ("llama", "qwen2", "qwen3"):
+        sys.exit(f"error: architecture {arch} is not computed here")
+
+    def meta(key, default=None):
+        field = fields.get(f"{arch}.{key}")
+        if field is None:
+            return default
+        return field.parts[field.data[0]][0].item()
+
+    tensors = {}
+    for t in reader.tensors:
+        shape = [int(d) for d in reversed(t.shape)]
+        tensors[t.name] = dequantize(t.data, t.tensor_type).astype(np.float64).reshape(shape)
+    heads, kv_heads = meta("attention.head_count"), meta("attention.head_count_kv")
+    eps, layers = meta("attention.layer_norm_rms_epsilon", 1e-5), meta("block_count")
+    base = meta("rope.freq_base", 10000.0)
+    scale = 1.0 / meta("rope.scaling.factor", 1.0) if fields.get(f"{arch}.rope.scaling.type") else 1.0
+    factors = tensors.get("rope_freqs.weight")
+    embedding = tensors["token_embd.weight"]
+    output = tensors.get("output.weight", embedding)
+
+    def rms(x, w):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+    def rope(x):
+        # x: [positions, heads, head_dim]. llama's GGUF rows are stored for rotating adjacent pairs (llama.cpp's
+        # "normal" mode); qwen2 and qwen3 rotate the two halves (NEOX).
+        positions, _, dim = x.shape
+        inv = base ** (-np.arange(0, dim, 2) / dim)
+        if factors is not None:
+            inv = inv / factors[: dim // 2]
+        angle = (np.arange(positions) * scale)[:, None, None] * inv[None, None, :]
+        cos, sin = np.cos(angle), np.sin(angle)
+        if arch == "llama":
+            a, b = x[..., 0::2], x[..., 1::2]
+            out = np.empty_like(x)
+            out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
+            return out
+        a, b = x[..., : dim // 2], x[..., dim // 2 :]
+        return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+    for line in sys.stdin:
+        ids = [int(i) for i in line.strip().lstrip("!").split()]
+        if not ids or max(ids) >= embedding.shape[0] or min(ids) < 0:
+            sys.exit(f"error: token ids {line.strip()!r} out of range")
+        n = len(ids)
+        x = embedding[ids]
+        mask = np.triu(np.full((n, n), -np.inf), 1)
+        for layer in range(layers):
+            w = lambda name: tensors.get(f"blk.{layer}.{name}")
+            h = rms(x, w("attn_norm.weight"))
+            q, k, v = (h @ w(f"attn_{p}.weight").T + (0 if w(f"attn_{p}.bias") is None else w(f"attn_{p}.bias")) for p in "qkv")
+            dim = k.shape[1] // kv_heads
+            q, k, v = q.reshape(n, heads, dim), k.reshape(n, kv_heads, dim), v.reshape(n, kv_heads, dim)
+            if w("attn_q_norm.weight") is not None:
+                q, k = rms(q, w("attn_q_norm.weight")), rms(k, w("attn_k_norm.weight"))
+            q, k = rope(q), rope(k)
+            attended = np.empty((n, heads, dim))
+            for head in range(heads):
+                kv = head // (heads // kv_heads)
+                scores = q[:, head] @ k[:, kv].T / np.sqrt(dim) + mask
+                scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+                attended[:, head] = (scores / scores.sum(axis=-1, keepdims=True)) @ v[:, kv]
+            x = x + attended.reshape(n, heads * dim) @ w("attn_output.weight").T
+            h = rms(x, w("ffn_norm.weight"))
+            gate, up = h @ w("ffn_gate.weight").T, h @ w("ffn_up.weight").T
+            x = x + (gate / (1 + np.exp(-gate)) * up) @ w("ffn_down.weight").T
+        logits = output @ rms(x[-1], tensors["output_norm.weight"])
+        print(" ".join(f"{v:.12g}" for v in logits), flush=True)
+
+
+if __name__ == "__main__":
+    main()
