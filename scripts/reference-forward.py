@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A float64 forward pass of a GGUF decoder (llama, qwen2, qwen3), written from the architectures' definitions in
-numpy: the arbiter when nightshift and llama.cpp disagree, and the tight check of nightshift's arithmetic (llama.cpp
-rounds activations and its KV cache to f16 and so differs from both by about 1e-4 of the largest logit in one layer).
+numpy: the arbiter when nightshift and llama.cpp disagree, and the tight check of nightshift's arithmetic (llama.cpp,
+with an f16 KV cache and other rounding, is 5e-5 to 2e-4 of the largest logit from it on one F32 layer).
 
     PYTHONPATH=models/llama.cpp/gguf-py python3 scripts/reference-forward.py MODEL.gguf < ids
 

@@ -263,9 +263,9 @@ pub enum Init {
     /// 1 ± 0.5), biases in ±0.5. For tests that hold one implementation against another: a norm weight or bias
     /// that one of them drops changes the logits, and greedy tokens do not hang on near-ties.
     Peaked,
-    /// [`Init::Peaked`], with the q and k projections [`FIDELITY_QK_GAIN`] times wider (attention picks positions,
-    /// so the context and RoPE show in the logits) and the output projection [`FIDELITY_OUTPUT_GAIN`] / sqrt(width)
-    /// (a tied embedding too): for fidelity against llama.cpp on a published shape (`synth-model --init fidelity`,
+    /// [`Init::Peaked`], with the q and k projections [`FIDELITY_QK_GAIN`] times wider ([`FIDELITY_QK_GAIN_LLAMA`]
+    /// for the llama family; attention picks positions, so the context and RoPE show in the logits) and the output
+    /// projection [`FIDELITY_OUTPUT_GAIN`] / sqrt(width) (a tied embedding too): for fidelity against llama.cpp on a published shape (`synth-model --init fidelity`,
     /// scripts/fidelity-llama.py). Measured on a Qwen2.5-0.5B-shaped model with Qwen2's vocabulary: llama.cpp's top
     /// token leads the next by 9 nats at the median position, so rounding does not flip it (top-1 agreement 100 % in
     /// F16), while a wrong RoPE base or dropped biases do (96.5 % and 52 %: BENCHMARKS.md).
@@ -366,9 +366,14 @@ impl Draw {
     }
 }
 
-/// [`Init::Fidelity`]'s q and k projections, over 1/sqrt(width). Twice as wide, attention no longer picks positions
-/// stably: rounding then flips llama.cpp's and nightshift's choices (91 % agreement in F16 at gain 8).
+/// [`Init::Fidelity`]'s q and k projections, over 1/sqrt(width), for qwen2 and qwen3. Twice as wide, attention no
+/// longer picks positions stably: rounding then flips llama.cpp's and nightshift's choices (91 % agreement in F16
+/// at gain 8).
 pub const FIDELITY_QK_GAIN: f32 = 4.0;
+/// The same for the llama family, whose attention has neither qwen2's biases nor qwen3's q/k norms to steady it: at
+/// 4, a 30-layer model of width 576 magnifies llama.cpp's f16 rounding to 0.14-0.17 of the largest logit over 200
+/// tokens (nightshift is 3e-4 from a float64 forward pass there); at 3, 0.003, as qwen2 at 4.
+pub const FIDELITY_QK_GAIN_LLAMA: f32 = 3.0;
 /// [`Init::Fidelity`]'s output projection, over 1/sqrt(width). At 4 the top token leads the next by a third of a nat
 /// at the median, and rounding flips a few percent of positions.
 pub const FIDELITY_OUTPUT_GAIN: f32 = 8.0;
@@ -381,7 +386,11 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
     let mut draw = Draw { random: Random::new(spec.seed), init: spec.init, dtype: spec.dtype };
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
     let fidelity = spec.init == Init::Fidelity;
-    let (qk_gain, output_gain) = if fidelity { (FIDELITY_QK_GAIN, FIDELITY_OUTPUT_GAIN) } else { (1.0, 4.0) };
+    let (qk_gain, output_gain) = match (fidelity, shape.family) {
+        (true, Family::Llama) => (FIDELITY_QK_GAIN_LLAMA, FIDELITY_OUTPUT_GAIN),
+        (true, _) => (FIDELITY_QK_GAIN, FIDELITY_OUTPUT_GAIN),
+        (false, _) => (1.0, 4.0),
+    };
     // Tied, the embedding is the output projection too: for fidelity it is drawn at the output projection's scale,
     // so that the logits are nats apart rather than hundreds (the first layer's RMSNorm undoes its scale).
     let embedding = match shape.tied && fidelity {
