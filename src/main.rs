@@ -76,7 +76,7 @@ fn main() -> ExitCode {
             cli::print_synth(&report, &args.dir);
             if let Some(quant) = quant {
                 let (path, bytes) = nightshift::synth::synth_gguf(&args.dir, quant, args.tokenizer()?.as_ref())?;
-                println!("wrote {} ({:.1} MB)", path.display(), bytes as f64 / 1e6);
+                cli::print_written(&path, bytes);
             }
             Ok(())
         }),

@@ -886,3 +886,91 @@ fn a_gguf_architecture_or_tokenizer_nightshift_does_not_run_stops_validate_and_r
         refused(&path, &["pre-tokenizer", wanted[0], wanted[1]]);
     }
 }
+
+/// A copy of the GGUF at `src` with metadata values replaced and F32 tensors' values replaced (candle's writer).
+fn rewrite_gguf(src: &std::path::Path, dst: &std::path::Path, metadata: &[(&str, candle_core::quantized::gguf_file::Value)], tensors: &[(&str, f32)]) {
+    use candle_core::quantized::{gguf_file, QTensor};
+    let mut file = std::fs::File::open(src).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let mut meta = content.metadata.clone();
+    for (key, value) in metadata {
+        meta.insert(key.to_string(), value.clone());
+    }
+    let mut loaded: Vec<(String, QTensor)> = Vec::new();
+    for name in content.tensor_infos.keys() {
+        let mut t = content.tensor(&mut file, name, &candle_core::Device::Cpu).unwrap();
+        if let Some((_, v)) = tensors.iter().find(|(n, _)| n == name) {
+            let replaced = (t.dequantize(&candle_core::Device::Cpu).unwrap().ones_like().unwrap() * *v as f64).unwrap();
+            t = QTensor::quantize(&replaced, t.dtype()).unwrap();
+        }
+        loaded.push((name.clone(), t));
+    }
+    let meta_refs: Vec<(&str, &gguf_file::Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = loaded.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    gguf_file::write(&mut std::fs::File::create(dst).unwrap(), &meta_refs, &tensor_refs).unwrap();
+}
+
+#[test]
+fn a_rope_base_or_norm_epsilon_out_of_range_stops_validate_and_run_and_nan_logits_fail_rows_not_as_tokens() {
+    use candle_core::quantized::gguf_file::Value;
+    let dir = scratch("gguf-garbage-metadata");
+    let job = job_file(&dir, "jobs/data/tickets.parquet", dir.join("out").to_str().unwrap(), "max_new_tokens = 4", "");
+    let tiny = dir.join("tiny.gguf");
+    write_tiny_model(&tiny);
+    let cases = [
+        ("llama.rope.freq_base", Value::F32(f32::NAN)),
+        ("llama.rope.freq_base", Value::F32(f32::INFINITY)),
+        ("llama.rope.freq_base", Value::F32(0.0)),
+        ("llama.rope.freq_base", Value::F32(-10000.0)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(f32::NAN)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(0.0)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(-1e-5)),
+    ];
+    for (key, value) in cases {
+        let path = dir.join("bad.gguf");
+        rewrite_gguf(&tiny, &path, &[(key, value.clone())], &[]);
+        for verb in ["validate", "run"] {
+            let run = nightshift(&[verb, job.to_str().unwrap(), "--model", path.to_str().unwrap()], &[]);
+            assert_eq!(run.code, 4, "{verb} {key} = {value:?}: {}", run.stderr);
+            assert!(run.stderr.contains(&format!("`{key}`")), "{verb} {key} = {value:?}: {}", run.stderr);
+            assert!(!dir.join("out/_plan.json").exists(), "nothing is written");
+        }
+    }
+    // Weights that compute NaN (the final norm's): every row is an engine error naming it, none a token; the job
+    // itself completes.
+    let path = dir.join("nan.gguf");
+    rewrite_gguf(&tiny, &path, &[], &[("output_norm.weight", f32::NAN)]);
+    let run = nightshift(&["run", job.to_str().unwrap(), "--model", path.to_str().unwrap()], &[]);
+    let rows = read_results(&dir.join("out"));
+    assert!(!rows.is_empty(), "{}", run.stderr);
+    for row in rows.values() {
+        assert_eq!(row.status, "errored", "{row:?}");
+        assert_eq!(row.error_code.as_deref(), Some("engine_error"), "{row:?}");
+        assert!(row.error_message.as_deref().unwrap_or("").contains("NaN logit"), "{row:?}");
+    }
+}
+
+#[test]
+fn a_verb_whose_reader_stops_reading_keeps_its_exit_code_and_does_not_panic() {
+    // `nightshift status OUT | head -1`: the reader is gone before the verb prints.
+    let dir = scratch("closed-stdout");
+    let out = dir.join("out");
+    let job = job_file(&dir, "jobs/data/tickets.parquet", out.to_str().unwrap(), "max_new_tokens = 2", "");
+    let tiny = dir.join("tiny.gguf");
+    write_tiny_model(&tiny);
+    let run = nightshift(&["run", job.to_str().unwrap(), "--model", tiny.to_str().unwrap()], &[]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    for args in [vec!["status", out.to_str().unwrap()], vec!["status", out.to_str().unwrap(), "--json"], vec!["validate", job.to_str().unwrap(), "--model", tiny.to_str().unwrap()]] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_nightshift"))
+            .args(&args)
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&child.stderr);
+        assert_eq!(child.status.code(), Some(0), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}

@@ -86,17 +86,24 @@ fn run_alone<A: Attention>(model: &Model, attention: &A, prompts: &[Vec<u32>], s
 }
 
 fn compare(name: &str, reference: &Trace, other: &Trace, max_rel_diff_allowed: f64, argmax_agree_min: f64) -> Comparison {
-    let (mut worst, mut scale, mut agree, mut positions) = (0f64, 0f64, 0, 0);
+    let (mut worst, mut scale, mut agree, mut positions, mut nan) = (0f64, 0f64, 0, 0, false);
     for (a, b) in reference.iter().flatten().zip(other.iter().flatten()) {
         for (x, y) in a.iter().zip(b) {
+            // `f64::max` skips a NaN: it is counted apart, and a NaN anywhere fails the comparison.
+            nan |= x.is_nan() || y.is_nan();
             worst = worst.max((x - y).abs() as f64);
             scale = scale.max(x.abs() as f64);
         }
-        agree += usize::from(crate::engine::sampling::argmax(a) == crate::engine::sampling::argmax(b));
+        let has_nan = crate::engine::sampling::has_nan;
+        agree += usize::from(!has_nan(a) && !has_nan(b) && crate::engine::sampling::argmax(a) == crate::engine::sampling::argmax(b));
         positions += 1;
     }
-    let max_rel_diff = if scale > 0.0 { worst / scale } else { worst };
-    let pass = max_rel_diff <= max_rel_diff_allowed && agree as f64 >= argmax_agree_min * positions as f64;
+    let max_rel_diff = match (nan, scale > 0.0) {
+        (true, _) => f64::NAN,
+        (false, true) => worst / scale,
+        (false, false) => worst,
+    };
+    let pass = !nan && max_rel_diff <= max_rel_diff_allowed && agree as f64 >= argmax_agree_min * positions as f64;
     Comparison { name: name.into(), max_rel_diff, argmax_agree: agree, positions, max_rel_diff_allowed, argmax_agree_min, pass }
 }
 
@@ -158,4 +165,26 @@ pub fn parity(options: &ParityOptions) -> Result<ParityReport, Error> {
         pass: comparisons.iter().all(|c| c.pass),
         comparisons,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nan_logits_fail_the_comparison_and_agree_nowhere() {
+        let good: Trace = vec![vec![vec![1.0, 3.0, 2.0], vec![0.5, 0.1, 0.2]]];
+        let same = compare("same", &good, &good.clone(), 1e-3, 0.99);
+        assert!(same.pass && same.argmax_agree == 2 && same.max_rel_diff == 0.0, "{same:?}");
+        // All NaN (argmax 0 on both sides, and `max` skipping NaN, made this pass before), and one NaN.
+        let all_nan: Trace = vec![vec![vec![f32::NAN; 3]; 2]];
+        for other in [all_nan, vec![vec![vec![1.0, f32::NAN, 2.0], vec![0.5, 0.1, 0.2]]]] {
+            for (a, b) in [(&good, &other), (&other, &good), (&other, &other)] {
+                let c = compare("nan", a, b, 1e-3, 0.0);
+                assert!(!c.pass && c.max_rel_diff.is_nan(), "{c:?}");
+            }
+            let c = compare("nan", &other, &other, 1e-3, 0.0);
+            assert!(c.argmax_agree < 2, "{c:?}");
+        }
+    }
 }

@@ -5,9 +5,28 @@ use crate::error::redact_urls;
 use crate::outcome::Outcome;
 use crate::sink::{Finalized, Manifest, OutputStatus};
 
+/// `println!`, except that a closed standard output (`nightshift status | head -1`) ends the printing quietly: what
+/// the reader did not want is not an error, and the verb's exit code stands. Any other write error panics, as
+/// `println!` does.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout(), $($arg)*) {
+            if e.kind() != std::io::ErrorKind::BrokenPipe {
+                panic!("failed printing to stdout: {e}");
+            }
+        }
+    }};
+}
+
+/// `synth-model --gguf`: the GGUF written.
+pub fn print_written(path: &std::path::Path, bytes: u64) {
+    out!("wrote {} ({:.1} MB)", path.display(), bytes as f64 / 1e6);
+}
+
 pub fn print_synth(r: &crate::synth::SynthReport, dir: &std::path::Path) {
     let s = &r.shape;
-    println!(
+    out!(
         "wrote {}: {} shape ({} layers, hidden {}, {} heads / {} kv heads, ffn {}, vocab {}), {:.1} M parameters, {} weights, {:.1} MB in {:.1} s",
         dir.display(),
         s.name,
@@ -27,11 +46,11 @@ pub fn print_synth(r: &crate::synth::SynthReport, dir: &std::path::Path) {
 /// Prints a parity report; an error when a comparison is outside its tolerance.
 pub fn print_parity(r: &crate::bench::ParityReport, json: bool) -> Result<(), crate::error::Error> {
     if json {
-        println!("{}", serde_json::to_string(r).expect("plain data serialises"));
+        out!("{}", serde_json::to_string(r).expect("plain data serialises"));
     } else {
-        println!("model: {} on {} ({}), prompts {:?} + {} greedy steps", r.model, r.device, r.dtype, r.prompt_lengths, r.steps);
+        out!("model: {} on {} ({}), prompts {:?} + {} greedy steps", r.model, r.device, r.dtype, r.prompt_lengths, r.steps);
         for c in &r.comparisons {
-            println!(
+            out!(
                 "{:<34} max |diff| {:.2e} of the largest logit (allowed {:.0e}), argmax agrees at {}/{} (min {:.0} %): {}",
                 c.name,
                 c.max_rel_diff,
@@ -51,10 +70,10 @@ pub fn print_parity(r: &crate::bench::ParityReport, json: bool) -> Result<(), cr
 
 pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
     if json {
-        println!("{}", serde_json::to_string(r).expect("plain data serialises"));
+        out!("{}", serde_json::to_string(r).expect("plain data serialises"));
         return;
     }
-    println!(
+    out!(
         "model: {} ({:?} workload, {} rows, max_seqs {}, max_batch_tokens {}) on {} ({}, weights {}, {} KV cache{})",
         r.model,
         r.workload,
@@ -67,23 +86,23 @@ pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
         r.kv_cache_dtype,
         if r.paged { format!(", paged KV cache, {} attention", r.attention) } else { String::new() }
     );
-    println!(
+    out!(
         "tokens: {} prompt ({:.0} per row), {} output ({:.0} per row)",
         r.prompt_tokens,
         r.prompt_tokens as f64 / r.rows.max(1) as f64,
         r.output_tokens,
         r.output_tokens as f64 / r.rows.max(1) as f64
     );
-    println!(
+    out!(
         "throughput: {:.2} requests/s, {:.1} total tokens/s, {:.1} output tokens/s over {:.1} s ({} steps)",
         r.requests_per_s, r.total_tokens_per_s, r.output_tokens_per_s, r.seconds, r.steps
     );
-    println!(
+    out!(
         "steps: prefill {:.1} s ({:.1} prompt tok/s, decode tokens riding along), decode-only {:.1} s ({:.1} tok/s)",
         r.prefill_s, r.prefill_tokens_per_s, r.decode_s, r.decode_tokens_per_s
     );
-    println!("per step: {:.2} ms in the model's forward pass, {:.2} ms of host time (the engine and driver)", r.forward_ms_per_step, r.host_ms_per_step);
-    println!(
+    out!("per step: {:.2} ms in the model's forward pass, {:.2} ms of host time (the engine and driver)", r.forward_ms_per_step, r.host_ms_per_step);
+    out!(
         "latency: TTFT p50 {:.3} s, p90 {:.3} s, p99 {:.3} s (from entering the engine's queue); TPOT p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms",
         r.ttft_p50_s,
         r.ttft_p90_s,
@@ -92,21 +111,21 @@ pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
         r.tpot_p90_s * 1e3,
         r.tpot_p99_s * 1e3
     );
-    println!(
+    out!(
         "memory: peak RSS {} MiB, weights {} MiB, peak KV cache {} MiB, at most {} sequences at once",
         r.peak_rss_bytes >> 20,
         r.weights_bytes >> 20,
         r.peak_kv_cache_bytes >> 20,
         r.peak_running
     );
-    println!(
+    out!(
         "kv cache: {} of {} blocks at peak, {} preemptions, packing efficiency {:.1} %",
         r.peak_kv_blocks,
         r.kv_blocks,
         r.preemptions,
         r.packing_efficiency * 100.0
     );
-    println!(
+    out!(
         "prefix cache: {}, {} prompt tokens served from it, {} computed ({:.1} % of prompt tokens)",
         if r.prefix_cache { "on" } else { "off" },
         r.cached_prompt_tokens,
@@ -117,11 +136,11 @@ pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
 
 pub fn print_embed_bench(report: &crate::bench::EmbedBenchReport, json: bool) {
     if json {
-        println!("{}", serde_json::to_string(report).expect("plain data serialises"));
+        out!("{}", serde_json::to_string(report).expect("plain data serialises"));
         return;
     }
-    println!("model: {} ({} dimensions)", report.model, report.dimensions);
-    println!(
+    out!("model: {} ({} dimensions)", report.model, report.dimensions);
+    out!(
         "workload: {} rows, {} tokens ({:.1} per row), {} batches, packing efficiency {:.1} %",
         report.rows,
         report.tokens,
@@ -129,7 +148,7 @@ pub fn print_embed_bench(report: &crate::bench::EmbedBenchReport, json: bool) {
         report.batches,
         report.packing_efficiency * 100.0
     );
-    println!(
+    out!(
         "throughput: {:.1} rows/s, {:.0} tokens/s over {:.2} s (tokenization {:.2} s, not included); peak RSS {} MiB",
         report.rows_per_s,
         report.tokens_per_s,
@@ -151,61 +170,61 @@ fn duration(seconds: f64) -> String {
 
 pub fn print_plan(r: &crate::app::JobPlanReport, json: bool) {
     if json {
-        println!("{}", serde_json::to_string(r).expect("plain data serialises"));
+        out!("{}", serde_json::to_string(r).expect("plain data serialises"));
         return;
     }
     let mean = |tokens: u64, rows: u64| if rows > 0 { tokens as f64 / rows as f64 } else { 0.0 };
     if let Some(reuse) = &r.reuse {
-        println!(
+        out!(
             "reuse: {} rows served by {} source(s) ({} files, {} request keys, read in {:.2} s)",
             reuse.reused_rows, reuse.sources, reuse.source_files, reuse.source_keys, reuse.index_seconds
         );
         for (url, why) in &reuse.refused {
-            println!("  `{}` serves nothing: another job ({why})", redact_urls(url));
+            out!("  `{}` serves nothing: another job ({why})", redact_urls(url));
         }
     }
     if r.duplicate_rows > 0 {
-        println!("duplicates: {} rows repeat an earlier row's request and are computed once", r.duplicate_rows);
+        out!("duplicates: {} rows repeat an earlier row's request and are computed once", r.duplicate_rows);
     }
     let copied = r.reuse.as_ref().map_or(0, |u| u.reused_rows) + r.duplicate_rows;
     match copied {
-        0 => println!("rows: {} ({} ready for the engine)", r.rows, r.ok_rows),
-        _ => println!("rows: {} ({} to compute; the figures below are theirs)", r.rows, r.ok_rows),
+        0 => out!("rows: {} ({} ready for the engine)", r.rows, r.ok_rows),
+        _ => out!("rows: {} ({} to compute; the figures below are theirs)", r.rows, r.ok_rows),
     }
-    println!(
+    out!(
         "prompt tokens: {} ({:.0} per row); output tokens: at most {} ({:.0} per row)",
         r.prompt_tokens,
         mean(r.prompt_tokens, r.ok_rows),
         r.max_output_tokens,
         mean(r.max_output_tokens, r.ok_rows)
     );
-    println!(
+    out!(
         "shared prefixes: {}{} prompt tokens ({:.1} %) repeat the start of an earlier row's prompt, in whole blocks of {} tokens: work a prefix cache could skip",
         if r.shared_prefix_exact { "" } else { "at least " },
         r.shared_prefix_tokens,
         100.0 * r.shared_prefix_tokens as f64 / r.prompt_tokens.max(1) as f64,
         crate::engine::KV_BLOCK_TOKENS
     );
-    println!("prompt lengths (tokens, chat template included):");
+    out!("prompt lengths (tokens, chat template included):");
     let widest = r.histogram.buckets.iter().map(|b| b.2).max().unwrap_or(1).max(1);
     for &(lo, hi, rows, tokens) in &r.histogram.buckets {
         let bar = "#".repeat(((rows * 40).div_ceil(widest)) as usize);
-        println!("  {lo:>6} - {hi:<6} {rows:>8} rows {tokens:>10} tokens  {bar}");
+        out!("  {lo:>6} - {hi:<6} {rows:>8} rows {tokens:>10} tokens  {bar}");
     }
     if r.over_length_rows > 0 {
-        println!(
+        out!(
             "over-length: {} rows longer than {} tokens (error rows, prompt_too_long); first: {}",
             r.over_length_rows,
             r.longest_sequence.saturating_sub(1),
             r.over_length_ids.join(", ")
         );
     } else {
-        println!("over-length: none (longest allowed prompt {} tokens)", r.longest_sequence.saturating_sub(1));
+        out!("over-length: none (longest allowed prompt {} tokens)", r.longest_sequence.saturating_sub(1));
     }
     for (code, n) in &r.other_errors {
-        println!("other errors: {n} rows {code}");
+        out!("other errors: {n} rows {code}");
     }
-    println!(
+    out!(
         "kv cache: {} MiB = {} tokens; {} sequences of the mean length fit at once (max_seqs {}); weights {} MiB ({})",
         r.kv_cache_bytes >> 20,
         r.kv_tokens,
@@ -215,11 +234,11 @@ pub fn print_plan(r: &crate::app::JobPlanReport, json: bool) {
         r.weights_layout
     );
     let s = &r.simulation;
-    println!(
+    out!(
         "schedule (every row generating max_new_tokens): {} steps, {} with prefills (max_batch_tokens {}), {:.1} sequences decoding per step, peak {} KV blocks, {} preemptions ({} tokens recomputed)",
         s.steps, s.prefill_steps, r.max_batch_tokens, s.mean_running, s.peak_kv_blocks, s.preemptions, s.recomputed_tokens
     );
-    println!(
+    out!(
         "prefix cache in that schedule: {} prompt tokens served ({:.1} %), {} computed, {} cached blocks evicted",
         s.cached_tokens,
         100.0 * s.cached_tokens as f64 / r.prompt_tokens.max(1) as f64,
@@ -227,7 +246,7 @@ pub fn print_plan(r: &crate::app::JobPlanReport, json: bool) {
         s.prefix_evictions
     );
     match (&r.calibration, r.estimated_seconds) {
-        (Some(c), Some(secs)) => println!(
+        (Some(c), Some(secs)) => out!(
             "estimate: at most {}, from {} calibration rows in {:.1} s: prefill {:.0} tokens/s, decode {:.0} tokens/s",
             duration(secs),
             c.rows,
@@ -235,8 +254,8 @@ pub fn print_plan(r: &crate::app::JobPlanReport, json: bool) {
             c.prefill_tokens_per_s,
             c.decode_tokens_per_s
         ),
-        (Some(c), None) => println!("estimate: none (the {} calibration rows gave no decode-only steps to time)", c.rows),
-        (None, _) => println!("estimate: none (no calibration run)"),
+        (Some(c), None) => out!("estimate: none (the {} calibration rows gave no decode-only steps to time)", c.rows),
+        (None, _) => out!("estimate: none (no calibration run)"),
     }
 }
 
@@ -249,8 +268,8 @@ fn shorten(text: &str, max_chars: usize) -> String {
 }
 
 fn print_manifest(m: &Manifest, manifest_url: &str) {
-    println!("manifest: {}", redact_urls(manifest_url));
-    println!(
+    out!("manifest: {}", redact_urls(manifest_url));
+    out!(
         "rows: {} ({} succeeded, {} errored) in {} unit(s)  prompt tokens: {}  output tokens: {}",
         m.rows,
         m.succeeded_rows,
@@ -260,15 +279,15 @@ fn print_manifest(m: &Manifest, manifest_url: &str) {
         m.completion_tokens
     );
     if let (Some(report), Some(root)) = (&m.report, manifest_url.strip_suffix(crate::sink::MANIFEST_FILE)) {
-        println!("report: {}{report}", redact_urls(root));
+        out!("report: {}{report}", redact_urls(root));
     }
 }
 
 pub fn print_run(report: &RunReport) {
     let m = &report.metrics;
-    println!("output: {}", redact_urls(&report.output_url));
+    out!("output: {}", redact_urls(&report.output_url));
     if report.status == RunStatus::AlreadyComplete {
-        println!("the output is complete already: nothing to do");
+        out!("the output is complete already: nothing to do");
         if let Some(manifest) = &report.manifest {
             print_manifest(manifest, &report.manifest_url);
         }
@@ -276,16 +295,16 @@ pub fn print_run(report: &RunReport) {
     }
     match (&report.status, &report.manifest) {
         (RunStatus::ShardDone { missing }, _) if report.units_committed + report.units_skipped == 0 => {
-            println!("{} has no units (the plan has fewer units than shards); the output is not finalized yet: {missing}", report.assignment)
+            out!("{} has no units (the plan has fewer units than shards); the output is not finalized yet: {missing}", report.assignment)
         }
         (RunStatus::ShardDone { missing }, _) => {
-            println!("{} is committed; the output is not finalized yet: {missing}", report.assignment)
+            out!("{} is committed; the output is not finalized yet: {missing}", report.assignment)
         }
         (_, Some(manifest)) => print_manifest(manifest, &report.manifest_url),
         _ => {}
     }
-    println!("units: {} committed by this run, {} before it ({})", report.units_committed, report.units_skipped, report.assignment);
-    println!(
+    out!("units: {} committed by this run, {} before it ({})", report.units_committed, report.units_skipped, report.assignment);
+    out!(
         "this run: {} rows ({} computed, {} reused, {} deduplicated, {} errored), {:.2} requests/s, {:.1} total tokens/s, {:.1} output tokens/s over {:.1} s (model load {:.1} s)",
         m.rows, m.computed_rows, m.reused_rows, m.deduplicated_rows, m.errored_rows, m.requests_per_s, m.total_tokens_per_s, m.output_tokens_per_s, m.generation_s, m.model_load_s
     );
@@ -298,15 +317,15 @@ pub fn print_run(report: &RunReport) {
                         Some(lp) if choice.finish_reason == crate::row::FinishReason::Scored => format!("logprob {lp:.4}"),
                         _ => shorten(&choice.text, 160),
                     };
-                    println!("  [{}] {index}({}) {text}", c.id, choice.finish_reason.as_str());
+                    out!("  [{}] {index}({}) {text}", c.id, choice.finish_reason.as_str());
                 }
             }
             Outcome::Embedded(e) => {
                 let head: Vec<String> = e.vector.iter().take(4).map(|v| format!("{v:.4}")).collect();
-                println!("  [{}] {} tokens -> [{}, ...] ({} dimensions)", e.id, e.prompt_tokens, head.join(", "), e.vector.len())
+                out!("  [{}] {} tokens -> [{}, ...] ({} dimensions)", e.id, e.prompt_tokens, head.join(", "), e.vector.len())
             }
-            Outcome::Failed(f) => println!("  [{}] error {}: {}", f.id, f.error.code, f.error.message),
-            Outcome::Reused(r) => println!("  [{}] reused", r.id),
+            Outcome::Failed(f) => out!("  [{}] error {}: {}", f.id, f.error.code, f.error.message),
+            Outcome::Reused(r) => out!("  [{}] reused", r.id),
         }
     }
 }
@@ -319,40 +338,40 @@ pub fn print_data_parallel(report: &crate::app::parallel::ParallelReport) {
             Some(sig) => format!(" (killed by signal {sig})"),
             None => String::new(),
         };
-        println!("worker {} (shard {} of {}, {gpu}): exit {}{how}", w.worker.shard, w.worker.shard, report.workers.len(), w.code);
+        out!("worker {} (shard {} of {}, {gpu}): exit {}{how}", w.worker.shard, w.worker.shard, report.workers.len(), w.code);
     }
     match (report.code, report.finalized) {
-        (0, true) => println!("every shard is committed; the output is finalized"),
-        (code, _) => println!("exit {code}: the worst worker's (rerun the same command to resume; committed units are kept)"),
+        (0, true) => out!("every shard is committed; the output is finalized"),
+        (code, _) => out!("exit {code}: the worst worker's (rerun the same command to resume; committed units are kept)"),
     }
 }
 
 pub fn print_finalize(finalized: &Finalized, manifest_url: &str) {
     match finalized {
         Finalized::Done(m) => {
-            println!("finalized: every unit is committed");
+            out!("finalized: every unit is committed");
             print_manifest(m, manifest_url);
         }
         Finalized::AlreadyComplete(m) => {
-            println!("the output is complete already");
+            out!("the output is complete already");
             print_manifest(m, manifest_url);
         }
     }
 }
 
 pub fn print_validate(report: &ValidateReport) {
-    println!("job is valid");
-    println!("input: {} file(s), {} rows", report.input_files.len(), report.rows);
+    out!("job is valid");
+    out!("input: {} file(s), {} rows", report.input_files.len(), report.rows);
     for f in report.input_files.iter().take(5) {
-        println!("  {f}");
+        out!("  {f}");
     }
     if report.input_files.len() > 5 {
-        println!("  ... and {} more", report.input_files.len() - 5);
+        out!("  ... and {} more", report.input_files.len() - 5);
     }
     match &report.model {
         ModelSummary::Decoder(model) => {
             let c = &model.config;
-            println!(
+            out!(
                 "model: {} ({}), {} layers, hidden {}, {} heads ({} kv), context {}, vocabulary {}",
                 c.name.as_deref().unwrap_or("unnamed"),
                 c.architecture,
@@ -364,15 +383,15 @@ pub fn print_validate(report: &ValidateReport) {
                 c.vocab_size
             );
             let types: Vec<String> = model.tensor_types.iter().map(|(t, n)| format!("{t} x{n}")).collect();
-            println!("tensors: {}", types.join(", "));
-            println!(
+            out!("tensors: {}", types.join(", "));
+            out!(
                 "tokenizer: {} / {}, chat template: {}",
                 model.vocab.kind,
                 model.vocab.pre.as_deref().unwrap_or("default"),
                 if model.vocab.chat_template.is_some() { "yes" } else { "no" }
             );
         }
-        ModelSummary::Seq2seq(c) => println!(
+        ModelSummary::Seq2seq(c) => out!(
             "model: encoder-decoder (t5), {} encoder and {} decoder layers, d_model {}, {} heads, vocabulary {}",
             c.num_layers,
             c.decoder_layers(),
@@ -382,7 +401,7 @@ pub fn print_validate(report: &ValidateReport) {
         ),
         ModelSummary::Encoder(info) => {
             let c = &info.config;
-            println!(
+            out!(
                 "model: encoder ({}), {} layers, hidden {}, {} heads, vocabulary {}",
                 c.model_type.as_deref().unwrap_or("bert"),
                 c.num_hidden_layers,
@@ -390,7 +409,7 @@ pub fn print_validate(report: &ValidateReport) {
                 c.num_attention_heads,
                 c.vocab_size
             );
-            println!(
+            out!(
                 "embedding: {} dimensions, {:?} pooling{}, at most {} tokens per row",
                 info.dimensions,
                 info.pooling,
@@ -399,7 +418,7 @@ pub fn print_validate(report: &ValidateReport) {
             );
         }
     }
-    println!("output: {} ({})", redact_urls(&report.output_url), report.output_state);
+    out!("output: {} ({})", redact_urls(&report.output_url), report.output_state);
 }
 
 fn rate(v: Option<f64>) -> String {
@@ -425,7 +444,7 @@ fn unit_ranges(units: &[u32], max: usize) -> String {
 
 pub fn print_status(status: &OutputStatus, json: bool) {
     if json {
-        println!("{}", serde_json::to_string(status).expect("plain data serialises"));
+        out!("{}", serde_json::to_string(status).expect("plain data serialises"));
         return;
     }
     let state = if status.complete {
@@ -435,17 +454,17 @@ pub fn print_status(status: &OutputStatus, json: bool) {
     } else {
         format!("incomplete: {} of {} units committed", status.committed_units, status.units)
     };
-    println!("output: {}", redact_urls(&status.url));
-    println!("state: {state}");
+    out!("output: {}", redact_urls(&status.url));
+    out!("state: {state}");
     if !status.damaged_units.is_empty() {
         let first: Vec<String> = status.damaged_units.iter().take(5).map(|u| format!("u{u:06}")).collect();
-        println!(
+        out!(
             "damaged: {} committed unit(s) name a file that is missing (first: {}); not counted as committed: running the job again computes them",
             status.damaged_units.len(),
             first.join(", ")
         );
     }
-    println!(
+    out!(
         "plan: {} units in {} shard(s), {} rows ({} committed), fingerprint {}",
         status.units,
         status.shards.len(),
@@ -453,12 +472,12 @@ pub fn print_status(status: &OutputStatus, json: bool) {
         status.committed_rows,
         status.fingerprint
     );
-    println!(
+    out!(
         "{:>5}  {:>11}  {:>17}  {:>13}  {:>8}  {:>9}  {:>10}  {:>8}  missing",
         "shard", "units", "rows", "output tok", "rows/s", "tok/s", "out tok/s", "attempts"
     );
     for s in &status.shards {
-        println!(
+        out!(
             "{:>5}  {:>11}  {:>17}  {:>13}  {:>8}  {:>9}  {:>10}  {:>8}  {}",
             s.shard,
             format!("{}/{}", s.committed_units, s.units),
@@ -477,33 +496,33 @@ pub fn print_status(status: &OutputStatus, json: bool) {
 pub fn print_kernel_bench(report: &[crate::bench::KernelMeasurement], attention: &[crate::bench::AttentionMeasurement], json: bool) {
     if json {
         for m in report {
-            println!("{}", serde_json::to_string(m).expect("a measurement serializes"));
+            out!("{}", serde_json::to_string(m).expect("a measurement serializes"));
         }
         for m in attention {
-            println!("{}", serde_json::to_string(m).expect("a measurement serializes"));
+            out!("{}", serde_json::to_string(m).expect("a measurement serializes"));
         }
         return;
     }
-    println!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11} {:>8}", "tensor", "type", "[n, k]", "level", "rows", "us", "GFLOP/s");
+    out!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11} {:>8}", "tensor", "type", "[n, k]", "level", "rows", "us", "GFLOP/s");
     for m in report {
         let shape = format!("[{}, {}]", m.shape[0], m.shape[1]);
-        println!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11.1} {:>8.1}", m.tensor, m.dtype, shape, m.level, m.rows, m.seconds * 1e6, m.gflops);
+        out!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11.1} {:>8.1}", m.tensor, m.dtype, shape, m.level, m.rows, m.seconds * 1e6, m.gflops);
     }
     if attention.is_empty() {
         return;
     }
-    println!();
-    println!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11} {:>8}", "decode attention", "kv", "context", "level", "seqs", "us", "GB/s");
+    out!();
+    out!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11} {:>8}", "decode attention", "kv", "context", "level", "seqs", "us", "GB/s");
     for m in attention {
-        println!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11.1} {:>8.1}", "every layer", m.kv_dtype, m.context, m.level, m.seqs, m.seconds * 1e6, m.gbps);
+        out!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11.1} {:>8.1}", "every layer", m.kv_dtype, m.context, m.level, m.seqs, m.seconds * 1e6, m.gbps);
     }
 }
 
 /// `nightshift report`: the page to standard output, or written to `to` (whole or not at all: a temporary file
 /// beside it, renamed) with one line saying where.
 pub fn print_export(e: &crate::sink::export::Exported) {
-    println!("{} lines of {} responses: {}", e.results, e.endpoint.url(), redact_urls(&e.results_url));
-    println!("{} error lines: {}", e.errors, redact_urls(&e.errors_url));
+    out!("{} lines of {} responses: {}", e.results, e.endpoint.url(), redact_urls(&e.results_url));
+    out!("{} error lines: {}", e.errors, redact_urls(&e.errors_url));
 }
 
 pub fn print_report(html: &str, to: Option<&std::path::Path>) -> Result<(), crate::error::Error> {
@@ -517,7 +536,7 @@ pub fn print_report(html: &str, to: Option<&std::path::Path>) -> Result<(), crat
     let partial = path.with_file_name(format!(".{}.partial", name.to_string_lossy()));
     std::fs::write(&partial, html).map_err(cannot)?;
     std::fs::rename(&partial, path).map_err(cannot)?;
-    println!("report: {} ({} KiB)", path.display(), html.len().div_ceil(1024));
+    out!("report: {} ({} KiB)", path.display(), html.len().div_ceil(1024));
     Ok(())
 }
 

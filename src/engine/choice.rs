@@ -19,6 +19,9 @@ use crate::tokenize::{TextStream, Tokenizer};
 /// even when the model's metadata names a different EOS token.
 const END_OF_TURN_TOKENS: &[&str] = &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>"];
 
+/// A row's error when the model computes a NaN logit (for the token it would choose or score).
+pub const NAN_LOGITS: &str = "the model computed a NaN logit: the file's weights or metadata, or an engine bug (no token is chosen from NaN)";
+
 /// How generation ends, from the model's vocabulary and the job's parameters.
 #[derive(Clone, Debug)]
 pub struct StopRules {
@@ -146,6 +149,10 @@ impl ChoiceState {
             StepLogits::Argmax(token) => return Ok(token),
             StepLogits::Full(logits) => logits,
         };
+        // A NaN logit is the model's (or the engine's) failure, never a token: the row fails, naming it.
+        if sampling::has_nan(&logits) {
+            return Err(NAN_LOGITS.into());
+        }
         if self.takes_argmax(p) {
             // The fast path: no copy, no pass over the logits beyond the argmax.
             return Ok(sampling::argmax(&logits));

@@ -340,6 +340,7 @@ impl<A: Attention> BatchEngine<A> {
         let mut scored: Vec<TokenLogprob> = Vec::with_capacity(completion.len());
         for (&t, row) in completion.iter().zip(rows) {
             match row {
+                StepLogits::Full(l) if super::sampling::has_nan(l) => return Settled::Failed(group, choice::NAN_LOGITS.into()),
                 StepLogits::Full(l) => scored.push(token_logprob(&self.tokenizer, l, t, top)),
                 StepLogits::Argmax(_) => return Settled::Failed(group, "a scoring row's logits were not computed (a bug)".into()),
             }

@@ -57,6 +57,12 @@ impl Rng {
     }
 }
 
+/// Whether any logit is NaN: a branchless pass the compiler vectorises (no early exit), about a microsecond over a
+/// 50k vocabulary.
+pub fn has_nan(logits: &[f32]) -> bool {
+    logits.iter().fold(false, |any, l| any | l.is_nan())
+}
+
 /// The index of the largest logit; the lowest index wins ties, so greedy decoding is deterministic.
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;

@@ -229,6 +229,15 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
     let tokenizer = tokenizer_metadata(content)?;
     let chat_template = content.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok().cloned());
     let vocab = VocabMetadata::of_gguf(crate::tokenize::gguf::Vocab::new(&tokenizer)?, &tokenizer, chat_template);
+    // Out-of-range values would compute NaN or garbage for every row, not fail: refused, naming the key.
+    let rms_eps = meta_f32(content, &a("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5);
+    if !(rms_eps.is_finite() && rms_eps > 0.0 && rms_eps < 1.0) {
+        return Err(ModelError::Metadata(format!("`{}` is {rms_eps}: an RMSNorm epsilon is above 0 and below 1", a("attention.layer_norm_rms_epsilon"))));
+    }
+    let rope_base = meta_f32(content, &a("rope.freq_base")).unwrap_or(10_000.0);
+    if !(rope_base.is_finite() && rope_base > 1.0) {
+        return Err(ModelError::Metadata(format!("`{}` is {rope_base}: a RoPE base is finite and above 1", a("rope.freq_base"))));
+    }
     let mut context_length = meta_usize(content, &a("context_length"))?;
     // Sliding-window attention is not implemented: the context is capped at the window, where full attention
     // computes the same function (as for Hugging Face directories).
@@ -244,8 +253,8 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         context_length,
         layers: meta_usize(content, &a("block_count"))?,
         ffn_size: meta_usize(content, &a("feed_forward_length"))?,
-        rms_eps: meta_f32(content, &a("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
-        rope_base: meta_f32(content, &a("rope.freq_base")).unwrap_or(10_000.0),
+        rms_eps,
+        rope_base,
         rope_scaling: None,
         rope_freq_factors,
         vocab_size: vocab.tokens.len(),
