@@ -734,7 +734,7 @@ fn per_row_parameters_override_the_job_and_bad_values_become_error_rows() {
     assert!(rows["r00000"].completion_tokens <= 3, "{:?}", rows["r00000"]);
     assert_eq!(rows["r00001"].status, "succeeded", "a null value keeps the job's parameters");
     assert!(rows["r00006"].completion_tokens <= 2);
-    for (id, needle) in [("r00002", "max_new_tokens must be in 1..="), ("r00003", "max_new_tokens must be in 1..="), ("r00004", "temperature must be a number >= 0, got -1"), ("r00005", "top_p must be in (0, 1], got 1.5")] {
+    for (id, needle) in [("r00002", "max_new_tokens must be in 1..="), ("r00003", "max_new_tokens must be in 1..="), ("r00004", "temperature must be a number >= 0 within f32's range, got -1"), ("r00005", "top_p must be in (0, 1], got 1.5")] {
         let (code, message) = error(id);
         assert_eq!(code.as_deref(), Some("invalid_parameters"), "{id}");
         assert!(message.contains(needle), "{id}: {message}");

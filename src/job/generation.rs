@@ -353,11 +353,15 @@ fn check_min_new_tokens(n: i64) -> Result<u32, String> {
     }
 }
 
+// Sampling parameters are computed in f32: each is checked as the f32 it becomes (1e39 is finite in f64, infinite in
+// f32), so a row that passes its check cannot fail later (in the engine, or writing its `params` column).
+
 fn check_temperature(t: f64) -> Result<f32, String> {
-    if t.is_finite() && t >= 0.0 {
-        Ok(t as f32)
+    let v = t as f32;
+    if v.is_finite() && v >= 0.0 {
+        Ok(v)
     } else {
-        Err(format!("must be a number >= 0, got {t}"))
+        Err(format!("must be a number >= 0 within f32's range, got {t}"))
     }
 }
 
@@ -386,10 +390,11 @@ fn check_min_p(p: f64) -> Result<f32, String> {
 }
 
 fn check_repetition_penalty(p: f64) -> Result<f32, String> {
-    if p.is_finite() && p > 0.0 {
-        Ok(p as f32)
+    let v = p as f32;
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
     } else {
-        Err(format!("must be a number > 0 (1 disables it), got {p}"))
+        Err(format!("must be a number > 0 within f32's range (1 disables it), got {p}"))
     }
 }
 
@@ -550,6 +555,10 @@ mod tests {
             ("json_schema", ParamValue::Text("[1]".into()), "JSON object"),
             ("stop_token_ids", ParamValue::IntegerList(vec![3, -2]), ">= 0"),
             ("seed", ParamValue::Integer(-1), "must be >= 0, got -1"),
+            // Finite in f64, infinite (or zero) in the f32 they are computed in.
+            ("temperature", ParamValue::Number(1e39), "f32"),
+            ("repetition_penalty", ParamValue::Number(1e39), "f32"),
+            ("repetition_penalty", ParamValue::Number(1e-50), "f32"),
             ("seed", ParamValue::Number(1.0), "not a per-row parameter of this type: seed"),
         ] {
             let m = set_row_param(&mut p, key, value).unwrap_err();
