@@ -20,6 +20,8 @@ fn init_tracing(format: LogFormat) {
 /// `run --data-parallel`: the workers' run; the code to exit with.
 fn data_parallel(args: &cli::RunArgs) -> Result<i32, nightshift::error::Error> {
     let asked = args.data_parallel.as_ref().expect("checked by the caller");
+    let targets = nightshift::metrics::prometheus::Targets { textfile: None, pushgateway: args.pushgateway.clone() };
+    targets.check().map_err(nightshift::error::Error::Usage)?;
     let job = nightshift::job::Job::load(&args.job.job, &args.job.overrides())?;
     let argv: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
     let report = app::parallel::run(asked, &argv, &job.output.url, args.job.shards)?;

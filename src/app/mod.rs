@@ -201,6 +201,7 @@ fn run_numerics(job: &Job, device: &candle_core::Device, weights_layout: &str, k
 /// a time; the output finalized when every unit is in.
 pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let started = Instant::now();
+    options.prometheus.check().map_err(Error::Usage)?;
     let mut job = Job::load(&options.job, &options.overrides)?;
     let assignment = shard::resolve(options.shard.as_ref(), job.output.shards, |name| std::env::var(name).ok())?;
     let _span = info_span!("job", file = %job.file.display(), shard = %assignment).entered();

@@ -29,6 +29,19 @@ impl Targets {
     pub fn any(&self) -> bool {
         self.textfile.is_some() || self.pushgateway.is_some()
     }
+
+    /// The Pushgateway's address is an `http://` or `https://` URL with a host: anything else (no scheme,
+    /// `file://`) is a bad command line before the run, not a push that fails at every unit. The message names the
+    /// scheme, never the URL (which may carry credentials).
+    pub fn check(&self) -> Result<(), String> {
+        let Some(text) = &self.pushgateway else { return Ok(()) };
+        match url::Url::parse(text) {
+            Ok(u) if matches!(u.scheme(), "http" | "https") && u.host_str().is_some_and(|h| !h.is_empty()) => Ok(()),
+            Ok(u) if matches!(u.scheme(), "http" | "https") => Err("--pushgateway: the URL has no host (`http://host:9091`)".into()),
+            Ok(u) => Err(format!("--pushgateway must be an http:// or https:// URL (`http://host:9091`), not one with the scheme `{}`", u.scheme())),
+            Err(e) => Err(format!("--pushgateway must be an http:// or https:// URL (`http://host:9091`): {e}")),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -196,6 +209,19 @@ impl Exporter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pushgateway_is_an_http_url_with_a_host_and_the_refusal_never_shows_the_url() {
+        let check = |url: &str| Targets { textfile: None, pushgateway: Some(url.into()) }.check();
+        for good in ["http://127.0.0.1:9091", "https://push.example.com", "http://user:pw@gw:9091/prefix"] {
+            assert_eq!(check(good), Ok(()), "{good}");
+        }
+        for bad in ["localhost:9091", "gw:9091", "file:///tmp/metrics", "ftp://user:secret@gw", "http://", "9091", ""] {
+            let message = check(bad).unwrap_err();
+            assert!(message.contains("--pushgateway") && !message.contains("secret"), "{bad}: {message}");
+        }
+        assert_eq!(Targets::default().check(), Ok(()));
+    }
 
     #[test]
     fn the_text_format_names_every_series_with_its_labels_and_keeps_the_last_success() {
