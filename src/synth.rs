@@ -265,8 +265,8 @@ pub enum Init {
     Peaked,
     /// [`Init::Peaked`], with the q and k projections [`FIDELITY_QK_GAIN`] times wider ([`FIDELITY_QK_GAIN_LLAMA`]
     /// for the llama family; attention picks positions, so the context and RoPE show in the logits) and the output
-    /// projection [`FIDELITY_OUTPUT_GAIN`] / sqrt(width) (a tied embedding too): for fidelity against llama.cpp on a published shape (`synth-model --init fidelity`,
-    /// scripts/fidelity-llama.py). Measured on a Qwen2.5-0.5B-shaped model with Qwen2's vocabulary: llama.cpp's top
+    /// projection [`FIDELITY_OUTPUT_GAIN`] / sqrt(width) (a tied embedding too): for fidelity against llama.cpp on a
+    /// published shape (`synth-model --init fidelity`, scripts/fidelity-llama.py). Measured on a Qwen2.5-0.5B-shaped model with Qwen2's vocabulary: llama.cpp's top
     /// token leads the next by 9 nats at the median position, so rounding does not flip it (top-1 agreement 100 % in
     /// F16), while a wrong RoPE base or dropped biases do (96.5 % and 52 %: BENCHMARKS.md).
     Fidelity,

@@ -21,22 +21,29 @@ fn sequences() -> Vec<Vec<u32>> {
     vec![vec![72], vec![259, 72, 101, 108, 108, 111], (0..23).map(|i| (i * 37 % 256) as u32).collect(), (0..61).map(|i| (i * 101 % 262) as u32).collect()]
 }
 
-/// llama.cpp's logits at the last position of each sequence.
-fn peer_logits(peer: &std::path::Path, model: &std::path::Path, seqs: &[Vec<u32>]) -> Vec<Vec<f32>> {
-    let mut child = std::process::Command::new(peer)
-        .args(["--logits", model.to_str().unwrap()])
+/// The logits a program prints for each sequence (a line `!` and its ids in, a line of logits out), after its
+/// first `skip` lines.
+fn logits_from(mut command: std::process::Command, skip: usize, seqs: &[Vec<u32>], what: &str) -> Vec<Vec<f32>> {
+    let mut child = command
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
     let input: String = seqs.iter().map(|s| format!("!{}\n", s.iter().map(u32::to_string).collect::<Vec<_>>().join(" "))).collect();
     child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "llama.cpp failed on {}: {}", model.display(), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{what} failed: {}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).unwrap();
+    text.lines().skip(skip).map(|l| l.split(' ').map(|x| x.parse().unwrap()).collect()).collect()
+}
+
+/// llama.cpp's logits at the last position of each sequence.
+fn peer_logits(peer: &std::path::Path, model: &std::path::Path, seqs: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let mut command = std::process::Command::new(peer);
+    command.args(["--logits", model.to_str().unwrap()]);
     // The first line is the vocabulary's (size, specials); then one line of logits per sequence.
-    text.lines().skip(1).map(|l| l.split(' ').map(|x| x.parse().unwrap()).collect()).collect()
+    logits_from(command, 1, seqs, &format!("llama.cpp on {}", model.display()))
 }
 
 fn nightshift_logits(model: &std::path::Path, seqs: &[Vec<u32>]) -> Vec<Vec<f32>> {
@@ -66,6 +73,10 @@ fn compare(a: &[Vec<f32>], b: &[Vec<f32>]) -> (f32, bool) {
     }
     (worst, same)
 }
+
+/// The families nightshift reads from GGUF, as the tests write them: (family, head size, tied embeddings). qwen3's
+/// heads are wider than hidden / heads.
+const FAMILIES: [(Family, usize, bool); 3] = [(Family::Llama, 16, false), (Family::Qwen2, 16, true), (Family::Qwen3, 24, true)];
 
 fn spec(family: Family, head_dim: usize, tied: bool, rope_theta: u32) -> Spec {
     let shape = Shape {
@@ -97,7 +108,7 @@ fn gguf_families_compute_what_llama_cpp_computes() {
     let seqs = sequences();
     // Q8_0 matrices (both quantize the activations to Q8_0 per block of 32, as llama.cpp defines it) and F16 ones
     // (llama.cpp rounds activations to f16 for them, nightshift keeps f32); llama.cpp's KV cache is f16.
-    for (family, head_dim, tied) in [(Family::Llama, 16, false), (Family::Qwen2, 16, true), (Family::Qwen3, 24, true)] {
+    for (family, head_dim, tied) in FAMILIES {
         for (quant, tolerance) in [(GgmlDType::Q8_0, 0.04), (GgmlDType::F16, F16_TOLERANCE)] {
             let path = dir.join(format!("{family:?}-{quant:?}.gguf"));
             synth::write_gguf(&path, &spec(family, head_dim, tied, 10000), quant).unwrap();
@@ -164,20 +175,10 @@ fn synth_models_load_and_tokenize_in_llama_cpp_as_in_nightshift() {
 /// numpy) at the last position of each sequence.
 fn reference_logits(model: &std::path::Path, seqs: &[Vec<u32>]) -> Vec<Vec<f32>> {
     let repo = crate::support::repo();
-    let mut child = std::process::Command::new("python3")
-        .arg(repo.join("scripts/reference-forward.py"))
-        .arg(model)
-        .env("PYTHONPATH", repo.join("models/llama.cpp/gguf-py"))
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("python3 runs scripts/reference-forward.py");
-    let input: String = seqs.iter().map(|s| format!("!{}\n", s.iter().map(u32::to_string).collect::<Vec<_>>().join(" "))).collect();
-    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "the reference failed on {} (numpy and models/llama.cpp/gguf-py, which scripts/test.sh provides): {}", model.display(), String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap().lines().map(|l| l.split(' ').map(|x| x.parse().unwrap()).collect()).collect()
+    let mut command = std::process::Command::new("python3");
+    command.arg(repo.join("scripts/reference-forward.py")).arg(model).env("PYTHONPATH", repo.join("models/llama.cpp/gguf-py"));
+    let what = format!("the reference on {} (numpy and models/llama.cpp/gguf-py, which scripts/test.sh provides)", model.display());
+    logits_from(command, 0, seqs, &what)
 }
 
 /// The largest logit difference from the float64 reference allowed, over the largest logit, for F32 and F16 weights
@@ -191,7 +192,7 @@ fn gguf_families_compute_the_reference_function_in_f32() {
     let Some(_) = llama_peer() else { return };
     let dir = crate::support::scratch("gguf-families-reference");
     let seqs = sequences();
-    for (family, head_dim, tied) in [(Family::Llama, 16, false), (Family::Qwen2, 16, true), (Family::Qwen3, 24, true)] {
+    for (family, head_dim, tied) in FAMILIES {
         for quant in [GgmlDType::F32, GgmlDType::F16] {
             let path = dir.join(format!("{family:?}-{quant:?}.gguf"));
             synth::write_gguf(&path, &spec(family, head_dim, tied, 10000), quant).unwrap();
