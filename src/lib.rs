@@ -33,6 +33,7 @@ pub mod cli;
 pub mod engine;
 pub mod error;
 pub mod export;
+pub mod files;
 pub mod host;
 pub mod job;
 pub mod metrics;

@@ -51,7 +51,7 @@ fn main() -> ExitCode {
         Command::Validate(args) => app::validate(&args.job, &args.overrides()).map(|r| cli::print_validate(&r)),
         Command::Plan(args) => app::plan_job(&args.job.job, &args.job.overrides(), args.calibration_rows).map(|r| cli::print_plan(&r, args.json)),
         Command::Status(args) => app::status(&args.output).map(|s| cli::print_status(&s, args.json)),
-        Command::Report(args) => app::report(&args.output).and_then(|html| cli::print_report(&html, args.to.as_deref())),
+        Command::Report(args) => app::report(&args.output, args.to.as_deref()).and_then(|html| cli::print_report(&html, args.to.as_deref())),
         Command::Finalize(args) => app::finalize(&args.output).map(|(f, url)| cli::print_finalize(&f, &url)),
         Command::Export(args) => match args.format {
             cli::ExportFormat::OpenaiBatch => app::export_openai_batch(&args.output, &args.to, args.model.as_deref()).map(|e| cli::print_export(&e)),

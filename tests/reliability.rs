@@ -6,7 +6,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+use std::os::unix::fs::FileTypeExt;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arrow::array::{ArrayRef, Float64Array, Int64Array};
@@ -455,10 +456,18 @@ fn data_parallel_workers_split_the_job_pass_signals_on_and_resume() {
     let (reference, _) = world.reference();
     let no_gpu = [("CUDA_VISIBLE_DEVICES", "")];
     let job = world.job("parallel", "");
-    let run = finish(world.spawn_with(&job, &["--data-parallel", "2"], &no_gpu));
+    // `--no-progress` given to the parent too (every worker gets it once), and one textfile for both workers.
+    let textfile = world.dir.join("parallel.prom");
+    let run = finish(world.spawn_with(&job, &["--data-parallel", "2", "--no-progress", "--metrics-textfile", textfile.to_str().unwrap()], &no_gpu));
     run.assert_ok();
     for w in 0..2 {
         assert!(run.stdout.contains(&format!("worker {w} (shard {w} of 2, ")), "{}", run.stdout);
+    }
+    let series = parse_prometheus(&std::fs::read_to_string(&textfile).unwrap());
+    for shard in ["0-of-2", "1-of-2"] {
+        let labels = [("job", "parallel"), ("shard", shard)];
+        assert_eq!(sample(&series, "nightshift_exit_code", &labels), Some(0.0), "shard {shard}: {series:?}");
+        assert_eq!(sample(&series, "nightshift_running", &labels), Some(0.0), "shard {shard}");
     }
     assert!(run.stdout.contains("the output is finalized"), "{}", run.stdout);
     let output = world.output("parallel");
@@ -1090,6 +1099,63 @@ fn prometheus_textfile_and_pushgateway_follow_the_run() {
     let pushed = parse_prometheus(&gateway.scrape());
     assert_eq!(sample(&pushed, "nightshift_exit_code", &grouped), Some(3.0));
     assert_eq!(sample(&pushed, "nightshift_last_success_timestamp_seconds", &grouped), Some(success));
+    side_files_are_written_in_place_or_refused(&world, &job);
+}
+
+/// `--metrics-textfile` and `report --to` never rename over what is not a regular file nor write among the
+/// output's files: a directory or a file inside the output is exit 2 before anything runs; a FIFO (or a device, as
+/// `/dev/stdout` is here) is written in place and stays what it was.
+fn side_files_are_written_in_place_or_refused(world: &World, job: &Path) {
+    let output_dir = world.dir.join("nightly-tickets");
+    let manifest = std::fs::read(output_dir.join("_SUCCESS")).unwrap();
+    let run_with = |textfile: &Path| nightshift(&["run", job.to_str().unwrap(), "--metrics-textfile", textfile.to_str().unwrap()], &[]);
+    let run = run_with(&world.dir);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.stderr.contains("--metrics-textfile") && run.stderr.contains("is a directory"), "{}", run.stderr);
+    assert!(world.dir.is_dir());
+    let run = run_with(&output_dir.join("sub/../_SUCCESS"));
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.stderr.contains("inside the output"), "{}", run.stderr);
+    assert_eq!(std::fs::read(output_dir.join("_SUCCESS")).unwrap(), manifest);
+
+    // A FIFO with a reader: every update arrives through it (whole: each is under PIPE_BUF) and it stays a FIFO.
+    let fifo = world.dir.join("metrics.fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: `c` is a valid NUL-terminated path that outlives the call.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    // Opened for reading and writing, the reader never sees end-of-file between the run's opens.
+    let mut reader = std::fs::OpenOptions::new().read(true).write(true).open(&fifo).unwrap();
+    let received = Arc::new(Mutex::new(String::new()));
+    let sink = received.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = std::io::Read::read(&mut reader, &mut buf) {
+            sink.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    });
+    let run = run_with(&fifo);
+    assert_eq!(run.code, 3, "{}", run.stderr);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !received.lock().unwrap().contains("nightshift_exit_code") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let text = received.lock().unwrap().clone();
+    let last = text.rfind("# HELP nightshift_rows_total").map(|i| &text[i..]).unwrap_or_default();
+    assert_eq!(sample(&parse_prometheus(last), "nightshift_exit_code", &[("job", "nightly-tickets")]), Some(3.0), "{text}");
+    assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+
+    // The report: refused over a directory or inside the output, written in place to a device.
+    let report = |to: &Path| nightshift(&["report", output_dir.to_str().unwrap(), "--to", to.to_str().unwrap()], &[]);
+    let run = report(&world.dir);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.stderr.contains("--to") && run.stderr.contains("is a directory"), "{}", run.stderr);
+    let run = report(&output_dir.join("_SUCCESS"));
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.stderr.contains("inside the output"), "{}", run.stderr);
+    assert_eq!(std::fs::read(output_dir.join("_SUCCESS")).unwrap(), manifest);
+    let run = report(Path::new("/dev/stdout"));
+    run.assert_ok();
+    assert!(run.stdout.starts_with("<!doctype html>") && run.stdout.contains(r#"data-state="complete""#), "{}", &run.stdout[..run.stdout.len().min(300)]);
 }
 
 #[test]

@@ -30,6 +30,7 @@ mod validate;
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
+use std::path::Path;
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -203,6 +204,9 @@ pub fn run(options: RunOptions) -> Result<RunReport, Error> {
     let started = Instant::now();
     options.prometheus.check().map_err(Error::Usage)?;
     let mut job = Job::load(&options.job, &options.overrides)?;
+    if let Some(textfile) = &options.prometheus.textfile {
+        side_file(textfile, "--metrics-textfile", &job.output.url)?;
+    }
     let assignment = shard::resolve(options.shard.as_ref(), job.output.shards, |name| std::env::var(name).ok())?;
     let _span = info_span!("job", file = %job.file.display(), shard = %assignment).entered();
     if let Assignment::One { from, .. } = &assignment {
@@ -610,11 +614,22 @@ pub fn status(url: &str) -> Result<sink::OutputStatus, Error> {
     Ok(rt.block_on(output.status())?)
 }
 
-/// `nightshift report`: the job report of an output, complete or not, as an HTML page.
-pub fn report(url: &str) -> Result<String, Error> {
+/// `nightshift report`: the job report of an output, complete or not, as an HTML page; `to`, where it will be
+/// written, is checked first ([`side_file`]).
+pub fn report(url: &str, to: Option<&Path>) -> Result<String, Error> {
+    if let Some(to) = to {
+        side_file(to, "--to", url)?;
+    }
     let rt = runtime()?;
     let output = Output::resolve(url)?;
     Ok(crate::report::render(&rt.block_on(output.report_data(false))?))
+}
+
+/// A file the user named for writing beside the output at `output_url` (`--to`, `--metrics-textfile`): a file, a
+/// link to one, a device or a FIFO, and never one of the output's own files (exit 2 otherwise).
+fn side_file(path: &Path, what: &str, output_url: &str) -> Result<(), Error> {
+    let output = crate::source::store::local_path(output_url).and_then(Result::ok);
+    crate::files::check_writable(path, what, output.as_deref()).map(drop).map_err(Error::Usage)
 }
 
 /// `output.export`: the completed output written in `format` under `OUT/<format>/` too.

@@ -110,8 +110,8 @@ pub fn worst(codes: &[i32]) -> i32 {
     failures.max().unwrap_or_else(|| if codes.contains(&(Exit::Partial as i32)) { Exit::Partial as i32 } else { 0 })
 }
 
-/// A worker's command line: the parent's arguments without `--data-parallel` and `--shards` (and their values),
-/// then its shard of `count` and no progress bar (workers share the terminal).
+/// A worker's command line: the parent's arguments without `--data-parallel`, `--shards` (and their values) and
+/// `--no-progress`, then its shard of `count` and `--no-progress` (workers share the terminal).
 pub fn worker_args(parent: &[OsString], shard: u32, count: u32) -> Result<Vec<OsString>, Error> {
     let mut out = Vec::with_capacity(parent.len() + 5);
     let mut skip_value = false;
@@ -123,6 +123,8 @@ pub fn worker_args(parent: &[OsString], shard: u32, count: u32) -> Result<Vec<Os
         let flag = text.split_once('=').map_or(&*text, |(f, _)| f);
         match flag {
             "--data-parallel" | "--shards" => skip_value = !text.contains('='),
+            // Given to every worker below; clap refuses a flag given twice.
+            "--no-progress" => {}
             "--shard" => return Err(Error::Usage("--data-parallel runs every shard: it cannot be given --shard".into())),
             _ => out.push(arg.clone()),
         }
@@ -375,5 +377,7 @@ mod tests {
         let args = worker_args(&os(&["--log-format", "json", "run", "--data-parallel=auto", "job.toml"]), 0, 4).unwrap();
         assert_eq!(args, os(&["--log-format", "json", "run", "job.toml", "--shard=0/4", "--shards=4", "--no-progress"]));
         assert!(worker_args(&os(&["run", "job.toml", "--data-parallel", "2", "--shard", "0/2"]), 0, 2).is_err());
+        let args = worker_args(&os(&["run", "job.toml", "--no-progress", "--data-parallel", "2"]), 0, 2).unwrap();
+        assert_eq!(args, os(&["run", "job.toml", "--shard=0/2", "--shards=2", "--no-progress"]), "given once");
     }
 }

@@ -532,11 +532,11 @@ pub fn print_report(html: &str, to: Option<&std::path::Path>) -> Result<(), crat
         return stdout.write_all(html.as_bytes()).and_then(|()| stdout.flush()).map_err(|e| crate::error::Error::Internal(format!("cannot write the report to standard output: {e}")));
     };
     let cannot = |e: std::io::Error| crate::error::Error::Usage(format!("cannot write the report to `{}`: {e}", path.display()));
-    let name = path.file_name().ok_or_else(|| crate::error::Error::Usage(format!("--to `{}` is not a file name", path.display())))?;
-    let partial = path.with_file_name(format!(".{}.partial", name.to_string_lossy()));
-    std::fs::write(&partial, html).map_err(cannot)?;
-    std::fs::rename(&partial, path).map_err(cannot)?;
-    out!("report: {} ({} KiB)", path.display(), html.len().div_ceil(1024));
+    let in_place = crate::files::target(path).map_err(|e| crate::error::Error::Usage(format!("--to: {e}")))? == crate::files::Target::InPlace;
+    crate::files::replace(path, html.as_bytes(), |name| format!(".{name}.partial"), false).map_err(cannot)?;
+    if !in_place {
+        out!("report: {} ({} KiB)", path.display(), html.len().div_ceil(1024));
+    }
     Ok(())
 }
 

@@ -30,10 +30,14 @@ impl Targets {
         self.textfile.is_some() || self.pushgateway.is_some()
     }
 
-    /// The Pushgateway's address is an `http://` or `https://` URL with a host: anything else (no scheme,
+    /// The textfile may be a file, a link to one, a device or a FIFO, never a directory or socket. The
+    /// Pushgateway's address is an `http://` or `https://` URL with a host: anything else (no scheme,
     /// `file://`) is a bad command line before the run, not a push that fails at every unit. The message names the
     /// scheme, never the URL (which may carry credentials).
     pub fn check(&self) -> Result<(), String> {
+        if let Some(path) = &self.textfile {
+            crate::files::target(path).map_err(|e| format!("--metrics-textfile: {e}"))?;
+        }
         let Some(text) = &self.pushgateway else { return Ok(()) };
         match url::Url::parse(text) {
             Ok(u) if matches!(u.scheme(), "http" | "https") && u.host_str().is_some_and(|h| !h.is_empty()) => Ok(()),
@@ -67,10 +71,94 @@ pub struct Exporter {
     client: Option<reqwest::Client>,
 }
 
-/// The value of `nightshift_last_success_timestamp_seconds` in a textfile written before, if any.
-fn previous_success(path: &Path) -> Option<f64> {
+/// The value of `nightshift_last_success_timestamp_seconds` for this job and shard (its labels exactly: a line of
+/// another job or shard in the same file is not ours) in a textfile written before, if any. Only a regular file
+/// is read back: a FIFO or device named as the textfile holds nothing of ours (and reading a FIFO would wait).
+fn previous_success(path: &Path, job: &str, shard: &str) -> Option<f64> {
+    if !std::fs::metadata(path).ok()?.is_file() {
+        return None;
+    }
     let text = std::fs::read_to_string(path).ok()?;
-    text.lines().filter(|l| l.starts_with("nightshift_last_success_timestamp_seconds")).find_map(|l| l.rsplit(' ').next()?.parse().ok())
+    let ours = format!("nightshift_last_success_timestamp_seconds{{{}}} ", labels(job, shard));
+    text.lines().find_map(|l| l.strip_prefix(&ours)?.trim().parse().ok())
+}
+
+/// The labels of every series of a run: its job and shard.
+fn labels(job: &str, shard: &str) -> String {
+    format!("job=\"{}\",shard=\"{}\"", quoted(job), quoted(shard))
+}
+
+/// The textfile `before` with the series of this run (`ours`, of `job` and `shard`) in place of its own earlier
+/// ones. Kept: series of other jobs, of this job's other shards of the same layout (`1-of-4` beside `0-of-4`: the
+/// data-parallel workers and shards of one run), and lines not in our label form. Dropped: this job's series of
+/// another layout (`all`, or `0-of-2` once it runs as `0-of-4`), stale since it runs another way. Each metric's
+/// series stay together under one `HELP` and `TYPE`, as the format requires.
+fn merged(before: &str, ours: &str, job: &str, shard: &str) -> String {
+    let (job, shard) = (quoted(job), quoted(shard));
+    let layout = |s: &str| s.split_once("-of-").map(|(_, n)| n.to_string());
+    let keep = |line: &str| match owner(line) {
+        Some((j, s)) if j == job => s != shard && layout(&s).is_some() && layout(&s) == layout(&shard),
+        _ => true,
+    };
+    // Metric name -> (HELP and TYPE lines, series), in the order first seen: ours, then the others.
+    let mut metrics: Vec<(String, Vec<String>, Vec<String>)> = Vec::new();
+    let mut add = |text: &str, filter: &dyn Fn(&str) -> bool| {
+        for line in text.lines() {
+            let (name, meta) = match line.strip_prefix("# HELP ").or_else(|| line.strip_prefix("# TYPE ")) {
+                Some(rest) => (rest.split(' ').next().unwrap_or_default(), true),
+                None if line.starts_with('#') || line.trim().is_empty() => continue,
+                None => (line.split(['{', ' ']).next().unwrap_or_default(), false),
+            };
+            if !meta && !filter(line) {
+                continue;
+            }
+            let at = match metrics.iter().position(|(n, _, _)| n == name) {
+                Some(at) => at,
+                None => {
+                    metrics.push((name.to_string(), Vec::new(), Vec::new()));
+                    metrics.len() - 1
+                }
+            };
+            let (_, head, series) = &mut metrics[at];
+            if !meta {
+                series.push(line.to_string());
+            } else if head.iter().all(|h| h[..6] != line[..6]) {
+                head.push(line.to_string());
+            }
+        }
+    };
+    add(ours, &|_| true);
+    add(before, &keep);
+    let mut out = String::new();
+    for (_, head, series) in metrics.iter().filter(|(_, _, series)| !series.is_empty()) {
+        for line in head.iter().chain(series) {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The job and shard labels (as quoted in the text) of a series line in our form (`name{job="..",shard="..",...}`).
+fn owner(line: &str) -> Option<(String, String)> {
+    let rest = line.split_once('{')?.1;
+    let (job, rest) = label_value(rest.strip_prefix("job=\"")?)?;
+    let (shard, _) = label_value(rest.strip_prefix(",shard=\"")?)?;
+    Some((job.to_string(), shard.to_string()))
+}
+
+/// A quoted label value's text up to its closing quote (escapes kept), and what follows the quote.
+fn label_value(s: &str) -> Option<(&str, &str)> {
+    let mut escaped = false;
+    for (i, c) in s.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' => escaped = true,
+            '"' => return Some((&s[..i], &s[i + 1..])),
+            _ => {}
+        }
+    }
+    None
 }
 
 /// A label value as the text format quotes it.
@@ -81,7 +169,7 @@ fn quoted(value: &str) -> String {
 impl Exporter {
     /// An exporter for the job named `job`, run as `shard` (`all`, or `3-of-8`).
     pub fn new(targets: Targets, job: &str, shard: &str) -> Exporter {
-        let last_success = targets.textfile.as_deref().and_then(previous_success);
+        let last_success = targets.textfile.as_deref().and_then(|path| previous_success(path, job, shard));
         let client = targets.pushgateway.as_ref().and_then(|_| {
             crate::source::store::install_crypto_provider();
             reqwest::Client::builder().timeout(Duration::from_secs(10)).build().map_err(|e| warn!(error = %e, "cannot make a Pushgateway client")).ok()
@@ -148,7 +236,7 @@ impl Exporter {
     pub fn render(&self) -> String {
         let s = self.state.lock().expect("not poisoned").clone();
         let elapsed = self.started.elapsed().as_secs_f64();
-        let labels = format!("job=\"{}\",shard=\"{}\"", quoted(&self.job), quoted(&self.shard));
+        let labels = labels(&self.job, &self.shard);
         let mut out = String::new();
         let mut metric = |name: &str, kind: &str, help: &str, samples: &[(Option<&str>, f64)]| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -178,14 +266,29 @@ impl Exporter {
         out
     }
 
-    /// Replaces the textfile: written beside it under a name the collector ignores, then renamed over it.
+    /// Replaces this run's series in the textfile, keeping those of other jobs and of this job's other shards
+    /// ([`merged`]: data-parallel workers and several jobs may share one file), under a lock beside it: written
+    /// beside it under a name the collector ignores, then renamed over it. A device or FIFO the user named gets
+    /// this run's series, in place, never replaced ([`crate::files::replace`]).
     fn write_textfile(&self, text: &str) {
         let Some(path) = &self.targets.textfile else { return };
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let temporary = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
-        let written = std::fs::write(&temporary, text).and_then(|()| std::fs::rename(&temporary, path));
+        let pid = std::process::id();
+        let written = (|| {
+            if crate::files::target(path) == Ok(crate::files::Target::InPlace) {
+                return crate::files::replace(path, text.as_bytes(), |_| unreachable!("written in place"), true);
+            }
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(path.with_file_name(format!(".{name}.lock")))?;
+            lock.lock()?;
+            let before = match std::fs::read(path) {
+                Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+                Err(e) => return Err(e),
+            };
+            let text = merged(&before, text, &self.job, &self.shard);
+            crate::files::replace(path, text.as_bytes(), |name| format!(".{name}.{pid}.tmp"), true)
+        })();
         if let Err(e) = written {
-            let _ = std::fs::remove_file(&temporary);
             warn!(path = %path.display(), error = %e, "cannot write the metrics textfile");
         }
     }
@@ -224,11 +327,37 @@ mod tests {
     }
 
     #[test]
+    fn shards_of_one_layout_share_a_textfile_each_metric_grouped_once() {
+        let render = |shard: &str, units: u32| {
+            let e = Exporter::new(Targets::default(), "j", shard);
+            e.state.lock().unwrap().units = units as usize;
+            e.render()
+        };
+        let one = merged("", &render("0-of-2", 3), "j", "0-of-2");
+        let both = merged(&one, &render("1-of-2", 5), "j", "1-of-2");
+        let again = merged(&both, &render("0-of-2", 4), "j", "0-of-2");
+        let samples: Vec<&str> = again.lines().filter(|l| l.starts_with("nightshift_units{")).collect();
+        assert_eq!(samples, ["nightshift_units{job=\"j\",shard=\"0-of-2\"} 4", "nightshift_units{job=\"j\",shard=\"1-of-2\"} 5"], "{again}");
+        assert_eq!(again.matches("# TYPE nightshift_units gauge").count(), 1, "{again}");
+        assert_eq!(again.matches("# HELP nightshift_units ").count(), 1, "{again}");
+        // Each metric's HELP, TYPE and series are one block.
+        let at = again.find("# HELP nightshift_units ").unwrap();
+        assert!(again[at..].lines().skip(2).take(2).all(|l| l.starts_with("nightshift_units{")), "{again}");
+        // A later run of the whole job drops both shards' series.
+        let whole = merged(&again, &render("all", 7), "j", "all");
+        assert!(!whole.contains("-of-2") && whole.contains("nightshift_units{job=\"j\",shard=\"all\"} 7"), "{whole}");
+    }
+
+    #[test]
     fn the_text_format_names_every_series_with_its_labels_and_keeps_the_last_success() {
         let dir = std::env::temp_dir().join(format!("nightshift-prom-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("job.prom");
-        std::fs::write(&path, "nightshift_last_success_timestamp_seconds{job=\"a\",shard=\"all\"} 1700000000.5\n").unwrap();
+        // Another job's and another shard's lines come first: only ours is read back.
+        let before = "nightshift_last_success_timestamp_seconds{job=\"a\",shard=\"all\"} 1600000000\n\
+                      nightshift_last_success_timestamp_seconds{job=\"nightly \\\"tickets\\\"\",shard=\"0-of-2\"} 1650000000\n\
+                      nightshift_last_success_timestamp_seconds{job=\"nightly \\\"tickets\\\"\",shard=\"all\"} 1700000000.5\n";
+        std::fs::write(&path, before).unwrap();
         let e = Exporter::new(Targets { textfile: Some(path.clone()), pushgateway: None }, "nightly \"tickets\"", "all");
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
         e.planned(&rt, 4, 1);
@@ -240,7 +369,11 @@ mod tests {
         e.finish(&rt, 0);
         let text = std::fs::read_to_string(&path).unwrap();
         assert!(!text.contains("1700000000.5"), "a success replaces the last one: {text}");
-        assert!(std::fs::read_dir(&dir).unwrap().count() == 1, "no temporary file is left");
+        assert!(text.contains("nightshift_last_success_timestamp_seconds{job=\"a\",shard=\"all\"} 1600000000"), "another job's series are kept: {text}");
+        assert!(!text.contains("1650000000"), "this job's series of another shard layout are stale: {text}");
+        let mut names: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        assert_eq!(names, [".job.prom.lock", "job.prom"], "no temporary file is left");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -93,17 +93,29 @@ pub fn install_crypto_provider() {
     });
 }
 
+/// The absolute local path a plain path or `file://` URL names (`..` resolved against the file system, as the
+/// kernel would: [`crate::files::absolute`]); `None` for another scheme.
+pub fn local_path(url: &str) -> Option<Result<std::path::PathBuf, String>> {
+    let has_scheme = url.contains("://");
+    if has_scheme && !url.starts_with("file://") {
+        return None;
+    }
+    let local = if has_scheme {
+        match Url::parse(url).map_err(|e| e.to_string()).and_then(|u| u.to_file_path().map_err(|()| "not a file path".to_string())) {
+            Ok(p) => p,
+            Err(e) => return Some(Err(e)),
+        }
+    } else {
+        std::path::PathBuf::from(url)
+    };
+    Some(crate::files::absolute(&local).ok_or_else(|| "the current directory cannot be read".to_string()))
+}
+
 /// Resolves a local path or a URL to a store. Local relative paths are taken from the current directory.
 pub fn resolve(url: &str) -> Result<Location, StoreError> {
     let bad = |e: Box<dyn std::error::Error + Send + Sync>| StoreError::BadUrl { url: url.into(), source: e };
-    let has_scheme = url.contains("://");
-    if !has_scheme || url.starts_with("file://") {
-        let local = if has_scheme {
-            Url::parse(url).map_err(|e| bad(e.into()))?.to_file_path().map_err(|()| bad("not a file path".into()))?
-        } else {
-            std::path::PathBuf::from(url)
-        };
-        let absolute = std::path::absolute(&local).map_err(|e| bad(e.into()))?;
+    if let Some(local) = local_path(url) {
+        let absolute = local.map_err(|e| bad(e.into()))?;
         let path = Path::from_absolute_path(&absolute).map_err(|e| bad(e.into()))?;
         return Ok(Location { store: Arc::new(LocalFileSystem::new()), path, url: url.into() });
     }
