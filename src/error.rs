@@ -81,6 +81,7 @@ impl Error {
             | Error::StoreFailed { .. } => {
                 Exit::Partial
             }
+            Error::Sink(crate::sink::SinkError::Encode { .. }) => Exit::Failed,
             Error::Sink(_) => Exit::OutputFailed,
             Error::Engine(_) | Error::Internal(_) => Exit::Failed,
         }

@@ -73,14 +73,23 @@ fn openai_batch_files_agree_with_the_documentation_one_line_per_row() {
     let dir = scratch("export-chat");
     let (job, ids) = tiny_job(&dir, "auto");
     let out = dir.join("out");
-    // An incomplete output is not exported (exit 75, as for finalize).
+    // What is not an output (an empty directory, nothing at all) is exit 5: no retry makes it one.
     std::fs::create_dir_all(&out).unwrap();
     let to = dir.join("batch");
-    let run = nightshift(&["export", out.to_str().unwrap(), "--format", "openai-batch", "--to", to.to_str().unwrap()], &[]);
-    assert_eq!(run.code, 75, "{}", run.stderr);
-    assert!(run.stderr.contains("not complete"), "{}", run.stderr);
+    let export = |from: &Path| nightshift(&["export", from.to_str().unwrap(), "--format", "openai-batch", "--to", to.to_str().unwrap()], &[]);
+    for not_an_output in [out.clone(), dir.join("nothing")] {
+        let run = export(&not_an_output);
+        assert_eq!(run.code, 5, "{}", run.stderr);
+        assert!(run.stderr.contains("no `_plan.json`"), "{}", run.stderr);
+    }
 
     nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    // An incomplete output is not exported (exit 75, as for finalize: running the job finishes it).
+    std::fs::rename(out.join("_SUCCESS"), dir.join("_SUCCESS")).unwrap();
+    let run = export(&out);
+    assert_eq!(run.code, 75, "{}", run.stderr);
+    assert!(run.stderr.contains("not complete"), "{}", run.stderr);
+    std::fs::rename(dir.join("_SUCCESS"), out.join("_SUCCESS")).unwrap();
     let run = nightshift(&["export", out.to_str().unwrap(), "--format", "openai-batch", "--to", to.to_str().unwrap(), "--model", "smol-tiny"], &[]);
     run.assert_ok();
     assert!(run.stdout.contains("4 lines of /v1/chat/completions responses") && run.stdout.contains("2 error lines"), "{}", run.stdout);

@@ -368,6 +368,14 @@ fn a_deleted_unit_file_is_recomputed_not_trusted(store: Store) {
             assert!(fin.stderr.contains("missing") && fin.stderr.contains(&victim), "{}", fin.stderr);
             assert!(!out.exists("_manifest.json"), "a manifest naming a missing file was written");
         }
+        if keep_success {
+            // `finalize` of the complete output whose file is gone says so (it said complete, exit 0: issue #41,
+            // class 8) and takes `_SUCCESS` away: the output is no longer complete.
+            let fin = finalize(&world, "reference");
+            assert_eq!(fin.code, 75, "{}", fin.stderr);
+            assert!(fin.stderr.contains("missing") && fin.stderr.contains(&victim), "{}", fin.stderr);
+            assert!(!out.exists("_SUCCESS") && !out.exists("_manifest.json"));
+        }
         let status = world.tool(&["status", &world.output_url("reference"), "--json"]);
         status.assert_ok();
         let s: serde_json::Value = serde_json::from_str(status.stdout.trim()).unwrap();
@@ -395,11 +403,26 @@ fn damaged_output_metadata_is_exit_5_naming_the_object(store: Store) {
     world.reference();
     let out = world.output("reference");
     let marker = out.list("_commits")[0].clone();
-    for (object, also_remove_success) in [("_manifest.json".to_string(), false), (marker, true)] {
+    // Valid JSON that says what nightshift never writes is damage too (issue #41, class 4: it was 75, retried for
+    // ever): a marker of another unit than its name, one naming another file of the output (which a resume would
+    // have deleted as the unit's), one whose counts do not add up.
+    let forged = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut m: serde_json::Value = serde_json::from_slice(&out.get(&marker).unwrap()).unwrap();
+        edit(&mut m);
+        serde_json::to_vec(&m).unwrap()
+    };
+    let cases = [
+        ("_manifest.json".to_string(), b"{\"unit\": 0, garbage".to_vec(), false),
+        (marker.clone(), b"{\"unit\": 0, garbage".to_vec(), true),
+        (marker.clone(), forged(&|m| m["unit"] = (m["unit"].as_u64().unwrap() + 7).into()), true),
+        (marker.clone(), forged(&|m| m["metrics"] = "_plan.json".into()), true),
+        (marker.clone(), forged(&|m| m["succeeded_rows"] = (m["succeeded_rows"].as_u64().unwrap() + 1).into()), true),
+    ];
+    for (object, bad, also_remove_success) in cases {
         let good = out.get(&object).unwrap();
-        out.put(&object, b"{\"unit\": 0, garbage".to_vec());
+        out.put(&object, bad);
         // A marker is read when the output is not complete yet.
-        let success = out.get("_SUCCESS");
+        let (success, manifest) = (out.get("_SUCCESS"), out.get("_manifest.json"));
         if also_remove_success {
             out.delete("_SUCCESS");
             out.delete("_manifest.json");
@@ -411,8 +434,10 @@ fn damaged_output_metadata_is_exit_5_naming_the_object(store: Store) {
             assert_eq!(r.code, 5, "{object}, {what}: {}", r.stderr);
             assert!(r.stderr.contains(&object) && r.stderr.contains("damaged"), "{object}, {what}: {}", r.stderr);
         }
+        assert!(out.get("_plan.json").is_some(), "the plan is never deleted as a unit's file");
         out.put(&object, good.to_vec());
-        if let Some(success) = success {
+        if let (Some(success), Some(manifest)) = (success, manifest) {
+            out.put("_manifest.json", manifest.to_vec());
             out.put("_SUCCESS", success.to_vec());
         }
     }

@@ -294,7 +294,7 @@ fn run_job(
 
     let sources = match job.reuse.from.is_empty() || pending.is_empty() {
         true => None,
-        false => Some(Arc::new(rt.block_on(Sources::open(&job.reuse.from, job.reuse.allow_incomplete, &plan.fingerprint, &numerics))?)),
+        false => Some(Arc::new(rt.block_on(Sources::open(&job.reuse.from, job.reuse.allow_incomplete, &plan.fingerprint, &numerics, loaded.layout))?)),
     };
     let progress = progress_bar(options.progress, pending.iter().map(|u| u.rows as u64).sum());
     let stages = Stages {

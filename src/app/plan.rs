@@ -118,7 +118,7 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
         true => None,
         false => {
             let ours = super::fingerprint(&job, &check.sha256, check.template.as_deref(), &input);
-            Some(rt.block_on(Sources::open(&job.reuse.from, job.reuse.allow_incomplete, &ours, &numerics))?)
+            Some(rt.block_on(Sources::open(&job.reuse.from, job.reuse.allow_incomplete, &ours, &numerics, crate::sink::ResultsLayout::Generate))?)
         }
     };
 

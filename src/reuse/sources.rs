@@ -24,7 +24,7 @@ use super::RequestKey;
 use crate::outcome::{Outcome, ReusedData};
 use crate::plan::Fingerprint;
 use crate::sink::reuse::ReuseFiles;
-use crate::sink::{Output, SinkError};
+use crate::sink::{Output, ResultsLayout, SinkError};
 
 /// Result files of the sources kept decoded for the rows of the next units.
 pub const CACHED_FILES: usize = 4;
@@ -65,6 +65,8 @@ pub struct Sources {
     /// Sorted by key, one entry per key.
     index: Vec<Entry>,
     cache: Mutex<VecDeque<(u32, Arc<RecordBatch>)>>,
+    /// The result columns this run writes: a source file's columns are read as these types.
+    schema: arrow::datatypes::SchemaRef,
     pub summary: SourcesSummary,
 }
 
@@ -86,9 +88,13 @@ pub struct Found {
 impl Sources {
     /// Opens the sources and reads their keys. A source of another job (model, template, prompt settings or
     /// generation parameters) serves nothing and is named once in the log; so are files of other numerics.
-    pub async fn open(urls: &[String], allow_incomplete: bool, ours: &Fingerprint, numerics: &str) -> Result<Sources, ReuseError> {
+    pub async fn open(urls: &[String], allow_incomplete: bool, ours: &Fingerprint, numerics: &str, layout: ResultsLayout) -> Result<Sources, ReuseError> {
         let started = Instant::now();
-        let mut sources = Sources { outputs: Vec::new(), files: Vec::new(), index: Vec::new(), cache: Mutex::default(), summary: SourcesSummary::default() };
+        let schema = Arc::new(match layout {
+            ResultsLayout::Generate => crate::sink::schema::results_schema(),
+            ResultsLayout::Embed { dimensions } => crate::sink::schema::embeddings_schema(dimensions),
+        });
+        let mut sources = Sources { outputs: Vec::new(), files: Vec::new(), index: Vec::new(), cache: Mutex::default(), schema, summary: SourcesSummary::default() };
         sources.summary.sources = urls.len();
         for url in urls {
             let read = |source| ReuseError::Read { url: url.clone(), source: Box::new(source) };
@@ -203,7 +209,11 @@ impl Sources {
         }
         let (o, relative) = &self.files[file as usize];
         let output = &self.outputs[*o];
-        let batch = Arc::new(output.read_result_file(relative).await.map_err(read_err(output.url()))?);
+        let batch = output.read_result_file(relative).await.map_err(read_err(output.url()))?;
+        let batch = Arc::new(conform(batch, &self.schema).map_err(|e| ReuseError::Read {
+            url: output.url().to_string(),
+            source: Box::new(SinkError::Read { url: output.display(relative), source: e.into() }),
+        })?);
         let mut cache = self.cache.lock().expect("not poisoned");
         if cache.len() >= CACHED_FILES {
             cache.pop_front();
@@ -229,4 +239,29 @@ fn timings(one: &RecordBatch) -> [Option<f64>; 4] {
         column.and_then(|c| c.as_primitive_opt::<Float64Type>()).filter(|c| c.is_valid(0)).map(|c| c.value(0))
     };
     ["queue_s", "ttft_s", "e2e_s", "tpot_s"].map(value)
+}
+
+/// A source file's columns as this run writes them (`schema`): a column of the same name but another type is cast.
+/// A file rewritten by another Parquet writer keeps its data but may spell types differently (pyarrow names a
+/// list's items `element`, where arrow-rs says `item`); what cannot be cast is an error naming the column, never
+/// a row copied with a type the output's other files do not have.
+fn conform(batch: RecordBatch, schema: &arrow::datatypes::Schema) -> Result<RecordBatch, String> {
+    let theirs = batch.schema();
+    let mut fields = Vec::with_capacity(theirs.fields().len());
+    let mut columns = Vec::with_capacity(theirs.fields().len());
+    for (field, column) in theirs.fields().iter().zip(batch.columns()) {
+        match schema.field_with_name(field.name()) {
+            Ok(want) if want.data_type() != field.data_type() => {
+                let cast = arrow::compute::cast(column, want.data_type())
+                    .map_err(|e| format!("its `{}` column is {}, which cannot be read as this run's {}: {e}", field.name(), field.data_type(), want.data_type()))?;
+                fields.push(Arc::new(field.as_ref().clone().with_data_type(want.data_type().clone()).with_nullable(true)));
+                columns.push(cast);
+            }
+            _ => {
+                fields.push(field.clone());
+                columns.push(column.clone());
+            }
+        }
+    }
+    RecordBatch::try_new(Arc::new(arrow::datatypes::Schema::new(fields)), columns).map_err(|e| e.to_string())
 }

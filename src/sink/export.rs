@@ -59,6 +59,10 @@ impl Output {
     /// completed output, in input order. `model` names the model in the bodies (default: the model file's name).
     pub async fn export_openai_batch(&self, to: &Output, model: Option<&str>) -> Result<Exported, SinkError> {
         if !self.is_complete().await? {
+            // Not an output at all (no plan): nothing a retry changes (exit 5). An output still being written: 75.
+            if self.read_plan().await?.is_none() {
+                return Err(SinkError::NoPlan { url: self.url().into() });
+            }
             return Err(SinkError::NotComplete { url: self.url().into() });
         }
         let manifest = self.read_manifest().await?.ok_or_else(|| SinkError::NotComplete { url: self.url().into() })?;

@@ -25,7 +25,7 @@ mod batches;
 pub mod export;
 mod report;
 pub mod reuse;
-mod schema;
+pub mod schema;
 mod status;
 
 pub use schema::{embeddings_schema, metrics_schema, results_schema};
@@ -57,12 +57,15 @@ pub enum SinkError {
     NotWritable { url: String, #[source] source: object_store::Error },
     #[error("cannot write `{url}`")]
     Write { url: String, #[source] source: Box<dyn std::error::Error + Send + Sync> },
+    /// Rows that cannot be laid out in the results schema: a bug, never a store's fault (exit 1, not 75).
+    #[error("cannot encode the rows of `{url}` (a bug)")]
+    Encode { url: String, #[source] source: Box<dyn std::error::Error + Send + Sync> },
     #[error("cannot read `{url}`")]
     Read { url: String, #[source] source: Box<dyn std::error::Error + Send + Sync> },
     /// An object of the output's own metadata (plan, commit marker, manifest) that does not parse: damaged, not a
     /// transient fault, so retrying cannot help (exit 5, not 75).
     #[error("`{url}` is damaged: it is not the JSON nightshift wrote; move the output aside (or repair the file) and run again")]
-    Damaged { url: String, #[source] source: serde_json::Error },
+    Damaged { url: String, #[source] source: Box<dyn std::error::Error + Send + Sync> },
     #[error(
         "output `{url}` belongs to a different job ({differences}); resuming into it would mix results, so \
          write to a new output, or remove this one to start over"
@@ -155,6 +158,36 @@ pub struct Marker {
     pub errored_rows: u64,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
+}
+
+impl Marker {
+    /// The marker's own path, relative to the output root.
+    pub fn path(&self) -> String {
+        format!("{COMMITS_DIR}/shard={}/u{:06}.json", self.shard, self.unit)
+    }
+
+    /// Whether the marker read from `relative` is one nightshift wrote: named for its unit and shard, naming the
+    /// files [`Output::commit_unit`] writes for its attempt (never another file of the output: a forged marker must
+    /// not make a resume delete `_plan.json`), with counts that add up. Valid JSON that says otherwise is damage,
+    /// which no retry repairs (exit 5).
+    fn check(&self, relative: &str) -> Result<(), String> {
+        if relative != self.path() {
+            return Err(format!("it says unit {} of shard {}, which is committed at `{}`", self.unit, self.shard, self.path()));
+        }
+        if self.attempt.is_empty() || !self.attempt.bytes().all(|b| b.is_ascii_alphanumeric()) {
+            return Err(format!("its attempt {:?} is not an attempt id", self.attempt));
+        }
+        let stem = format!("shard={}/u{:06}-a{}.parquet", self.shard, self.unit, self.attempt);
+        for (file, dir) in [(&self.results, DATA_DIR), (&self.metrics, METRICS_DIR)] {
+            if *file != format!("{dir}/{stem}") {
+                return Err(format!("it names `{file}`, not the unit's `{dir}/{stem}`"));
+            }
+        }
+        if self.succeeded_rows.checked_add(self.errored_rows) != Some(self.rows) {
+            return Err(format!("its {} succeeded and {} errored rows are not its {} rows", self.succeeded_rows, self.errored_rows, self.rows));
+        }
+        Ok(())
+    }
 }
 
 /// `_manifest.json`: the committed output, for readers.
@@ -282,7 +315,7 @@ impl Output {
             Err(object_store::Error::NotFound { .. }) => return Ok(None),
             Err(e) => return Err(read_err(e.into())),
         };
-        serde_json::from_slice(&bytes).map(Some).map_err(|source| SinkError::Damaged { url: self.display(relative), source })
+        serde_json::from_slice(&bytes).map(Some).map_err(|source| SinkError::Damaged { url: self.display(relative), source: source.into() })
     }
 
     /// Writes a small JSON object create-once. `Ok(false)` when it already exists.
@@ -402,7 +435,7 @@ impl Output {
                 continue;
             };
             tracing::warn!(unit, missing = %self.display(missing), "a committed unit's file is missing: the unit is not committed, and runs again");
-            let marker_path = format!("{COMMITS_DIR}/shard={}/u{:06}.json", marker.shard, marker.unit);
+            let marker_path = marker.path();
             for file in [&marker.results, &marker.metrics, &marker_path] {
                 match self.store().delete(&self.path(file)).await {
                     Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
@@ -449,8 +482,17 @@ impl Output {
         let relatives = listed.iter().filter(|meta| meta.location.filename().unwrap_or_default().ends_with(".json")).filter_map(|meta| {
             meta.location.prefix_match(&self.location.path).map(|p| p.map(|s| s.as_ref().to_string()).collect::<Vec<_>>().join("/"))
         });
-        let read: Vec<Option<Marker>> =
-            futures::stream::iter(relatives).map(|relative| async move { self.read_json::<Marker>(&relative).await }).buffer_unordered(16).try_collect().await?;
+        let read: Vec<Option<Marker>> = futures::stream::iter(relatives)
+            .map(|relative| async move {
+                let marker = self.read_json::<Marker>(&relative).await?;
+                if let Some(m) = &marker {
+                    m.check(&relative).map_err(|e| SinkError::Damaged { url: self.display(&relative), source: e.into() })?;
+                }
+                Ok::<_, SinkError>(marker)
+            })
+            .buffer_unordered(16)
+            .try_collect()
+            .await?;
         Ok(read.into_iter().flatten().map(|marker| (marker.unit, marker)).collect())
     }
 
@@ -512,7 +554,7 @@ impl Output {
                 ResultsLayout::Generate => batches::results_batch(chunk, schema.clone()),
                 ResultsLayout::Embed { dimensions } => batches::embeddings_batch(chunk, schema.clone(), dimensions),
             }
-            .map_err(|e| self.write_error(relative, e))?;
+            .map_err(|e| SinkError::Encode { url: self.display(relative), source: e.into() })?;
             if let Err(e) = writer.write(&batch).await {
                 // Abort a started multipart upload instead of leaving its parts behind.
                 let _ = writer.into_inner().abort().await;
@@ -526,7 +568,7 @@ impl Output {
     async fn write_metrics(&self, relative: &str, unit: u32, metrics: &JobMetrics, run: &RunMetadata) -> Result<(), SinkError> {
         let schema = with_metadata(metrics_schema(), run);
         let row = MetricsRow { unit, attempt: &run.attempt, metrics };
-        let batch = batches::metrics_batch(&row, schema.clone()).map_err(|e| self.write_error(relative, e))?;
+        let batch = batches::metrics_batch(&row, schema.clone()).map_err(|e| SinkError::Encode { url: self.display(relative), source: e.into() })?;
         let upload = BufWriter::new(self.store().clone(), self.path(relative));
         let mut writer = AsyncArrowWriter::try_new(upload, schema, Some(properties(run))).map_err(|e| self.write_error(relative, e))?;
         writer.write(&batch).await.map_err(|e| self.write_error(relative, e))?;
@@ -539,7 +581,9 @@ impl Output {
     /// and from several processes at once.
     pub async fn finalize(&self) -> Result<Finalized, SinkError> {
         let plan = self.read_plan().await?.ok_or_else(|| SinkError::NoPlan { url: self.url().into() })?;
-        if self.is_complete().await? {
+        // Complete only while every file the manifest names is there: otherwise `_SUCCESS` goes, and the markers
+        // below say which unit a run must compute again.
+        if self.is_complete_and_whole().await? {
             if let Some(manifest) = self.read_json::<Manifest>(MANIFEST_FILE).await? {
                 return Ok(Finalized::AlreadyComplete(manifest));
             }
@@ -558,6 +602,12 @@ impl Output {
             return Err(SinkError::Incomplete { url: self.url().into(), missing: missing.len(), total: plan.units.len(), shards, first });
         }
         let units: Vec<Marker> = plan.units.iter().map(|u| markers[&u.id].clone()).collect();
+        for (unit, marker) in plan.units.iter().zip(&units) {
+            if (marker.shard, marker.rows) != (unit.shard, unit.rows as u64) {
+                let why = format!("it commits {} rows of shard {}; the plan's unit has {} rows of shard {}", marker.rows, marker.shard, unit.rows, unit.shard);
+                return Err(SinkError::Damaged { url: self.display(&marker.path()), source: why.into() });
+            }
+        }
         // A manifest never names a file that is not there.
         let files = self.unit_files().await?;
         for marker in &units {
