@@ -788,7 +788,10 @@ fn over_long_prompts_are_error_rows_unless_truncation_is_asked_for() {
     write_tiny_model(&model);
     let input = dir.join("in.parquet");
     let long = "word ".repeat(400);
-    write_parquet(&input, prompts(&row_ids(2), &["A short ticket.", &long]));
+    // 4 MB in one cell: more bytes than any tokenization of the context could cover, refused (or cut) by its size
+    // before it is tokenized (issue #41, class 3: a 50 MB cell took 10.7 GB).
+    let huge = "word ".repeat(800_000);
+    write_parquet(&input, prompts(&row_ids(3), &["A short ticket.", &long, &huge]));
     let run_with = |name: &str, truncate: Option<&str>| {
         let out = dir.join(name);
         let extra = truncate.map(|t| format!("truncate = {t:?}\n")).unwrap_or_default();
@@ -804,13 +807,17 @@ fn over_long_prompts_are_error_rows_unless_truncation_is_asked_for() {
     assert_eq!(rows["r00000"].status, "succeeded");
     assert_eq!(rows["r00001"].error_code.as_deref(), Some("prompt_too_long"));
     assert!(rows["r00001"].error_message.as_deref().unwrap().contains("input.truncate"));
+    assert_eq!(rows["r00002"].error_code.as_deref(), Some("prompt_too_long"));
+    assert!(rows["r00002"].error_message.as_deref().unwrap().contains("4000000 bytes"), "{:?}", rows["r00002"]);
     for side in ["left", "right"] {
         let rows = run_with(side, Some(side));
-        let row = &rows["r00001"];
-        assert_eq!(row.status, "succeeded", "{side}: {row:?}");
-        // The tiny model's context is 256: the cut prompt leaves room for all 16 new tokens.
-        let prompt_tokens = row.prompt_tokens.unwrap();
-        assert!((200..=240).contains(&prompt_tokens), "{side}: {prompt_tokens} prompt tokens");
+        for id in ["r00001", "r00002"] {
+            let row = &rows[id];
+            assert_eq!(row.status, "succeeded", "{side}: {row:?}");
+            // The tiny model's context is 256: the cut prompt leaves room for all 16 new tokens.
+            let prompt_tokens = row.prompt_tokens.unwrap();
+            assert!((200..=240).contains(&prompt_tokens), "{side} {id}: {prompt_tokens} prompt tokens");
+        }
         assert_eq!(rows["r00000"], run_with("default-again", None)["r00000"], "short prompts are untouched");
     }
 }

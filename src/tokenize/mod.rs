@@ -37,6 +37,74 @@ pub struct PreparedRow {
     pub completion: Option<Vec<u32>>,
 }
 
+/// How many bytes of text one token may cover at most, over its longest token's spelling (`longest_token`
+/// bytes): normalizers may shrink text before it is cut into tokens, NFKC by up to 4 bytes to 1 (`𝐀` to `A`).
+const NORMALIZED_SHRINK: usize = 4;
+
+/// The most bytes a prompt's text (its messages' contents, or its text) may have for a tokenizer whose longest
+/// token is spelt in `longest_token` bytes to fit `context` tokens: past it, every tokenization has more tokens
+/// than the context (each token covers at most `longest_token` bytes of normalized text), so the row is
+/// `prompt_too_long` before any template or tokenizer runs on it, or, with `input.truncate`, is cut to it first.
+/// This bounds the memory and time one cell can take (a 50 MB cell took 10.7 GB to tokenize). A token's spelling
+/// over-counts the bytes it covers (byte-level BPE's `Ġ` spells one byte in two; SentencePiece's `▁` one in three),
+/// which only widens the bound. Only a normalizer that deletes text (BERT's accent stripping, given nothing but
+/// combining marks) could fit more, and such a row is then reported too long instead of empty.
+pub fn prompt_byte_limit(context: usize, longest_token: usize) -> usize {
+    context.saturating_mul(longest_token.max(1)).saturating_mul(NORMALIZED_SHRINK)
+}
+
+/// The longest spelling of any token of a vocabulary, in bytes.
+pub fn longest_token<'a>(tokens: impl Iterator<Item = &'a str>) -> usize {
+    tokens.map(str::len).max().unwrap_or(1)
+}
+
+/// `prompt` within `limit` bytes of text (system prompt, messages' contents): as it is when it fits; else, with
+/// `truncate`, its last user message (or text) cut on a character boundary from the side `truncate` drops, by
+/// what is over; else `prompt_too_long`, naming the bytes, before anything tokenizes it.
+fn within_bytes(mut prompt: Prompt, extra: usize, limit: usize, truncate: Truncate) -> Result<Prompt, RowError> {
+    let total = extra
+        + match &prompt {
+            Prompt::Text(text) => text.len(),
+            Prompt::Messages(messages) => messages.iter().map(|m| m.content.len() + m.role.len()).sum(),
+        };
+    if total <= limit {
+        return Ok(prompt);
+    }
+    let too_long = || {
+        RowError::new(
+            ErrorCode::PromptTooLong,
+            format!("the prompt has {total} bytes of text; more than {limit} bytes cannot fit the model's context (not tokenized)"),
+        )
+    };
+    let content = match (&mut prompt, truncate) {
+        (_, Truncate::None) => return Err(too_long()),
+        (Prompt::Text(text), _) => text,
+        (Prompt::Messages(messages), _) => match messages.iter_mut().rev().find(|m| m.role == "user") {
+            Some(m) => &mut m.content,
+            None => return Err(too_long()),
+        },
+    };
+    let over = total - limit;
+    if over >= content.len() {
+        return Err(too_long());
+    }
+    let keep = content.len() - over;
+    if truncate == Truncate::Left {
+        let mut start = content.len() - keep;
+        while !content.is_char_boundary(start) {
+            start += 1;
+        }
+        content.drain(..start);
+    } else {
+        let mut end = keep;
+        while !content.is_char_boundary(end) {
+            end -= 1;
+        }
+        content.truncate(end);
+    }
+    Ok(prompt)
+}
+
 /// Everything needed to turn a row into tokens: tokenizer, template, limits.
 pub struct Preprocessor {
     tokenizer: Tokenizer,
@@ -49,6 +117,8 @@ pub struct Preprocessor {
     truncate: Truncate,
     /// The job's `max_new_tokens`, for rows that do not set their own: truncation leaves room for the answer.
     max_new_tokens: u32,
+    /// [`prompt_byte_limit`] of this vocabulary and context.
+    max_prompt_bytes: usize,
 }
 
 impl Preprocessor {
@@ -78,7 +148,13 @@ impl Preprocessor {
             context_length,
             truncate: input.truncate,
             max_new_tokens,
+            max_prompt_bytes: prompt_byte_limit(context_length, longest_token(vocab.tokens.iter().map(String::as_str))),
         })
+    }
+
+    /// The most bytes of text a prompt may have ([`prompt_byte_limit`]).
+    pub fn max_prompt_bytes(&self) -> usize {
+        self.max_prompt_bytes
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -147,7 +223,9 @@ impl Preprocessor {
             Some(c) => c.len(),
             None => row.params.max_new_tokens.unwrap_or(self.max_new_tokens) as usize,
         };
+        let system_bytes = self.system_prompt.as_ref().map_or(0, String::len);
         let tokens = row.prompt.and_then(|prompt| {
+            let prompt = within_bytes(prompt, system_bytes, self.max_prompt_bytes, self.truncate)?;
             let tokens = self.encode(&self.render(&prompt)?)?;
             if tokens.is_empty() {
                 return Err(RowError::new(ErrorCode::EmptyPrompt, "the prompt, with the chat template, is no tokens at all"));
@@ -241,6 +319,9 @@ pub struct EncoderPreprocessor {
     /// The same tokenizer, cutting rows to `max_tokens` from the side `input.truncate` names.
     truncating: Option<tokenizers::Tokenizer>,
     max_tokens: usize,
+    truncate: Truncate,
+    /// [`prompt_byte_limit`] of this vocabulary and `max_tokens`.
+    max_bytes: usize,
 }
 
 impl EncoderPreprocessor {
@@ -256,14 +337,15 @@ impl EncoderPreprocessor {
                 Some(t)
             }
         };
-        Ok(EncoderPreprocessor { tokenizer, truncating, max_tokens })
+        let max_bytes = prompt_byte_limit(max_tokens, longest_token(tokenizer.get_vocab(true).keys().map(String::as_str)));
+        Ok(EncoderPreprocessor { tokenizer, truncating, max_tokens, truncate, max_bytes })
     }
 }
 
 impl Prepare for EncoderPreprocessor {
     fn prepare(&self, row: SourceRow) -> PreparedRow {
         let tokens = row.prompt.and_then(|prompt| {
-            let Prompt::Text(text) = prompt else {
+            let Prompt::Text(text) = within_bytes(prompt, 0, self.max_bytes, self.truncate)? else {
                 return Err(RowError::new(ErrorCode::InvalidMessages, "an embedding row is a text, not a conversation"));
             };
             let tokenizer = self.truncating.as_ref().unwrap_or(&self.tokenizer);
@@ -284,5 +366,40 @@ impl Prepare for EncoderPreprocessor {
             Ok(ids.to_vec())
         });
         PreparedRow { id: row.id, tag: row.tag, params: row.params, tokens, completion: None }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn user(text: &str) -> Prompt {
+        Prompt::Messages(vec![Message { role: "system".into(), content: "be brief".into() }, Message { role: "user".into(), content: text.into() }])
+    }
+
+    #[test]
+    fn a_prompt_over_the_byte_limit_is_too_long_or_cut_on_a_character_boundary() {
+        // 2 tokens of at most 3 bytes, normalized text shrinking up to 4 to 1: 24 bytes.
+        let limit = prompt_byte_limit(2, longest_token(["a", "abc", "ab"].into_iter()));
+        assert_eq!(limit, 24);
+        let fits = "x".repeat(limit);
+        assert!(matches!(within_bytes(Prompt::Text(fits.clone()), 0, limit, Truncate::None), Ok(Prompt::Text(t)) if t == fits));
+        let err = within_bytes(Prompt::Text(format!("{fits}y")), 0, limit, Truncate::None).unwrap_err();
+        assert_eq!(err.code, ErrorCode::PromptTooLong);
+        assert!(err.message.contains("25 bytes") && err.message.contains("not tokenized"), "{}", err.message);
+        // The system prompt counts; the roles too.
+        assert!(within_bytes(Prompt::Text(fits.clone()), 1, limit, Truncate::None).is_err());
+        // Cut from the right, keeping the start, never inside a character (é is two bytes).
+        let text = format!("{}é{}", "a".repeat(23), "z".repeat(10));
+        let Ok(Prompt::Text(right)) = within_bytes(Prompt::Text(text.clone()), 0, limit, Truncate::Right) else { panic!() };
+        assert_eq!(right, "a".repeat(23), "the é straddles byte 24: dropped whole");
+        let Ok(Prompt::Text(left)) = within_bytes(Prompt::Text(text), 0, limit, Truncate::Left) else { panic!() };
+        assert_eq!(left, format!("{}é{}", "a".repeat(12), "z".repeat(10)));
+        // In a conversation, the last user message is cut and the rest kept.
+        let Ok(Prompt::Messages(m)) = within_bytes(user(&"q".repeat(100)), 0, limit, Truncate::Right) else { panic!() };
+        assert_eq!((m[0].content.as_str(), m[1].content.len()), ("be brief", limit - "be brief".len() - "system".len() - "user".len()));
+        // What the last user message cannot absorb is too long.
+        let huge_system = Prompt::Messages(vec![Message { role: "system".into(), content: "s".repeat(100) }, Message { role: "user".into(), content: "q".into() }]);
+        assert_eq!(within_bytes(huge_system, 0, limit, Truncate::Right).unwrap_err().code, ErrorCode::PromptTooLong);
     }
 }
