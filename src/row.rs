@@ -89,6 +89,21 @@ pub enum Prompt {
     Messages(Vec<Message>),
 }
 
+impl Prompt {
+    /// The prompt, or `empty_prompt` when it holds no text to answer: a blank text, no messages, or messages whose
+    /// contents are all blank. Every input format checks with this one rule (Parquet text and messages columns,
+    /// JSONL prompts, messages and embedding inputs).
+    pub fn non_empty(self) -> Result<Prompt, RowError> {
+        match &self {
+            Prompt::Text(text) if text.trim().is_empty() => Err(RowError::new(ErrorCode::EmptyPrompt, "the prompt is empty")),
+            Prompt::Messages(m) if m.iter().all(|m| m.content.trim().is_empty()) => {
+                Err(RowError::new(ErrorCode::EmptyPrompt, "the conversation has no message with content"))
+            }
+            _ => Ok(self),
+        }
+    }
+}
+
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {

@@ -191,8 +191,10 @@ fn jsonl_job(dir: &Path, input: &str, output: &str, extra: &str) -> std::path::P
 #[test]
 fn openai_batch_input_runs_every_good_line_and_an_error_row_for_every_bad_one() {
     let dir = scratch("batch-input");
+    let recursive = serde_json::json!({"type": "json_schema", "json_schema": {"name": "loop", "schema": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}});
     let lines = [
-        request("a", chat("hello")),
+        // A UTF-8 byte-order mark before the first line is not part of it (issue #41, class 7: the row lost its id).
+        format!("\u{feff}{}", request("a", chat("hello"))),
         "{\"custom_id\": \"b\", this is not json".to_string(),
         request("c", serde_json::json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]})),
         request("d", serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": []})),
@@ -200,6 +202,11 @@ fn openai_batch_input_runs_every_good_line_and_an_error_row_for_every_bad_one() 
         String::new(),
         request("f", serde_json::json!({"model": "tiny", "messages": [{"role": "system", "content": "Be short."}, {"role": "user", "content": "refund"}], "max_completion_tokens": 2, "logprobs": true, "top_logprobs": 2, "n": 2})),
         serde_json::json!({"custom_id": "g", "method": "POST", "url": "/v1/embeddings", "body": {"model": "tiny", "input": "x"}}).to_string(),
+        // Empty prompts are empty_prompt, as the same prompts from Parquet are; a schema no finite value satisfies
+        // is the row's parameter, not an engine error.
+        request("i", serde_json::json!({"model": "tiny", "messages": []})),
+        request("j", chat("  \n ")),
+        request("k", serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": recursive})),
         request("h", chat("last line, no newline at the end")),
     ];
     let input = dir.join("requests.jsonl");
@@ -217,6 +224,9 @@ fn openai_batch_input_runs_every_good_line_and_an_error_row_for_every_bad_one() 
     assert_eq!(code("e").as_deref(), Some("invalid_parameters"));
     assert_eq!(code("requests.jsonl:5").as_deref(), Some("invalid_request"), "the blank line");
     assert_eq!(code("g").as_deref(), Some("invalid_request"), "an embeddings line in a chat job");
+    assert_eq!((code("i").as_deref(), code("j").as_deref()), (Some("empty_prompt"), Some("empty_prompt")));
+    assert_eq!(code("k").as_deref(), Some("invalid_parameters"));
+    assert!(rows["k"]["error"]["message"].as_str().unwrap().contains("no finite value satisfies"), "{}", rows["k"]);
     for id in ["a", "f", "h"] {
         assert_eq!(rows[id]["status"], "succeeded", "{id}: {}", rows[id]);
     }
@@ -227,7 +237,7 @@ fn openai_batch_input_runs_every_good_line_and_an_error_row_for_every_bad_one() 
     nightshift(&["export", out.to_str().unwrap(), "--format", "openai-batch", "--to", to.to_str().unwrap()], &[]).assert_ok();
     let (results, errors) = (self::lines(&to.join("results.jsonl")), self::lines(&to.join("errors.jsonl")));
     assert_eq!(custom_ids(&results), ["a", "f", "h"]);
-    assert_eq!(custom_ids(&errors), ["requests.jsonl:1", "c", "d", "e", "requests.jsonl:5", "g"]);
+    assert_eq!(custom_ids(&errors), ["requests.jsonl:1", "c", "d", "e", "requests.jsonl:5", "g", "i", "j", "k"]);
     assert_eq!(results[1]["response"]["body"]["choices"][1]["logprobs"]["content"][0]["top_logprobs"].as_array().map(Vec::len), Some(2));
 
     // Duplicate custom_ids are refused before anything runs (exit 3), naming them.
@@ -285,6 +295,7 @@ fn openai_batch_embedding_requests_round_trip() {
         line("e1", "/v1/embeddings", serde_json::json!({"model": "text-embedding-3-small", "input": "The printer jams.", "encoding_format": "float"})),
         line("e2", "/v1/chat/completions", serde_json::json!({"model": "text-embedding-3-small", "messages": []})),
         line("e3", "/v1/embeddings", serde_json::json!({"model": "text-embedding-3-small", "input": ["A refund, please."]})),
+        line("e4", "/v1/embeddings", serde_json::json!({"model": "text-embedding-3-small", "input": ""})),
     ];
     let input = dir.join("embed.jsonl");
     std::fs::write(&input, requests.join("\n") + "\n").unwrap();
@@ -303,8 +314,9 @@ fn openai_batch_embedding_requests_round_trip() {
     let exported = dir.join("out/openai-batch");
     let (results, errors) = (lines(&exported.join("results.jsonl")), lines(&exported.join("errors.jsonl")));
     assert_eq!(custom_ids(&results), ["e1", "e3"]);
-    assert_eq!(custom_ids(&errors), ["e2"]);
+    assert_eq!(custom_ids(&errors), ["e2", "e4"]);
     assert_eq!(errors[0]["error"]["code"], "invalid_request");
+    assert_eq!(errors[1]["error"]["code"], "empty_prompt", "as an empty Parquet cell is");
     for line in &results {
         agrees(&example("embedding_response.json"), &line["response"]["body"], "body");
         assert_eq!(line["response"]["body"]["data"][0]["embedding"].as_array().map(Vec::len), Some(384));

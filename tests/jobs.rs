@@ -974,3 +974,37 @@ fn a_verb_whose_reader_stops_reading_keeps_its_exit_code_and_does_not_panic() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
+
+/// A dictionary-encoded prompt column (how pandas' categoricals and pyarrow's dictionary arrays are stored) is read
+/// as the text it holds, and relative paths with `..` are taken from the current directory for the input, the
+/// output and the model alike (issue #41, class 7: the first was refused, the second refused for all but the
+/// model).
+#[test]
+fn dictionary_prompts_and_dot_dot_paths_read_as_plain_ones() {
+    let dir = scratch("dictionary");
+    let ids: Vec<String> = ["t1", "t2", "t3"].map(String::from).to_vec();
+    let texts = ["Summarise: the printer jams.", "Reset my password, please.", "Summarise: the printer jams."];
+    let plain = dir.join("plain.parquet");
+    write_parquet(&plain, prompts(&ids, &texts));
+    let dictionary = dir.join("dictionary.parquet");
+    let encoded: arrow::array::DictionaryArray<arrow::datatypes::Int32Type> = texts.iter().copied().collect();
+    write_parquet(&dictionary, vec![prompts(&ids, &texts).remove(0), ("prompt", Arc::new(encoded) as ArrayRef)]);
+    std::os::unix::fs::symlink(model_path(), dir.join("model.gguf")).unwrap();
+    std::fs::create_dir_all(dir.join("sub")).unwrap();
+    // From the repository root (the tests' current directory): target/test-scratch/dictionary/sub/../...
+    let relative = |name: &str| format!("target/test-scratch/dictionary/sub/../{name}");
+    let run = |input: &str, output: &str, model: &str| {
+        let job = job_file(&dir, input, output, "max_new_tokens = 6", "");
+        let text = std::fs::read_to_string(&job).unwrap().replace(&format!("path = {:?}", model_path().to_string_lossy()), &format!("path = {model:?}"));
+        std::fs::write(&job, text).unwrap();
+        nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    };
+    run(plain.to_str().unwrap(), dir.join("out-plain").to_str().unwrap(), model_path().to_str().unwrap());
+    run(&relative("dictionary.parquet"), &relative("out-dictionary"), &relative("model.gguf"));
+    let (plain, encoded) = (read_results(&dir.join("out-plain")), read_results(&dir.join("out-dictionary")));
+    assert_eq!(encoded.len(), 3);
+    for id in &ids {
+        assert_eq!(encoded[id].status, "succeeded", "{id}: {:?}", encoded[id]);
+        assert_eq!(encoded[id].text, plain[id].text, "{id}");
+    }
+}

@@ -169,11 +169,40 @@ impl Grammars {
         if let Some(error) = start.get_error() {
             return Err(format!("unsupported JSON schema: {}", clean(&error)));
         }
+        // The forced first steps, tried once here: a schema that refers only to itself has no first token, or forces
+        // tokens for ever (`[[[[...`). Found now, it is the row's parameter that is wrong (invalid_parameters, once
+        // per schema), not an engine error for every row at its first step.
+        if let Err(why) = forced_start(start.clone()) {
+            return Err(match why.as_str() {
+                "NoExtensionBias" => "no value satisfies the JSON schema: it has no first token (a schema that refers only to itself?)".into(),
+                _ => format!("no finite value satisfies the JSON schema: what it forces from the start has no end (a schema that requires itself?); the parser gave up: {why}"),
+            });
+        }
         for warning in start.grammar_warnings() {
             tracing::warn!(%warning, "JSON schema");
         }
         Ok(Grammar { start })
     }
+}
+
+/// Steps walked from a grammar's start while it allows one token only, to find a schema that cannot start.
+const FORCED_STEPS: usize = 16;
+
+/// Walks `matcher` from its start while exactly one token is allowed (what the schema forces, `{"` then `a":` ...),
+/// up to [`FORCED_STEPS`]: the error a schema that requires itself meets on its first tokens, found once per schema.
+fn forced_start(mut matcher: Matcher) -> Result<(), String> {
+    for _ in 0..FORCED_STEPS {
+        let mask = matcher.compute_mask_or_eos().map_err(|e| one_line(&e))?;
+        if mask.num_set() != 1 || matcher.is_accepting().unwrap_or(false) {
+            return Ok(());
+        }
+        let only = mask.first_bit_set().expect("one bit is set") as u32;
+        matcher.consume_token(only).map_err(|e| one_line(&e))?;
+        if matcher.is_stopped() {
+            return Ok(());
+        }
+    }
+    Ok(())
 }
 
 impl Constraint {
@@ -460,6 +489,14 @@ mod tests {
     }
 
     #[test]
+    fn a_recursive_schema_with_a_way_out_compiles() {
+        let fixture = fixture();
+        let mut grammars = grammars(&fixture, fixture.tokenizer.vocab_size());
+        let tree = r##"{"$defs": {"n": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}}, "required": ["c"]}}, "$ref": "#/$defs/n"}"##;
+        grammars.compile(tree).unwrap();
+    }
+
+    #[test]
     fn local_refs_compile() {
         let fixture = fixture();
         let mut grammars = grammars(&fixture, fixture.tokenizer.vocab_size());
@@ -482,6 +519,11 @@ mod tests {
             (r##"{"type": "array", "items": {"$ref": "#/$defs/missing"}}"##, "missing"),
             (r#"{"type": "string", "minLength": 5, "maxLength": 2}"#, "unsupported JSON schema"),
             (r#"{"$ref": "https://example.com/schema.json"}"#, "unsupported JSON schema"),
+            // Recursion without a way out: caught before any row runs (issue #41, class 7: each row was an
+            // engine_error with llguidance's internal message).
+            (r##"{"$ref": "#"}"##, "no value satisfies"),
+            (r##"{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}"##, "no finite value satisfies"),
+            (r##"{"type": "array", "items": {"$ref": "#"}, "minItems": 1}"##, "no finite value satisfies"),
         ];
         for (schema, expected) in cases {
             let error = grammars.compile(schema).err().unwrap_or_else(|| panic!("{schema} compiled"));

@@ -16,6 +16,8 @@ use crate::row::{ErrorCode, RowError, RowTag};
 /// Lines between two remembered byte offsets: a unit's read starts at most this many lines before it.
 pub(super) const CHECKPOINT_LINES: u64 = 1024;
 
+const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
+
 /// The longest line kept; a longer one is an error row (OpenAI's own limit on a whole request file is 200 MB).
 const MAX_LINE_BYTES: usize = 16 << 20;
 
@@ -136,9 +138,15 @@ impl LineStream {
     /// The next line at or after the first asked for, with its number; `None` at the end of the file.
     async fn next(&mut self) -> Result<Option<(u64, Option<Vec<u8>>)>, SourceError> {
         loop {
-            while let Some(line) = self.ready.pop_front() {
+            while let Some(mut line) = self.ready.pop_front() {
                 let n = self.number;
                 self.number += 1;
+                // A UTF-8 byte-order mark (Windows editors write one) is not part of the first line's JSON.
+                if let (0, Some(bytes)) = (n, line.as_mut()) {
+                    if bytes.starts_with(UTF8_BOM) {
+                        bytes.drain(..UTF8_BOM.len());
+                    }
+                }
                 if n >= self.first_line {
                     return Ok(Some((n, line)));
                 }

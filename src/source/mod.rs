@@ -482,8 +482,14 @@ enum ColumnKind {
     Param(job::ParamType),
 }
 
+/// A text type: plain, large or view strings, or a dictionary of them (pandas' categoricals and pyarrow's
+/// dictionary arrays are stored so, and read back as such), all read through one cast ([`to_strings`]).
 fn is_string(t: &DataType) -> bool {
-    matches!(t, DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View)
+    match t {
+        DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View => true,
+        DataType::Dictionary(_, values) => is_string(values),
+        _ => false,
+    }
 }
 
 fn check_column(url: &str, schema: &Schema, name: &str, kind: ColumnKind) -> Result<usize, SourceError> {
@@ -630,10 +636,8 @@ fn rows_of(
                 .map(|i| {
                     if texts.is_null(i) {
                         Err(RowError::new(ErrorCode::NullPrompt, "the prompt is null"))
-                    } else if texts.value(i).trim().is_empty() {
-                        Err(RowError::new(ErrorCode::EmptyPrompt, "the prompt is empty"))
                     } else {
-                        Ok(Prompt::Text(texts.value(i).to_string()))
+                        Prompt::Text(texts.value(i).to_string()).non_empty()
                     }
                 })
                 .collect()
@@ -722,10 +726,7 @@ fn messages_of(array: &ArrayRef) -> Result<Vec<Result<Prompt, RowError>>, Parque
                 let content = if contents.is_null(j) { "" } else { contents.value(j) };
                 messages.push(Message { role: roles.value(j).to_string(), content: content.to_string() });
             }
-            if messages.iter().all(|m| m.content.trim().is_empty()) {
-                return Err(RowError::new(ErrorCode::EmptyPrompt, "the conversation has no message with content"));
-            }
-            Ok(Prompt::Messages(messages))
+            Prompt::Messages(messages).non_empty()
         })
         .collect())
 }

@@ -138,7 +138,7 @@ fn request(line: &Map<String, Value>, has_id: bool, rules: &LineRules) -> Result
         "/v1/completions" => "`body.prompt`",
         _ => "`body.input`",
     };
-    let prompt = prompt.ok_or_else(|| invalid(format!("{what} is missing")))?;
+    let prompt = prompt.ok_or_else(|| invalid(format!("{what} is missing")))?.non_empty()?;
     Ok((prompt, params))
 }
 
