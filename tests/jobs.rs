@@ -1008,3 +1008,28 @@ fn dictionary_prompts_and_dot_dot_paths_read_as_plain_ones() {
         assert_eq!(encoded[id].text, plain[id].text, "{id}");
     }
 }
+
+/// `plan` goes on past a calibration row the engine refuses (a per-row `n` over `runtime.max_seqs`: an error row
+/// in `run`), timing the others (issue #41, class 7: it exited 1).
+#[test]
+fn plan_leaves_a_refused_calibration_row_out_of_the_estimate() {
+    let dir = scratch("plan-refused");
+    let input = dir.join("in.parquet");
+    let ids: Vec<String> = ["a", "b", "c"].map(String::from).to_vec();
+    let mut columns = support::prompts(&ids, &["What is a cache?", "What is a queue?", "What is a log?"]);
+    columns.push(("n", Arc::new(Int64Array::from(vec![Some(99), None, None])) as ArrayRef));
+    write_parquet(&input, columns);
+    let extra = "[runtime]\nmax_seqs = 4\n";
+    let job = job_file(&dir, input.to_str().unwrap(), dir.join("out").to_str().unwrap(), "max_new_tokens = 4", extra);
+    let text = std::fs::read_to_string(&job).unwrap().replace("id_column = \"id\"", "id_column = \"id\"\n[input.parameters]\nn = \"n\"");
+    std::fs::write(&job, text).unwrap();
+    let run = nightshift(&["plan", job.to_str().unwrap(), "--calibration-rows", "3", "--json"], &[]);
+    run.assert_ok();
+    let r: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+    assert_eq!(r["ok_rows"], 3, "the row tokenizes: only the engine refuses it: {r}");
+    assert_eq!(r["calibration"]["rows"], 2, "{r}");
+    assert!(r["estimated_seconds"].as_f64().unwrap() > 0.0, "{r}");
+    // `run` makes the same row an error row and completes.
+    nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    assert_eq!(read_results(&dir.join("out"))["a"].error_code.as_deref(), Some("invalid_parameters"));
+}

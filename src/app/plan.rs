@@ -140,7 +140,7 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
     // Calibration: the first rows, at most 32 new tokens each, through the real engine.
     let calibration = match t.calibration.is_empty() {
         true => None,
-        false => Some(calibrate(&job, engine.as_mut(), t.calibration)?),
+        false => calibrate(&job, engine.as_mut(), t.calibration)?,
     };
     let estimated_seconds = calibration.as_ref().and_then(|c| report::estimate_seconds(&simulation, c));
     Ok(JobPlanReport {
@@ -254,7 +254,7 @@ async fn tokenize_all(
 }
 
 /// Runs the calibration rows (at most 32 new tokens each) through the engine, under the run's drive loop.
-fn calibrate(job: &Job, engine: &mut dyn crate::engine::Engine, requests: Vec<Request>) -> Result<report::Calibration, Error> {
+fn calibrate(job: &Job, engine: &mut dyn crate::engine::Engine, requests: Vec<Request>) -> Result<Option<report::Calibration>, Error> {
     let started = Instant::now();
     let n = requests.len();
     let requests = requests.into_iter().map(|mut request| {
@@ -266,13 +266,19 @@ fn calibrate(job: &Job, engine: &mut dyn crate::engine::Engine, requests: Vec<Re
     });
     let mut outcomes: Vec<Outcome> = Vec::new();
     let stats = drive(engine, &mut Ready(requests), &mut outcomes, None).map_err(Error::Engine)?;
-    if let Some(Outcome::Failed(f)) = outcomes.iter().find(|o| matches!(o, Outcome::Failed(_))) {
-        return Err(Error::Internal(format!("calibration row refused: {}", f.error.message)));
+    // A row the engine refuses (a per-row parameter it cannot run) is an error row in `run`, never a failed run:
+    // here it is left out of the timing, and the plan goes on.
+    let failed: Vec<&str> = outcomes.iter().filter_map(|o| if let Outcome::Failed(f) = o { Some(f.error.code.as_str()) } else { None }).collect();
+    if !failed.is_empty() {
+        tracing::warn!(rows = failed.len(), first_code = failed[0], "calibration rows the engine refused (error rows in a run) are left out of the estimate");
     }
-    Ok(report::Calibration {
-        rows: n,
+    if failed.len() == n {
+        return Ok(None);
+    }
+    Ok(Some(report::Calibration {
+        rows: n - failed.len(),
         prefill_tokens_per_s: stats.prefill_tokens_per_s(),
         decode_tokens_per_s: stats.decode_tokens_per_s(),
         seconds: started.elapsed().as_secs_f64(),
-    })
+    }))
 }
