@@ -73,11 +73,40 @@ fn prefill_equals_token_by_token_decode_and_packing_changes_nothing() {
     assert_eq!(packed_b.len(), B.len());
 }
 
+/// SmolLM2's Q4_1 file with some matrices stored as llama.cpp's mixes store them (`llama-quantize
+/// --tensor-type`): `attn_v` in F16, `attn_k` in BF16, `ffn_gate` in Q8_0.
+fn mixed_types_model() -> std::path::PathBuf {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    let path = crate::support::scratch("mixed-types").join("mixed.gguf");
+    let mut file = std::fs::File::open(model_path()).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    for name in content.tensor_infos.keys() {
+        let mut t = content.tensor(&mut file, name, &Device::Cpu).unwrap();
+        let to = [("attn_v.weight", GgmlDType::F16), ("attn_k.weight", GgmlDType::BF16), ("ffn_gate.weight", GgmlDType::Q8_0)];
+        if let Some((_, dtype)) = to.iter().find(|(suffix, _)| name.ends_with(suffix)) {
+            t = QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), *dtype).unwrap();
+        }
+        tensors.push((name.clone(), t));
+    }
+    let meta: Vec<(&str, &gguf_file::Value)> = content.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    gguf_file::write(&mut std::fs::File::create(&path).unwrap(), &meta, &refs).unwrap();
+    path
+}
+
 #[test]
 fn the_host_layer_loop_computes_the_tensor_loops_bits() {
-    let (model, _) = Model::load(&model_path(), &Device::Cpu).unwrap();
-    assert!(model.host_loop(), "the sample model's layers should run on host vectors");
-    let (tensors, _) = Model::load(&model_path(), &Device::Cpu).unwrap();
+    the_two_layer_loops_agree(&model_path());
+    // Matrices of several types in one layer run on the kernels, one group per kind (issue #41, class 5: "not on
+    // the kernels (a bug)", exit 1).
+    the_two_layer_loops_agree(&mixed_types_model());
+}
+
+fn the_two_layer_loops_agree(path: &std::path::Path) {
+    let (model, _) = Model::load(path, &Device::Cpu).unwrap();
+    assert!(model.host_loop(), "{}: the model's layers should run on host vectors", path.display());
+    let (tensors, _) = Model::load(path, &Device::Cpu).unwrap();
     let tensors = tensors.with_tensor_loop();
     assert!(!tensors.host_loop());
     let host = HostAttention::new(&model, DType::F32).unwrap();

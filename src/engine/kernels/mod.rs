@@ -337,6 +337,25 @@ struct Task {
 
 /// `x · Wᵢᵀ` for each matrix (all `[_, k]` of the same kind, quantized or not), the activations quantized once,
 /// in one parallel region.
+/// [`matmul_many`] over matrices of one width and any kinds: one call per kind (quantized or float), the
+/// products in the order of `weights`.
+fn matmul_grouped(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Vec<f32>> {
+    if weights.iter().all(|w| w.quantized() == weights[0].quantized()) {
+        return matmul_many(level, weights, x, m);
+    }
+    let mut out = vec![Vec::new(); weights.len()];
+    for kind in [true, false] {
+        let (at, group): (Vec<usize>, Vec<&Packed>) = weights.iter().enumerate().filter(|(_, w)| w.quantized() == kind).map(|(i, w)| (i, *w)).unzip();
+        if group.is_empty() {
+            continue;
+        }
+        for (i, product) in at.into_iter().zip(matmul_many(level, &group, x, m)) {
+            out[i] = product;
+        }
+    }
+    out
+}
+
 fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Vec<f32>> {
     let k = weights[0].k;
     assert!(weights.iter().all(|w| w.k == k && w.quantized() == weights[0].quantized()), "matmul_many over matrices of different widths or kinds (a bug)");
@@ -426,22 +445,23 @@ impl Matrix {
         outs.into_iter().zip(&packed).map(|(o, p)| Tensor::from_vec(o, (m, p.n), x.device())).collect::<candle_core::Result<_>>().map(Some)
     }
 
-    /// The matrices as the kernels' when every one is packed and they share a width and a kind (quantized or
-    /// float), so that one set of activation codes serves them all.
+    /// The matrices as the kernels', when every one is packed and of one width (of any kinds: [`matmul_grouped`]).
     fn packed_group<'a>(weights: &[&'a Matrix]) -> Option<Vec<&'a Packed>> {
         let packed: Vec<&Packed> = weights.iter().map(|w| if let Matrix::Packed(p) = w { Some(p) } else { None }).collect::<Option<_>>()?;
         let first = packed.first()?;
-        packed.iter().all(|p| p.k == first.k && p.quantized() == first.quantized()).then_some(packed)
+        packed.iter().all(|p| p.k == first.k).then_some(packed)
     }
 
-    /// `x · Wᵢᵀ` for each matrix, `x` `[m, k]` row-major f32 in host memory, the activations quantized once and the
-    /// products in one parallel region: `None` unless every matrix is packed, of one width and kind.
+    /// `x · Wᵢᵀ` for each matrix, `x` `[m, k]` row-major f32 in host memory: `None` unless every matrix is packed
+    /// and of one width. Matrices of one kind share one quantization of the activations and one parallel region;
+    /// a mix (llama.cpp's Q4_K_M-style mixes keep some matrices, say `attn_v`, in F16 or Q8_0 beside Q4_1 ones)
+    /// runs one region per kind, each product the same bits as alone.
     pub fn products_host(x: &[f32], m: usize, weights: &[&Matrix]) -> candle_core::Result<Option<Vec<Vec<f32>>>> {
         let Some(packed) = Matrix::packed_group(weights) else { return Ok(None) };
         if x.len() != m * packed[0].k {
             candle_core::bail!("{} activations are not {m} rows for a matrix of width {}", x.len(), packed[0].k);
         }
-        Ok(Some(matmul_many(Level::active(), &packed, x, m)))
+        Ok(Some(matmul_grouped(Level::active(), &packed, x, m)))
     }
 
     /// The feed-forward network `down · (silu(gate · x) * (up · x))` for `x` `[rows, k]` f32 on the CPU, gate and
@@ -458,7 +478,7 @@ impl Matrix {
     /// Gate, up and down as the kernels' when all three are packed and their shapes chain.
     fn ffn_parts<'a>(gate: &'a Matrix, up: &'a Matrix, down: &'a Matrix) -> Option<[&'a Packed; 3]> {
         let (Matrix::Packed(g), Matrix::Packed(u), Matrix::Packed(d)) = (gate, up, down) else { return None };
-        (g.k == u.k && g.n == u.n && d.k == g.n && g.quantized() == u.quantized()).then_some([g, u, d])
+        (g.k == u.k && g.n == u.n && d.k == g.n).then_some([g, u, d])
     }
 
     /// [`Matrix::ffn_packed`] on host memory: `x` `[m, k]` row-major f32, the output `[m, down's rows]`.
@@ -468,7 +488,7 @@ impl Matrix {
             candle_core::bail!("{} activations are not {m} rows for a matrix of width {}", x.len(), g.k);
         }
         let level = Level::active();
-        let [mut act, up_out]: [Vec<f32>; 2] = matmul_many(level, &[g, u], x, m).try_into().expect("two outputs");
+        let [mut act, up_out]: [Vec<f32>; 2] = matmul_grouped(level, &[g, u], x, m).try_into().expect("two outputs");
         elementwise::silu_mul(&mut act, &up_out);
         Ok(Some(matmul_many(level, &[d], &act, m).pop().expect("one output")))
     }
