@@ -889,6 +889,11 @@ fn a_gguf_architecture_or_tokenizer_nightshift_does_not_run_stops_validate_and_r
 
 /// A copy of the GGUF at `src` with metadata values replaced and F32 tensors' values replaced (candle's writer).
 fn rewrite_gguf(src: &std::path::Path, dst: &std::path::Path, metadata: &[(&str, candle_core::quantized::gguf_file::Value)], tensors: &[(&str, f32)]) {
+    rewrite_gguf_without(src, dst, metadata, tensors, &[]);
+}
+
+/// [`rewrite_gguf`], leaving out the tensors named in `dropped`.
+fn rewrite_gguf_without(src: &std::path::Path, dst: &std::path::Path, metadata: &[(&str, candle_core::quantized::gguf_file::Value)], tensors: &[(&str, f32)], dropped: &[&str]) {
     use candle_core::quantized::{gguf_file, QTensor};
     let mut file = std::fs::File::open(src).unwrap();
     let content = gguf_file::Content::read(&mut file).unwrap();
@@ -897,7 +902,7 @@ fn rewrite_gguf(src: &std::path::Path, dst: &std::path::Path, metadata: &[(&str,
         meta.insert(key.to_string(), value.clone());
     }
     let mut loaded: Vec<(String, QTensor)> = Vec::new();
-    for name in content.tensor_infos.keys() {
+    for name in content.tensor_infos.keys().filter(|n| !dropped.contains(&n.as_str())) {
         let mut t = content.tensor(&mut file, name, &candle_core::Device::Cpu).unwrap();
         if let Some((_, v)) = tensors.iter().find(|(n, _)| n == name) {
             let replaced = (t.dequantize(&candle_core::Device::Cpu).unwrap().ones_like().unwrap() * *v as f64).unwrap();
@@ -934,6 +939,19 @@ fn a_rope_base_or_norm_epsilon_out_of_range_stops_validate_and_run_and_nan_logit
             assert_eq!(run.code, 4, "{verb} {key} = {value:?}: {}", run.stderr);
             assert!(run.stderr.contains(&format!("`{key}`")), "{verb} {key} = {value:?}: {}", run.stderr);
             assert!(!dir.join("out/_plan.json").exists(), "nothing is written");
+        }
+    }
+    // Metadata that contradicts the tensors' shapes, and a tensor the metadata needs left out: `validate` refuses
+    // them with `run`'s message (issue #41, class 5: validate passed them).
+    let shaped = dir.join("shape.gguf");
+    rewrite_gguf(&tiny, &shaped, &[("llama.feed_forward_length", Value::U32(96))], &[]);
+    let missing = dir.join("missing.gguf");
+    rewrite_gguf_without(&tiny, &missing, &[], &[], &["blk.1.ffn_up.weight"]);
+    for (path, needle) in [(&shaped, "tensor `blk.0.ffn_gate.weight` has shape"), (&missing, "no tensor `blk.1.ffn_up.weight`")] {
+        for verb in ["validate", "run"] {
+            let run = nightshift(&[verb, job.to_str().unwrap(), "--model", path.to_str().unwrap()], &[]);
+            assert_eq!(run.code, 4, "{verb} {}: {}", path.display(), run.stderr);
+            assert!(run.stderr.contains(needle), "{verb}: {}", run.stderr);
         }
     }
     // Weights that compute NaN (the final norm's): every row is an engine error naming it, none a token; the job

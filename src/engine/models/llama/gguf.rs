@@ -451,16 +451,71 @@ pub fn vocabulary(path: &Path) -> Result<VocabMetadata, ModelError> {
     Ok(VocabMetadata::of_gguf(crate::tokenize::gguf::Vocab::new(&tokenizer)?, &tokenizer, chat_template))
 }
 
-/// Reads a GGUF file's metadata (architecture, shapes, tokenizer) without loading its weights.
+/// Reads a GGUF file's metadata (architecture, shapes, tokenizer) and checks its tensors' names and shapes
+/// against it ([`check_tensors`], as [`load`] does), without loading its weights.
 pub(super) fn inspect(path: &Path) -> Result<ModelInfo, ModelError> {
     let (_, content) = read_content(path)?;
-    info_of(&content)
+    let info = info_of(&content)?;
+    check_tensors(&content, &info.config)?;
+    Ok(info)
+}
+
+/// Every tensor the model's configuration needs, with the shape it must have (candle's order: rows first), and
+/// whether it must be there: `validate` and `run` refuse the same files through this one list (exit 4).
+fn expected_tensors(content: &Content, config: &ModelConfig) -> Vec<(String, Vec<usize>, bool)> {
+    let (d, hd, v) = (config.hidden_size, config.head_dim, config.vocab_size);
+    let (q, kv, f) = (config.heads * hd, config.kv_heads * hd, config.ffn_size);
+    let has = |name: &str| content.tensor_infos.contains_key(name);
+    let mut out = vec![("token_embd.weight".to_string(), vec![v, d], true), ("output_norm.weight".into(), vec![d], true), ("output.weight".into(), vec![v, d], false)];
+    for i in 0..config.layers {
+        let mut need = |suffix: &str, dims: Vec<usize>, required: bool| out.push((format!("blk.{i}.{suffix}"), dims, required));
+        for (suffix, dims) in [
+            ("attn_norm.weight", vec![d]),
+            ("ffn_norm.weight", vec![d]),
+            ("attn_q.weight", vec![q, d]),
+            ("attn_k.weight", vec![kv, d]),
+            ("attn_v.weight", vec![kv, d]),
+            ("attn_output.weight", vec![d, q]),
+            ("ffn_gate.weight", vec![f, d]),
+            ("ffn_up.weight", vec![f, d]),
+            ("ffn_down.weight", vec![d, f]),
+        ] {
+            need(suffix, dims, true);
+        }
+        // Qwen2's q, k and v biases are required (as llama.cpp requires them); a llama file's are read where present.
+        let biases = config.architecture == "qwen2" || has(&format!("blk.{i}.attn_q.bias"));
+        for (suffix, dims) in [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)] {
+            need(suffix, vec![dims], biases);
+        }
+        need("attn_output.bias", vec![d], false);
+        let qwen3 = config.architecture == "qwen3";
+        need("attn_q_norm.weight", vec![hd], qwen3);
+        need("attn_k_norm.weight", vec![hd], qwen3);
+    }
+    out
+}
+
+/// The file's tensors against [`expected_tensors`]: a required one missing, or any of them of another shape than
+/// the metadata implies, is a malformed file (exit 4), found before any weight is read.
+fn check_tensors(content: &Content, config: &ModelConfig) -> Result<(), ModelError> {
+    for (name, dims, required) in expected_tensors(content, config) {
+        match content.tensor_infos.get(&name) {
+            None if required => return Err(ModelError::Metadata(format!("the file has no tensor `{name}`, which its metadata needs"))),
+            None => {}
+            Some(info) if info.shape.dims() != dims.as_slice() => {
+                return Err(ModelError::Metadata(format!("tensor `{name}` has shape {:?}, but the metadata implies {dims:?}", info.shape.dims())));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }
 
 /// Loads a GGUF llama-family model in the weight layout `layout` picks for its configuration.
 pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfig) -> Layout) -> Result<(Model, ModelInfo), ModelError> {
     let (mut file, content) = read_content(path)?;
     let info = info_of(&content)?;
+    check_tensors(&content, &info.config)?;
     let layout = layout(&info.config);
     let mut config = info.config.clone();
     let fmt = |e: candle_core::Error| ModelError::Format { path: path.into(), message: crate::engine::first_line(&e) };
@@ -477,46 +532,35 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
     }
     let halves = rotates_halves(&config.architecture);
     let qtensor = |name: &str| read(name, device);
-    let expect = |t: &QTensor, name: &str, dims: &[usize]| -> Result<(), ModelError> {
-        if t.shape().dims() != dims {
-            return Err(ModelError::Metadata(format!(
-                "tensor `{name}` has shape {:?}, expected {dims:?}",
-                t.shape().dims()
-            )));
-        }
-        Ok(())
-    };
+    // Every tensor's presence and shape were checked by `check_tensors` above.
     let (d, hd) = (config.hidden_size, config.head_dim);
     let (width, attn_width, ffn_width) = (layout.pad(d), layout.pad(config.heads * hd), layout.pad(config.ffn_size));
     let embedding_q = qtensor("token_embd.weight")?;
-    expect(&embedding_q, "token_embd.weight", &[config.vocab_size, d])?;
     let embedding = embedding_q.dequantize(device).and_then(|e| e.pad_with_zeros(1, 0, width - d)).map_err(fmt)?;
     // Every layer's matrices are read first, then laid out (requantized) in parallel: it is most of load time.
-    let (q, kv, f) = (config.heads * hd, config.kv_heads * hd, config.ffn_size);
-    // (name, shape in the file, laid-out [rows, columns]), in the order `Layer` takes them.
-    let shapes: [(&str, [usize; 2], [usize; 2]); 7] = [
-        ("attn_q", [q, d], [q, width]),
-        ("attn_k", [kv, d], [kv, width]),
-        ("attn_v", [kv, d], [kv, width]),
-        ("attn_output", [d, q], [width, attn_width]),
-        ("ffn_gate", [f, d], [ffn_width, width]),
-        ("ffn_up", [f, d], [ffn_width, width]),
-        ("ffn_down", [d, f], [width, ffn_width]),
+    let (q, kv) = (config.heads * hd, config.kv_heads * hd);
+    // (name, laid-out [rows, columns]), in the order `Layer` takes them.
+    let shapes: [(&str, [usize; 2]); 7] = [
+        ("attn_q", [q, width]),
+        ("attn_k", [kv, width]),
+        ("attn_v", [kv, width]),
+        ("attn_output", [width, attn_width]),
+        ("ffn_gate", [ffn_width, width]),
+        ("ffn_up", [ffn_width, width]),
+        ("ffn_down", [width, ffn_width]),
     ];
     let mut raw = Vec::with_capacity(config.layers * shapes.len());
     for i in 0..config.layers {
-        for (suffix, dims, pad) in shapes {
+        for (suffix, pad) in shapes {
             let name = format!("blk.{i}.{suffix}.weight");
             // Pairs `(i, i + head_dim / 2)` become adjacent ones: the rows are read on the host and reordered.
             let t = match halves && (suffix == "attn_q" || suffix == "attn_k") {
                 true => {
                     let t = read(&name, &Device::Cpu)?;
-                    expect(&t, &name, &dims)?;
                     interleave_rows(t, hd, device).map_err(fmt)?
                 }
                 false => qtensor(&name)?,
             };
-            expect(&t, &name, &dims)?;
             raw.push((t, pad));
         }
     }
@@ -533,16 +577,14 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         let norm = |suffix: &str| -> Result<Tensor, ModelError> {
             let name = format!("blk.{i}.{suffix}.weight");
             let t = qtensor(&name)?;
-            expect(&t, &name, &[d])?;
             t.dequantize(device).and_then(|w| padded_norm(w, width)).map_err(fmt)
         };
         let attn_norm = norm("attn_norm")?;
         let ffn_norm = norm("ffn_norm")?;
         // A vector of the layer's in f32: biases and the per-head norms, `rotary` ones reordered as q and k rows are.
-        let vector = |suffix: &str, len: usize, rotary: bool| -> Result<Tensor, ModelError> {
+        let vector = |suffix: &str, rotary: bool| -> Result<Tensor, ModelError> {
             let name = format!("blk.{i}.{suffix}");
             let t = qtensor(&name)?;
-            expect(&t, &name, &[len])?;
             let t = t.dequantize(device).map_err(fmt)?;
             match rotary && halves {
                 true => super::hf::interleave_halves(&t, hd).map_err(fmt),
@@ -552,29 +594,24 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         let has = |suffix: &str| content.tensor_infos.contains_key(&format!("blk.{i}.{suffix}"));
         // Qwen2's q, k and v biases (required, as llama.cpp requires them); a llama file's, where it has them.
         let qkv_bias = match config.architecture == "qwen2" || has("attn_q.bias") {
-            true => Some([vector("attn_q.bias", q, true)?, vector("attn_k.bias", kv, true)?, vector("attn_v.bias", kv, false)?]),
+            true => Some([vector("attn_q.bias", true)?, vector("attn_k.bias", true)?, vector("attn_v.bias", false)?]),
             false => None,
         };
         let wo_bias = match has("attn_output.bias") {
-            true => Some(vector("attn_output.bias", d, false)?.pad_with_zeros(0, 0, width - d).map_err(fmt)?),
+            true => Some(vector("attn_output.bias", false)?.pad_with_zeros(0, 0, width - d).map_err(fmt)?),
             false => None,
         };
         let qk_norm = match config.architecture == "qwen3" {
-            true => Some([vector("attn_q_norm.weight", hd, true)?, vector("attn_k_norm.weight", hd, true)?]),
+            true => Some([vector("attn_q_norm.weight", true)?, vector("attn_k_norm.weight", true)?]),
             false => None,
         };
         layers.push(Layer { attn_norm, wq, wk, wv, wo, qkv_bias, wo_bias, qk_norm, ffn_norm, w_gate, w_up, w_down });
     }
     let output_norm = qtensor("output_norm.weight")?;
-    expect(&output_norm, "output_norm.weight", &[d])?;
     let output_norm = output_norm.dequantize(device).and_then(|w| padded_norm(w, width)).map_err(fmt)?;
     // Tied embeddings: without `output.weight`, the embedding matrix is the output projection.
     let lm_head = match content.tensor_infos.contains_key("output.weight") {
-        true => {
-            let t = qtensor("output.weight")?;
-            expect(&t, "output.weight", &[config.vocab_size, d])?;
-            t
-        }
+        true => qtensor("output.weight")?,
         false => embedding_q,
     };
     let lm_head = lay_out(lm_head, config.vocab_size, width, layout.for_output(), device).and_then(|t| matrix(t, layout, device)).map_err(fmt)?;
