@@ -240,6 +240,17 @@ fn openai_batch_input_runs_every_good_line_and_an_error_row_for_every_bad_one() 
     assert_eq!(custom_ids(&errors), ["requests.jsonl:1", "c", "d", "e", "requests.jsonl:5", "g", "i", "j", "k"]);
     assert_eq!(results[1]["response"]["body"]["choices"][1]["logprobs"]["content"][0]["top_logprobs"].as_array().map(Vec::len), Some(2));
 
+    // A request file none of whose lines names the job's model: every row would fail, so validate and run say so
+    // before anything runs (exit 3), with the counts per name and the key to set (issue #41, class 5).
+    let other = dir.join("other.jsonl");
+    let gpt = |id: &str| request(id, serde_json::json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]}));
+    std::fs::write(&other, [gpt("p"), gpt("q"), request("r", serde_json::json!({"model": "o3", "messages": []}))].join("\n") + "\n").unwrap();
+    let job = jsonl_job(&dir, other.to_str().unwrap(), dir.join("other-out").to_str().unwrap(), "");
+    for verb in ["validate", "run"] {
+        let run = nightshift(&[verb, job.to_str().unwrap()], &[]);
+        assert_eq!(run.code, 3, "{verb}: {}", run.stderr);
+        assert!(run.stderr.contains("2 name \"gpt-4o-mini\", 1 name \"o3\"") && run.stderr.contains("input.model = \"gpt-4o-mini\""), "{verb}: {}", run.stderr);
+    }
     // Duplicate custom_ids are refused before anything runs (exit 3), naming them.
     let dup = dir.join("dup.jsonl");
     std::fs::write(&dup, [request("x", chat("1")), request("y", chat("2")), request("x", chat("3"))].join("\n") + "\n").unwrap();

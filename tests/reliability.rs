@@ -719,9 +719,12 @@ fn duplicate_ids_are_refused_before_any_generation() {
     write_parquet(&input, prompts(&ids, &["one", "two", "three", "four", "five", "six"]));
     let out = dir.join("out");
     let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 4", "");
-    let run = nightshift(&["run", job.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]);
-    assert_eq!(run.code, 3, "{}", run.stderr);
-    assert!(run.stderr.contains("duplicate ids (2 in all)") && run.stderr.contains("\"a\" (row 0"), "{}", run.stderr);
+    // `validate` refuses them as `run` does (issue #41, class 5: it passed them).
+    for verb in ["validate", "run"] {
+        let run = nightshift(&[verb, job.to_str().unwrap(), "--model", model.to_str().unwrap()], &[]);
+        assert_eq!(run.code, 3, "{verb}: {}", run.stderr);
+        assert!(run.stderr.contains("duplicate ids (2 in all)") && run.stderr.contains("\"a\" (row 0"), "{verb}: {}", run.stderr);
+    }
     assert!(!out.join("_plan.json").exists() && !out.join("data").exists(), "nothing is planned or written");
     // An id of any size is cut in the message.
     let huge = "z".repeat(260_000);

@@ -162,14 +162,24 @@ impl LineStream {
     }
 }
 
-/// Refuses duplicate `custom_id`s over every file, naming the first few (lines without one get default ids).
-pub(super) async fn check_unique_ids(store: &Arc<dyn ObjectStore>, files: &[JsonlFile]) -> Result<(), SourceError> {
+/// Refuses duplicate `custom_id`s over every file, naming the first few (lines without one get default ids); and
+/// a request file none of whose lines names the model the job runs (`rules.model`), every row of which would be a
+/// `model_mismatch` row, with the counts per model name and the key to set. Lines of other models beside lines of
+/// this one are counted in a warning.
+pub(super) async fn check_lines(store: &Arc<dyn ObjectStore>, files: &[JsonlFile], rules: &LineRules) -> Result<(), SourceError> {
     let mut seen: std::collections::HashMap<String, (usize, u64)> = std::collections::HashMap::new();
     let (mut count, mut examples) = (0u64, Vec::new());
+    let (mut ours, mut others) = (0u64, std::collections::BTreeMap::<String, u64>::new());
     for (index, file) in files.iter().enumerate() {
         let mut lines = LineStream::open(store, file, 0).await?;
         while let Some((n, line)) = lines.next().await? {
-            let id = line.and_then(|l| openai_batch::custom_id(&String::from_utf8_lossy(&l))).unwrap_or_else(|| default_id(&file.id_name, n));
+            let (id, model) = line.map_or((None, None), |l| openai_batch::id_and_model(&String::from_utf8_lossy(&l)));
+            match (&rules.model, model) {
+                (Some(expected), Some(m)) if &m != expected => *others.entry(m).or_default() += 1,
+                (Some(_), Some(_)) => ours += 1,
+                _ => {}
+            }
+            let id = id.unwrap_or_else(|| default_id(&file.id_name, n));
             match seen.get(&id) {
                 Some(&(first_file, first_line)) => {
                     count += 1;
@@ -183,6 +193,14 @@ pub(super) async fn check_unique_ids(store: &Arc<dyn ObjectStore>, files: &[Json
     }
     if count > 0 {
         return Err(SourceError::DuplicateIds { column: "custom_id".into(), count, examples: examples.join(", ") });
+    }
+    if let (Some(expected), false) = (&rules.model, others.is_empty()) {
+        let named = others.iter().map(|(m, n)| format!("{n} name {m:?}")).collect::<Vec<_>>().join(", ");
+        let most = others.iter().max_by_key(|(_, n)| **n).map(|(m, _)| m.clone()).unwrap_or_default();
+        if ours == 0 {
+            return Err(SourceError::OtherModel { expected: expected.clone(), named, most });
+        }
+        tracing::warn!(expected = %expected, lines = ours, others = %named, "request lines name another model than `input.model`: they will be model_mismatch rows");
     }
     Ok(())
 }

@@ -58,6 +58,11 @@ pub enum SourceError {
     Changed { url: String },
     #[error("column `{column}` has duplicate ids ({count} in all), e.g. {examples}; ids must be unique")]
     DuplicateIds { column: String, count: u64, examples: String },
+    #[error(
+        "no request line names the model this job runs ({expected:?}, `input.model`): {named}; every row would be a \
+         model_mismatch row. Set `input.model = {most:?}` (or \"*\" to accept any name)"
+    )]
+    OtherModel { expected: String, named: String, most: String },
 }
 
 /// Whether a read failed because the object no longer matches its pinned e_tag (`If-Match` precondition).
@@ -216,7 +221,8 @@ impl Input {
     /// default ids only, unique by construction, and pass at once.
     pub async fn check_unique_ids(&self) -> Result<(), SourceError> {
         if !self.jsonl.is_empty() {
-            return jsonl::check_unique_ids(&self.location.store, &self.jsonl).await;
+            let rules = self.rules.as_ref().expect("a JSONL input has its line rules");
+            return jsonl::check_lines(&self.location.store, &self.jsonl, rules).await;
         }
         let Some(column) = &self.id_column else { return Ok(()) };
         let mut seen: std::collections::HashMap<String, (usize, u64)> = std::collections::HashMap::new();

@@ -26,13 +26,20 @@ fn invalid(message: impl Into<String>) -> RowError {
     RowError::new(ErrorCode::InvalidRequest, message)
 }
 
-/// Only the `custom_id`, for the duplicate check.
-pub fn custom_id(line: &str) -> Option<String> {
+/// Only the `custom_id` and `body.model`, for the checks over the whole file (duplicate ids, model names).
+pub fn id_and_model(line: &str) -> (Option<String>, Option<String>) {
     #[derive(serde::Deserialize)]
-    struct Id {
-        custom_id: Option<Value>,
+    struct Body {
+        model: Option<Value>,
     }
-    serde_json::from_str::<Id>(line).ok()?.custom_id.and_then(|v| v.as_str().map(str::to_string))
+    #[derive(serde::Deserialize)]
+    struct Line {
+        custom_id: Option<Value>,
+        body: Option<Body>,
+    }
+    let Ok(line) = serde_json::from_str::<Line>(line) else { return (None, None) };
+    let text = |v: Option<Value>| v.and_then(|v| v.as_str().map(str::to_string));
+    (text(line.custom_id), text(line.body.and_then(|b| b.model)))
 }
 
 pub fn parse_line(line: &str, rules: &LineRules) -> ParsedLine {
@@ -300,7 +307,8 @@ mod tests {
         }
         // The custom_id of a bad line is kept when there is one.
         assert_eq!(parse_line(&base(json!({"temperature": 1})), &rules).custom_id.as_deref(), Some("r1"));
-        assert_eq!(custom_id(&base(json!({}))).as_deref(), Some("r1"));
-        assert_eq!(custom_id("{oops"), None);
+        assert_eq!(id_and_model(&base(json!({}))).0.as_deref(), Some("r1"));
+        assert_eq!(id_and_model(&line(json!({"model": "gpt-4o-mini"}))), (Some("r1".into()), Some("gpt-4o-mini".into())));
+        assert_eq!(id_and_model("{oops"), (None, None));
     }
 }
