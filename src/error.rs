@@ -82,6 +82,8 @@ impl Error {
                 Exit::Partial
             }
             Error::Sink(crate::sink::SinkError::Encode { .. }) => Exit::Failed,
+            // Asking to export what has nothing to export is a command that cannot be carried out.
+            Error::Sink(crate::sink::SinkError::NotExportable { .. }) => Exit::InvalidJob,
             Error::Sink(_) => Exit::OutputFailed,
             Error::Engine(_) | Error::Internal(_) => Exit::Failed,
         }

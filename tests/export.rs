@@ -207,6 +207,11 @@ fn openai_batch_input_runs_every_good_line_and_an_error_row_for_every_bad_one() 
         request("i", serde_json::json!({"model": "tiny", "messages": []})),
         request("j", chat("  \n ")),
         request("k", serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": recursive})),
+        // Out-of-range integers say so (a seed past 2^63 is not "not an integer"), and a model name that is not a
+        // string is not "missing" (issue #41, class 10).
+        request("l", serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "seed": u64::MAX})),
+        request("m", serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_k": 1u64 << 40})),
+        request("n", serde_json::json!({"model": 5, "messages": [{"role": "user", "content": "x"}]})),
         request("h", chat("last line, no newline at the end")),
     ];
     let input = dir.join("requests.jsonl");
@@ -227,6 +232,11 @@ fn openai_batch_input_runs_every_good_line_and_an_error_row_for_every_bad_one() 
     assert_eq!((code("i").as_deref(), code("j").as_deref()), (Some("empty_prompt"), Some("empty_prompt")));
     assert_eq!(code("k").as_deref(), Some("invalid_parameters"));
     assert!(rows["k"]["error"]["message"].as_str().unwrap().contains("no finite value satisfies"), "{}", rows["k"]);
+    let message = |id: &str| rows[id]["error"]["message"].as_str().unwrap_or_default().to_string();
+    assert_eq!((code("l").as_deref(), code("m").as_deref(), code("n").as_deref()), (Some("invalid_parameters"), Some("invalid_parameters"), Some("invalid_request")));
+    assert!(message("l").contains("18446744073709551615, beyond the largest integer"), "{}", message("l"));
+    assert!(message("m").contains("to 4294967295, got 1099511627776"), "{}", message("m"));
+    assert!(message("n").contains("`body.model` must be a string, got 5"), "{}", message("n"));
     for id in ["a", "f", "h"] {
         assert_eq!(rows[id]["status"], "succeeded", "{id}: {}", rows[id]);
     }
@@ -237,7 +247,7 @@ fn openai_batch_input_runs_every_good_line_and_an_error_row_for_every_bad_one() 
     nightshift(&["export", out.to_str().unwrap(), "--format", "openai-batch", "--to", to.to_str().unwrap()], &[]).assert_ok();
     let (results, errors) = (self::lines(&to.join("results.jsonl")), self::lines(&to.join("errors.jsonl")));
     assert_eq!(custom_ids(&results), ["a", "f", "h"]);
-    assert_eq!(custom_ids(&errors), ["requests.jsonl:1", "c", "d", "e", "requests.jsonl:5", "g", "i", "j", "k"]);
+    assert_eq!(custom_ids(&errors), ["requests.jsonl:1", "c", "d", "e", "requests.jsonl:5", "g", "i", "j", "k", "l", "m", "n"]);
     assert_eq!(results[1]["response"]["body"]["choices"][1]["logprobs"]["content"][0]["top_logprobs"].as_array().map(Vec::len), Some(2));
 
     // A request file none of whose lines names the job's model: every row would fail, so validate and run say so

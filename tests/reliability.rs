@@ -756,9 +756,11 @@ fn per_row_parameters_override_the_job_and_bad_values_become_error_rows() {
     columns.push(("max_tokens", Arc::new(Int64Array::from(vec![Some(3), None, Some(0), Some(1 << 20), None, None, Some(2)])) as ArrayRef));
     columns.push(("temp", Arc::new(Float64Array::from(vec![None, None, None, None, Some(-1.0), None, Some(0.8)])) as ArrayRef));
     columns.push(("nucleus", Arc::new(Float64Array::from(vec![None, None, None, None, None, Some(1.5), None])) as ArrayRef));
+    // A u64 seed past i64's range: an error row, not the job's seed in its place (issue #41, class 10).
+    columns.push(("seeds", Arc::new(arrow::array::UInt64Array::from(vec![None, Some(7), None, None, None, None, Some(u64::MAX)])) as ArrayRef));
     write_parquet(&input, columns);
     let out = dir.join("out");
-    let extra = "[input.parameters]\nmax_new_tokens = \"max_tokens\"\ntemperature = \"temp\"\ntop_p = \"nucleus\"\n";
+    let extra = "[input.parameters]\nmax_new_tokens = \"max_tokens\"\ntemperature = \"temp\"\ntop_p = \"nucleus\"\nseed = \"seeds\"\n";
     let text = std::fs::read_to_string(job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 20", ""))
         .unwrap()
         .replace("[model]", &format!("{extra}\n[model]"));
@@ -770,8 +772,8 @@ fn per_row_parameters_override_the_job_and_bad_values_become_error_rows() {
     assert_eq!(rows["r00000"].status, "succeeded");
     assert!(rows["r00000"].completion_tokens <= 3, "{:?}", rows["r00000"]);
     assert_eq!(rows["r00001"].status, "succeeded", "a null value keeps the job's parameters");
-    assert!(rows["r00006"].completion_tokens <= 2);
-    for (id, needle) in [("r00002", "max_new_tokens must be in 1..="), ("r00003", "max_new_tokens must be in 1..="), ("r00004", "temperature must be a number >= 0 within f32's range, got -1"), ("r00005", "top_p must be in (0, 1], got 1.5")] {
+    assert_eq!(rows["r00001"].status, "succeeded", "a seed in range is taken");
+    for (id, needle) in [("r00006", "seed is 18446744073709551615, beyond the largest integer taken"), ("r00002", "max_new_tokens must be in 1..="), ("r00003", "max_new_tokens must be in 1..="), ("r00004", "temperature must be a number >= 0 within f32's range, got -1"), ("r00005", "top_p must be in (0, 1], got 1.5")] {
         let (code, message) = error(id);
         assert_eq!(code.as_deref(), Some("invalid_parameters"), "{id}");
         assert!(message.contains(needle), "{id}: {message}");

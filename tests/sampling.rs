@@ -325,6 +325,16 @@ fn logprobs_report_the_chosen_token_and_scoring_agrees_with_generation() {
         let gen_sum: f64 = gen_lps.iter().take(score_lps.len()).map(|t| t.1).sum();
         assert!((gen_sum - sum).abs() < 0.1, "{id}: log-likelihood {sum} scored vs {gen_sum} generated");
     }
+    // A scoring output has no answers for the OpenAI Batch format: `export` says so (exit 2) instead of writing
+    // empty answers that "stop" (issue #41, class 10), and `output.export` in a scoring job is refused.
+    let run = nightshift(&["export", out.to_str().unwrap(), "--format", "openai-batch", "--to", dir.join("batch").to_str().unwrap()], &[]);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.stderr.contains("scoring job"), "{}", run.stderr);
+    assert!(!dir.join("batch").exists());
+    std::fs::write(&job, std::fs::read_to_string(&job).unwrap() + "export = \"openai-batch\"\n").unwrap();
+    let run = nightshift(&["validate", job.to_str().unwrap()], &[]);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.stderr.contains("output.export") && run.stderr.contains("scoring job"), "{}", run.stderr);
 }
 
 /// Validates `instance` against the JSON Schema `schema` with Python's `jsonschema` (an independent validator);

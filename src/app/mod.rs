@@ -178,6 +178,10 @@ fn fingerprint(job: &Job, model_sha256: &str, template: Option<&str>, input: &In
         "parameters": job.input.parameters,
     });
     let mut prompt = prompt;
+    // Only where set, so that the fingerprints of outputs written before it was recorded stay the same.
+    if let Some(column) = &job.input.completion_column {
+        prompt["completion_column"] = column.as_str().into();
+    }
     if let Some(rules) = &job.input.openai_batch {
         prompt["openai_batch"] = serde_json::json!({"url": rules.url, "model": rules.model});
     }

@@ -116,6 +116,12 @@ impl Job {
         let section = generation_section(kind, generation, scoring, &prompt, &input, &invalid)?;
         let generation = GenerationParams::from_section(section, scoring, kind, &invalid)?;
         let output = OutputSpec::from_section(output, overrides, &invalid)?;
+        if scoring && output.export.is_some() {
+            return Err(invalid(
+                "output.export",
+                "a scoring job (`input.completion_column`) generates no answers for the OpenAI Batch format to hold: its results are the completions' log-probabilities, in the output's Parquet files".into(),
+            ));
+        }
         if let Some(root) = output_inside_input(&url, &output.url) {
             return Err(invalid(
                 "output.url",

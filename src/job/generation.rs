@@ -377,7 +377,7 @@ fn check_top_k(k: i64) -> Result<u32, String> {
     if (0..=u32::MAX as i64).contains(&k) {
         Ok(k as u32)
     } else {
-        Err(format!("must be >= 0 (0 disables it), got {k}"))
+        Err(format!("must be from 0 (which disables it) to {}, got {k}", u32::MAX))
     }
 }
 

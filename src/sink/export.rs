@@ -68,6 +68,12 @@ impl Output {
         let manifest = self.read_manifest().await?.ok_or_else(|| SinkError::NotComplete { url: self.url().into() })?;
         let plan = self.read_plan().await?.ok_or_else(|| SinkError::NoPlan { url: self.url().into() })?;
         let prompt = &plan.fingerprint.prompt;
+        if !prompt["completion_column"].is_null() {
+            return Err(SinkError::NotExportable {
+                url: self.url().into(),
+                why: "it is a scoring job's (`input.completion_column`): its rows hold the completions' log-probabilities, no answers for the OpenAI Batch format".into(),
+            });
+        }
         let endpoint = if prompt["kind"] == "embed" {
             Endpoint::Embeddings
         } else if prompt["chat_template_sha256"].is_null() {

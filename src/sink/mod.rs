@@ -75,6 +75,8 @@ pub enum SinkError {
     NoPlan { url: String },
     #[error("output `{url}` is not complete (no `_SUCCESS`): run the job (or `nightshift finalize`) to finish it, then export it")]
     NotComplete { url: String },
+    #[error("output `{url}` cannot be exported: {why}")]
+    NotExportable { url: String, why: String },
     #[error(
         "output `{url}` is incomplete: {missing} of {total} units are not committed, in {shards} (first: {first}); \
          run the job (or those shards) again to finish them"

@@ -562,7 +562,8 @@ fn params_of(batch_column: impl Fn(usize) -> Result<ArrayRef, ParquetError>, fil
         // Each column as a function from row to value (None for null), read with one cast per batch.
         let value: Box<dyn Fn(usize) -> Option<ParamValue>> = match ty {
             ParamType::Integer => {
-                // A u64 seed above i64::MAX does not survive the cast: it is read as null and the job's seed applies.
+                // A u64 value above i64::MAX (a seed of 2^63 and up) does not survive the cast: it reads as null,
+                // which `beyond` below makes an error row instead of the job's value.
                 let a = arrow::compute::cast(&column, &DataType::Int64).map_err(general)?;
                 Box::new(move |i| a.is_valid(i).then(|| ParamValue::Integer(a.as_primitive::<arrow::datatypes::Int64Type>().value(i))))
             }
@@ -609,7 +610,13 @@ fn params_of(batch_column: impl Fn(usize) -> Result<ArrayRef, ParquetError>, fil
         };
         for (i, slot) in out.iter_mut().enumerate() {
             let Ok(params) = slot else { continue };
-            let Some(v) = value(i) else { continue };
+            let Some(v) = value(i) else {
+                if ty == ParamType::Integer && column.is_valid(i) {
+                    let shown = arrow::util::display::array_value_to_string(&column, i).unwrap_or_default();
+                    *slot = Err(RowError::new(ErrorCode::InvalidParameters, format!("{key} is {shown}, beyond the largest integer taken (2^63 - 1)")));
+                }
+                continue;
+            };
             if let Err(problem) = job::set_row_param(params, key, v) {
                 *slot = Err(RowError::new(ErrorCode::InvalidParameters, format!("{key} {problem}")));
             }

@@ -71,9 +71,10 @@ fn request(line: &Map<String, Value>, has_id: bool, rules: &LineRules) -> Result
     }
     let Some(body) = line.get("body").and_then(Value::as_object) else { return Err(invalid("`body` is missing or not an object")) };
     if let Some(expected) = &rules.model {
-        match body.get("model").and_then(Value::as_str) {
-            Some(m) if m == expected => {}
-            Some(m) => return Err(RowError::new(ErrorCode::ModelMismatch, format!("`body.model` is {m:?}, but this job runs {expected:?}"))),
+        match body.get("model") {
+            Some(Value::String(m)) if m == expected => {}
+            Some(Value::String(m)) => return Err(RowError::new(ErrorCode::ModelMismatch, format!("`body.model` is {m:?}, but this job runs {expected:?}"))),
+            Some(other) => return Err(invalid(format!("`body.model` must be a string, got {other}"))),
             None => return Err(invalid("`body.model` is missing")),
         }
     }
@@ -86,6 +87,12 @@ fn request(line: &Map<String, Value>, has_id: bool, rules: &LineRules) -> Result
             set_row_param(params, name, v).map_err(|p| RowError::new(ErrorCode::InvalidParameters, format!("`body.{key}` {p}")))
         };
         let wrong = |what: &str| invalid(format!("`body.{key}` must be {what}, got {value}"));
+        // An integer, or why not: one past i64 (a seed of 2^63 and up) is a value out of range, not a non-integer.
+        let integer = || match (value.as_i64(), value.as_u64()) {
+            (Some(v), _) => Ok(v),
+            (None, Some(v)) => Err(RowError::new(ErrorCode::InvalidParameters, format!("`body.{key}` is {v}, beyond the largest integer taken (2^63 - 1)"))),
+            (None, None) => Err(wrong("an integer")),
+        };
         match (rules.url, key.as_str()) {
             (_, "model") | (_, "user") | (_, "metadata") | (_, "store") => {}
             ("/v1/chat/completions", "messages") => prompt = Some(Prompt::Messages(messages(value)?)),
@@ -100,14 +107,14 @@ fn request(line: &Map<String, Value>, has_id: bool, rules: &LineRules) -> Result
                 }
             }
             ("/v1/embeddings", _) => return Err(invalid(format!("unknown or unsupported field `body.{key}`"))),
-            (_, "max_tokens") | (_, "max_completion_tokens") => param(&mut params, "max_new_tokens", ParamValue::Integer(value.as_i64().ok_or_else(|| wrong("an integer"))?))?,
-            (_, "min_tokens") => param(&mut params, "min_new_tokens", ParamValue::Integer(value.as_i64().ok_or_else(|| wrong("an integer"))?))?,
+            (_, "max_tokens") | (_, "max_completion_tokens") => param(&mut params, "max_new_tokens", ParamValue::Integer(integer()?))?,
+            (_, "min_tokens") => param(&mut params, "min_new_tokens", ParamValue::Integer(integer()?))?,
             (_, name @ ("temperature" | "top_p" | "min_p" | "repetition_penalty" | "presence_penalty" | "frequency_penalty")) => {
                 param(&mut params, name, ParamValue::Number(value.as_f64().ok_or_else(|| wrong("a number"))?))?
             }
             (_, name @ ("n" | "seed" | "top_k")) => {
                 // vLLM's top_k takes -1 for "off", OpenAI's has none: -1 is 0 here.
-                let v = value.as_i64().ok_or_else(|| wrong("an integer"))?;
+                let v = integer()?;
                 param(&mut params, name, ParamValue::Integer(if name == "top_k" && v == -1 { 0 } else { v }))?
             }
             (_, "stop") => match value {
@@ -120,10 +127,10 @@ fn request(line: &Map<String, Value>, has_id: bool, rules: &LineRules) -> Result
                 _ => return Err(wrong("a string or a list of strings")),
             },
             ("/v1/chat/completions", "logprobs") => logprobs = Some(value.as_bool().ok_or_else(|| wrong("a boolean"))?),
-            ("/v1/chat/completions", "top_logprobs") => top_logprobs = Some(value.as_i64().ok_or_else(|| wrong("an integer"))?),
+            ("/v1/chat/completions", "top_logprobs") => top_logprobs = Some(integer()?),
             ("/v1/completions", "logprobs") => {
                 if !value.is_null() {
-                    param(&mut params, "logprobs", ParamValue::Integer(value.as_i64().ok_or_else(|| wrong("an integer"))?))?
+                    param(&mut params, "logprobs", ParamValue::Integer(integer()?))?
                 }
             }
             (_, "response_format") => {
