@@ -333,6 +333,12 @@ fn openai_batch_embedding_requests_round_trip() {
     .unwrap();
     nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
     let exported = dir.join("out/openai-batch");
+    // A run killed after `_SUCCESS`, while it exported, leaves the export unfinished: the rerun, which finds the
+    // output complete, writes it (issue #41, class 8: it never did).
+    let whole = std::fs::read(exported.join("errors.jsonl")).unwrap();
+    std::fs::remove_file(exported.join("errors.jsonl")).unwrap();
+    nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    assert_eq!(std::fs::read(exported.join("errors.jsonl")).unwrap(), whole);
     let (results, errors) = (lines(&exported.join("results.jsonl")), lines(&exported.join("errors.jsonl")));
     assert_eq!(custom_ids(&results), ["e1", "e3"]);
     assert_eq!(custom_ids(&errors), ["e2", "e4"]);

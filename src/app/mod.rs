@@ -280,6 +280,10 @@ fn run_job(
         let manifest = match rt.block_on(output.finalize())? {
             Finalized::AlreadyComplete(m) | Finalized::Done(m) => m,
         };
+        // A run killed while it exported (after `_SUCCESS`) left no export: this one writes it.
+        if let Some(format) = job.output.export {
+            export_after_run(rt, &output, format, true)?;
+        }
         info!(output = output.url(), "the output is complete already; nothing to do");
         return Ok(report.of(RunStatus::AlreadyComplete, Some(manifest), 0, plan.units.len(), JobMetrics::default(), Vec::new()));
     }
@@ -332,7 +336,7 @@ fn run_job(
     match rt.block_on(output.finalize()) {
         Ok(Finalized::Done(manifest) | Finalized::AlreadyComplete(manifest)) => {
             if let Some(format) = job.output.export {
-                export_after_run(rt, &output, format)?;
+                export_after_run(rt, &output, format, false)?;
             }
             info!(
                 rows = manifest.rows, errored = manifest.errored_rows, output_tokens_per_s = format!("{:.1}", metrics.output_tokens_per_s),
@@ -636,9 +640,16 @@ fn side_file(path: &Path, what: &str, output_url: &str) -> Result<(), Error> {
     crate::files::check_writable(path, what, output.as_deref()).map(drop).map_err(Error::Usage)
 }
 
-/// `output.export`: the completed output written in `format` under `OUT/<format>/` too.
-fn export_after_run(rt: &tokio::runtime::Runtime, output: &Output, format: crate::job::ExportFormat) -> Result<(), Error> {
+/// `output.export`: the completed output written in `format` under `OUT/<format>/` too; with `if_missing`, only
+/// when a whole export is not there already.
+fn export_after_run(rt: &tokio::runtime::Runtime, output: &Output, format: crate::job::ExportFormat, if_missing: bool) -> Result<(), Error> {
     let to = Output::resolve(&format!("{}/{}/", output.url().trim_end_matches('/'), format.name()))?;
+    let there = match format {
+        crate::job::ExportFormat::OpenaiBatch => rt.block_on(to.has_openai_batch())?,
+    };
+    if if_missing && there {
+        return Ok(());
+    }
     let exported = match format {
         crate::job::ExportFormat::OpenaiBatch => rt.block_on(output.export_openai_batch(&to, None))?,
     };

@@ -2,6 +2,7 @@
 //! another format ([`crate::export`]), uploaded as they are written (multipart on object stores: visible only
 //! whole).
 
+use object_store::ObjectStoreExt;
 use futures::TryStreamExt;
 use object_store::buffered::BufWriter;
 use tokio::io::AsyncWriteExt;
@@ -55,6 +56,19 @@ impl Upload {
 }
 
 impl Output {
+    /// Whether both export files are under this location. Each appears whole or not at all (an upload is
+    /// completed, or a local file renamed, at its end), so both there means a finished export.
+    pub async fn has_openai_batch(&self) -> Result<bool, SinkError> {
+        for name in [RESULTS_JSONL, ERRORS_JSONL] {
+            match self.store().head(&self.path(name)).await {
+                Ok(_) => {}
+                Err(object_store::Error::NotFound { .. }) => return Ok(false),
+                Err(e) => return Err(SinkError::Read { url: self.display(name), source: e.into() }),
+            }
+        }
+        Ok(true)
+    }
+
     /// Writes `results.jsonl` and `errors.jsonl` under `to`, as OpenAI's Batch API returns them, from this
     /// completed output, in input order. `model` names the model in the bodies (default: the model file's name).
     pub async fn export_openai_batch(&self, to: &Output, model: Option<&str>) -> Result<Exported, SinkError> {
