@@ -236,7 +236,16 @@ async fn fetch_file(location: &store::Location, object: &ObjectMeta, dest: &Path
     let stamp = format!("{:?} {} {chunk_size}", object.e_tag, object.size);
     let done_text = std::fs::read_to_string(&done_path).unwrap_or_default();
     let resumable = partial.exists() && done_text.lines().next() == Some(stamp.as_str());
-    let done: std::collections::HashSet<u64> = if resumable { done_text.lines().skip(1).filter_map(|l| l.parse().ok()).collect() } else { Default::default() };
+    // Each range listed with its bytes' sha256: on resume, a range is kept only if the partial file still holds
+    // those bytes (a crash can leave a range listed whose bytes the disk lost, zeroed), else it is fetched again.
+    let listed: Vec<(u64, String)> = match resumable {
+        true => done_text.lines().skip(1).filter_map(|l| l.split_once(' ').and_then(|(c, h)| Some((c.parse().ok()?, h.to_string())))).collect(),
+        false => Vec::new(),
+    };
+    let done = {
+        let (partial, size) = (partial.clone(), object.size);
+        tokio::task::spawn_blocking(move || intact_ranges(&partial, size, chunk_size, listed)).await.map_err(|e| fetch_err(url, e))?
+    };
     if !resumable {
         std::fs::write(&done_path, format!("{stamp}\n")).map_err(|e| fetch_err(url, e))?;
     }
@@ -267,9 +276,9 @@ async fn fetch_file(location: &store::Location, object: &ObjectMeta, dest: &Path
                     return Err(fetch_err(url, format!("a read of bytes {start}..{end} returned {} bytes", bytes.len())));
                 }
                 file.write_all_at(&bytes, start).map_err(|e| fetch_err(url, e))?;
-                // On disk before it is listed as done: a resume after a crash never trusts bytes that were lost.
+                // On disk before it is listed as done, with its hash, which a resume checks the bytes against.
                 file.sync_data().map_err(|e| fetch_err(url, e))?;
-                writeln!(log.lock().expect("not poisoned"), "{chunk}").map_err(|e| fetch_err(url, e))?;
+                writeln!(log.lock().expect("not poisoned"), "{chunk} {}", range_sha256(&bytes)).map_err(|e| fetch_err(url, e))?;
                 bar.inc(end - start);
                 Ok::<_, ModelError>(())
             }
@@ -288,6 +297,35 @@ async fn fetch_file(location: &store::Location, object: &ObjectMeta, dest: &Path
     std::fs::write(&meta_path, serde_json::to_vec(&meta).expect("plain data")).map_err(|e| fetch_err(url, e))?;
     let _ = std::fs::remove_file(&done_path);
     Ok(())
+}
+
+/// A fetched range's sha256, as the resume log lists it.
+fn range_sha256(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    format!("{:x}", sha2::Sha256::digest(bytes))
+}
+
+/// The ranges of `listed` (range, sha256) whose bytes the partial file still holds: each read back and hashed.
+/// A range whose bytes differ (lost in a crash, or changed) or cannot be read is left out, to be fetched again.
+fn intact_ranges(partial: &Path, size: u64, chunk_size: u64, listed: Vec<(u64, String)>) -> std::collections::HashSet<u64> {
+    use std::os::unix::fs::FileExt;
+    let Ok(file) = std::fs::File::open(partial) else { return Default::default() };
+    let mut buffer = Vec::new();
+    let mut intact = std::collections::HashSet::new();
+    for (chunk, sha) in listed {
+        let start = chunk.saturating_mul(chunk_size);
+        let end = start.saturating_add(chunk_size).min(size);
+        if start >= end {
+            continue;
+        }
+        buffer.resize((end - start) as usize, 0);
+        if file.read_exact_at(&mut buffer, start).is_ok() && range_sha256(&buffer) == sha {
+            intact.insert(chunk);
+        } else {
+            tracing::warn!(file = %partial.display(), range = chunk, "a range of an interrupted download no longer holds the bytes fetched: fetched again");
+        }
+    }
+    intact
 }
 
 #[cfg(test)]
