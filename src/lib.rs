@@ -24,7 +24,10 @@
 //! the plain structs filled as the job runs; [`bench`] the synthetic throughput benchmarks; [`app`] wires the
 //! stages together with bounded channels and threads, one file per verb and stage; [`cli`] is the command line;
 //! [`error`] maps failures to documented exit codes; [`synth`] writes random-weight models of published shapes;
-//! [`alloc`] is the allocator, which bounds the memory of untrusted programs (chat templates).
+//! [`alloc`] is the allocator, which bounds the memory of untrusted programs (chat templates). Three leaves any
+//! stage may use: [`redact`] keeps credentials out of messages and logs, [`panics`] turns libraries' panics on
+//! untrusted files into errors, and [`files`] writes the files named beside an output without replacing what
+//! is not a file.
 
 pub mod alloc;
 pub mod app;
@@ -38,7 +41,9 @@ pub mod host;
 pub mod job;
 pub mod metrics;
 pub mod outcome;
+pub mod panics;
 pub mod plan;
+pub mod redact;
 pub mod report;
 pub mod reuse;
 pub mod row;

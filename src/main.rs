@@ -3,7 +3,8 @@ use std::process::ExitCode;
 use clap::Parser;
 use nightshift::app::{self, RunOptions};
 use nightshift::cli::{self, Cli, Command, LogFormat};
-use nightshift::error::{report, Exit, RedactedStderr};
+use nightshift::error::Exit;
+use nightshift::redact::{report, RedactedStderr};
 use tracing_subscriber::EnvFilter;
 
 fn init_tracing(format: LogFormat) {
@@ -30,7 +31,7 @@ fn data_parallel(args: &cli::RunArgs) -> Result<i32, nightshift::error::Error> {
 }
 
 fn main() -> ExitCode {
-    nightshift::error::install_panic_hook();
+    nightshift::panics::install_panic_hook();
     app::tune_cpu_threads();
     let cli = Cli::parse();
     init_tracing(cli.log_format);

@@ -113,7 +113,7 @@ fn local_model(job: &mut Job, rt: &tokio::runtime::Runtime) -> Result<(), Error>
         let url = job.model.path.to_string_lossy().into_owned();
         let cache = job.runtime.model_cache.clone().unwrap_or_else(crate::job::default_model_cache);
         job.model.path = rt.block_on(crate::source::model::fetch(&url, &cache))?;
-        info!(url = %crate::error::redact_urls(&url), path = %job.model.path.display(), "model from the local cache");
+        info!(url = %crate::redact::redact_urls(&url), path = %job.model.path.display(), "model from the local cache");
     }
     Ok(())
 }
@@ -653,7 +653,7 @@ fn export_after_run(rt: &tokio::runtime::Runtime, output: &Output, format: crate
     let exported = match format {
         crate::job::ExportFormat::OpenaiBatch => rt.block_on(output.export_openai_batch(&to, None))?,
     };
-    info!(results = %crate::error::redact_urls(&exported.results_url), lines = exported.results, errors = exported.errors, "exported ({})", format.name());
+    info!(results = %crate::redact::redact_urls(&exported.results_url), lines = exported.results, errors = exported.errors, "exported ({})", format.name());
     Ok(())
 }
 

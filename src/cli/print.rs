@@ -1,7 +1,7 @@
 //! What the verbs print: a human summary on stdout, or JSON where the verb offers `--json`.
 
 use crate::app::{ModelSummary, RunReport, RunStatus, ValidateReport};
-use crate::error::redact_urls;
+use crate::redact::redact_urls;
 use crate::outcome::Outcome;
 use crate::sink::{Finalized, Manifest, OutputStatus};
 

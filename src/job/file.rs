@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use super::generation::{GenerationSection, SEQ2SEQ_UNSUPPORTED};
-use crate::source::openai_batch::LineRules;
+use super::LineRules;
 use super::runtime::RuntimeSection;
 use super::{
     ChatTemplateChoice, GenerationParams, InputSpec, Invalid, Job, JobError, JobKind, ModelSpec, OutputSpec, Overrides,

@@ -81,7 +81,7 @@ pub struct InputSpec {
     /// log-likelihood), and nothing is generated.
     pub completion_column: Option<String>,
     /// OpenAI Batch input (JSONL request lines): the endpoint and model lines must name.
-    pub openai_batch: Option<crate::source::openai_batch::LineRules>,
+    pub openai_batch: Option<LineRules>,
 }
 
 /// Prompts longer than the model's context: an error row (the default), or cut to fit.
@@ -234,4 +234,14 @@ url = "out/"
     pub(super) fn message(text: &str) -> String {
         parse(text).unwrap_err().to_string()
     }
+}
+
+/// Which lines of an OpenAI Batch request file (`input.format = "openai-batch"`) a job runs.
+#[derive(Clone, Debug)]
+pub struct LineRules {
+    /// The endpoint every line must name: `/v1/chat/completions` (a job with a chat template),
+    /// `/v1/completions` (`chat_template = "none"`) or `/v1/embeddings` (an embed job).
+    pub url: &'static str,
+    /// The model name lines must give in `body.model`; `None` accepts any.
+    pub model: Option<String>,
 }

@@ -303,7 +303,7 @@ impl Exporter {
             let sent = client.post(&url).header("Content-Type", "text/plain; version=0.0.4").body(text).send().await;
             match sent.map(|r| r.error_for_status()) {
                 Ok(Ok(_)) => {}
-                Ok(Err(e)) | Err(e) => warn!(url = %crate::error::redact_urls(&url), error = %e, "cannot push metrics to the Pushgateway"),
+                Ok(Err(e)) | Err(e) => warn!(url = %crate::redact::redact_urls(&url), error = %e, "cannot push metrics to the Pushgateway"),
             }
         })
     }

@@ -4,24 +4,8 @@
 
 use std::fmt::Write;
 
-use super::svg::{self, count, seconds, Lane, Steps, PALETTE};
+use super::svg::{self, count, escape, seconds, Lane, Steps, PALETTE};
 use super::{AttemptSummary, ReportData};
-
-/// Text for HTML (and SVG) content and attribute values.
-pub fn escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
-    }
-    out
-}
 
 /// 1234567 as "1,234,567".
 fn thousands(n: u64) -> String {

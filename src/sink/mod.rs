@@ -671,7 +671,7 @@ impl Output {
         match made.await {
             Ok(_) => Some(REPORT_FILE.to_string()),
             Err(e) => {
-                tracing::warn!(error = %crate::error::report(&e), "cannot write the job report; the output is finalized without it");
+                tracing::warn!(error = %crate::redact::report(&e), "cannot write the job report; the output is finalized without it");
                 None
             }
         }

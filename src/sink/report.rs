@@ -159,7 +159,7 @@ impl Output {
         let (markers, damaged_units) = self.whole_markers().await?;
         let mut read = futures::stream::iter(markers.into_values())
             .map(|marker| async move {
-                let unit = crate::error::catch_panic_async(self.read_unit(&marker)).await;
+                let unit = crate::panics::catch_panic_async(self.read_unit(&marker)).await;
                 unit.unwrap_or_else(|panic| Err(SinkError::Read { url: self.display(&marker.results), source: format!("the file does not decode: {panic}").into() }))
             })
             .buffer_unordered(8);

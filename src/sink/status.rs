@@ -52,7 +52,7 @@ pub struct ShardStatus {
 /// A metrics file's `job_s`: the attempt's age when it committed the unit. A damaged file is an error: the parquet
 /// crate's panics on a footer it cannot trust (chunk offsets out of range) are caught.
 fn metrics_job_s(bytes: bytes::Bytes) -> Result<f64, Box<dyn std::error::Error + Send + Sync>> {
-    crate::error::catch_panic(|| read_job_s(bytes)).unwrap_or_else(|panic| Err(format!("the file does not decode: {panic}").into()))
+    crate::panics::catch_panic(|| read_job_s(bytes)).unwrap_or_else(|panic| Err(format!("the file does not decode: {panic}").into()))
 }
 
 fn read_job_s(bytes: bytes::Bytes) -> Result<f64, Box<dyn std::error::Error + Send + Sync>> {

@@ -175,7 +175,7 @@ impl Input {
             let url = location.display(&meta.location);
             let id_name = id_name(&meta.location, &location.path);
             let mut reader = PinnedReader { store: location.store.clone(), meta: meta.clone() };
-            let metadata = crate::error::catch_panic_async(ArrowReaderMetadata::load_async(&mut reader, ArrowReaderOptions::new()))
+            let metadata = crate::panics::catch_panic_async(ArrowReaderMetadata::load_async(&mut reader, ArrowReaderOptions::new()))
                 .await
                 .unwrap_or_else(|panic| Err(ParquetError::General(format!("the footer does not decode: {panic}"))))
                 .map_err(|source| SourceError::Parquet { url: url.clone(), source })?;
@@ -439,7 +439,7 @@ async fn list(url: &str, extension: &str) -> Result<(Location, Vec<ObjectMeta>),
 /// The next batch of a Parquet stream. The parquet and arrow crates assert on some damaged data instead of
 /// returning an error; such a file is an error like any other unreadable one.
 async fn next_batch(stream: &mut ParquetRecordBatchStream<PinnedReader>) -> Option<Result<RecordBatch, ParquetError>> {
-    crate::error::catch_panic_async(stream.next())
+    crate::panics::catch_panic_async(stream.next())
         .await
         .unwrap_or_else(|panic| Some(Err(ParquetError::General(format!("the data does not decode: {panic}")))))
 }

@@ -103,7 +103,7 @@ struct Meta {
 }
 
 fn fetch_err(url: &str, message: impl std::fmt::Display) -> ModelError {
-    ModelError::Fetch { url: crate::error::redact_urls(url).into_owned(), message: message.to_string() }
+    ModelError::Fetch { url: crate::redact::redact_urls(url).into_owned(), message: message.to_string() }
 }
 
 /// A store's answer as a fetch error: a missing object, a refused credential or a bad path is the model's fault
@@ -113,7 +113,7 @@ fn store_err(url: &str, e: object_store::Error) -> ModelError {
     use object_store::Error::*;
     match e {
         NotFound { .. } | PermissionDenied { .. } | Unauthenticated { .. } | InvalidPath { .. } | NotSupported { .. } | NotImplemented { .. } => fetch_err(url, e),
-        other => ModelError::Unreachable { url: crate::error::redact_urls(url).into_owned(), message: crate::error::redact_urls(&other.to_string()).into_owned() },
+        other => ModelError::Unreachable { url: crate::redact::redact_urls(url).into_owned(), message: crate::redact::redact_urls(&other.to_string()).into_owned() },
     }
 }
 

@@ -3,18 +3,9 @@
 
 use serde_json::{Map, Value};
 
+pub use crate::job::LineRules;
 use crate::job::{set_row_param, ParamValue};
 use crate::row::{ErrorCode, Message, Prompt, RowError, RowParams};
-
-/// Which lines a job runs.
-#[derive(Clone, Debug)]
-pub struct LineRules {
-    /// The endpoint every line must name: `/v1/chat/completions` (a job with a chat template),
-    /// `/v1/completions` (`chat_template = "none"`) or `/v1/embeddings` (an embed job).
-    pub url: &'static str,
-    /// The model name lines must give in `body.model`; `None` accepts any.
-    pub model: Option<String>,
-}
 
 /// A line read: its `custom_id` (when it has one) and its request or error.
 pub struct ParsedLine {

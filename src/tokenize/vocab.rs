@@ -265,7 +265,7 @@ fn byte_level(use_regex: bool) -> Value {
 /// does not parse); that is an error here like any other. Errors name no path: the caller's do.
 pub fn from_file(path: &std::path::Path) -> Result<tokenizers::Tokenizer, String> {
     let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
-    crate::error::catch_panic(|| text.parse::<tokenizers::Tokenizer>()).and_then(|parsed| parsed.map_err(|e| e.to_string()))
+    crate::panics::catch_panic(|| text.parse::<tokenizers::Tokenizer>()).and_then(|parsed| parsed.map_err(|e| e.to_string()))
 }
 
 /// The model's tokenizer: the `tokenizer.json` it came with, or its GGUF vocabulary.
