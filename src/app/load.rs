@@ -126,6 +126,8 @@ pub struct Loaded {
     pub weights_layout: &'static str,
     /// How the KV cache holds keys and values: `f32`, `f16` or `bf16`; `none` for an encoder, which has none.
     pub kv_cache_dtype: &'static str,
+    /// The attention backend and kernel: `host`, `paged-tiled` or `paged-flash`; `none` for an encoder.
+    pub attention: &'static str,
     pub layout: ResultsLayout,
     /// Requests queued for the engine: an encoder sorts a window of them by length, so it gets a deeper queue.
     pub queue: usize,
@@ -147,7 +149,7 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
             let weights_bytes = model.weight_bytes();
             let engine = Seq2SeqEngine::new(model, tokenizer, job.generation.clone(), job.runtime.max_seqs);
             let queue = job.runtime.max_seqs * 2;
-            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "f32", layout: ResultsLayout::Generate, queue, decoder: None })
+            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "f32", attention: "none", layout: ResultsLayout::Generate, queue, decoder: None })
         }
         JobKind::Embed => {
             let encoder = Encoder::load(&job.model.path, device).map_err(|e| e.at(&job.model.path))?;
@@ -158,7 +160,7 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
             let (layout, weights_bytes) = (ResultsLayout::Embed { dimensions: info.dimensions }, encoder.weight_bytes());
             let engine = engine::embed::EmbedEngine::new(encoder, job.runtime.max_seqs, job.runtime.max_batch_tokens);
             let queue = engine::embed::WINDOW;
-            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "none", layout, queue, decoder: None })
+            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "none", attention: "none", layout, queue, decoder: None })
         }
     }
 }
@@ -171,10 +173,17 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
         .kv_dtype(&model, job.runtime.kv_cache_dtype)
         .map_err(|problem| crate::job::JobError::Invalid { path: job.file.clone(), key: "runtime.kv_cache_dtype", problem })?;
     let block_bytes = backend.block_bytes(&model, kv_dtype);
+    let attention = match backend {
+        Backend::Host => "host",
+        Backend::Paged => match engine::PagedAttention::kernel_for(device, model.dtype()) {
+            "flash" => "paged-flash",
+            _ => "paged-tiled",
+        },
+    };
     let weights_layout = model.layout().name();
     info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
         dtype = ?model.dtype(), weights = weights_layout, cpu_weights = %job.runtime.cpu_weights.name(),
-        cpu_kernels = (device.is_cpu() && model.layout() == engine::Layout::AsStored).then(|| engine::kernels::Level::active().name()), attention = ?backend,
+        cpu_kernels = (device.is_cpu() && model.layout() == engine::Layout::AsStored).then(|| engine::kernels::Level::active().name()), attention,
         kv_cache_dtype = kv_dtype.as_str(), kv_bytes_per_token = block_bytes / engine::KV_BLOCK_TOKENS, "decoder");
     let kv_bytes = engine::kv_cache_bytes(job.runtime.kv_cache_memory, device);
     let mut batch = BatchConfig::new(job.runtime.max_seqs, job.runtime.max_batch_tokens, kv_bytes, block_bytes);
@@ -199,5 +208,5 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
     let engine = engine::decoder_engine(model, setup).map_err(Error::Engine)?;
     let queue = job.runtime.max_seqs * 2;
     let kv_cache_dtype = kv_dtype.as_str();
-    Ok(Loaded { engine, prepare: Box::new(preprocessor), check, weights_bytes, weights_layout, kv_cache_dtype, layout: ResultsLayout::Generate, queue, decoder: Some(decoder) })
+    Ok(Loaded { engine, prepare: Box::new(preprocessor), check, weights_bytes, weights_layout, kv_cache_dtype, attention, layout: ResultsLayout::Generate, queue, decoder: Some(decoder) })
 }
