@@ -5,7 +5,7 @@
 //!
 //! A new parameter takes three edits: its entry in the table, its type in the `params` column of
 //! `schemas/results.json` (a test in `sink` checks that file against [`PARAMETERS`];
-//! `NIGHTSHIFT_BLESS_SCHEMAS=1 cargo test --lib sink::schema` rewrites it), and its row in the README's table of
+//! `NIGHTSHIFT_BLESS_SCHEMAS=1 cargo test --lib sink::schema` rewrites it), and its row in docs/job-file.md's table of
 //! generation parameters (a test here checks that every parameter has one). Using it is the engine's
 //! business; so is adding it to [`SEQ2SEQ_UNSUPPORTED`] when the seq2seq engine does not implement it.
 
@@ -566,10 +566,11 @@ mod tests {
         }
     }
 
-    /// The README's table of generation parameters names each parameter of the table, and nothing else.
+    /// The documentation's table of generation parameters (docs/job-file.md) names each parameter of the table, and
+    /// nothing else.
     #[test]
     fn every_parameter_is_in_the_readme() {
-        let readme = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+        let readme = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/job-file.md")).unwrap();
         let section = readme.split("### Generation parameters").nth(1).expect("a Generation parameters section");
         let section = section.split("\n#").next().unwrap();
         let mut documented: Vec<&str> =
@@ -577,6 +578,6 @@ mod tests {
         let mut declared: Vec<&str> = PARAMETERS.iter().map(|p| p.name).collect();
         documented.sort();
         declared.sort();
-        assert_eq!(documented, declared, "README.md's table of generation parameters and the code disagree");
+        assert_eq!(documented, declared, "docs/job-file.md's table of generation parameters and the code disagree");
     }
 }

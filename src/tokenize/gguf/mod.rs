@@ -130,7 +130,7 @@ const DEEPSEEK3: [&str; 3] = [
 const STARCODER: [&str; 2] = ["\\p{N}", GPT2];
 
 /// llama.cpp's pre-tokenizer types, by the `tokenizer.ggml.pre` names that select them (first name: the one the
-/// README lists). The expressions are llama.cpp's (its adaptations of each model's tokenizer.json).
+/// docs/models.md lists). The expressions are llama.cpp's (its adaptations of each model's tokenizer.json).
 pub static PRE_TOKENIZERS: &[PreTokenizer] = &[
     PreTokenizer { add_bos: true, ignore_merges: true, ..pre(&["llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"], &[LLAMA3]) },
     pre(&["default"], &["[\\p{P}\\$\\+<=>\\^~\\|]+", GPT2, "\\p{N}+", "[0-9][0-9][0-9]"]),
@@ -652,7 +652,7 @@ impl Vocab {
         self.kind
     }
 
-    /// The pre-tokenizer's name as the README lists it (`None` for other kinds than BPE).
+    /// The pre-tokenizer's name as docs/models.md lists it (`None` for other kinds than BPE).
     pub fn pre_name(&self) -> Option<&'static str> {
         self.pre.map(|p| p.names[0])
     }
