@@ -978,7 +978,8 @@ fn a_verb_whose_reader_stops_reading_keeps_its_exit_code_and_does_not_panic() {
     write_tiny_model(&tiny);
     let run = nightshift(&["run", job.to_str().unwrap(), "--model", tiny.to_str().unwrap()], &[]);
     assert_eq!(run.code, 0, "{}", run.stderr);
-    for args in [vec!["status", out.to_str().unwrap()], vec!["status", out.to_str().unwrap(), "--json"], vec!["validate", job.to_str().unwrap(), "--model", tiny.to_str().unwrap()]] {
+    let tokenize = vec!["tokenize", "--model", tiny.to_str().unwrap(), "--text", "hello there"];
+    for args in [vec!["status", out.to_str().unwrap()], vec!["status", out.to_str().unwrap(), "--json"], vec!["validate", job.to_str().unwrap(), "--model", tiny.to_str().unwrap()], tokenize] {
         let (reader, writer) = std::io::pipe().unwrap();
         drop(reader);
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_nightshift"))

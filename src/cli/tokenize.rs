@@ -64,17 +64,24 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<(), Error> {
     };
     let tokenizer = crate::tokenize::vocab::build(&vocab)?;
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-    let io = |e: std::io::Error| Error::Internal(format!("cannot write the tokens: {e}"));
+    // Whether to go on: a reader that stopped reading (`| head -1`) ends the command, as it ends `cat`.
+    let written = |r: std::io::Result<()>| match r {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
+        Err(e) => Err(Error::Internal(format!("cannot write the tokens: {e}"))),
+    };
     let peer = match args.format {
         TokenizeFormat::Peer => Some(tokenizer.gguf().ok_or_else(|| Error::Internal("`--format peer` compares GGUF vocabularies; this model has a tokenizer.json".into()))?),
         TokenizeFormat::Json => None,
     };
     if let Some(vocab) = peer {
-        writeln!(out, "{}", peer_header(vocab)).map_err(io)?;
+        if !written(writeln!(out, "{}", peer_header(vocab)))? {
+            return Ok(());
+        }
     }
-    let mut handle = |line: String| -> Result<(), Error> {
+    let mut handle = |line: String| -> Result<bool, Error> {
         match peer {
-            Some(vocab) => writeln!(out, "{}", peer_line(vocab, &line)?).map_err(io),
+            Some(vocab) => written(writeln!(out, "{}", peer_line(vocab, &line)?)),
             None => {
                 let text = if args.hex { unhex(&line)? } else { line.into_bytes() };
                 let ids = match &tokenizer {
@@ -82,17 +89,23 @@ pub fn tokenize(args: &TokenizeArgs) -> Result<(), Error> {
                     Tokenizer::Hf(_) => tokenizer.encode(&String::from_utf8_lossy(&text), !args.no_parse_special).map_err(|e| Error::Internal(format!("tokenization failed: {e}")))?,
                 };
                 let line = serde_json::json!({"ids": ids, "text": tokenizer.decode(&ids, false)});
-                writeln!(out, "{line}").map_err(io)
+                written(writeln!(out, "{line}"))
             }
         }
     };
     match &args.text {
-        Some(text) => handle(text.clone())?,
+        Some(text) => {
+            if !handle(text.clone())? {
+                return Ok(());
+            }
+        }
         None => {
             for line in std::io::stdin().lock().lines() {
-                handle(line.map_err(|e| Error::Internal(format!("cannot read standard input: {e}")))?)?;
+                if !handle(line.map_err(|e| Error::Internal(format!("cannot read standard input: {e}")))?)? {
+                    return Ok(());
+                }
             }
         }
     }
-    out.flush().map_err(io)
+    written(out.flush()).map(drop)
 }
