@@ -644,11 +644,13 @@ fn side_file(path: &Path, what: &str, output_url: &str) -> Result<(), Error> {
 /// when a whole export is not there already.
 fn export_after_run(rt: &tokio::runtime::Runtime, output: &Output, format: crate::job::ExportFormat, if_missing: bool) -> Result<(), Error> {
     let to = Output::resolve(&format!("{}/{}/", output.url().trim_end_matches('/'), format.name()))?;
-    let there = match format {
-        crate::job::ExportFormat::OpenaiBatch => rt.block_on(to.has_openai_batch())?,
-    };
-    if if_missing && there {
-        return Ok(());
+    if if_missing {
+        let there = match format {
+            crate::job::ExportFormat::OpenaiBatch => rt.block_on(to.has_openai_batch())?,
+        };
+        if there {
+            return Ok(());
+        }
     }
     let exported = match format {
         crate::job::ExportFormat::OpenaiBatch => rt.block_on(output.export_openai_batch(&to, None))?,

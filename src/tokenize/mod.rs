@@ -49,13 +49,48 @@ const NORMALIZED_SHRINK: usize = 4;
 /// over-counts the bytes it covers (byte-level BPE's `Ġ` spells one byte in two; SentencePiece's `▁` one in three),
 /// which only widens the bound. Only a normalizer that deletes text (BERT's accent stripping, given nothing but
 /// combining marks) could fit more, and such a row is then reported too long instead of empty.
-pub fn prompt_byte_limit(context: usize, longest_token: usize) -> usize {
-    context.saturating_mul(longest_token.max(1)).saturating_mul(NORMALIZED_SHRINK)
+///
+/// The bound holds only for a tokenizer that never emits an unknown token for text it cannot spell (byte-level BPE,
+/// or byte fallback): an unknown token covers any run of text (WordPiece's `[UNK]` for a word over 100 characters,
+/// SentencePiece's `<unk>` for a run of characters outside its vocabulary). For the others (`bytes_only` false) the
+/// limit is [`MAX_PROMPT_BYTES`] or the bound, whichever is larger: memory stays bounded, and a prompt under it is
+/// tokenized and judged by its tokens.
+pub fn prompt_byte_limit(context: usize, longest_token: usize, bytes_only: bool) -> usize {
+    let bound = context.saturating_mul(longest_token.max(1)).saturating_mul(NORMALIZED_SHRINK);
+    if bytes_only {
+        bound
+    } else {
+        bound.max(MAX_PROMPT_BYTES)
+    }
 }
+
+/// The most bytes of text a prompt may have for a tokenizer whose unknown token could cover any of it: JSONL's
+/// longest line.
+pub const MAX_PROMPT_BYTES: usize = 16 << 20;
 
 /// The longest spelling of any token of a vocabulary, in bytes.
 pub fn longest_token<'a>(tokens: impl Iterator<Item = &'a str>) -> usize {
     tokens.map(str::len).max().unwrap_or(1)
+}
+
+/// Whether a `tokenizers` tokenizer spells every text without an unknown token: a BPE without one or with byte
+/// fallback, a Unigram with byte fallback (WordPiece and WordLevel always have one).
+fn hf_bytes_only(tokenizer: &tokenizers::Tokenizer) -> bool {
+    use tokenizers::ModelWrapper;
+    match tokenizer.get_model() {
+        ModelWrapper::BPE(bpe) => bpe.unk_token.is_none() || bpe.byte_fallback,
+        ModelWrapper::Unigram(unigram) => unigram.byte_fallback(),
+        ModelWrapper::WordPiece(_) | ModelWrapper::WordLevel(_) => false,
+    }
+}
+
+/// [`hf_bytes_only`] for a vocabulary: a GGUF one is byte-level BPE (`gpt2`, no unknown token) or has byte tokens
+/// (SentencePiece's byte fallback); a Hugging Face one is asked.
+fn vocab_bytes_only(vocab: &VocabMetadata) -> bool {
+    match &vocab.tokenizer {
+        Some(hf) => hf_bytes_only(hf),
+        None => vocab.kind == "gpt2" || vocab.token_types.contains(&vocab::TOKEN_TYPE_BYTE),
+    }
 }
 
 /// `prompt` within `limit` bytes of text (system prompt, messages' contents): as it is when it fits; else, with
@@ -148,7 +183,7 @@ impl Preprocessor {
             context_length,
             truncate: input.truncate,
             max_new_tokens,
-            max_prompt_bytes: prompt_byte_limit(context_length, longest_token(vocab.tokens.iter().map(String::as_str))),
+            max_prompt_bytes: prompt_byte_limit(context_length, longest_token(vocab.tokens.iter().map(String::as_str)), vocab_bytes_only(vocab)),
         })
     }
 
@@ -337,7 +372,7 @@ impl EncoderPreprocessor {
                 Some(t)
             }
         };
-        let max_bytes = prompt_byte_limit(max_tokens, longest_token(tokenizer.get_vocab(true).keys().map(String::as_str)));
+        let max_bytes = prompt_byte_limit(max_tokens, longest_token(tokenizer.get_vocab(true).keys().map(String::as_str)), hf_bytes_only(&tokenizer));
         Ok(EncoderPreprocessor { tokenizer, truncating, max_tokens, truncate, max_bytes })
     }
 }
@@ -380,8 +415,10 @@ mod tests {
     #[test]
     fn a_prompt_over_the_byte_limit_is_too_long_or_cut_on_a_character_boundary() {
         // 2 tokens of at most 3 bytes, normalized text shrinking up to 4 to 1: 24 bytes.
-        let limit = prompt_byte_limit(2, longest_token(["a", "abc", "ab"].into_iter()));
+        let limit = prompt_byte_limit(2, longest_token(["a", "abc", "ab"].into_iter()), true);
         assert_eq!(limit, 24);
+        // A vocabulary with an unknown token, which may cover any run of text: only the memory cap.
+        assert_eq!(prompt_byte_limit(2, 3, false), MAX_PROMPT_BYTES);
         let fits = "x".repeat(limit);
         assert!(matches!(within_bytes(Prompt::Text(fits.clone()), 0, limit, Truncate::None), Ok(Prompt::Text(t)) if t == fits));
         let err = within_bytes(Prompt::Text(format!("{fits}y")), 0, limit, Truncate::None).unwrap_err();

@@ -57,6 +57,7 @@ impl std::fmt::Debug for VocabMetadata {
 }
 
 pub const TOKEN_TYPE_CONTROL: i32 = 3;
+pub const TOKEN_TYPE_BYTE: i32 = 6;
 pub const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
 impl VocabMetadata {

@@ -335,8 +335,6 @@ struct Task {
     rows: Range<usize>,
 }
 
-/// `x · Wᵢᵀ` for each matrix (all `[_, k]` of the same kind, quantized or not), the activations quantized once,
-/// in one parallel region.
 /// [`matmul_many`] over matrices of one width and any kinds: one call per kind (quantized or float), the
 /// products in the order of `weights`.
 fn matmul_grouped(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Vec<f32>> {
@@ -356,6 +354,8 @@ fn matmul_grouped(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec
     out
 }
 
+/// `x · Wᵢᵀ` for each matrix (all `[_, k]` of the same kind, quantized or not), the activations quantized once,
+/// in one parallel region.
 fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Vec<f32>> {
     let k = weights[0].k;
     assert!(weights.iter().all(|w| w.k == k && w.quantized() == weights[0].quantized()), "matmul_many over matrices of different widths or kinds (a bug)");
