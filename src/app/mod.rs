@@ -382,7 +382,7 @@ async fn stored_plan(job: &Job, input: &Input, output: &Output, assignment: &Ass
         Some(stored) => stored,
         None => {
             // Only a new plan reads every id: a stored plan was checked when it was made.
-            input.check_unique_ids().await?;
+            input.check_whole().await?;
             let shards = match assignment {
                 Assignment::One { count, .. } => *count,
                 Assignment::All => job.output.shards.unwrap_or(1),

@@ -30,7 +30,7 @@ pub fn validate(job_path: &Path, overrides: &Overrides) -> Result<ValidateReport
     super::local_model(&mut job, &rt)?;
     let input = rt.block_on(Input::open(&job.input))?;
     // What a run checks over the whole input before it plans: unique ids (and a request file's model names).
-    rt.block_on(input.check_unique_ids())?;
+    rt.block_on(input.check_whole())?;
     let output = Output::resolve(&job.output.url)?;
     let check = check_model(&job)?;
     // What a run would do with the output: start it, resume it, find it complete, or refuse it.

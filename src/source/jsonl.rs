@@ -8,7 +8,8 @@ use object_store::{GetOptions, ObjectMeta, ObjectStore};
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
-use super::openai_batch::{self, LineRules};
+use super::openai_batch;
+use crate::job::LineRules;
 use super::{default_id, SourceError, SourceRow, BATCH_ROWS};
 use crate::plan::Unit;
 use crate::row::{ErrorCode, RowError, RowTag};

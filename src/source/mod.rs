@@ -139,7 +139,7 @@ pub struct Input {
     total_rows: u64,
     /// OpenAI Batch input: its JSONL files (and no Parquet files), and which lines the job runs.
     jsonl: Vec<jsonl::JsonlFile>,
-    rules: Option<openai_batch::LineRules>,
+    rules: Option<crate::job::LineRules>,
 }
 
 impl InputFile {
@@ -215,11 +215,12 @@ impl Input {
             .collect()
     }
 
-    /// Reads the id column of every file and refuses duplicates, naming the first few. Ids key the results and
-    /// the per-row seeds, so a duplicate would make two rows indistinguishable. A null id is the row's default id,
-    /// `<file>:<row>`, checked with the others (a real id may be the same text). Inputs without an id column get
-    /// default ids only, unique by construction, and pass at once.
-    pub async fn check_unique_ids(&self) -> Result<(), SourceError> {
+    /// The checks over the whole input that a new plan (and `validate`) makes: reads the id column of every file
+    /// and refuses duplicates, naming the first few. Ids key the results and the per-row seeds, so a duplicate would
+    /// make two rows indistinguishable. A null id is the row's default id, `<file>:<row>`, checked with the others (a
+    /// real id may be the same text). Inputs without an id column get default ids only, unique by construction, and
+    /// pass at once. A request file's lines are also checked for the model they name ([`jsonl::check_lines`]).
+    pub async fn check_whole(&self) -> Result<(), SourceError> {
         if !self.jsonl.is_empty() {
             let rules = self.rules.as_ref().expect("a JSONL input has its line rules");
             return jsonl::check_lines(&self.location.store, &self.jsonl, rules).await;
@@ -563,7 +564,7 @@ fn params_of(batch_column: impl Fn(usize) -> Result<ArrayRef, ParquetError>, fil
         let value: Box<dyn Fn(usize) -> Option<ParamValue>> = match ty {
             ParamType::Integer => {
                 // A u64 value above i64::MAX (a seed of 2^63 and up) does not survive the cast: it reads as null,
-                // which `beyond` below makes an error row instead of the job's value.
+                // which the loop below makes an error row instead of the job's value.
                 let a = arrow::compute::cast(&column, &DataType::Int64).map_err(general)?;
                 Box::new(move |i| a.is_valid(i).then(|| ParamValue::Integer(a.as_primitive::<arrow::datatypes::Int64Type>().value(i))))
             }

@@ -3,8 +3,7 @@
 
 use serde_json::{Map, Value};
 
-pub use crate::job::LineRules;
-use crate::job::{set_row_param, ParamValue};
+use crate::job::{set_row_param, LineRules, ParamValue};
 use crate::row::{ErrorCode, Message, Prompt, RowError, RowParams};
 
 /// A line read: its `custom_id` (when it has one) and its request or error.
