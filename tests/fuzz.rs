@@ -225,7 +225,7 @@ fn parquet_inputs() {
         std::fs::write(&path, bytes).unwrap();
         rt.block_on(async {
             let Ok(input) = Input::open(&spec).await else { return false };
-            if input.check_unique_ids().await.is_err() {
+            if input.check_whole().await.is_err() {
                 return false;
             }
             // Every row, as a run reads them: declared row counts are not trusted beyond what the file holds.
