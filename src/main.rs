@@ -35,6 +35,8 @@ fn main() -> ExitCode {
     app::tune_cpu_threads();
     let cli = Cli::parse();
     init_tracing(cli.log_format);
+    // Before any thread: on a CPU with AMX, Linux's permission for the tiles.
+    nightshift::engine::kernels::prepare();
     let result = match &cli.command {
         Command::Run(args) if args.data_parallel.is_some() => match data_parallel(args) {
             Ok(code) => return ExitCode::from(code.clamp(0, 255) as u8),

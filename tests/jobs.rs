@@ -133,13 +133,13 @@ fn sample_job_writes_sensible_summaries() {
 
 /// The CPU kernels' levels compute the same bits (src/engine/kernels), so a job's results, log-probabilities
 /// included, do not depend on the CPU it ran on: forced to the portable kernels (`NIGHTSHIFT_CPU_KERNELS`), the
-/// job writes what the best level this CPU has writes (AVX2 or VNNI on CI's x86-64; AVX2 forced too where VNNI
-/// is the best).
+/// job writes what the default level writes (AVX2 or VNNI on CI's x86-64), and so do AVX2 and AMX forced (a
+/// level the CPU lacks runs the default one, with a warning).
 #[test]
 fn every_cpu_kernel_level_writes_the_same_results() {
     let (dir, input) = two_questions("kernel-levels");
     let mut results = Vec::new();
-    for level in ["portable", "avx2", ""] {
+    for level in ["portable", "avx2", "amx", ""] {
         let out = dir.join(if level.is_empty() { "best" } else { level });
         let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 6\nlogprobs = 2", "");
         let run = nightshift(&["run", job.to_str().unwrap()], &[("NIGHTSHIFT_CPU_KERNELS", level), ("RUST_LOG", "info")]);
@@ -158,8 +158,9 @@ fn every_cpu_kernel_level_writes_the_same_results() {
         results.push(rows);
     }
     assert!(results[0].values().all(|r| r["text"].as_str().is_some_and(|t| !t.is_empty())), "{:?}", results[0]);
-    assert_eq!(results[0], results[2], "portable and the best level differ");
-    assert_eq!(results[1], results[2], "avx2 and the best level differ");
+    assert_eq!(results[0], results[3], "portable and the default level differ");
+    assert_eq!(results[1], results[3], "avx2 and the default level differ");
+    assert_eq!(results[2], results[3], "amx and the default level differ");
 }
 
 /// `runtime.cpu_weights = "as-stored"` computes the GGUF's own matrices (Q4_1 layers, the Q8_0 embedding as the

@@ -192,7 +192,7 @@ pub struct KernelBenchArgs {
     /// Activation rows per product.
     #[arg(long, value_delimiter = ',', value_parser = at_least_one, default_value = "1,16,128")]
     pub rows: Vec<usize>,
-    /// Levels to measure: portable, avx2, vnni (default: every one this CPU has).
+    /// Levels to measure: portable, avx2, vnni, amx (default: every one this CPU has).
     #[arg(long, value_delimiter = ',', value_parser = parse_level)]
     pub levels: Vec<crate::engine::kernels::Level>,
     /// CPU threads (default: one per core).
@@ -221,7 +221,7 @@ fn at_least_one(text: &str) -> Result<usize, String> {
 }
 
 fn parse_level(text: &str) -> Result<crate::engine::kernels::Level, String> {
-    crate::engine::kernels::Level::parse(text).ok_or_else(|| format!("must be portable, avx2 or vnni, got {text:?}"))
+    crate::engine::kernels::Level::parse(text).ok_or_else(|| format!("must be portable, avx2, vnni or amx, got {text:?}"))
 }
 
 impl KernelBenchArgs {

@@ -21,6 +21,8 @@
 //! output (`acc = fma(sum, d_w * d_x, acc)`, then `acc = fma(m_w, s_x, acc)` for types with an offset). Float
 //! weights: eight lanes of fused multiply-adds, then one fixed reduction ([`hsum8`]).
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 pub mod elementwise;
 mod pack;
 mod portable;
@@ -43,20 +45,25 @@ pub enum Level {
     Avx2,
     /// The AVX2 level with VNNI's 8-bit dot products: AVX-512 VNNI (with VL), or AVX-VNNI.
     Vnni,
+    /// AVX-512 VNNI with the tile unit's 8-bit products for the quantized types (Intel since Sapphire Rapids),
+    /// where Linux grants the process the tiles.
+    Amx,
 }
 
-/// The environment variable that lowers the kernels' level: `portable`, `avx2` or `vnni`. A level the CPU lacks
-/// is not taken (the detected one is, with a warning).
+/// The environment variable that sets the kernels' level: `portable`, `avx2`, `vnni` or `amx` (the one level
+/// not taken by default). A level the CPU lacks is not taken (the default is, with a warning).
 pub const LEVEL_VAR: &str = "NIGHTSHIFT_CPU_KERNELS";
 
 impl Level {
-    /// The best level this CPU runs.
+    /// The best level this CPU runs. The first call asks Linux for the tile unit where the CPU has one (see
+    /// [`prepare`]).
     pub fn detected() -> Level {
         #[cfg(target_arch = "x86_64")]
         {
             let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
             let vnni = (is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")) || is_x86_feature_detected!("avxvnni");
             return match (avx2, vnni) {
+                (true, true) if amx::granted() => Level::Amx,
                 (true, true) => Level::Vnni,
                 (true, false) => Level::Avx2,
                 _ => Level::Portable,
@@ -66,22 +73,29 @@ impl Level {
         Level::Portable
     }
 
-    /// The level the kernels run at: [`LEVEL_VAR`] if set (and the CPU has it), the detected one otherwise.
+    /// The level the kernels run at unless [`LEVEL_VAR`] says otherwise: the best this CPU runs, short of AMX.
+    /// The AMX kernels give the same bits but, measured on a 2-core Sapphire Rapids VM, no more speed than VNNI's
+    /// with both cores busy (and less for products of a few rows; BENCHMARKS.md): they run only when asked for.
+    pub fn preferred() -> Level {
+        Level::detected().min(Level::Vnni)
+    }
+
+    /// The level the kernels run at: [`LEVEL_VAR`] if set (and the CPU has it), [`Level::preferred`] otherwise.
     /// Read once per process.
     pub fn active() -> Level {
         static ACTIVE: OnceLock<Level> = OnceLock::new();
         *ACTIVE.get_or_init(|| {
             let detected = Level::detected();
-            let Some(asked) = std::env::var(LEVEL_VAR).ok().filter(|v| !v.is_empty()) else { return detected };
+            let Some(asked) = std::env::var(LEVEL_VAR).ok().filter(|v| !v.is_empty()) else { return Level::preferred() };
             match Level::parse(&asked) {
                 Some(level) if level <= detected => level,
                 Some(level) => {
                     tracing::warn!(asked = level.name(), detected = detected.name(), "{LEVEL_VAR} asks for kernels this CPU lacks");
-                    detected
+                    Level::preferred()
                 }
                 None => {
-                    tracing::warn!(asked, "{LEVEL_VAR} is not one of portable, avx2, vnni; ignored");
-                    detected
+                    tracing::warn!(asked, "{LEVEL_VAR} is not one of portable, avx2, vnni, amx; ignored");
+                    Level::preferred()
                 }
             }
         })
@@ -92,6 +106,7 @@ impl Level {
             "portable" => Some(Level::Portable),
             "avx2" => Some(Level::Avx2),
             "vnni" => Some(Level::Vnni),
+            "amx" => Some(Level::Amx),
             _ => None,
         }
     }
@@ -101,13 +116,21 @@ impl Level {
             Level::Portable => "portable",
             Level::Avx2 => "avx2",
             Level::Vnni => "vnni",
+            Level::Amx => "amx",
         }
     }
 
     /// Every level this CPU runs, lowest first.
     pub fn available() -> Vec<Level> {
-        [Level::Portable, Level::Avx2, Level::Vnni].into_iter().filter(|&l| l <= Level::detected()).collect()
+        [Level::Portable, Level::Avx2, Level::Vnni, Level::Amx].into_iter().filter(|&l| l <= Level::detected()).collect()
     }
+}
+
+/// Settles the kernels' level before any thread is made: on a CPU with AMX, asks Linux for the tile unit (the
+/// permission is the process's, and costs nothing until a thread uses a tile; asking first keeps the system call
+/// off the threads' paths).
+pub fn prepare() {
+    let _ = Level::active();
 }
 
 /// Weight rows interleaved per panel in the quantized layouts: one 32-bit lane per row in a 256-bit register.
@@ -224,11 +247,15 @@ struct Acts<'a> {
     s16: Vec<f32>,
     /// The sum of the codes per block of 32, exact (`[m, k / 32]`).
     sums: Vec<i32>,
+    /// For the AMX level, the codes again in the tile unit's order: per 16 rows and block, the 16 rows' 32 codes
+    /// side by side (`[m / 16, k / 32, 16, 32]`; whole tiles of rows only), so that a tile loads 512 contiguous
+    /// bytes.
+    tiles: Vec<i8>,
 }
 
 impl<'a> Acts<'a> {
     fn new(level: Level, x: &'a [f32], k: usize, quantize: bool) -> Acts<'a> {
-        let mut acts = Acts { k, f32: x, qs: Vec::new(), d: Vec::new(), s32: Vec::new(), s16: Vec::new(), sums: Vec::new() };
+        let mut acts = Acts { k, f32: x, qs: Vec::new(), d: Vec::new(), s32: Vec::new(), s16: Vec::new(), sums: Vec::new(), tiles: Vec::new() };
         if quantize {
             debug_assert_eq!(k % 32, 0);
             let blocks = x.len() / 32;
@@ -246,6 +273,9 @@ impl<'a> Acts<'a> {
                 let codes = x.par_chunks(32 * CHUNK).zip(acts.qs.par_chunks_mut(32 * CHUNK)).zip(acts.d.par_chunks_mut(CHUNK));
                 codes.zip(sums).for_each(|(((x, qs), d), ((s32, s16), sums))| quantize_blocks(level, x, qs, d, s32, s16, sums));
             }
+            if level == Level::Amx {
+                acts.tiles = tile_order(&acts.qs, k);
+            }
         }
         acts
     }
@@ -253,6 +283,21 @@ impl<'a> Acts<'a> {
     fn rows(&self) -> usize {
         self.f32.len() / self.k
     }
+}
+
+/// Codes `[m, k]` in the AMX tiles' order (`Acts::tiles`).
+fn tile_order(qs: &[i8], k: usize) -> Vec<i8> {
+    let tiles = qs.len() / k / 16;
+    let mut out = vec![0i8; tiles * 16 * k];
+    for (t, rows) in out.chunks_exact_mut(16 * k).enumerate() {
+        for (b, block) in rows.chunks_exact_mut(16 * 32).enumerate() {
+            for (i, codes) in block.chunks_exact_mut(32).enumerate() {
+                let at = (16 * t + i) * k + 32 * b;
+                codes.copy_from_slice(&qs[at..at + 32]);
+            }
+        }
+    }
+    out
 }
 
 /// A block's scale and its codes' scaled sums, as llama.cpp stores them for the same products (`block_q8_0`,
@@ -393,6 +438,8 @@ fn l2_rows(w: &Packed) -> usize {
 fn run_rows(level: Level, w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     assert!(rows.end <= w.n && x.k == w.k && rows.start.is_multiple_of(PANEL), "kernel rows out of range (a bug)");
     match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Amx => x86::run_amx(w, rows, x, out),
         #[cfg(target_arch = "x86_64")]
         Level::Vnni => x86::run_vnni(w, rows, x, out),
         #[cfg(target_arch = "x86_64")]

@@ -75,11 +75,25 @@ fn the_kernels_refuse_what_they_cannot_compute_faithfully() {
     assert!(pack::pack(GgmlDType::Q4_1, &[0; 80], 2, 64).is_ok());
 }
 
+/// The levels this machine lacks, said once per test run (a test that cannot check a level says so).
+fn say_missing_levels() {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        let missing: Vec<&str> = [Level::Avx2, Level::Vnni, Level::Amx].into_iter().filter(|l| !Level::available().contains(l)).map(|l| l.name()).collect();
+        if !missing.is_empty() {
+            eprintln!("this CPU lacks the kernel levels {missing:?}: their bit-for-bit checks are skipped here");
+        }
+    });
+}
+
 #[test]
 fn every_level_gives_the_same_bits_at_any_row_count() {
+    say_missing_levels();
     for (dtype, k) in TYPES {
         let packed = Packed::from_qtensor(&matrix(dtype, 37, k, 4)).unwrap().unwrap();
-        for m in [1, 2, 3, 4, 5, 9, 22] {
+        // Past 16 rows, whole tiles of 16 for the AMX level and the rows left over for the VNNI kernels; past 256,
+        // several groups of tiles.
+        for m in [1, 2, 3, 4, 5, 9, 16, 22, 48, 275] {
             let x = activations(m, k, m as u64);
             let reference = packed.matmul_at(Level::Portable, &x, m);
             for level in Level::available() {
@@ -90,6 +104,25 @@ fn every_level_gives_the_same_bits_at_any_row_count() {
             // A row's result does not depend on the rows beside it.
             let alone = packed.matmul_at(Level::active(), &x[(m - 1) * k..], 1);
             assert!(alone.iter().zip(&reference[(m - 1) * 37..]).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?} m={m}");
+        }
+    }
+}
+
+/// Weight rows in whole pairs of panels, a pair whose second panel is partly padding (30 rows), and a panel left
+/// alone (40 rows): the tile unit's shapes and the VNNI kernels' share of them give the portable kernels' bits.
+#[test]
+fn tiles_of_every_shape_give_the_same_bits() {
+    say_missing_levels();
+    for (dtype, k) in TYPES {
+        for n in [30, 40, 64] {
+            let packed = Packed::from_qtensor(&matrix(dtype, n, k, 12)).unwrap().unwrap();
+            let m = 35;
+            let x = activations(m, k, 13);
+            let reference = packed.matmul_at(Level::Portable, &x, m);
+            for level in Level::available() {
+                let y = packed.matmul_at(level, &x, m);
+                assert!(y.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?} n={n}: {level:?} differs from the portable kernels");
+            }
         }
     }
 }
@@ -164,9 +197,16 @@ fn the_level_variable_names_a_level() {
     assert_eq!(Level::parse("avx2"), Some(Level::Avx2));
     assert_eq!(Level::parse("portable"), Some(Level::Portable));
     assert_eq!(Level::parse("vnni"), Some(Level::Vnni));
+    assert_eq!(Level::parse("amx"), Some(Level::Amx));
     assert_eq!(Level::parse("avx512"), None);
     assert!(Level::available().contains(&Level::Portable));
     assert!(Level::active() <= Level::detected());
+    assert!(Level::preferred() <= Level::Vnni, "AMX is taken only when asked for");
+    // Where the CPU lists AMX, the level exists: the CPUID bits are read right and Linux granted the tiles
+    // (`arch_prctl`, Linux 5.16 and later).
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let listed = cpuinfo.lines().any(|l| l.starts_with("flags") && l.split_whitespace().any(|f| f == "amx_int8") && l.split_whitespace().any(|f| f == "avx512_vnni"));
+    assert_eq!(Level::available().contains(&Level::Amx), listed, "/proc/cpuinfo lists amx_int8: {listed}");
 }
 
 #[test]

@@ -11,7 +11,8 @@
 //! of activation codes is one group of four broadcast (`vpbroadcastd`) and one product serves eight outputs.
 //!
 //! Safety: every function here is compiled for instructions the CPU may lack, so each is `#[target_feature]`, and
-//! [`run_avx2`], [`run_vnni`] and [`quantize_blocks`] are the only ways in: they check the CPU has the level's
+//! [`run_avx2`], [`run_vnni`], [`run_amx`] and [`quantize_blocks`] are the only ways in (and the AMX kernels'
+//! tails, which check for themselves): they check the CPU has the level's
 //! features before calling into a module. Loads go through raw pointers whose bounds the loops' slice lengths prove (see each `SAFETY`).
 
 use std::ops::Range;
@@ -259,7 +260,7 @@ macro_rules! kernels {
             /// chains of multiply-adds and shares its activation loads.
             #[inline]
             #[target_feature(enable = $features)]
-            fn quantized_panel(w: &Packed, panels: Range<usize>, x: &Acts, r0: usize, count: usize, out: Out) {
+            pub(in super::super) fn quantized_panel(w: &Packed, panels: Range<usize>, x: &Acts, r0: usize, count: usize, out: Out) {
                 let full = r0 + count / 4 * 4;
                 let mut p = panels.start;
                 while p < panels.end {
@@ -353,7 +354,13 @@ mod quantize {
             let packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
             // SAFETY: `qs` holds `32 * blocks` codes and `b < blocks`.
             unsafe { _mm256_storeu_si256(qs.as_mut_ptr().add(32 * b).cast(), _mm256_permutevar8x32_epi32(packed, order)) };
-            super::super::store_scales(scale, sums, &mut d[b], &mut s32[b], &mut s16[2 * b..2 * b + 2], &mut sums_out[b]);
+            // `store_scales`, the four roundings to f16 precision in one instruction (the one the `half` crate uses
+            // where the CPU has F16C: the same bits).
+            let exact = _mm_setr_ps(scale, scale * (sums[0] + sums[1]) as f32, scale * sums[0] as f32, scale * sums[1] as f32);
+            let mut kept = [0f32; 4];
+            // SAFETY: `kept` holds 4 f32.
+            unsafe { _mm_storeu_ps(kept.as_mut_ptr(), _mm_cvtph_ps(_mm_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(exact))) };
+            (d[b], s32[b], s16[2 * b], s16[2 * b + 1], sums_out[b]) = (kept[0], kept[1], kept[2], kept[3], sums[0] + sums[1]);
         }
     }
 }
@@ -378,6 +385,12 @@ pub(super) fn run_avx2(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     assert!(has_avx2(), "AVX2 kernels on a CPU without AVX2 (a bug)");
     // SAFETY: the CPU has AVX2, FMA and F16C (asserted above).
     unsafe { avx2::run(w, rows, x, out) }
+}
+
+pub(super) fn run_amx(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
+    assert!(super::amx::granted(), "AMX kernels where AMX is not granted (a bug)");
+    // SAFETY: `granted` checked the CPU has every feature the AMX kernels use and Linux granted the tiles.
+    unsafe { super::amx::run(w, rows, x, out) }
 }
 
 pub(super) fn run_vnni(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {

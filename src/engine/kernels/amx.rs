@@ -1,0 +1,469 @@
+//! The AMX level: the quantized products on Intel's tile unit (Sapphire Rapids and later), the same bits as every
+//! other level.
+//!
+//! A tile product `tdpbsud` multiplies 16 activation rows of signed 8-bit codes (a tile `A`, row-major, read
+//! straight from the activations) by 16 weight rows of unsigned codes (a tile `B`, four codes of each weight row to
+//! a 32-bit lane: two of the packer's eight-row panels side by side) and adds the exact 32-bit integer sums into a
+//! 16 x 16 tile `C`. One product covers one block of 32 (Q4_0, Q4_1, Q4_K, Q8_0) or one group of 16 (the `U8`
+//! types), so `C` holds exactly the integer sums the VNNI kernels compute; the float steps after them
+//! (`acc = fma(sum, d_w * d_x, acc)`, then the offset's `fma`) run in AVX-512 registers in the same order, so the
+//! results are bit-identical to the other levels'. Q8_0's codes are stored offset by 128 as unsigned bytes; its sums
+//! take `128 x` the activations' code sums back off, as the VNNI kernel's do.
+//!
+//! Only whole tiles go through the tile unit: activation rows in sixteens and weight panels in pairs. The rows and
+//! the panel left over (and float weights, and products of fewer than 16 rows) take the VNNI kernels, whose results
+//! are the same bits.
+//!
+//! Per step (block, or group), up to 2 x 2 tile products (32 activation rows by 32 weight rows: each tile load
+//! serves two products) go to the tile unit while the vector units finish the step before from memory. The
+//! activations come in the tile unit's order (`Acts::tiles`: 512 contiguous bytes per tile and block) and a task's
+//! weight panels are interleaved in pairs as it reaches them ([`Pair::fill`]).
+//!
+//! Speed: the tile unit's sums must leave it once per block of 32 (the per-block scales forbid accumulating
+//! across blocks in integers), one 1 KiB store per 16 x 16 products, and the float steps after it cost as much as
+//! VNNI's whole product: on a 2-core Sapphire Rapids VM, one thread runs a Q4_1 layer matrix 1.4-1.6x faster than
+//! the VNNI kernels at 128 rows, two threads no faster (BENCHMARKS.md). [`super::Level::preferred`] therefore stops
+//! at VNNI; `NIGHTSHIFT_CPU_KERNELS=amx` runs this level.
+//!
+//! Linux hands a process the tiles' 8 KiB register state only when asked (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
+//! until then the first tile instruction is `SIGILL`. [`granted`] asks once and the level exists only if Linux
+//! says yes.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use super::{Acts, Data, Out, Packed, PANEL};
+
+/// Activation rows per tile.
+const ROWS: usize = 16;
+/// Weight rows per tile: two panels.
+const COLS: usize = 2 * PANEL;
+/// Activation rows whose codes stay in the L2 cache while a task's weights pass over them.
+const ROW_GROUP: usize = 256;
+
+/// Whether the AMX level runs here: the CPU has the tile unit with int8 products, AVX-512 (F, BW, VL, VNNI: the
+/// float steps and the tails), and Linux grants this process the tile state. Asked once per process; the
+/// permission is the whole process's, whatever thread asks.
+pub(super) fn granted() -> bool {
+    static GRANTED: OnceLock<bool> = OnceLock::new();
+    *GRANTED.get_or_init(|| {
+        if !cpu_has_amx() {
+            return false;
+        }
+        match request_tiles() {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::info!(error = %e, "the CPU has AMX but Linux does not grant it to this process: the kernels run at the VNNI level");
+                false
+            }
+        }
+    })
+}
+
+fn cpu_has_amx() -> bool {
+    let avx512 = is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
+    // CPUID leaf 7, sub-leaf 0 (present on every CPU with AVX-512, checked first): EDX bit 24 AMX-TILE, bit 25
+    // AMX-INT8.
+    avx512 && {
+        let leaf = __cpuid_count(7, 0);
+        leaf.edx & (1 << 24) != 0 && leaf.edx & (1 << 25) != 0
+    }
+}
+
+/// `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`: Linux's permission for the tiles' register state.
+#[cfg(target_os = "linux")]
+fn request_tiles() -> std::io::Result<()> {
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: `arch_prctl` with these arguments reads nothing from our memory and only changes which register
+    // state the kernel saves for this process; it fails cleanly (EINVAL, ENOSPC) where it cannot grant it.
+    let r = unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn request_tiles() -> std::io::Result<()> {
+    Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "AMX is asked for only on Linux"))
+}
+
+/// The tile configuration (`ldtilecfg`'s 64 bytes): palette 1; `tmm0..tmm3` the 16 x 16 integer sums; `tmm4`,
+/// `tmm5` activation tiles of 16 rows by `width` codes; `tmm6`, `tmm7` weight tiles of `width / 4` rows of 64 bytes.
+#[repr(C, align(64))]
+struct Config([u8; 64]);
+
+impl Config {
+    fn new(width: usize) -> Config {
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        let mut tile = |t: usize, rows: usize, bytes: usize| {
+            c[16 + 2 * t..18 + 2 * t].copy_from_slice(&(bytes as u16).to_le_bytes());
+            c[48 + t] = rows as u8;
+        };
+        for t in 0..4 {
+            tile(t, ROWS, 64);
+        }
+        for t in [4, 5] {
+            tile(t, ROWS, width);
+            tile(t + 2, width / 4, 64);
+        }
+        Config(c)
+    }
+}
+
+/// 64 bytes, aligned as the tile loads and stores like them.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// A pair of panels in the tile unit's layout, for every block: per block (or group), the weight tile's rows and
+/// the sixteen weight rows' scales and offsets.
+struct Pair {
+    /// `[block, 8 lines]`: line `j` of block `b` holds, for each of the 16 weight rows, its four codes
+    /// `4j..4j + 4` of the block (of the group `j / 4` for `U8`, whose tiles are lines `0..4` and `4..8`).
+    codes: Vec<Line>,
+    /// `[block, group, 16]`: scales and offsets (groups: 1 per block, 2 for `U8`).
+    d: Vec<f32>,
+    m: Vec<f32>,
+}
+
+impl Pair {
+    fn new(blocks: usize, groups: usize) -> Pair {
+        Pair { codes: vec![Line([0; 64]); 8 * blocks], d: vec![0.0; 16 * groups * blocks], m: vec![0.0; 16 * groups * blocks] }
+    }
+
+    /// Panels `p` and `p + 1` of `w` (both exist).
+    #[target_feature(enable = "avx2")]
+    fn fill(&mut self, w: &Packed, p: usize) {
+        let blocks = w.k / 32;
+        let halves = |line: &mut Line, a: &[u8], b: &[u8]| {
+            line.0[..32].copy_from_slice(a);
+            line.0[32..].copy_from_slice(b);
+        };
+        let two = |out: &mut [f32], v: &[f32], at: [usize; 2]| {
+            out[..8].copy_from_slice(&v[at[0]..at[0] + 8]);
+            out[8..16].copy_from_slice(&v[at[1]..at[1] + 8]);
+        };
+        match &w.data {
+            Data::Q4 { qs, d, m } => {
+                for b in 0..blocks {
+                    let lines = &mut self.codes[8 * b..8 * b + 8];
+                    let mask = _mm256_set1_epi8(0x0F);
+                    for s in 0..2 {
+                        let panel = &qs[((p + s) * blocks + b) * 128..][..128];
+                        for t in 0..4 {
+                            // SAFETY: 32 bytes at `32 t` of the panel's 128, and at `32 s` of lines `t` and `4 + t`'s
+                            // 64.
+                            unsafe {
+                                let raw = _mm256_loadu_si256(panel.as_ptr().add(32 * t).cast());
+                                _mm256_storeu_si256(lines[t].0.as_mut_ptr().add(32 * s).cast(), _mm256_and_si256(raw, mask));
+                                _mm256_storeu_si256(lines[4 + t].0.as_mut_ptr().add(32 * s).cast(), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
+                            }
+                        }
+                    }
+                    let at = [(p * blocks + b) * PANEL, ((p + 1) * blocks + b) * PANEL];
+                    two(&mut self.d[16 * b..16 * b + 16], d, at);
+                    two(&mut self.m[16 * b..16 * b + 16], m, at);
+                }
+            }
+            Data::U8 { qs, .. } | Data::S8 { qs, .. } => {
+                for b in 0..blocks {
+                    let at = [(p * blocks + b) * 256, ((p + 1) * blocks + b) * 256];
+                    for g in 0..8 {
+                        halves(&mut self.codes[8 * b + g], &qs[at[0] + 32 * g..at[0] + 32 * g + 32], &qs[at[1] + 32 * g..at[1] + 32 * g + 32]);
+                    }
+                }
+                match &w.data {
+                    Data::U8 { d, m, .. } => {
+                        for bh in 0..2 * blocks {
+                            let at = [((p * blocks) * 2 + bh) * PANEL, (((p + 1) * blocks) * 2 + bh) * PANEL];
+                            two(&mut self.d[16 * bh..16 * bh + 16], d, at);
+                            two(&mut self.m[16 * bh..16 * bh + 16], m, at);
+                        }
+                    }
+                    Data::S8 { d, .. } => {
+                        for b in 0..blocks {
+                            two(&mut self.d[16 * b..16 * b + 16], d, [(p * blocks + b) * PANEL, ((p + 1) * blocks + b) * PANEL]);
+                        }
+                    }
+                    _ => unreachable!(),
+                }
+            }
+            Data::F16(_) | Data::Bf16(_) => unreachable!("float weights do not take the tile unit"),
+        }
+    }
+}
+
+/// A 16 x 16 tile in memory, row `i` activation row `i`'s values for the 16 weight rows: one tile product's
+/// integer sums, or outputs.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Tile<T: Copy>([[T; COLS]; ROWS]);
+
+/// Up to 2 x 2 tile products of one step (a block of 32, or a group of 16 for `U8`): sums `C[2a + b] = A[a] · B[b]`
+/// for activation tiles `A[a]` (`a < NA`, 16 rows of codes at `stride` from `x[a]`) and weight tiles `B[b]` (`b <
+/// NB`, lines of 64 bytes from `w[b]`), each stored to `c[2a + b]`. Tiles: sums `tmm0..tmm3`, activations `tmm4`,
+/// `tmm5`, weights `tmm6`, `tmm7`.
+///
+/// Safety: the tiles are configured ([`Config`]); the tiles read lie inside their buffers (16 rows of the
+/// configured width at `stride` from each `x[a]`, the configured lines from each `w[b]`).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn products<const NA: usize, const NB: usize>(x: [*const i8; 2], stride: usize, w: [*const Line; 2], c: &mut [Tile<i32>; 4]) {
+    let c = c.as_mut_ptr();
+    // SAFETY: the caller's contract for the loads; the stores write tiles `c[0..4]`, 1 KiB each, 4 KiB in all.
+    unsafe {
+        match (NA, NB) {
+            (2, 2) => asm!(
+                "tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3",
+                "tileloadd tmm4, [{x0} + {stride}*1]",
+                "tileloadd tmm6, [{w0} + {line}*1]",
+                "tdpbsud tmm0, tmm4, tmm6",
+                "tileloadd tmm7, [{w1} + {line}*1]",
+                "tdpbsud tmm1, tmm4, tmm7",
+                "tileloadd tmm5, [{x1} + {stride}*1]",
+                "tdpbsud tmm2, tmm5, tmm6",
+                "tdpbsud tmm3, tmm5, tmm7",
+                "tilestored [{c} + {line}*1], tmm0",
+                "tilestored [{c} + {line}*1 + 1024], tmm1",
+                "tilestored [{c} + {line}*1 + 2048], tmm2",
+                "tilestored [{c} + {line}*1 + 3072], tmm3",
+                x0 = in(reg) x[0], x1 = in(reg) x[1], stride = in(reg) stride, w0 = in(reg) w[0], w1 = in(reg) w[1],
+                line = in(reg) 64usize, c = in(reg) c, options(nostack),
+            ),
+            (1, 2) => asm!(
+                "tilezero tmm0", "tilezero tmm1",
+                "tileloadd tmm4, [{x0} + {stride}*1]",
+                "tileloadd tmm6, [{w0} + {line}*1]",
+                "tdpbsud tmm0, tmm4, tmm6",
+                "tileloadd tmm7, [{w1} + {line}*1]",
+                "tdpbsud tmm1, tmm4, tmm7",
+                "tilestored [{c} + {line}*1], tmm0",
+                "tilestored [{c} + {line}*1 + 1024], tmm1",
+                x0 = in(reg) x[0], stride = in(reg) stride, w0 = in(reg) w[0], w1 = in(reg) w[1],
+                line = in(reg) 64usize, c = in(reg) c, options(nostack),
+            ),
+            (2, 1) => asm!(
+                "tilezero tmm0", "tilezero tmm2",
+                "tileloadd tmm4, [{x0} + {stride}*1]",
+                "tileloadd tmm6, [{w0} + {line}*1]",
+                "tdpbsud tmm0, tmm4, tmm6",
+                "tileloadd tmm5, [{x1} + {stride}*1]",
+                "tdpbsud tmm2, tmm5, tmm6",
+                "tilestored [{c} + {line}*1], tmm0",
+                "tilestored [{c} + {line}*1 + 2048], tmm2",
+                x0 = in(reg) x[0], x1 = in(reg) x[1], stride = in(reg) stride, w0 = in(reg) w[0],
+                line = in(reg) 64usize, c = in(reg) c, options(nostack),
+            ),
+            _ => asm!(
+                "tilezero tmm0",
+                "tileloadd tmm4, [{x0} + {stride}*1]",
+                "tileloadd tmm6, [{w0} + {line}*1]",
+                "tdpbsud tmm0, tmm4, tmm6",
+                "tilestored [{c} + {line}*1], tmm0",
+                x0 = in(reg) x[0], stride = in(reg) stride, w0 = in(reg) w[0],
+                line = in(reg) 64usize, c = in(reg) c, options(nostack),
+            ),
+        }
+    }
+}
+
+/// The layouts' kinds, as the tile functions' const parameter: 4-bit codes with offsets (per 32), 8-bit codes
+/// with offsets (per 16), signed 8-bit codes stored offset by 128 (per 32).
+const Q4: u8 = 0;
+const U8: u8 = 1;
+const S8: u8 = 2;
+
+/// The activations' scales for one group of tile rows, per step (block, or group of 16 for `U8`) and row, so that
+/// the float steps broadcast each straight from memory: `d` per block, `s` (the scaled code sums the offsets
+/// multiply: per 32, or per 16 for `U8`) per step, and `taken` (Q8_0's `128 x` the code sums) per block.
+struct Scales {
+    rows: usize,
+    d: Vec<f32>,
+    s: Vec<f32>,
+    taken: Vec<i32>,
+}
+
+impl Scales {
+    fn new<const T: u8>(x: &Acts, rows: Range<usize>) -> Scales {
+        let (blocks, count) = (x.k / 32, rows.len());
+        let mut sc = Scales { rows: count, d: vec![0.0; blocks * count], s: Vec::new(), taken: Vec::new() };
+        match T {
+            U8 => sc.s = vec![0.0; 2 * blocks * count],
+            Q4 => sc.s = vec![0.0; blocks * count],
+            _ => sc.taken = vec![0; blocks * count],
+        }
+        for (i, r) in rows.enumerate() {
+            for b in 0..blocks {
+                sc.d[b * count + i] = x.d[r * blocks + b];
+                match T {
+                    U8 => {
+                        for h in 0..2 {
+                            sc.s[(2 * b + h) * count + i] = x.s16[r * 2 * blocks + 2 * b + h];
+                        }
+                    }
+                    Q4 => sc.s[b * count + i] = x.s32[r * blocks + b],
+                    _ => sc.taken[b * count + i] = 128 * x.sums[r * blocks + b],
+                }
+            }
+        }
+        sc
+    }
+}
+
+/// Weight rows `rows` (whole panels) times every activation row.
+///
+/// Safety: the CPU has AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C, and Linux has granted the tiles ([`granted`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
+    let (tiles, pairs) = (x.rows() / ROWS, (rows.end.div_ceil(PANEL) - rows.start / PANEL) / 2);
+    match w.data {
+        _ if tiles == 0 || pairs == 0 => super::x86::avx512_vnni::run(w, rows, x, out),
+        Data::Q4 { .. } => run_tiles::<Q4>(w, rows, x, out),
+        Data::U8 { .. } => run_tiles::<U8>(w, rows, x, out),
+        Data::S8 { .. } => run_tiles::<S8>(w, rows, x, out),
+        Data::F16(_) | Data::Bf16(_) => super::x86::avx512_vnni::run(w, rows, x, out),
+    }
+}
+
+/// [`run`] for quantized weights of kind `T`, at least one whole tile of activation rows and one pair of panels.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn run_tiles<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
+    let m = x.rows();
+    let tiles = m / ROWS;
+    let (first, end) = (rows.start / PANEL, rows.end.div_ceil(PANEL));
+    let pairs = (end - first) / 2;
+    let groups = if T == U8 { 2 } else { 1 };
+    let config = Config::new(32 / groups);
+    // SAFETY: `config` is a valid palette-1 configuration (every tile at most 16 rows of 64 bytes), 64 bytes.
+    unsafe { asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly)) };
+    let mut pair = [Pair::new(w.k / 32, groups), Pair::new(w.k / 32, groups)];
+    let mut sums = [[Tile([[0; COLS]; ROWS]); 4]; 2];
+    for group in (0..tiles).step_by(ROW_GROUP / ROWS) {
+        let group_end = (group + ROW_GROUP / ROWS).min(tiles);
+        let scales = Scales::new::<T>(x, ROWS * group..ROWS * group_end);
+        for q in (0..pairs).step_by(2) {
+            let p = [first + 2 * q, first + 2 * q + 2];
+            let nb = (pairs - q).min(2);
+            for (j, pair) in pair.iter_mut().enumerate().take(nb) {
+                pair.fill(w, p[j]);
+            }
+            for t in (group..group_end).step_by(2) {
+                let at = [ROWS * t, ROWS * (t - group)];
+                match ((group_end - t).min(2), nb) {
+                    (2, 2) => macro_tile::<2, 2, T>(w, &pair, p, x, at, &scales, &mut sums, out),
+                    (2, _) => macro_tile::<2, 1, T>(w, &pair, p, x, at, &scales, &mut sums, out),
+                    (_, 2) => macro_tile::<1, 2, T>(w, &pair, p, x, at, &scales, &mut sums, out),
+                    _ => macro_tile::<1, 1, T>(w, &pair, p, x, at, &scales, &mut sums, out),
+                }
+            }
+        }
+    }
+    // SAFETY: no operands; the tiles return to their initial state and this thread's saved state shrinks.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    // What the tile unit leaves: the last, unpaired panel for the tiles' rows, and every panel for the rows past
+    // the last whole tile. (The VNNI kernels' features are a subset of this function's.)
+    let pairs_end = first + 2 * pairs;
+    if pairs_end < end {
+        super::x86::avx512_vnni::quantized_panel(w, pairs_end..end, x, 0, ROWS * tiles, out);
+    }
+    if ROWS * tiles < m {
+        super::x86::avx512_vnni::quantized_panel(w, first..end, x, ROWS * tiles, m - ROWS * tiles, out);
+    }
+}
+
+/// The float steps of step `s` (block `s / groups`, half `s % groups`) from its sums `c`, for `NA` activation tiles
+/// from row `r` of `scales` and `NB` pairs: per output, `acc = fma(sum - taken, d_w * d_x, acc)`, then `acc =
+/// fma(m_w, s_x, acc)` where the type has offsets.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn finish<const NA: usize, const NB: usize, const T: u8>(acc: &mut [Tile<f32>; 4], c: &[Tile<i32>; 4], s: usize, pair: &[Pair; 2], scales: &Scales, r: usize) {
+    let b = if T == U8 { s / 2 } else { s };
+    let n = scales.rows;
+    assert!(r + NA * ROWS <= n && (b + 1) * n <= scales.d.len(), "scales out of range (a bug)");
+    assert!(match T { S8 => (b + 1) * n <= scales.taken.len(), _ => (s + 1) * n <= scales.s.len() }, "scales out of range (a bug)");
+    assert!((0..NB).all(|j| 16 * (s + 1) <= pair[j].d.len() && pair[j].m.len() == pair[j].d.len()), "pair scales out of range (a bug)");
+    // SAFETY (these pointers): rows `r..r + 16 NA` of block `b` (step `s`) are in range (asserted above).
+    let (xd, xs, taken) = unsafe { (scales.d.as_ptr().add(b * n + r), scales.s.as_ptr().add(s * n + r), scales.taken.as_ptr().add(b * n + r)) };
+    for j in 0..NB {
+        // SAFETY: 16 scales and offsets at `16 s` (asserted above).
+        let (dw, mw) = unsafe { (_mm512_loadu_ps(pair[j].d.as_ptr().add(16 * s)), _mm512_loadu_ps(pair[j].m.as_ptr().add(16 * s))) };
+        for a in 0..NA {
+            let (tile, acc) = (&c[2 * a + j], &mut acc[2 * a + j]);
+            for i in 0..ROWS {
+                let row = ROWS * a + i;
+                // SAFETY: row `i` of the tiles holds 16 values, 64-byte aligned; `row < 16 NA` (see above).
+                let mut sum = unsafe { _mm512_load_si512(tile.0[i].as_ptr().cast()) };
+                if T == S8 {
+                    sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(unsafe { *taken.add(row) }));
+                }
+                let mut v = unsafe { _mm512_load_ps(acc.0[i].as_ptr()) };
+                v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(unsafe { *xd.add(row) })), v);
+                if T != S8 {
+                    v = _mm512_fmadd_ps(mw, _mm512_set1_ps(unsafe { *xs.add(row) }), v);
+                }
+                unsafe { _mm512_store_ps(acc.0[i].as_mut_ptr(), v) };
+            }
+        }
+    }
+}
+
+/// `NB` pairs of panels (`pair[j]` holds panels `p[j]`, `p[j] + 1`) times `NA` tiles of 16 activation rows from
+/// row `at[0]` (row `at[1]` of `scales`): per step (block, or group for `U8`), the tile products, and the float
+/// steps of the step before: the tile unit computes one step while the vector units finish the last.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &[Pair; 2], p: [usize; 2], x: &Acts, at: [usize; 2], scales: &Scales, sums: &mut [[Tile<i32>; 4]; 2], out: Out) {
+    let (k, blocks) = (w.k, w.k / 32);
+    let groups = if T == U8 { 2 } else { 1 };
+    let r0 = at[0];
+    assert!(r0.is_multiple_of(ROWS) && r0 + NA * ROWS <= x.rows() && x.tiles.len() == x.rows() / ROWS * ROWS * k, "activation tile out of range (a bug)");
+    assert!((0..NB).all(|j| pair[j].codes.len() == 8 * blocks), "pair layout (a bug)");
+    let mut acc = [Tile([[0f32; COLS]; ROWS]); 4];
+    let steps = groups * blocks;
+    for s in 0..=steps {
+        if s < steps {
+            let (b, h) = (s / groups, s % groups);
+            let xs = [0, 1].map(|a| x.tiles[((r0 / ROWS + a.min(NA - 1)) * blocks + b) * ROWS * 32 + 16 * h..].as_ptr());
+            let ws = [0, 1].map(|j| pair[j.min(NB - 1)].codes[8 * b + 4 * h..].as_ptr());
+            // SAFETY: the tiles are configured (`run_tiles`, width `32 / groups`): each activation tile reads 16
+            // rows of that many codes at stride 32 from tile `r0 / 16 + a` (`< x.rows() / 16`), block `b`, offset
+            // `16h`: inside that block's 512 bytes of `x.tiles`; each weight tile `8 / groups` lines from line
+            // `8b + 4h` of a pair's `8 * blocks`.
+            unsafe { products::<NA, NB>(xs, 32, ws, &mut sums[s % 2]) };
+        }
+        if s > 0 {
+            finish::<NA, NB, T>(&mut acc, &sums[(s - 1) % 2], s - 1, pair, scales, at[1]);
+        }
+    }
+    for a in 0..NA {
+        for j in 0..NB {
+            let tile = &acc[2 * a + j];
+            let row = |i: usize, half: usize| -> &[f32; PANEL] { tile.0[i][PANEL * half..PANEL * half + PANEL].try_into().expect("eight lanes") };
+            let (rows0, p0) = (r0 + ROWS * a, p[j]);
+            // SAFETY: `store_tile` hands the eight floats of panel `p0 + half`, row `rows0 + i`: this task's to write.
+            let whole = out.store_tile::<2, ROWS>(p0, rows0, |half, i, at| unsafe { std::ptr::copy_nonoverlapping(row(i, half).as_ptr(), at, PANEL) });
+            if !whole {
+                for i in 0..ROWS {
+                    for half in 0..2 {
+                        if (p0 + half) * PANEL < out.n {
+                            out.write_lanes(rows0 + i, (p0 + half) * PANEL, row(i, half));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
