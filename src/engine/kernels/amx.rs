@@ -16,13 +16,14 @@
 //!
 //! Per step (block, or group), up to 2 x 2 tile products (32 activation rows by 32 weight rows: each tile load
 //! serves two products) go to the tile unit while the vector units finish the step before from memory. The
-//! activations come in the tile unit's order (`Acts::tiles`: 512 contiguous bytes per tile and block) and a task's
-//! weight panels are interleaved in pairs as it reaches them ([`Pair::fill`]).
+//! activations come in the tile unit's order, arranged once per product (`Acts::tiles`: 512 contiguous bytes per
+//! tile and block, the scales by block then row), and a task's weight panels are interleaved in pairs as it reaches
+//! them ([`Pair::fill`]).
 //!
 //! Speed: the tile unit's sums must leave it once per block of 32 (the per-block scales forbid accumulating
 //! across blocks in integers), one 1 KiB store per 16 x 16 products, and the float steps after it cost as much as
-//! VNNI's whole product: on a 2-core Sapphire Rapids VM, one thread runs a Q4_1 layer matrix 1.4-1.6x faster than
-//! the VNNI kernels at 128 rows, two threads no faster (BENCHMARKS.md). [`super::Level::preferred`] therefore stops
+//! VNNI's whole product: on a 2-core Sapphire Rapids VM, one thread runs a Q4_1 layer matrix 1.2-1.5x faster than
+//! the VNNI kernels at 128 rows and more, two threads about as fast (BENCHMARKS.md). [`super::Level::preferred`] therefore stops
 //! at VNNI; `NIGHTSHIFT_CPU_KERNELS=amx` runs this level.
 //!
 //! Linux hands a process the tiles' 8 KiB register state only when asked (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
@@ -214,7 +215,7 @@ struct Tile<T: Copy>([[T; COLS]; ROWS]);
 /// Up to 2 x 2 tile products of one step (a block of 32, or a group of 16 for `U8`): sums `C[2a + b] = A[a] · B[b]`
 /// for activation tiles `A[a]` (`a < NA`, 16 rows of codes at `stride` from `x[a]`) and weight tiles `B[b]` (`b <
 /// NB`, lines of 64 bytes from `w[b]`), each stored to `c[2a + b]`. Tiles: sums `tmm0..tmm3`, activations `tmm4`,
-/// `tmm5`, weights `tmm6`, `tmm7`.
+/// `tmm5`, weights `tmm6`, `tmm7`; the edges (fewer than 2 x 2) one product at a time.
 ///
 /// Safety: the tiles are configured ([`Config`]); the tiles read lie inside their buffers (16 rows of the
 /// configured width at `stride` from each `x[a]`, the configured lines from each `w[b]`).
@@ -242,39 +243,21 @@ unsafe fn products<const NA: usize, const NB: usize>(x: [*const i8; 2], stride: 
                 x0 = in(reg) x[0], x1 = in(reg) x[1], stride = in(reg) stride, w0 = in(reg) w[0], w1 = in(reg) w[1],
                 line = in(reg) 64usize, c = in(reg) c, options(nostack),
             ),
-            (1, 2) => asm!(
-                "tilezero tmm0", "tilezero tmm1",
-                "tileloadd tmm4, [{x0} + {stride}*1]",
-                "tileloadd tmm6, [{w0} + {line}*1]",
-                "tdpbsud tmm0, tmm4, tmm6",
-                "tileloadd tmm7, [{w1} + {line}*1]",
-                "tdpbsud tmm1, tmm4, tmm7",
-                "tilestored [{c} + {line}*1], tmm0",
-                "tilestored [{c} + {line}*1 + 1024], tmm1",
-                x0 = in(reg) x[0], stride = in(reg) stride, w0 = in(reg) w[0], w1 = in(reg) w[1],
-                line = in(reg) 64usize, c = in(reg) c, options(nostack),
-            ),
-            (2, 1) => asm!(
-                "tilezero tmm0", "tilezero tmm2",
-                "tileloadd tmm4, [{x0} + {stride}*1]",
-                "tileloadd tmm6, [{w0} + {line}*1]",
-                "tdpbsud tmm0, tmm4, tmm6",
-                "tileloadd tmm5, [{x1} + {stride}*1]",
-                "tdpbsud tmm2, tmm5, tmm6",
-                "tilestored [{c} + {line}*1], tmm0",
-                "tilestored [{c} + {line}*1 + 2048], tmm2",
-                x0 = in(reg) x[0], x1 = in(reg) x[1], stride = in(reg) stride, w0 = in(reg) w[0],
-                line = in(reg) 64usize, c = in(reg) c, options(nostack),
-            ),
-            _ => asm!(
-                "tilezero tmm0",
-                "tileloadd tmm4, [{x0} + {stride}*1]",
-                "tileloadd tmm6, [{w0} + {line}*1]",
-                "tdpbsud tmm0, tmm4, tmm6",
-                "tilestored [{c} + {line}*1], tmm0",
-                x0 = in(reg) x[0], stride = in(reg) stride, w0 = in(reg) w[0],
-                line = in(reg) 64usize, c = in(reg) c, options(nostack),
-            ),
+            _ => {
+                for (a, &x) in x.iter().enumerate().take(NA) {
+                    for (j, &w) in w.iter().enumerate().take(NB) {
+                        asm!(
+                            "tilezero tmm0",
+                            "tileloadd tmm4, [{x0} + {stride}*1]",
+                            "tileloadd tmm6, [{w0} + {line}*1]",
+                            "tdpbsud tmm0, tmm4, tmm6",
+                            "tilestored [{c} + {line}*1], tmm0",
+                            x0 = in(reg) x, stride = in(reg) stride, w0 = in(reg) w,
+                            line = in(reg) 64usize, c = in(reg) c.add(2 * a + j), options(nostack),
+                        );
+                    }
+                }
+            }
         }
     }
 }
@@ -284,43 +267,6 @@ unsafe fn products<const NA: usize, const NB: usize>(x: [*const i8; 2], stride: 
 const Q4: u8 = 0;
 const U8: u8 = 1;
 const S8: u8 = 2;
-
-/// The activations' scales for one group of tile rows, per step (block, or group of 16 for `U8`) and row, so that
-/// the float steps broadcast each straight from memory: `d` per block, `s` (the scaled code sums the offsets
-/// multiply: per 32, or per 16 for `U8`) per step, and `taken` (Q8_0's `128 x` the code sums) per block.
-struct Scales {
-    rows: usize,
-    d: Vec<f32>,
-    s: Vec<f32>,
-    taken: Vec<i32>,
-}
-
-impl Scales {
-    fn new<const T: u8>(x: &Acts, rows: Range<usize>) -> Scales {
-        let (blocks, count) = (x.k / 32, rows.len());
-        let mut sc = Scales { rows: count, d: vec![0.0; blocks * count], s: Vec::new(), taken: Vec::new() };
-        match T {
-            U8 => sc.s = vec![0.0; 2 * blocks * count],
-            Q4 => sc.s = vec![0.0; blocks * count],
-            _ => sc.taken = vec![0; blocks * count],
-        }
-        for (i, r) in rows.enumerate() {
-            for b in 0..blocks {
-                sc.d[b * count + i] = x.d[r * blocks + b];
-                match T {
-                    U8 => {
-                        for h in 0..2 {
-                            sc.s[(2 * b + h) * count + i] = x.s16[r * 2 * blocks + 2 * b + h];
-                        }
-                    }
-                    Q4 => sc.s[b * count + i] = x.s32[r * blocks + b],
-                    _ => sc.taken[b * count + i] = 128 * x.sums[r * blocks + b],
-                }
-            }
-        }
-        sc
-    }
-}
 
 /// Weight rows `rows` (whole panels) times every activation row.
 ///
@@ -352,7 +298,6 @@ fn run_tiles<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     let mut sums = [[Tile([[0; COLS]; ROWS]); 4]; 2];
     for group in (0..tiles).step_by(ROW_GROUP / ROWS) {
         let group_end = (group + ROW_GROUP / ROWS).min(tiles);
-        let scales = Scales::new::<T>(x, ROWS * group..ROWS * group_end);
         for q in (0..pairs).step_by(2) {
             let p = [first + 2 * q, first + 2 * q + 2];
             let nb = (pairs - q).min(2);
@@ -360,12 +305,12 @@ fn run_tiles<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                 pair.fill(w, p[j]);
             }
             for t in (group..group_end).step_by(2) {
-                let at = [ROWS * t, ROWS * (t - group)];
+                let r0 = ROWS * t;
                 match ((group_end - t).min(2), nb) {
-                    (2, 2) => macro_tile::<2, 2, T>(w, &pair, p, x, at, &scales, &mut sums, out),
-                    (2, _) => macro_tile::<2, 1, T>(w, &pair, p, x, at, &scales, &mut sums, out),
-                    (_, 2) => macro_tile::<1, 2, T>(w, &pair, p, x, at, &scales, &mut sums, out),
-                    _ => macro_tile::<1, 1, T>(w, &pair, p, x, at, &scales, &mut sums, out),
+                    (2, 2) => macro_tile::<2, 2, T>(w, &pair, p, x, r0, &mut sums, out),
+                    (2, _) => macro_tile::<2, 1, T>(w, &pair, p, x, r0, &mut sums, out),
+                    (_, 2) => macro_tile::<1, 2, T>(w, &pair, p, x, r0, &mut sums, out),
+                    _ => macro_tile::<1, 1, T>(w, &pair, p, x, r0, &mut sums, out),
                 }
             }
         }
@@ -384,18 +329,18 @@ fn run_tiles<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
 }
 
 /// The float steps of step `s` (block `s / groups`, half `s % groups`) from its sums `c`, for `NA` activation tiles
-/// from row `r` of `scales` and `NB` pairs: per output, `acc = fma(sum - taken, d_w * d_x, acc)`, then `acc =
-/// fma(m_w, s_x, acc)` where the type has offsets.
+/// from row `r0` and `NB` pairs: per output, `acc = fma(sum - taken, d_w * d_x, acc)`, then `acc = fma(m_w, s_x,
+/// acc)` where the type has offsets.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn finish<const NA: usize, const NB: usize, const T: u8>(acc: &mut [Tile<f32>; 4], c: &[Tile<i32>; 4], s: usize, pair: &[Pair; 2], scales: &Scales, r: usize) {
+fn finish<const NA: usize, const NB: usize, const T: u8>(acc: &mut [Tile<f32>; 4], c: &[Tile<i32>; 4], s: usize, pair: &[Pair; 2], x: &Acts, r0: usize) {
     let b = if T == U8 { s / 2 } else { s };
-    let n = scales.rows;
-    assert!(r + NA * ROWS <= n && (b + 1) * n <= scales.d.len(), "scales out of range (a bug)");
-    assert!(match T { S8 => (b + 1) * n <= scales.taken.len(), _ => (s + 1) * n <= scales.s.len() }, "scales out of range (a bug)");
+    let (m, order) = (x.rows(), &x.tiles);
+    let sums = if T == U8 { &order.s16 } else { &order.s32 };
+    assert!(r0 + NA * ROWS <= m && (b + 1) * m <= order.d.len() && (b + 1) * m <= order.taken.len() && (s + 1) * m <= sums.len(), "scales out of range (a bug)");
     assert!((0..NB).all(|j| 16 * (s + 1) <= pair[j].d.len() && pair[j].m.len() == pair[j].d.len()), "pair scales out of range (a bug)");
-    // SAFETY (these pointers): rows `r..r + 16 NA` of block `b` (step `s`) are in range (asserted above).
-    let (xd, xs, taken) = unsafe { (scales.d.as_ptr().add(b * n + r), scales.s.as_ptr().add(s * n + r), scales.taken.as_ptr().add(b * n + r)) };
+    // SAFETY (these pointers): rows `r0..r0 + 16 NA` of block `b` (step `s`) are in range (asserted above).
+    let (xd, xs, taken) = unsafe { (order.d.as_ptr().add(b * m + r0), sums.as_ptr().add(s * m + r0), order.taken.as_ptr().add(b * m + r0)) };
     for j in 0..NB {
         // SAFETY: 16 scales and offsets at `16 s` (asserted above).
         let (dw, mw) = unsafe { (_mm512_loadu_ps(pair[j].d.as_ptr().add(16 * s)), _mm512_loadu_ps(pair[j].m.as_ptr().add(16 * s))) };
@@ -420,32 +365,30 @@ fn finish<const NA: usize, const NB: usize, const T: u8>(acc: &mut [Tile<f32>; 4
 }
 
 /// `NB` pairs of panels (`pair[j]` holds panels `p[j]`, `p[j] + 1`) times `NA` tiles of 16 activation rows from
-/// row `at[0]` (row `at[1]` of `scales`): per step (block, or group for `U8`), the tile products, and the float
+/// row `r0`: per step (block, or group for `U8`), the tile products, and the float
 /// steps of the step before: the tile unit computes one step while the vector units finish the last.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &[Pair; 2], p: [usize; 2], x: &Acts, at: [usize; 2], scales: &Scales, sums: &mut [[Tile<i32>; 4]; 2], out: Out) {
+fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &[Pair; 2], p: [usize; 2], x: &Acts, r0: usize, sums: &mut [[Tile<i32>; 4]; 2], out: Out) {
     let (k, blocks) = (w.k, w.k / 32);
     let groups = if T == U8 { 2 } else { 1 };
-    let r0 = at[0];
-    assert!(r0.is_multiple_of(ROWS) && r0 + NA * ROWS <= x.rows() && x.tiles.len() == x.rows() / ROWS * ROWS * k, "activation tile out of range (a bug)");
+    assert!(r0.is_multiple_of(ROWS) && r0 + NA * ROWS <= x.rows() && x.tiles.codes.len() == x.rows() / ROWS * ROWS * k, "activation tile out of range (a bug)");
     assert!((0..NB).all(|j| pair[j].codes.len() == 8 * blocks), "pair layout (a bug)");
     let mut acc = [Tile([[0f32; COLS]; ROWS]); 4];
     let steps = groups * blocks;
     for s in 0..=steps {
         if s < steps {
             let (b, h) = (s / groups, s % groups);
-            let xs = [0, 1].map(|a| x.tiles[((r0 / ROWS + a.min(NA - 1)) * blocks + b) * ROWS * 32 + 16 * h..].as_ptr());
+            let xs = [0, 1].map(|a| x.tiles.codes[((r0 / ROWS + a.min(NA - 1)) * blocks + b) * ROWS * 32 + 16 * h..].as_ptr());
             let ws = [0, 1].map(|j| pair[j.min(NB - 1)].codes[8 * b + 4 * h..].as_ptr());
             // SAFETY: the tiles are configured (`run_tiles`, width `32 / groups`): each activation tile reads 16
             // rows of that many codes at stride 32 from tile `r0 / 16 + a` (`< x.rows() / 16`), block `b`, offset
-            // `16h`: inside that block's 512 bytes of `x.tiles`; each weight tile `8 / groups` lines from line
+            // `16h`: inside that block's 512 bytes of `x.tiles.codes`; each weight tile `8 / groups` lines from line
             // `8b + 4h` of a pair's `8 * blocks`.
             unsafe { products::<NA, NB>(xs, 32, ws, &mut sums[s % 2]) };
         }
         if s > 0 {
-            finish::<NA, NB, T>(&mut acc, &sums[(s - 1) % 2], s - 1, pair, scales, at[1]);
+            finish::<NA, NB, T>(&mut acc, &sums[(s - 1) % 2], s - 1, pair, x, r0);
         }
     }
     for a in 0..NA {

@@ -247,15 +247,51 @@ struct Acts<'a> {
     s16: Vec<f32>,
     /// The sum of the codes per block of 32, exact (`[m, k / 32]`).
     sums: Vec<i32>,
-    /// For the AMX level, the codes again in the tile unit's order: per 16 rows and block, the 16 rows' 32 codes
-    /// side by side (`[m / 16, k / 32, 16, 32]`; whole tiles of rows only), so that a tile loads 512 contiguous
-    /// bytes.
-    tiles: Vec<i8>,
+    /// For the AMX level, the same activations in the tile unit's order (empty at the other levels).
+    tiles: TileOrder,
+}
+
+/// The activations as the AMX kernels read them, arranged once per product: the codes per 16 rows and block, the
+/// 16 rows' 32 codes side by side (`[m / 16, k / 32, 16, 32]`; whole tiles of rows only), so that a tile loads 512
+/// contiguous bytes; and the scales and sums by block (or group of 16), then row (`[k / 32, m]`, `s16` `[k / 16,
+/// m]`), so that the float steps broadcast a row's value straight from memory. `taken` is `128 x` the code sums
+/// (what Q8_0's offset codes add).
+#[derive(Default)]
+struct TileOrder {
+    codes: Vec<i8>,
+    d: Vec<f32>,
+    s32: Vec<f32>,
+    s16: Vec<f32>,
+    taken: Vec<i32>,
+}
+
+impl TileOrder {
+    fn new(acts: &Acts) -> TileOrder {
+        let (k, m) = (acts.k, acts.rows());
+        let blocks = k / 32;
+        let mut codes = vec![0i8; m / 16 * 16 * k];
+        for (t, rows) in codes.chunks_exact_mut(16 * k).enumerate() {
+            for (b, block) in rows.chunks_exact_mut(16 * 32).enumerate() {
+                for (i, codes) in block.chunks_exact_mut(32).enumerate() {
+                    let at = (16 * t + i) * k + 32 * b;
+                    codes.copy_from_slice(&acts.qs[at..at + 32]);
+                }
+            }
+        }
+        let by_block = |v: &[f32], per_row: usize| (0..per_row * m).map(|i| v[(i % m) * per_row + i / m]).collect();
+        TileOrder {
+            codes,
+            d: by_block(&acts.d, blocks),
+            s32: by_block(&acts.s32, blocks),
+            s16: by_block(&acts.s16, 2 * blocks),
+            taken: (0..blocks * m).map(|i| 128 * acts.sums[(i % m) * blocks + i / m]).collect(),
+        }
+    }
 }
 
 impl<'a> Acts<'a> {
     fn new(level: Level, x: &'a [f32], k: usize, quantize: bool) -> Acts<'a> {
-        let mut acts = Acts { k, f32: x, qs: Vec::new(), d: Vec::new(), s32: Vec::new(), s16: Vec::new(), sums: Vec::new(), tiles: Vec::new() };
+        let mut acts = Acts { k, f32: x, qs: Vec::new(), d: Vec::new(), s32: Vec::new(), s16: Vec::new(), sums: Vec::new(), tiles: TileOrder::default() };
         if quantize {
             debug_assert_eq!(k % 32, 0);
             let blocks = x.len() / 32;
@@ -274,7 +310,7 @@ impl<'a> Acts<'a> {
                 codes.zip(sums).for_each(|(((x, qs), d), ((s32, s16), sums))| quantize_blocks(level, x, qs, d, s32, s16, sums));
             }
             if level == Level::Amx {
-                acts.tiles = tile_order(&acts.qs, k);
+                acts.tiles = TileOrder::new(&acts);
             }
         }
         acts
@@ -283,21 +319,6 @@ impl<'a> Acts<'a> {
     fn rows(&self) -> usize {
         self.f32.len() / self.k
     }
-}
-
-/// Codes `[m, k]` in the AMX tiles' order (`Acts::tiles`).
-fn tile_order(qs: &[i8], k: usize) -> Vec<i8> {
-    let tiles = qs.len() / k / 16;
-    let mut out = vec![0i8; tiles * 16 * k];
-    for (t, rows) in out.chunks_exact_mut(16 * k).enumerate() {
-        for (b, block) in rows.chunks_exact_mut(16 * 32).enumerate() {
-            for (i, codes) in block.chunks_exact_mut(32).enumerate() {
-                let at = (16 * t + i) * k + 32 * b;
-                codes.copy_from_slice(&qs[at..at + 32]);
-            }
-        }
-    }
-    out
 }
 
 /// A block's scale and its codes' scaled sums, as llama.cpp stores them for the same products (`block_q8_0`,
