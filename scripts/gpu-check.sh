@@ -18,8 +18,8 @@ cp "$WORK/$SHAPE/config.json" "$OUT/model-config.json" 2>/dev/null
 #     over the measured bf16 matmul rate (scripts/gpu-peer.py roofline);
 # (e) long prompts: LONG_PROMPT (2,048) prompt + LONG_NEW (128) new tokens at batch LONG_BATCH (64), and
 #     XL_PROMPT (8,064) + 32 new at batch XL_BATCH (8): memory bounded by tiles, no out-of-memory;
-# (f) with a binary built with `--flash-attn` (its reports say `"attention": "flash"`), the long-prompt workload and
-#     batch 256 once more on the tiled path (NIGHTSHIFT_PAGED_ATTENTION=tiled), both attention paths side by side;
+# (f) with a binary built with `--flash-attn` (its reports say `"attention": "paged-flash"`), the long-prompt workload and
+#     batch 256 once more on the tiled path (NIGHTSHIFT_ATTENTION=paged-tiled), both attention paths side by side;
 # and the GGUF path (candle's CUDA quantized kernels): the same weights as GGUF_TYPE GGUF files, parity on the
 # small shape and throughput at batch 1 and 64 on the large one.
 # Then OUT_DIR/table.md (and the same on stdout, last): the figures side by side, ratios to the peer and to the
@@ -30,7 +30,7 @@ cp "$WORK/$SHAPE/config.json" "$OUT/model-config.json" 2>/dev/null
 # (scripts/build-cuda.sh builds both). The CUDA libraries come from the driver's folder and the PyTorch venv's
 # CUDA 13 wheels (../shared/reference/cuda-build.md). A dry run without a GPU checks the script itself:
 #   DEVICE=cpu SHAPE=tiny BATCHES=1,4 PARITY_SHAPES=tiny LONG_PROMPT=600 LONG_BATCH=4 XL_PROMPT=900 XL_BATCH=2 \
-#     NIGHTSHIFT_BIN=target/release/nightshift NIGHTSHIFT_PAGED=1 scripts/gpu-check.sh /tmp/gpu-check
+#     NIGHTSHIFT_BIN=target/release/nightshift NIGHTSHIFT_ATTENTION=paged-tiled scripts/gpu-check.sh /tmp/gpu-check
 # (the peer and roofline steps are then skipped when python3 has no CUDA).
 set -uo pipefail
 
@@ -155,10 +155,10 @@ done
 # (e) long prompts, and (f) the tiled path beside flash-attention when the binary has it.
 generate "long-$LONG_BATCH" "$LONG_BATCH" "$LONG_PROMPT" "$LONG_NEW"
 generate "xl-$XL_BATCH" "$XL_BATCH" "$XL_PROMPT" 32
-if grep -Eq '"attention": ?"flash"' "$OUT/long-$LONG_BATCH.log" 2>/dev/null; then
-  generate "long-$LONG_BATCH-tiled" "$LONG_BATCH" "$LONG_PROMPT" "$LONG_NEW" NIGHTSHIFT_PAGED_ATTENTION=tiled
+if grep -Eq '"attention": ?"paged-flash"' "$OUT/long-$LONG_BATCH.log" 2>/dev/null; then
+  generate "long-$LONG_BATCH-tiled" "$LONG_BATCH" "$LONG_PROMPT" "$LONG_NEW" NIGHTSHIFT_ATTENTION=paged-tiled
   last=${BATCHES##*,}
-  generate "tiled-$last" "$last" "$PROMPT" "$NEW" NIGHTSHIFT_PAGED_ATTENTION=tiled
+  generate "tiled-$last" "$last" "$PROMPT" "$NEW" NIGHTSHIFT_ATTENTION=paged-tiled
 fi
 
 # (c) and (d): PyTorch on the same GPU.

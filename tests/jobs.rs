@@ -133,16 +133,22 @@ fn sample_job_writes_sensible_summaries() {
 
 /// The CPU kernels' levels compute the same bits (src/engine/kernels), so a job's results, log-probabilities
 /// included, do not depend on the CPU it ran on: forced to the portable kernels (`NIGHTSHIFT_CPU_KERNELS`), the
-/// job writes what the default level writes (AVX2 or VNNI on CI's x86-64), and so do AVX2 and AMX forced (a
-/// level the CPU lacks runs the default one, with a warning).
+/// job writes what the default level writes (AVX2 or VNNI on CI's x86-64), and so do AVX2 (`--cpu-kernels`) and
+/// AMX (`runtime.cpu_kernels`) forced (a level the CPU lacks runs the default one, with a warning). A name that is
+/// no level is refused, naming the variable.
 #[test]
 fn every_cpu_kernel_level_writes_the_same_results() {
     let (dir, input) = two_questions("kernel-levels");
     let mut results = Vec::new();
     for level in ["portable", "avx2", "amx", ""] {
         let out = dir.join(if level.is_empty() { "best" } else { level });
-        let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 6\nlogprobs = 2", "");
-        let run = nightshift(&["run", job.to_str().unwrap()], &[("NIGHTSHIFT_CPU_KERNELS", level), ("RUST_LOG", "info")]);
+        let runtime = if level == "amx" { "[runtime]\ncpu_kernels = \"amx\"" } else { "" };
+        let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 6\nlogprobs = 2", runtime);
+        let run = match level {
+            "portable" => nightshift(&["run", job.to_str().unwrap()], &[("NIGHTSHIFT_CPU_KERNELS", level), ("RUST_LOG", "info")]),
+            "avx2" => nightshift(&["run", job.to_str().unwrap(), "--cpu-kernels", level], &[("RUST_LOG", "info")]),
+            _ => nightshift(&["run", job.to_str().unwrap()], &[("RUST_LOG", "info")]),
+        };
         run.assert_ok();
         if !level.is_empty() && nightshift::engine::kernels::Level::available().iter().any(|l| l.name() == level) {
             assert!(run.stderr.contains(&format!("cpu_kernels=\"{level}\"")), "{}", run.stderr);
@@ -161,6 +167,67 @@ fn every_cpu_kernel_level_writes_the_same_results() {
     assert_eq!(results[0], results[3], "portable and the default level differ");
     assert_eq!(results[1], results[3], "avx2 and the default level differ");
     assert_eq!(results[2], results[3], "amx and the default level differ");
+    let job = job_file(&dir, input.to_str().unwrap(), dir.join("bad").to_str().unwrap(), "max_new_tokens = 6", "");
+    let refused = nightshift(&["run", job.to_str().unwrap()], &[("NIGHTSHIFT_CPU_KERNELS", "avx512")]);
+    assert_eq!(refused.code, 2, "{}", refused.stderr);
+    assert!(refused.stderr.contains("avx512") && refused.stderr.contains("cpu-kernels") && refused.stderr.contains("\"vnni\""), "{}", refused.stderr);
+}
+
+/// `runtime.dtype` and `runtime.attention` apply to some models only: a job that names one for a model it does
+/// not apply to, or one the device cannot run, is refused by `validate` and `run` alike (exit 2, naming the key);
+/// a Hugging Face decoder computed in bf16 on the CPU runs (on the paged backend, as an accelerator would) and its
+/// results say so in their numerics, so reuse never serves them to an f32 run.
+#[test]
+fn runtime_dtype_and_attention_apply_where_they_can() {
+    let (dir, input) = two_questions("runtime-choices");
+    let out = dir.join("out");
+    for (runtime, key) in [
+        ("dtype = \"f16\"", "runtime.dtype"),
+        ("attention = \"host\"\ndtype = \"bf16\"", "runtime.dtype"),
+    ] {
+        let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 4", &format!("[runtime]\n{runtime}"));
+        for command in ["validate", "run"] {
+            let refused = nightshift(&[command, job.to_str().unwrap()], &[]);
+            assert_eq!(refused.code, 2, "{command} {runtime}: {}", refused.stderr);
+            assert!(refused.stderr.contains(key) && refused.stderr.contains("GGUF"), "{command} {runtime}: {}", refused.stderr);
+        }
+    }
+    let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 4", "[runtime]\nattention = \"paged-flash\"");
+    let refused = nightshift(&["run", job.to_str().unwrap()], &[]);
+    assert_eq!(refused.code, 2, "{}", refused.stderr);
+    assert!(refused.stderr.contains("runtime.attention") && refused.stderr.contains("flash-attn"), "{}", refused.stderr);
+    assert!(!out.join("_SUCCESS").exists());
+
+    let model = dir.join("hf");
+    support::write_tiny_hf_model(&model, support::HfVariant::Qwen3);
+    let hf_job = |name: &str, runtime: &str| {
+        let path = dir.join(format!("{name}.toml"));
+        let text = format!(
+            "[input]\nurl = {:?}\nid_column = \"id\"\n[model]\npath = {:?}\n[generation]\nmax_new_tokens = 4\n[output]\nurl = {:?}\n[runtime]\n{runtime}\n",
+            input.to_string_lossy(),
+            model.to_string_lossy(),
+            dir.join(name).to_string_lossy()
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let refused = nightshift(&["validate", hf_job("host-bf16", "attention = \"host\"\ndtype = \"bf16\"").to_str().unwrap()], &[]);
+    assert_eq!(refused.code, 2, "{}", refused.stderr);
+    assert!(refused.stderr.contains("runtime.attention") && refused.stderr.contains("paged-tiled"), "{}", refused.stderr);
+    let numerics = |name: &str| kv_metadata_of(OutputStore::local(&dir.join(name)).first_results_file())["nightshift.numerics"].clone();
+    nightshift(&["run", hf_job("f32", "").to_str().unwrap()], &[]).assert_ok();
+    nightshift(&["run", hf_job("bf16", "dtype = \"bf16\"").to_str().unwrap()], &[]).assert_ok();
+    nightshift(&["run", hf_job("bf16-flag", "").to_str().unwrap(), "--dtype", "bf16"], &[]).assert_ok();
+    assert!(!numerics("f32").contains("dtype="), "{}", numerics("f32"));
+    assert!(numerics("bf16").ends_with(";attention=paged-tiled;dtype=bf16"), "{}", numerics("bf16"));
+    assert_eq!(numerics("bf16"), numerics("bf16-flag"));
+    assert_eq!(read_results_json(&dir.join("bf16")).len(), 2);
+    // The f32 output serves an f32 run and nothing to a bf16 one.
+    for (name, runtime, reused) in [("f32-reuse", "", 2.0), ("bf16-reuse", "dtype = \"bf16\"", 0.0)] {
+        nightshift(&["run", hf_job(name, runtime).to_str().unwrap(), "--reuse", dir.join("f32").to_str().unwrap()], &[]).assert_ok();
+        let metrics = read_metrics(&dir.join(name));
+        assert_eq!(metrics["reused_rows"], Some(reused), "{name}: {metrics:?}");
+    }
 }
 
 /// `runtime.cpu_weights = "as-stored"` computes the GGUF's own matrices (Q4_1 layers, the Q8_0 embedding as the

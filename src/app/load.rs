@@ -6,12 +6,12 @@ use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
 use crate::engine::models::bert::{self, Encoder, EncoderInfo};
-use crate::engine::models::llama::{self, Backend, Model, ModelConfig, ModelInfo};
+use crate::engine::models::llama::{self, AttentionPlan, Model, ModelConfig, ModelInfo};
 use crate::engine::models::t5::{T5Config, T5};
 use crate::engine::seq2seq::{Seq2SeqEngine, MAX_SOURCE_TOKENS};
 use crate::engine::{self, BatchConfig, DecoderSetup, Engine, ModelError, StopRules};
 use crate::error::Error;
-use crate::job::{Job, JobError, JobKind};
+use crate::job::{AttentionChoice, ComputeDtype, Job, JobError, JobKind};
 use crate::source::model::sha256_file;
 use crate::sink::ResultsLayout;
 use crate::tokenize::{EncoderPreprocessor, Prepare, Preprocessor, TokenizerError};
@@ -40,6 +40,7 @@ pub struct ModelCheck {
 /// its tokenizer or the job's parameters against it fails here.
 pub fn check_model(job: &Job) -> Result<ModelCheck, Error> {
     let path = &job.model.path;
+    check_runtime(job)?;
     Ok(match job.kind {
         JobKind::Generate => {
             let info = llama::inspect(path).map_err(|e| e.at(path))?;
@@ -66,6 +67,28 @@ pub fn check_model(job: &Job) -> Result<ModelCheck, Error> {
             ModelCheck { summary: ModelSummary::Encoder(info), sha256, template: None }
         }
     })
+}
+
+/// The `[runtime]` keys that apply to some models only, against the job's: `runtime.dtype` for a Hugging Face
+/// decoder, `runtime.attention` for decoders (what a device then runs is checked when the model is on it).
+fn check_runtime(job: &Job) -> Result<(), JobError> {
+    let invalid = |key: &'static str, problem: String| JobError::Invalid { path: job.file.clone(), key, problem };
+    let runtime = &job.runtime;
+    let decoder = job.kind == JobKind::Generate;
+    if runtime.dtype != ComputeDtype::Auto && !(decoder && job.model.path.is_dir()) {
+        let model = match job.kind {
+            JobKind::Generate => "a GGUF file computes its weights as stored (`runtime.cpu_weights` chooses a CPU layout)",
+            _ => "an encoder computes in f32",
+        };
+        return Err(invalid("runtime.dtype", format!("is \"{}\", which applies to Hugging Face decoders; {model}: remove it or set \"auto\"", runtime.dtype.name())));
+    }
+    if runtime.attention != AttentionChoice::Auto && !decoder {
+        return Err(invalid("runtime.attention", format!("is \"{}\", which applies to decoders (kind = \"generate\"): remove it or set \"auto\"", runtime.attention.name())));
+    }
+    if runtime.attention == AttentionChoice::Host && matches!(runtime.dtype, ComputeDtype::Bf16 | ComputeDtype::F16) {
+        return Err(invalid("runtime.attention", format!("is \"host\", which computes f32 models, and runtime.dtype is \"{}\": use \"auto\" or \"paged-tiled\"", runtime.dtype.name())));
+    }
+    Ok(())
 }
 
 /// The job's generation parameters against a decoder: its stop token ids, its `n` and its JSON Schema compiled.
@@ -128,6 +151,9 @@ pub struct Loaded {
     pub kv_cache_dtype: &'static str,
     /// The attention backend and kernel: `host`, `paged-tiled` or `paged-flash`; `none` for an encoder.
     pub attention: &'static str,
+    /// The dtype a Hugging Face decoder computes in, where the job named one other than the device's default
+    /// (`runtime.dtype`): part of the numerics.
+    pub compute_dtype: Option<&'static str>,
     pub layout: ResultsLayout,
     /// Requests queued for the engine: an encoder sorts a window of them by length, so it gets a deeper queue.
     pub queue: usize,
@@ -138,6 +164,9 @@ pub struct Loaded {
 /// Checks the job's model ([`check_model`]) and loads it onto `device`.
 pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
     let check = check_model(job)?;
+    if device.is_cpu() {
+        engine::kernels::Level::choose(job.runtime.cpu_kernels);
+    }
     match job.kind {
         JobKind::Generate => load_decoder(job, device, check),
         JobKind::Seq2seq => {
@@ -149,7 +178,7 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
             let weights_bytes = model.weight_bytes();
             let engine = Seq2SeqEngine::new(model, tokenizer, job.generation.clone(), job.runtime.max_seqs);
             let queue = job.runtime.max_seqs * 2;
-            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "f32", attention: "none", layout: ResultsLayout::Generate, queue, decoder: None })
+            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "f32", attention: "none", compute_dtype: None, layout: ResultsLayout::Generate, queue, decoder: None })
         }
         JobKind::Embed => {
             let encoder = Encoder::load(&job.model.path, device).map_err(|e| e.at(&job.model.path))?;
@@ -160,26 +189,23 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
             let (layout, weights_bytes) = (ResultsLayout::Embed { dimensions: info.dimensions }, encoder.weight_bytes());
             let engine = engine::embed::EmbedEngine::new(encoder, job.runtime.max_seqs, job.runtime.max_batch_tokens);
             let queue = engine::embed::WINDOW;
-            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "none", attention: "none", layout, queue, decoder: None })
+            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "none", attention: "none", compute_dtype: None, layout, queue, decoder: None })
         }
     }
 }
 
 fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> Result<Loaded, Error> {
-    let (model, info) = Model::load_as(&job.model.path, device, job.runtime.cpu_weights).map_err(|e| e.at(&job.model.path))?;
+    let (model, info) = Model::load_as(&job.model.path, device, job.runtime.cpu_weights, job.runtime.dtype).map_err(|e| e.at(&job.model.path))?;
     let cfg = &info.config;
-    let backend = Backend::for_model(&model);
+    let invalid = |key: &'static str, problem: String| crate::job::JobError::Invalid { path: job.file.clone(), key, problem };
+    let plan = AttentionPlan::choose(&model, job.runtime.attention).map_err(|problem| invalid("runtime.attention", problem))?;
+    let backend = plan.backend;
     let kv_dtype = backend
         .kv_dtype(&model, job.runtime.kv_cache_dtype)
-        .map_err(|problem| crate::job::JobError::Invalid { path: job.file.clone(), key: "runtime.kv_cache_dtype", problem })?;
+        .map_err(|problem| invalid("runtime.kv_cache_dtype", problem))?;
     let block_bytes = backend.block_bytes(&model, kv_dtype);
-    let attention = match backend {
-        Backend::Host => "host",
-        Backend::Paged => match engine::PagedAttention::kernel_for(device, model.dtype()) {
-            "flash" => "paged-flash",
-            _ => "paged-tiled",
-        },
-    };
+    let attention = plan.name();
+    let compute_dtype = (job.model.path.is_dir() && model.dtype() != llama::hf::compute_dtype(device, ComputeDtype::Auto)).then(|| model.dtype().as_str());
     let weights_layout = model.layout().name();
     info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
         dtype = ?model.dtype(), weights = weights_layout, cpu_weights = %job.runtime.cpu_weights.name(),
@@ -204,9 +230,9 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
     let preprocessor = Preprocessor::new(&info.vocab, &job.model.chat_template, &job.input, longest, job.generation.max_new_tokens)?;
     let weights_bytes = model.weight_bytes();
     let decoder = DecoderPlan { model: cfg.clone(), batch: batch.clone(), block_bytes };
-    let setup = DecoderSetup { tokenizer: preprocessor.tokenizer().clone(), params: job.generation.clone(), stop: StopRules::new(&info.vocab), config: batch, kv_dtype };
+    let setup = DecoderSetup { tokenizer: preprocessor.tokenizer().clone(), params: job.generation.clone(), stop: StopRules::new(&info.vocab), config: batch, kv_dtype, attention: plan };
     let engine = engine::decoder_engine(model, setup).map_err(Error::Engine)?;
     let queue = job.runtime.max_seqs * 2;
     let kv_cache_dtype = kv_dtype.as_str();
-    Ok(Loaded { engine, prepare: Box::new(preprocessor), check, weights_bytes, weights_layout, kv_cache_dtype, attention, layout: ResultsLayout::Generate, queue, decoder: Some(decoder) })
+    Ok(Loaded { engine, prepare: Box::new(preprocessor), check, weights_bytes, weights_layout, kv_cache_dtype, attention, compute_dtype, layout: ResultsLayout::Generate, queue, decoder: Some(decoder) })
 }

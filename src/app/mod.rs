@@ -197,9 +197,9 @@ fn fingerprint(job: &Job, model_sha256: &str, template: Option<&str>, input: &In
     }
 }
 /// The arithmetic a job's rows are computed with ([`crate::reuse::numerics`]).
-fn run_numerics(job: &Job, device: &candle_core::Device, weights_layout: &str, kv_cache_dtype: &str, attention: &str) -> String {
+fn run_numerics(job: &Job, device: &candle_core::Device, loaded: &load::Loaded) -> String {
     let prefix_cache = job.kind == JobKind::Generate && job.runtime.prefix_cache;
-    crate::reuse::numerics(!device.is_cpu(), weights_layout, kv_cache_dtype, prefix_cache, attention)
+    crate::reuse::numerics(!device.is_cpu(), loaded.weights_layout, loaded.kv_cache_dtype, prefix_cache, loaded.attention, loaded.compute_dtype)
 }
 
 /// `nightshift run`: the job's uncommitted units (of this process's shard) through the stages, committed a unit at
@@ -264,7 +264,7 @@ fn run_job(
     // The plan: this job's fingerprint against the one stored at the output, if any.
     let ours = fingerprint(job, &loaded.check.sha256, loaded.check.template.as_deref(), &input);
     let plan = rt.block_on(stored_plan(job, &input, &output, assignment, &ours))?;
-    let numerics = run_numerics(job, &device, loaded.weights_layout, loaded.kv_cache_dtype, loaded.attention);
+    let numerics = run_numerics(job, &device, &loaded);
     let keys = KeyContext::new(&loaded.check.sha256, job.kind, &numerics, &job.generation);
     let run = RunMetadata {
         numerics: numerics.clone(),

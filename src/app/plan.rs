@@ -109,10 +109,11 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
     super::local_model(&mut job, &rt)?;
     let input = rt.block_on(Input::open(&job.input))?;
     let device = crate::engine::select_device(&job.runtime.device)?;
-    let load::Loaded { mut engine, prepare, weights_bytes, weights_layout, kv_cache_dtype, attention, decoder, check, .. } = load::load(&job, &device)?;
+    let loaded = load::load(&job, &device)?;
+    let numerics = super::run_numerics(&job, &device, &loaded);
+    let load::Loaded { mut engine, prepare, weights_bytes, weights_layout, decoder, check, .. } = loaded;
     let load::DecoderPlan { model, batch, block_bytes } = decoder.expect("a generate job loads a decoder");
     let longest = batch.max_sequence_tokens(&model);
-    let numerics = super::run_numerics(&job, &device, weights_layout, kv_cache_dtype, attention);
     let keys = KeyContext::new(&check.sha256, job.kind, &numerics, &job.generation);
     let sources = match job.reuse.from.is_empty() {
         true => None,

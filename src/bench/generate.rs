@@ -16,7 +16,7 @@ use serde::Serialize;
 
 use super::WORDS;
 use crate::app::drive::{drive, Ready};
-use crate::engine::{self, Backend, BatchConfig, DecoderSetup, Engine, EngineError, Model, Request, StopRules};
+use crate::engine::{self, BatchConfig, DecoderSetup, Engine, EngineError, Model, Request, StopRules};
 use crate::error::Error;
 use crate::job::{ChatTemplateChoice, GenerationParams, InputSpec, ParameterColumns, PromptColumn, Truncate};
 use crate::metrics::percentile;
@@ -62,6 +62,9 @@ pub struct GenerateBenchOptions {
     /// draws); 0 for none.
     pub shared_prefix: usize,
     pub prefix_cache: bool,
+    pub attention: crate::job::AttentionChoice,
+    pub dtype: crate::job::ComputeDtype,
+    pub cpu_kernels: crate::job::CpuKernels,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -117,7 +120,7 @@ pub struct GenerateBenchReport {
     /// The KV cache's dtype ([`Backend::kv_dtype`]).
     pub kv_cache_dtype: String,
     pub paged: bool,
-    /// Which attention ran: `host` (the CPU's backend), `tiled` or `flash` (the paged backend's kernels).
+    /// Which attention ran: `host` (the CPU's backend), `paged-tiled` or `paged-flash` (the paged backend's kernels).
     pub attention: String,
     /// A GPU's memory in use at the end (weights, the KV pool, the allocator's cache), from the driver.
     pub device_memory_in_use_bytes: Option<u64>,
@@ -164,7 +167,10 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         return Err(Error::Usage("bench generate needs --rows >= 1, 1 <= --min-prompt <= --max-prompt and 1 <= --min-new <= --max-new".into()));
     }
     let device = engine::select_device(&options.device)?;
-    let (model, info) = Model::load_as(&options.model, &device, options.cpu_weights)?;
+    if device.is_cpu() {
+        crate::engine::kernels::Level::choose(options.cpu_kernels);
+    }
+    let (model, info) = Model::load_as(&options.model, &device, options.cpu_weights, options.dtype)?;
     let context = model.config.context_length;
     let input = InputSpec {
         url: String::new(),
@@ -195,14 +201,14 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         ..GenerationParams::default()
     };
     let (weights_bytes, model_layout) = (model.weight_bytes(), model.layout().name());
-    let backend = Backend::for_model(&model);
-    let attention = if backend.is_paged() { engine::PagedAttention::kernel_for(&device, model.dtype()) } else { "host" };
+    let plan = engine::AttentionPlan::choose(&model, options.attention).map_err(|m| Error::Usage(format!("--attention {m}")))?;
+    let (backend, attention) = (plan.backend, plan.name());
     let kv_bytes = crate::engine::kv_cache_bytes(options.kv_cache_memory, &device);
     let kv_dtype = backend.kv_dtype(&model, options.kv_cache_dtype).map_err(|m| Error::Usage(format!("--kv-cache-dtype: {m}")))?;
     let mut config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, backend.block_bytes(&model, kv_dtype));
     config.prefix_cache = options.prefix_cache;
     let (device_name, dtype) = (engine::device_name(&device), format!("{:?}", model.dtype()).to_lowercase());
-    let setup = DecoderSetup { tokenizer: pre.tokenizer().clone(), params, stop: StopRules::new(&info.vocab), config, kv_dtype };
+    let setup = DecoderSetup { tokenizer: pre.tokenizer().clone(), params, stop: StopRules::new(&info.vocab), config, kv_dtype, attention: plan };
     let mut engine = engine::decoder_engine(model, setup).map_err(Error::Engine)?;
     if options.warmup_rows > 0 {
         let warmup: Vec<(Vec<u32>, u32)> = rows.iter().take(options.warmup_rows).map(|(p, _)| (p.clone(), 8)).collect();

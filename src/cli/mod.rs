@@ -340,6 +340,8 @@ pub struct GenerateBenchArgs {
     /// peer to run the same requests (`scripts/bench-llama-server.py`).
     #[arg(long)]
     pub save_workload: Option<PathBuf>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Print the report as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -367,6 +369,9 @@ impl GenerateBenchArgs {
             kv_cache_dtype: self.kv_cache_dtype,
             shared_prefix: self.shared_prefix,
             prefix_cache: self.prefix_cache,
+            attention: self.engine.attention.unwrap_or_default(),
+            dtype: self.engine.dtype.unwrap_or_default(),
+            cpu_kernels: self.engine.cpu_kernels.unwrap_or_default(),
         }
     }
 }
@@ -497,6 +502,26 @@ pub struct JobArgs {
     /// Let `--reuse` sources without `_SUCCESS` serve their committed units (`reuse.allow_incomplete`).
     #[arg(long)]
     pub reuse_incomplete: bool,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+/// How the engine computes, where a job (or a benchmark) wants other than the defaults. Each also reads an
+/// environment variable, so a test or a script sets it for every command it runs.
+#[derive(Clone, Debug, Default, Args)]
+pub struct EngineArgs {
+    /// Which attention a decoder runs; overrides `runtime.attention`: `auto`, `host` (f32 on the CPU),
+    /// `paged-tiled` (the paged backend's tiles, any device: on the CPU, what an accelerator runs) or `paged-flash`.
+    #[arg(long, env = "NIGHTSHIFT_ATTENTION", value_parser = crate::job::AttentionChoice::parse)]
+    pub attention: Option<crate::job::AttentionChoice>,
+    /// The dtype a Hugging Face decoder computes in; overrides `runtime.dtype`: `auto` (f32 on the CPU, bf16 on an
+    /// accelerator), `f32`, `bf16` or `f16`.
+    #[arg(long, env = "NIGHTSHIFT_DTYPE", value_parser = crate::job::ComputeDtype::parse)]
+    pub dtype: Option<crate::job::ComputeDtype>,
+    /// The CPU kernels' instruction set; overrides `runtime.cpu_kernels`: `auto`, `portable`, `avx2`, `vnni` or
+    /// `amx` (the same results at every level).
+    #[arg(long, env = "NIGHTSHIFT_CPU_KERNELS", value_parser = crate::job::CpuKernels::parse)]
+    pub cpu_kernels: Option<crate::job::CpuKernels>,
 }
 
 impl JobArgs {
@@ -509,6 +534,9 @@ impl JobArgs {
             shards: self.shards,
             reuse: self.reuse.clone(),
             reuse_incomplete: self.reuse_incomplete,
+            attention: self.engine.attention,
+            dtype: self.engine.dtype,
+            cpu_kernels: self.engine.cpu_kernels,
         }
     }
 }

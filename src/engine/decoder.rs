@@ -15,7 +15,7 @@ use crate::tokenize::Tokenizer;
 
 use super::choice::{self, token_logprob, ChoiceState, RowTiming, Rules, StopRules};
 use super::constraint::{self, Grammar};
-use super::models::llama::{Attention, Backend, HostAttention, KvCache, Model, ModelConfig, PagedAttention, Segment, StepLogits, KV_BLOCK_TOKENS};
+use super::models::llama::{Attention, AttentionPlan, Backend, HostAttention, KvCache, Model, ModelConfig, PagedAttention, Segment, StepLogits, KV_BLOCK_TOKENS};
 use super::{Engine, EngineError, EngineStats, Request};
 use crate::job::GenerationParams;
 use crate::outcome::{Choice, Outcome, RowFailure, TokenLogprob};
@@ -104,17 +104,18 @@ pub struct DecoderSetup {
     pub config: BatchConfig,
     /// How the KV cache holds keys and values ([`Backend::kv_dtype`]; the paged backend's is the activations').
     pub kv_dtype: DType,
+    /// The attention it runs ([`AttentionPlan::choose`]).
+    pub attention: AttentionPlan,
 }
 
-/// A decoder engine for a loaded model on the backend [`Backend::for_model`] picks for it: the host backend for an
-/// f32 model on the CPU, the paged pool (sized to `setup.config.kv_blocks`) otherwise.
+/// A decoder engine for a loaded model on the attention `setup` names: the host backend, or the paged pool (sized
+/// to `setup.config.kv_blocks`) with its tiles or flash-attention.
 pub fn decoder_engine(model: Model, setup: DecoderSetup) -> Result<Box<dyn Engine>, EngineError> {
-    let backend = Backend::for_model(&model);
     let setting_up = |source| EngineError::Device { what: "setting up the attention backend", source };
-    Ok(match backend {
+    Ok(match setup.attention.backend {
         Backend::Host => Box::new(BatchEngine::new(HostAttention::new(&model, setup.kv_dtype).map_err(setting_up)?, model, setup)),
         Backend::Paged => {
-            let attention = PagedAttention::new(&model, setup.config.kv_blocks).map_err(setting_up)?;
+            let attention = PagedAttention::with_kernel(&model, setup.config.kv_blocks, setup.attention.flash).map_err(setting_up)?;
             Box::new(BatchEngine::new(attention, model, setup))
         }
     })

@@ -28,7 +28,7 @@ use crate::row::{RowError, RowParams, RowTag};
 pub use choice::{StopRules, StopScan};
 pub use decoder::{check_params, decoder_engine, grammars, BatchConfig, BatchEngine, DecoderSetup};
 pub use device::{device_memory_available, device_memory_in_use, device_name, kv_cache_bytes, select_device};
-pub use models::llama::{Attention, Backend, HostAttention, KvCache, Layout, Model, ModelConfig, ModelInfo, PagedAttention, Segment, StepLogits, KV_BLOCK_TOKENS};
+pub use models::llama::{Attention, AttentionPlan, Backend, HostAttention, KvCache, Layout, Model, ModelConfig, ModelInfo, PagedAttention, Segment, StepLogits, KV_BLOCK_TOKENS};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {

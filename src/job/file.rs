@@ -588,6 +588,7 @@ mod tests {
             shards: Some(6),
             reuse: vec!["s3://b/night-2/".into()],
             reuse_incomplete: true,
+            ..Overrides::default()
         };
         let text = MINIMAL.replace("url = \"out/\"", "url = \"out/\"\nshards = 8") + "\n[reuse]\nfrom = [\"s3://b/night-1/\"]\n";
         let job = Job::parse(&text, Path::new("job.toml"), &o).unwrap();

@@ -17,7 +17,7 @@ pub use generation::{
     set_row_param, GenerationParams, ParamType, ParamValue, Parameter, RowParams, Stored, StoredAs, MAX_LOGPROBS, MAX_N,
     MAX_NEW_TOKENS_LIMIT, PARAMETERS, ROW_PARAMETERS,
 };
-pub use runtime::{default_model_cache, CpuWeights, DeviceChoice, KvCacheDtype, MemoryBudget, RuntimeSpec};
+pub use runtime::{default_model_cache, AttentionChoice, ComputeDtype, CpuKernels, CpuWeights, DeviceChoice, KvCacheDtype, MemoryBudget, RuntimeSpec};
 
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
@@ -46,6 +46,10 @@ pub struct Overrides {
     pub reuse: Vec<String>,
     /// Sets `reuse.allow_incomplete`.
     pub reuse_incomplete: bool,
+    /// Override `runtime.attention`, `runtime.dtype` and `runtime.cpu_kernels`.
+    pub attention: Option<AttentionChoice>,
+    pub dtype: Option<ComputeDtype>,
+    pub cpu_kernels: Option<CpuKernels>,
 }
 
 /// Makes the error for a key of the job file at hand.

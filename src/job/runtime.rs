@@ -17,6 +17,9 @@ pub(super) struct RuntimeSection {
     kv_cache_dtype: Option<String>,
     prefix_cache: Option<bool>,
     model_cache: Option<std::path::PathBuf>,
+    attention: Option<String>,
+    dtype: Option<String>,
+    cpu_kernels: Option<String>,
 }
 
 /// A size in a job file: bytes as an integer, or a string such as `"4GiB"`, `"512MB"` or `"40%"`.
@@ -115,6 +118,113 @@ impl KvCacheDtype {
     }
 }
 
+/// Parses one of a key's names.
+fn named<T: Copy>(text: &str, table: &[(&'static str, T)]) -> Result<T, String> {
+    match table.iter().find(|(name, _)| *name == text) {
+        Some(&(_, value)) => Ok(value),
+        None => {
+            let names: Vec<String> = table.iter().map(|(name, _)| format!("{name:?}")).collect();
+            Err(format!("must be one of {}, got {text:?}", names.join(", ")))
+        }
+    }
+}
+
+/// The name of a value in its key's table.
+fn name_of<T: Copy + PartialEq>(value: T, table: &[(&'static str, T)]) -> &'static str {
+    table.iter().find(|(_, v)| *v == value).map_or("?", |(name, _)| name)
+}
+
+/// Which attention a decoder runs (`runtime.attention`, `--attention`, `NIGHTSHIFT_ATTENTION`). Each is named
+/// in the results' numerics where it is not the CPU's own, so reuse never serves a row computed by another.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionChoice {
+    /// The host backend for an f32 model on the CPU; on an accelerator (or in another dtype) the paged backend,
+    /// with flash-attention's kernel where the build has it (CUDA, f16 or bf16), the tiled one otherwise.
+    #[default]
+    Auto,
+    /// The CPU's own backend: f32 models on the CPU only.
+    Host,
+    /// The paged backend with its tiled kernel, on any device: on the CPU, the code an accelerator runs.
+    PagedTiled,
+    /// The paged backend with flash-attention's kernel: builds with `flash-attn`, CUDA, f16 or bf16.
+    PagedFlash,
+}
+
+impl AttentionChoice {
+    const NAMES: [(&'static str, AttentionChoice); 4] = [
+        ("auto", AttentionChoice::Auto),
+        ("host", AttentionChoice::Host),
+        ("paged-tiled", AttentionChoice::PagedTiled),
+        ("paged-flash", AttentionChoice::PagedFlash),
+    ];
+
+    pub fn parse(text: &str) -> Result<AttentionChoice, String> {
+        named(text, &Self::NAMES)
+    }
+
+    pub fn name(self) -> &'static str {
+        name_of(self, &Self::NAMES)
+    }
+}
+
+/// The dtype a Hugging Face decoder's weights and activations are computed in (`runtime.dtype`, `--dtype`,
+/// `NIGHTSHIFT_DTYPE`). A GGUF file computes its weights as stored (`runtime.cpu_weights` chooses a CPU layout)
+/// and the encoders in f32: for those only `auto` is taken.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ComputeDtype {
+    /// f32 on the CPU, bf16 on an accelerator (an f16 checkpoint is converted, as its range fits).
+    #[default]
+    Auto,
+    F32,
+    Bf16,
+    F16,
+}
+
+impl ComputeDtype {
+    const NAMES: [(&'static str, ComputeDtype); 4] =
+        [("auto", ComputeDtype::Auto), ("f32", ComputeDtype::F32), ("bf16", ComputeDtype::Bf16), ("f16", ComputeDtype::F16)];
+
+    pub fn parse(text: &str) -> Result<ComputeDtype, String> {
+        named(text, &Self::NAMES)
+    }
+
+    pub fn name(self) -> &'static str {
+        name_of(self, &Self::NAMES)
+    }
+}
+
+/// The instruction set of the CPU's own kernels (`runtime.cpu_kernels`, `--cpu-kernels`,
+/// `NIGHTSHIFT_CPU_KERNELS`). Every level computes the same bits; a level the CPU lacks is not taken (`auto` is,
+/// with a warning), so one job file runs on every machine of a fleet.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CpuKernels {
+    /// The best this CPU runs, short of AMX (which is taken only when named: see docs/engine.md).
+    #[default]
+    Auto,
+    Portable,
+    Avx2,
+    Vnni,
+    Amx,
+}
+
+impl CpuKernels {
+    const NAMES: [(&'static str, CpuKernels); 5] = [
+        ("auto", CpuKernels::Auto),
+        ("portable", CpuKernels::Portable),
+        ("avx2", CpuKernels::Avx2),
+        ("vnni", CpuKernels::Vnni),
+        ("amx", CpuKernels::Amx),
+    ];
+
+    pub fn parse(text: &str) -> Result<CpuKernels, String> {
+        named(text, &Self::NAMES)
+    }
+
+    pub fn name(self) -> &'static str {
+        name_of(self, &Self::NAMES)
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct RuntimeSpec {
     pub device: DeviceChoice,
@@ -137,6 +247,12 @@ pub struct RuntimeSpec {
     /// Where models fetched from object storage are kept (`runtime.model_cache`); `None`: the default,
     /// [`default_model_cache`].
     pub model_cache: Option<std::path::PathBuf>,
+    /// Which attention a decoder runs.
+    pub attention: AttentionChoice,
+    /// The dtype a Hugging Face decoder computes in.
+    pub dtype: ComputeDtype,
+    /// The CPU kernels' instruction set.
+    pub cpu_kernels: CpuKernels,
 }
 
 /// `$XDG_CACHE_HOME/nightshift`, or `~/.cache/nightshift`.
@@ -213,12 +329,16 @@ impl Default for RuntimeSpec {
             kv_cache_dtype: KvCacheDtype::default(),
             prefix_cache: true,
             model_cache: None,
+            attention: AttentionChoice::Auto,
+            dtype: ComputeDtype::Auto,
+            cpu_kernels: CpuKernels::Auto,
         }
     }
 }
 
 impl RuntimeSpec {
-    /// The `[runtime]` section, each key checked, with `--max-seqs` taking precedence.
+    /// The `[runtime]` section, each key checked, with `--max-seqs`, `--attention`, `--dtype` and `--cpu-kernels`
+    /// (or their environment variables) taking precedence.
     pub(super) fn from_section(r: RuntimeSection, overrides: &Overrides, invalid: Invalid) -> Result<RuntimeSpec, JobError> {
         let defaults = RuntimeSpec::default();
         let device = DeviceChoice::parse(r.device.as_deref().unwrap_or("auto")).map_err(|e| invalid("runtime.device", e))?;
@@ -263,6 +383,21 @@ impl RuntimeSpec {
             },
             prefix_cache: r.prefix_cache.unwrap_or(defaults.prefix_cache),
             model_cache: r.model_cache.clone(),
+            attention: match (overrides.attention, r.attention.as_deref()) {
+                (Some(asked), _) => asked,
+                (None, None) => defaults.attention,
+                (None, Some(t)) => AttentionChoice::parse(t).map_err(|m| invalid("runtime.attention", m))?,
+            },
+            dtype: match (overrides.dtype, r.dtype.as_deref()) {
+                (Some(asked), _) => asked,
+                (None, None) => defaults.dtype,
+                (None, Some(t)) => ComputeDtype::parse(t).map_err(|m| invalid("runtime.dtype", m))?,
+            },
+            cpu_kernels: match (overrides.cpu_kernels, r.cpu_kernels.as_deref()) {
+                (Some(asked), _) => asked,
+                (None, None) => defaults.cpu_kernels,
+                (None, Some(t)) => CpuKernels::parse(t).map_err(|m| invalid("runtime.cpu_kernels", m))?,
+            },
         })
     }
 }
@@ -321,5 +456,30 @@ mod tests {
         }
         let m = message(&format!("{MINIMAL}\n[runtime]\ncpu_weights = \"q4\""));
         assert!(m.contains("runtime.cpu_weights") && m.contains("as-stored"), "{m}");
+    }
+
+    #[test]
+    fn attention_dtype_and_kernels_name_a_choice_and_flags_win() {
+        let job = parse(MINIMAL).unwrap();
+        assert_eq!((job.runtime.attention, job.runtime.dtype, job.runtime.cpu_kernels), (AttentionChoice::Auto, ComputeDtype::Auto, CpuKernels::Auto));
+        let text = format!("{MINIMAL}\n[runtime]\nattention = \"paged-tiled\"\ndtype = \"f16\"\ncpu_kernels = \"avx2\"");
+        let job = parse(&text).unwrap();
+        assert_eq!((job.runtime.attention, job.runtime.dtype, job.runtime.cpu_kernels), (AttentionChoice::PagedTiled, ComputeDtype::F16, CpuKernels::Avx2));
+        let overrides = Overrides { attention: Some(AttentionChoice::Host), dtype: Some(ComputeDtype::Auto), cpu_kernels: Some(CpuKernels::Portable), ..Overrides::default() };
+        let job = crate::job::Job::parse(&text, std::path::Path::new("job.toml"), &overrides).unwrap();
+        assert_eq!((job.runtime.attention, job.runtime.dtype, job.runtime.cpu_kernels), (AttentionChoice::Host, ComputeDtype::Auto, CpuKernels::Portable));
+        for (key, bad) in [("attention", "flash"), ("dtype", "fp8"), ("cpu_kernels", "avx512")] {
+            let m = message(&format!("{MINIMAL}\n[runtime]\n{key} = \"{bad}\""));
+            assert!(m.contains(&format!("runtime.{key}")) && m.contains(bad) && m.contains("\"auto\""), "{m}");
+        }
+        for (name, choice) in AttentionChoice::NAMES {
+            assert_eq!((AttentionChoice::parse(name), choice.name()), (Ok(choice), name));
+        }
+        for (name, choice) in ComputeDtype::NAMES {
+            assert_eq!((ComputeDtype::parse(name), choice.name()), (Ok(choice), name));
+        }
+        for (name, choice) in CpuKernels::NAMES {
+            assert_eq!((CpuKernels::parse(name), choice.name()), (Ok(choice), name));
+        }
     }
 }

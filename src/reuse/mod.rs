@@ -12,8 +12,8 @@
 //! equal outputs. Only succeeded rows are copied from a source; errored ones are computed again.
 //!
 //! The arithmetic is named by [`numerics`]: a version bumped whenever a kernel or the engine's arithmetic
-//! changes, the device kind, how the weights are computed, the KV cache's dtype and the attention kernel where it
-//! is not the CPU's own. The CPU kernels' levels
+//! changes, the device kind, how the weights are computed, the KV cache's dtype, the attention kernel where it
+//! is not the CPU's own and a Hugging Face decoder's dtype where the job named one other than the device's. The CPU kernels' levels
 //! (portable, AVX2, VNNI) and the prefix cache compute bit-identical results on the CPU (both tested), so neither
 //! is part of it there; on an accelerator, where that is not established, the prefix cache is.
 
@@ -30,10 +30,10 @@ pub const NUMERICS_VERSION: u32 = 1;
 
 /// The arithmetic a run computes with, as written in every result file's `nightshift.numerics` metadata.
 /// `attention`: the attention backend and kernel (`host`, `paged-tiled`, `paged-flash`; `none` for an encoder),
-/// named unless it is the CPU's own (`host`), so that a row computed by another kernel (`NIGHTSHIFT_PAGED=1`,
-/// `NIGHTSHIFT_PAGED_ATTENTION=tiled`) never serves a run of this one, and the CPU's default strings stay as they
-/// were.
-pub fn numerics(accelerator: bool, weights_layout: &str, kv_cache_dtype: &str, prefix_cache: bool, attention: &str) -> String {
+/// named unless it is the CPU's own (`host`), so that a row computed by another kernel (`runtime.attention`) never
+/// serves a run of this one, and the CPU's default strings stay as they were. `dtype`: the dtype a Hugging Face
+/// decoder computes in, where the job named one other than the device's default (`runtime.dtype`).
+pub fn numerics(accelerator: bool, weights_layout: &str, kv_cache_dtype: &str, prefix_cache: bool, attention: &str, dtype: Option<&str>) -> String {
     let device = if accelerator { "accelerator" } else { "cpu" };
     let mut out = format!("v{NUMERICS_VERSION};device={device};weights={weights_layout};kv={kv_cache_dtype}");
     if accelerator {
@@ -41,6 +41,9 @@ pub fn numerics(accelerator: bool, weights_layout: &str, kv_cache_dtype: &str, p
     }
     if accelerator || !matches!(attention, "host" | "none") {
         out.push_str(&format!(";attention={attention}"));
+    }
+    if let Some(dtype) = dtype {
+        out.push_str(&format!(";dtype={dtype}"));
     }
     out
 }
@@ -159,7 +162,7 @@ mod tests {
     use super::*;
 
     fn context(generation: &GenerationParams) -> KeyContext {
-        KeyContext::new("abc", JobKind::Generate, &numerics(false, "as-stored", "f32", true, "host"), generation)
+        KeyContext::new("abc", JobKind::Generate, &numerics(false, "as-stored", "f32", true, "host", None), generation)
     }
 
     #[test]
@@ -179,22 +182,23 @@ mod tests {
         let longer = RowParams { max_new_tokens: Some(9), ..RowParams::default() };
         assert_ne!(c.key("a", &longer, &[1, 2, 3], None), Some(k));
         let others = [
-            KeyContext::new("abd", JobKind::Generate, &numerics(false, "as-stored", "f32", true, "host"), &greedy),
-            KeyContext::new("abc", JobKind::Seq2seq, &numerics(false, "as-stored", "f32", true, "host"), &greedy),
-            KeyContext::new("abc", JobKind::Generate, &numerics(false, "as-stored", "f16", true, "host"), &greedy),
-            KeyContext::new("abc", JobKind::Generate, &numerics(false, "q8_0", "f32", true, "host"), &greedy),
-            KeyContext::new("abc", JobKind::Generate, &numerics(true, "as-stored", "f32", true, "host"), &greedy),
+            KeyContext::new("abd", JobKind::Generate, &numerics(false, "as-stored", "f32", true, "host", None), &greedy),
+            KeyContext::new("abc", JobKind::Seq2seq, &numerics(false, "as-stored", "f32", true, "host", None), &greedy),
+            KeyContext::new("abc", JobKind::Generate, &numerics(false, "as-stored", "f16", true, "host", None), &greedy),
+            KeyContext::new("abc", JobKind::Generate, &numerics(false, "q8_0", "f32", true, "host", None), &greedy),
+            KeyContext::new("abc", JobKind::Generate, &numerics(true, "as-stored", "f32", true, "host", None), &greedy),
         ];
         for other in others {
             assert_ne!(other.key("a", &none, &[1, 2, 3], None), Some(k));
         }
         // The prefix cache is exact on the CPU, and named on an accelerator.
-        assert_eq!(numerics(false, "as-stored", "f32", false, "host"), numerics(false, "as-stored", "f32", true, "host"));
+        assert_eq!(numerics(false, "as-stored", "f32", false, "host", None), numerics(false, "as-stored", "f32", true, "host", None));
         // The CPU's own attention is not named (the strings of earlier runs stay valid); another kernel is.
-        assert_eq!(numerics(false, "as-stored", "f32", true, "host"), format!("v{NUMERICS_VERSION};device=cpu;weights=as-stored;kv=f32"));
-        assert_ne!(numerics(false, "as-stored", "f32", true, "host"), numerics(false, "as-stored", "f32", true, "paged-tiled"));
-        assert_ne!(numerics(true, "as-stored", "f16", true, "paged-tiled"), numerics(true, "as-stored", "f16", true, "paged-flash"));
-        assert_ne!(numerics(true, "as-stored", "f32", false, "host"), numerics(true, "as-stored", "f32", true, "host"));
+        assert_eq!(numerics(false, "as-stored", "f32", true, "host", None), format!("v{NUMERICS_VERSION};device=cpu;weights=as-stored;kv=f32"));
+        assert_ne!(numerics(false, "as-stored", "f32", true, "host", None), numerics(false, "as-stored", "f32", true, "paged-tiled", None));
+        assert_ne!(numerics(true, "as-stored", "bf16", true, "paged-tiled", None), numerics(true, "as-stored", "bf16", true, "paged-tiled", Some("f16")));
+        assert_ne!(numerics(true, "as-stored", "f16", true, "paged-tiled", None), numerics(true, "as-stored", "f16", true, "paged-flash", None));
+        assert_ne!(numerics(true, "as-stored", "f32", false, "host", None), numerics(true, "as-stored", "f32", true, "host", None));
         // Invalid parameters: no key.
         let invalid = RowParams { min_new_tokens: Some(100), ..RowParams::default() };
         assert_eq!(c.key("a", &invalid, &[1], None), None);

@@ -377,7 +377,8 @@ fn bf16_paged_path_stays_close_to_f32() {
     }
 }
 
-/// Jobs through the binary on the paged path (`NIGHTSHIFT_PAGED=1`, the CPU running what a GPU runs) give the
+/// Jobs through the binary on the paged path (`NIGHTSHIFT_ATTENTION=paged-tiled` or `runtime.attention`, the CPU
+/// running what a GPU runs) give the
 /// CPU path's results: greedy rows, with preemption forced by a KV budget of a few sequences, and sampled rows
 /// with three choices (forked caches) and logprobs. The tiny f32 model's paths agree to 5.6e-7 of the
 /// largest logit, so every token matches.
@@ -402,7 +403,8 @@ fn jobs_on_the_paged_path_give_the_cpu_paths_results() {
             ),
         )
         .unwrap();
-        nightshift(&["run", job.to_str().unwrap()], &[("NIGHTSHIFT_PAGED", if paged { "1" } else { "0" })]).assert_ok();
+        let env: &[(&str, &str)] = if paged { &[("NIGHTSHIFT_ATTENTION", "paged-tiled")] } else { &[] };
+        nightshift(&["run", job.to_str().unwrap()], env).assert_ok();
         read_results_json(&dir.join(out))
     };
     let run = |out: &str, generation: &str, paged: bool| run_input("in.parquet", out, generation, "", paged);
@@ -439,7 +441,8 @@ fn jobs_on_the_paged_path_give_the_cpu_paths_results() {
     write_parquet(&dir.join("shared.parquet"), prompts(&ids, &shared_refs));
     let greedy = "max_new_tokens = 24";
     let host = run_input("shared.parquet", "shared-cpu", greedy, "", false);
-    let paged = run_input("shared.parquet", "shared-paged", greedy, "", true);
+    // The job file's key.
+    let paged = run_input("shared.parquet", "shared-paged", greedy, "attention = \"paged-tiled\"", false);
     let paged_metrics = read_metrics(&dir.join("shared-paged"));
     let off = run_input("shared.parquet", "shared-paged-off", greedy, "prefix_cache = false", true);
     assert!(paged_metrics["cached_prompt_tokens"].unwrap() > 0.0, "{paged_metrics:?}");
@@ -448,4 +451,9 @@ fn jobs_on_the_paged_path_give_the_cpu_paths_results() {
         assert_eq!(row["text"], paged[id]["text"], "{id}: host and paged");
         assert_eq!(row["text"], off[id]["text"], "{id}: paged with and without the cache");
     }
+    // The attention that ran is in the numerics, so reuse never serves the one to the other.
+    let numerics = |out: &str| crate::support::kv_metadata_of(crate::support::OutputStore::local(&dir.join(out)).first_results_file())["nightshift.numerics"].clone();
+    assert!(!numerics("shared-cpu").contains("attention="), "{}", numerics("shared-cpu"));
+    assert!(numerics("shared-paged").contains(";attention=paged-tiled"), "{}", numerics("shared-paged"));
+    assert!(numerics("shared-paged-off").contains(";attention=paged-tiled"), "{}", numerics("shared-paged-off"));
 }

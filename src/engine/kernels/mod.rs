@@ -30,7 +30,9 @@ mod portable;
 mod x86;
 
 use std::ops::Range;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use crate::job::CpuKernels;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Tensor};
@@ -49,10 +51,6 @@ pub enum Level {
     /// where Linux grants the process the tiles.
     Amx,
 }
-
-/// The environment variable that sets the kernels' level: `portable`, `avx2`, `vnni` or `amx` (the one level
-/// not taken by default). A level the CPU lacks is not taken (the default is, with a warning).
-pub const LEVEL_VAR: &str = "NIGHTSHIFT_CPU_KERNELS";
 
 impl Level {
     /// The best level this CPU runs. The first call asks Linux for the tile unit where the CPU has one (see
@@ -73,33 +71,46 @@ impl Level {
         Level::Portable
     }
 
-    /// The level the kernels run at unless [`LEVEL_VAR`] says otherwise: the best this CPU runs, short of AMX.
+    /// The level the kernels run at unless the job names another (`runtime.cpu_kernels`): the best this CPU runs, short of AMX.
     /// The AMX kernels give the same bits but, measured on a 2-core Sapphire Rapids VM, no more speed than VNNI's
     /// with both cores busy (and less for products of a few rows; BENCHMARKS.md): they run only when asked for.
     pub fn preferred() -> Level {
         Level::detected().min(Level::Vnni)
     }
 
-    /// The level the kernels run at: [`LEVEL_VAR`] if set (and the CPU has it), [`Level::preferred`] otherwise.
-    /// Read once per process.
+    /// The level the kernels run at: the one [`Level::choose`] settled, [`Level::preferred`] until then.
     pub fn active() -> Level {
-        static ACTIVE: OnceLock<Level> = OnceLock::new();
-        *ACTIVE.get_or_init(|| {
-            let detected = Level::detected();
-            let Some(asked) = std::env::var(LEVEL_VAR).ok().filter(|v| !v.is_empty()) else { return Level::preferred() };
-            match Level::parse(&asked) {
-                Some(level) if level <= detected => level,
-                Some(level) => {
-                    tracing::warn!(asked = level.name(), detected = detected.name(), "{LEVEL_VAR} asks for kernels this CPU lacks");
-                    Level::preferred()
-                }
-                None => {
-                    tracing::warn!(asked, "{LEVEL_VAR} is not one of portable, avx2, vnni, amx; ignored");
-                    Level::preferred()
-                }
-            }
-        })
+        match CHOSEN.load(Ordering::Relaxed) {
+            0 => Level::preferred(),
+            n => Level::ALL[n as usize - 1],
+        }
     }
+
+    /// Settles the level for the process from the job's `runtime.cpu_kernels` and returns it: the level asked
+    /// for if the CPU has it; otherwise (or for `auto`) [`Level::preferred`], with a warning when a level was named.
+    pub fn choose(asked: CpuKernels) -> Level {
+        let named = match asked {
+            CpuKernels::Auto => None,
+            CpuKernels::Portable => Some(Level::Portable),
+            CpuKernels::Avx2 => Some(Level::Avx2),
+            CpuKernels::Vnni => Some(Level::Vnni),
+            CpuKernels::Amx => Some(Level::Amx),
+        };
+        let detected = Level::detected();
+        let level = match named {
+            Some(level) if level <= detected => level,
+            Some(level) => {
+                tracing::warn!(asked = level.name(), detected = detected.name(), "runtime.cpu_kernels asks for kernels this CPU lacks; taking the default");
+                Level::preferred()
+            }
+            None => Level::preferred(),
+        };
+        let index = Level::ALL.iter().position(|&l| l == level).expect("every level is in ALL");
+        CHOSEN.store(index as u8 + 1, Ordering::Relaxed);
+        level
+    }
+
+    const ALL: [Level; 4] = [Level::Portable, Level::Avx2, Level::Vnni, Level::Amx];
 
     pub fn parse(name: &str) -> Option<Level> {
         match name {
@@ -122,7 +133,7 @@ impl Level {
 
     /// Every level this CPU runs, lowest first.
     pub fn available() -> Vec<Level> {
-        [Level::Portable, Level::Avx2, Level::Vnni, Level::Amx].into_iter().filter(|&l| l <= Level::detected()).collect()
+        Level::ALL.into_iter().filter(|&l| l <= Level::detected()).collect()
     }
 }
 
@@ -130,8 +141,12 @@ impl Level {
 /// permission is the process's, and costs nothing until a thread uses a tile; asking first keeps the system call
 /// off the threads' paths).
 pub fn prepare() {
-    let _ = Level::active();
+    let _ = Level::detected();
 }
+
+/// The level [`Level::choose`] settled, as its index in [`Level::ALL`] plus one; 0 until then. Every level
+/// computes the same bits, so a kernel reading it while another thread settles it gives the same result either way.
+static CHOSEN: AtomicU8 = AtomicU8::new(0);
 
 /// Weight rows interleaved per panel in the quantized layouts: one 32-bit lane per row in a 256-bit register.
 const PANEL: usize = 8;

@@ -207,6 +207,14 @@ fn the_level_variable_names_a_level() {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let listed = cpuinfo.lines().any(|l| l.starts_with("flags") && l.split_whitespace().any(|f| f == "amx_int8") && l.split_whitespace().any(|f| f == "avx512_vnni"));
     assert_eq!(Level::available().contains(&Level::Amx), listed, "/proc/cpuinfo lists amx_int8: {listed}");
+    // `runtime.cpu_kernels`: a level the CPU has is taken, one it lacks gives the default, `auto` the default.
+    // (Other tests may run meanwhile: every level computes the same bits.)
+    use crate::job::CpuKernels;
+    assert_eq!(Level::choose(CpuKernels::Portable), Level::Portable);
+    assert_eq!(Level::active(), Level::Portable);
+    assert_eq!(Level::choose(CpuKernels::Amx), if listed { Level::Amx } else { Level::preferred() });
+    assert_eq!(Level::choose(CpuKernels::Auto), Level::preferred());
+    assert_eq!(Level::active(), Level::preferred());
 }
 
 #[test]

@@ -37,6 +37,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::{Layer, Model, ModelConfig, ModelInfo, RopeScaling, Weights, MAX_CONTEXT};
+use crate::job::ComputeDtype;
 use crate::engine::ModelError;
 use crate::tokenize::vocab::{VocabMetadata, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED};
 
@@ -407,17 +408,16 @@ pub fn inspect(dir: &Path) -> Result<ModelInfo, ModelError> {
     Checkpoint::open(dir).map(|c| c.info)
 }
 
-/// The dtype weights and activations are computed in: f32 on the CPU (candle's CPU gemm has no fast bf16 path),
-/// bf16 on an accelerator (Hugging Face's and vLLM's default for these checkpoints; an f16 checkpoint is
-/// converted, as its range fits). `NIGHTSHIFT_DTYPE=f32|bf16|f16` chooses another, for parity checks.
-pub fn compute_dtype(device: &Device) -> Result<DType, ModelError> {
-    match std::env::var("NIGHTSHIFT_DTYPE").as_deref() {
-        Ok("f32") => Ok(DType::F32),
-        Ok("bf16") => Ok(DType::BF16),
-        Ok("f16") => Ok(DType::F16),
-        Ok(other) if !other.is_empty() => Err(ModelError::Metadata(format!("NIGHTSHIFT_DTYPE is `{other}`; expected f32, bf16 or f16"))),
-        _ if device.is_cpu() => Ok(DType::F32),
-        _ => Ok(DType::BF16),
+/// The dtype weights and activations are computed in (`runtime.dtype`): `auto` is f32 on the CPU (candle's CPU
+/// gemm has no fast bf16 path), bf16 on an accelerator (Hugging Face's and vLLM's default for these checkpoints; an
+/// f16 checkpoint is converted, as its range fits).
+pub fn compute_dtype(device: &Device, asked: ComputeDtype) -> DType {
+    match asked {
+        ComputeDtype::F32 => DType::F32,
+        ComputeDtype::Bf16 => DType::BF16,
+        ComputeDtype::F16 => DType::F16,
+        ComputeDtype::Auto if device.is_cpu() => DType::F32,
+        ComputeDtype::Auto => DType::BF16,
     }
 }
 
@@ -428,7 +428,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
     let hd = config.head_dim;
     let dtype = match dtype {
         Some(dtype) => dtype,
-        None => compute_dtype(device)?,
+        None => compute_dtype(device, ComputeDtype::Auto),
     };
     let load = |name: &str| shards.load(name, device, dtype);
     let rotary = |name: &str| load(name).and_then(|t| interleave_halves(&t, hd).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}"))));

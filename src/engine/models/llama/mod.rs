@@ -12,11 +12,11 @@
 //! backends:
 //! - [`HostAttention`] ([`host`]): the CPU's. Blocked f32 caches in host memory, attention in plain Rust, parallel
 //!   over (segment, kv head, tile of new tokens), computing each block in place.
-//! - [`PagedAttention`] ([`paged`]): every accelerator's (and the CPU's when asked, `NIGHTSHIFT_PAGED=1`, which is
-//!   how the CPU tests run the loop GPUs run). A device pool of blocks in the activations' dtype, attention in
+//! - [`PagedAttention`] ([`paged`]): every accelerator's (and the CPU's when asked, `runtime.attention =
+//!   "paged-tiled"`, which is how the CPU tests run the loop GPUs run). A device pool of blocks in the activations' dtype, attention in
 //!   candle tensor ops, greedy tokens chosen on the device.
 //!
-//! [`Backend::for_model`] picks one for a loaded model.
+//! [`AttentionPlan::choose`] picks one for a loaded model and the job's `runtime.attention`.
 
 pub mod gguf;
 pub mod hf;
@@ -32,7 +32,7 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use rayon::prelude::*;
 
 use crate::engine::ModelError;
-use crate::job::{CpuWeights, KvCacheDtype};
+use crate::job::{AttentionChoice, ComputeDtype, CpuWeights, KvCacheDtype};
 use crate::tokenize::VocabMetadata;
 pub use gguf::Layout;
 pub use host::{HostAttention, HostCache};
@@ -301,21 +301,69 @@ pub trait Attention {
     fn device_argmax(&self) -> bool;
 }
 
+/// The attention a loaded model runs: its backend and, on the paged one, whether flash-attention's kernel
+/// attends (otherwise the tiles).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionPlan {
+    pub backend: Backend,
+    pub flash: bool,
+}
+
+impl AttentionPlan {
+    /// What `runtime.attention` asks for, for a loaded model: `auto` is [`Backend::for_model`]'s backend with
+    /// flash-attention where it can run; a named one that cannot run here is refused with a message for the
+    /// job's author.
+    pub fn choose(model: &Model, asked: AttentionChoice) -> Result<AttentionPlan, String> {
+        let flash_here = PagedAttention::flash_available(model.device(), model.dtype());
+        let (backend, flash) = match asked {
+            AttentionChoice::Auto => {
+                let backend = Backend::for_model(model);
+                (backend, backend == Backend::Paged && flash_here)
+            }
+            AttentionChoice::Host if model.device().is_cpu() && model.dtype() == DType::F32 => (Backend::Host, false),
+            AttentionChoice::Host => {
+                return Err(format!(
+                    "is \"host\", which computes f32 models on the CPU; this model is in {} on {}: use \"auto\" or \"paged-tiled\"",
+                    model.dtype().as_str(),
+                    if model.device().is_cpu() { "the CPU" } else { "an accelerator" }
+                ))
+            }
+            AttentionChoice::PagedTiled => (Backend::Paged, false),
+            AttentionChoice::PagedFlash if flash_here => (Backend::Paged, true),
+            AttentionChoice::PagedFlash => {
+                return Err(format!(
+                    "is \"paged-flash\", which needs a build with the `flash-attn` feature, CUDA and an f16 or bf16 model{}: use \"auto\" or \"paged-tiled\"",
+                    if cfg!(feature = "flash-attn") { "" } else { " (this build has no `flash-attn`)" }
+                ))
+            }
+        };
+        Ok(AttentionPlan { backend, flash })
+    }
+
+    /// `host`, `paged-tiled` or `paged-flash`, as the log, the metrics and the results' numerics name it.
+    pub fn name(self) -> &'static str {
+        match (self.backend, self.flash) {
+            (Backend::Host, _) => "host",
+            (Backend::Paged, false) => "paged-tiled",
+            (Backend::Paged, true) => "paged-flash",
+        }
+    }
+}
+
 /// Which attention backend a model runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     /// [`HostAttention`]: the CPU, in f32.
     Host,
-    /// [`PagedAttention`]: every accelerator, any dtype; the CPU when `NIGHTSHIFT_PAGED=1` asks for it.
+    /// [`PagedAttention`]: every accelerator, any dtype; the CPU when `runtime.attention` asks for it.
     Paged,
 }
 
 impl Backend {
-    /// The backend for a loaded model: the host backend for an f32 model on the CPU, the paged one otherwise.
-    /// `NIGHTSHIFT_PAGED=1` runs the paged backend on the CPU too: for checking it end to end against the host one.
+    /// The backend `runtime.attention = "auto"` takes for a loaded model: the host backend for an f32 model on
+    /// the CPU, the paged one otherwise.
     pub fn for_model(model: &Model) -> Backend {
-        let asked = std::env::var_os("NIGHTSHIFT_PAGED").is_some_and(|v| v == "1");
-        if !model.device.is_cpu() || model.dtype() != DType::F32 || asked {
+        if !model.device.is_cpu() || model.dtype() != DType::F32 {
             Backend::Paged
         } else {
             Backend::Host
@@ -394,14 +442,15 @@ impl Model {
     /// Loads a llama-family model onto `device` as stored: a GGUF file (the default `runtime.cpu_weights`), or a
     /// Hugging Face directory ([`hf`]).
     pub fn load(path: &Path, device: &Device) -> Result<(Model, ModelInfo), ModelError> {
-        Model::load_as(path, device, CpuWeights::default())
+        Model::load_as(path, device, CpuWeights::default(), ComputeDtype::Auto)
     }
 
-    /// Loads a llama-family model onto `device`, a GGUF file in the layout `weights` asks for ([`Layout::choose`]).
-    /// A Hugging Face directory has one layout, dense weights as stored.
-    pub fn load_as(path: &Path, device: &Device, weights: CpuWeights) -> Result<(Model, ModelInfo), ModelError> {
+    /// Loads a llama-family model onto `device`, a GGUF file in the layout `weights` asks for ([`Layout::choose`]),
+    /// a Hugging Face directory in the dtype `dtype` asks for ([`hf::compute_dtype`]; a GGUF file ignores it: the
+    /// job's check refuses anything but `auto` for one).
+    pub fn load_as(path: &Path, device: &Device, weights: CpuWeights, dtype: ComputeDtype) -> Result<(Model, ModelInfo), ModelError> {
         if path.is_dir() {
-            return hf::load(path, device, None);
+            return hf::load(path, device, Some(hf::compute_dtype(device, dtype)));
         }
         gguf::load(path, device, |config| Layout::choose(device, config, weights))
     }

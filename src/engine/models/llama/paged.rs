@@ -20,7 +20,7 @@
 //!
 //! With the `flash-attn` feature, on CUDA in f16 or bf16, flash-attention's variable-length paged kernel attends
 //! every segment of the step in one call straight from the pool ([`PagedAttention::flash`]);
-//! `NIGHTSHIFT_PAGED_ATTENTION=tiled` chooses the tiles instead (the GPU check measures both).
+//! `runtime.attention = "paged-tiled"` chooses the tiles instead (the GPU check measures both).
 //!
 //! Queries are grouped by kv head, so grouped-query attention needs no copies of keys. RoPE uses candle's
 //! interleaved-pair kernel with each token's own position. Scores and the softmax are in f32 whatever the
@@ -352,6 +352,13 @@ impl PagedAttention {
     /// The paged backend for a model, with a pool of `blocks` blocks of [`BLOCK`] positions (allocated on the
     /// device at the first step): the scheduler's budget, which it never books beyond.
     pub fn new(model: &Model, blocks: usize) -> candle_core::Result<PagedAttention> {
+        Self::with_kernel(model, blocks, Self::flash_available(model.device(), model.dtype()))
+    }
+
+    /// [`PagedAttention::new`] with flash-attention's kernel (`flash`: where [`PagedAttention::flash_available`])
+    /// or the tiles.
+    #[cfg_attr(not(feature = "flash-attn"), allow(unused_variables))]
+    pub fn with_kernel(model: &Model, blocks: usize, flash: bool) -> candle_core::Result<PagedAttention> {
         let config = model.config.clone();
         let (device, dtype) = (model.device().clone(), model.dtype());
         let (rope_cos, rope_sin) = super::rope_tables(&config);
@@ -370,7 +377,7 @@ impl PagedAttention {
             device: device.clone(),
         };
         #[cfg(feature = "flash-attn")]
-        let flash = Self::kernel_for(&device, dtype) == "flash";
+        let flash = flash && Self::flash_available(&device, dtype);
         Ok(PagedAttention {
             #[cfg(feature = "flash-attn")]
             flash,
@@ -481,15 +488,10 @@ impl PagedAttention {
         }
     }
 
-    /// Which attention the paged backend runs for a model on `device` in `dtype`: `flash` (flash-attention's paged
-    /// kernel: a build with the `flash-attn` feature, CUDA, f16 or bf16, unless `NIGHTSHIFT_PAGED_ATTENTION=tiled`)
-    /// or `tiled`.
-    pub fn kernel_for(device: &Device, dtype: DType) -> &'static str {
-        let asked_tiled = std::env::var("NIGHTSHIFT_PAGED_ATTENTION").is_ok_and(|v| v == "tiled");
-        match cfg!(feature = "flash-attn") && device.is_cuda() && matches!(dtype, DType::F16 | DType::BF16) && !asked_tiled {
-            true => "flash",
-            false => "tiled",
-        }
+    /// Whether flash-attention's paged kernel can attend for a model on `device` in `dtype`: a build with the
+    /// `flash-attn` feature, CUDA, f16 or bf16.
+    pub fn flash_available(device: &Device, dtype: DType) -> bool {
+        cfg!(feature = "flash-attn") && device.is_cuda() && matches!(dtype, DType::F16 | DType::BF16)
     }
 
     /// flash-attention's inputs for a step, uploaded ([`flash_tables`]).
