@@ -9,9 +9,9 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 
 use super::openai_batch;
+use super::{default_id, id_name, InputFormat, Location, SourceError, SourceRow, BATCH_ROWS};
 use crate::job::LineRules;
-use super::{default_id, SourceError, SourceRow, BATCH_ROWS};
-use crate::plan::Unit;
+use crate::plan::{PlannedFile, Unit};
 use crate::row::{ErrorCode, RowError, RowTag};
 
 /// Lines between two remembered byte offsets: a unit's read starts at most this many lines before it.
@@ -23,13 +23,61 @@ const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
 const MAX_LINE_BYTES: usize = 16 << 20;
 
 #[derive(Debug)]
-pub(super) struct JsonlFile {
+struct JsonlFile {
     pub meta: ObjectMeta,
     pub url: String,
     pub id_name: String,
     pub lines: u64,
     /// The byte offset of line `k * CHECKPOINT_LINES`, for every k.
     pub checkpoints: Vec<u64>,
+}
+
+/// An OpenAI Batch input: its request files, and which lines the job runs.
+#[derive(Debug)]
+pub(super) struct JsonlInput {
+    files: Vec<JsonlFile>,
+    rules: LineRules,
+}
+
+impl JsonlInput {
+    /// Scans the listed files ([`scan`]).
+    pub(super) async fn open(location: &Location, metas: Vec<ObjectMeta>, rules: &LineRules) -> Result<JsonlInput, SourceError> {
+        let mut files = Vec::with_capacity(metas.len());
+        for meta in metas {
+            let url = location.display(&meta.location);
+            let id_name = id_name(&meta.location, &location.path);
+            files.push(scan(&location.store, meta, url, id_name).await?);
+        }
+        Ok(JsonlInput { files, rules: rules.clone() })
+    }
+}
+
+impl InputFormat for JsonlInput {
+    fn snapshot(&self) -> Vec<PlannedFile> {
+        self.files.iter().map(|f| PlannedFile { path: f.meta.location.to_string(), size: f.meta.size, e_tag: f.meta.e_tag.clone(), rows: f.lines }).collect()
+    }
+
+    fn file_urls(&self) -> Vec<String> {
+        self.files.iter().map(|f| f.url.clone()).collect()
+    }
+
+    fn total_rows(&self) -> u64 {
+        self.files.iter().map(|f| f.lines).sum()
+    }
+
+    async fn check_whole(&self, store: &Arc<dyn ObjectStore>) -> Result<(), SourceError> {
+        check_lines(store, &self.files, &self.rules).await
+    }
+
+    /// A request line is mostly its prompt: the file's bytes shared evenly among its lines.
+    fn prompt_bytes(&self, file: usize, _first_row: u64, rows: u32) -> u64 {
+        self.files.get(file).map_or(0, |f| f.meta.size * rows as u64 / f.lines.max(1))
+    }
+
+    async fn stream_unit(&self, store: &Arc<dyn ObjectStore>, unit: &Unit, tx: &mpsc::Sender<Vec<SourceRow>>) -> Result<bool, SourceError> {
+        let file = self.files.get(unit.file).ok_or_else(|| SourceError::NotFound { url: format!("input file {} of the plan", unit.file) })?;
+        stream_unit(store, file, &self.rules, unit, tx).await
+    }
 }
 
 fn fetch_err(url: &str, e: object_store::Error) -> SourceError {
@@ -49,7 +97,7 @@ async fn bytes_from(store: &Arc<dyn ObjectStore>, meta: &ObjectMeta, url: &str, 
 }
 
 /// Counts a file's lines and remembers its checkpoints, streaming it once.
-pub(super) async fn scan(store: &Arc<dyn ObjectStore>, meta: ObjectMeta, url: String, id_name: String) -> Result<JsonlFile, SourceError> {
+async fn scan(store: &Arc<dyn ObjectStore>, meta: ObjectMeta, url: String, id_name: String) -> Result<JsonlFile, SourceError> {
     let mut stream = bytes_from(store, &meta, &url, 0).await?;
     let (mut lines, mut checkpoints, mut position) = (0u64, vec![0u64], 0u64);
     let mut last = b'\n';
@@ -167,7 +215,7 @@ impl LineStream {
 /// a request file none of whose lines names the model the job runs (`rules.model`), every row of which would be a
 /// `model_mismatch` row, with the counts per model name and the key to set. Lines of other models beside lines of
 /// this one are counted in a warning.
-pub(super) async fn check_lines(store: &Arc<dyn ObjectStore>, files: &[JsonlFile], rules: &LineRules) -> Result<(), SourceError> {
+async fn check_lines(store: &Arc<dyn ObjectStore>, files: &[JsonlFile], rules: &LineRules) -> Result<(), SourceError> {
     let mut seen: std::collections::HashMap<String, (usize, u64)> = std::collections::HashMap::new();
     let (mut count, mut examples) = (0u64, Vec::new());
     let (mut ours, mut others) = (0u64, std::collections::BTreeMap::<String, u64>::new());
@@ -208,7 +256,7 @@ pub(super) async fn check_lines(store: &Arc<dyn ObjectStore>, files: &[JsonlFile
 
 /// Streams one unit's lines as rows: its requests, or row errors for the lines that are not. Returns `false`
 /// when the receiver is gone.
-pub(super) async fn stream_unit(store: &Arc<dyn ObjectStore>, file: &JsonlFile, rules: &LineRules, unit: &Unit, tx: &mpsc::Sender<Vec<SourceRow>>) -> Result<bool, SourceError> {
+async fn stream_unit(store: &Arc<dyn ObjectStore>, file: &JsonlFile, rules: &LineRules, unit: &Unit, tx: &mpsc::Sender<Vec<SourceRow>>) -> Result<bool, SourceError> {
     let end = unit.first_row + unit.rows as u64;
     let mut lines = LineStream::open(store, file, unit.first_row).await?;
     let mut batch = Vec::with_capacity(BATCH_ROWS);
