@@ -70,7 +70,8 @@ pub fn check_model(job: &Job) -> Result<ModelCheck, Error> {
 }
 
 /// The `[runtime]` keys that apply to some models only, against the job's: `runtime.dtype` for a Hugging Face
-/// decoder, `runtime.attention` for decoders (what a device then runs is checked when the model is on it).
+/// decoder, `runtime.attention` for decoders (the keys against each other are checked with the job file, what a
+/// device then runs when the model is on it).
 fn check_runtime(job: &Job) -> Result<(), JobError> {
     let invalid = |key: &'static str, problem: String| JobError::Invalid { path: job.file.clone(), key, problem };
     let runtime = &job.runtime;
@@ -84,9 +85,6 @@ fn check_runtime(job: &Job) -> Result<(), JobError> {
     }
     if runtime.attention != AttentionChoice::Auto && !decoder {
         return Err(invalid("runtime.attention", format!("is \"{}\", which applies to decoders (kind = \"generate\"): remove it or set \"auto\"", runtime.attention.name())));
-    }
-    if runtime.attention == AttentionChoice::Host && matches!(runtime.dtype, ComputeDtype::Bf16 | ComputeDtype::F16) {
-        return Err(invalid("runtime.attention", format!("is \"host\", which computes f32 models, and runtime.dtype is \"{}\": use \"auto\" or \"paged-tiled\"", runtime.dtype.name())));
     }
     Ok(())
 }

@@ -305,6 +305,7 @@ fn run_job(
         false => Some(Arc::new(rt.block_on(Sources::open(&job.reuse.from, job.reuse.allow_incomplete, &plan.fingerprint, &numerics, loaded.layout))?)),
     };
     let progress = progress_bar(options.progress, pending.iter().map(|u| u.rows as u64).sum());
+    let reuse = sources.clone();
     let stages = Stages {
         rt, input, output: &output, run: &run, drain: &drain, figures: &figures, progress: &progress, show: options.show, exporter,
         committed_before: units_skipped, keys, sources,
@@ -321,6 +322,9 @@ fn run_job(
     };
     let (collected, final_stats, generation_s) = ended.map_err(|(e, committed_now)| resumable(e, committed_now))?;
     progress.finish_and_clear();
+    if let Some(mismatched) = reuse.map(|s| s.mismatched()).filter(|&n| n > 0) {
+        warn!(rows = mismatched, "reuse source rows indexed under this run's request keys held other keys; they were not served, and their requests were computed");
+    }
 
     let metrics = figures.metrics(&collected.rows, &final_stats, generation_s);
     if drain.requested() {
@@ -457,7 +461,7 @@ impl Stages<'_> {
 
         let source_task = spawn_source(self.rt, self.input, self.output.clone(), self.drain.clone(), pending.clone(), source_tx);
         let dedup = Arc::new(Dedup::default());
-        let rows = KeyedRows { keys: self.keys.clone(), dedup: dedup.clone(), sources: self.sources.clone() };
+        let rows = KeyedRows { keys: self.keys.clone(), dedup: dedup.clone(), sources: self.sources.clone(), rt: self.rt.handle().clone() };
         let tokenize_thread = spawn_tokenizer(loaded.prepare, rows, source_rx, request_tx, sink_tx.clone(), self.drain.clone()).map_err(fail)?;
         let generation_started = Instant::now();
         let (engine_drain, mut to_sink) = (self.drain.clone(), ToSink { sink: sink_tx, stats: engine_stats.clone() });
@@ -535,6 +539,8 @@ struct KeyedRows {
     keys: KeyContext,
     dedup: Arc<Dedup>,
     sources: Option<Arc<Sources>>,
+    /// For reading reuse sources from the tokenizer thread.
+    rt: tokio::runtime::Handle,
 }
 
 /// Where a tokenized row goes.
@@ -549,8 +555,12 @@ enum Route {
 impl KeyedRows {
     fn route(&self, request: Request) -> Route {
         let Some(key) = self.keys.key(&request.id, &request.params, &request.tokens, request.completion.as_deref()) else { return Route::Engine(request) };
-        if let Some(found) = self.sources.as_ref().and_then(|s| s.lookup(&key)) {
-            return Route::Sink(Outcome::Reused(crate::outcome::Reused { id: request.id, tag: request.tag, key, file: found.file, row: found.row, data: None }));
+        if let Some((sources, found)) = self.sources.as_ref().and_then(|s| s.lookup(&key).map(|found| (s, found))) {
+            // A source that cannot be read is served anyway: the commit reads it again and fails the run with the
+            // reason.
+            if self.rt.block_on(sources.holds(&key, found)).unwrap_or(true) {
+                return Route::Sink(Outcome::Reused(crate::outcome::Reused { id: request.id, tag: request.tag, key, file: found.file, row: found.row, data: None }));
+            }
         }
         match self.dedup.admit(key, &request.id, request.tag) {
             Admit::Compute => Route::Engine(request),

@@ -354,7 +354,7 @@ impl RuntimeSpec {
             Some(n) => n,
             None => positive("runtime.max_seqs", r.max_seqs, defaults.max_seqs)?,
         };
-        Ok(RuntimeSpec {
+        RuntimeSpec {
             device,
             max_seqs,
             max_batch_tokens: positive("runtime.max_batch_tokens", r.max_batch_tokens, defaults.max_batch_tokens)?,
@@ -398,7 +398,29 @@ impl RuntimeSpec {
                 (None, None) => defaults.cpu_kernels,
                 (None, Some(t)) => CpuKernels::parse(t).map_err(|m| invalid("runtime.cpu_kernels", m))?,
             },
-        })
+        }
+        .checked(invalid)
+    }
+
+    /// The keys against each other: an attention the other keys rule out.
+    fn checked(self, invalid: Invalid) -> Result<RuntimeSpec, JobError> {
+        let problem = match self.attention {
+            AttentionChoice::Host if matches!(self.dtype, ComputeDtype::Bf16 | ComputeDtype::F16) => {
+                Some(format!("is \"host\", which computes f32 models, and runtime.dtype is \"{}\"", self.dtype.name()))
+            }
+            AttentionChoice::Host if matches!(self.device, DeviceChoice::Cuda(_)) => Some("is \"host\", the CPU's attention, and runtime.device is a GPU".to_string()),
+            AttentionChoice::PagedFlash if !cfg!(feature = "flash-attn") => {
+                Some("is \"paged-flash\", flash-attention's kernel, and this build has no `flash-attn` (scripts/build-cuda.sh --flash-attn)".to_string())
+            }
+            AttentionChoice::PagedFlash if self.device == DeviceChoice::Cpu => {
+                Some("is \"paged-flash\", flash-attention's kernel, which runs on CUDA, and runtime.device is the CPU".to_string())
+            }
+            _ => None,
+        };
+        match problem {
+            Some(problem) => Err(invalid("runtime.attention", format!("{problem}: use \"auto\" or \"paged-tiled\""))),
+            None => Ok(self),
+        }
     }
 }
 
@@ -472,6 +494,21 @@ mod tests {
             let m = message(&format!("{MINIMAL}\n[runtime]\n{key} = \"{bad}\""));
             assert!(m.contains(&format!("runtime.{key}")) && m.contains(bad) && m.contains("\"auto\""), "{m}");
         }
+        for (runtime, why) in [
+            ("attention = \"host\"\ndtype = \"f16\"", "runtime.dtype is \"f16\""),
+            ("attention = \"host\"\ndevice = \"cuda:1\"", "runtime.device is a GPU"),
+            ("attention = \"paged-flash\"", if cfg!(feature = "flash-attn") { "" } else { "no `flash-attn`" }),
+            ("attention = \"paged-flash\"\ndevice = \"cpu\"", if cfg!(feature = "flash-attn") { "the CPU" } else { "no `flash-attn`" }),
+        ] {
+            let text = format!("{MINIMAL}\n[runtime]\n{runtime}");
+            if why.is_empty() {
+                assert!(parse(&text).is_ok(), "{runtime}");
+                continue;
+            }
+            let m = message(&text);
+            assert!(m.contains("runtime.attention") && m.contains(why) && m.contains("paged-tiled"), "{runtime}: {m}");
+        }
+        assert!(parse(&format!("{MINIMAL}\n[runtime]\nattention = \"host\"\ndtype = \"f32\"\ndevice = \"cpu\"")).is_ok());
         for (name, choice) in AttentionChoice::NAMES {
             assert_eq!((AttentionChoice::parse(name), choice.name()), (Ok(choice), name));
         }

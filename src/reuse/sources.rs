@@ -7,9 +7,11 @@
 //! full key is checked again when the row is read. The keys are hashes, so a shard cannot tell which of them it
 //! needs without tokenizing its rows first: every shard reads every source key once (64 hex digits per row on
 //! the wire, zstd-compressed to about 34 bytes), which for 10 million source rows is about 330 MB read and
-//! 240 MB of memory per shard (`BENCHMARKS.md` has the measured figures). Rows are read when a unit that reuses
-//! them is committed: whole result files, the last [`CACHED_FILES`] kept, so the rows of one source unit cost one
-//! read.
+//! 240 MB of memory per shard (`BENCHMARKS.md` has the measured figures). A row the index finds is checked in
+//! full before it is served ([`Sources::holds`]: its result file read, the last [`CACHED_FILES`] kept, so the rows
+//! of one source unit cost one read): a source row whose key shares only the first 16 bytes with the request's (a
+//! forged or damaged source) is not served, and the request is computed. Rows are copied out when a unit that
+//! reuses them is committed, from the same cached files.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -65,6 +67,8 @@ pub struct Sources {
     /// Sorted by key, one entry per key.
     index: Vec<Entry>,
     cache: Mutex<VecDeque<(u32, Arc<RecordBatch>)>>,
+    /// Rows the index found whose full key or status did not match ([`Sources::holds`]).
+    mismatched: std::sync::atomic::AtomicU64,
     /// The result columns this run writes: a source file's columns are read as these types.
     schema: arrow::datatypes::SchemaRef,
     pub summary: SourcesSummary,
@@ -94,7 +98,7 @@ impl Sources {
             ResultsLayout::Generate => crate::sink::schema::results_schema(),
             ResultsLayout::Embed { dimensions } => crate::sink::schema::embeddings_schema(dimensions),
         });
-        let mut sources = Sources { outputs: Vec::new(), files: Vec::new(), index: Vec::new(), cache: Mutex::default(), schema, summary: SourcesSummary::default() };
+        let mut sources = Sources { outputs: Vec::new(), files: Vec::new(), index: Vec::new(), cache: Mutex::default(), mismatched: Default::default(), schema, summary: SourcesSummary::default() };
         sources.summary.sources = urls.len();
         for url in urls {
             let read = |source| ReuseError::Read { url: url.clone(), source: Box::new(source) };
@@ -162,6 +166,26 @@ impl Sources {
         let i = self.index.binary_search_by_key(&key, |e| e.key).ok()?;
         let e = self.index[i];
         Some(Found { file: e.file, row: e.row })
+    }
+
+    /// Whether the row the index `found` for `key` holds that key in full, as a succeeded row, so it may serve
+    /// the request. The index compares keys' first 16 bytes; a row whose key shares only those is not served (the
+    /// request is computed), counted and named in the log once.
+    pub async fn holds(&self, key: &RequestKey, found: Found) -> Result<bool, ReuseError> {
+        let batch = self.file(found.file).await?;
+        let row = found.row as usize;
+        let text = |name: &str| batch.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).filter(|c| row < c.len() && c.is_valid(row)).map(|c| c.value(row));
+        let holds = text("request_key") == Some(key.hex().as_str()) && text("status") == Some("succeeded");
+        if !holds && self.mismatched.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0 {
+            let (o, relative) = &self.files[found.file as usize];
+            warn!(source = %self.outputs[*o].url(), file = %relative, row, "a reuse source row indexed under a request's key holds another key (a forged or damaged source); it is not served, and the request is computed (further ones are counted)");
+        }
+        Ok(holds)
+    }
+
+    /// Rows the index found that [`Sources::holds`] did not serve.
+    pub fn mismatched(&self) -> u64 {
+        self.mismatched.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Reads the results of a unit's reused rows from their sources, a source file at a time (cached). Each file's

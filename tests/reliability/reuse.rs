@@ -123,6 +123,43 @@ fn nightly_reuse(store: Store) {
         for (id, row) in &rows2 {
             assert_eq!(computed_part(&rows[id]), computed_part(row), "{id}");
         }
+
+        // A forged source: three rows night 2 reuses get keys that share only their first 128 bits (the
+        // index's) with the real ones, and other text. They are not served but computed; the rest is reused.
+        let forged_dir = world.dir.join("night1-forged");
+        let status = Command::new("cp").args(["-r", &night1_url, forged_dir.to_str().unwrap()]).status().unwrap();
+        assert!(status.success());
+        let script = "import glob, sys, pyarrow as pa, pyarrow.parquet as pq\n\
+                      served = set(sys.argv[2].split(','))\n\
+                      f = sorted(glob.glob(sys.argv[1] + '/data/**/*.parquet', recursive=True))[0]\n\
+                      t = pq.read_table(f)\n\
+                      keys, texts, ids = (t.column(c).to_pylist() for c in ('request_key', 'text', 'id'))\n\
+                      forged = [i for i in range(len(ids)) if ids[i] in served][:3]\n\
+                      for i in forged:\n    \
+                          keys[i] = keys[i][:32] + ('0' * 32 if keys[i][32:] != '0' * 32 else '1' * 32)\n    \
+                          texts[i] = 'FORGED'\n\
+                      for name, values in (('request_key', keys), ('text', texts)):\n    \
+                          k = t.schema.get_field_index(name)\n    \
+                          t = t.set_column(k, t.schema.field(k), pa.array(values, t.schema.field(k).type))\n\
+                      pq.write_table(t, f)\n\
+                      print(','.join(ids[i] for i in forged))";
+        let served: Vec<&str> = ids2.iter().filter(|id| !changed.contains(id)).map(String::as_str).collect();
+        let out = Command::new("python3").args(["-c", script, forged_dir.to_str().unwrap(), &served.join(",")]).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let forged: Vec<String> = String::from_utf8_lossy(&out.stdout).trim().split(',').map(str::to_string).collect();
+        assert_eq!(forged.len(), 3, "{forged:?}");
+        let job = world.job_over("night2-forged", &input2, "");
+        let run = finish(world.spawn_with(&job, &["--reuse", forged_dir.to_str().unwrap()], &[]));
+        run.assert_ok();
+        assert!(run.stderr.contains("holds another key") && run.stderr.contains("rows=3"), "{}", run.stderr);
+        let output = world.output("night2-forged");
+        assert_eq!(sum(&output, "reused_rows"), (ids2.len() - changed.len() - 3) as f64);
+        assert_eq!(sum(&output, "computed_rows"), (changed.len() + 3) as f64);
+        let rows = output.results_json();
+        for (id, row) in &rows2 {
+            assert_eq!(computed_part(&rows[id]), computed_part(row), "{id}");
+            assert_eq!(rows[id].get("reused_from").is_none(), changed.contains(id) || forged.contains(id), "{id}");
+        }
     }
 }
 

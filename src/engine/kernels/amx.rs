@@ -268,11 +268,19 @@ const Q4: u8 = 0;
 const U8: u8 = 1;
 const S8: u8 = 2;
 
+/// The AMX level's kernels, for weight rows `rows` (whole panels) times every activation row: [`run`], once
+/// [`granted`] says it may.
+pub(super) fn run_checked(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
+    assert!(granted(), "AMX kernels where AMX is not granted (a bug)");
+    // SAFETY: `granted` checked the CPU has every feature the AMX kernels use and Linux granted the tiles.
+    unsafe { run(w, rows, x, out) }
+}
+
 /// Weight rows `rows` (whole panels) times every activation row.
 ///
 /// Safety: the CPU has AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C, and Linux has granted the tiles ([`granted`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
+unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     let (tiles, pairs) = (x.rows() / ROWS, (rows.end.div_ceil(PANEL) - rows.start / PANEL) / 2);
     match w.data {
         _ if tiles == 0 || pairs == 0 => super::x86::avx512_vnni::run(w, rows, x, out),

@@ -475,7 +475,7 @@ fn run_rows(level: Level, w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     assert!(rows.end <= w.n && x.k == w.k && rows.start.is_multiple_of(PANEL), "kernel rows out of range (a bug)");
     match level {
         #[cfg(target_arch = "x86_64")]
-        Level::Amx => x86::run_amx(w, rows, x, out),
+        Level::Amx => amx::run_checked(w, rows, x, out),
         #[cfg(target_arch = "x86_64")]
         Level::Vnni => x86::run_vnni(w, rows, x, out),
         #[cfg(target_arch = "x86_64")]

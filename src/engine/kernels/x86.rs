@@ -387,12 +387,6 @@ pub(super) fn run_avx2(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     unsafe { avx2::run(w, rows, x, out) }
 }
 
-pub(super) fn run_amx(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
-    assert!(super::amx::granted(), "AMX kernels where AMX is not granted (a bug)");
-    // SAFETY: `granted` checked the CPU has every feature the AMX kernels use and Linux granted the tiles.
-    unsafe { super::amx::run(w, rows, x, out) }
-}
-
 pub(super) fn run_vnni(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     assert!(has_avx2(), "VNNI kernels on a CPU without AVX2 (a bug)");
     if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
