@@ -6,7 +6,8 @@ use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
 use crate::engine::models::bert::{self, Encoder, EncoderInfo};
-use crate::engine::models::llama::{self, AttentionPlan, Model, ModelConfig, ModelInfo};
+use crate::engine::attention::AttentionPlan;
+use crate::engine::models::llama::{self, Model, ModelConfig, ModelInfo};
 use crate::engine::models::t5::{T5Config, T5};
 use crate::engine::seq2seq::{Seq2SeqEngine, MAX_SOURCE_TOKENS};
 use crate::engine::{self, BatchConfig, DecoderSetup, Engine, ModelError, StopRules};

@@ -107,7 +107,7 @@ pub fn attention(options: &KernelBenchOptions) -> Result<Vec<AttentionMeasuremen
     let noise = |n: usize, salt: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7919 + salt * 104_729) % 2001) as f32 / 1000.0 - 1.0).collect() };
     let mut out = Vec::new();
     for dtype in [DType::F32, DType::F16] {
-        let host = HostAttention::for_config(&config, dtype);
+        let host = HostAttention::for_shape(config.attention_shape(config.heads * config.head_dim), dtype);
         for &context in &options.contexts {
             let context = context.clamp(1, config.context_length);
             let mut caches: Vec<_> = (0..options.seqs).map(|s| host.filled_cache(&noise(context * row, 2 * s), &noise(context * row, 2 * s + 1), context)).collect();

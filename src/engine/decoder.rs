@@ -15,7 +15,8 @@ use crate::tokenize::Tokenizer;
 
 use super::choice::{self, token_logprob, ChoiceState, RowTiming, Rules, StopRules};
 use super::constraint::{self, Grammar};
-use super::models::llama::{Attention, AttentionPlan, Backend, HostAttention, KvCache, Model, ModelConfig, PagedAttention, Segment, StepLogits, KV_BLOCK_TOKENS};
+use super::attention::{Attention, AttentionPlan, Backend, HostAttention, KvCache, PagedAttention, Segment, KV_BLOCK_TOKENS};
+use super::models::llama::{Model, ModelConfig, StepLogits};
 use super::{Engine, EngineError, EngineStats, Request};
 use crate::job::GenerationParams;
 use crate::outcome::{Choice, Outcome, RowFailure, TokenLogprob};

@@ -10,6 +10,7 @@
 //! Every generating engine keeps each choice's decode state in a [`choice::ChoiceState`] (sampling, stops,
 //! log-probabilities) and makes its rows' results with the same arithmetic.
 
+pub mod attention;
 pub mod choice;
 pub mod constraint;
 pub mod decoder;
@@ -28,7 +29,8 @@ use crate::row::{RowError, RowParams, RowTag};
 pub use choice::{StopRules, StopScan};
 pub use decoder::{check_params, decoder_engine, grammars, BatchConfig, BatchEngine, DecoderSetup};
 pub use device::{device_memory_available, device_memory_in_use, device_name, kv_cache_bytes, select_device};
-pub use models::llama::{Attention, AttentionPlan, Backend, HostAttention, KvCache, Layout, Model, ModelConfig, ModelInfo, PagedAttention, Segment, StepLogits, KV_BLOCK_TOKENS};
+pub use attention::{Attention, AttentionModel, AttentionPlan, AttentionShape, Backend, HostAttention, KvCache, PagedAttention, Segment, KV_BLOCK_TOKENS};
+pub use models::llama::{Layout, Model, ModelConfig, ModelInfo, StepLogits};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {

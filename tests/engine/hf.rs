@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::models::{llama, mistral, qwen2, qwen3};
-use nightshift::engine::models::llama::HostCache;
+use nightshift::engine::attention::HostCache;
 use nightshift::engine::{Attention, HostAttention, KvCache, Model, Segment};
 
 use crate::support::*;

@@ -6,22 +6,12 @@
 //! sequence's current length. A prefill is a segment of a whole prompt; a decode step is a segment of one token;
 //! several of both are packed into one pass, so every weight matrix is read once per step for all of them.
 //!
-//! [`Model::forward_step`] is the only layer loop: norms, projections and the feed-forward network are the
-//! model's, and each layer's attention is its [`Attention`] backend's, which rotates queries and keys (RoPE at
-//! each token's own position), writes the step's keys and values into its own cache type and attends. Two
-//! backends:
-//! - [`HostAttention`] ([`host`]): the CPU's. Blocked f32 caches in host memory, attention in plain Rust, parallel
-//!   over (segment, kv head, tile of new tokens), computing each block in place.
-//! - [`PagedAttention`] ([`paged`]): every accelerator's (and the CPU's when asked, `runtime.attention =
-//!   "paged-tiled"`, which is how the CPU tests run the loop GPUs run). A device pool of blocks in the activations' dtype, attention in
-//!   candle tensor ops, greedy tokens chosen on the device.
-//!
-//! [`AttentionPlan::choose`] picks one for a loaded model and the job's `runtime.attention`.
+//! [`Model::forward_step`] is the layer loop: norms, projections and the feed-forward network are the model's,
+//! and each layer's attention is an [`Attention`] backend's (`engine::attention`: the CPU's host backend or the
+//! paged pool), which sees the model through [`AttentionModel`].
 
 pub mod gguf;
 pub mod hf;
-pub mod host;
-pub mod paged;
 
 use std::path::Path;
 
@@ -31,12 +21,11 @@ use crate::engine::kernels::Matrix;
 use candle_core::{DType, Device, Module, Tensor, D};
 use rayon::prelude::*;
 
+use crate::engine::attention::{Attention, AttentionModel, AttentionShape, KvCache, Segment};
 use crate::engine::ModelError;
-use crate::job::{AttentionChoice, ComputeDtype, CpuWeights, KvCacheDtype};
+use crate::job::{ComputeDtype, CpuWeights};
 use crate::tokenize::VocabMetadata;
 pub use gguf::Layout;
-pub use host::{HostAttention, HostCache};
-pub use paged::{PagedAttention, PagedCache};
 
 /// The longest context a model may declare; far beyond today's models, small enough to bound allocations.
 const MAX_CONTEXT: usize = 1 << 22;
@@ -67,7 +56,20 @@ impl ModelConfig {
     /// Bytes of one block of [`KV_BLOCK_TOKENS`] positions of a sequence's cache, every layer's keys and values
     /// held in `kv_dtype`.
     pub fn kv_block_bytes(&self, kv_dtype: DType) -> usize {
-        self.layers * 2 * self.kv_heads * self.head_dim * kv_dtype.size_in_bytes() * BLOCK
+        crate::engine::attention::kv_block_bytes(self.layers, self.kv_heads, self.head_dim, kv_dtype)
+    }
+
+    /// The attention's shape, its output `out_width` wide in memory.
+    pub fn attention_shape(&self, out_width: usize) -> AttentionShape {
+        AttentionShape {
+            layers: self.layers,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            context_length: self.context_length,
+            out_width,
+            rope_frequencies: rope_frequencies(self),
+        }
     }
 }
 
@@ -150,7 +152,8 @@ pub struct Model {
     /// Widths as laid out in memory: the hidden state and the attention output, each zero-padded to a multiple of
     /// 256 on CPU (see [`Layout`]); equal to the model's widths otherwise.
     width: usize,
-    attn_width: usize,
+    /// The attention as its backends see it (its output `attn_width` wide).
+    attention: AttentionShape,
     embedding: Tensor,
     layers: Vec<Layer>,
     output_norm: Tensor,
@@ -201,206 +204,17 @@ fn rope_frequencies(config: &ModelConfig) -> Vec<f64> {
 }
 
 
-/// cos and sin of position x frequency, `[context_length][head_dim / 2]` each, in f32: the RoPE tables both
-/// backends use.
-fn rope_tables(config: &ModelConfig) -> (Vec<f32>, Vec<f32>) {
-    let frequencies = rope_frequencies(config);
-    let mut cos = Vec::with_capacity(config.context_length * frequencies.len());
-    let mut sin = Vec::with_capacity(config.context_length * frequencies.len());
-    for pos in 0..config.context_length {
-        for freq in &frequencies {
-            let angle = pos as f64 * freq;
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
-        }
-    }
-    (cos, sin)
-}
-
-/// Positions per block of the KV cache: the width of the host backend's score vectors, and the unit the
-/// scheduler books and the prefix cache keeps. 32 in a build with flash-attention, whose paged kernel takes
-/// blocks of a multiple of 32 positions.
-pub const KV_BLOCK_TOKENS: usize = if cfg!(feature = "flash-attn") { 32 } else { 16 };
-const BLOCK: usize = KV_BLOCK_TOKENS;
-
-/// New tokens of one sequence for one forward pass, and that sequence's cache (of the backend's kind).
-pub struct Segment<'a, C> {
-    pub tokens: &'a [u32],
-    pub cache: &'a mut C,
-}
-
-/// The keys and values of one sequence, all layers, held by a backend ([`Attention::Cache`]).
-pub trait KvCache {
-    /// Positions held (the sequence's length so far).
-    fn len(&self) -> usize;
-
-    fn is_empty(&self) -> bool {
-        self.len() == 0
+impl AttentionModel for Model {
+    fn attention_shape(&self) -> &AttentionShape {
+        &self.attention
     }
 
-    /// Blocks of [`KV_BLOCK_TOKENS`] positions held (per layer; the same in every layer).
-    fn blocks(&self) -> usize;
-}
-
-/// An attention backend: it owns a cache type, and for each layer of a step it rotates the new queries and keys,
-/// writes the keys and values into the caches and attends. [`Model::forward_step`] drives it:
-/// [`Attention::begin`] once per step, [`Attention::attend`] once per layer, [`Attention::advance`] after the
-/// last.
-pub trait Attention {
-    type Cache: KvCache;
-    /// What a step prepares once and every layer reads (positions, block tables, masks).
-    type Step;
-
-    /// An empty cache, with room in its block table for `capacity_tokens` (blocks are taken as it fills).
-    fn new_cache(&self, capacity_tokens: usize) -> Self::Cache;
-
-    /// A full block of a sequence's cache, held by reference: what the prefix cache keeps and other sequences'
-    /// caches start from.
-    type Block: Clone + Send;
-
-    /// A copy of a sequence's cache, for a fork (`n` choices). Can fail (a full pool, a device error).
-    fn fork(&self, cache: &Self::Cache) -> candle_core::Result<Self::Cache>;
-
-    /// Block `index` of a cache (a full one), to be shared; `None` when there is no such block.
-    fn share_block(&self, cache: &Self::Cache, index: usize) -> Option<Self::Block>;
-
-    /// A cache whose first positions are the given full blocks' (shared, not copied), with room in its block table
-    /// for `capacity_tokens`.
-    fn cache_from_blocks(&self, blocks: Vec<Self::Block>, capacity_tokens: usize) -> Self::Cache;
-
-    /// KV cache bytes of one block of [`KV_BLOCK_TOKENS`] positions, all layers.
-    fn block_bytes(&self) -> usize;
-
-    /// Makes room for the step's new positions (`positions`: every new token's, in step order) and builds the
-    /// tables every layer uses. Fails, leaving every cache as it was, when the room is not there.
-    fn begin(&self, segments: &mut [Segment<'_, Self::Cache>], positions: &[usize]) -> candle_core::Result<Self::Step>;
-
-    /// One layer's attention: `q` `[tokens, heads x head_dim]`, `k` and `v` `[tokens, kv_heads x head_dim]`, before
-    /// RoPE. Writes the keys and values at each segment's positions and returns the attention output
-    /// `[tokens, width]`, `width` being the model's laid-out attention width (zero-padded past `heads x head_dim`).
-    fn attend(&self, step: &Self::Step, layer: usize, qkv: [Tensor; 3], segments: &mut [Segment<'_, Self::Cache>]) -> candle_core::Result<Tensor>;
-
-    /// Whether the backend attends on host vectors ([`Attention::attend_host`]): the host backend's, so that the
-    /// layer loop can keep a CPU step's activations in host memory from the embedding to the head.
-    fn host_vectors(&self) -> bool {
-        false
+    fn device(&self) -> &Device {
+        &self.device
     }
 
-    /// [`Attention::attend`] on host vectors: `qkv` `[tokens][heads x head_dim]` and twice `[tokens][kv_heads x
-    /// head_dim]`, row-major, before RoPE; returns the attention output `[tokens][width]`. Only for a backend whose
-    /// [`Attention::host_vectors`] says so.
-    fn attend_host(&self, _step: &Self::Step, _layer: usize, _qkv: [Vec<f32>; 3], _segments: &mut [Segment<'_, Self::Cache>]) -> candle_core::Result<Vec<f32>> {
-        candle_core::bail!("this attention backend does not attend on host vectors (a bug)")
-    }
-
-    /// After the last layer: every cache holds its segment's new tokens.
-    fn advance(&self, segments: &mut [Segment<'_, Self::Cache>]);
-
-    /// Whether a greedy row's token is chosen where the logits are ([`StepLogits::Argmax`]), sparing the read-back of
-    /// its logits: on an accelerator, yes; on the CPU the logits are in memory already.
-    fn device_argmax(&self) -> bool;
-}
-
-/// The attention a loaded model runs: its backend and, on the paged one, whether flash-attention's kernel
-/// attends (otherwise the tiles).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct AttentionPlan {
-    pub backend: Backend,
-    pub flash: bool,
-}
-
-impl AttentionPlan {
-    /// What `runtime.attention` asks for, for a loaded model: `auto` is [`Backend::for_model`]'s backend with
-    /// flash-attention where it can run; a named one that cannot run here is refused with a message for the
-    /// job's author.
-    pub fn choose(model: &Model, asked: AttentionChoice) -> Result<AttentionPlan, String> {
-        let flash_here = PagedAttention::flash_available(model.device(), model.dtype());
-        let (backend, flash) = match asked {
-            AttentionChoice::Auto => {
-                let backend = Backend::for_model(model);
-                (backend, backend == Backend::Paged && flash_here)
-            }
-            AttentionChoice::Host if model.device().is_cpu() && model.dtype() == DType::F32 => (Backend::Host, false),
-            AttentionChoice::Host => {
-                return Err(format!(
-                    "is \"host\", which computes f32 models on the CPU; this model is in {} on {}: use \"auto\" or \"paged-tiled\"",
-                    model.dtype().as_str(),
-                    if model.device().is_cpu() { "the CPU" } else { "an accelerator" }
-                ))
-            }
-            AttentionChoice::PagedTiled => (Backend::Paged, false),
-            AttentionChoice::PagedFlash if flash_here => (Backend::Paged, true),
-            AttentionChoice::PagedFlash => {
-                return Err(format!(
-                    "is \"paged-flash\", which needs a build with the `flash-attn` feature, CUDA and an f16 or bf16 model{}: use \"auto\" or \"paged-tiled\"",
-                    if cfg!(feature = "flash-attn") { "" } else { " (this build has no `flash-attn`)" }
-                ))
-            }
-        };
-        Ok(AttentionPlan { backend, flash })
-    }
-
-    /// `host`, `paged-tiled` or `paged-flash`, as the log, the metrics and the results' numerics name it.
-    pub fn name(self) -> &'static str {
-        match (self.backend, self.flash) {
-            (Backend::Host, _) => "host",
-            (Backend::Paged, false) => "paged-tiled",
-            (Backend::Paged, true) => "paged-flash",
-        }
-    }
-}
-
-/// Which attention backend a model runs on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Backend {
-    /// [`HostAttention`]: the CPU, in f32.
-    Host,
-    /// [`PagedAttention`]: every accelerator, any dtype; the CPU when `runtime.attention` asks for it.
-    Paged,
-}
-
-impl Backend {
-    /// The backend `runtime.attention = "auto"` takes for a loaded model: the host backend for an f32 model on
-    /// the CPU, the paged one otherwise.
-    pub fn for_model(model: &Model) -> Backend {
-        if !model.device.is_cpu() || model.dtype() != DType::F32 {
-            Backend::Paged
-        } else {
-            Backend::Host
-        }
-    }
-
-    /// The dtype of the KV cache a job asks for (`runtime.kv_cache_dtype`) on this backend. The host backend holds
-    /// f32 (`auto`: the dtype it computes in), f16 or bf16. The paged backend holds the activations' dtype, which
-    /// `auto` names; another is refused with a message for the job's author.
-    pub fn kv_dtype(self, model: &Model, asked: KvCacheDtype) -> Result<DType, String> {
-        let named = match asked {
-            KvCacheDtype::Auto => None,
-            KvCacheDtype::F32 => Some(DType::F32),
-            KvCacheDtype::F16 => Some(DType::F16),
-            KvCacheDtype::Bf16 => Some(DType::BF16),
-        };
-        match (self, named) {
-            (Backend::Host, Some(dtype)) => Ok(dtype),
-            (Backend::Host, None) => Ok(DType::F32),
-            (Backend::Paged, None) => Ok(model.dtype()),
-            (Backend::Paged, Some(dtype)) if dtype == model.dtype() => Ok(dtype),
-            (Backend::Paged, Some(_)) => Err(format!(
-                "\"{}\" is for the CPU's host backend; on {} the KV cache holds the activations' dtype, {} (\"auto\")",
-                asked.name(),
-                if model.device().is_cpu() { "the paged backend" } else { "an accelerator" },
-                model.dtype().as_str()
-            )),
-        }
-    }
-
-    /// KV cache bytes of one block on this backend, its keys and values held in `kv_dtype` ([`Backend::kv_dtype`]).
-    pub fn block_bytes(self, model: &Model, kv_dtype: DType) -> usize {
-        model.config.kv_block_bytes(kv_dtype)
-    }
-
-    pub fn is_paged(self) -> bool {
-        self == Backend::Paged
+    fn dtype(&self) -> DType {
+        self.dtype()
     }
 }
 
@@ -492,9 +306,9 @@ impl Model {
         Model {
             host_norms,
             width: embedding.dims().last().copied().unwrap_or(config.hidden_size),
+            attention: config.attention_shape(attn_width),
             config,
             device: device.clone(),
-            attn_width,
             embedding,
             layers,
             output_norm,

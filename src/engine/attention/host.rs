@@ -9,13 +9,13 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
-use super::{Attention, KvCache, Model, ModelConfig, Segment, BLOCK};
+use super::{Attention, AttentionModel, AttentionShape, KvCache, Segment, BLOCK};
 use crate::engine::kernels::elementwise::{exp, narrow_f16, widen_bf16, widen_f16};
 use crate::engine::kernels::Level;
 
-/// The host backend: the model's shapes, its RoPE tables and the laid-out width of the attention output.
+/// The host backend: the attention's shape, its RoPE tables and the laid-out width of the attention output.
 pub struct HostAttention {
-    config: ModelConfig,
+    shape: AttentionShape,
     /// The attention output's width in memory (zero-padded past `heads x head_dim` in a padded layout).
     out_width: usize,
     /// cos and sin of position x frequency, `[context_length][head_dim / 2]` each.
@@ -161,26 +161,21 @@ pub struct HostStep {
 impl HostAttention {
     /// The host backend for a model on the CPU in f32 (the only dtype its kernels compute in), its cache holding
     /// keys and values in `kv_dtype` (f32, f16 or bf16).
-    pub fn new(model: &Model, kv_dtype: DType) -> candle_core::Result<HostAttention> {
+    pub fn new(model: &impl AttentionModel, kv_dtype: DType) -> candle_core::Result<HostAttention> {
         if !model.device().is_cpu() || model.dtype() != DType::F32 {
             candle_core::bail!("the host attention backend runs f32 models on the CPU; this one is {:?} on {:?}", model.dtype(), model.device().location());
         }
         if !matches!(kv_dtype, DType::F32 | DType::F16 | DType::BF16) {
             candle_core::bail!("the host attention backend holds keys and values in f32, f16 or bf16, not {kv_dtype:?}");
         }
-        Ok(HostAttention::build(&model.config, model.attn_width, kv_dtype))
+        Ok(HostAttention::for_shape(model.attention_shape().clone(), kv_dtype))
     }
 
-    /// The backend for a configuration alone (no weights): what `bench kernels` measures attention with. The
-    /// attention output is `heads x head_dim` wide.
-    pub fn for_config(config: &ModelConfig, kv_dtype: DType) -> HostAttention {
-        HostAttention::build(config, config.heads * config.head_dim, kv_dtype)
-    }
-
-    fn build(config: &ModelConfig, out_width: usize, kv_dtype: DType) -> HostAttention {
-        let (rope_cos, rope_sin) = super::rope_tables(config);
-        let block_bytes = config.kv_block_bytes(kv_dtype);
-        HostAttention { config: config.clone(), out_width, rope_cos, rope_sin, kv_dtype, block_bytes, device: Device::Cpu }
+    /// The backend for a shape alone (no weights): what `bench kernels` measures attention with.
+    pub fn for_shape(shape: AttentionShape, kv_dtype: DType) -> HostAttention {
+        let (rope_cos, rope_sin) = shape.rope_tables();
+        let block_bytes = shape.kv_block_bytes(kv_dtype);
+        HostAttention { out_width: shape.out_width, shape, rope_cos, rope_sin, kv_dtype, block_bytes, device: Device::Cpu }
     }
 
     /// One decode step's attention over every layer for sequences already holding `caches` (one new token each,
@@ -190,7 +185,7 @@ impl HostAttention {
         const ONE: [u32; 1] = [0];
         let segments: Vec<Segment<'_, HostCache>> = caches.iter_mut().map(|cache| Segment { tokens: &ONE, cache }).collect();
         let mut out = Vec::new();
-        for layer in 0..self.config.layers {
+        for layer in 0..self.shape.layers {
             out = self.attention(layer, q, &segments);
         }
         out
@@ -200,7 +195,7 @@ impl HostAttention {
     /// same) but the last, whose keys and values are written and which attention then sees as the new token's.
     pub fn filled_cache(&self, k: &[f32], v: &[f32], len: usize) -> HostCache {
         let mut cache = self.new_cache(len);
-        for layer in 0..self.config.layers {
+        for layer in 0..self.shape.layers {
             cache.write(layer, 0, k, v);
         }
         cache.len = len - 1;
@@ -210,10 +205,10 @@ impl HostAttention {
     /// Rotary embedding of one token's heads, pairs of adjacent values (GGUF llama weights are permuted for it, and
     /// Hugging Face ones at load, see [`super::hf`]).
     fn rope(&self, heads: &mut [f32], pos: usize) {
-        let half = self.config.head_dim / 2;
+        let half = self.shape.head_dim / 2;
         let cos = &self.rope_cos[pos * half..(pos + 1) * half];
         let sin = &self.rope_sin[pos * half..(pos + 1) * half];
-        for head in heads.chunks_exact_mut(self.config.head_dim) {
+        for head in heads.chunks_exact_mut(self.shape.head_dim) {
             for i in 0..half {
                 let (a, b) = (head[2 * i], head[2 * i + 1]);
                 head[2 * i] = a * cos[i] - b * sin[i];
@@ -228,7 +223,7 @@ impl HostAttention {
     /// copies) and every token of the tile, with an online softmax. Sequences of different lengths never need
     /// padding or masks between them, and a row's result depends only on its own sequence.
     fn attention(&self, layer: usize, q: &[f32], segments: &[Segment<'_, HostCache>]) -> Vec<f32> {
-        let cfg = &self.config;
+        let cfg = &self.shape;
         let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
         let mut starts = Vec::with_capacity(segments.len());
         let mut offset = 0;
@@ -276,7 +271,7 @@ impl HostAttention {
 
     #[inline(always)]
     fn attend_tile_body(&self, layer: usize, q: &[f32], start: usize, s: &Segment<'_, HostCache>, kv: usize, t0: usize) -> Vec<f32> {
-        let cfg = &self.config;
+        let cfg = &self.shape;
         let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
         let q_row = cfg.heads * hd;
         let scale = 1.0 / (hd as f32).sqrt();
@@ -382,7 +377,7 @@ impl Attention for HostAttention {
     type Block = Arc<HostBlock>;
 
     fn new_cache(&self, capacity_tokens: usize) -> HostCache {
-        let cfg = &self.config;
+        let cfg = &self.shape;
         let blocks = Vec::with_capacity(capacity_tokens.div_ceil(BLOCK));
         HostCache { blocks, dtype: self.kv_dtype, layers: cfg.layers, kv_heads: cfg.kv_heads, head_dim: cfg.head_dim, len: 0 }
     }
@@ -424,7 +419,7 @@ impl Attention for HostAttention {
     }
 
     fn attend_host(&self, step: &HostStep, layer: usize, qkv: [Vec<f32>; 3], segments: &mut [Segment<'_, HostCache>]) -> candle_core::Result<Vec<f32>> {
-        let cfg = &self.config;
+        let cfg = &self.shape;
         let (hd, kv_row) = (cfg.head_dim, cfg.kv_heads * cfg.head_dim);
         let [mut q, mut k, v] = qkv;
         let tokens = step.positions.len();
@@ -548,22 +543,15 @@ const TILE: usize = 8;
 mod tests {
     use super::*;
 
-    fn config() -> ModelConfig {
-        ModelConfig {
-            architecture: "llama".into(),
-            name: None,
-            context_length: 512,
-            hidden_size: 32,
+    fn config() -> AttentionShape {
+        AttentionShape {
             layers: 2,
             heads: 4,
             kv_heads: 2,
             head_dim: 8,
-            ffn_size: 64,
-            rms_eps: 1e-5,
-            rope_base: 10000.0,
-            rope_scaling: None,
-            rope_freq_factors: None,
-            vocab_size: 100,
+            context_length: 512,
+            out_width: 32,
+            rope_frequencies: (0..4).map(|i| 1.0 / 10000f64.powf(2.0 * i as f64 / 8.0)).collect(),
         }
     }
 
@@ -587,7 +575,7 @@ mod tests {
         let cfg = config();
         let (hd, group, kv_row, q_row) = (cfg.head_dim, cfg.heads / cfg.kv_heads, cfg.kv_heads * cfg.head_dim, cfg.heads * cfg.head_dim);
         for dtype in [DType::F32, DType::F16] {
-            let host = HostAttention::for_config(&cfg, dtype);
+            let host = HostAttention::for_shape(cfg.clone(), dtype);
             let held = |x: f32| if dtype == DType::F16 { half::f16::from_f32(x).to_f32() } else { x };
             for len in [1, 15, 16, 17, 100, 300] {
                 let kv: Vec<(Vec<f32>, Vec<f32>)> = (0..3).map(|s| (noise(len * kv_row, 10 * s + len as u64), noise(len * kv_row, 10 * s + 5 + len as u64))).collect();

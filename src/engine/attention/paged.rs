@@ -33,11 +33,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::{DType, Device, Tensor};
 
-use super::{Attention, Backend, KvCache, Model, ModelConfig, Segment, BLOCK};
+use super::{Attention, AttentionModel, AttentionShape, Backend, KvCache, Segment, BLOCK};
 
 /// The paged backend: the model's shapes, RoPE tables on the device and the KV pool.
 pub struct PagedAttention {
-    config: ModelConfig,
+    config: AttentionShape,
     /// The attention output's width in memory (zero-padded past `heads x head_dim` in a padded layout).
     out_width: usize,
     /// cos and sin of position x frequency, `[context_length, head_dim / 2]`, in the activations' dtype.
@@ -351,17 +351,17 @@ pub struct PagedStep {
 impl PagedAttention {
     /// The paged backend for a model, with a pool of `blocks` blocks of [`BLOCK`] positions (allocated on the
     /// device at the first step): the scheduler's budget, which it never books beyond.
-    pub fn new(model: &Model, blocks: usize) -> candle_core::Result<PagedAttention> {
+    pub fn new(model: &impl AttentionModel, blocks: usize) -> candle_core::Result<PagedAttention> {
         Self::with_kernel(model, blocks, Self::flash_available(model.device(), model.dtype()))
     }
 
     /// [`PagedAttention::new`] with flash-attention's kernel (`flash`: where [`PagedAttention::flash_available`])
     /// or the tiles.
     #[cfg_attr(not(feature = "flash-attn"), allow(unused_variables))]
-    pub fn with_kernel(model: &Model, blocks: usize, flash: bool) -> candle_core::Result<PagedAttention> {
-        let config = model.config.clone();
+    pub fn with_kernel(model: &impl AttentionModel, blocks: usize, flash: bool) -> candle_core::Result<PagedAttention> {
+        let config = model.attention_shape().clone();
         let (device, dtype) = (model.device().clone(), model.dtype());
-        let (rope_cos, rope_sin) = super::rope_tables(&config);
+        let (rope_cos, rope_sin) = config.rope_tables();
         let half = config.head_dim / 2;
         let table = |v: Vec<f32>| Tensor::from_vec(v, (config.context_length, half), &device)?.to_dtype(dtype);
         let pool = Pool {
@@ -383,7 +383,7 @@ impl PagedAttention {
             flash,
             #[cfg(feature = "flash-attn")]
             pool_blocks: blocks.max(1),
-            out_width: model.attn_width,
+            out_width: config.out_width,
             cos: table(rope_cos)?,
             sin: table(rope_sin)?,
             pool: Arc::new(Mutex::new(pool)),
