@@ -213,7 +213,7 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
     let kv_bytes = engine::kv_cache_bytes(job.runtime.kv_cache_memory, device);
     let mut batch = BatchConfig::new(job.runtime.max_seqs, job.runtime.max_batch_tokens, kv_bytes, block_bytes);
     batch.prefix_cache = job.runtime.prefix_cache;
-    let longest = batch.max_sequence_tokens(cfg);
+    let longest = batch.max_sequence_tokens(cfg.context_length);
     info!(
         max_seqs = batch.max_seqs, max_batch_tokens = batch.max_batch_tokens, prefix_cache = batch.prefix_cache,
         kv_cache_mib = (batch.kv_blocks * block_bytes) >> 20, kv_tokens = batch.kv_tokens(),

@@ -113,7 +113,7 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
     let numerics = super::run_numerics(&job, &device, &loaded);
     let load::Loaded { mut engine, prepare, weights_bytes, weights_layout, decoder, check, .. } = loaded;
     let load::DecoderPlan { model, batch, block_bytes } = decoder.expect("a generate job loads a decoder");
-    let longest = batch.max_sequence_tokens(&model);
+    let longest = batch.max_sequence_tokens(model.context_length);
     let keys = KeyContext::new(&check.sha256, job.kind, &numerics, &job.generation);
     let sources = match job.reuse.from.is_empty() {
         true => None,

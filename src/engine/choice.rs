@@ -7,7 +7,7 @@ use std::time::Instant;
 
 
 use super::constraint::{Constraint, Grammar};
-use super::models::llama::StepLogits;
+use super::models::StepLogits;
 use super::sampling::{self, Rng};
 use crate::job::GenerationParams;
 use crate::outcome::{Choice, Completion, TokenLogprob, TopLogprob};

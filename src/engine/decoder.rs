@@ -1,4 +1,5 @@
-//! The decoder engine: continuous batching over a llama-family [`Model`] and one of its attention backends.
+//! The decoder engine: continuous batching over any decoder family's model ([`DecoderModel`]) and one of the
+//! attention backends.
 //!
 //! Every step packs the prompts of newly admitted sequences (under a prefill token budget) together with one
 //! decode token of every running sequence into a single forward pass, and a finished sequence's place is free for
@@ -16,7 +17,7 @@ use crate::tokenize::Tokenizer;
 use super::choice::{self, token_logprob, ChoiceState, RowTiming, Rules, StopRules};
 use super::constraint::{self, Grammar};
 use super::attention::{Attention, AttentionPlan, Backend, HostAttention, KvCache, PagedAttention, Segment, KV_BLOCK_TOKENS};
-use super::models::llama::{Model, ModelConfig, StepLogits};
+use super::models::{DecoderModel, StepLogits};
 use super::{Engine, EngineError, EngineStats, Request};
 use crate::job::GenerationParams;
 use crate::outcome::{Choice, Outcome, RowFailure, TokenLogprob};
@@ -49,8 +50,8 @@ impl BatchConfig {
 
     /// The longest sequence (prompt and output) that can run: the model's context, or less when the KV cache
     /// budget holds less.
-    pub fn max_sequence_tokens(&self, model: &ModelConfig) -> usize {
-        model.context_length.min(self.kv_tokens())
+    pub fn max_sequence_tokens(&self, context_length: usize) -> usize {
+        context_length.min(self.kv_tokens())
     }
 
     /// The scheduler's configuration.
@@ -111,7 +112,7 @@ pub struct DecoderSetup {
 
 /// A decoder engine for a loaded model on the attention `setup` names: the host backend, or the paged pool (sized
 /// to `setup.config.kv_blocks`) with its tiles or flash-attention.
-pub fn decoder_engine(model: Model, setup: DecoderSetup) -> Result<Box<dyn Engine>, EngineError> {
+pub fn decoder_engine<M: DecoderModel>(model: M, setup: DecoderSetup) -> Result<Box<dyn Engine>, EngineError> {
     let setting_up = |source| EngineError::Device { what: "setting up the attention backend", source };
     Ok(match setup.attention.backend {
         Backend::Host => Box::new(BatchEngine::new(HostAttention::new(&model, setup.kv_dtype).map_err(setting_up)?, model, setup)),
@@ -151,8 +152,8 @@ struct Group {
     cached_tokens: u32,
 }
 
-pub struct BatchEngine<A: Attention> {
-    model: Model,
+pub struct BatchEngine<A: Attention, M: DecoderModel> {
+    model: M,
     attention: A,
     tokenizer: Tokenizer,
     params: GenerationParams,
@@ -179,10 +180,10 @@ enum Settled {
     Failed(SeqId, String),
 }
 
-impl<A: Attention> BatchEngine<A> {
+impl<A: Attention, M: DecoderModel> BatchEngine<A, M> {
     /// An engine over a loaded model and its attention backend (a paged backend's pool sized to
     /// `setup.config.kv_blocks`, the scheduler's budget).
-    pub fn new(attention: A, model: Model, setup: DecoderSetup) -> Self {
+    pub fn new(attention: A, model: M, setup: DecoderSetup) -> Self {
         let DecoderSetup { tokenizer, params, stop, config, .. } = setup;
         let scheduler = Scheduler::new(config.schedule());
         let stats = EngineStats { kv_blocks: config.kv_blocks, ..EngineStats::default() };
@@ -227,7 +228,7 @@ impl<A: Attention> BatchEngine<A> {
             .collect()
     }
 
-    pub fn model(&self) -> &Model {
+    pub fn model(&self) -> &M {
         &self.model
     }
 
@@ -237,10 +238,10 @@ impl<A: Attention> BatchEngine<A> {
 
     /// [`check_params`] for a row, and its JSON Schema compiled (once per distinct schema, cached by its text).
     fn row_grammar(&mut self, params: &GenerationParams) -> Result<Option<Arc<Grammar>>, (&'static str, String)> {
-        check_params(params, self.model.config.vocab_size, self.config.max_seqs)?;
+        check_params(params, self.model.vocab_size(), self.config.max_seqs)?;
         let Some(schema) = &params.json_schema else { return Ok(None) };
         if self.grammars.is_none() {
-            let built = grammars(&self.tokenizer, self.model.config.vocab_size, &self.stop).map_err(|e| ("generation.json_schema", format!("cannot be used: {e}")))?;
+            let built = grammars(&self.tokenizer, self.model.vocab_size(), &self.stop).map_err(|e| ("generation.json_schema", format!("cannot be used: {e}")))?;
             self.grammars = Some(built);
         }
         let compiled = self.grammars.as_mut().expect("built above").compile(schema);
@@ -255,7 +256,7 @@ impl<A: Attention> BatchEngine<A> {
 
     /// Chooses a sequence's next token and applies it; returns why it finished, if it did.
     fn decide(&mut self, id: SeqId, logits: StepLogits, now: Instant) -> Result<Option<FinishReason>, String> {
-        let limit = self.config.max_sequence_tokens(&self.model.config);
+        let limit = self.config.max_sequence_tokens(self.model.context_length());
         let seq = self.seqs.get_mut(&id).expect("a scheduled sequence exists");
         let group = self.groups.get_mut(&seq.group).expect("a sequence's group exists");
         let rules = Rules { params: &group.params, tokenizer: &self.tokenizer, end_tokens: &self.stop.end_tokens, penalty_prompt: &group.penalty_prompt };
@@ -442,7 +443,7 @@ impl<A: Attention> BatchEngine<A> {
     }
 }
 
-impl<A: Attention> Engine for BatchEngine<A>
+impl<A: Attention, M: DecoderModel> Engine for BatchEngine<A, M>
 where
     A: Send,
     A::Cache: Send,
@@ -464,7 +465,7 @@ where
             Ok(grammar) => grammar,
             Err((key, problem)) => return Err(request.fail(bad(format!("{} {problem}", key.trim_start_matches("generation."))))),
         };
-        let limit = self.config.max_sequence_tokens(&self.model.config);
+        let limit = self.config.max_sequence_tokens(self.model.context_length());
         let completion = request.completion.as_deref().unwrap_or(&[]);
         let prompt = request.tokens.len() + completion.len();
         let scoring = request.completion.is_some();

@@ -2,8 +2,9 @@
 //!
 //! [`Engine`] is the interface the rest of the job sees, the same for every job kind: admit requests while there
 //! is room, call [`Engine::step`], collect the [`Outcome`]s. Three engines implement it:
-//! - [`decoder::BatchEngine`]: llama-family decoders ([`models::llama`]) with continuous batching (generate and
-//!   scoring jobs), over an attention backend: the host backend on the CPU, the paged pool on accelerators;
+//! - [`decoder::BatchEngine`], for decoders (any [`models::DecoderModel`]; today the llama family,
+//!   [`models::llama`]), with continuous batching (generate and scoring jobs), over an attention backend ([`attention`]): the host
+//!   backend on the CPU, the paged pool on accelerators;
 //! - [`seq2seq::Seq2SeqEngine`]: T5 encoder-decoders ([`models::t5`]), with the same continuous batching;
 //! - [`embed::EmbedEngine`]: BERT-family encoders ([`models::bert`]), length-sorted batches of one forward pass.
 //!
@@ -30,7 +31,8 @@ pub use choice::{StopRules, StopScan};
 pub use decoder::{check_params, decoder_engine, grammars, BatchConfig, BatchEngine, DecoderSetup};
 pub use device::{device_memory_available, device_memory_in_use, device_name, kv_cache_bytes, select_device};
 pub use attention::{Attention, AttentionModel, AttentionPlan, AttentionShape, Backend, HostAttention, KvCache, PagedAttention, Segment, KV_BLOCK_TOKENS};
-pub use models::llama::{Layout, Model, ModelConfig, ModelInfo, StepLogits};
+pub use models::llama::{Layout, Model, ModelConfig, ModelInfo};
+pub use models::{DecoderModel, StepLogits};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {

@@ -12,7 +12,7 @@ use std::time::Instant;
 use crate::tokenize::Tokenizer;
 
 use super::choice::{self, ChoiceState, RowTiming, Rules};
-use super::models::llama::StepLogits;
+use super::models::StepLogits;
 use super::models::t5::{DecoderState, T5};
 use super::{Engine, EngineError, EngineStats, Request};
 use crate::job::GenerationParams;

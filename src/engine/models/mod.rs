@@ -4,3 +4,41 @@
 pub mod bert;
 pub mod llama;
 pub mod t5;
+
+use crate::engine::attention::{Attention, AttentionModel, Segment};
+
+/// A decoder family's model as the batch engine drives it ([`crate::engine::BatchEngine`]): a forward pass per
+/// step over new tokens of several sequences, each layer's attention the backend's (which sees the model through
+/// [`AttentionModel`]). A family implements it once; the engine, the scheduler, sampling and the attention
+/// backends are shared.
+pub trait DecoderModel: AttentionModel + Send + 'static {
+    fn vocab_size(&self) -> usize;
+
+    /// The most positions a sequence may hold.
+    fn context_length(&self) -> usize;
+
+    /// Runs every segment's new tokens through the model, appending their keys and values to each segment's
+    /// cache; returns the outputs of the last `outputs[i]` positions of segment `i` (where `greedy[i]`, given, says
+    /// segment `i` needs only its argmax, which a backend that chooses on the device returns as
+    /// [`StepLogits::Argmax`]), and how long building the step's inputs took on the host.
+    fn forward_step_timed<A: Attention>(
+        &self,
+        attention: &A,
+        segments: &mut [Segment<'_, A::Cache>],
+        outputs: &[usize],
+        greedy: &[bool],
+    ) -> candle_core::Result<(Vec<Vec<StepLogits>>, std::time::Duration)>;
+
+    /// Makes the model's device context current on the calling thread (the engine thread, before its first step);
+    /// a no-op on the CPU.
+    fn bind_to_thread(&self) -> candle_core::Result<()>;
+}
+
+/// What one output row of a step comes back as.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StepLogits {
+    /// The logits, f32.
+    Full(Vec<f32>),
+    /// The greedy token (argmax where the logits are).
+    Argmax(u32),
+}

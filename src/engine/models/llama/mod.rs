@@ -21,6 +21,7 @@ use crate::engine::kernels::Matrix;
 use candle_core::{DType, Device, Module, Tensor, D};
 use rayon::prelude::*;
 
+use super::{DecoderModel, StepLogits};
 use crate::engine::attention::{Attention, AttentionModel, AttentionShape, KvCache, Segment};
 use crate::engine::ModelError;
 use crate::job::{ComputeDtype, CpuWeights};
@@ -204,6 +205,30 @@ fn rope_frequencies(config: &ModelConfig) -> Vec<f64> {
 }
 
 
+impl DecoderModel for Model {
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn context_length(&self) -> usize {
+        self.config.context_length
+    }
+
+    fn forward_step_timed<A: Attention>(
+        &self,
+        attention: &A,
+        segments: &mut [Segment<'_, A::Cache>],
+        outputs: &[usize],
+        greedy: &[bool],
+    ) -> candle_core::Result<(Vec<Vec<StepLogits>>, std::time::Duration)> {
+        Model::forward_step_timed(self, attention, segments, outputs, greedy)
+    }
+
+    fn bind_to_thread(&self) -> candle_core::Result<()> {
+        Model::bind_to_thread(self)
+    }
+}
+
 impl AttentionModel for Model {
     fn attention_shape(&self) -> &AttentionShape {
         &self.attention
@@ -216,15 +241,6 @@ impl AttentionModel for Model {
     fn dtype(&self) -> DType {
         self.dtype()
     }
-}
-
-/// What one output row of a step comes back as.
-#[derive(Clone, Debug, PartialEq)]
-pub enum StepLogits {
-    /// The logits, f32.
-    Full(Vec<f32>),
-    /// The greedy token (argmax where the logits are).
-    Argmax(u32),
 }
 
 /// The vocabulary against the model: tokens to tokenize with, and special tokens the embedding has rows for (a BOS
