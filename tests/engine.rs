@@ -97,13 +97,15 @@ fn mixed_types_model() -> std::path::PathBuf {
 
 #[test]
 fn the_host_layer_loop_computes_the_tensor_loops_bits() {
-    the_two_layer_loops_agree(&model_path());
+    the_two_layer_loops_agree(&model_path(), A, B);
     // Matrices of several types in one layer run on the kernels, one group per kind (issue #41, class 5: "not on
     // the kernels (a bug)", exit 1).
-    the_two_layer_loops_agree(&mixed_types_model());
+    the_two_layer_loops_agree(&mixed_types_model(), A, B);
 }
 
-fn the_two_layer_loops_agree(path: &std::path::Path) {
+/// The model at `path` runs its layers on host vectors, and computes there what the tensor loop computes: a prefill
+/// of `a`, then a step packing a decode token beside a prefill of `b`.
+fn the_two_layer_loops_agree(path: &std::path::Path, a: &[u32], b: &[u32]) {
     let (model, _) = Model::load(path, &Device::Cpu).unwrap();
     assert!(model.host_loop(), "{}: the model's layers should run on host vectors", path.display());
     let (tensors, _) = Model::load(path, &Device::Cpu).unwrap();
@@ -112,10 +114,10 @@ fn the_two_layer_loops_agree(path: &std::path::Path) {
     let host = HostAttention::new(&model, DType::F32).unwrap();
     // A prefill, then a step packing a decode token beside a second prompt, through each loop.
     let run = |m: &Model| {
-        let (mut a, mut b) = (host.new_cache(32), host.new_cache(32));
-        let first = m.forward(&host, &mut [Segment { tokens: A, cache: &mut a }]).unwrap().remove(0);
+        let (mut ca, mut cb) = (host.new_cache(32), host.new_cache(32));
+        let first = m.forward(&host, &mut [Segment { tokens: a, cache: &mut ca }]).unwrap().remove(0);
         let next = [nightshift::engine::sampling::argmax(&first)];
-        let second = m.forward(&host, &mut [Segment { tokens: &next, cache: &mut a }, Segment { tokens: B, cache: &mut b }]).unwrap();
+        let second = m.forward(&host, &mut [Segment { tokens: &next, cache: &mut ca }, Segment { tokens: b, cache: &mut cb }]).unwrap();
         (first, second)
     };
     let (host_first, host_second) = run(&model);

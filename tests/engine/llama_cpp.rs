@@ -97,6 +97,20 @@ fn spec(family: Family, head_dim: usize, tied: bool, rope_theta: u32) -> Spec {
     Spec { shape, vocabulary: VOCABULARY, dtype: DType::F32, init: Init::Fidelity, seed: 7 }
 }
 
+/// qwen2's q, k and v biases and qwen3's per-head q and k norms run in the host layer loop too (an f32 model on the
+/// CPU whose matrices are the kernels'), with the tensor loop's bits; so do llama's layers.
+#[test]
+fn every_gguf_family_runs_the_host_layer_loop_with_the_tensor_loops_bits() {
+    let dir = crate::support::scratch("gguf-families-host-loop");
+    for (family, head_dim, tied) in FAMILIES {
+        for quant in [GgmlDType::Q8_0, GgmlDType::F16] {
+            let path = dir.join(format!("{family:?}-{quant:?}.gguf"));
+            synth::write_gguf(&path, &spec(family, head_dim, tied, 10000), quant).unwrap();
+            super::the_two_layer_loops_agree(&path, &[5, 17, 200, 3, 99, 250], &[7, 8, 9, 10, 11, 12, 13, 14, 15]);
+        }
+    }
+}
+
 /// The largest logit difference allowed with F16 weights, over the largest logit: measured 1.7e-4 to 7.6e-4 (Q8_0:
 /// 4.1e-3 to 1.1e-2, allowed 4e-2).
 const F16_TOLERANCE: f32 = 2e-3;

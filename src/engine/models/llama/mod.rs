@@ -12,6 +12,7 @@
 
 pub mod gguf;
 pub mod hf;
+mod layers;
 
 use std::path::Path;
 
@@ -21,6 +22,7 @@ use crate::engine::kernels::Matrix;
 use candle_core::{DType, Device, Module, Tensor, D};
 use rayon::prelude::*;
 
+use layers::{HostLane, HostLayer, Layer, TensorLane};
 use super::{DecoderModel, StepLogits};
 use crate::engine::attention::{Attention, AttentionModel, AttentionShape, KvCache, Segment};
 use crate::engine::ModelError;
@@ -94,59 +96,6 @@ pub struct ModelInfo {
     pub tensor_types: Vec<(String, usize)>,
 }
 
-struct Layer {
-    attn_norm: Tensor,
-    wq: Matrix,
-    wk: Matrix,
-    wv: Matrix,
-    wo: Matrix,
-    /// Biases of the q, k and v projections (Qwen2; llama checkpoints with `attention_bias`), `[rows]` each.
-    qkv_bias: Option<[Tensor; 3]>,
-    /// Bias of the output projection (llama and Qwen3 checkpoints with `attention_bias`).
-    wo_bias: Option<Tensor>,
-    /// Per-head RMSNorm weights of queries and keys, `[head_dim]` each, applied before RoPE (Qwen3).
-    qk_norm: Option<[Tensor; 2]>,
-    ffn_norm: Tensor,
-    w_gate: Matrix,
-    w_up: Matrix,
-    w_down: Matrix,
-}
-
-impl Layer {
-    /// Queries, keys and values of the normed hidden states `h`, `[tokens][heads x head_dim]` each, before RoPE.
-    fn qkv(&self, h: &Tensor, head_dim: usize, eps: f32) -> candle_core::Result<[Tensor; 3]> {
-        let [q, k, v] = matmuls(h, [&self.wq, &self.wk, &self.wv])?;
-        let [q, k, v] = match &self.qkv_bias {
-            Some([bq, bk, bv]) => [q.broadcast_add(bq)?, k.broadcast_add(bk)?, v.broadcast_add(bv)?],
-            None => [q, k, v],
-        };
-        let Some([q_norm, k_norm]) = &self.qk_norm else { return Ok([q, k, v]) };
-        let per_head = |x: Tensor, w: &Tensor| -> candle_core::Result<Tensor> {
-            let (n, width) = x.dims2()?;
-            rms_norm(&x.reshape((n * width / head_dim, head_dim))?, w, eps)?.reshape((n, width))
-        };
-        Ok([per_head(q, q_norm)?, per_head(k, k_norm)?, v])
-    }
-
-    /// The feed-forward network, `down · (silu(gate · h) * (up · h))`: on the CPU's kernels when its matrices are
-    /// packed, by candle otherwise.
-    fn ffn(&self, h: &Tensor) -> candle_core::Result<Tensor> {
-        if let Some(y) = Matrix::ffn_packed(h, &self.w_gate, &self.w_up, &self.w_down)? {
-            return Ok(y);
-        }
-        let [gate, up] = matmuls(h, [&self.w_gate, &self.w_up])?;
-        product(&self.w_down, &(candle_nn::ops::silu(&gate)? * up)?)
-    }
-
-    fn output(&self, attn: &Tensor) -> candle_core::Result<Tensor> {
-        let out = product(&self.wo, attn)?;
-        match &self.wo_bias {
-            Some(b) => out.broadcast_add(b),
-            None => Ok(out),
-        }
-    }
-}
-
 pub struct Model {
     pub config: ModelConfig,
     device: Device,
@@ -161,10 +110,10 @@ pub struct Model {
     lm_head: Matrix,
     /// How the weights are laid out in memory.
     layout: Layout,
-    /// Each layer's two RMSNorm weights as host vectors (attention's, the feed-forward network's), read at load,
-    /// when the layer loop can run on host vectors ([`Model::layers_host`]): an f32 model on the CPU whose matrices
-    /// are all the kernels' and whose layers have no biases or query/key norms. `None` otherwise.
-    host_norms: Option<Vec<[Vec<f32>; 2]>>,
+    /// Each layer's vectors (norm weights, biases) as host vectors, read at load, when the layer loop can run on
+    /// host vectors ([`layers::HostLane`]): an f32 model on the CPU whose matrices are all the kernels'. `None`
+    /// otherwise.
+    host_layers: Option<Vec<HostLayer>>,
 }
 
 /// The weights of a [`Model`], as a loader hands them over.
@@ -308,19 +257,10 @@ impl Model {
     /// A model from its weights. `weights.embedding`'s width is the hidden state's width in memory.
     fn assemble(config: ModelConfig, device: &Device, weights: Weights) -> Model {
         let Weights { embedding, layers, output_norm, lm_head, attn_width, layout } = weights;
-        let host_loop = device.is_cpu()
-            && embedding.dtype() == DType::F32
-            && layers.iter().all(|l| {
-                l.qkv_bias.is_none()
-                    && l.wo_bias.is_none()
-                    && l.qk_norm.is_none()
-                    && [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().all(|m| matches!(m, Matrix::Packed(_)))
-            });
-        let host_norms = host_loop
-            .then(|| layers.iter().map(|l| Ok([l.attn_norm.to_vec1::<f32>()?, l.ffn_norm.to_vec1::<f32>()?])).collect::<candle_core::Result<Vec<_>>>().ok())
-            .flatten();
+        let host_loop = device.is_cpu() && embedding.dtype() == DType::F32 && layers.iter().all(|l| l.matrices().iter().all(|m| matches!(m, Matrix::Packed(_))));
+        let host_layers = host_loop.then(|| layers.iter().map(Layer::host).collect::<candle_core::Result<Vec<_>>>().ok()).flatten();
         Model {
-            host_norms,
+            host_layers,
             width: embedding.dims().last().copied().unwrap_or(config.hidden_size),
             attention: config.attention_shape(attn_width),
             config,
@@ -333,14 +273,14 @@ impl Model {
         }
     }
 
-    /// Whether a CPU step keeps its activations in host memory through the layers ([`Model::layers_host`]).
+    /// Whether a CPU step keeps its activations in host memory through the layers ([`layers::HostLane`]).
     pub fn host_loop(&self) -> bool {
-        self.host_norms.is_some()
+        self.host_layers.is_some()
     }
 
     /// The same model with every layer on candle tensors, for comparing the two layer loops.
     pub fn with_tensor_loop(mut self) -> Model {
-        self.host_norms = None;
+        self.host_layers = None;
         self
     }
 
@@ -451,52 +391,18 @@ impl Model {
         let mut x = self.embedding.index_select(&ids, 0)?;
         // RMSNorm over the laid-out width, with epsilon scaled as the weights were (see `gguf::padded_norm`).
         let eps = cfg.rms_eps * (cfg.hidden_size as f32 / self.width as f32);
-        if let (Some(norms), true) = (&self.host_norms, attention.host_vectors()) {
-            x = self.layers_host(attention, &step, segments, norms, x, eps)?;
-        } else {
-            for (li, layer) in self.layers.iter().enumerate() {
-                let h = rms_norm(&x, &layer.attn_norm, eps)?;
-                let qkv = layer.qkv(&h, cfg.head_dim, cfg.rms_eps)?;
-                let attn = attention.attend(&step, li, qkv, segments)?;
-                x = (x + layer.output(&attn)?)?;
-                let h = rms_norm(&x, &layer.ffn_norm, eps)?;
-                x = (x + layer.ffn(&h)?)?;
+        x = match (&self.host_layers, attention.host_vectors()) {
+            (Some(host), true) => {
+                let (rows, width) = x.dims2()?;
+                let lane = HostLane { layers: host, rows };
+                let x = layers::run(&lane, &self.layers, attention, &step, segments, x.flatten_all()?.to_vec1::<f32>()?, cfg.head_dim, (eps, cfg.rms_eps))?;
+                Tensor::from_vec(x, (rows, width), &self.device)?
             }
-        }
+            _ => layers::run(&TensorLane, &self.layers, attention, &step, segments, x, cfg.head_dim, (eps, cfg.rms_eps))?,
+        };
         attention.advance(segments);
         let logits = self.head(&x, segments, outputs)?;
         Ok((read_back(&logits, outputs, if attention.device_argmax() { greedy } else { &[] })?, inputs))
-    }
-
-    /// The layers of [`Model::forward_step`] on host vectors, for a model with `host_norms` (its layers' norm
-    /// weights) and a backend that attends on them: the same arithmetic as the tensor loop (`rms_norm_host`'s RMSNorm, row
-    /// by row, and exact adds), so the same bits, without a copy between candle tensors and the kernels' vectors at
-    /// every product, norm and residual add. `x`: the embedded tokens `[n, width]`; returns the last hidden states.
-    fn layers_host<A: Attention>(
-        &self,
-        attention: &A,
-        step: &A::Step,
-        segments: &mut [Segment<'_, A::Cache>],
-        norms: &[[Vec<f32>; 2]],
-        x: Tensor,
-        eps: f32,
-    ) -> candle_core::Result<Tensor> {
-        let (n, width) = x.dims2()?;
-        let mut x = x.flatten_all()?.to_vec1::<f32>()?;
-        let packed = |what: &str| candle_core::Error::Msg(format!("{what} of the host layer loop is not on the kernels (a bug)"));
-        for (li, (layer, [attn_norm, ffn_norm])) in self.layers.iter().zip(norms).enumerate() {
-            let h = rms_norm_host(&x, attn_norm, eps);
-            let qkv: [Vec<f32>; 3] = Matrix::products_host(&h, n, &[&layer.wq, &layer.wk, &layer.wv])?
-                .and_then(|o| o.try_into().ok())
-                .ok_or_else(|| packed("the q, k and v products"))?;
-            let attn = attention.attend_host(step, li, qkv, segments)?;
-            let out = Matrix::products_host(&attn, n, &[&layer.wo])?.and_then(|mut o| o.pop()).ok_or_else(|| packed("the output projection"))?;
-            add_assign(&mut x, &out);
-            let h = rms_norm_host(&x, ffn_norm, eps);
-            let y = Matrix::ffn_host(&h, n, &layer.w_gate, &layer.w_up, &layer.w_down)?.ok_or_else(|| packed("the feed-forward network"))?;
-            add_assign(&mut x, &y);
-        }
-        Tensor::from_vec(x, (n, width), &self.device)
     }
 
     /// Checks a step's segments (outputs, context, vocabulary); returns every new token's position and id, in
