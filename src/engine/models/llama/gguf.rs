@@ -9,7 +9,9 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
+use super::layers::vectors;
 use super::{Layer, Model, ModelConfig, ModelInfo, Weights, MAX_CONTEXT};
+use crate::engine::models::lanes::Vector;
 use crate::engine::kernels::Matrix;
 use crate::engine::ModelError;
 use crate::job::CpuWeights;
@@ -605,7 +607,20 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
             true => Some([vector("attn_q_norm.weight", true)?, vector("attn_k_norm.weight", true)?]),
             false => None,
         };
-        layers.push(Layer { attn_norm, wq, wk, wv, wo, qkv_bias, wo_bias, qk_norm, ffn_norm, w_gate, w_up, w_down });
+        layers.push(Layer {
+            attn_norm: attn_norm.into(),
+            wq,
+            wk,
+            wv,
+            wo,
+            qkv_bias: vectors(qkv_bias),
+            wo_bias: wo_bias.map(Vector::from),
+            qk_norm: vectors(qk_norm),
+            ffn_norm: ffn_norm.into(),
+            w_gate,
+            w_up,
+            w_down,
+        });
     }
     let output_norm = qtensor("output_norm.weight")?;
     let output_norm = output_norm.dequantize(device).and_then(|w| padded_norm(w, width)).map_err(fmt)?;

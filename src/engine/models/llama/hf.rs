@@ -36,6 +36,7 @@ use candle_core::{DType, Device, Tensor};
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::layers::vectors;
 use super::{Layer, Model, ModelConfig, ModelInfo, RopeScaling, Weights, MAX_CONTEXT};
 use crate::job::ComputeDtype;
 use crate::engine::ModelError;
@@ -446,15 +447,15 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
             false => None,
         };
         layers.push(Layer {
-            attn_norm: load(&p("input_layernorm.weight"))?,
+            attn_norm: load(&p("input_layernorm.weight"))?.into(),
             wq: dense(rotary(&p("self_attn.q_proj.weight"))?),
             wk: dense(rotary(&p("self_attn.k_proj.weight"))?),
             wv: dense(load(&p("self_attn.v_proj.weight"))?),
             wo: dense(load(&p("self_attn.o_proj.weight"))?),
-            qkv_bias,
-            wo_bias: if variant.wo_bias { Some(load(&p("self_attn.o_proj.bias"))?) } else { None },
-            qk_norm,
-            ffn_norm: load(&p("post_attention_layernorm.weight"))?,
+            qkv_bias: vectors(qkv_bias),
+            wo_bias: if variant.wo_bias { Some(load(&p("self_attn.o_proj.bias"))?.into()) } else { None },
+            qk_norm: vectors(qk_norm),
+            ffn_norm: load(&p("post_attention_layernorm.weight"))?.into(),
             w_gate: dense(load(&p("mlp.gate_proj.weight"))?),
             w_up: dense(load(&p("mlp.up_proj.weight"))?),
             w_down: dense(load(&p("mlp.down_proj.weight"))?),

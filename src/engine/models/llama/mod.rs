@@ -16,13 +16,13 @@ mod layers;
 
 use std::path::Path;
 
-use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::quantized::QMatMul;
 
 use crate::engine::kernels::Matrix;
-use candle_core::{DType, Device, Module, Tensor, D};
-use rayon::prelude::*;
+use candle_core::{DType, Device, Tensor, D};
 
-use layers::{HostLane, HostLayer, Layer, TensorLane};
+use layers::Layer;
+use super::lanes::{product, rms_norm, HostLane, TensorLane};
 use super::{DecoderModel, StepLogits};
 use crate::engine::attention::{Attention, AttentionModel, AttentionShape, KvCache, Segment};
 use crate::engine::ModelError;
@@ -110,10 +110,9 @@ pub struct Model {
     lm_head: Matrix,
     /// How the weights are laid out in memory.
     layout: Layout,
-    /// Each layer's vectors (norm weights, biases) as host vectors, read at load, when the layer loop can run on
-    /// host vectors ([`layers::HostLane`]): an f32 model on the CPU whose matrices are all the kernels'. `None`
-    /// otherwise.
-    host_layers: Option<Vec<HostLayer>>,
+    /// Whether the layer loop runs on host vectors ([`HostLane`]): an f32 model on the CPU whose matrices are all
+    /// the kernels' (its layers' vectors then kept in host memory too).
+    host_loop: bool,
 }
 
 /// The weights of a [`Model`], as a loader hands them over.
@@ -257,10 +256,13 @@ impl Model {
     /// A model from its weights. `weights.embedding`'s width is the hidden state's width in memory.
     fn assemble(config: ModelConfig, device: &Device, weights: Weights) -> Model {
         let Weights { embedding, layers, output_norm, lm_head, attn_width, layout } = weights;
-        let host_loop = device.is_cpu() && embedding.dtype() == DType::F32 && layers.iter().all(|l| l.matrices().iter().all(|m| matches!(m, Matrix::Packed(_))));
-        let host_layers = host_loop.then(|| layers.iter().map(Layer::host).collect::<candle_core::Result<Vec<_>>>().ok()).flatten();
+        let mut layers = layers;
+        let host_loop = device.is_cpu()
+            && embedding.dtype() == DType::F32
+            && layers.iter().all(|l| l.matrices().iter().all(|m| matches!(m, Matrix::Packed(_))))
+            && layers.iter_mut().try_for_each(Layer::keep_host).is_ok();
         Model {
-            host_layers,
+            host_loop,
             width: embedding.dims().last().copied().unwrap_or(config.hidden_size),
             attention: config.attention_shape(attn_width),
             config,
@@ -275,12 +277,12 @@ impl Model {
 
     /// Whether a CPU step keeps its activations in host memory through the layers ([`layers::HostLane`]).
     pub fn host_loop(&self) -> bool {
-        self.host_layers.is_some()
+        self.host_loop
     }
 
     /// The same model with every layer on candle tensors, for comparing the two layer loops.
     pub fn with_tensor_loop(mut self) -> Model {
-        self.host_layers = None;
+        self.host_loop = false;
         self
     }
 
@@ -311,9 +313,6 @@ impl Model {
             Matrix::Candle(QMatMul::Tensor(t)) if t.id() == self.embedding.id() => 0,
             other => other.bytes(),
         };
-        let extras = |l: &Layer| {
-            l.qkv_bias.iter().flatten().chain(&l.wo_bias).chain(l.qk_norm.iter().flatten()).map(dense).sum::<usize>()
-        };
         dense(&self.embedding)
             + dense(&self.output_norm)
             + lm_head
@@ -321,10 +320,7 @@ impl Model {
                 .layers
                 .iter()
                 .map(|l| {
-                    dense(&l.attn_norm)
-                        + dense(&l.ffn_norm)
-                        + extras(l)
-                        + [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].into_iter().map(Matrix::bytes).sum::<usize>()
+                    l.vector_bytes() + l.matrices().into_iter().map(Matrix::bytes).sum::<usize>()
                 })
                 .sum::<usize>()
     }
@@ -391,14 +387,13 @@ impl Model {
         let mut x = self.embedding.index_select(&ids, 0)?;
         // RMSNorm over the laid-out width, with epsilon scaled as the weights were (see `gguf::padded_norm`).
         let eps = cfg.rms_eps * (cfg.hidden_size as f32 / self.width as f32);
-        x = match (&self.host_layers, attention.host_vectors()) {
-            (Some(host), true) => {
+        x = match self.host_loop && attention.host_vectors() {
+            true => {
                 let (rows, width) = x.dims2()?;
-                let lane = HostLane { layers: host, rows };
-                let x = layers::run(&lane, &self.layers, attention, &step, segments, x.flatten_all()?.to_vec1::<f32>()?, cfg.head_dim, (eps, cfg.rms_eps))?;
+                let x = layers::run(&HostLane { rows }, &self.layers, attention, &step, segments, x.flatten_all()?.to_vec1::<f32>()?, (eps, cfg.rms_eps))?;
                 Tensor::from_vec(x, (rows, width), &self.device)?
             }
-            _ => layers::run(&TensorLane, &self.layers, attention, &step, segments, x, cfg.head_dim, (eps, cfg.rms_eps))?,
+            false => layers::run(&TensorLane, &self.layers, attention, &step, segments, x, (eps, cfg.rms_eps))?,
         };
         attention.advance(segments);
         let logits = self.head(&x, segments, outputs)?;
@@ -490,89 +485,4 @@ fn select_rows(t: &Tensor, rows: &[u32]) -> candle_core::Result<Tensor> {
         return t.narrow(0, first, rows.len());
     }
     t.index_select(&Tensor::from_vec(rows.to_vec(), rows.len(), t.device())?, 0)
-}
-
-
-/// RMSNorm of `x`'s rows: on the CPU in f32, [`rms_norm_host`]'s arithmetic (so the tensor loop and the host loop
-/// compute the same bits); elsewhere candle's.
-fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
-    if !x.device().is_cpu() || x.dtype() != DType::F32 || weight.dtype() != DType::F32 {
-        return candle_nn::ops::rms_norm(x, weight, eps);
-    }
-    let values = x.flatten_all()?.to_vec1::<f32>()?;
-    let w = weight.to_vec1::<f32>()?;
-    if w.is_empty() || values.len() % w.len() != 0 {
-        candle_core::bail!("RMSNorm of {} values with a weight of {}", values.len(), w.len());
-    }
-    Tensor::from_vec(rms_norm_host(&values, &w, eps), x.shape(), x.device())
-}
-
-/// RMSNorm of each row of `x` (rows as wide as `weight`) as llama.cpp computes it (`ggml_compute_forward_rms_norm`
-/// and the weight's multiply): each square rounded to f32 and summed in f64, the mean rounded to f32, then
-/// `x * (1 / sqrt(mean + eps)) * weight`. Summing in f64 is the more exact of the two; candle's f32 sum and divide
-/// agreed with llama.cpp's greedy choices at 96.9 % of the Q4_1 file's positions, this at 97.2 %
-/// (`scripts/fidelity-llama.py`, BENCHMARKS.md). Rows in parallel past 32.
-fn rms_norm_host(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
-    let width = weight.len();
-    let mut out = vec![0f32; x.len()];
-    let row = |(src, dst): (&[f32], &mut [f32])| {
-        let sum2 = src.iter().map(|&v| f64::from(v * v)).sum::<f64>();
-        let mean = (sum2 / width as f64) as f32;
-        let scale = 1.0f32 / (mean + eps).sqrt();
-        for ((d, &s), &w) in dst.iter_mut().zip(src).zip(weight) {
-            *d = s * scale * w;
-        }
-    };
-    if x.len() / width.max(1) <= 32 {
-        x.chunks_exact(width).zip(out.chunks_exact_mut(width)).for_each(row);
-    } else {
-        x.par_chunks_exact(width).zip(out.par_chunks_exact_mut(width)).for_each(row);
-    }
-    out
-}
-
-/// `x += y`, element by element.
-fn add_assign(x: &mut [f32], y: &[f32]) {
-    assert_eq!(x.len(), y.len(), "residual add of different lengths (a bug)");
-    x.iter_mut().zip(y).for_each(|(a, &b)| *a += b);
-}
-
-/// The fewest rows a dense (f32) matrix product is computed with. candle's f32 matmul (the gemm crate) takes
-/// other kernels for a few rows (a matrix-vector product for one row; measured: up to four rows at narrow widths),
-/// which round differently, so a sequence's values would depend on how many rows share its step; fewer rows are
-/// padded with zero rows. A lone decode step computes eight rows instead of one, which costs little while reading
-/// the weights, the same for both, dominates.
-const DENSE_MIN_ROWS: usize = 8;
-
-/// `x · Wᵀ`: the CPU's kernels for a packed matrix; candle's otherwise, with dense weights computing at least
-/// [`DENSE_MIN_ROWS`] rows.
-fn product(w: &Matrix, x: &Tensor) -> candle_core::Result<Tensor> {
-    let w = match w {
-        Matrix::Packed(_) => return Ok(Matrix::forward_packed(x, &[w])?.and_then(|mut o| o.pop()).expect("a packed matrix's product")),
-        Matrix::Candle(w) => w,
-    };
-    let rows = x.dim(0)?;
-    match w {
-        QMatMul::Tensor(_) if rows < DENSE_MIN_ROWS && x.device().is_cpu() => w.forward(&x.pad_with_zeros(0, 0, DENSE_MIN_ROWS - rows)?)?.narrow(0, 0, rows),
-        _ => w.forward(x),
-    }
-}
-
-/// Products of one input with several weight matrices (q, k and v; gate and up), the input quantized once and the
-/// products run in one parallel region: by the CPU's kernels for packed matrices, by candle for same-type
-/// quantized ones (where it can); otherwise one by one.
-fn matmuls<const N: usize>(x: &Tensor, weights: [&Matrix; N]) -> candle_core::Result<[Tensor; N]> {
-    if let Some(outs) = Matrix::forward_packed(x, &weights)? {
-        return Ok(outs.try_into().unwrap_or_else(|_| unreachable!("one output per weight")));
-    }
-    let tensors: Option<Vec<&QTensor>> = weights.iter().map(|w| if let Matrix::Candle(QMatMul::QTensor(t)) = w { Some(t.as_ref()) } else { None }).collect();
-    if let Some(tensors) = tensors {
-        if let Some(outs) = QTensor::gemv_fused_shared_lhs(&tensors, x)? {
-            if let Ok(outs) = <[Tensor; N]>::try_from(outs) {
-                return Ok(outs);
-            }
-        }
-    }
-    let outs: Vec<Tensor> = weights.iter().map(|w| product(w, x)).collect::<candle_core::Result<_>>()?;
-    Ok(outs.try_into().unwrap_or_else(|_| unreachable!("one output per weight")))
 }

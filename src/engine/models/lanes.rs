@@ -1,0 +1,249 @@
+//! What every decoder family's layer loop computes with: weight vectors in the forms the loop needs, and the
+//! [`Lane`]s a loop is written over, so one loop runs both the CPU's fast path and every device.
+//!
+//! - [`TensorLane`]: activations as candle tensors, on any device and in any dtype.
+//! - [`HostLane`]: activations as host vectors, for an f32 model on the CPU whose matrices are all on nightshift's
+//!   kernels, and an attention backend that attends on host vectors: no copy between candle tensors and the
+//!   kernels' vectors at every product, norm and residual add.
+//!
+//! Both lanes compute the same bits on the CPU: the same kernels, the same RMSNorm ([`rms_norm_host`]'s, which
+//! [`rms_norm`] runs on the CPU in f32), the same f32 adds (tested per family against each other).
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Module, Tensor};
+use rayon::prelude::*;
+
+use crate::engine::attention::{Attention, Segment};
+use crate::engine::kernels::Matrix;
+
+/// A vector of weights (a norm's, a bias): the tensor, and its values in host memory where a host lane reads it
+/// ([`Vector::keep_host`]).
+pub struct Vector {
+    pub tensor: Tensor,
+    host: Option<Vec<f32>>,
+}
+
+impl From<Tensor> for Vector {
+    fn from(tensor: Tensor) -> Vector {
+        Vector { tensor, host: None }
+    }
+}
+
+impl Vector {
+    /// Reads the values into host memory, for a [`HostLane`] (f32 on the CPU).
+    pub fn keep_host(&mut self) -> candle_core::Result<()> {
+        self.host = Some(self.tensor.to_vec1::<f32>()?);
+        Ok(())
+    }
+
+    fn host(&self) -> candle_core::Result<&[f32]> {
+        self.host.as_deref().ok_or_else(|| candle_core::Error::Msg("a weight vector the host lane reads is not in host memory (a bug)".into()))
+    }
+
+    /// Bytes held on the device.
+    pub fn bytes(&self) -> usize {
+        self.tensor.elem_count() * self.tensor.dtype().size_in_bytes()
+    }
+}
+
+/// Where a step's activations (`[tokens, width]`) live between a layer loop's operations, and those operations.
+pub trait Lane {
+    type X;
+
+    /// RMSNorm of every row (rows as wide as `weight`).
+    fn rms_norm(&self, x: &Self::X, weight: &Vector, eps: f32) -> candle_core::Result<Self::X>;
+
+    /// RMSNorm of every head of every row: rows of `weight`'s width (a head's).
+    fn head_norm(&self, x: Self::X, weight: &Vector, eps: f32) -> candle_core::Result<Self::X>;
+
+    /// `bias` added to every row.
+    fn add_bias(&self, x: Self::X, bias: &Vector) -> candle_core::Result<Self::X>;
+
+    /// `x · Wᵀ` for each matrix, `x` quantized once where the kernels take it.
+    fn products<const N: usize>(&self, x: &Self::X, weights: [&Matrix; N]) -> candle_core::Result<[Self::X; N]>;
+
+    /// The SwiGLU feed-forward network, `down · (silu(gate · x) * (up · x))`.
+    fn swiglu(&self, x: &Self::X, gate: &Matrix, up: &Matrix, down: &Matrix) -> candle_core::Result<Self::X>;
+
+    /// Layer `layer`'s attention (queries, keys and values before RoPE).
+    fn attend<A: Attention>(&self, attention: &A, step: &A::Step, layer: usize, qkv: [Self::X; 3], segments: &mut [Segment<'_, A::Cache>]) -> candle_core::Result<Self::X>;
+
+    /// The residual stream, `x + y`.
+    fn add(&self, x: Self::X, y: &Self::X) -> candle_core::Result<Self::X>;
+}
+
+/// Activations as candle tensors: any device, any dtype.
+pub struct TensorLane;
+
+impl Lane for TensorLane {
+    type X = Tensor;
+
+    fn rms_norm(&self, x: &Tensor, weight: &Vector, eps: f32) -> candle_core::Result<Tensor> {
+        rms_norm(x, &weight.tensor, eps)
+    }
+
+    fn head_norm(&self, x: Tensor, weight: &Vector, eps: f32) -> candle_core::Result<Tensor> {
+        let (n, width) = x.dims2()?;
+        let head = weight.tensor.dim(0)?;
+        rms_norm(&x.reshape((n * width / head, head))?, &weight.tensor, eps)?.reshape((n, width))
+    }
+
+    fn add_bias(&self, x: Tensor, bias: &Vector) -> candle_core::Result<Tensor> {
+        x.broadcast_add(&bias.tensor)
+    }
+
+    fn products<const N: usize>(&self, x: &Tensor, weights: [&Matrix; N]) -> candle_core::Result<[Tensor; N]> {
+        // One matrix: `product`'s (candle's dense kernels with at least DENSE_MIN_ROWS rows); several: together.
+        if let [w] = weights.as_slice() {
+            let one = product(w, x)?;
+            return Ok(std::array::from_fn(|_| one.clone()));
+        }
+        matmuls(x, weights)
+    }
+
+    fn swiglu(&self, x: &Tensor, gate: &Matrix, up: &Matrix, down: &Matrix) -> candle_core::Result<Tensor> {
+        if let Some(y) = Matrix::ffn_packed(x, gate, up, down)? {
+            return Ok(y);
+        }
+        let [g, u] = matmuls(x, [gate, up])?;
+        product(down, &(candle_nn::ops::silu(&g)? * u)?)
+    }
+
+    fn attend<A: Attention>(&self, attention: &A, step: &A::Step, layer: usize, qkv: [Tensor; 3], segments: &mut [Segment<'_, A::Cache>]) -> candle_core::Result<Tensor> {
+        attention.attend(step, layer, qkv, segments)
+    }
+
+    fn add(&self, x: Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+        x + y
+    }
+}
+
+/// Activations as host vectors, `rows` rows, row-major: an f32 model on the CPU whose matrices are all the
+/// kernels' and whose vectors are kept in host memory, and a backend that attends on host vectors.
+pub struct HostLane {
+    pub rows: usize,
+}
+
+fn not_packed(what: &str) -> candle_core::Error {
+    candle_core::Error::Msg(format!("{what} of the host lane is not on the kernels (a bug)"))
+}
+
+impl Lane for HostLane {
+    type X = Vec<f32>;
+
+    fn rms_norm(&self, x: &Vec<f32>, weight: &Vector, eps: f32) -> candle_core::Result<Vec<f32>> {
+        Ok(rms_norm_host(x, weight.host()?, eps))
+    }
+
+    fn head_norm(&self, x: Vec<f32>, weight: &Vector, eps: f32) -> candle_core::Result<Vec<f32>> {
+        Ok(rms_norm_host(&x, weight.host()?, eps))
+    }
+
+    fn add_bias(&self, mut x: Vec<f32>, bias: &Vector) -> candle_core::Result<Vec<f32>> {
+        // As candle's broadcast add: one f32 add per element.
+        let bias = bias.host()?;
+        x.chunks_exact_mut(bias.len()).for_each(|row| add_assign(row, bias));
+        Ok(x)
+    }
+
+    fn products<const N: usize>(&self, x: &Vec<f32>, weights: [&Matrix; N]) -> candle_core::Result<[Vec<f32>; N]> {
+        Matrix::products_host(x, self.rows, &weights)?.and_then(|outs| outs.try_into().ok()).ok_or_else(|| not_packed("a product"))
+    }
+
+    fn swiglu(&self, x: &Vec<f32>, gate: &Matrix, up: &Matrix, down: &Matrix) -> candle_core::Result<Vec<f32>> {
+        Matrix::ffn_host(x, self.rows, gate, up, down)?.ok_or_else(|| not_packed("the feed-forward network"))
+    }
+
+    fn attend<A: Attention>(&self, attention: &A, step: &A::Step, layer: usize, qkv: [Vec<f32>; 3], segments: &mut [Segment<'_, A::Cache>]) -> candle_core::Result<Vec<f32>> {
+        attention.attend_host(step, layer, qkv, segments)
+    }
+
+    fn add(&self, mut x: Vec<f32>, y: &Vec<f32>) -> candle_core::Result<Vec<f32>> {
+        add_assign(&mut x, y);
+        Ok(x)
+    }
+}
+
+/// RMSNorm of `x`'s rows: on the CPU in f32, [`rms_norm_host`]'s arithmetic (so the tensor loop and the host loop
+/// compute the same bits); elsewhere candle's.
+pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
+    if !x.device().is_cpu() || x.dtype() != DType::F32 || weight.dtype() != DType::F32 {
+        return candle_nn::ops::rms_norm(x, weight, eps);
+    }
+    let values = x.flatten_all()?.to_vec1::<f32>()?;
+    let w = weight.to_vec1::<f32>()?;
+    if w.is_empty() || values.len() % w.len() != 0 {
+        candle_core::bail!("RMSNorm of {} values with a weight of {}", values.len(), w.len());
+    }
+    Tensor::from_vec(rms_norm_host(&values, &w, eps), x.shape(), x.device())
+}
+
+/// RMSNorm of each row of `x` (rows as wide as `weight`) as llama.cpp computes it (`ggml_compute_forward_rms_norm`
+/// and the weight's multiply): each square rounded to f32 and summed in f64, the mean rounded to f32, then
+/// `x * (1 / sqrt(mean + eps)) * weight`. Summing in f64 is the more exact of the two; candle's f32 sum and divide
+/// agreed with llama.cpp's greedy choices at 96.9 % of the Q4_1 file's positions, this at 97.2 %
+/// (`scripts/fidelity-llama.py`, BENCHMARKS.md). Rows in parallel past 32.
+pub(crate) fn rms_norm_host(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let width = weight.len();
+    let mut out = vec![0f32; x.len()];
+    let row = |(src, dst): (&[f32], &mut [f32])| {
+        let sum2 = src.iter().map(|&v| f64::from(v * v)).sum::<f64>();
+        let mean = (sum2 / width as f64) as f32;
+        let scale = 1.0f32 / (mean + eps).sqrt();
+        for ((d, &s), &w) in dst.iter_mut().zip(src).zip(weight) {
+            *d = s * scale * w;
+        }
+    };
+    if x.len() / width.max(1) <= 32 {
+        x.chunks_exact(width).zip(out.chunks_exact_mut(width)).for_each(row);
+    } else {
+        x.par_chunks_exact(width).zip(out.par_chunks_exact_mut(width)).for_each(row);
+    }
+    out
+}
+
+/// `x += y`, element by element.
+pub(crate) fn add_assign(x: &mut [f32], y: &[f32]) {
+    assert_eq!(x.len(), y.len(), "residual add of different lengths (a bug)");
+    x.iter_mut().zip(y).for_each(|(a, &b)| *a += b);
+}
+
+/// The fewest rows a dense (f32) matrix product is computed with. candle's f32 matmul (the gemm crate) takes
+/// other kernels for a few rows (a matrix-vector product for one row; measured: up to four rows at narrow widths),
+/// which round differently, so a sequence's values would depend on how many rows share its step; fewer rows are
+/// padded with zero rows. A lone decode step computes eight rows instead of one, which costs little while reading
+/// the weights, the same for both, dominates.
+const DENSE_MIN_ROWS: usize = 8;
+
+/// `x · Wᵀ`: the CPU's kernels for a packed matrix; candle's otherwise, with dense weights computing at least
+/// [`DENSE_MIN_ROWS`] rows.
+pub(crate) fn product(w: &Matrix, x: &Tensor) -> candle_core::Result<Tensor> {
+    let w = match w {
+        Matrix::Packed(_) => return Ok(Matrix::forward_packed(x, &[w])?.and_then(|mut o| o.pop()).expect("a packed matrix's product")),
+        Matrix::Candle(w) => w,
+    };
+    let rows = x.dim(0)?;
+    match w {
+        QMatMul::Tensor(_) if rows < DENSE_MIN_ROWS && x.device().is_cpu() => w.forward(&x.pad_with_zeros(0, 0, DENSE_MIN_ROWS - rows)?)?.narrow(0, 0, rows),
+        _ => w.forward(x),
+    }
+}
+
+/// Products of one input with several weight matrices (q, k and v; gate and up), the input quantized once and the
+/// products run in one parallel region: by the CPU's kernels for packed matrices, by candle for same-type
+/// quantized ones (where it can); otherwise one by one.
+pub(crate) fn matmuls<const N: usize>(x: &Tensor, weights: [&Matrix; N]) -> candle_core::Result<[Tensor; N]> {
+    if let Some(outs) = Matrix::forward_packed(x, &weights)? {
+        return Ok(outs.try_into().unwrap_or_else(|_| unreachable!("one output per weight")));
+    }
+    let tensors: Option<Vec<&QTensor>> = weights.iter().map(|w| if let Matrix::Candle(QMatMul::QTensor(t)) = w { Some(t.as_ref()) } else { None }).collect();
+    if let Some(tensors) = tensors {
+        if let Some(outs) = QTensor::gemv_fused_shared_lhs(&tensors, x)? {
+            if let Ok(outs) = <[Tensor; N]>::try_from(outs) {
+                return Ok(outs);
+            }
+        }
+    }
+    let outs: Vec<Tensor> = weights.iter().map(|w| product(w, x)).collect::<candle_core::Result<_>>()?;
+    Ok(outs.try_into().unwrap_or_else(|_| unreachable!("one output per weight")))
+}
