@@ -169,11 +169,37 @@ impl DecoderModel for Model {
         outputs: &[usize],
         greedy: &[bool],
     ) -> candle_core::Result<(Vec<Vec<StepLogits>>, std::time::Duration)> {
-        Model::forward_step_timed(self, attention, segments, outputs, greedy)
+        let cfg = &self.config;
+        let started = std::time::Instant::now();
+        let (positions, tokens) = self.check_segments(segments, outputs)?;
+        let step = attention.begin(segments, &positions)?;
+        let inputs = started.elapsed();
+        let n = tokens.len();
+        let ids = Tensor::from_vec(tokens, n, &self.device)?;
+        let mut x = self.embedding.index_select(&ids, 0)?;
+        // RMSNorm over the laid-out width, with epsilon scaled as the weights were (see `gguf::padded_norm`).
+        let eps = cfg.rms_eps * (cfg.hidden_size as f32 / self.width as f32);
+        x = match self.host_loop && attention.host_vectors() {
+            true => {
+                let (rows, width) = x.dims2()?;
+                let x = layers::run(&HostLane { rows }, &self.layers, attention, &step, segments, x.flatten_all()?.to_vec1::<f32>()?, (eps, cfg.rms_eps))?;
+                Tensor::from_vec(x, (rows, width), &self.device)?
+            }
+            false => layers::run(&TensorLane, &self.layers, attention, &step, segments, x, (eps, cfg.rms_eps))?,
+        };
+        attention.advance(segments);
+        let logits = self.head(&x, segments, outputs)?;
+        Ok((read_back(&logits, outputs, if attention.device_argmax() { greedy } else { &[] })?, inputs))
     }
 
+    /// The weights were uploaded from the thread that loaded them; cudarc binds the context on most calls too, and
+    /// this makes the engine thread's ownership explicit.
     fn bind_to_thread(&self) -> candle_core::Result<()> {
-        Model::bind_to_thread(self)
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cuda) = &self.device {
+            cuda.cuda_stream().context().bind_to_thread().map_err(|e| candle_core::Error::Msg(format!("cannot bind the CUDA context: {e}")))?;
+        }
+        Ok(())
     }
 }
 
@@ -295,17 +321,6 @@ impl Model {
         &self.device
     }
 
-    /// Makes the model's CUDA context current on the calling thread: the engine thread calls it before its first
-    /// step, the weights having been uploaded from the thread that loaded them. (cudarc binds the context on most
-    /// calls too; this makes the engine thread's ownership explicit.) A no-op on the CPU.
-    pub fn bind_to_thread(&self) -> candle_core::Result<()> {
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(cuda) = &self.device {
-            cuda.cuda_stream().context().bind_to_thread().map_err(|e| candle_core::Error::Msg(format!("cannot bind the CUDA context: {e}")))?;
-        }
-        Ok(())
-    }
-
     /// Bytes of weights held on the device (quantized sizes as stored; a tied output projection once).
     pub fn weight_bytes(&self) -> usize {
         let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
@@ -365,39 +380,7 @@ impl Model {
         outputs: &[usize],
         greedy: &[bool],
     ) -> candle_core::Result<Vec<Vec<StepLogits>>> {
-        Ok(self.forward_step_timed(attention, segments, outputs, greedy)?.0)
-    }
-
-    /// [`Model::forward_step`], and how long it took to build the step's inputs on the host (checking the
-    /// segments, booking KV blocks, the attention tables and their upload): host time, not the model's.
-    pub fn forward_step_timed<A: Attention>(
-        &self,
-        attention: &A,
-        segments: &mut [Segment<'_, A::Cache>],
-        outputs: &[usize],
-        greedy: &[bool],
-    ) -> candle_core::Result<(Vec<Vec<StepLogits>>, std::time::Duration)> {
-        let cfg = &self.config;
-        let started = std::time::Instant::now();
-        let (positions, tokens) = self.check_segments(segments, outputs)?;
-        let step = attention.begin(segments, &positions)?;
-        let inputs = started.elapsed();
-        let n = tokens.len();
-        let ids = Tensor::from_vec(tokens, n, &self.device)?;
-        let mut x = self.embedding.index_select(&ids, 0)?;
-        // RMSNorm over the laid-out width, with epsilon scaled as the weights were (see `gguf::padded_norm`).
-        let eps = cfg.rms_eps * (cfg.hidden_size as f32 / self.width as f32);
-        x = match self.host_loop && attention.host_vectors() {
-            true => {
-                let (rows, width) = x.dims2()?;
-                let x = layers::run(&HostLane { rows }, &self.layers, attention, &step, segments, x.flatten_all()?.to_vec1::<f32>()?, (eps, cfg.rms_eps))?;
-                Tensor::from_vec(x, (rows, width), &self.device)?
-            }
-            false => layers::run(&TensorLane, &self.layers, attention, &step, segments, x, (eps, cfg.rms_eps))?,
-        };
-        attention.advance(segments);
-        let logits = self.head(&x, segments, outputs)?;
-        Ok((read_back(&logits, outputs, if attention.device_argmax() { greedy } else { &[] })?, inputs))
+        Ok(DecoderModel::forward_step_timed(self, attention, segments, outputs, greedy)?.0)
     }
 
     /// Checks a step's segments (outputs, context, vocabulary); returns every new token's position and id, in
