@@ -1,5 +1,6 @@
-//! Element-wise math for the CPU's layer loop: an exponential written to vectorize, the feed-forward network's
-//! `silu(gate) * up` on it, and the widening of 16-bit KV cache values to f32.
+//! Element-wise math for the CPU's layer loop: an exponential written to vectorize, the gated feed-forward
+//! network's `act(gate) * up` on it (SiLU for SwiGLU, tanh-approximated GELU for GeGLU), and the widening of 16-bit
+//! KV cache values to f32.
 //!
 //! The release build targets plain x86-64 (SSE2), so loops compile 4 floats wide and `f32::exp` is a call per
 //! value. These run the same source compiled for AVX2 and FMA where the CPU has them ([`super::Level`]), 8 wide;
@@ -44,38 +45,62 @@ pub fn exp(x: f32) -> f32 {
     }
 }
 
-/// `gate[i] = silu(gate[i]) * up[i]`, with `silu(v) = v / (1 + e^-v)`.
-pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+/// The activation of a gated feed-forward network's gate: `act(gate) * up`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// `silu(v) = v / (1 + e^-v)` (SwiGLU: Llama, Qwen, Mistral, Phi-3).
+    Silu,
+    /// GELU with its tanh approximation, `0.5 v (1 + tanh(sqrt(2 / pi) (v + 0.044715 v^3)))` (GeGLU: Gemma),
+    /// computed as `v / (1 + e^(-2 z))` with `z` the tanh's argument: the same function, without the cancellation
+    /// of `1 + tanh(z)` where `tanh(z)` nears -1.
+    GeluTanh,
+}
+
+/// `gate[i] = act(gate[i]) * up[i]`.
+pub fn gated(act: Activation, gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "gate and up of different lengths (a bug)");
     const CHUNK: usize = 1 << 14;
     let level = Level::active();
     if gate.len() <= CHUNK {
-        silu_mul_at(level, gate, up);
+        gated_at(level, act, gate, up);
     } else {
-        gate.par_chunks_mut(CHUNK).zip(up.par_chunks(CHUNK)).for_each(|(g, u)| silu_mul_at(level, g, u));
+        gate.par_chunks_mut(CHUNK).zip(up.par_chunks(CHUNK)).for_each(|(g, u)| gated_at(level, act, g, u));
     }
 }
 
-fn silu_mul_at(level: Level, gate: &mut [f32], up: &[f32]) {
+fn gated_at(level: Level, act: Activation, gate: &mut [f32], up: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     if level >= Level::Avx2 {
         // SAFETY: `level` is at most the detected one (`Level::active`), so the CPU has AVX2, FMA and F16C.
-        return unsafe { silu_mul_avx2(gate, up) };
+        return unsafe { gated_avx2(act, gate, up) };
     }
     let _ = level;
-    silu_mul_body(gate, up)
+    gated_body(act, gate, up)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn silu_mul_avx2(gate: &mut [f32], up: &[f32]) {
-    silu_mul_body(gate, up)
+fn gated_avx2(act: Activation, gate: &mut [f32], up: &[f32]) {
+    gated_body(act, gate, up)
 }
 
 #[inline(always)]
-fn silu_mul_body(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + exp(-*g)) * u;
+fn gated_body(act: Activation, gate: &mut [f32], up: &[f32]) {
+    match act {
+        Activation::Silu => {
+            for (g, &u) in gate.iter_mut().zip(up) {
+                *g = *g / (1.0 + exp(-*g)) * u;
+            }
+        }
+        Activation::GeluTanh => {
+            // sqrt(2 / pi), doubled: `e^(-2 z)` with z = sqrt(2 / pi) (v + 0.044715 v^3).
+            const TWO_SQRT_2_OVER_PI: f32 = 1.595_769_2;
+            for (g, &u) in gate.iter_mut().zip(up) {
+                let v = *g;
+                let z2 = TWO_SQRT_2_OVER_PI * (v + 0.044_715 * v * v * v);
+                *g = v / (1.0 + exp(-z2)) * u;
+            }
+        }
     }
 }
 
@@ -216,14 +241,43 @@ mod tests {
         let gate: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 0.037).chain([-200.0, 200.0, 0.0]).collect();
         let up: Vec<f32> = (0..gate.len()).map(|i| 1.0 + (i % 7) as f32 * 0.25).collect();
         let mut reference = gate.clone();
-        silu_mul_at(Level::Portable, &mut reference, &up);
+        gated_at(Level::Portable, Activation::Silu, &mut reference, &up);
         for (i, (&y, (&g, &u))) in reference.iter().zip(gate.iter().zip(&up)).enumerate() {
             let want = g as f64 / (1.0 + (-(g as f64)).exp()) * u as f64;
             assert!((y as f64 - want).abs() <= 1e-6 * want.abs().max(1e-30), "{i}: silu({g}) * {u} = {y}, want {want}");
         }
         for level in Level::available() {
             let mut y = gate.clone();
-            silu_mul_at(level, &mut y, &up);
+            gated_at(level, Activation::Silu, &mut y, &up);
+            assert!(y.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{level:?}");
+        }
+    }
+
+    /// GeGLU's gate: the tanh-approximated GELU as its formula defines it (within a few ulp, down to the far
+    /// negative tail where `1 + tanh` would cancel), the same bits on every level.
+    #[test]
+    fn gelu_tanh_matches_the_formula_and_is_the_same_on_every_level() {
+        let gate: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 0.021).chain([-12.0, -200.0, 200.0, 0.0, 1e-6]).collect();
+        let up: Vec<f32> = (0..gate.len()).map(|i| 1.0 + (i % 5) as f32 * 0.5).collect();
+        let mut reference = gate.clone();
+        gated_at(Level::Portable, Activation::GeluTanh, &mut reference, &up);
+        for (i, (&y, (&g, &u))) in reference.iter().zip(gate.iter().zip(&up)).enumerate() {
+            let v = g as f64;
+            let z = (2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v);
+            // The definition, where `1 + tanh(z)` does not cancel in f64; the same function as `v / (1 + e^(-2z))`
+            // (which the kernel computes in f32) everywhere.
+            let stable = v / (1.0 + (-2.0 * z).exp()) * u as f64;
+            if v > -3.0 {
+                let defined = 0.5 * v * (1.0 + z.tanh()) * u as f64;
+                assert!((stable - defined).abs() <= 1e-12 * defined.abs().max(1e-300), "{i}: the two forms differ at {v}");
+            }
+            // Relative, down to where f32 underflows (the far tail is below 1e-38).
+            assert!((y as f64 - stable).abs() <= 1e-5 * stable.abs() + 1e-37, "{i}: gelu({g}) * {u} = {y}, want {stable}");
+        }
+        assert_eq!(reference[gate.len() - 2], 0.0, "gelu(0) is 0");
+        for level in Level::available() {
+            let mut y = gate.clone();
+            gated_at(level, Activation::GeluTanh, &mut y, &up);
             assert!(y.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{level:?}");
         }
     }

@@ -547,14 +547,14 @@ impl Matrix {
         Ok(Some(matmul_grouped(Level::active(), &packed, x, m)))
     }
 
-    /// The feed-forward network `down · (silu(gate · x) * (up · x))` for `x` `[rows, k]` f32 on the CPU, gate and
-    /// up in one parallel region and the intermediate in host memory; `None` unless all three are packed matrices
-    /// of matching shapes (the caller uses candle).
-    pub fn ffn_packed(x: &Tensor, gate: &Matrix, up: &Matrix, down: &Matrix) -> candle_core::Result<Option<Tensor>> {
+    /// The gated feed-forward network `down · (act(gate · x) * (up · x))` for `x` `[rows, k]` f32 on the CPU, gate
+    /// and up in one parallel region and the intermediate in host memory; `None` unless all three are packed
+    /// matrices of matching shapes (the caller uses candle).
+    pub fn ffn_packed(x: &Tensor, gate: &Matrix, up: &Matrix, down: &Matrix, act: elementwise::Activation) -> candle_core::Result<Option<Tensor>> {
         let Some([_, _, d]) = Matrix::ffn_parts(gate, up, down) else { return Ok(None) };
         let (m, _) = x.dims2()?;
         let values = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let y = Matrix::ffn_host(&values, m, gate, up, down)?.expect("packed feed-forward matrices");
+        let y = Matrix::ffn_host(&values, m, gate, up, down, act)?.expect("packed feed-forward matrices");
         Ok(Some(Tensor::from_vec(y, (m, d.n), x.device())?))
     }
 
@@ -564,16 +564,17 @@ impl Matrix {
         (g.k == u.k && g.n == u.n && d.k == g.n).then_some([g, u, d])
     }
 
-    /// [`Matrix::ffn_packed`] on host memory: `x` `[m, k]` row-major f32, the output `[m, down's rows]`.
-    pub fn ffn_host(x: &[f32], m: usize, gate: &Matrix, up: &Matrix, down: &Matrix) -> candle_core::Result<Option<Vec<f32>>> {
+    /// [`Matrix::ffn_packed`] on host memory: `x` `[m, k]` row-major f32, the output `[m, down's rows]`; the
+    /// gate's activation `act`.
+    pub fn ffn_host(x: &[f32], m: usize, gate: &Matrix, up: &Matrix, down: &Matrix, act: elementwise::Activation) -> candle_core::Result<Option<Vec<f32>>> {
         let Some([g, u, d]) = Matrix::ffn_parts(gate, up, down) else { return Ok(None) };
         if x.len() != m * g.k {
             candle_core::bail!("{} activations are not {m} rows for a matrix of width {}", x.len(), g.k);
         }
         let level = Level::active();
-        let [mut act, up_out]: [Vec<f32>; 2] = matmul_grouped(level, &[g, u], x, m).try_into().expect("two outputs");
-        elementwise::silu_mul(&mut act, &up_out);
-        Ok(Some(matmul_many(level, &[d], &act, m).pop().expect("one output")))
+        let [mut gated, up_out]: [Vec<f32>; 2] = matmul_grouped(level, &[g, u], x, m).try_into().expect("two outputs");
+        elementwise::gated(act, &mut gated, &up_out);
+        Ok(Some(matmul_many(level, &[d], &gated, m).pop().expect("one output")))
     }
 }
 

@@ -257,3 +257,25 @@ fn a_task_larger_than_its_cache_slice_computes_every_row_once() {
         }
     }
 }
+
+/// The fused gated feed-forward network is its three products and the gate's activation, one step at a time:
+/// SwiGLU and GeGLU, the same bits.
+#[test]
+fn the_fused_feed_forward_network_is_its_products_and_activation() {
+    use elementwise::Activation;
+    let (k, hidden, m) = (576, 64, 5);
+    let wrap = |q: QTensor| Matrix::Packed(Packed::from_qtensor(&q).unwrap().unwrap());
+    let (gate, up, down) = (wrap(matrix(GgmlDType::Q8_0, hidden, k, 1)), wrap(matrix(GgmlDType::Q4_1, hidden, k, 2)), wrap(matrix(GgmlDType::F16, k, hidden, 3)));
+    let x = activations(m, k, 4);
+    let mut outputs = Vec::new();
+    for act in [Activation::Silu, Activation::GeluTanh] {
+        let fused = Matrix::ffn_host(&x, m, &gate, &up, &down, act).unwrap().expect("packed matrices");
+        let [mut g, u]: [Vec<f32>; 2] = Matrix::products_host(&x, m, &[&gate, &up]).unwrap().unwrap().try_into().unwrap();
+        elementwise::gated(act, &mut g, &u);
+        let stepwise = Matrix::products_host(&g, m, &[&down]).unwrap().unwrap().remove(0);
+        assert_eq!(fused.len(), m * k);
+        assert!(fused.iter().zip(&stepwise).all(|(a, b)| a.to_bits() == b.to_bits()), "{act:?}");
+        outputs.push(fused);
+    }
+    assert_ne!(outputs[0], outputs[1], "the activation is applied");
+}

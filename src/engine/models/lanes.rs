@@ -7,13 +7,15 @@
 //!   kernels' vectors at every product, norm and residual add.
 //!
 //! Both lanes compute the same bits on the CPU: the same kernels, the same RMSNorm ([`rms_norm_host`]'s, which
-//! [`rms_norm`] runs on the CPU in f32), the same f32 adds (tested per family against each other).
+//! [`rms_norm`] runs on the CPU in f32), the same f32 adds (tested per family against each other). Without packed
+//! matrices the tensor lane's gated feed-forward network is candle's (its own SiLU and GELU).
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
 use rayon::prelude::*;
 
 use crate::engine::attention::{Attention, Segment};
+pub use crate::engine::kernels::elementwise::Activation;
 use crate::engine::kernels::Matrix;
 
 /// A vector of weights (a norm's, a bias): the tensor, and its values in host memory where a host lane reads it
@@ -62,8 +64,9 @@ pub trait Lane {
     /// `x · Wᵀ` for each matrix, `x` quantized once where the kernels take it.
     fn products<const N: usize>(&self, x: &Self::X, weights: [&Matrix; N]) -> candle_core::Result<[Self::X; N]>;
 
-    /// The SwiGLU feed-forward network, `down · (silu(gate · x) * (up · x))`.
-    fn swiglu(&self, x: &Self::X, gate: &Matrix, up: &Matrix, down: &Matrix) -> candle_core::Result<Self::X>;
+    /// The gated feed-forward network, `down · (act(gate · x) * (up · x))`: SwiGLU with [`Activation::Silu`],
+    /// GeGLU with [`Activation::GeluTanh`].
+    fn gated_ffn(&self, x: &Self::X, gate: &Matrix, up: &Matrix, down: &Matrix, act: Activation) -> candle_core::Result<Self::X>;
 
     /// Layer `layer`'s attention (queries, keys and values before RoPE).
     fn attend<A: Attention>(&self, attention: &A, step: &A::Step, layer: usize, qkv: [Self::X; 3], segments: &mut [Segment<'_, A::Cache>]) -> candle_core::Result<Self::X>;
@@ -101,12 +104,17 @@ impl Lane for TensorLane {
         matmuls(x, weights)
     }
 
-    fn swiglu(&self, x: &Tensor, gate: &Matrix, up: &Matrix, down: &Matrix) -> candle_core::Result<Tensor> {
-        if let Some(y) = Matrix::ffn_packed(x, gate, up, down)? {
+    fn gated_ffn(&self, x: &Tensor, gate: &Matrix, up: &Matrix, down: &Matrix, act: Activation) -> candle_core::Result<Tensor> {
+        if let Some(y) = Matrix::ffn_packed(x, gate, up, down, act)? {
             return Ok(y);
         }
         let [g, u] = matmuls(x, [gate, up])?;
-        product(down, &(candle_nn::ops::silu(&g)? * u)?)
+        let g = match act {
+            Activation::Silu => candle_nn::ops::silu(&g)?,
+            // candle's `gelu` is the tanh approximation (`gelu_erf` the exact one).
+            Activation::GeluTanh => g.gelu()?,
+        };
+        product(down, &(g * u)?)
     }
 
     fn attend<A: Attention>(&self, attention: &A, step: &A::Step, layer: usize, qkv: [Tensor; 3], segments: &mut [Segment<'_, A::Cache>]) -> candle_core::Result<Tensor> {
@@ -150,8 +158,8 @@ impl Lane for HostLane {
         Matrix::products_host(x, self.rows, &weights)?.and_then(|outs| outs.try_into().ok()).ok_or_else(|| not_packed("a product"))
     }
 
-    fn swiglu(&self, x: &Vec<f32>, gate: &Matrix, up: &Matrix, down: &Matrix) -> candle_core::Result<Vec<f32>> {
-        Matrix::ffn_host(x, self.rows, gate, up, down)?.ok_or_else(|| not_packed("the feed-forward network"))
+    fn gated_ffn(&self, x: &Vec<f32>, gate: &Matrix, up: &Matrix, down: &Matrix, act: Activation) -> candle_core::Result<Vec<f32>> {
+        Matrix::ffn_host(x, self.rows, gate, up, down, act)?.ok_or_else(|| not_packed("the feed-forward network"))
     }
 
     fn attend<A: Attention>(&self, attention: &A, step: &A::Step, layer: usize, qkv: [Vec<f32>; 3], segments: &mut [Segment<'_, A::Cache>]) -> candle_core::Result<Vec<f32>> {

@@ -6,7 +6,7 @@ use candle_core::Tensor;
 
 use crate::engine::attention::{Attention, Segment};
 use crate::engine::kernels::Matrix;
-use crate::engine::models::lanes::{Lane, Vector};
+use crate::engine::models::lanes::{Activation, Lane, Vector};
 
 pub(super) struct Layer {
     pub attn_norm: Vector,
@@ -84,7 +84,7 @@ pub(super) fn run<L: Lane, A: Attention>(
         }
         x = lane.add(x, &out)?;
         let h = lane.rms_norm(&x, &layer.ffn_norm, eps)?;
-        x = lane.add(x, &lane.swiglu(&h, &layer.w_gate, &layer.w_up, &layer.w_down)?)?;
+        x = lane.add(x, &lane.gated_ffn(&h, &layer.w_gate, &layer.w_up, &layer.w_down, Activation::Silu)?)?;
     }
     Ok(x)
 }
