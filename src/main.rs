@@ -35,6 +35,12 @@ fn main() -> ExitCode {
     app::tune_cpu_threads();
     let cli = Cli::parse();
     init_tracing(cli.log_format);
+    // Variables earlier versions read, now `NIGHTSHIFT_ATTENTION` (`runtime.attention`): said, not silently ignored.
+    for old in ["NIGHTSHIFT_PAGED", "NIGHTSHIFT_PAGED_ATTENTION"] {
+        if std::env::var_os(old).is_some() {
+            tracing::warn!("{old} is no longer read: set NIGHTSHIFT_ATTENTION=paged-tiled (or runtime.attention, --attention) instead");
+        }
+    }
     // Before any thread: on a CPU with AMX, Linux's permission for the tiles.
     nightshift::engine::kernels::prepare();
     let result = match &cli.command {

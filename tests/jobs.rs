@@ -195,6 +195,11 @@ fn runtime_dtype_and_attention_apply_where_they_can() {
         }
     }
     assert!(!out.join("_plan.json").exists() && !out.join("_SUCCESS").exists(), "no plan written by a refused run");
+    // The variables of earlier versions are named, not silently ignored.
+    let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 4", "");
+    let checked = nightshift(&["validate", job.to_str().unwrap()], &[("NIGHTSHIFT_PAGED", "1")]);
+    checked.assert_ok();
+    assert!(checked.stderr.contains("NIGHTSHIFT_PAGED is no longer read") && checked.stderr.contains("NIGHTSHIFT_ATTENTION=paged-tiled"), "{}", checked.stderr);
 
     let model = dir.join("hf");
     support::write_tiny_hf_model(&model, support::HfVariant::Qwen3);
