@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A float64 forward pass of a GGUF decoder (llama, qwen2, qwen3), written from the architectures' definitions in
+"""A float64 forward pass of a GGUF decoder (llama, qwen2, qwen3, gemma2, gemma3), written from the architectures' definitions in
 numpy: the arbiter when nightshift and llama.cpp disagree, and the tight check of nightshift's arithmetic (llama.cpp,
 with an f16 KV cache and other rounding, is 5e-5 to 2e-4 of the largest logit from it on one F32 layer).
 
@@ -21,7 +21,7 @@ def main():
     reader = GGUFReader(sys.argv[1])
     fields = reader.fields
     arch = bytes(fields["general.architecture"].parts[-1]).decode()
-    if arch not in ("llama", "qwen2", "qwen3"):
+    if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3"):
         sys.exit(f"error: architecture {arch} is not computed here")
 
     def meta(key, default=None):
@@ -41,18 +41,28 @@ def main():
     factors = tensors.get("rope_freqs.weight")
     embedding = tensors["token_embd.weight"]
     output = tensors.get("output.weight", embedding)
+    # Gemma (Google's gemma_pytorch and Hugging Face's modeling_gemma2/3): embeddings times sqrt(hidden), norms after
+    # attention and the feed-forward network (GGUF stores Gemma's 1 + w), GeGLU with tanh GELU, queries scaled by
+    # 1 / sqrt(head_dim), soft-capped scores (Gemma 2) and logits, and sliding-window layers: Gemma 2 every other one
+    # (window 4096 unless given), Gemma 3 five of six (none without a window), the latter with a local RoPE base.
+    gemma = arch.startswith("gemma")
+    window = meta("attention.sliding_window", 4096 if arch == "gemma2" else None) if gemma else None
+    period = meta("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    local_base = meta("rope.freq_base_swa", base if arch == "gemma2" else 10000.0)
+    attn_cap = meta("attn_logit_softcapping", 50.0) if arch == "gemma2" else None
+    final_cap = meta("final_logit_softcapping", 30.0 if arch == "gemma2" else None) if gemma else None
 
     def rms(x, w):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
-    def rope(x):
+    def rope(x, local=False):
         # x: [positions, heads, head_dim]. llama's GGUF rows are stored for rotating adjacent pairs (llama.cpp's
-        # "normal" mode); qwen2 and qwen3 rotate the two halves (NEOX).
+        # "normal" mode); qwen2, qwen3 and Gemma rotate the two halves (NEOX).
         positions, _, dim = x.shape
-        inv = base ** (-np.arange(0, dim, 2) / dim)
-        if factors is not None:
+        inv = (local_base if local else base) ** (-np.arange(0, dim, 2) / dim)
+        if factors is not None and not local:
             inv = inv / factors[: dim // 2]
-        angle = (np.arange(positions) * scale)[:, None, None] * inv[None, None, :]
+        angle = (np.arange(positions) * (1.0 if local else scale))[:, None, None] * inv[None, None, :]
         cos, sin = np.cos(angle), np.sin(angle)
         if arch == "llama":
             a, b = x[..., 0::2], x[..., 1::2]
@@ -67,9 +77,12 @@ def main():
         if not ids or max(ids) >= embedding.shape[0] or min(ids) < 0:
             sys.exit(f"error: token ids {line.strip()!r} out of range")
         n = len(ids)
-        x = embedding[ids]
+        x = embedding[ids] * (np.sqrt(embedding.shape[1]) if gemma else 1.0)
         mask = np.triu(np.full((n, n), -np.inf), 1)
         for layer in range(layers):
+            local = window is not None and layer % period < period - 1
+            # A sliding layer's query at position i sees positions i - window + 1 to i.
+            layer_mask = mask + np.tril(np.full((n, n), -np.inf), -window) if local else mask
             w = lambda name: tensors.get(f"blk.{layer}.{name}")
             h = rms(x, w("attn_norm.weight"))
             q, k, v = (h @ w(f"attn_{p}.weight").T + (0 if w(f"attn_{p}.bias") is None else w(f"attn_{p}.bias")) for p in "qkv")
@@ -77,18 +90,28 @@ def main():
             q, k, v = q.reshape(n, heads, dim), k.reshape(n, kv_heads, dim), v.reshape(n, kv_heads, dim)
             if w("attn_q_norm.weight") is not None:
                 q, k = rms(q, w("attn_q_norm.weight")), rms(k, w("attn_k_norm.weight"))
-            q, k = rope(q), rope(k)
+            q, k = rope(q, local), rope(k, local)
             attended = np.empty((n, heads, dim))
             for head in range(heads):
                 kv = head // (heads // kv_heads)
-                scores = q[:, head] @ k[:, kv].T / np.sqrt(dim) + mask
+                scores = q[:, head] @ k[:, kv].T / np.sqrt(dim)
+                if attn_cap is not None:
+                    scores = attn_cap * np.tanh(scores / attn_cap)
+                scores = scores + layer_mask
                 scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
                 attended[:, head] = (scores / scores.sum(axis=-1, keepdims=True)) @ v[:, kv]
-            x = x + attended.reshape(n, heads * dim) @ w("attn_output.weight").T
+            out = attended.reshape(n, heads * dim) @ w("attn_output.weight").T
+            x = x + (rms(out, w("post_attention_norm.weight")) if gemma else out)
             h = rms(x, w("ffn_norm.weight"))
             gate, up = h @ w("ffn_gate.weight").T, h @ w("ffn_up.weight").T
-            x = x + (gate / (1 + np.exp(-gate)) * up) @ w("ffn_down.weight").T
+            if gemma:
+                act = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
+                x = x + rms((act * up) @ w("ffn_down.weight").T, w("post_ffw_norm.weight"))
+            else:
+                x = x + (gate / (1 + np.exp(-gate)) * up) @ w("ffn_down.weight").T
         logits = output @ rms(x[-1], tensors["output_norm.weight"])
+        if final_cap is not None:
+            logits = final_cap * np.tanh(logits / final_cap)
         print(" ".join(f"{v:.12g}" for v in logits), flush=True)
 
 

@@ -41,6 +41,12 @@ pub enum Family {
     Qwen2,
     /// Per-head RMSNorm of q and k before RoPE; a sliding window, off.
     Qwen3,
+    /// Gemma 2: norms after attention and the feed-forward network too (stored as `w` for `1 + w`), GeGLU,
+    /// embeddings scaled by sqrt(hidden), every other layer sliding, attention and final soft-caps of 50 and 30.
+    Gemma2,
+    /// Gemma 3 (text): Gemma 2's layers with per-head q/k norms instead of attention soft-capping, five sliding
+    /// layers to a global one, local layers' RoPE base 10,000.
+    Gemma3,
 }
 
 impl Family {
@@ -50,7 +56,19 @@ impl Family {
             Family::Mistral => "mistral",
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
+            Family::Gemma2 => "gemma2",
+            Family::Gemma3 => "gemma3_text",
         }
+    }
+
+    /// Gemma's, whose RMSNorm weights are stored as `w` for `1 + w`.
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Family::Gemma2 | Family::Gemma3)
+    }
+
+    /// Whether the family has per-head q/k norms.
+    fn qk_norm(self) -> bool {
+        matches!(self, Family::Qwen3 | Family::Gemma3)
     }
 
     fn class(self) -> &'static str {
@@ -59,6 +77,8 @@ impl Family {
             Family::Mistral => "MistralForCausalLM",
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Gemma2 => "Gemma2ForCausalLM",
+            Family::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 }
@@ -90,6 +110,8 @@ pub struct Shape {
     pub rope_theta: u32,
     pub rope_scaling: Option<Llama3Rope>,
     pub tied: bool,
+    /// Gemma's sliding window (the layers that slide follow the family's pattern).
+    pub sliding_window: Option<usize>,
 }
 
 /// Shapes of published models, by name.
@@ -109,6 +131,7 @@ pub const SHAPES: &[Shape] = &[
         rope_theta: 500000,
         rope_scaling: Some(Llama3Rope { factor: 32, original_context: 8192 }),
         tied: true,
+        sliding_window: None,
     },
     // HuggingFaceTB/SmolLM2-135M-Instruct: the CPU tests' model.
     Shape {
@@ -125,6 +148,7 @@ pub const SHAPES: &[Shape] = &[
         rope_theta: 100000,
         rope_scaling: None,
         tied: true,
+        sliding_window: None,
     },
     // Qwen/Qwen2.5-0.5B-Instruct: 494 M parameters, q/k/v biases, tied embeddings.
     Shape {
@@ -141,6 +165,7 @@ pub const SHAPES: &[Shape] = &[
         rope_theta: 1000000,
         rope_scaling: None,
         tied: true,
+        sliding_window: None,
     },
     // Qwen/Qwen3-0.6B: 596 M parameters, heads of 128 (wider than hidden / heads), q/k norms, tied embeddings.
     Shape {
@@ -157,6 +182,7 @@ pub const SHAPES: &[Shape] = &[
         rope_theta: 1000000,
         rope_scaling: None,
         tied: true,
+        sliding_window: None,
     },
     // A few megabytes, for tests.
     Shape {
@@ -173,6 +199,42 @@ pub const SHAPES: &[Shape] = &[
         rope_theta: 10000,
         rope_scaling: None,
         tied: false,
+        sliding_window: None,
+    },
+    // google/gemma-3-1b-it: 1.0 B parameters, heads of 256 (wider than hidden / heads), one kv head, a window of
+    // 512 in five layers of six, tied embeddings.
+    Shape {
+        name: "gemma-3-1b",
+        family: Family::Gemma3,
+        hidden: 1152,
+        layers: 26,
+        heads: 4,
+        kv_heads: 1,
+        head_dim: 256,
+        intermediate: 6912,
+        vocab: 262144,
+        context: 32768,
+        rope_theta: 1000000,
+        rope_scaling: None,
+        tied: true,
+        sliding_window: Some(512),
+    },
+    // google/gemma-2-2b-it: 2.6 B parameters, a window of 4,096 in every other layer, soft-capping, tied embeddings.
+    Shape {
+        name: "gemma-2-2b",
+        family: Family::Gemma2,
+        hidden: 2304,
+        layers: 26,
+        heads: 8,
+        kv_heads: 4,
+        head_dim: 256,
+        intermediate: 9216,
+        vocab: 256000,
+        context: 8192,
+        rope_theta: 10000,
+        rope_scaling: None,
+        tied: true,
+        sliding_window: Some(4096),
     },
 ];
 
@@ -188,8 +250,9 @@ impl Shape {
     pub fn parameters(&self) -> usize {
         let (d, q, kv) = (self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim);
         let biases = if self.family == Family::Qwen2 { q + 2 * kv } else { 0 };
-        let qk_norms = if self.family == Family::Qwen3 { 2 * self.head_dim } else { 0 };
-        let layer = 2 * d * q + 2 * d * kv + 3 * d * self.intermediate + 2 * d + biases + qk_norms;
+        let qk_norms = if self.family.qk_norm() { 2 * self.head_dim } else { 0 };
+        let post_norms = if self.family.is_gemma() { 2 * d } else { 0 };
+        let layer = 2 * d * q + 2 * d * kv + 3 * d * self.intermediate + 2 * d + biases + qk_norms + post_norms;
         self.vocab * d * if self.tied { 1 } else { 2 } + self.layers * layer + d
     }
 }
@@ -398,10 +461,24 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
         false => draw.uniform(&[shape.vocab, d], 1.0)?,
     };
     tensors.insert("model.embed_tokens.weight".into(), embedding);
+    // Gemma stores its RMSNorm weights as `w` for `1 + w`: the same multipliers, less one.
+    let gemma = shape.family.is_gemma();
+    let norm = |draw: &mut Draw, n: usize, spread: f32| -> Result<Tensor, Error> {
+        let w = draw.norm(n, spread)?;
+        match gemma {
+            true => draw.finish(w.to_dtype(DType::F32).and_then(|w| w.affine(1.0, -1.0))),
+            false => Ok(w),
+        }
+    };
     for i in 0..shape.layers {
         let p = format!("model.layers.{i}");
-        tensors.insert(format!("{p}.input_layernorm.weight"), draw.norm(d, 0.2)?);
-        tensors.insert(format!("{p}.post_attention_layernorm.weight"), draw.norm(d, 0.2)?);
+        tensors.insert(format!("{p}.input_layernorm.weight"), norm(&mut draw, d, 0.2)?);
+        // Llama's norm before the feed-forward network; Gemma's after attention, with its two more.
+        tensors.insert(format!("{p}.post_attention_layernorm.weight"), norm(&mut draw, d, 0.2)?);
+        if gemma {
+            tensors.insert(format!("{p}.pre_feedforward_layernorm.weight"), norm(&mut draw, d, 0.2)?);
+            tensors.insert(format!("{p}.post_feedforward_layernorm.weight"), norm(&mut draw, d, 0.2)?);
+        }
         tensors.insert(format!("{p}.self_attn.q_proj.weight"), draw.matrix(q, d, qk_gain)?);
         tensors.insert(format!("{p}.self_attn.k_proj.weight"), draw.matrix(kv, d, qk_gain)?);
         tensors.insert(format!("{p}.self_attn.v_proj.weight"), draw.matrix(kv, d, 1.0)?);
@@ -411,15 +488,15 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
             tensors.insert(format!("{p}.self_attn.k_proj.bias"), draw.bias(kv)?);
             tensors.insert(format!("{p}.self_attn.v_proj.bias"), draw.bias(kv)?);
         }
-        if shape.family == Family::Qwen3 {
-            tensors.insert(format!("{p}.self_attn.q_norm.weight"), draw.norm(hd, 0.5)?);
-            tensors.insert(format!("{p}.self_attn.k_norm.weight"), draw.norm(hd, 0.5)?);
+        if shape.family.qk_norm() {
+            tensors.insert(format!("{p}.self_attn.q_norm.weight"), norm(&mut draw, hd, 0.5)?);
+            tensors.insert(format!("{p}.self_attn.k_norm.weight"), norm(&mut draw, hd, 0.5)?);
         }
         tensors.insert(format!("{p}.mlp.gate_proj.weight"), draw.matrix(ff, d, 1.0)?);
         tensors.insert(format!("{p}.mlp.up_proj.weight"), draw.matrix(ff, d, 1.0)?);
         tensors.insert(format!("{p}.mlp.down_proj.weight"), draw.matrix(d, ff, 1.0)?);
     }
-    tensors.insert("model.norm.weight".into(), draw.norm(d, 0.2)?);
+    tensors.insert("model.norm.weight".into(), norm(&mut draw, d, 0.2)?);
     if !shape.tied {
         tensors.insert("lm_head.weight".into(), draw.matrix(shape.vocab, d, output_gain)?);
     }
@@ -468,6 +545,8 @@ pub fn synth_gguf(dir: &Path, quant: GgmlDType, tokenizer: Option<&GgufTokenizer
         Some("qwen2") => Family::Qwen2,
         Some("qwen3") => Family::Qwen3,
         Some("mistral") => Family::Mistral,
+        Some("gemma2") => Family::Gemma2,
+        Some("gemma3_text") => Family::Gemma3,
         _ => Family::Llama,
     };
     let shape = Shape {
@@ -484,6 +563,7 @@ pub fn synth_gguf(dir: &Path, quant: GgmlDType, tokenizer: Option<&GgufTokenizer
         rope_theta: config["rope_theta"].as_f64().unwrap_or(10_000.0) as u32,
         rope_scaling: None,
         tied: !weights.contains_key("lm_head.weight"),
+        sliding_window: get("sliding_window").ok().filter(|_| family.is_gemma()),
     };
     let tokenizer = tokenizer.cloned().unwrap_or(GgufTokenizer::ByteLevel(Vocabulary { merges: &[], size: shape.vocab, add_bos: false }));
     if tokenizer.size() != shape.vocab {
@@ -510,6 +590,11 @@ pub fn write_gguf(path: &Path, spec: &Spec, quant: GgmlDType) -> Result<u64, Err
         .map_err(|e| Error::Internal(format!("cannot write the GGUF `{}`: {e}", path.display())))
 }
 
+/// Gemma 2's attention and final soft-caps, as its checkpoints configure them.
+const GEMMA2_SOFTCAPS: (f32, f32) = (50.0, 30.0);
+/// Gemma 3's local layers' RoPE base (`rope_local_base_freq`).
+const GEMMA3_LOCAL_ROPE_BASE: f32 = 10_000.0;
+
 /// What a GGUF file says of its model besides the weights.
 struct GgufModel<'a> {
     name: String,
@@ -524,6 +609,8 @@ fn gguf_architecture(family: Family) -> &'static str {
         Family::Llama | Family::Mistral => "llama",
         Family::Qwen2 => "qwen2",
         Family::Qwen3 => "qwen3",
+        Family::Gemma2 => "gemma2",
+        Family::Gemma3 => "gemma3",
     }
 }
 
@@ -625,6 +712,14 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
     let tensor = |name: &str| -> Result<Tensor, Error> {
         weights.get(name).ok_or_else(|| fail(&format!("no tensor `{name}`")))?.to_dtype(DType::F32).map_err(|e| fail(&e))
     };
+    // A norm's weight as llama.cpp's converter stores it: Gemma's `w` as `1 + w`.
+    let gemma = shape.family.is_gemma();
+    let norm = |name: &str| -> Result<Tensor, Error> {
+        match gemma {
+            true => tensor(name)?.affine(1.0, 1.0).map_err(|e| fail(&e)),
+            false => tensor(name),
+        }
+    };
     // Hugging Face rotates halves of each head; GGUF's llama weights are permuted for adjacent pairs.
     let rotary = |name: &str| -> Result<Tensor, Error> {
         match arch {
@@ -634,15 +729,22 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
     };
     let mut dense: Vec<(String, Tensor, GgmlDType)> = Vec::new();
     dense.push(("token_embd.weight".into(), tensor("model.embed_tokens.weight")?, quant));
-    dense.push(("output_norm.weight".into(), tensor("model.norm.weight")?, GgmlDType::F32));
+    dense.push(("output_norm.weight".into(), norm("model.norm.weight")?, GgmlDType::F32));
     if weights.contains_key("lm_head.weight") {
         dense.push(("output.weight".into(), tensor("lm_head.weight")?, quant));
     }
     for i in 0..shape.layers {
         let p = |s: &str| format!("model.layers.{i}.{s}");
         let b = |s: &str| format!("blk.{i}.{s}.weight");
-        dense.push((b("attn_norm"), tensor(&p("input_layernorm.weight"))?, GgmlDType::F32));
-        dense.push((b("ffn_norm"), tensor(&p("post_attention_layernorm.weight"))?, GgmlDType::F32));
+        dense.push((b("attn_norm"), norm(&p("input_layernorm.weight"))?, GgmlDType::F32));
+        match gemma {
+            true => {
+                dense.push((b("post_attention_norm"), norm(&p("post_attention_layernorm.weight"))?, GgmlDType::F32));
+                dense.push((b("ffn_norm"), norm(&p("pre_feedforward_layernorm.weight"))?, GgmlDType::F32));
+                dense.push((b("post_ffw_norm"), norm(&p("post_feedforward_layernorm.weight"))?, GgmlDType::F32));
+            }
+            false => dense.push((b("ffn_norm"), tensor(&p("post_attention_layernorm.weight"))?, GgmlDType::F32)),
+        }
         dense.push((b("attn_q"), rotary(&p("self_attn.q_proj.weight"))?, quant));
         dense.push((b("attn_k"), rotary(&p("self_attn.k_proj.weight"))?, quant));
         dense.push((b("attn_v"), tensor(&p("self_attn.v_proj.weight"))?, quant));
@@ -658,7 +760,8 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
         }
         for (hf, gguf) in [("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")] {
             if weights.contains_key(&p(&format!("self_attn.{hf}.weight"))) {
-                dense.push((b(gguf), rotary(&p(&format!("self_attn.{hf}.weight")))?, GgmlDType::F32));
+                let t = if gemma { norm(&p(&format!("self_attn.{hf}.weight")))? } else { rotary(&p(&format!("self_attn.{hf}.weight")))? };
+                dense.push((b(gguf), t, GgmlDType::F32));
             }
         }
     }
@@ -681,9 +784,22 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
         (a("attention.layer_norm_rms_epsilon"), Value::F32(model.rms_eps)),
         (a("rope.freq_base"), Value::F32(shape.rope_theta as f32)),
     ];
-    if shape.head_dim * shape.heads != shape.hidden || shape.family == Family::Qwen3 {
+    if shape.head_dim * shape.heads != shape.hidden || shape.family == Family::Qwen3 || gemma {
         metadata.push((a("attention.key_length"), u32_of(hd)));
         metadata.push((a("attention.value_length"), u32_of(hd)));
+    }
+    // Gemma's keys as llama.cpp's converter writes them (the sliding layers' pattern and Gemma 3's local RoPE base
+    // are llama.cpp's defaults, written out here all the same).
+    if let Some(window) = shape.sliding_window.filter(|_| gemma) {
+        metadata.push((a("attention.sliding_window"), u32_of(window)));
+    }
+    match shape.family {
+        Family::Gemma2 => {
+            metadata.push((a("attn_logit_softcapping"), Value::F32(GEMMA2_SOFTCAPS.0)));
+            metadata.push((a("final_logit_softcapping"), Value::F32(GEMMA2_SOFTCAPS.1)));
+        }
+        Family::Gemma3 => metadata.push((a("rope.freq_base_swa"), Value::F32(GEMMA3_LOCAL_ROPE_BASE))),
+        _ => {}
     }
     metadata.extend(tokenizer_keys(&model.tokenizer)?);
     let mut file = std::io::BufWriter::new(std::fs::File::create(path).map_err(|e| fail(&e))?);
@@ -756,6 +872,20 @@ pub fn write_hf(dir: &Path, spec: &Spec) -> Result<u64, Error> {
             config["sliding_window"] = shape.context.into();
             config["use_sliding_window"] = false.into();
             config["max_window_layers"] = shape.layers.into();
+        }
+        Family::Gemma2 | Family::Gemma3 => {
+            for key in ["hidden_act", "hidden_activation"] {
+                config[key] = "gelu_pytorch_tanh".into();
+            }
+            config["query_pre_attn_scalar"] = shape.head_dim.into();
+            config["sliding_window"] = shape.sliding_window.unwrap_or(shape.context).into();
+            let gemma2 = shape.family == Family::Gemma2;
+            config["attn_logit_softcapping"] = if gemma2 { json!(GEMMA2_SOFTCAPS.0) } else { serde_json::Value::Null };
+            config["final_logit_softcapping"] = if gemma2 { json!(GEMMA2_SOFTCAPS.1) } else { serde_json::Value::Null };
+            if !gemma2 {
+                config["sliding_window_pattern"] = 6.into();
+                config["rope_local_base_freq"] = json!(GEMMA3_LOCAL_ROPE_BASE);
+            }
         }
     }
     let write_json = |name: &str, value: &serde_json::Value| {

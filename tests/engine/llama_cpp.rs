@@ -75,15 +75,24 @@ fn compare(a: &[Vec<f32>], b: &[Vec<f32>]) -> (f32, bool) {
 }
 
 /// The families nightshift reads from GGUF, as the tests write them: (family, head size, tied embeddings). qwen3's
-/// heads are wider than hidden / heads.
-const FAMILIES: [(Family, usize, bool); 3] = [(Family::Llama, 16, false), (Family::Qwen2, 16, true), (Family::Qwen3, 24, true)];
+/// and gemma3's heads are wider than hidden / heads.
+pub(super) const FAMILIES: [(Family, usize, bool); 5] =
+    [(Family::Llama, 16, false), (Family::Qwen2, 16, true), (Family::Qwen3, 24, true), (Family::Gemma2, 16, true), (Family::Gemma3, 24, true)];
 
-fn spec(family: Family, head_dim: usize, tied: bool, rope_theta: u32) -> Spec {
+/// The global RoPE base the tests' models have: Gemma 3's local layers have their own, 10,000.
+pub(super) fn rope_theta(family: Family) -> u32 {
+    if family == Family::Gemma3 { 1_000_000 } else { 10000 }
+}
+
+/// A tiny model of a family. Gemma's slide over 16 positions (less than the longer sequences): Gemma 2 in layer 0
+/// of 2, Gemma 3 in layers 0 to 4 of 6, whose local layers rotate with a base of 10,000 when the global one is
+/// `rope_theta`.
+pub(super) fn spec(family: Family, head_dim: usize, tied: bool, rope_theta: u32) -> Spec {
     let shape = Shape {
         name: "tiny-family",
         family,
         hidden: 64,
-        layers: 2,
+        layers: if family == Family::Gemma3 { 6 } else { 2 },
         heads: 4,
         kv_heads: 2,
         head_dim,
@@ -93,6 +102,7 @@ fn spec(family: Family, head_dim: usize, tied: bool, rope_theta: u32) -> Spec {
         rope_theta,
         rope_scaling: None,
         tied,
+        sliding_window: family.is_gemma().then_some(16),
     };
     Spec { shape, vocabulary: VOCABULARY, dtype: DType::F32, init: Init::Fidelity, seed: 7 }
 }
@@ -105,7 +115,7 @@ fn every_gguf_family_runs_the_host_layer_loop_with_the_tensor_loops_bits() {
     for (family, head_dim, tied) in FAMILIES {
         for quant in [GgmlDType::Q8_0, GgmlDType::F16] {
             let path = dir.join(format!("{family:?}-{quant:?}.gguf"));
-            synth::write_gguf(&path, &spec(family, head_dim, tied, 10000), quant).unwrap();
+            synth::write_gguf(&path, &spec(family, head_dim, tied, rope_theta(family)), quant).unwrap();
             super::the_two_layer_loops_agree(&path, &[5, 17, 200, 3, 99, 250], &[7, 8, 9, 10, 11, 12, 13, 14, 15]);
         }
     }
@@ -125,7 +135,7 @@ fn gguf_families_compute_what_llama_cpp_computes() {
     for (family, head_dim, tied) in FAMILIES {
         for (quant, tolerance) in [(GgmlDType::Q8_0, 0.04), (GgmlDType::F16, F16_TOLERANCE)] {
             let path = dir.join(format!("{family:?}-{quant:?}.gguf"));
-            synth::write_gguf(&path, &spec(family, head_dim, tied, 10000), quant).unwrap();
+            synth::write_gguf(&path, &spec(family, head_dim, tied, rope_theta(family)), quant).unwrap();
             let (theirs, ours) = (peer_logits(&peer, &path, &seqs), nightshift_logits(&path, &seqs));
             let (diff, same) = compare(&theirs, &ours);
             eprintln!("{family:?} {quant:?}: largest difference {diff} of the largest logit");
@@ -140,6 +150,56 @@ fn gguf_families_compute_what_llama_cpp_computes() {
     synth::write_gguf(&bad, &spec(Family::Qwen2, 16, true, 20000), GgmlDType::F16).unwrap();
     let (diff, _) = compare(&peer_logits(&peer, &good, &seqs), &nightshift_logits(&bad, &seqs));
     assert!(diff > 2.0 * F16_TOLERANCE, "a wrong RoPE base went unnoticed: {diff}");
+}
+
+/// A copy of a GGUF file with some metadata keys set to other values (the tensors as they are).
+fn with_keys(from: &std::path::Path, to: &std::path::Path, keys: &[(&str, candle_core::quantized::gguf_file::Value)]) {
+    use candle_core::quantized::gguf_file::{Content, Value};
+    let mut file = std::fs::File::open(from).unwrap();
+    let content = Content::read(&mut file).unwrap();
+    let mut metadata: Vec<(String, Value)> = content.metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    for (key, value) in keys {
+        metadata.retain(|(k, _)| k != key);
+        metadata.push((key.to_string(), value.clone()));
+    }
+    let tensors: Vec<(String, candle_core::quantized::QTensor)> =
+        content.tensor_infos.keys().map(|name| (name.clone(), content.tensor(&mut file, name, &Device::Cpu).unwrap())).collect();
+    let mut out = std::fs::File::create(to).unwrap();
+    let meta: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensors: Vec<(&str, &candle_core::quantized::QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    candle_core::quantized::gguf_file::write(&mut out, &meta, &tensors).unwrap();
+}
+
+/// The comparison with llama.cpp catches a Gemma computed without one of its operations: nightshift computing a
+/// copy of the file whose keys switch the operation off (a soft-cap of 1e9 is none; a window as long as the
+/// context, full attention; Gemma 3's local RoPE base set to the global one) against llama.cpp on the file itself.
+/// The attention soft-cap is set to 5 in the file first: at Gemma 2's 50 it hardly touches the tiny model's scores.
+#[test]
+fn gemma_computed_without_one_of_its_operations_is_caught() {
+    use candle_core::quantized::gguf_file::Value;
+    let Some(peer) = llama_peer() else { return };
+    let dir = crate::support::scratch("gemma-broken-variants");
+    let seqs = sequences();
+    let cases: [(Family, &str, Option<Value>, Value); 4] = [
+        (Family::Gemma2, "gemma2.final_logit_softcapping", None, Value::F32(1e9)),
+        (Family::Gemma2, "gemma2.attn_logit_softcapping", Some(Value::F32(5.0)), Value::F32(1e9)),
+        (Family::Gemma2, "gemma2.attention.sliding_window", None, Value::U32(256)),
+        (Family::Gemma3, "gemma3.rope.freq_base_swa", None, Value::F32(1e6)),
+    ];
+    for (family, key, set, off) in cases {
+        let head_dim = if family == Family::Gemma3 { 24 } else { 16 };
+        let written = dir.join(format!("{key}-written.gguf"));
+        synth::write_gguf(&written, &spec(family, head_dim, true, rope_theta(family)), GgmlDType::F16).unwrap();
+        let good = dir.join(format!("{key}-good.gguf"));
+        with_keys(&written, &good, &set.map(|v| vec![(key, v)]).unwrap_or_default());
+        let broken = dir.join(format!("{key}-off.gguf"));
+        with_keys(&good, &broken, &[(key, off)]);
+        let theirs = peer_logits(&peer, &good, &seqs);
+        let (same_file, _) = compare(&theirs, &nightshift_logits(&good, &seqs));
+        let (diff, _) = compare(&theirs, &nightshift_logits(&broken, &seqs));
+        eprintln!("{key} off: {diff} of the largest logit (the file as written: {same_file})");
+        assert!(same_file <= F16_TOLERANCE && diff > 4.0 * F16_TOLERANCE, "{key} off went unnoticed: {diff}");
+    }
 }
 
 #[test]
@@ -209,7 +269,7 @@ fn gguf_families_compute_the_reference_function_in_f32() {
     for (family, head_dim, tied) in FAMILIES {
         for quant in [GgmlDType::F32, GgmlDType::F16] {
             let path = dir.join(format!("{family:?}-{quant:?}.gguf"));
-            synth::write_gguf(&path, &spec(family, head_dim, tied, 10000), quant).unwrap();
+            synth::write_gguf(&path, &spec(family, head_dim, tied, rope_theta(family)), quant).unwrap();
             let (diff, same) = compare(&reference_logits(&path, &seqs), &nightshift_logits(&path, &seqs));
             eprintln!("{family:?} {quant:?}: largest difference from the reference {diff} of the largest logit");
             assert!(diff <= REFERENCE_TOLERANCE && same, "{family:?} {quant:?}: largest difference {diff} of the largest logit, argmax agrees: {same}");

@@ -35,6 +35,7 @@ pub fn write_tiny_model(path: &Path) {
         rope_theta: 10000,
         rope_scaling: None,
         tied: false,
+        sliding_window: None,
     };
     let spec = Spec { shape, vocabulary: VOCABULARY, dtype: DType::F32, init: Init::Peaked, seed: 0xf };
     synth::write_gguf(path, &spec, GgmlDType::Q8_0).unwrap();

@@ -18,9 +18,9 @@ pub struct HostAttention {
     shape: AttentionShape,
     /// The attention output's width in memory (zero-padded past `heads x head_dim` in a padded layout).
     out_width: usize,
-    /// cos and sin of position x frequency, `[context_length][head_dim / 2]` each.
-    rope_cos: Vec<f32>,
-    rope_sin: Vec<f32>,
+    /// cos and sin of position x frequency, `[context_length][head_dim / 2]` each, per set of frequencies layers
+    /// use ([`AttentionShape::rope_set`]).
+    rope: Vec<(Vec<f32>, Vec<f32>)>,
     /// How the cache holds keys and values: f32, f16 or bf16.
     kv_dtype: DType,
     block_bytes: usize,
@@ -173,9 +173,9 @@ impl HostAttention {
 
     /// The backend for a shape alone (no weights): what `bench kernels` measures attention with.
     pub fn for_shape(shape: AttentionShape, kv_dtype: DType) -> HostAttention {
-        let (rope_cos, rope_sin) = shape.rope_tables();
+        let rope = shape.rope_sets();
         let block_bytes = shape.kv_block_bytes(kv_dtype);
-        HostAttention { out_width: shape.out_width, shape, rope_cos, rope_sin, kv_dtype, block_bytes, device: Device::Cpu }
+        HostAttention { out_width: shape.out_width, shape, rope, kv_dtype, block_bytes, device: Device::Cpu }
     }
 
     /// One decode step's attention over every layer for sequences already holding `caches` (one new token each,
@@ -204,10 +204,11 @@ impl HostAttention {
 
     /// Rotary embedding of one token's heads, pairs of adjacent values (GGUF llama weights are permuted for it, and
     /// Hugging Face ones at load, see [`super::hf`]).
-    fn rope(&self, heads: &mut [f32], pos: usize) {
+    fn rope(&self, heads: &mut [f32], pos: usize, set: usize) {
         let half = self.shape.head_dim / 2;
-        let cos = &self.rope_cos[pos * half..(pos + 1) * half];
-        let sin = &self.rope_sin[pos * half..(pos + 1) * half];
+        let (cos, sin) = &self.rope[set];
+        let cos = &cos[pos * half..(pos + 1) * half];
+        let sin = &sin[pos * half..(pos + 1) * half];
         for head in heads.chunks_exact_mut(self.shape.head_dim) {
             for i in 0..half {
                 let (a, b) = (head[2 * i], head[2 * i + 1]);
@@ -274,7 +275,7 @@ impl HostAttention {
         let cfg = &self.shape;
         let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
         let q_row = cfg.heads * hd;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let (scale, softcap, window) = (cfg.scale, cfg.softcap, cfg.window(layer));
         let new = s.tokens.len();
         let total = s.cache.len + new;
         let t1 = (t0 + TILE).min(new);
@@ -282,6 +283,8 @@ impl HostAttention {
         let blocks = &s.cache.blocks;
         // Row r is token t0 + r / group, query head kv * group + r % group; it sees positions below `visible`.
         let visible = |r: usize| total - new + t0 + r / group + 1;
+        // And, in a sliding-window layer, positions from `first(r)` on.
+        let first = |r: usize| window.map_or(0, |w| visible(r).saturating_sub(w));
         let query = |r: usize| &q[(start + t0 + r / group) * q_row + (kv * group + r % group) * hd..][..hd];
         let mut max = vec![f32::NEG_INFINITY; rows];
         let mut sum = vec![0f32; rows];
@@ -293,7 +296,9 @@ impl HostAttention {
             _ => (vec![0f32; hd * BLOCK], vec![0f32; BLOCK * hd]),
         };
         let used = visible(rows - 1).div_ceil(BLOCK);
-        for (b, block) in blocks.iter().enumerate().take(used) {
+        // Blocks before every row's window are not read.
+        let skipped = first(0) / BLOCK;
+        for (b, block) in blocks.iter().enumerate().take(used).skip(skipped) {
             let kt = block.keys[layer].read(kv * hd * BLOCK, hd * BLOCK, &mut k_scratch);
             let vb = block.values[layer].read(kv * BLOCK * hd, BLOCK * hd, &mut v_scratch);
             // Decoding, the next block's keys and values, asked for a line at a time while this block is computed
@@ -319,16 +324,26 @@ impl HostAttention {
                 r += step;
             }
             for r in 0..rows {
+                // The row sees this block's positions `from..valid`.
                 let valid = visible(r).saturating_sub(b * BLOCK).min(BLOCK);
-                if valid == 0 {
+                let from = first(r).saturating_sub(b * BLOCK).min(BLOCK);
+                if valid <= from {
                     continue;
                 }
+                // Soft-capped scores are capped once here, and then scaled by 1.
+                let scale = match softcap {
+                    Some(cap) => {
+                        scores[r].iter_mut().for_each(|x| *x = cap * (*x * scale / cap).tanh());
+                        1.0
+                    }
+                    None => scale,
+                };
                 // max(x * scale) is max(x) * scale exactly: rounding a product by a positive scale keeps order.
                 // (A loop, not `std::array::from_fn`, whose closure is compiled apart from the AVX2 build, one
                 // scalar comparison per position: 2 % of a job.)
                 let mut visible_scores = scores[r];
                 for (c, v) in visible_scores.iter_mut().enumerate() {
-                    if c >= valid {
+                    if c >= valid || c < from {
                         *v = f32::NEG_INFINITY;
                     }
                 }
@@ -345,7 +360,7 @@ impl HostAttention {
                 let mut weights = [0f32; BLOCK];
                 for (c, (w, &score)) in weights.iter_mut().zip(&scores[r]).enumerate() {
                     let p = exp(score * scale - new_max);
-                    *w = if c < valid { p } else { 0.0 };
+                    *w = if c < valid && c >= from { p } else { 0.0 };
                 }
                 sum[r] = sum[r] * correction + tree(weights, |a, b| a + b);
                 let ahead = if r == 0 { next_v } else { Ahead::NONE };
@@ -426,9 +441,10 @@ impl Attention for HostAttention {
         if q.len() != tokens * cfg.heads * hd || k.len() != tokens * kv_row || v.len() != tokens * kv_row {
             candle_core::bail!("attention inputs of {}, {} and {} values for {tokens} tokens", q.len(), k.len(), v.len());
         }
+        let set = cfg.rope_set(layer);
         for (t, &pos) in step.positions.iter().enumerate() {
-            self.rope(&mut q[t * cfg.heads * hd..(t + 1) * cfg.heads * hd], pos);
-            self.rope(&mut k[t * kv_row..(t + 1) * kv_row], pos);
+            self.rope(&mut q[t * cfg.heads * hd..(t + 1) * cfg.heads * hd], pos, set);
+            self.rope(&mut k[t * kv_row..(t + 1) * kv_row], pos, set);
         }
         let mut offset = 0;
         for s in segments.iter_mut() {
@@ -552,6 +568,9 @@ mod tests {
             context_length: 512,
             out_width: 32,
             rope_frequencies: (0..4).map(|i| 1.0 / 10000f64.powf(2.0 * i as f64 / 8.0)).collect(),
+            scale: AttentionShape::default_scale(8),
+            softcap: None,
+            sliding: None,
         }
     }
 
@@ -569,12 +588,19 @@ mod tests {
 
     /// A decode step's attention, whose blocks are read with the next one hinted into the cache, against a direct
     /// softmax in f64 over every position: one block or part of one, block edges, many blocks; f32 and f16 caches
-    /// (the reference sees the keys and values as the cache holds them).
+    /// (the reference sees the keys and values as the cache holds them); and Gemma's attention, a scale of its own,
+    /// soft-capped scores and a sliding window of 37 positions (less than a block's worth, and several blocks).
     #[test]
     fn decode_attention_matches_a_direct_softmax_over_every_block() {
-        let cfg = config();
-        let (hd, group, kv_row, q_row) = (cfg.head_dim, cfg.heads / cfg.kv_heads, cfg.kv_heads * cfg.head_dim, cfg.heads * cfg.head_dim);
-        for dtype in [DType::F32, DType::F16] {
+        let gemma = |window: usize| AttentionShape {
+            scale: 0.6,
+            softcap: Some(1.5),
+            sliding: Some(super::super::SlidingWindow { window, layers: vec![false, true], rope_frequencies: config().rope_frequencies }),
+            ..config()
+        };
+        for (cfg, dtype) in [(config(), DType::F32), (config(), DType::F16), (gemma(37), DType::F32), (gemma(5), DType::F16)] {
+            let (hd, group, kv_row, q_row) = (cfg.head_dim, cfg.heads / cfg.kv_heads, cfg.kv_heads * cfg.head_dim, cfg.heads * cfg.head_dim);
+            let window = cfg.window(1).unwrap_or(usize::MAX);
             let host = HostAttention::for_shape(cfg.clone(), dtype);
             let held = |x: f32| if dtype == DType::F16 { half::f16::from_f32(x).to_f32() } else { x };
             for len in [1, 15, 16, 17, 100, 300] {
@@ -588,10 +614,15 @@ mod tests {
                         let kvh = h / group;
                         let qh = &q[s * q_row + h * hd..][..hd];
                         let scores: Vec<f64> = (0..len)
-                            .map(|j| (0..hd).map(|d| qh[d] as f64 * held(k[j * kv_row + kvh * hd + d]) as f64).sum::<f64>() / (hd as f64).sqrt())
+                            .map(|j| {
+                                let score = (0..hd).map(|d| qh[d] as f64 * held(k[j * kv_row + kvh * hd + d]) as f64).sum::<f64>() * cfg.scale as f64;
+                                cfg.softcap.map_or(score, |cap| cap as f64 * (score / cap as f64).tanh())
+                            })
                             .collect();
                         let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                        let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+                        // The last layer's window: positions `len - window..` seen.
+                        let seen = |j: usize| len - j <= window;
+                        let weights: Vec<f64> = scores.iter().enumerate().map(|(j, x)| if seen(j) { (x - max).exp() } else { 0.0 }).collect();
                         let total: f64 = weights.iter().sum();
                         for d in 0..hd {
                             let expected = (0..len).map(|j| weights[j] * held(v[j * kv_row + kvh * hd + d]) as f64).sum::<f64>() / total;

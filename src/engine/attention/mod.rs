@@ -39,6 +39,24 @@ pub struct AttentionShape {
     pub out_width: usize,
     /// The rotary frequency of each pair of a head's values (`head_dim / 2` of them), the family's scaling applied.
     pub rope_frequencies: Vec<f64>,
+    /// What scores are multiplied by before the softmax: `1 / sqrt(head_dim)`, or the family's
+    /// (`query_pre_attn_scalar`'s in Gemma).
+    pub scale: f32,
+    /// Soft-capping of the scaled scores, `cap x tanh(score / cap)` (Gemma 2's attention logits).
+    pub softcap: Option<f32>,
+    /// Sliding-window attention in some or all layers (Mistral, Gemma 2 and 3).
+    pub sliding: Option<SlidingWindow>,
+}
+
+/// Layers whose queries see only the last `window` positions (their own included), each with the RoPE frequencies
+/// of local layers (Gemma 3's base of 10,000 where its global layers have 1,000,000).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlidingWindow {
+    pub window: usize,
+    /// Per layer, whether it is a sliding-window one.
+    pub layers: Vec<bool>,
+    /// The local layers' rotary frequencies.
+    pub rope_frequencies: Vec<f64>,
 }
 
 impl AttentionShape {
@@ -48,21 +66,49 @@ impl AttentionShape {
         kv_block_bytes(self.layers, self.kv_heads, self.head_dim, kv_dtype)
     }
 
-    /// cos and sin of position x frequency, `[context_length][head_dim / 2]` each, in f32: the RoPE tables both
-    /// backends use.
-    fn rope_tables(&self) -> (Vec<f32>, Vec<f32>) {
-        let frequencies = &self.rope_frequencies;
-        let mut cos = Vec::with_capacity(self.context_length * frequencies.len());
-        let mut sin = Vec::with_capacity(self.context_length * frequencies.len());
-        for pos in 0..self.context_length {
-            for freq in frequencies {
-                let angle = pos as f64 * freq;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
-        }
-        (cos, sin)
+    /// `1 / sqrt(head_dim)`: the scale of scores unless a family says otherwise.
+    pub fn default_scale(head_dim: usize) -> f32 {
+        1.0 / (head_dim as f32).sqrt()
     }
+
+    /// The window of layer `layer`'s attention, if it is a sliding-window layer.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.sliding.as_ref().filter(|s| s.layers.get(layer) == Some(&true)).map(|s| s.window)
+    }
+
+    /// Which RoPE table layer `layer` uses, of [`AttentionShape::rope_sets`]'s: 0 the global one, 1 the local
+    /// layers' (where they differ).
+    pub fn rope_set(&self, layer: usize) -> usize {
+        match &self.sliding {
+            Some(s) if s.layers.get(layer) == Some(&true) && s.rope_frequencies != self.rope_frequencies => 1,
+            _ => 0,
+        }
+    }
+
+    /// The RoPE tables ([`rope_tables`]) of every set of frequencies layers use: the global one,
+    /// and the local layers' where they differ.
+    fn rope_sets(&self) -> Vec<(Vec<f32>, Vec<f32>)> {
+        let mut sets = vec![rope_tables(&self.rope_frequencies, self.context_length)];
+        if let Some(s) = self.sliding.as_ref().filter(|s| s.rope_frequencies != self.rope_frequencies) {
+            sets.push(rope_tables(&s.rope_frequencies, self.context_length));
+        }
+        sets
+    }
+}
+
+/// cos and sin of position x frequency, `[context_length][head_dim / 2]` each, in f32: the RoPE tables both backends
+/// use.
+fn rope_tables(frequencies: &[f64], context_length: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut cos = Vec::with_capacity(context_length * frequencies.len());
+    let mut sin = Vec::with_capacity(context_length * frequencies.len());
+    for pos in 0..context_length {
+        for freq in frequencies {
+            let angle = pos as f64 * freq;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
 }
 
 /// Bytes of one block of [`KV_BLOCK_TOKENS`] positions of a sequence's cache: `layers` layers' keys and values,

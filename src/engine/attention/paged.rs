@@ -40,9 +40,9 @@ pub struct PagedAttention {
     config: AttentionShape,
     /// The attention output's width in memory (zero-padded past `heads x head_dim` in a padded layout).
     out_width: usize,
-    /// cos and sin of position x frequency, `[context_length, head_dim / 2]`, in the activations' dtype.
-    cos: Tensor,
-    sin: Tensor,
+    /// cos and sin of position x frequency, `[context_length, head_dim / 2]`, in the activations' dtype: per set of
+    /// frequencies layers use ([`AttentionShape::rope_set`]).
+    rope: Vec<(Tensor, Tensor)>,
     pool: Arc<Mutex<Pool>>,
     #[cfg(feature = "flash-attn")]
     pool_blocks: usize,
@@ -343,9 +343,8 @@ impl Drop for PagedCache {
 /// A step on the paged backend: its attention tables, and the RoPE rows of its positions.
 pub struct PagedStep {
     plan: Plan,
-    /// `[tokens, 1, head_dim / 2]`.
-    cos: Tensor,
-    sin: Tensor,
+    /// cos and sin `[tokens, 1, head_dim / 2]`, per set of RoPE frequencies.
+    rope: Vec<(Tensor, Tensor)>,
 }
 
 impl PagedAttention {
@@ -361,7 +360,6 @@ impl PagedAttention {
     pub fn with_kernel(model: &impl AttentionModel, blocks: usize, flash: bool) -> candle_core::Result<PagedAttention> {
         let config = model.attention_shape().clone();
         let (device, dtype) = (model.device().clone(), model.dtype());
-        let (rope_cos, rope_sin) = config.rope_tables();
         let half = config.head_dim / 2;
         let table = |v: Vec<f32>| Tensor::from_vec(v, (config.context_length, half), &device)?.to_dtype(dtype);
         let pool = Pool {
@@ -384,8 +382,7 @@ impl PagedAttention {
             #[cfg(feature = "flash-attn")]
             pool_blocks: blocks.max(1),
             out_width: config.out_width,
-            cos: table(rope_cos)?,
-            sin: table(rope_sin)?,
+            rope: config.rope_sets().into_iter().map(|(cos, sin)| Ok((table(cos)?, table(sin)?))).collect::<candle_core::Result<_>>()?,
             pool: Arc::new(Mutex::new(pool)),
             block_bytes: Backend::Paged.block_bytes(model, model.dtype()),
             config,
@@ -511,13 +508,13 @@ impl PagedAttention {
 
     /// One chunk of tiles against the pool (`q`: the step's rotated queries, `[tokens, heads x head_dim]`): the
     /// attention output of its padded query rows, `[tiles x tq, heads x head_dim]`.
-    fn tiled(&self, chunk: &Chunk, q: &Tensor, keys: &Tensor, values: &Tensor) -> candle_core::Result<Tensor> {
+    fn tiled(&self, chunk: &Chunk, layer: usize, q: &Tensor, keys: &Tensor, values: &Tensor) -> candle_core::Result<Tensor> {
         let cfg = &self.config;
         let (hd, kvh, heads) = (cfg.head_dim, cfg.kv_heads, cfg.heads);
         let group = heads / kvh;
         let (n, tq, tk) = (chunk.tiles, chunk.tq, chunk.tk);
         let gq = group * tq;
-        let scale = 1.0 / (hd as f64).sqrt();
+        let scale = f64::from(cfg.scale);
         // `[tiles, kv_head, group x tq, head_dim]`: a tile's queries of one kv head's group, together.
         let qt = q.index_select(&chunk.rows, 0)?.reshape((n, tq, kvh, group, hd))?.permute((0, 2, 3, 1, 4))?.contiguous()?.reshape((n, kvh, gq, hd))?;
         // The running maximum and sum `[active, kv_head, group x tq, 1]` and the weighted values
@@ -537,9 +534,19 @@ impl PagedAttention {
             let gather = |t: &Tensor| t.index_select(slots, 0)?.reshape((a, tk, kvh, hd))?.transpose(1, 2)?.contiguous();
             let (kg, vg) = (gather(keys)?, gather(values)?);
             let scores = (qt.narrow(0, 0, a)?.matmul(&kg.transpose(2, 3)?)?.to_dtype(DType::F32)? * scale)?;
-            // Masked: key positions past each query's own (past its sequence, for the longest's padding).
-            let hidden = chunk.key_positions.narrow(4, j * tk, tk)?.broadcast_gt(&chunk.positions.narrow(0, 0, a)?)?;
-            let bias = (hidden.to_dtype(DType::F32)? * MASKED)?;
+            let scores = match cfg.softcap {
+                Some(cap) => ((scores / f64::from(cap))?.tanh()? * f64::from(cap))?,
+                None => scores,
+            };
+            // Masked: key positions past each query's own (past its sequence, for the longest's padding), and in a
+            // sliding-window layer those `window` or more before it.
+            let (key_positions, positions) = (chunk.key_positions.narrow(4, j * tk, tk)?, chunk.positions.narrow(0, 0, a)?);
+            let mut hidden = key_positions.broadcast_gt(&positions)?.to_dtype(DType::F32)?;
+            if let Some(window) = cfg.window(layer) {
+                let early = key_positions.broadcast_le(&(positions - window as f64)?)?.to_dtype(DType::F32)?;
+                hidden = hidden.broadcast_add(&early)?;
+            }
+            let bias = (hidden * MASKED)?;
             let scores = scores.reshape((a, kvh, group, tq, tk))?.broadcast_add(&bias)?.reshape((a, kvh, gq, tk))?;
             let top = scores.max_keepdim(3)?;
             let (m, carried) = match &state {
@@ -569,7 +576,7 @@ impl PagedAttention {
     /// The step's attention by flash-attention's varlen paged kernel, straight from the pool: `[tokens, heads x
     /// head_dim]` in step order.
     #[cfg(feature = "flash-attn")]
-    fn flash(&self, f: &FlashPlan, q: &Tensor, keys: &Tensor, values: &Tensor) -> candle_core::Result<Tensor> {
+    fn flash(&self, f: &FlashPlan, layer: usize, q: &Tensor, keys: &Tensor, values: &Tensor) -> candle_core::Result<Tensor> {
         let cfg = &self.config;
         let (hd, kvh, heads) = (cfg.head_dim, cfg.kv_heads, cfg.heads);
         let n = q.dim(0)?;
@@ -584,11 +591,12 @@ impl PagedAttention {
             None,
             f.max_q,
             f.max_k,
-            (1.0 / (hd as f64).sqrt()) as f32,
-            None,
+            cfg.scale,
+            // A sliding-window layer's queries see their own position and the `window - 1` before it.
+            cfg.window(layer).map(|w| w - 1),
             Some(0),
             BLOCK,
-            None,
+            cfg.softcap,
         )?;
         out.reshape((n, heads * hd))
     }
@@ -644,9 +652,9 @@ impl Attention for PagedAttention {
         let n = positions.len();
         let pos = Tensor::from_vec(positions.iter().map(|&p| p as u32).collect::<Vec<u32>>(), n, &self.device)?;
         let half = self.config.head_dim / 2;
-        let cos = self.cos.index_select(&pos, 0)?.reshape((n, 1, half))?;
-        let sin = self.sin.index_select(&pos, 0)?.reshape((n, 1, half))?;
-        Ok(PagedStep { plan, cos, sin })
+        let rows = |t: &Tensor| t.index_select(&pos, 0)?.reshape((n, 1, half));
+        let rope = self.rope.iter().map(|(cos, sin)| Ok((rows(cos)?, rows(sin)?))).collect::<candle_core::Result<_>>()?;
+        Ok(PagedStep { plan, rope })
     }
 
     fn attend(&self, step: &PagedStep, layer: usize, qkv: [Tensor; 3], _segments: &mut [Segment<'_, PagedCache>]) -> candle_core::Result<Tensor> {
@@ -655,8 +663,9 @@ impl Attention for PagedAttention {
         let plan = &step.plan;
         let [q, k, v] = qkv;
         let n = q.dim(0)?;
-        let q = candle_nn::rotary_emb::rope_i(&q.reshape((n, heads, 1, hd))?, &step.cos, &step.sin)?.reshape((n, heads * hd))?;
-        let k = candle_nn::rotary_emb::rope_i(&k.reshape((n, kvh, 1, hd))?, &step.cos, &step.sin)?;
+        let (cos, sin) = &step.rope[cfg.rope_set(layer)];
+        let q = candle_nn::rotary_emb::rope_i(&q.reshape((n, heads, 1, hd))?, cos, sin)?.reshape((n, heads * hd))?;
+        let k = candle_nn::rotary_emb::rope_i(&k.reshape((n, kvh, 1, hd))?, cos, sin)?;
         let pool = lock(&self.pool);
         let (keys, values) = (&pool.keys[layer], &pool.values[layer]);
         // `[token, kv_head, head_dim]`, the pool's order. (The pool, the queries and the hidden state share the
@@ -665,13 +674,13 @@ impl Attention for PagedAttention {
         values.scatter_set(&plan.write, &v.reshape((n, kvh, hd))?.contiguous()?, 0)?;
         #[cfg(feature = "flash-attn")]
         if let Some(f) = &plan.flash {
-            let attn = self.flash(f, &q, keys, values)?;
+            let attn = self.flash(f, layer, &q, keys, values)?;
             drop(pool);
             return self.padded(attn);
         }
         let mut parts = Vec::with_capacity(plan.chunks.len());
         for chunk in &plan.chunks {
-            parts.push(self.tiled(chunk, &q, keys, values)?);
+            parts.push(self.tiled(chunk, layer, &q, keys, values)?);
         }
         drop(pool);
         let attn = if parts.len() == 1 { parts.pop().expect("one part") } else { Tensor::cat(&parts, 0)? };

@@ -2,6 +2,7 @@
 //! ([`llama`]), encoder-decoders ([`t5`]) and encoders ([`bert`]).
 
 pub mod bert;
+pub mod gemma;
 pub mod lanes;
 pub mod llama;
 pub mod t5;

@@ -11,6 +11,7 @@ use rayon::prelude::*;
 
 use super::layers::vectors;
 use super::{Layer, Model, ModelConfig, ModelInfo, Weights, MAX_CONTEXT};
+use crate::engine::models::gemma::{GemmaConfig, PostNorms};
 use crate::engine::models::lanes::Vector;
 use crate::engine::kernels::Matrix;
 use crate::engine::ModelError;
@@ -169,14 +170,29 @@ pub(super) fn tokenizer_metadata(content: &Content) -> Result<crate::tokenize::g
     })
 }
 
-/// The GGUF architectures nightshift computes, as llama.cpp names them.
-pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3"];
+/// The GGUF architectures nightshift computes, as llama.cpp names them: llama's shape (llama, qwen2, qwen3) and
+/// Gemma's ([`crate::engine::models::gemma`]).
+pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "gemma2", "gemma3"];
 
-/// Whether an architecture's checkpoints rotate pairs `(i, i + head_dim / 2)` (llama.cpp's NEOX RoPE: Qwen2 and
-/// Qwen3, whose q and k rows GGUF stores as Hugging Face does) rather than adjacent pairs (llama's, whose rows
+/// Whether an architecture's checkpoints rotate pairs `(i, i + head_dim / 2)` (llama.cpp's NEOX RoPE: Qwen2, Qwen3
+/// and Gemma, whose q and k rows GGUF stores as Hugging Face does) rather than adjacent pairs (llama's, whose rows
 /// llama.cpp's converter permutes).
 fn rotates_halves(architecture: &str) -> bool {
-    matches!(architecture, "qwen2" | "qwen3")
+    matches!(architecture, "qwen2" | "qwen3" | "gemma2" | "gemma3")
+}
+
+/// Gemma's version (2 or 3) for its GGUF architecture.
+fn gemma_version(architecture: &str) -> Option<u8> {
+    match architecture {
+        "gemma2" => Some(2),
+        "gemma3" => Some(3),
+        _ => None,
+    }
+}
+
+/// Whether an architecture has per-head RMSNorms of queries and keys (Qwen3, Gemma 3).
+fn has_qk_norm(architecture: &str) -> bool {
+    matches!(architecture, "qwen3" | "gemma3")
 }
 
 fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
@@ -185,7 +201,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         .map_err(|_| ModelError::Metadata("`general.architecture` is not a string".into()))?
         .clone();
     if !ARCHITECTURES.contains(&architecture.as_str()) {
-        return Err(ModelError::Architecture { name: architecture, supported: "llama (Llama 2 and 3, Mistral, SmolLM, ...), qwen2 and qwen3 in GGUF files" });
+        return Err(ModelError::Architecture { name: architecture, supported: "llama (Llama 2 and 3, Mistral, SmolLM, ...), qwen2, qwen3, gemma2 and gemma3 in GGUF files" });
     }
     let a = |k: &str| format!("{architecture}.{k}");
     let hidden_size = meta_usize(content, &a("embedding_length"))?;
@@ -241,9 +257,29 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         return Err(ModelError::Metadata(format!("`{}` is {rope_base}: a RoPE base is finite and above 1", a("rope.freq_base"))));
     }
     let mut context_length = meta_usize(content, &a("context_length"))?;
-    // Sliding-window attention is not implemented: the context is capped at the window, where full attention
-    // computes the same function (as for Hugging Face directories).
-    if let Some(window) = meta_u32(content, &a("attention.sliding_window")).map(|w| w as usize).filter(|&w| w < context_length) {
+    let layers = meta_usize(content, &a("block_count"))?;
+    let gemma = match gemma_version(&architecture) {
+        Some(version) => {
+            let number = |key: &str| {
+                let v = content.metadata.get(&a(key))?;
+                v.to_f64().ok().or_else(|| v.to_f32().ok().map(f64::from)).or_else(|| meta_u32(content, &a(key)).map(f64::from))
+            };
+            let key = a("attention.sliding_window_pattern");
+            // An array of booleans (one per layer) where the file has one; a period otherwise.
+            let pattern = match content.metadata.get(&key).map(Value::to_vec) {
+                Some(Ok(values)) => Some(values.iter().map(|v| v.to_bool().map_err(|_| ModelError::Metadata(format!("`{key}` holds a non-boolean")))).collect::<Result<Vec<bool>, _>>()?),
+                _ => None,
+            };
+            let listed = pattern.is_some();
+            let number = |k: &str| if k == "attention.sliding_window_pattern" && listed { None } else { number(k) };
+            Some(GemmaConfig::of_gguf(version, layers, (hidden_size, heads, head_dim), rope_base, number, pattern)?)
+        }
+        None => None,
+    };
+    // Sliding-window attention of every layer (llama's): the context is capped at the window, where full attention
+    // computes the same function (as for Hugging Face directories). Gemma's layers slide in the attention backends.
+    let llama_window = meta_u32(content, &a("attention.sliding_window")).filter(|_| gemma.is_none());
+    if let Some(window) = llama_window.map(|w| w as usize).filter(|&w| w < context_length) {
         if window == 0 {
             return Err(ModelError::Metadata(format!("`{}` is 0", a("attention.sliding_window"))));
         }
@@ -253,7 +289,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
     let config = ModelConfig {
         name: content.metadata.get("general.name").and_then(|v| v.to_string().ok().cloned()),
         context_length,
-        layers: meta_usize(content, &a("block_count"))?,
+        layers,
         ffn_size: meta_usize(content, &a("feed_forward_length"))?,
         rms_eps,
         rope_base,
@@ -265,6 +301,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         kv_heads,
         head_dim,
         architecture,
+        gemma,
     };
     // Bounds that keep a malformed file from asking for absurd allocations (the RoPE table is sized by context).
     if config.context_length == 0 || config.context_length > MAX_CONTEXT || config.layers == 0 || config.layers > 1024 {
@@ -490,9 +527,12 @@ fn expected_tensors(content: &Content, config: &ModelConfig) -> Vec<(String, Vec
             need(suffix, vec![dims], biases);
         }
         need("attn_output.bias", vec![d], false);
-        let qwen3 = config.architecture == "qwen3";
-        need("attn_q_norm.weight", vec![hd], qwen3);
-        need("attn_k_norm.weight", vec![hd], qwen3);
+        let qk_norm = has_qk_norm(&config.architecture);
+        need("attn_q_norm.weight", vec![hd], qk_norm);
+        need("attn_k_norm.weight", vec![hd], qk_norm);
+        let gemma = config.gemma.is_some();
+        need("post_attention_norm.weight", vec![d], gemma);
+        need("post_ffw_norm.weight", vec![d], gemma);
     }
     out
 }
@@ -573,6 +613,7 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         .map_err(fmt)?;
     let mut matrices = laid_out.into_iter();
     let mut layers = Vec::with_capacity(config.layers);
+    let mut post_norms = Vec::new();
     for i in 0..config.layers {
         let mut next = || matrices.next().expect("seven matrices per layer");
         let (wq, wk, wv, wo, w_gate, w_up, w_down) = (next(), next(), next(), next(), next(), next(), next());
@@ -583,6 +624,9 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         };
         let attn_norm = norm("attn_norm")?;
         let ffn_norm = norm("ffn_norm")?;
+        if config.gemma.is_some() {
+            post_norms.push(PostNorms { attn: norm("post_attention_norm")?.into(), ffn: norm("post_ffw_norm")?.into() });
+        }
         // A vector of the layer's in f32: biases and the per-head norms, `rotary` ones reordered as q and k rows are.
         let vector = |suffix: &str, rotary: bool| -> Result<Tensor, ModelError> {
             let name = format!("blk.{i}.{suffix}");
@@ -603,7 +647,7 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
             true => Some(vector("attn_output.bias", false)?.pad_with_zeros(0, 0, width - d).map_err(fmt)?),
             false => None,
         };
-        let qk_norm = match config.architecture == "qwen3" {
+        let qk_norm = match has_qk_norm(&config.architecture) {
             true => Some([vector("attn_q_norm.weight", true)?, vector("attn_k_norm.weight", true)?]),
             false => None,
         };
@@ -631,7 +675,7 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
     };
     let lm_head = lay_out(lm_head, config.vocab_size, width, layout.for_output(), device).and_then(|t| matrix(t, layout, device)).map_err(fmt)?;
 
-    let weights = Weights { embedding, layers, output_norm, lm_head, attn_width, layout };
+    let weights = Weights { embedding, layers, post_norms, output_norm, lm_head, attn_width, layout };
     Ok((Model::assemble(config, device, weights), info))
 }
 
@@ -669,6 +713,7 @@ mod tests {
             rope_scaling: None,
             rope_freq_factors: None,
             vocab_size: 1000,
+            gemma: None,
         };
         let cpu = Device::Cpu;
         // SmolLM2-135M: 576 wide (padded to 768 adds a third), 9 heads of 64, 1536 in the feed-forward.

@@ -224,6 +224,7 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         rope_scaling,
         rope_freq_factors: None,
         vocab_size: c.vocab_size,
+        gemma: None,
     };
     Ok((config, variant))
 }
@@ -466,7 +467,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
         true => dense(embedding.clone()),
         false => dense(load("lm_head.weight")?),
     };
-    let weights = Weights { embedding, layers, output_norm, lm_head, attn_width: config.heads * hd, layout: super::Layout::AsStored };
+    let weights = Weights { embedding, layers, post_norms: Vec::new(), output_norm, lm_head, attn_width: config.heads * hd, layout: super::Layout::AsStored };
     Ok((Model::assemble(config, device, weights), info))
 }
 

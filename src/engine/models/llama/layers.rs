@@ -8,7 +8,7 @@ use crate::engine::attention::{Attention, Segment};
 use crate::engine::kernels::Matrix;
 use crate::engine::models::lanes::{Activation, Lane, Vector};
 
-pub(super) struct Layer {
+pub(crate) struct Layer {
     pub attn_norm: Vector,
     pub wq: Matrix,
     pub wk: Matrix,
@@ -59,7 +59,7 @@ impl Layer {
 
 /// The layers over `x`, the embedded tokens (in `lane`'s form): the last hidden states. `eps`: RMSNorm's epsilon
 /// over the laid-out width; `head_eps` the per-head norms'.
-pub(super) fn run<L: Lane, A: Attention>(
+pub(crate) fn run<L: Lane, A: Attention>(
     lane: &L,
     layers: &[Layer],
     attention: &A,

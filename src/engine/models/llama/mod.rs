@@ -12,7 +12,7 @@
 
 pub mod gguf;
 pub mod hf;
-mod layers;
+pub(crate) mod layers;
 
 use std::path::Path;
 
@@ -22,6 +22,7 @@ use crate::engine::kernels::Matrix;
 use candle_core::{DType, Device, Tensor, D};
 
 use layers::Layer;
+use super::gemma::{self, GemmaConfig, PostNorms};
 use super::lanes::{product, rms_norm, HostLane, TensorLane};
 use super::{DecoderModel, StepLogits};
 use crate::engine::attention::{Attention, AttentionModel, AttentionShape, KvCache, Segment};
@@ -53,6 +54,8 @@ pub struct ModelConfig {
     /// 3.1's scaling as llama.cpp's converter stores it) and linear scaling's factor.
     pub rope_freq_factors: Option<Vec<f32>>,
     pub vocab_size: usize,
+    /// Gemma 2 and 3's additions ([`gemma`]); `None` in the llama-shaped families.
+    pub gemma: Option<GemmaConfig>,
 }
 
 impl ModelConfig {
@@ -64,7 +67,7 @@ impl ModelConfig {
 
     /// The attention's shape, its output `out_width` wide in memory.
     pub fn attention_shape(&self, out_width: usize) -> AttentionShape {
-        AttentionShape {
+        let mut shape = AttentionShape {
             layers: self.layers,
             heads: self.heads,
             kv_heads: self.kv_heads,
@@ -72,7 +75,16 @@ impl ModelConfig {
             context_length: self.context_length,
             out_width,
             rope_frequencies: rope_frequencies(self),
+            scale: AttentionShape::default_scale(self.head_dim),
+            softcap: None,
+            sliding: None,
+        };
+        if let Some(gemma) = &self.gemma {
+            // Local layers rotate with their own base, unscaled (llama.cpp's `rope_freq_scale_train_swa` is 1).
+            let local = |base: f32| rope_frequencies(&ModelConfig { rope_base: base, rope_scaling: None, rope_freq_factors: None, gemma: None, ..self.clone() });
+            gemma.shape_attention(&mut shape, local);
         }
+        shape
     }
 }
 
@@ -106,6 +118,8 @@ pub struct Model {
     attention: AttentionShape,
     embedding: Tensor,
     layers: Vec<Layer>,
+    /// Gemma's norms after attention and after the feed-forward network, per layer (empty in other families).
+    post_norms: Vec<PostNorms>,
     output_norm: Tensor,
     lm_head: Matrix,
     /// How the weights are laid out in memory.
@@ -119,6 +133,7 @@ pub struct Model {
 struct Weights {
     embedding: Tensor,
     layers: Vec<Layer>,
+    post_norms: Vec<PostNorms>,
     output_norm: Tensor,
     lm_head: Matrix,
     /// The attention output's width in memory (the input width of each layer's `wo`).
@@ -177,15 +192,18 @@ impl DecoderModel for Model {
         let n = tokens.len();
         let ids = Tensor::from_vec(tokens, n, &self.device)?;
         let mut x = self.embedding.index_select(&ids, 0)?;
+        if cfg.gemma.is_some() {
+            x = (x * f64::from(GemmaConfig::embedding_scale(cfg.hidden_size)))?;
+        }
         // RMSNorm over the laid-out width, with epsilon scaled as the weights were (see `gguf::padded_norm`).
-        let eps = cfg.rms_eps * (cfg.hidden_size as f32 / self.width as f32);
+        let eps = (cfg.rms_eps * (cfg.hidden_size as f32 / self.width as f32), cfg.rms_eps);
         x = match self.host_loop && attention.host_vectors() {
             true => {
                 let (rows, width) = x.dims2()?;
-                let x = layers::run(&HostLane { rows }, &self.layers, attention, &step, segments, x.flatten_all()?.to_vec1::<f32>()?, (eps, cfg.rms_eps))?;
+                let x = self.layer_loop(&HostLane { rows }, attention, &step, segments, x.flatten_all()?.to_vec1::<f32>()?, eps)?;
                 Tensor::from_vec(x, (rows, width), &self.device)?
             }
-            false => layers::run(&TensorLane, &self.layers, attention, &step, segments, x, (eps, cfg.rms_eps))?,
+            false => self.layer_loop(&TensorLane, attention, &step, segments, x, eps)?,
         };
         attention.advance(segments);
         let logits = self.head(&x, segments, outputs)?;
@@ -281,12 +299,13 @@ impl Model {
 
     /// A model from its weights. `weights.embedding`'s width is the hidden state's width in memory.
     fn assemble(config: ModelConfig, device: &Device, weights: Weights) -> Model {
-        let Weights { embedding, layers, output_norm, lm_head, attn_width, layout } = weights;
+        let Weights { embedding, layers, mut post_norms, output_norm, lm_head, attn_width, layout } = weights;
         let mut layers = layers;
         let host_loop = device.is_cpu()
             && embedding.dtype() == DType::F32
             && layers.iter().all(|l| l.matrices().iter().all(|m| matches!(m, Matrix::Packed(_))))
-            && layers.iter_mut().try_for_each(Layer::keep_host).is_ok();
+            && layers.iter_mut().try_for_each(Layer::keep_host).is_ok()
+            && post_norms.iter_mut().flat_map(PostNorms::vectors_mut).try_for_each(super::lanes::Vector::keep_host).is_ok();
         Model {
             host_loop,
             width: embedding.dims().last().copied().unwrap_or(config.hidden_size),
@@ -295,9 +314,26 @@ impl Model {
             device: device.clone(),
             embedding,
             layers,
+            post_norms,
             output_norm,
             lm_head,
             layout,
+        }
+    }
+
+    /// The family's layer loop over `lane`.
+    fn layer_loop<L: super::lanes::Lane, A: Attention>(
+        &self,
+        lane: &L,
+        attention: &A,
+        step: &A::Step,
+        segments: &mut [Segment<'_, A::Cache>],
+        x: L::X,
+        eps: (f32, f32),
+    ) -> candle_core::Result<L::X> {
+        match self.config.gemma {
+            Some(_) => gemma::run(lane, &self.layers, &self.post_norms, attention, step, segments, x, eps),
+            None => layers::run(lane, &self.layers, attention, step, segments, x, eps),
         }
     }
 
@@ -330,6 +366,7 @@ impl Model {
         };
         dense(&self.embedding)
             + dense(&self.output_norm)
+            + self.post_norms.iter().map(PostNorms::bytes).sum::<usize>()
             + lm_head
             + self
                 .layers
@@ -424,10 +461,15 @@ impl Model {
         // candle's Q6_K takes its fast kernel only for two rows or more, and the two kernels round differently:
         // a lone row gets a zero row beside it, so a sequence's logits never depend on how many share its step.
         let rows = x.dim(0)?;
-        if rows == 1 && self.device.is_cpu() && matches!(self.lm_head, Matrix::Candle(_)) {
-            return product(&self.lm_head, &Tensor::cat(&[&x, &x.zeros_like()?], 0)?)?.narrow(0, 0, 1);
+        let logits = match rows == 1 && self.device.is_cpu() && matches!(self.lm_head, Matrix::Candle(_)) {
+            true => product(&self.lm_head, &Tensor::cat(&[&x, &x.zeros_like()?], 0)?)?.narrow(0, 0, 1)?,
+            false => product(&self.lm_head, &x)?,
+        };
+        // Gemma's final soft-capping, as llama.cpp computes it: scaled by 1 / cap, tanh, scaled by cap.
+        match cfg.gemma.as_ref().and_then(|g| g.final_softcap) {
+            Some(cap) => (logits * (1.0 / f64::from(cap)))?.tanh()? * f64::from(cap),
+            None => Ok(logits),
         }
-        product(&self.lm_head, &x)
     }
 }
 
