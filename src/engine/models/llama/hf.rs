@@ -9,6 +9,12 @@
 //! - `mistral`: `head_dim` may differ from `hidden_size / num_attention_heads`.
 //! - `qwen2`: biases on q, k and v.
 //! - `qwen3`: per-head RMSNorm of queries and keys before RoPE; `head_dim` must be given.
+//! - `gemma2` and `gemma3_text` ([`crate::engine::models::gemma`]): RMSNorm weights stored as `w` for `1 + w` (the
+//!   one added at load, in f32, before the weights take the compute dtype), norms after attention and the
+//!   feed-forward network (`post_attention_layernorm` is the first; `pre_feedforward_layernorm` the norm before the
+//!   feed-forward network), GeGLU (`gelu_pytorch_tanh`), `query_pre_attn_scalar`, soft-capping, sliding-window layers
+//!   (`layer_types`, or Gemma 2's every other layer, Gemma 3's `sliding_window_pattern`) and Gemma 3's
+//!   `rope_local_base_freq`; Gemma 3's linear `rope_scaling` applies to its global layers.
 //!
 //! and tied input and output embeddings (`tie_word_embeddings`) in any of them.
 //!
@@ -22,8 +28,9 @@
 //! to put row `i + head_dim / 2` next to row `i` ([`interleave_halves`]). Attention scores are dot products of
 //! a query and a key permuted alike, so they are unchanged; values are not touched.
 //!
-//! Sliding-window attention (Mistral v0.1's `sliding_window`, Qwen's `use_sliding_window`) is not implemented:
-//! the context is capped at the window instead, where full attention computes the same function.
+//! Sliding-window attention of every layer (Mistral v0.1's `sliding_window`, Qwen's `use_sliding_window`) caps the
+//! context at the window instead, where full attention computes the same function; Gemma's layers slide in the
+//! attention backends.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -38,6 +45,7 @@ use serde_json::Value;
 
 use super::layers::vectors;
 use super::{Layer, Model, ModelConfig, ModelInfo, RopeScaling, Weights, MAX_CONTEXT};
+use crate::engine::models::gemma::{GemmaConfig, PostNorms, Sliding};
 use crate::job::ComputeDtype;
 use crate::engine::ModelError;
 use crate::tokenize::vocab::{VocabMetadata, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED};
@@ -83,6 +91,20 @@ struct HfConfig {
     bos_token_id: Option<Value>,
     #[serde(default)]
     eos_token_id: Option<Value>,
+    #[serde(default)]
+    hidden_activation: Option<String>,
+    #[serde(default)]
+    query_pre_attn_scalar: Option<f64>,
+    #[serde(default)]
+    attn_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    final_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    sliding_window_pattern: Option<usize>,
+    #[serde(default)]
+    layer_types: Option<Vec<String>>,
+    #[serde(default)]
+    rope_local_base_freq: Option<f64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,6 +113,8 @@ enum Family {
     Mistral,
     Qwen2,
     Qwen3,
+    Gemma2,
+    Gemma3,
 }
 
 impl Family {
@@ -100,6 +124,16 @@ impl Family {
             Family::Mistral => "mistral",
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
+            Family::Gemma2 => "gemma2",
+            Family::Gemma3 => "gemma3",
+        }
+    }
+
+    fn gemma(self) -> Option<u8> {
+        match self {
+            Family::Gemma2 => Some(2),
+            Family::Gemma3 => Some(3),
+            _ => None,
         }
     }
 
@@ -109,6 +143,8 @@ impl Family {
             "mistral" => Some(Family::Mistral),
             "qwen2" => Some(Family::Qwen2),
             "qwen3" => Some(Family::Qwen3),
+            "gemma2" => Some(Family::Gemma2),
+            "gemma3_text" => Some(Family::Gemma3),
             _ => None,
         };
         let by_class = |c: &str| match c {
@@ -116,6 +152,8 @@ impl Family {
             "MistralForCausalLM" => Some(Family::Mistral),
             "Qwen2ForCausalLM" => Some(Family::Qwen2),
             "Qwen3ForCausalLM" => Some(Family::Qwen3),
+            "Gemma2ForCausalLM" => Some(Family::Gemma2),
+            "Gemma3ForCausalLM" => Some(Family::Gemma3),
             _ => None,
         };
         let class = config.architectures.as_ref().and_then(|a| a.first());
@@ -124,7 +162,7 @@ impl Family {
             (None, Some(c)) => by_class(c).ok_or_else(|| c.clone()),
             (None, None) => Err("none given".to_string()),
         };
-        found.map_err(|name| ModelError::Architecture { name, supported: "llama, mistral, qwen2 and qwen3 in Hugging Face directories" })
+        found.map_err(|name| ModelError::Architecture { name, supported: "llama, mistral, qwen2, qwen3, gemma2 and gemma3_text in Hugging Face directories" })
     }
 }
 
@@ -135,6 +173,59 @@ struct Variant {
     wo_bias: bool,
     qk_norm: bool,
     tied: bool,
+    /// Gemma's norms after attention and the feed-forward network (and its norm weights stored as `w` for `1 + w`).
+    post_norms: bool,
+}
+
+/// Gemma's keys of config.json ([`GemmaConfig`]), with Hugging Face's defaults: the query scale of `head_dim`,
+/// Gemma 2's every other layer sliding (`layer_idx % 2 == 0`), Gemma 3's five in six
+/// (`(layer_idx + 1) % sliding_window_pattern != 0`, pattern 6) unless `layer_types` lists them, Gemma 3's local
+/// RoPE base of 10,000 (Gemma 2's local layers rotate as its global ones).
+fn gemma_config(c: &HfConfig, version: u8, head_dim: usize, rope_base: f32) -> Result<GemmaConfig, ModelError> {
+    let positive = |key: &str, v: Option<f64>| -> Result<Option<f32>, ModelError> {
+        match v {
+            Some(v) if !(v.is_finite() && v > 0.0) => Err(invalid(format!("`{key}` is {v}: it must be positive"))),
+            other => Ok(other.map(|v| v as f32)),
+        }
+    };
+    let layers = c.num_hidden_layers;
+    let sliding = match c.sliding_window {
+        None | Some(0) => None,
+        Some(window) => {
+            let layers = match &c.layer_types {
+                Some(types) if types.len() == layers => types.iter().map(|t| t == "sliding_attention").collect(),
+                Some(types) => return Err(invalid(format!("`layer_types` lists {} layers of {layers}", types.len()))),
+                None if version == 2 => (0..layers).map(|l| l % 2 == 0).collect(),
+                None => {
+                    let period = c.sliding_window_pattern.unwrap_or(6).max(1);
+                    (0..layers).map(|l| (l + 1) % period != 0).collect()
+                }
+            };
+            let local = if version == 2 { Some(rope_base) } else { positive("rope_local_base_freq", c.rope_local_base_freq)? };
+            Some(Sliding { window, layers, rope_base: local.unwrap_or(10_000.0) })
+        }
+    };
+    Ok(GemmaConfig {
+        version,
+        query_pre_attn_scalar: positive("query_pre_attn_scalar", c.query_pre_attn_scalar)?.unwrap_or(head_dim as f32),
+        attn_softcap: positive("attn_logit_softcapping", c.attn_logit_softcapping)?,
+        final_softcap: positive("final_logit_softcapping", c.final_logit_softcapping)?,
+        sliding,
+    })
+}
+
+/// A linear `rope_scaling`'s factor (Gemma 3's global layers); `None` without one.
+fn linear_rope_factor(value: Option<&Value>) -> Result<Option<f64>, ModelError> {
+    let Some(object) = value.filter(|v| !v.is_null()) else { return Ok(None) };
+    match object.get("rope_type").or_else(|| object.get("type")).and_then(Value::as_str) {
+        Some("linear") => {}
+        Some("default") | None => return Ok(None),
+        Some(other) => return Err(invalid(format!("rope_scaling type `{other}` is not supported for Gemma (supported: linear)"))),
+    }
+    match object.get("factor").and_then(Value::as_f64) {
+        Some(f) if f.is_finite() && f > 0.0 => Ok(Some(f)),
+        _ => Err(invalid("rope_scaling.factor must be a positive number".into())),
+    }
 }
 
 fn invalid(message: String) -> ModelError {
@@ -171,8 +262,12 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
             return Err(invalid(format!("`{key}` is {value}, outside 1..={max}")));
         }
     }
-    if let Some(act) = c.hidden_act.as_deref().filter(|a| *a != "silu") {
-        return Err(invalid(format!("hidden_act `{act}` is not supported (silu only)")));
+    // Gemma's GeGLU (`hidden_activation`, or `hidden_act` in older configs); SwiGLU elsewhere.
+    let wanted = if family.gemma().is_some() { "gelu_pytorch_tanh" } else { "silu" };
+    for (key, act) in [("hidden_act", &c.hidden_act), ("hidden_activation", &c.hidden_activation)] {
+        if let Some(act) = act.as_deref().filter(|a| *a != wanted && !(family.gemma().is_some() && key == "hidden_act" && c.hidden_activation.is_some())) {
+            return Err(invalid(format!("{key} `{act}` is not supported ({wanted} only for {})", family.name())));
+        }
     }
     if c.mlp_bias == Some(true) {
         return Err(invalid("`mlp_bias` is not supported".into()));
@@ -182,12 +277,17 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
     if !(rms_eps.is_finite() && rms_eps > 0.0 && rope_base.is_finite() && rope_base > 1.0) {
         return Err(invalid(format!("rms_norm_eps {rms_eps} or rope_theta {rope_base} is out of range")));
     }
-    let rope_scaling = rope_scaling(c.rope_scaling.as_ref())?;
+    // Gemma 3's linear scaling (positions divided by the factor) of its global layers, as GGUF's is read.
+    let linear = match family.gemma() {
+        Some(_) => linear_rope_factor(c.rope_scaling.as_ref())?,
+        None => None,
+    };
+    let rope_scaling = if linear.is_some() { None } else { rope_scaling(c.rope_scaling.as_ref())? };
     // Sliding-window attention equals full attention over a context no longer than the window.
     let window = match family {
         Family::Mistral => c.sliding_window,
         Family::Qwen2 | Family::Qwen3 => c.sliding_window.filter(|_| c.use_sliding_window == Some(true)),
-        Family::Llama => None,
+        Family::Llama | Family::Gemma2 | Family::Gemma3 => None,
     };
     let mut context_length = c.max_position_embeddings;
     if let Some(w) = window.filter(|&w| w < context_length) {
@@ -205,8 +305,14 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
     let variant = Variant {
         qkv_bias: family == Family::Qwen2 || (attention_bias && family != Family::Mistral),
         wo_bias: attention_bias && matches!(family, Family::Llama | Family::Qwen3),
-        qk_norm: family == Family::Qwen3,
-        tied: c.tie_word_embeddings.unwrap_or(false),
+        qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3),
+        // Gemma's configuration classes tie by default.
+        tied: c.tie_word_embeddings.unwrap_or(family.gemma().is_some()),
+        post_norms: family.gemma().is_some(),
+    };
+    let gemma = match family.gemma() {
+        Some(version) => Some(gemma_config(c, version, head_dim, rope_base as f32)?),
+        None => None,
     };
     let name = c.name_or_path.clone().filter(|n| !n.is_empty()).or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()));
     let config = ModelConfig {
@@ -222,9 +328,9 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         rms_eps: rms_eps as f32,
         rope_base: rope_base as f32,
         rope_scaling,
-        rope_freq_factors: None,
+        rope_freq_factors: linear.map(|f| vec![f as f32; head_dim / 2]),
         vocab_size: c.vocab_size,
-        gemma: None,
+        gemma,
     };
     Ok((config, variant))
 }
@@ -351,6 +457,10 @@ fn expected_tensors(c: &ModelConfig, v: Variant) -> Vec<(String, Vec<usize>)> {
         let mut add = |suffix: &str, dims: Vec<usize>| out.push((format!("model.layers.{i}.{suffix}"), dims));
         add("input_layernorm.weight", vec![d]);
         add("post_attention_layernorm.weight", vec![d]);
+        if v.post_norms {
+            add("pre_feedforward_layernorm.weight", vec![d]);
+            add("post_feedforward_layernorm.weight", vec![d]);
+        }
         add("self_attn.q_proj.weight", vec![q, d]);
         add("self_attn.k_proj.weight", vec![kv, d]);
         add("self_attn.v_proj.weight", vec![kv, d]);
@@ -434,6 +544,16 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
     };
     let load = |name: &str| shards.load(name, device, dtype);
     let rotary = |name: &str| load(name).and_then(|t| interleave_halves(&t, hd).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}"))));
+    // A norm weight: Gemma's `w` as `1 + w`, added in f32 before the compute dtype, as Hugging Face computes it.
+    let norm = |name: &str| -> Result<Tensor, ModelError> {
+        match variant.post_norms {
+            true => shards
+                .load(name, device, DType::F32)
+                .and_then(|w| w.affine(1.0, 1.0).and_then(|w| w.to_dtype(dtype)).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")))),
+            false => load(name),
+        }
+    };
+    let mut post_norms = Vec::new();
     let dense = |t: Tensor| Matrix::Candle(QMatMul::Tensor(t));
     let embedding = load("model.embed_tokens.weight")?;
     let mut layers = Vec::with_capacity(config.layers);
@@ -443,12 +563,22 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
             true => Some([rotary(&p("self_attn.q_proj.bias"))?, rotary(&p("self_attn.k_proj.bias"))?, load(&p("self_attn.v_proj.bias"))?]),
             false => None,
         };
+        let head_norm = |name: &str| norm(name).and_then(|t| interleave_halves(&t, hd).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}"))));
         let qk_norm = match variant.qk_norm {
-            true => Some([rotary(&p("self_attn.q_norm.weight"))?, rotary(&p("self_attn.k_norm.weight"))?]),
+            true => Some([head_norm(&p("self_attn.q_norm.weight"))?, head_norm(&p("self_attn.k_norm.weight"))?]),
             false => None,
         };
+        // Gemma's `post_attention_layernorm` follows attention; its norm before the feed-forward network is
+        // `pre_feedforward_layernorm` (llama's `post_attention_layernorm`).
+        let ffn_norm = match variant.post_norms {
+            true => {
+                post_norms.push(PostNorms { attn: norm(&p("post_attention_layernorm.weight"))?.into(), ffn: norm(&p("post_feedforward_layernorm.weight"))?.into() });
+                norm(&p("pre_feedforward_layernorm.weight"))?
+            }
+            false => load(&p("post_attention_layernorm.weight"))?,
+        };
         layers.push(Layer {
-            attn_norm: load(&p("input_layernorm.weight"))?.into(),
+            attn_norm: norm(&p("input_layernorm.weight"))?.into(),
             wq: dense(rotary(&p("self_attn.q_proj.weight"))?),
             wk: dense(rotary(&p("self_attn.k_proj.weight"))?),
             wv: dense(load(&p("self_attn.v_proj.weight"))?),
@@ -456,18 +586,18 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
             qkv_bias: vectors(qkv_bias),
             wo_bias: if variant.wo_bias { Some(load(&p("self_attn.o_proj.bias"))?.into()) } else { None },
             qk_norm: vectors(qk_norm),
-            ffn_norm: load(&p("post_attention_layernorm.weight"))?.into(),
+            ffn_norm: ffn_norm.into(),
             w_gate: dense(load(&p("mlp.gate_proj.weight"))?),
             w_up: dense(load(&p("mlp.up_proj.weight"))?),
             w_down: dense(load(&p("mlp.down_proj.weight"))?),
         });
     }
-    let output_norm = load("model.norm.weight")?;
+    let output_norm = norm("model.norm.weight")?;
     let lm_head = match variant.tied {
         true => dense(embedding.clone()),
         false => dense(load("lm_head.weight")?),
     };
-    let weights = Weights { embedding, layers, post_norms: Vec::new(), output_norm, lm_head, attn_width: config.heads * hd, layout: super::Layout::AsStored };
+    let weights = Weights { embedding, layers, post_norms, output_norm, lm_head, attn_width: config.heads * hd, layout: super::Layout::AsStored };
     Ok((Model::assemble(config, device, weights), info))
 }
 
