@@ -4,9 +4,11 @@ computed wrongly: llama.cpp answers with the good file, nightshift scores with t
 
     PYTHONPATH=$PEER/gguf-py scripts/break-gguf.py IN.gguf OUT.gguf --rope-base 20000
     PYTHONPATH=$PEER/gguf-py scripts/break-gguf.py IN.gguf OUT.gguf --zero 'attn_q.bias'   # every tensor whose name ends so
+    PYTHONPATH=$PEER/gguf-py scripts/break-gguf.py IN.gguf OUT.gguf --set gemma3.attention.sliding_window=64
 
 `--rope-base` replaces `<arch>.rope.freq_base`; `--zero SUFFIX` writes zeros for the tensors whose names end with
-SUFFIX (a dropped bias or norm). Everything else is copied as it is.
+SUFFIX (a dropped bias or norm); `--set KEY=NUMBER` sets a numeric key (added as a float32 if the file lacks it;
+a soft-cap of 1e9 is none, a window as long as the context is full attention). Everything else is copied as it is.
 """
 import argparse
 
@@ -20,7 +22,9 @@ def main():
     ap.add_argument("output")
     ap.add_argument("--rope-base", type=float)
     ap.add_argument("--zero", action="append", default=[])
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=NUMBER")
     args = ap.parse_args()
+    sets = {k: float(v) for k, v in (item.split("=", 1) for item in args.set)}
 
     reader = GGUFReader(args.input)
     arch = reader.fields["general.architecture"].contents()
@@ -32,10 +36,15 @@ def main():
         if key == f"{arch}.rope.freq_base" and args.rope_base is not None:
             value = args.rope_base
         vtype = field.types[0]
+        if key in sets:
+            value = sets.pop(key)
+            value = int(value) if vtype in (GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64) else value
         if vtype == GGUFValueType.ARRAY:
             writer.add_key_value(key, value, vtype, sub_type=field.types[-1])
         else:
             writer.add_key_value(key, value, vtype)
+    for key, value in sets.items():
+        writer.add_key_value(key, value, GGUFValueType.FLOAT32)
     for tensor in reader.tensors:
         data = tensor.data
         if any(tensor.name.endswith(suffix) for suffix in args.zero):

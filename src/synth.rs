@@ -455,21 +455,28 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
         (false, _) => (1.0, 4.0),
     };
     // Tied, the embedding is the output projection too: for fidelity it is drawn at the output projection's scale,
-    // so that the logits are nats apart rather than hundreds (the first layer's RMSNorm undoes its scale).
+    // so that the logits are nats apart rather than hundreds (the first layer's RMSNorm undoes its scale). Gemma
+    // multiplies its embeddings by sqrt(hidden): drawn that wide, each position's own token would lead the logits by
+    // about a hundred nats whatever the context, so its embedding is drawn at 1 / sqrt(hidden) (the scaled
+    // embedding in ±1, the layers' post-normed outputs outweighing it) and the output gain goes into the final
+    // norm's weight instead.
+    let gemma_gain = shape.family.is_gemma() && shape.tied && fidelity;
     let embedding = match shape.tied && fidelity {
+        true if gemma_gain => draw.matrix(shape.vocab, d, 1.0)?,
         true => draw.matrix(shape.vocab, d, output_gain)?,
         false => draw.uniform(&[shape.vocab, d], 1.0)?,
     };
     tensors.insert("model.embed_tokens.weight".into(), embedding);
     // Gemma stores its RMSNorm weights as `w` for `1 + w`: the same multipliers, less one.
     let gemma = shape.family.is_gemma();
-    let norm = |draw: &mut Draw, n: usize, spread: f32| -> Result<Tensor, Error> {
+    let norm_times = |draw: &mut Draw, n: usize, spread: f32, gain: f32| -> Result<Tensor, Error> {
         let w = draw.norm(n, spread)?;
         match gemma {
-            true => draw.finish(w.to_dtype(DType::F32).and_then(|w| w.affine(1.0, -1.0))),
+            true => draw.finish(w.to_dtype(DType::F32).and_then(|w| w.affine(f64::from(gain), -1.0))),
             false => Ok(w),
         }
     };
+    let norm = |draw: &mut Draw, n: usize, spread: f32| norm_times(draw, n, spread, 1.0);
     for i in 0..shape.layers {
         let p = format!("model.layers.{i}");
         tensors.insert(format!("{p}.input_layernorm.weight"), norm(&mut draw, d, 0.2)?);
@@ -496,7 +503,8 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
         tensors.insert(format!("{p}.mlp.up_proj.weight"), draw.matrix(ff, d, 1.0)?);
         tensors.insert(format!("{p}.mlp.down_proj.weight"), draw.matrix(d, ff, 1.0)?);
     }
-    tensors.insert("model.norm.weight".into(), norm(&mut draw, d, 0.2)?);
+    let final_gain = if gemma_gain { output_gain } else { 1.0 };
+    tensors.insert("model.norm.weight".into(), norm_times(&mut draw, d, 0.2, final_gain)?);
     if !shape.tied {
         tensors.insert("lm_head.weight".into(), draw.matrix(shape.vocab, d, output_gain)?);
     }
@@ -957,7 +965,8 @@ mod tests {
     #[test]
     fn parameters_count_every_tensor_of_every_family() {
         let tiny = Shape::named("tiny").unwrap();
-        for (family, head_dim, tied) in [(Family::Llama, 32, false), (Family::Mistral, 48, false), (Family::Qwen2, 32, true), (Family::Qwen3, 40, true)] {
+        let families = [(Family::Llama, 32, false), (Family::Mistral, 48, false), (Family::Qwen2, 32, true), (Family::Qwen3, 40, true), (Family::Gemma2, 32, true), (Family::Gemma3, 40, true)];
+        for (family, head_dim, tied) in families {
             let shape = Shape { family, head_dim, tied, ..tiny };
             for init in [Init::Hf, Init::Peaked, Init::Fidelity] {
                 let spec = Spec { init, ..Spec::new(&shape, DType::F32, 1) };

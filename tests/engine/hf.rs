@@ -50,6 +50,9 @@ impl Reference {
             HfVariant::Mistral => Reference::Mistral(Box::new(mistral::Model::new(&serde_json::from_str(&json).unwrap(), vb).unwrap())),
             HfVariant::Qwen2 => Reference::Qwen2(Box::new(qwen2::ModelForCausalLM::new(&serde_json::from_str(&json).unwrap(), vb).unwrap())),
             HfVariant::Qwen3 => Reference::Qwen3(Box::new(qwen3::ModelForCausalLM::new(&serde_json::from_str(&json).unwrap(), vb).unwrap())),
+            // Gemma's reference is llama.cpp (tests/engine/llama_cpp.rs): candle-transformers' gemma2 and gemma3 let
+            // a sliding layer's query see `sliding_window + 1` positions, one more than Hugging Face's.
+            HfVariant::Gemma2 | HfVariant::Gemma3 => unreachable!("no candle-transformers reference for {variant:?}"),
         }
     }
 

@@ -400,9 +400,19 @@ fn bf16_paged_path_stays_close_to_f32() {
 /// largest logit, so every token matches.
 #[test]
 fn jobs_on_the_paged_path_give_the_cpu_paths_results() {
-    let dir = scratch("paged-job");
+    for variant in [crate::support::HfVariant::Qwen3, crate::support::HfVariant::Gemma3] {
+        jobs_on_both_paths(variant);
+    }
+}
+
+/// [`jobs_on_the_paged_path_give_the_cpu_paths_results`] on one variant: Qwen3, and Gemma 3, whose prompts (40 to 80
+/// tokens) are longer than its window of 16.
+fn jobs_on_both_paths(variant: crate::support::HfVariant) {
+    let dir = scratch(&format!("paged-job-{variant:?}"));
     let model = dir.join("model");
-    write_tiny_hf_model(&model, crate::support::HfVariant::Qwen3);
+    write_tiny_hf_model(&model, variant);
+    // A KV budget of about 20 blocks: a few sequences at once. (Gemma 3's 6 layers take three times the bytes.)
+    let budget = if variant == crate::support::HfVariant::Gemma3 { "1200KiB" } else { "400KiB" };
     let ids: Vec<String> = (0..12).map(|i| format!("p{i:02}")).collect();
     let texts: Vec<String> = (0..12).map(|i| format!("the tea {i} at the hall, {}", "and more ".repeat(i / 2))).collect();
     let text_refs: Vec<&str> = texts.iter().map(String::as_str).collect();
@@ -412,7 +422,7 @@ fn jobs_on_the_paged_path_give_the_cpu_paths_results() {
         std::fs::write(
             &job,
             format!(
-                "[input]\nurl = {:?}\nid_column = \"id\"\n[model]\npath = {:?}\n[generation]\n{generation}\n[runtime]\nmax_seqs = 6\nkv_cache_memory = \"400KiB\"\n{runtime}\n[output]\nurl = {:?}\n",
+                "[input]\nurl = {:?}\nid_column = \"id\"\n[model]\npath = {:?}\n[generation]\n{generation}\n[runtime]\nmax_seqs = 6\nkv_cache_memory = \"{budget}\"\n{runtime}\n[output]\nurl = {:?}\n",
                 dir.join(input).to_string_lossy(),
                 model.to_string_lossy(),
                 dir.join(out).to_string_lossy()

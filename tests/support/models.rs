@@ -55,10 +55,16 @@ pub enum HfVariant {
     Qwen2,
     /// `qwen3`: per-head q and k RMSNorm, `head_dim` 40, tied embeddings; bf16.
     Qwen3,
+    /// `gemma2`: post-norms, GeGLU, soft-caps, layer 0 of 2 sliding over 16 positions; f32.
+    Gemma2,
+    /// `gemma3_text`: `head_dim` 40, q/k norms, layers 0 to 4 of 6 sliding over 16 positions with a RoPE base of
+    /// 10,000 (the global layer's 1,000,000); bf16.
+    Gemma3,
 }
 
 impl HfVariant {
-    pub const ALL: [HfVariant; 5] = [HfVariant::Llama3, HfVariant::SmolLm, HfVariant::Mistral, HfVariant::Qwen2, HfVariant::Qwen3];
+    pub const ALL: [HfVariant; 7] =
+        [HfVariant::Llama3, HfVariant::SmolLm, HfVariant::Mistral, HfVariant::Qwen2, HfVariant::Qwen3, HfVariant::Gemma2, HfVariant::Gemma3];
 }
 
 /// Writes a tiny Hugging Face decoder directory of one variant, with the tiny vocabulary: hidden size 128, 2 layers,
@@ -91,6 +97,10 @@ pub fn write_tiny_hf_model(dir: &Path, variant: HfVariant) {
         HfVariant::Mistral => (Shape { family: Family::Mistral, head_dim: 48, ..base }, DType::F16),
         HfVariant::Qwen2 => (Shape { family: Family::Qwen2, vocab: VOCABULARY.size + 26, tied: true, ..base }, DType::F32),
         HfVariant::Qwen3 => (Shape { family: Family::Qwen3, head_dim: 40, tied: true, ..base }, DType::BF16),
+        HfVariant::Gemma2 => (Shape { family: Family::Gemma2, tied: true, sliding_window: Some(16), ..base }, DType::F32),
+        HfVariant::Gemma3 => {
+            (Shape { family: Family::Gemma3, layers: 6, head_dim: 40, tied: true, sliding_window: Some(16), rope_theta: 1_000_000, ..base }, DType::BF16)
+        }
     };
     let vocabulary = Vocabulary { add_bos: variant == HfVariant::Llama3, ..VOCABULARY };
     let spec = Spec { shape, vocabulary, dtype, init: Init::Peaked, seed: 0x5eed_0000 + variant as u64 };
