@@ -382,6 +382,12 @@ pub fn print_validate(report: &ValidateReport) {
                 c.context_length,
                 c.vocab_size
             );
+            if let Some(gemma) = &c.gemma {
+                out!("{}", gemma.describe());
+            }
+            if let Some(sliding) = &c.sliding {
+                out!("{}", sliding.describe());
+            }
             let types: Vec<String> = model.tensor_types.iter().map(|(t, n)| format!("{t} x{n}")).collect();
             out!("tensors: {}", types.join(", "));
             out!(

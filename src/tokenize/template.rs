@@ -163,6 +163,26 @@ mod tests {
         assert!(err.message.contains("first must be user"), "{}", err.message);
     }
 
+    /// Gemma 2's chat template as Google ships it (llama.cpp's copy, fetched with the models): `<start_of_turn>` turns,
+    /// the assistant as `model`, content trimmed, and a system message refused (a row error, as Hugging Face raises).
+    #[test]
+    fn gemmas_template_renders_its_turns_and_refuses_a_system_message() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/llama.cpp/models/templates/google-gemma-2-2b-it.jinja");
+        let Ok(source) = std::fs::read_to_string(&path) else {
+            eprintln!("skipped: {} is not there (scripts/fetch-models.sh fetches it)", path.display());
+            return;
+        };
+        let t = ChatTemplate::new(&source, "<bos>".into(), "<eos>".into()).unwrap();
+        let conversation = [user(" What is RoPE? "), Message { role: "assistant".into(), content: "Rotary embeddings.".into() }, user("And GQA?")];
+        assert_eq!(
+            t.render(&conversation).unwrap(),
+            "<bos><start_of_turn>user\nWhat is RoPE?<end_of_turn>\n<start_of_turn>model\nRotary embeddings.<end_of_turn>\n<start_of_turn>user\nAnd GQA?<end_of_turn>\n<start_of_turn>model\n"
+        );
+        let err = t.render(&[Message { role: "system".into(), content: "Be brief.".into() }, user("hi")]).unwrap_err();
+        assert_eq!(err.code, ErrorCode::TemplateError);
+        assert!(err.message.contains("System role not supported"), "{}", err.message);
+    }
+
     #[test]
     fn invalid_template_is_an_error() {
         assert!(ChatTemplate::new("{% for %}", String::new(), String::new()).is_err());

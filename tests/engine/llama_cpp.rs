@@ -236,7 +236,8 @@ fn gemma_safetensors_and_gguf_copies_agree() {
             let gguf = dir.join(format!("{family:?}-{dtype:?}.gguf"));
             synth::write_gguf(&gguf, &spec, GgmlDType::F32).unwrap();
             let (hf_model, _) = Model::load(&hf, &Device::Cpu).unwrap();
-            assert_eq!(hf_model.config.gemma, Model::load(&gguf, &Device::Cpu).unwrap().0.config.gemma, "{family:?}: the two files' configurations");
+            let gguf_config = Model::load(&gguf, &Device::Cpu).unwrap().0.config;
+            assert_eq!((&hf_model.config.gemma, &hf_model.config.sliding), (&gguf_config.gemma, &gguf_config.sliding), "{family:?}: the two files' configurations");
             let (diff, same) = compare(&nightshift_logits(&gguf, &seqs), &nightshift_logits(&hf, &seqs));
             eprintln!("{family:?} {dtype:?}: safetensors against GGUF, {diff} of the largest logit");
             assert!(diff <= 1e-5 && same, "{family:?} {dtype:?}: {diff}");

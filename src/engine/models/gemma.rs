@@ -9,7 +9,8 @@
 //! its own are the layers' post-norms ([`PostNorms`]), the layer loop ([`run`]) and the configuration
 //! ([`GemmaConfig`]), read from GGUF metadata ([`GemmaConfig::of_gguf`]) as llama.cpp reads it.
 
-use crate::engine::attention::{Attention, AttentionShape, Segment, SlidingWindow};
+use crate::engine::attention::{Attention, AttentionShape, Segment};
+use crate::engine::models::Sliding;
 use crate::engine::models::lanes::{Activation, Lane, Vector};
 use crate::engine::models::llama::layers::Layer;
 use crate::engine::ModelError;
@@ -25,16 +26,6 @@ pub struct GemmaConfig {
     pub attn_softcap: Option<f32>,
     /// Soft-capping of the final logits (Gemma 2: 30).
     pub final_softcap: Option<f32>,
-    /// The sliding-window layers.
-    pub sliding: Option<Sliding>,
-}
-
-/// Gemma's sliding-window layers: the window, which layers, and their RoPE base.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Sliding {
-    pub window: usize,
-    pub layers: Vec<bool>,
-    pub rope_base: f32,
 }
 
 impl GemmaConfig {
@@ -48,7 +39,7 @@ impl GemmaConfig {
     /// Gemma 2, every 6th in Gemma 3, or `attention.sliding_window_pattern`), the local layers' RoPE base
     /// (`rope.freq_base_swa`: 10,000 in Gemma 3, the global base in Gemma 2), the soft-caps (Gemma 2: 50 and 30
     /// when absent), and the query scale, which GGUF does not store: `hidden / heads` for the 27B models (by their
-    /// layer count), the head size otherwise.
+    /// layer count), the head size otherwise. Returns the sliding layers beside the rest.
     pub(crate) fn of_gguf(
         version: u8,
         layers: usize,
@@ -56,7 +47,7 @@ impl GemmaConfig {
         rope_base: f32,
         number: impl Fn(&str) -> Option<f64>,
         pattern: Option<Vec<bool>>,
-    ) -> Result<GemmaConfig, ModelError> {
+    ) -> Result<(GemmaConfig, Option<Sliding>), ModelError> {
         let positive = |key: &str| -> Result<Option<f64>, ModelError> {
             match number(key) {
                 Some(v) if !(v.is_finite() && v > 0.0) => Err(ModelError::Metadata(format!("`gemma{version}.{key}` is {v}: it must be positive"))),
@@ -87,21 +78,31 @@ impl GemmaConfig {
                 (None, _) => None,
             })
         };
-        Ok(GemmaConfig {
+        let config = GemmaConfig {
             version,
             query_pre_attn_scalar,
             attn_softcap: if version == 2 { softcap("attn_logit_softcapping", 50.0)? } else { None },
             final_softcap: softcap("final_logit_softcapping", 30.0)?,
-            sliding,
-        })
+        };
+        Ok((config, sliding))
     }
 
-    /// The attention's scale, soft-cap and sliding window, applied to the llama shape's `shape`; `local_frequencies`
-    /// computes the local layers' RoPE frequencies from their base.
-    pub(crate) fn shape_attention(&self, shape: &mut AttentionShape, local_frequencies: impl Fn(f32) -> Vec<f64>) {
+    /// One line for `validate` and the load log: what the family computes beyond llama's layers.
+    pub fn describe(&self) -> String {
+        let cap = |c: Option<f32>| c.map_or("none".to_string(), |c| c.to_string());
+        format!(
+            "gemma {}: queries scaled by 1/sqrt({}), attention soft-cap {}, final soft-cap {}",
+            self.version,
+            self.query_pre_attn_scalar,
+            cap(self.attn_softcap),
+            cap(self.final_softcap)
+        )
+    }
+
+    /// The attention's scale and soft-cap, applied to the llama shape's `shape`.
+    pub(crate) fn shape_attention(&self, shape: &mut AttentionShape) {
         shape.scale = 1.0 / self.query_pre_attn_scalar.sqrt();
         shape.softcap = self.attn_softcap;
-        shape.sliding = self.sliding.as_ref().map(|s| SlidingWindow { window: s.window, layers: s.layers.clone(), rope_frequencies: local_frequencies(s.rope_base) });
     }
 }
 
@@ -159,7 +160,7 @@ pub(crate) fn run<L: Lane, A: Attention>(
 mod tests {
     use super::*;
 
-    fn config(version: u8, layers: usize, keys: &[(&str, f64)]) -> GemmaConfig {
+    fn config(version: u8, layers: usize, keys: &[(&str, f64)]) -> (GemmaConfig, Option<Sliding>) {
         let keys: Vec<(String, f64)> = keys.iter().map(|(k, v)| (k.to_string(), *v)).collect();
         GemmaConfig::of_gguf(version, layers, (1152, 4, 256), 1e6, |k| keys.iter().find(|(n, _)| n == k).map(|(_, v)| *v), None).unwrap()
     }
@@ -169,21 +170,21 @@ mod tests {
     /// the 27B models' query scale.
     #[test]
     fn gguf_keys_give_llama_cpps_configuration() {
-        let g3 = config(3, 26, &[("attention.sliding_window", 512.0)]);
-        let sliding = g3.sliding.as_ref().unwrap();
+        let (g3, sliding) = config(3, 26, &[("attention.sliding_window", 512.0)]);
+        let sliding = sliding.unwrap();
         assert_eq!(sliding.window, 512);
         let global: Vec<usize> = (0..26).filter(|&l| !sliding.layers[l]).collect();
         assert_eq!(global, [5, 11, 17, 23]);
         assert_eq!(sliding.rope_base, 10_000.0);
         assert_eq!((g3.attn_softcap, g3.final_softcap, g3.query_pre_attn_scalar), (None, None, 256.0));
-        assert_eq!(config(3, 26, &[]).sliding, None);
-        let g2 = config(2, 26, &[]);
-        let sliding = g2.sliding.as_ref().unwrap();
+        assert_eq!(config(3, 26, &[]).1, None);
+        let (g2, sliding) = config(2, 26, &[]);
+        let sliding = sliding.unwrap();
         assert_eq!((sliding.window, sliding.rope_base), (4096, 1e6));
         assert_eq!(sliding.layers[..4], [true, false, true, false]);
         assert_eq!((g2.attn_softcap, g2.final_softcap), (Some(50.0), Some(30.0)));
-        assert_eq!(config(2, 46, &[]).query_pre_attn_scalar, 288.0);
-        assert_eq!(config(3, 62, &[("final_logit_softcapping", 20.0)]).final_softcap, Some(20.0));
+        assert_eq!(config(2, 46, &[]).0.query_pre_attn_scalar, 288.0);
+        assert_eq!(config(3, 62, &[("final_logit_softcapping", 20.0)]).0.final_softcap, Some(20.0));
         let keys = |k: &str| (k == "attention.sliding_window").then_some(-1.0);
         assert!(GemmaConfig::of_gguf(3, 26, (1152, 4, 256), 1e6, keys, None).is_err());
     }

@@ -36,6 +36,29 @@ pub trait DecoderModel: AttentionModel + Send + 'static {
     fn bind_to_thread(&self) -> candle_core::Result<()>;
 }
 
+/// A decoder's sliding-window layers (Gemma 2 and 3, Phi-3): the window (positions a query sees, its own
+/// included), which layers slide, and their RoPE base (Gemma 3's local 10,000; the global base elsewhere, whose
+/// frequencies, scaling included, the local layers then share).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sliding {
+    pub window: usize,
+    pub layers: Vec<bool>,
+    pub rope_base: f32,
+}
+
+impl Sliding {
+    /// Every one of `layers` layers sliding over `window` positions, rotating as the global ones.
+    pub fn every_layer(window: usize, layers: usize, rope_base: f32) -> Sliding {
+        Sliding { window, layers: vec![true; layers], rope_base }
+    }
+
+    /// One line for `validate` and the load log.
+    pub fn describe(&self) -> String {
+        let n = self.layers.iter().filter(|&&l| l).count();
+        format!("sliding window of {} positions in {n} of {} layers (RoPE base {})", self.window, self.layers.len(), self.rope_base)
+    }
+}
+
 /// What one output row of a step comes back as.
 #[derive(Clone, Debug, PartialEq)]
 pub enum StepLogits {

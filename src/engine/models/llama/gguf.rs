@@ -276,6 +276,10 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         }
         None => None,
     };
+    let (gemma, sliding) = match gemma {
+        Some((gemma, sliding)) => (Some(gemma), sliding),
+        None => (None, None),
+    };
     // Sliding-window attention of every layer (llama's): the context is capped at the window, where full attention
     // computes the same function (as for Hugging Face directories). Gemma's layers slide in the attention backends.
     let llama_window = meta_u32(content, &a("attention.sliding_window")).filter(|_| gemma.is_none());
@@ -302,6 +306,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         head_dim,
         architecture,
         gemma,
+        sliding,
     };
     // Bounds that keep a malformed file from asking for absurd allocations (the RoPE table is sized by context).
     if config.context_length == 0 || config.context_length > MAX_CONTEXT || config.layers == 0 || config.layers > 1024 {
@@ -714,6 +719,7 @@ mod tests {
             rope_freq_factors: None,
             vocab_size: 1000,
             gemma: None,
+            sliding: None,
         };
         let cpu = Device::Cpu;
         // SmolLM2-135M: 576 wide (padded to 768 adds a third), 9 heads of 64, 1536 in the feed-forward.

@@ -45,7 +45,8 @@ use serde_json::Value;
 
 use super::layers::vectors;
 use super::{Layer, Model, ModelConfig, ModelInfo, RopeScaling, Weights, MAX_CONTEXT};
-use crate::engine::models::gemma::{GemmaConfig, PostNorms, Sliding};
+use crate::engine::models::gemma::{GemmaConfig, PostNorms};
+use crate::engine::models::Sliding;
 use crate::job::ComputeDtype;
 use crate::engine::ModelError;
 use crate::tokenize::vocab::{VocabMetadata, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED};
@@ -181,7 +182,7 @@ struct Variant {
 /// Gemma 2's every other layer sliding (`layer_idx % 2 == 0`), Gemma 3's five in six
 /// (`(layer_idx + 1) % sliding_window_pattern != 0`, pattern 6) unless `layer_types` lists them, Gemma 3's local
 /// RoPE base of 10,000 (Gemma 2's local layers rotate as its global ones).
-fn gemma_config(c: &HfConfig, version: u8, head_dim: usize, rope_base: f32) -> Result<GemmaConfig, ModelError> {
+fn gemma_config(c: &HfConfig, version: u8, head_dim: usize, rope_base: f32) -> Result<(GemmaConfig, Option<Sliding>), ModelError> {
     let positive = |key: &str, v: Option<f64>| -> Result<Option<f32>, ModelError> {
         match v {
             Some(v) if !(v.is_finite() && v > 0.0) => Err(invalid(format!("`{key}` is {v}: it must be positive"))),
@@ -205,13 +206,13 @@ fn gemma_config(c: &HfConfig, version: u8, head_dim: usize, rope_base: f32) -> R
             Some(Sliding { window, layers, rope_base: local.unwrap_or(10_000.0) })
         }
     };
-    Ok(GemmaConfig {
+    let config = GemmaConfig {
         version,
         query_pre_attn_scalar: positive("query_pre_attn_scalar", c.query_pre_attn_scalar)?.unwrap_or(head_dim as f32),
         attn_softcap: positive("attn_logit_softcapping", c.attn_logit_softcapping)?,
         final_softcap: positive("final_logit_softcapping", c.final_logit_softcapping)?,
-        sliding,
-    })
+    };
+    Ok((config, sliding))
 }
 
 /// A linear `rope_scaling`'s factor (Gemma 3's global layers); `None` without one.
@@ -310,9 +311,12 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         tied: c.tie_word_embeddings.unwrap_or(family.gemma().is_some()),
         post_norms: family.gemma().is_some(),
     };
-    let gemma = match family.gemma() {
-        Some(version) => Some(gemma_config(c, version, head_dim, rope_base as f32)?),
-        None => None,
+    let (gemma, sliding) = match family.gemma() {
+        Some(version) => {
+            let (gemma, sliding) = gemma_config(c, version, head_dim, rope_base as f32)?;
+            (Some(gemma), sliding)
+        }
+        None => (None, None),
     };
     let name = c.name_or_path.clone().filter(|n| !n.is_empty()).or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()));
     let config = ModelConfig {
@@ -331,6 +335,7 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         rope_freq_factors: linear.map(|f| vec![f as f32; head_dim / 2]),
         vocab_size: c.vocab_size,
         gemma,
+        sliding,
     };
     Ok((config, variant))
 }

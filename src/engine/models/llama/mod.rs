@@ -25,7 +25,7 @@ use layers::Layer;
 use super::gemma::{self, GemmaConfig, PostNorms};
 use super::lanes::{product, rms_norm, HostLane, TensorLane};
 use super::{DecoderModel, StepLogits};
-use crate::engine::attention::{Attention, AttentionModel, AttentionShape, KvCache, Segment};
+use crate::engine::attention::{Attention, AttentionModel, AttentionShape, KvCache, Segment, SlidingWindow};
 use crate::engine::ModelError;
 use crate::job::{ComputeDtype, CpuWeights};
 use crate::tokenize::VocabMetadata;
@@ -56,6 +56,8 @@ pub struct ModelConfig {
     pub vocab_size: usize,
     /// Gemma 2 and 3's additions ([`gemma`]); `None` in the llama-shaped families.
     pub gemma: Option<GemmaConfig>,
+    /// Sliding-window layers, where the attention backends slide (Gemma, Phi-3).
+    pub sliding: Option<super::Sliding>,
 }
 
 impl ModelConfig {
@@ -80,10 +82,18 @@ impl ModelConfig {
             sliding: None,
         };
         if let Some(gemma) = &self.gemma {
-            // Local layers rotate with their own base, unscaled (llama.cpp's `rope_freq_scale_train_swa` is 1).
-            let local = |base: f32| rope_frequencies(&ModelConfig { rope_base: base, rope_scaling: None, rope_freq_factors: None, gemma: None, ..self.clone() });
-            gemma.shape_attention(&mut shape, local);
+            gemma.shape_attention(&mut shape);
         }
+        shape.sliding = self.sliding.as_ref().map(|s| SlidingWindow {
+            window: s.window,
+            layers: s.layers.clone(),
+            // Local layers of their own base rotate with it, unscaled (llama.cpp's `rope_freq_scale_train_swa` is 1);
+            // others as the global layers.
+            rope_frequencies: match s.rope_base == self.rope_base {
+                true => shape.rope_frequencies.clone(),
+                false => rope_frequencies(&ModelConfig { rope_base: s.rope_base, rope_scaling: None, rope_freq_factors: None, ..self.clone() }),
+            },
+        });
         shape
     }
 }
@@ -300,6 +310,12 @@ impl Model {
     /// A model from its weights. `weights.embedding`'s width is the hidden state's width in memory.
     fn assemble(config: ModelConfig, device: &Device, weights: Weights) -> Model {
         let Weights { embedding, layers, mut post_norms, output_norm, lm_head, attn_width, layout } = weights;
+        if let Some(gemma) = &config.gemma {
+            tracing::info!(architecture = %config.architecture, "{}", gemma.describe());
+        }
+        if let Some(sliding) = &config.sliding {
+            tracing::info!(architecture = %config.architecture, "{}", sliding.describe());
+        }
         let mut layers = layers;
         let host_loop = device.is_cpu()
             && embedding.dtype() == DType::F32
