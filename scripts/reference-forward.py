@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A float64 forward pass of a GGUF decoder (llama, qwen2, qwen3, gemma2, gemma3), written from the architectures' definitions in
+"""A float64 forward pass of a GGUF decoder (llama, qwen2, qwen3, gemma2, gemma3, phi3), written from the architectures' definitions in
 numpy: the arbiter when nightshift and llama.cpp disagree, and the tight check of nightshift's arithmetic (llama.cpp,
 with an f16 KV cache and other rounding, is 5e-5 to 2e-4 of the largest logit from it on one F32 layer).
 
@@ -21,7 +21,7 @@ def main():
     reader = GGUFReader(sys.argv[1])
     fields = reader.fields
     arch = bytes(fields["general.architecture"].parts[-1]).decode()
-    if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3"):
+    if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"):
         sys.exit(f"error: architecture {arch} is not computed here")
 
     def meta(key, default=None):
@@ -48,9 +48,15 @@ def main():
     gemma = arch.startswith("gemma")
     window = meta("attention.sliding_window", 4096 if arch == "gemma2" else None) if gemma else None
     period = meta("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
-    local_base = meta("rope.freq_base_swa", base if arch == "gemma2" else 10000.0)
+    local_base = meta("rope.freq_base_swa", base if arch in ("gemma2", "phi3") else 10000.0)
     attn_cap = meta("attn_logit_softcapping", 50.0) if arch == "gemma2" else None
     final_cap = meta("final_logit_softcapping", 30.0 if arch == "gemma2" else None) if gemma else None
+    # Phi-3 (Hugging Face's modeling_phi3): q, k and v in one matrix, gate and up in one (gate's rows first), and its
+    # window over every layer (as Hugging Face computes it; llama.cpp attends over the whole context instead).
+    if arch == "phi3":
+        window, period = meta("attention.sliding_window"), 1
+        if window is not None and window >= meta("context_length"):
+            window = None
 
     def rms(x, w):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
@@ -80,12 +86,18 @@ def main():
         x = embedding[ids] * (np.sqrt(embedding.shape[1]) if gemma else 1.0)
         mask = np.triu(np.full((n, n), -np.inf), 1)
         for layer in range(layers):
-            local = window is not None and layer % period < period - 1
+            local = window is not None and (arch == "phi3" or layer % period < period - 1)
             # A sliding layer's query at position i sees positions i - window + 1 to i.
             layer_mask = mask + np.tril(np.full((n, n), -np.inf), -window) if local else mask
             w = lambda name: tensors.get(f"blk.{layer}.{name}")
             h = rms(x, w("attn_norm.weight"))
-            q, k, v = (h @ w(f"attn_{p}.weight").T + (0 if w(f"attn_{p}.bias") is None else w(f"attn_{p}.bias")) for p in "qkv")
+            if w("attn_qkv.weight") is not None:
+                qkv = h @ w("attn_qkv.weight").T
+                q_rows = heads * (qkv.shape[1] // (heads + 2 * kv_heads))
+                kv_rows = (qkv.shape[1] - q_rows) // 2
+                q, k, v = qkv[:, :q_rows], qkv[:, q_rows : q_rows + kv_rows], qkv[:, q_rows + kv_rows :]
+            else:
+                q, k, v = (h @ w(f"attn_{p}.weight").T + (0 if w(f"attn_{p}.bias") is None else w(f"attn_{p}.bias")) for p in "qkv")
             dim = k.shape[1] // kv_heads
             q, k, v = q.reshape(n, heads, dim), k.reshape(n, kv_heads, dim), v.reshape(n, kv_heads, dim)
             if w("attn_q_norm.weight") is not None:
@@ -103,7 +115,10 @@ def main():
             out = attended.reshape(n, heads * dim) @ w("attn_output.weight").T
             x = x + (rms(out, w("post_attention_norm.weight")) if gemma else out)
             h = rms(x, w("ffn_norm.weight"))
-            gate, up = h @ w("ffn_gate.weight").T, h @ w("ffn_up.weight").T
+            if w("ffn_gate.weight") is None:
+                gate, up = np.split(h @ w("ffn_up.weight").T, 2, axis=-1)
+            else:
+                gate, up = h @ w("ffn_gate.weight").T, h @ w("ffn_up.weight").T
             if gemma:
                 act = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
                 x = x + rms((act * up) @ w("ffn_down.weight").T, w("post_ffw_norm.weight"))

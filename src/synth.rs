@@ -47,6 +47,9 @@ pub enum Family {
     /// Gemma 3 (text): Gemma 2's layers with per-head q/k norms instead of attention soft-capping, five sliding
     /// layers to a global one, local layers' RoPE base 10,000.
     Gemma3,
+    /// Phi-3: llama's layers with q, k and v in one matrix (`qkv_proj`) and gate and up in one (`gate_up_proj`), a
+    /// sliding window over every layer.
+    Phi3,
 }
 
 impl Family {
@@ -58,6 +61,7 @@ impl Family {
             Family::Qwen3 => "qwen3",
             Family::Gemma2 => "gemma2",
             Family::Gemma3 => "gemma3_text",
+            Family::Phi3 => "phi3",
         }
     }
 
@@ -79,6 +83,7 @@ impl Family {
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Gemma2 => "Gemma2ForCausalLM",
             Family::Gemma3 => "Gemma3ForCausalLM",
+            Family::Phi3 => "Phi3ForCausalLM",
         }
     }
 }
@@ -218,6 +223,23 @@ pub const SHAPES: &[Shape] = &[
         rope_scaling: None,
         tied: true,
         sliding_window: Some(512),
+    },
+    // microsoft/Phi-3-mini-4k-instruct: 3.8 B parameters, fused q/k/v and gate/up, heads of 96, a window of 2,047.
+    Shape {
+        name: "phi-3-mini",
+        family: Family::Phi3,
+        hidden: 3072,
+        layers: 32,
+        heads: 32,
+        kv_heads: 32,
+        head_dim: 96,
+        intermediate: 8192,
+        vocab: 32064,
+        context: 4096,
+        rope_theta: 10000,
+        rope_scaling: None,
+        tied: false,
+        sliding_window: Some(2047),
     },
     // google/gemma-2-2b-it: 2.6 B parameters, a window of 4,096 in every other layer, soft-capping, tied embeddings.
     Shape {
@@ -505,6 +527,20 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
     }
     let final_gain = if gemma_gain { output_gain } else { 1.0 };
     tensors.insert("model.norm.weight".into(), norm_times(&mut draw, d, 0.2, final_gain)?);
+    // Phi-3 stores q, k and v as one matrix, and gate and up as one (the same draws, concatenated by rows).
+    if shape.family == Family::Phi3 {
+        let cat = |tensors: &mut HashMap<String, Tensor>, parts: &[String], to: String| -> Result<(), Error> {
+            let parts: Vec<Tensor> = parts.iter().map(|p| tensors.remove(p).expect("drawn above")).collect();
+            let fused = Tensor::cat(&parts, 0).map_err(|e| Error::Internal(format!("cannot fuse {to}: {e}")))?;
+            tensors.insert(to, fused);
+            Ok(())
+        };
+        for i in 0..shape.layers {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            cat(&mut tensors, &[p("self_attn.q_proj.weight"), p("self_attn.k_proj.weight"), p("self_attn.v_proj.weight")], p("self_attn.qkv_proj.weight"))?;
+            cat(&mut tensors, &[p("mlp.gate_proj.weight"), p("mlp.up_proj.weight")], p("mlp.gate_up_proj.weight"))?;
+        }
+    }
     if !shape.tied {
         tensors.insert("lm_head.weight".into(), draw.matrix(shape.vocab, d, output_gain)?);
     }
@@ -555,6 +591,7 @@ pub fn synth_gguf(dir: &Path, quant: GgmlDType, tokenizer: Option<&GgufTokenizer
         Some("mistral") => Family::Mistral,
         Some("gemma2") => Family::Gemma2,
         Some("gemma3_text") => Family::Gemma3,
+        Some("phi3") => Family::Phi3,
         _ => Family::Llama,
     };
     let shape = Shape {
@@ -571,7 +608,7 @@ pub fn synth_gguf(dir: &Path, quant: GgmlDType, tokenizer: Option<&GgufTokenizer
         rope_theta: config["rope_theta"].as_f64().unwrap_or(10_000.0) as u32,
         rope_scaling: None,
         tied: !weights.contains_key("lm_head.weight"),
-        sliding_window: get("sliding_window").ok().filter(|_| family.is_gemma()),
+        sliding_window: get("sliding_window").ok().filter(|&w| family.is_gemma() || (family == Family::Phi3 && w < get("max_position_embeddings").unwrap_or(usize::MAX))),
     };
     let tokenizer = tokenizer.cloned().unwrap_or(GgufTokenizer::ByteLevel(Vocabulary { merges: &[], size: shape.vocab, add_bos: false }));
     if tokenizer.size() != shape.vocab {
@@ -619,6 +656,7 @@ fn gguf_architecture(family: Family) -> &'static str {
         Family::Qwen3 => "qwen3",
         Family::Gemma2 => "gemma2",
         Family::Gemma3 => "gemma3",
+        Family::Phi3 => "phi3",
     }
 }
 
@@ -753,12 +791,21 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
             }
             false => dense.push((b("ffn_norm"), tensor(&p("post_attention_layernorm.weight"))?, GgmlDType::F32)),
         }
-        dense.push((b("attn_q"), rotary(&p("self_attn.q_proj.weight"))?, quant));
-        dense.push((b("attn_k"), rotary(&p("self_attn.k_proj.weight"))?, quant));
-        dense.push((b("attn_v"), tensor(&p("self_attn.v_proj.weight"))?, quant));
         dense.push((b("attn_output"), tensor(&p("self_attn.o_proj.weight"))?, quant));
-        dense.push((b("ffn_gate"), tensor(&p("mlp.gate_proj.weight"))?, quant));
-        dense.push((b("ffn_up"), tensor(&p("mlp.up_proj.weight"))?, quant));
+        // Phi-3's fused matrices under llama.cpp's names (`attn_qkv`, and `ffn_up` of gate then up).
+        match shape.family {
+            Family::Phi3 => {
+                dense.push((b("attn_qkv"), tensor(&p("self_attn.qkv_proj.weight"))?, quant));
+                dense.push((b("ffn_up"), tensor(&p("mlp.gate_up_proj.weight"))?, quant));
+            }
+            _ => {
+                dense.push((b("attn_q"), rotary(&p("self_attn.q_proj.weight"))?, quant));
+                dense.push((b("attn_k"), rotary(&p("self_attn.k_proj.weight"))?, quant));
+                dense.push((b("attn_v"), tensor(&p("self_attn.v_proj.weight"))?, quant));
+                dense.push((b("ffn_gate"), tensor(&p("mlp.gate_proj.weight"))?, quant));
+                dense.push((b("ffn_up"), tensor(&p("mlp.up_proj.weight"))?, quant));
+            }
+        }
         dense.push((b("ffn_down"), tensor(&p("mlp.down_proj.weight"))?, quant));
         for (hf, gguf) in [("q_proj.bias", "attn_q.bias"), ("k_proj.bias", "attn_k.bias"), ("v_proj.bias", "attn_v.bias")] {
             if weights.contains_key(&p(&format!("self_attn.{hf}"))) {
@@ -798,7 +845,7 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
     }
     // Gemma's keys as llama.cpp's converter writes them (the sliding layers' pattern and Gemma 3's local RoPE base
     // are llama.cpp's defaults, written out here all the same).
-    if let Some(window) = shape.sliding_window.filter(|_| gemma) {
+    if let Some(window) = shape.sliding_window.filter(|_| gemma || shape.family == Family::Phi3) {
         metadata.push((a("attention.sliding_window"), u32_of(window)));
     }
     match shape.family {
@@ -880,6 +927,9 @@ pub fn write_hf(dir: &Path, spec: &Spec) -> Result<u64, Error> {
             config["sliding_window"] = shape.context.into();
             config["use_sliding_window"] = false.into();
             config["max_window_layers"] = shape.layers.into();
+        }
+        Family::Phi3 => {
+            config["sliding_window"] = shape.sliding_window.unwrap_or(shape.context).into();
         }
         Family::Gemma2 | Family::Gemma3 => {
             for key in ["hidden_act", "hidden_activation"] {
@@ -965,7 +1015,7 @@ mod tests {
     #[test]
     fn parameters_count_every_tensor_of_every_family() {
         let tiny = Shape::named("tiny").unwrap();
-        let families = [(Family::Llama, 32, false), (Family::Mistral, 48, false), (Family::Qwen2, 32, true), (Family::Qwen3, 40, true), (Family::Gemma2, 32, true), (Family::Gemma3, 40, true)];
+        let families = [(Family::Llama, 32, false), (Family::Mistral, 48, false), (Family::Qwen2, 32, true), (Family::Qwen3, 40, true), (Family::Gemma2, 32, true), (Family::Gemma3, 40, true), (Family::Phi3, 32, false)];
         for (family, head_dim, tied) in families {
             let shape = Shape { family, head_dim, tied, ..tiny };
             for init in [Init::Hf, Init::Peaked, Init::Fidelity] {

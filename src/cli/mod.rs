@@ -59,7 +59,7 @@ pub enum Command {
     /// it; a vocabulary-only GGUF is enough): one text per line of standard input, or `--text`; one JSON line out
     /// per text, `{"ids": [...], "text": "..."}`, the text detokenized from the ids.
     Tokenize(TokenizeArgs),
-    /// Write a random-weight decoder (llama, qwen2, qwen3, gemma2, gemma3) of a published model's shape as a Hugging Face directory
+    /// Write a random-weight decoder (llama, qwen2, qwen3, gemma2, gemma3, phi3) of a published model's shape as a Hugging Face directory
     /// (safetensors, config, byte-level tokenizer, ChatML template): real shapes where real weights cannot go.
     SynthModel(SynthModelArgs),
 }
@@ -97,7 +97,7 @@ pub enum TokenizeFormat {
 pub struct SynthModelArgs {
     /// The directory to write (created if needed).
     pub dir: PathBuf,
-    /// The shape: `llama-3.2-1b`, `smollm2-135m`, `qwen2.5-0.5b`, `qwen3-0.6b`, `gemma-3-1b`, `gemma-2-2b` or `tiny`.
+    /// The shape: `llama-3.2-1b`, `smollm2-135m`, `qwen2.5-0.5b`, `qwen3-0.6b`, `gemma-3-1b`, `gemma-2-2b`, `phi-3-mini` or `tiny`.
     #[arg(long, default_value = "llama-3.2-1b")]
     pub shape: String,
     /// Weight type: `bf16`, `f16` or `f32`.

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use candle_transformers::models::{llama, mistral, qwen2, qwen3};
+use candle_transformers::models::{llama, mistral, phi3, qwen2, qwen3};
 use nightshift::engine::attention::HostCache;
 use nightshift::engine::{Attention, HostAttention, KvCache, Model, Segment};
 
@@ -33,6 +33,7 @@ enum Reference {
     Mistral(Box<mistral::Model>),
     Qwen2(Box<qwen2::ModelForCausalLM>),
     Qwen3(Box<qwen3::ModelForCausalLM>),
+    Phi3(Box<phi3::Model>),
 }
 
 impl Reference {
@@ -52,6 +53,7 @@ impl Reference {
             HfVariant::Qwen3 => Reference::Qwen3(Box::new(qwen3::ModelForCausalLM::new(&serde_json::from_str(&json).unwrap(), vb).unwrap())),
             // Gemma's reference is llama.cpp (tests/engine/llama_cpp.rs): candle-transformers' gemma2 and gemma3 let
             // a sliding layer's query see `sliding_window + 1` positions, one more than Hugging Face's.
+            HfVariant::Phi3 => Reference::Phi3(Box::new(phi3::Model::new(&serde_json::from_str(&json).unwrap(), vb).unwrap())),
             HfVariant::Gemma2 | HfVariant::Gemma3 => unreachable!("no candle-transformers reference for {variant:?}"),
         }
     }
@@ -64,6 +66,7 @@ impl Reference {
             Reference::Mistral(model) => model.forward(&ids, offset),
             Reference::Qwen2(model) => model.forward(&ids, offset),
             Reference::Qwen3(model) => model.forward(&ids, offset),
+            Reference::Phi3(model) => model.forward(&ids, offset),
         };
         logits.unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
     }
@@ -126,6 +129,11 @@ fn qwen2_with_biases_equals_candle_transformers() {
 #[test]
 fn qwen3_with_qk_norms_equals_candle_transformers() {
     parity_with_candle_transformers(HfVariant::Qwen3);
+}
+
+#[test]
+fn phi3_with_fused_projections_equals_candle_transformers() {
+    parity_with_candle_transformers(HfVariant::Phi3);
 }
 
 /// Three prompts of different lengths packed into one pass, then ten greedy steps of all three together, against

@@ -89,8 +89,14 @@ fn choice_gap(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 
 /// The families nightshift reads from GGUF, as the tests write them: (family, head size, tied embeddings). qwen3's
 /// and gemma3's heads are wider than hidden / heads.
-pub(super) const FAMILIES: [(Family, usize, bool); 5] =
-    [(Family::Llama, 16, false), (Family::Qwen2, 16, true), (Family::Qwen3, 24, true), (Family::Gemma2, 16, true), (Family::Gemma3, 24, true)];
+pub(super) const FAMILIES: [(Family, usize, bool); 6] = [
+    (Family::Llama, 16, false),
+    (Family::Qwen2, 16, true),
+    (Family::Qwen3, 24, true),
+    (Family::Gemma2, 16, true),
+    (Family::Gemma3, 24, true),
+    (Family::Phi3, 16, false),
+];
 
 /// The global RoPE base the tests' models have: Gemma 3's local layers have their own, 10,000.
 pub(super) fn rope_theta(family: Family) -> u32 {
@@ -221,16 +227,21 @@ fn gemma_computed_without_one_of_its_operations_is_caught() {
     }
 }
 
-/// Gemma's Hugging Face checkpoints (norm weights stored as `w`, llama's names for other norms, sliding layers and
-/// soft-caps from config.json) compute what the same weights compute from GGUF (as llama.cpp's converter writes
-/// them), in f32 and in bf16 safetensors. Measured: the same logits, bit for bit (the same f32 weights and kernels).
+/// Gemma's and Phi-3's Hugging Face checkpoints (Gemma's norm weights stored as `w`, llama's names for other norms,
+/// sliding layers and soft-caps from config.json; Phi-3's fused matrices and its window over every layer) compute
+/// what the same weights compute from GGUF (as llama.cpp's converter writes them), in f32 and in bf16 safetensors.
+/// Measured: the same logits, bit for bit (the same f32 weights and kernels). The windowed Phi-3 also computes the
+/// float64 reference's function (llama.cpp switches Phi's window off, so it is no reference there).
 #[test]
-fn gemma_safetensors_and_gguf_copies_agree() {
+fn gemma_and_phi3_safetensors_and_gguf_copies_agree() {
     let dir = crate::support::scratch("gemma-hf-gguf");
     let seqs = sequences();
-    for (family, head_dim, tied) in FAMILIES.into_iter().filter(|f| f.0.is_gemma()) {
+    for (family, head_dim, tied) in FAMILIES.into_iter().filter(|f| f.0.is_gemma() || f.0 == Family::Phi3) {
         for dtype in [DType::F32, DType::BF16] {
-            let spec = Spec { dtype, ..spec(family, head_dim, tied, rope_theta(family)) };
+            let mut spec = Spec { dtype, ..spec(family, head_dim, tied, rope_theta(family)) };
+            if family == Family::Phi3 {
+                spec.shape.sliding_window = Some(16);
+            }
             let hf = dir.join(format!("{family:?}-{dtype:?}"));
             synth::write_hf(&hf, &spec).unwrap();
             let gguf = dir.join(format!("{family:?}-{dtype:?}.gguf"));
@@ -241,6 +252,17 @@ fn gemma_safetensors_and_gguf_copies_agree() {
             let (diff, same) = compare(&nightshift_logits(&gguf, &seqs), &nightshift_logits(&hf, &seqs));
             eprintln!("{family:?} {dtype:?}: safetensors against GGUF, {diff} of the largest logit");
             assert!(diff <= 1e-5 && same, "{family:?} {dtype:?}: {diff}");
+            if family == Family::Phi3 && dtype == DType::F32 && llama_peer().is_some() {
+                assert!(hf_model.config.sliding.is_some(), "Phi-3's window is read");
+                let (diff, same) = compare(&reference_logits(&gguf, &seqs), &nightshift_logits(&gguf, &seqs));
+                eprintln!("Phi3 with a window of 16: {diff} of the largest logit from the float64 reference");
+                assert!(diff <= REFERENCE_TOLERANCE && same, "windowed Phi-3: {diff}");
+                // And the window changes what the longer sequences compute.
+                let full = dir.join("phi3-no-window.gguf");
+                synth::write_gguf(&full, &Spec { shape: Shape { sliding_window: None, ..spec.shape }, ..spec }, GgmlDType::F32).unwrap();
+                let (diff, _) = compare(&nightshift_logits(&full, &seqs), &nightshift_logits(&gguf, &seqs));
+                assert!(diff > 100.0 * REFERENCE_TOLERANCE, "the window changed nothing: {diff}");
+            }
         }
     }
 }

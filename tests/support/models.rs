@@ -60,11 +60,22 @@ pub enum HfVariant {
     /// `gemma3_text`: `head_dim` 40, q/k norms, layers 0 to 4 of 6 sliding over 16 positions with a RoPE base of
     /// 10,000 (the global layer's 1,000,000); bf16.
     Gemma3,
+    /// `phi3`: fused `qkv_proj` and `gate_up_proj`, no window (candle-transformers' Phi-3, the reference, has none);
+    /// f32.
+    Phi3,
 }
 
 impl HfVariant {
-    pub const ALL: [HfVariant; 7] =
-        [HfVariant::Llama3, HfVariant::SmolLm, HfVariant::Mistral, HfVariant::Qwen2, HfVariant::Qwen3, HfVariant::Gemma2, HfVariant::Gemma3];
+    pub const ALL: [HfVariant; 8] = [
+        HfVariant::Llama3,
+        HfVariant::SmolLm,
+        HfVariant::Mistral,
+        HfVariant::Qwen2,
+        HfVariant::Qwen3,
+        HfVariant::Gemma2,
+        HfVariant::Gemma3,
+        HfVariant::Phi3,
+    ];
 }
 
 /// Writes a tiny Hugging Face decoder directory of one variant, with the tiny vocabulary: hidden size 128, 2 layers,
@@ -98,6 +109,7 @@ pub fn write_tiny_hf_model(dir: &Path, variant: HfVariant) {
         HfVariant::Qwen2 => (Shape { family: Family::Qwen2, vocab: VOCABULARY.size + 26, tied: true, ..base }, DType::F32),
         HfVariant::Qwen3 => (Shape { family: Family::Qwen3, head_dim: 40, tied: true, ..base }, DType::BF16),
         HfVariant::Gemma2 => (Shape { family: Family::Gemma2, tied: true, sliding_window: Some(16), ..base }, DType::F32),
+        HfVariant::Phi3 => (Shape { family: Family::Phi3, ..base }, DType::F32),
         HfVariant::Gemma3 => {
             (Shape { family: Family::Gemma3, layers: 6, head_dim: 40, tied: true, sliding_window: Some(16), rope_theta: 1_000_000, ..base }, DType::BF16)
         }

@@ -172,13 +172,13 @@ pub(super) fn tokenizer_metadata(content: &Content) -> Result<crate::tokenize::g
 
 /// The GGUF architectures nightshift computes, as llama.cpp names them: llama's shape (llama, qwen2, qwen3) and
 /// Gemma's ([`crate::engine::models::gemma`]).
-pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "gemma2", "gemma3"];
+pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"];
 
 /// Whether an architecture's checkpoints rotate pairs `(i, i + head_dim / 2)` (llama.cpp's NEOX RoPE: Qwen2, Qwen3
 /// and Gemma, whose q and k rows GGUF stores as Hugging Face does) rather than adjacent pairs (llama's, whose rows
 /// llama.cpp's converter permutes).
 fn rotates_halves(architecture: &str) -> bool {
-    matches!(architecture, "qwen2" | "qwen3" | "gemma2" | "gemma3")
+    matches!(architecture, "qwen2" | "qwen3" | "gemma2" | "gemma3" | "phi3")
 }
 
 /// Gemma's version (2 or 3) for its GGUF architecture.
@@ -201,7 +201,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         .map_err(|_| ModelError::Metadata("`general.architecture` is not a string".into()))?
         .clone();
     if !ARCHITECTURES.contains(&architecture.as_str()) {
-        return Err(ModelError::Architecture { name: architecture, supported: "llama (Llama 2 and 3, Mistral, SmolLM, ...), qwen2, qwen3, gemma2 and gemma3 in GGUF files" });
+        return Err(ModelError::Architecture { name: architecture, supported: "llama (Llama 2 and 3, Mistral, SmolLM, ...), qwen2, qwen3, gemma2, gemma3 and phi3 in GGUF files" });
     }
     let a = |k: &str| format!("{architecture}.{k}");
     let hidden_size = meta_usize(content, &a("embedding_length"))?;
@@ -276,13 +276,25 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         }
         None => None,
     };
-    let (gemma, sliding) = match gemma {
+    let (gemma, mut sliding) = match gemma {
         Some((gemma, sliding)) => (Some(gemma), sliding),
         None => (None, None),
     };
+    // Phi-3's window covers every layer and slides in the attention backends, as Hugging Face computes it (llama.cpp
+    // switches Phi's sliding window off, attending over the whole context).
+    if architecture == "phi3" {
+        if let Some(window) = meta_u32(content, &a("attention.sliding_window")).map(|w| w as usize).filter(|&w| w > 0 && w < context_length) {
+            sliding = Some(crate::engine::models::Sliding::every_layer(window, layers, rope_base));
+        }
+        // LongRoPE (Phi-3's 128k models: short and long factors chosen by length, and a magnitude correction) is
+        // not computed; refused rather than run with the short context's rotation.
+        if content.tensor_infos.contains_key("rope_factors_long.weight") {
+            return Err(ModelError::Metadata("LongRoPE (`rope_factors_long`, Phi-3's 128k-context models) is not supported".into()));
+        }
+    }
     // Sliding-window attention of every layer (llama's): the context is capped at the window, where full attention
     // computes the same function (as for Hugging Face directories). Gemma's layers slide in the attention backends.
-    let llama_window = meta_u32(content, &a("attention.sliding_window")).filter(|_| gemma.is_none());
+    let llama_window = meta_u32(content, &a("attention.sliding_window")).filter(|_| gemma.is_none() && architecture != "phi3");
     if let Some(window) = llama_window.map(|w| w as usize).filter(|&w| w < context_length) {
         if window == 0 {
             return Err(ModelError::Metadata(format!("`{}` is 0", a("attention.sliding_window"))));
@@ -345,6 +357,50 @@ fn interleave_rows(t: QTensor, head_dim: usize, device: &Device) -> candle_core:
         }
     }
     candle_core::quantized::ggml_file::qtensor_from_ggml(t.dtype(), &out, dims, device)
+}
+
+/// Which of a layer's projections a file stores fused (Phi-3): q, k and v as one `attn_qkv` (rows q, then k, then v),
+/// gate and up as one `ffn_up` of twice the feed-forward width (gate's rows first, as Hugging Face's
+/// `gate_up_proj` chunks them and llama.cpp's SwiGLU splits them).
+#[derive(Clone, Copy, Debug)]
+struct Fused {
+    qkv: bool,
+    gate_up: bool,
+}
+
+impl Fused {
+    fn of(content: &Content, config: &ModelConfig) -> Fused {
+        let phi3 = config.architecture == "phi3";
+        Fused { qkv: phi3 && content.tensor_infos.contains_key("blk.0.attn_qkv.weight"), gate_up: phi3 }
+    }
+}
+
+/// A matrix's rows in consecutive parts of `parts[i]` rows each (they sum to its rows).
+fn split_rows(t: QTensor, parts: &[usize], device: &Device) -> candle_core::Result<Vec<QTensor>> {
+    let dims = t.shape().dims().to_vec();
+    let rows = dims[0];
+    if parts.iter().sum::<usize>() != rows {
+        candle_core::bail!("{rows} rows are not parts of {parts:?}");
+    }
+    let data = t.data()?;
+    let row_bytes = data.len() / rows;
+    let mut at = 0;
+    parts
+        .iter()
+        .map(|&n| {
+            let bytes = &data[at * row_bytes..(at + n) * row_bytes];
+            at += n;
+            candle_core::quantized::ggml_file::qtensor_from_ggml(t.dtype(), bytes, vec![n, dims[1]], device)
+        })
+        .collect()
+}
+
+/// A host tensor moved to `device` (a copy of its bytes; the same tensor on the CPU).
+fn to_device(t: QTensor, device: &Device) -> candle_core::Result<QTensor> {
+    match device.is_cpu() {
+        true => Ok(t),
+        false => candle_core::quantized::ggml_file::qtensor_from_ggml(t.dtype(), &t.data()?, t.shape().dims().to_vec(), device),
+    }
 }
 
 /// How weights are laid out for the matmul kernels of this device.
@@ -511,20 +567,26 @@ fn expected_tensors(content: &Content, config: &ModelConfig) -> Vec<(String, Vec
     let (q, kv, f) = (config.heads * hd, config.kv_heads * hd, config.ffn_size);
     let has = |name: &str| content.tensor_infos.contains_key(name);
     let mut out = vec![("token_embd.weight".to_string(), vec![v, d], true), ("output_norm.weight".into(), vec![d], true), ("output.weight".into(), vec![v, d], false)];
+    let fused = Fused::of(content, config);
     for i in 0..config.layers {
         let mut need = |suffix: &str, dims: Vec<usize>, required: bool| out.push((format!("blk.{i}.{suffix}"), dims, required));
-        for (suffix, dims) in [
-            ("attn_norm.weight", vec![d]),
-            ("ffn_norm.weight", vec![d]),
-            ("attn_q.weight", vec![q, d]),
-            ("attn_k.weight", vec![kv, d]),
-            ("attn_v.weight", vec![kv, d]),
-            ("attn_output.weight", vec![d, q]),
-            ("ffn_gate.weight", vec![f, d]),
-            ("ffn_up.weight", vec![f, d]),
-            ("ffn_down.weight", vec![d, f]),
-        ] {
+        for (suffix, dims) in [("attn_norm.weight", vec![d]), ("ffn_norm.weight", vec![d]), ("attn_output.weight", vec![d, q]), ("ffn_down.weight", vec![d, f])] {
             need(suffix, dims, true);
+        }
+        match fused.qkv {
+            true => need("attn_qkv.weight", vec![q + 2 * kv, d], true),
+            false => {
+                need("attn_q.weight", vec![q, d], true);
+                need("attn_k.weight", vec![kv, d], true);
+                need("attn_v.weight", vec![kv, d], true);
+            }
+        }
+        match fused.gate_up {
+            true => need("ffn_up.weight", vec![2 * f, d], true),
+            false => {
+                need("ffn_gate.weight", vec![f, d], true);
+                need("ffn_up.weight", vec![f, d], true);
+            }
         }
         // Qwen2's q, k and v biases are required (as llama.cpp requires them); a llama file's are read where present.
         let biases = config.architecture == "qwen2" || has(&format!("blk.{i}.attn_q.bias"));
@@ -597,16 +659,37 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         ("ffn_down", [width, ffn_width]),
     ];
     let mut raw = Vec::with_capacity(config.layers * shapes.len());
+    let fused = Fused::of(&content, &config);
     for i in 0..config.layers {
+        // Phi-3's fused q/k/v and gate/up projections, split by rows (each row's blocks are its own: the parts are
+        // the stored weights, bit for bit), on the host.
+        let split = |suffix: &str, parts: &[usize]| -> Result<Vec<QTensor>, ModelError> {
+            split_rows(read(&format!("blk.{i}.{suffix}.weight"), &Device::Cpu)?, parts, &Device::Cpu).map_err(fmt)
+        };
+        let mut qkv = match fused.qkv {
+            true => split("attn_qkv", &[q, kv, kv])?.into_iter().map(Some).collect(),
+            false => vec![None, None, None],
+        };
+        let mut gate_up = match fused.gate_up {
+            true => split("ffn_up", &[config.ffn_size, config.ffn_size])?.into_iter().map(Some).collect(),
+            false => vec![None, None],
+        };
         for (suffix, pad) in shapes {
             let name = format!("blk.{i}.{suffix}.weight");
+            let part = match suffix {
+                "attn_q" => qkv[0].take(),
+                "attn_k" => qkv[1].take(),
+                "attn_v" => qkv[2].take(),
+                "ffn_gate" => gate_up[0].take(),
+                "ffn_up" => gate_up[1].take(),
+                _ => None,
+            };
             // Pairs `(i, i + head_dim / 2)` become adjacent ones: the rows are read on the host and reordered.
-            let t = match halves && (suffix == "attn_q" || suffix == "attn_k") {
-                true => {
-                    let t = read(&name, &Device::Cpu)?;
-                    interleave_rows(t, hd, device).map_err(fmt)?
-                }
-                false => qtensor(&name)?,
+            let t = match (part, halves && (suffix == "attn_q" || suffix == "attn_k")) {
+                (Some(t), true) => interleave_rows(t, hd, device).map_err(fmt)?,
+                (Some(t), false) => to_device(t, device).map_err(fmt)?,
+                (None, true) => interleave_rows(read(&name, &Device::Cpu)?, hd, device).map_err(fmt)?,
+                (None, false) => qtensor(&name)?,
             };
             raw.push((t, pad));
         }

@@ -106,6 +106,8 @@ struct HfConfig {
     layer_types: Option<Vec<String>>,
     #[serde(default)]
     rope_local_base_freq: Option<f64>,
+    #[serde(default)]
+    partial_rotary_factor: Option<f64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,6 +118,7 @@ enum Family {
     Qwen3,
     Gemma2,
     Gemma3,
+    Phi3,
 }
 
 impl Family {
@@ -127,6 +130,7 @@ impl Family {
             Family::Qwen3 => "qwen3",
             Family::Gemma2 => "gemma2",
             Family::Gemma3 => "gemma3",
+            Family::Phi3 => "phi3",
         }
     }
 
@@ -146,6 +150,7 @@ impl Family {
             "qwen3" => Some(Family::Qwen3),
             "gemma2" => Some(Family::Gemma2),
             "gemma3_text" => Some(Family::Gemma3),
+            "phi3" => Some(Family::Phi3),
             _ => None,
         };
         let by_class = |c: &str| match c {
@@ -155,6 +160,7 @@ impl Family {
             "Qwen3ForCausalLM" => Some(Family::Qwen3),
             "Gemma2ForCausalLM" => Some(Family::Gemma2),
             "Gemma3ForCausalLM" => Some(Family::Gemma3),
+            "Phi3ForCausalLM" => Some(Family::Phi3),
             _ => None,
         };
         let class = config.architectures.as_ref().and_then(|a| a.first());
@@ -163,7 +169,7 @@ impl Family {
             (None, Some(c)) => by_class(c).ok_or_else(|| c.clone()),
             (None, None) => Err("none given".to_string()),
         };
-        found.map_err(|name| ModelError::Architecture { name, supported: "llama, mistral, qwen2, qwen3, gemma2 and gemma3_text in Hugging Face directories" })
+        found.map_err(|name| ModelError::Architecture { name, supported: "llama, mistral, qwen2, qwen3, gemma2, gemma3_text and phi3 in Hugging Face directories" })
     }
 }
 
@@ -176,6 +182,8 @@ struct Variant {
     tied: bool,
     /// Gemma's norms after attention and the feed-forward network (and its norm weights stored as `w` for `1 + w`).
     post_norms: bool,
+    /// Phi-3's fused `qkv_proj` (rows q, k, v) and `gate_up_proj` (rows gate, up).
+    fused: bool,
 }
 
 /// Gemma's keys of config.json ([`GemmaConfig`]), with Hugging Face's defaults: the query scale of `head_dim`,
@@ -270,6 +278,9 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
             return Err(invalid(format!("{key} `{act}` is not supported ({wanted} only for {})", family.name())));
         }
     }
+    if let Some(f) = c.partial_rotary_factor.filter(|&f| f != 1.0) {
+        return Err(invalid(format!("`partial_rotary_factor` {f} is not supported: nightshift rotates whole heads")));
+    }
     if c.mlp_bias == Some(true) {
         return Err(invalid("`mlp_bias` is not supported".into()));
     }
@@ -288,7 +299,7 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
     let window = match family {
         Family::Mistral => c.sliding_window,
         Family::Qwen2 | Family::Qwen3 => c.sliding_window.filter(|_| c.use_sliding_window == Some(true)),
-        Family::Llama | Family::Gemma2 | Family::Gemma3 => None,
+        Family::Llama | Family::Gemma2 | Family::Gemma3 | Family::Phi3 => None,
     };
     let mut context_length = c.max_position_embeddings;
     if let Some(w) = window.filter(|&w| w < context_length) {
@@ -310,12 +321,15 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         // Gemma's configuration classes tie by default.
         tied: c.tie_word_embeddings.unwrap_or(family.gemma().is_some()),
         post_norms: family.gemma().is_some(),
+        fused: family == Family::Phi3,
     };
     let (gemma, sliding) = match family.gemma() {
         Some(version) => {
             let (gemma, sliding) = gemma_config(c, version, head_dim, rope_base as f32)?;
             (Some(gemma), sliding)
         }
+        // Phi-3's window over every layer slides in the attention backends.
+        None if family == Family::Phi3 => (None, c.sliding_window.filter(|&w| w > 0 && w < c.max_position_embeddings).map(|w| Sliding::every_layer(w, c.num_hidden_layers, rope_base as f32))),
         None => (None, None),
     };
     let name = c.name_or_path.clone().filter(|n| !n.is_empty()).or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()));
@@ -466,9 +480,13 @@ fn expected_tensors(c: &ModelConfig, v: Variant) -> Vec<(String, Vec<usize>)> {
             add("pre_feedforward_layernorm.weight", vec![d]);
             add("post_feedforward_layernorm.weight", vec![d]);
         }
-        add("self_attn.q_proj.weight", vec![q, d]);
-        add("self_attn.k_proj.weight", vec![kv, d]);
-        add("self_attn.v_proj.weight", vec![kv, d]);
+        if v.fused {
+            add("self_attn.qkv_proj.weight", vec![q + 2 * kv, d]);
+        } else {
+            add("self_attn.q_proj.weight", vec![q, d]);
+            add("self_attn.k_proj.weight", vec![kv, d]);
+            add("self_attn.v_proj.weight", vec![kv, d]);
+        }
         add("self_attn.o_proj.weight", vec![d, q]);
         if v.qkv_bias {
             add("self_attn.q_proj.bias", vec![q]);
@@ -482,8 +500,12 @@ fn expected_tensors(c: &ModelConfig, v: Variant) -> Vec<(String, Vec<usize>)> {
             add("self_attn.q_norm.weight", vec![hd]);
             add("self_attn.k_norm.weight", vec![hd]);
         }
-        add("mlp.gate_proj.weight", vec![f, d]);
-        add("mlp.up_proj.weight", vec![f, d]);
+        if v.fused {
+            add("mlp.gate_up_proj.weight", vec![2 * f, d]);
+        } else {
+            add("mlp.gate_proj.weight", vec![f, d]);
+            add("mlp.up_proj.weight", vec![f, d]);
+        }
         add("mlp.down_proj.weight", vec![d, f]);
     }
     out
@@ -582,18 +604,48 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
             }
             false => load(&p("post_attention_layernorm.weight"))?,
         };
+        // Phi-3's fused matrices, split by rows (q, k, v; gate, up).
+        let rows = |name: &str, parts: &[usize]| -> Result<Vec<Tensor>, ModelError> {
+            let t = load(name)?;
+            let mut at = 0;
+            parts
+                .iter()
+                .map(|&n| {
+                    at += n;
+                    t.narrow(0, at - n, n).and_then(|r| r.contiguous()).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")))
+                })
+                .collect()
+        };
+        let halves = |t: Tensor, name: &str| interleave_halves(&t, hd).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")));
+        let (q_rows, kv_rows) = (config.heads * hd, config.kv_heads * hd);
+        let (wq, wk, wv, w_gate, w_up) = match variant.fused {
+            true => {
+                let qkv = p("self_attn.qkv_proj.weight");
+                let [q, k, v]: [Tensor; 3] = rows(&qkv, &[q_rows, kv_rows, kv_rows])?.try_into().expect("three parts");
+                let gate_up = p("mlp.gate_up_proj.weight");
+                let [gate, up]: [Tensor; 2] = rows(&gate_up, &[config.ffn_size, config.ffn_size])?.try_into().expect("two parts");
+                (halves(q, &qkv)?, halves(k, &qkv)?, v, gate, up)
+            }
+            false => (
+                rotary(&p("self_attn.q_proj.weight"))?,
+                rotary(&p("self_attn.k_proj.weight"))?,
+                load(&p("self_attn.v_proj.weight"))?,
+                load(&p("mlp.gate_proj.weight"))?,
+                load(&p("mlp.up_proj.weight"))?,
+            ),
+        };
         layers.push(Layer {
             attn_norm: norm(&p("input_layernorm.weight"))?.into(),
-            wq: dense(rotary(&p("self_attn.q_proj.weight"))?),
-            wk: dense(rotary(&p("self_attn.k_proj.weight"))?),
-            wv: dense(load(&p("self_attn.v_proj.weight"))?),
+            wq: dense(wq),
+            wk: dense(wk),
+            wv: dense(wv),
             wo: dense(load(&p("self_attn.o_proj.weight"))?),
             qkv_bias: vectors(qkv_bias),
             wo_bias: if variant.wo_bias { Some(load(&p("self_attn.o_proj.bias"))?.into()) } else { None },
             qk_norm: vectors(qk_norm),
             ffn_norm: ffn_norm.into(),
-            w_gate: dense(load(&p("mlp.gate_proj.weight"))?),
-            w_up: dense(load(&p("mlp.up_proj.weight"))?),
+            w_gate: dense(w_gate),
+            w_up: dense(w_up),
             w_down: dense(load(&p("mlp.down_proj.weight"))?),
         });
     }
