@@ -12,7 +12,7 @@
 use crate::engine::attention::{Attention, AttentionShape, Segment};
 use crate::engine::models::Sliding;
 use crate::engine::models::lanes::{Activation, Lane, Vector};
-use crate::engine::models::llama::layers::Layer;
+use crate::engine::models::llama::layers::{attention_block, Layer};
 use crate::engine::ModelError;
 
 /// What Gemma adds to the llama shape.
@@ -141,13 +141,7 @@ pub(crate) fn run<L: Lane, A: Attention>(
         candle_core::bail!("{} layers with {} layers' post-norms (a bug)", layers.len(), post.len());
     }
     for (li, (layer, post)) in layers.iter().zip(post).enumerate() {
-        let h = lane.rms_norm(&x, &layer.attn_norm, eps)?;
-        let [mut q, mut k, v] = lane.products(&h, [&layer.wq, &layer.wk, &layer.wv])?;
-        if let Some([q_norm, k_norm]) = &layer.qk_norm {
-            (q, k) = (lane.head_norm(q, q_norm, head_eps)?, lane.head_norm(k, k_norm, head_eps)?);
-        }
-        let attn = lane.attend(attention, step, li, [q, k, v], segments)?;
-        let [out] = lane.products(&attn, [&layer.wo])?;
+        let out = attention_block(lane, layer, li, attention, step, segments, &x, (eps, head_eps))?;
         x = lane.add(x, &lane.rms_norm(&out, &post.attn, eps)?)?;
         let h = lane.rms_norm(&x, &layer.ffn_norm, eps)?;
         let y = lane.gated_ffn(&h, &layer.w_gate, &layer.w_up, &layer.w_down, Activation::GeluTanh)?;

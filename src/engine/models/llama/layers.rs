@@ -69,22 +69,40 @@ pub(crate) fn run<L: Lane, A: Attention>(
     (eps, head_eps): (f32, f32),
 ) -> candle_core::Result<L::X> {
     for (li, layer) in layers.iter().enumerate() {
-        let h = lane.rms_norm(&x, &layer.attn_norm, eps)?;
-        let [mut q, mut k, mut v] = lane.products(&h, [&layer.wq, &layer.wk, &layer.wv])?;
-        if let Some([bq, bk, bv]) = &layer.qkv_bias {
-            (q, k, v) = (lane.add_bias(q, bq)?, lane.add_bias(k, bk)?, lane.add_bias(v, bv)?);
-        }
-        if let Some([q_norm, k_norm]) = &layer.qk_norm {
-            (q, k) = (lane.head_norm(q, q_norm, head_eps)?, lane.head_norm(k, k_norm, head_eps)?);
-        }
-        let attn = lane.attend(attention, step, li, [q, k, v], segments)?;
-        let [mut out] = lane.products(&attn, [&layer.wo])?;
-        if let Some(b) = &layer.wo_bias {
-            out = lane.add_bias(out, b)?;
-        }
+        let out = attention_block(lane, layer, li, attention, step, segments, &x, (eps, head_eps))?;
         x = lane.add(x, &out)?;
         let h = lane.rms_norm(&x, &layer.ffn_norm, eps)?;
         x = lane.add(x, &lane.gated_ffn(&h, &layer.w_gate, &layer.w_up, &layer.w_down, Activation::Silu)?)?;
     }
     Ok(x)
+}
+
+/// Layer `li`'s attention over the residual stream `x`, before the residual add (which a family may norm first):
+/// RMSNorm, the q, k and v products, their biases and per-head q/k norms where the layer has them, attention, the
+/// output projection and its bias.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_block<L: Lane, A: Attention>(
+    lane: &L,
+    layer: &Layer,
+    li: usize,
+    attention: &A,
+    step: &A::Step,
+    segments: &mut [Segment<'_, A::Cache>],
+    x: &L::X,
+    (eps, head_eps): (f32, f32),
+) -> candle_core::Result<L::X> {
+    let h = lane.rms_norm(x, &layer.attn_norm, eps)?;
+    let [mut q, mut k, mut v] = lane.products(&h, [&layer.wq, &layer.wk, &layer.wv])?;
+    if let Some([bq, bk, bv]) = &layer.qkv_bias {
+        (q, k, v) = (lane.add_bias(q, bq)?, lane.add_bias(k, bk)?, lane.add_bias(v, bv)?);
+    }
+    if let Some([q_norm, k_norm]) = &layer.qk_norm {
+        (q, k) = (lane.head_norm(q, q_norm, head_eps)?, lane.head_norm(k, k_norm, head_eps)?);
+    }
+    let attn = lane.attend(attention, step, li, [q, k, v], segments)?;
+    let [mut out] = lane.products(&attn, [&layer.wo])?;
+    if let Some(b) = &layer.wo_bias {
+        out = lane.add_bias(out, b)?;
+    }
+    Ok(out)
 }
