@@ -472,7 +472,8 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
     let fidelity = spec.init == Init::Fidelity;
     let (qk_gain, output_gain) = match (fidelity, shape.family) {
-        (true, Family::Llama) => (FIDELITY_QK_GAIN_LLAMA, FIDELITY_OUTPUT_GAIN),
+        // Attention without biases or q/k norms to steady it (llama, Gemma 2, Phi-3): the llama family's gain.
+        (true, Family::Llama | Family::Gemma2 | Family::Phi3) => (FIDELITY_QK_GAIN_LLAMA, FIDELITY_OUTPUT_GAIN),
         (true, _) => (FIDELITY_QK_GAIN, FIDELITY_OUTPUT_GAIN),
         (false, _) => (1.0, 4.0),
     };

@@ -145,7 +145,8 @@ fn every_gguf_family_runs_the_host_layer_loop_with_the_tensor_loops_bits() {
 const F16_TOLERANCE: f32 = 2e-3;
 
 /// The same for Gemma, whose GELU llama.cpp computes from a table indexed by the input rounded to f16 (nightshift
-/// and the float64 reference from the input itself: they agree to 2e-6): measured F16 3.2e-3, Q8_0 3.5e-2.
+/// and the float64 reference from the input itself: they agree to 2e-6): measured F16 1.8e-3 to 2.7e-3, Q8_0 2.2e-2
+/// to 4.2e-2.
 const GEMMA_TOLERANCES: (f32, f32) = (6e-2, 6e-3);
 
 #[test]
