@@ -1260,7 +1260,10 @@ fn a_model_in_object_storage_is_fetched_once_into_the_cache() {
     let before = proxy.bytes_down();
     let run = validate(&job4);
     run.assert_ok();
-    assert!(proxy.bytes_down() - before >= size + overhead, "the damaged file was fetched again");
+    // At least the model's bytes come down again (the rest of the run's reads vary run to run: once, under the full
+    // suite's load, they came to less than the first runs' `overhead`), and the file is the store's again.
+    let fetched = proxy.bytes_down() - before;
+    assert!(fetched >= size, "the damaged file was not fetched again: {fetched} bytes read of a {size}-byte model");
     assert_eq!(std::fs::read(&cached).unwrap(), bytes);
 
     // A download killed half-way resumes: the ranges listed as done (each with its bytes' sha256) are not read

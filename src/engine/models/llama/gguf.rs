@@ -570,9 +570,9 @@ fn expected_tensors(content: &Content, config: &ModelConfig) -> Vec<(String, Vec
     let fused = Fused::of(content, config);
     for i in 0..config.layers {
         let mut need = |suffix: &str, dims: Vec<usize>, required: bool| out.push((format!("blk.{i}.{suffix}"), dims, required));
-        for (suffix, dims) in [("attn_norm.weight", vec![d]), ("ffn_norm.weight", vec![d]), ("attn_output.weight", vec![d, q]), ("ffn_down.weight", vec![d, f])] {
-            need(suffix, dims, true);
-        }
+        // In the layer's order, so the first mismatch named is the first in the layer.
+        need("attn_norm.weight", vec![d], true);
+        need("ffn_norm.weight", vec![d], true);
         match fused.qkv {
             true => need("attn_qkv.weight", vec![q + 2 * kv, d], true),
             false => {
@@ -581,6 +581,7 @@ fn expected_tensors(content: &Content, config: &ModelConfig) -> Vec<(String, Vec
                 need("attn_v.weight", vec![kv, d], true);
             }
         }
+        need("attn_output.weight", vec![d, q], true);
         match fused.gate_up {
             true => need("ffn_up.weight", vec![2 * f, d], true),
             false => {
@@ -588,6 +589,7 @@ fn expected_tensors(content: &Content, config: &ModelConfig) -> Vec<(String, Vec
                 need("ffn_up.weight", vec![f, d], true);
             }
         }
+        need("ffn_down.weight", vec![d, f], true);
         // Qwen2's q, k and v biases are required (as llama.cpp requires them); a llama file's are read where present.
         let biases = config.architecture == "qwen2" || has(&format!("blk.{i}.attn_q.bias"));
         for (suffix, dims) in [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)] {

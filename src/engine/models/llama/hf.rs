@@ -271,12 +271,15 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
             return Err(invalid(format!("`{key}` is {value}, outside 1..={max}")));
         }
     }
-    // Gemma's GeGLU (`hidden_activation`, or `hidden_act` in older configs); SwiGLU elsewhere.
+    // Gemma's GeGLU, named by `hidden_activation` (which Hugging Face's Gemma reads over `hidden_act`), or by
+    // `hidden_act` in configs without it; SwiGLU elsewhere.
     let wanted = if family.gemma().is_some() { "gelu_pytorch_tanh" } else { "silu" };
-    for (key, act) in [("hidden_act", &c.hidden_act), ("hidden_activation", &c.hidden_activation)] {
-        if let Some(act) = act.as_deref().filter(|a| *a != wanted && !(family.gemma().is_some() && key == "hidden_act" && c.hidden_activation.is_some())) {
-            return Err(invalid(format!("{key} `{act}` is not supported ({wanted} only for {})", family.name())));
-        }
+    let (key, act) = match (&c.hidden_activation, family.gemma()) {
+        (Some(act), Some(_)) => ("hidden_activation", Some(act)),
+        _ => ("hidden_act", c.hidden_act.as_ref()),
+    };
+    if let Some(act) = act.filter(|a| a.as_str() != wanted) {
+        return Err(invalid(format!("{key} `{act}` is not supported ({wanted} only for {})", family.name())));
     }
     if let Some(f) = c.partial_rotary_factor.filter(|&f| f != 1.0) {
         return Err(invalid(format!("`partial_rotary_factor` {f} is not supported: nightshift rotates whole heads")));
@@ -807,6 +810,49 @@ mod tests {
         let mut c = base();
         c[key] = value;
         c
+    }
+
+    /// Gemma's and Phi-3's keys as Hugging Face reads them: Gemma 3's sliding layers from `sliding_window_pattern`
+    /// (every sixth global) or `layer_types`, its local RoPE base; Gemma 2's every other layer; Phi-3's window over
+    /// every layer, none when as long as the context; the activations each family must name.
+    #[test]
+    fn gemma_and_phi3_keys_follow_hugging_face() {
+        let gemma = |model_type: &str, extra: &[(&str, Value)]| {
+            let mut c = base();
+            c["model_type"] = model_type.into();
+            c["num_hidden_layers"] = 12.into();
+            c["hidden_activation"] = "gelu_pytorch_tanh".into();
+            c["sliding_window"] = 32.into();
+            for (k, v) in extra {
+                c[*k] = v.clone();
+            }
+            config(c)
+        };
+        let (c, v) = gemma("gemma3_text", &[("rope_local_base_freq", 10000.0.into()), ("rope_theta", 1e6.into())]).unwrap();
+        let s = c.sliding.unwrap();
+        assert_eq!((s.window, s.rope_base), (32, 10_000.0));
+        assert_eq!((0..12).filter(|&l| !s.layers[l]).collect::<Vec<_>>(), [5, 11]);
+        assert!(v.tied && v.qk_norm && v.post_norms && c.gemma.is_some());
+        let types: Vec<Value> = (0..12).map(|l| if l % 3 == 2 { "full_attention" } else { "sliding_attention" }.into()).collect();
+        let (c, _) = gemma("gemma3_text", &[("layer_types", Value::Array(types))]).unwrap();
+        assert_eq!((0..12).filter(|&l| !c.sliding.as_ref().unwrap().layers[l]).collect::<Vec<_>>(), [2, 5, 8, 11]);
+        let (c, v) = gemma("gemma2", &[("attn_logit_softcapping", 50.0.into()), ("final_logit_softcapping", 30.0.into())]).unwrap();
+        assert_eq!(c.sliding.unwrap().layers[..3], [true, false, true]);
+        assert_eq!(c.gemma.as_ref().map(|g| (g.attn_softcap, g.final_softcap)), Some((Some(50.0), Some(30.0))));
+        assert!(!v.qk_norm);
+        let e = gemma("gemma2", &[("hidden_activation", "silu".into())]).unwrap_err().to_string();
+        assert!(e.contains("hidden_activation `silu`"), "{e}");
+        let phi3 = |window: usize| {
+            let mut c = with("model_type", "phi3".into());
+            c["sliding_window"] = window.into();
+            config(c).unwrap()
+        };
+        let (c, v) = phi3(64);
+        assert!(v.fused && c.sliding.as_ref().is_some_and(|s| s.window == 64 && s.layers.iter().all(|&l| l)));
+        assert!(phi3(256).0.sliding.is_none(), "a window as long as the context is none");
+        let mut partial = with("model_type", "phi3".into());
+        partial["partial_rotary_factor"] = 0.75.into();
+        assert!(config(partial).unwrap_err().to_string().contains("partial_rotary_factor"));
     }
 
     #[test]
