@@ -165,7 +165,10 @@ fn gguf_families_compute_what_llama_cpp_computes() {
             let (diff, same) = compare(&theirs, &ours);
             let gap = choice_gap(&theirs, &ours);
             eprintln!("{family:?} {quant:?}: largest difference {diff} of the largest logit; argmax agrees: {same} (else within {gap})");
-            assert!(diff <= tolerance && gap <= tolerance, "{family:?} {quant:?}: largest difference {diff} of the largest logit, argmax agrees: {same} (else within {gap})");
+            // The argmax agrees; for Gemma, whose tiny Gemma 3 Q8_0 has a near-tie (1.6 % of the largest logit), a
+            // choice within the tolerance of llama.cpp's top logit passes too.
+            let agrees = same || (family.is_gemma() && gap <= tolerance);
+            assert!(diff <= tolerance && agrees, "{family:?} {quant:?}: largest difference {diff} of the largest logit, argmax agrees: {same} (else within {gap})");
         }
     }
     // The comparison catches a model computed wrongly: RoPE's base 10,000 in llama.cpp's file, 20,000 in

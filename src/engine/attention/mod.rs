@@ -55,8 +55,8 @@ pub struct SlidingWindow {
     pub window: usize,
     /// Per layer, whether it is a sliding-window one.
     pub layers: Vec<bool>,
-    /// The local layers' rotary frequencies.
-    pub rope_frequencies: Vec<f64>,
+    /// The local layers' rotary frequencies, where they differ from the global layers' (Gemma 3's).
+    pub rope_frequencies: Option<Vec<f64>>,
 }
 
 impl AttentionShape {
@@ -80,7 +80,7 @@ impl AttentionShape {
     /// layers' (where they differ).
     pub fn rope_set(&self, layer: usize) -> usize {
         match &self.sliding {
-            Some(s) if s.layers.get(layer) == Some(&true) && s.rope_frequencies != self.rope_frequencies => 1,
+            Some(s) if s.layers.get(layer) == Some(&true) && s.rope_frequencies.is_some() => 1,
             _ => 0,
         }
     }
@@ -89,8 +89,8 @@ impl AttentionShape {
     /// and the local layers' where they differ.
     fn rope_sets(&self) -> Vec<(Vec<f32>, Vec<f32>)> {
         let mut sets = vec![rope_tables(&self.rope_frequencies, self.context_length)];
-        if let Some(s) = self.sliding.as_ref().filter(|s| s.rope_frequencies != self.rope_frequencies) {
-            sets.push(rope_tables(&s.rope_frequencies, self.context_length));
+        if let Some(local) = self.sliding.as_ref().and_then(|s| s.rope_frequencies.as_ref()) {
+            sets.push(rope_tables(local, self.context_length));
         }
         sets
     }

@@ -170,29 +170,42 @@ pub(super) fn tokenizer_metadata(content: &Content) -> Result<crate::tokenize::g
     })
 }
 
-/// The GGUF architectures nightshift computes, as llama.cpp names them: llama's shape (llama, qwen2, qwen3) and
-/// Gemma's ([`crate::engine::models::gemma`]).
-pub const ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"];
-
-/// Whether an architecture's checkpoints rotate pairs `(i, i + head_dim / 2)` (llama.cpp's NEOX RoPE: Qwen2, Qwen3
-/// and Gemma, whose q and k rows GGUF stores as Hugging Face does) rather than adjacent pairs (llama's, whose rows
-/// llama.cpp's converter permutes).
-fn rotates_halves(architecture: &str) -> bool {
-    matches!(architecture, "qwen2" | "qwen3" | "gemma2" | "gemma3" | "phi3")
+/// What a GGUF architecture adds to llama's layers, as llama.cpp reads it: the registry of what nightshift
+/// computes from GGUF ([`ARCHITECTURES`], a line per architecture).
+#[derive(Clone, Copy, Debug)]
+struct Architecture {
+    /// llama.cpp's name (`general.architecture`).
+    name: &'static str,
+    /// Pairs `(i, i + head_dim / 2)` rotate (llama.cpp's NEOX RoPE: q and k rows stored as Hugging Face stores
+    /// them) rather than adjacent pairs (llama's, whose rows llama.cpp's converter permutes).
+    halves: bool,
+    /// q, k and v biases, required (Qwen2; other files' are read where present).
+    qkv_bias: bool,
+    /// Per-head RMSNorms of queries and keys (Qwen3, Gemma 3).
+    qk_norm: bool,
+    /// Gemma's version ([`crate::engine::models::gemma`]).
+    gemma: Option<u8>,
+    /// Phi-3's fused q/k/v and gate/up matrices, and its window over every layer.
+    phi3: bool,
 }
 
-/// Gemma's version (2 or 3) for its GGUF architecture.
-fn gemma_version(architecture: &str) -> Option<u8> {
-    match architecture {
-        "gemma2" => Some(2),
-        "gemma3" => Some(3),
-        _ => None,
+const LLAMA: Architecture = Architecture { name: "llama", halves: false, qkv_bias: false, qk_norm: false, gemma: None, phi3: false };
+
+/// The GGUF architectures nightshift computes.
+const ARCHITECTURES: &[Architecture] = &[
+    LLAMA,
+    Architecture { name: "qwen2", halves: true, qkv_bias: true, ..LLAMA },
+    Architecture { name: "qwen3", halves: true, qk_norm: true, ..LLAMA },
+    Architecture { name: "gemma2", halves: true, gemma: Some(2), ..LLAMA },
+    Architecture { name: "gemma3", halves: true, qk_norm: true, gemma: Some(3), ..LLAMA },
+    Architecture { name: "phi3", halves: true, phi3: true, ..LLAMA },
+];
+
+impl Architecture {
+    /// A checked model's architecture (`info_of` refuses the others).
+    fn of(name: &str) -> Architecture {
+        ARCHITECTURES.iter().copied().find(|a| a.name == name).unwrap_or(LLAMA)
     }
-}
-
-/// Whether an architecture has per-head RMSNorms of queries and keys (Qwen3, Gemma 3).
-fn has_qk_norm(architecture: &str) -> bool {
-    matches!(architecture, "qwen3" | "gemma3")
 }
 
 fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
@@ -200,7 +213,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         .to_string()
         .map_err(|_| ModelError::Metadata("`general.architecture` is not a string".into()))?
         .clone();
-    if !ARCHITECTURES.contains(&architecture.as_str()) {
+    if !ARCHITECTURES.iter().any(|a| a.name == architecture) {
         return Err(ModelError::Architecture { name: architecture, supported: "llama (Llama 2 and 3, Mistral, SmolLM, ...), qwen2, qwen3, gemma2, gemma3 and phi3 in GGUF files" });
     }
     let a = |k: &str| format!("{architecture}.{k}");
@@ -258,7 +271,8 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
     }
     let mut context_length = meta_usize(content, &a("context_length"))?;
     let layers = meta_usize(content, &a("block_count"))?;
-    let gemma = match gemma_version(&architecture) {
+    let arch = Architecture::of(&architecture);
+    let gemma = match arch.gemma {
         Some(version) => {
             let number = |key: &str| {
                 let v = content.metadata.get(&a(key))?;
@@ -270,8 +284,6 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
                 Some(Ok(values)) => Some(values.iter().map(|v| v.to_bool().map_err(|_| ModelError::Metadata(format!("`{key}` holds a non-boolean")))).collect::<Result<Vec<bool>, _>>()?),
                 _ => None,
             };
-            let listed = pattern.is_some();
-            let number = |k: &str| if k == "attention.sliding_window_pattern" && listed { None } else { number(k) };
             Some(GemmaConfig::of_gguf(version, layers, (hidden_size, heads, head_dim), rope_base, number, pattern)?)
         }
         None => None,
@@ -282,7 +294,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
     };
     // Phi-3's window covers every layer and slides in the attention backends, as Hugging Face computes it (llama.cpp
     // switches Phi's sliding window off, attending over the whole context).
-    if architecture == "phi3" {
+    if arch.phi3 {
         if let Some(window) = meta_u32(content, &a("attention.sliding_window")).map(|w| w as usize).filter(|&w| w > 0 && w < context_length) {
             sliding = Some(crate::engine::models::Sliding::every_layer(window, layers, rope_base));
         }
@@ -294,7 +306,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
     }
     // Sliding-window attention of every layer (llama's): the context is capped at the window, where full attention
     // computes the same function (as for Hugging Face directories). Gemma's layers slide in the attention backends.
-    let llama_window = meta_u32(content, &a("attention.sliding_window")).filter(|_| gemma.is_none() && architecture != "phi3");
+    let llama_window = meta_u32(content, &a("attention.sliding_window")).filter(|_| gemma.is_none() && !arch.phi3);
     if let Some(window) = llama_window.map(|w| w as usize).filter(|&w| w < context_length) {
         if window == 0 {
             return Err(ModelError::Metadata(format!("`{}` is 0", a("attention.sliding_window"))));
@@ -370,7 +382,7 @@ struct Fused {
 
 impl Fused {
     fn of(content: &Content, config: &ModelConfig) -> Fused {
-        let phi3 = config.architecture == "phi3";
+        let phi3 = Architecture::of(&config.architecture).phi3;
         Fused { qkv: phi3 && content.tensor_infos.contains_key("blk.0.attn_qkv.weight"), gate_up: phi3 }
     }
 }
@@ -566,6 +578,7 @@ fn expected_tensors(content: &Content, config: &ModelConfig) -> Vec<(String, Vec
     let (d, hd, v) = (config.hidden_size, config.head_dim, config.vocab_size);
     let (q, kv, f) = (config.heads * hd, config.kv_heads * hd, config.ffn_size);
     let has = |name: &str| content.tensor_infos.contains_key(name);
+    let arch = Architecture::of(&config.architecture);
     let mut out = vec![("token_embd.weight".to_string(), vec![v, d], true), ("output_norm.weight".into(), vec![d], true), ("output.weight".into(), vec![v, d], false)];
     let fused = Fused::of(content, config);
     for i in 0..config.layers {
@@ -591,12 +604,12 @@ fn expected_tensors(content: &Content, config: &ModelConfig) -> Vec<(String, Vec
         }
         need("ffn_down.weight", vec![d, f], true);
         // Qwen2's q, k and v biases are required (as llama.cpp requires them); a llama file's are read where present.
-        let biases = config.architecture == "qwen2" || has(&format!("blk.{i}.attn_q.bias"));
+        let biases = arch.qkv_bias || has(&format!("blk.{i}.attn_q.bias"));
         for (suffix, dims) in [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)] {
             need(suffix, vec![dims], biases);
         }
         need("attn_output.bias", vec![d], false);
-        let qk_norm = has_qk_norm(&config.architecture);
+        let qk_norm = arch.qk_norm;
         need("attn_q_norm.weight", vec![hd], qk_norm);
         need("attn_k_norm.weight", vec![hd], qk_norm);
         let gemma = config.gemma.is_some();
@@ -641,7 +654,8 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         let linear = config.rope_freq_factors.take().unwrap_or_else(|| vec![1.0; factors.len()]);
         config.rope_freq_factors = Some(factors.iter().zip(linear).map(|(f, l)| f * l).collect());
     }
-    let halves = rotates_halves(&config.architecture);
+    let arch = Architecture::of(&config.architecture);
+    let halves = arch.halves;
     let qtensor = |name: &str| read(name, device);
     // Every tensor's presence and shape were checked by `check_tensors` above.
     let (d, hd) = (config.hidden_size, config.head_dim);
@@ -729,7 +743,7 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         };
         let has = |suffix: &str| content.tensor_infos.contains_key(&format!("blk.{i}.{suffix}"));
         // Qwen2's q, k and v biases (required, as llama.cpp requires them); a llama file's, where it has them.
-        let qkv_bias = match config.architecture == "qwen2" || has("attn_q.bias") {
+        let qkv_bias = match arch.qkv_bias || has("attn_q.bias") {
             true => Some([vector("attn_q.bias", true)?, vector("attn_k.bias", true)?, vector("attn_v.bias", false)?]),
             false => None,
         };
@@ -737,7 +751,7 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
             true => Some(vector("attn_output.bias", false)?.pad_with_zeros(0, 0, width - d).map_err(fmt)?),
             false => None,
         };
-        let qk_norm = match has_qk_norm(&config.architecture) {
+        let qk_norm = match arch.qk_norm {
             true => Some([vector("attn_q_norm.weight", true)?, vector("attn_k_norm.weight", true)?]),
             false => None,
         };

@@ -89,10 +89,8 @@ impl ModelConfig {
             layers: s.layers.clone(),
             // Local layers of their own base rotate with it, unscaled (llama.cpp's `rope_freq_scale_train_swa` is 1);
             // others as the global layers.
-            rope_frequencies: match s.rope_base == self.rope_base {
-                true => shape.rope_frequencies.clone(),
-                false => rope_frequencies(&ModelConfig { rope_base: s.rope_base, rope_scaling: None, rope_freq_factors: None, ..self.clone() }),
-            },
+            rope_frequencies: (s.rope_base != self.rope_base)
+                .then(|| rope_frequencies(&ModelConfig { rope_base: s.rope_base, rope_scaling: None, rope_freq_factors: None, ..self.clone() })),
         });
         shape
     }
