@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A float64 forward pass of a GGUF decoder (llama, qwen2, qwen3, gemma2, gemma3, phi3), written from the architectures' definitions in
+"""A float64 forward pass of a GGUF decoder (llama and Mixtral, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3), written from the architectures' definitions in
 numpy: the arbiter when nightshift and llama.cpp disagree, and the tight check of nightshift's arithmetic (llama.cpp,
 with an f16 KV cache and other rounding, is 5e-5 to 2e-4 of the largest logit from it on one F32 layer).
 
@@ -21,7 +21,7 @@ def main():
     reader = GGUFReader(sys.argv[1])
     fields = reader.fields
     arch = bytes(fields["general.architecture"].parts[-1]).decode()
-    if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"):
+    if arch not in ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3"):
         sys.exit(f"error: architecture {arch} is not computed here")
 
     def meta(key, default=None):
@@ -78,6 +78,26 @@ def main():
         a, b = x[..., : dim // 2], x[..., dim // 2 :]
         return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
 
+    # A mixture of experts (Hugging Face's MixtralSparseMoeBlock and Qwen3MoeSparseMoeBlock): the softmax of the
+    # router's logits, the `expert_used_count` most probable experts, their probabilities renormalized (both
+    # families; `expert_weights_norm` false turns it off), each expert's SwiGLU weighted by its probability.
+    used = meta("expert_used_count")
+    normalize = meta("expert_weights_norm", True)
+
+    def experts(h, w):
+        logits = h @ w("ffn_gate_inp.weight").T
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        gates, ups, downs = w("ffn_gate_exps.weight"), w("ffn_up_exps.weight"), w("ffn_down_exps.weight")
+        out = np.zeros_like(h)
+        for t in range(h.shape[0]):
+            chosen = np.argsort(-probs[t], kind="stable")[:used]
+            weights = probs[t, chosen] / (probs[t, chosen].sum() if normalize else 1.0)
+            for e, p in zip(chosen, weights):
+                gate, up = gates[e] @ h[t], ups[e] @ h[t]
+                out[t] += p * (downs[e] @ (gate / (1 + np.exp(-gate)) * up))
+        return out
+
     for line in sys.stdin:
         ids = [int(i) for i in line.strip().lstrip("!").split()]
         if not ids or max(ids) >= embedding.shape[0] or min(ids) < 0:
@@ -115,6 +135,9 @@ def main():
             out = attended.reshape(n, heads * dim) @ w("attn_output.weight").T
             x = x + (rms(out, w("post_attention_norm.weight")) if gemma else out)
             h = rms(x, w("ffn_norm.weight"))
+            if w("ffn_gate_inp.weight") is not None:
+                x = x + experts(h, w)
+                continue
             if w("ffn_gate.weight") is None:
                 gate, up = np.split(h @ w("ffn_up.weight").T, 2, axis=-1)
             else:

@@ -50,6 +50,10 @@ pub enum Family {
     /// Phi-3: llama's layers with q, k and v in one matrix (`qkv_proj`) and gate and up in one (`gate_up_proj`), a
     /// sliding window over every layer.
     Phi3,
+    /// Mixtral: Mistral's layers with a mixture of SwiGLU experts (`block_sparse_moe`), their weights renormalized.
+    Mixtral,
+    /// Qwen3-MoE: Qwen3's layers with a mixture of experts (`mlp.experts`), `norm_topk_prob` on.
+    Qwen3Moe,
 }
 
 impl Family {
@@ -62,6 +66,8 @@ impl Family {
             Family::Gemma2 => "gemma2",
             Family::Gemma3 => "gemma3_text",
             Family::Phi3 => "phi3",
+            Family::Mixtral => "mixtral",
+            Family::Qwen3Moe => "qwen3_moe",
         }
     }
 
@@ -72,7 +78,7 @@ impl Family {
 
     /// Whether the family has per-head q/k norms.
     fn qk_norm(self) -> bool {
-        matches!(self, Family::Qwen3 | Family::Gemma3)
+        matches!(self, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3)
     }
 
     fn class(self) -> &'static str {
@@ -84,6 +90,8 @@ impl Family {
             Family::Gemma2 => "Gemma2ForCausalLM",
             Family::Gemma3 => "Gemma3ForCausalLM",
             Family::Phi3 => "Phi3ForCausalLM",
+            Family::Mixtral => "MixtralForCausalLM",
+            Family::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 }
@@ -117,6 +125,16 @@ pub struct Shape {
     pub tied: bool,
     /// Gemma's sliding window (the layers that slide follow the family's pattern).
     pub sliding_window: Option<usize>,
+    /// A mixture of experts (Mixtral, Qwen3-MoE) in place of each layer's feed-forward network.
+    pub moe: Option<MoeShape>,
+}
+
+/// A mixture of experts' shape: experts per layer, experts per token, and each expert's feed-forward width.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct MoeShape {
+    pub experts: usize,
+    pub used: usize,
+    pub intermediate: usize,
 }
 
 /// Shapes of published models, by name.
@@ -137,6 +155,7 @@ pub const SHAPES: &[Shape] = &[
         rope_scaling: Some(Llama3Rope { factor: 32, original_context: 8192 }),
         tied: true,
         sliding_window: None,
+        moe: None,
     },
     // HuggingFaceTB/SmolLM2-135M-Instruct: the CPU tests' model.
     Shape {
@@ -154,6 +173,7 @@ pub const SHAPES: &[Shape] = &[
         rope_scaling: None,
         tied: true,
         sliding_window: None,
+        moe: None,
     },
     // Qwen/Qwen2.5-0.5B-Instruct: 494 M parameters, q/k/v biases, tied embeddings.
     Shape {
@@ -171,6 +191,7 @@ pub const SHAPES: &[Shape] = &[
         rope_scaling: None,
         tied: true,
         sliding_window: None,
+        moe: None,
     },
     // Qwen/Qwen3-0.6B: 596 M parameters, heads of 128 (wider than hidden / heads), q/k norms, tied embeddings.
     Shape {
@@ -188,6 +209,7 @@ pub const SHAPES: &[Shape] = &[
         rope_scaling: None,
         tied: true,
         sliding_window: None,
+        moe: None,
     },
     // A few megabytes, for tests.
     Shape {
@@ -205,6 +227,7 @@ pub const SHAPES: &[Shape] = &[
         rope_scaling: None,
         tied: false,
         sliding_window: None,
+        moe: None,
     },
     // google/gemma-3-1b-it: 1.0 B parameters, heads of 256 (wider than hidden / heads), one kv head, a window of
     // 512 in five layers of six, tied embeddings.
@@ -223,6 +246,7 @@ pub const SHAPES: &[Shape] = &[
         rope_scaling: None,
         tied: true,
         sliding_window: Some(512),
+        moe: None,
     },
     // microsoft/Phi-3-mini-4k-instruct: 3.8 B parameters, fused q/k/v and gate/up, heads of 96, a window of 2,047.
     Shape {
@@ -240,6 +264,7 @@ pub const SHAPES: &[Shape] = &[
         rope_scaling: None,
         tied: false,
         sliding_window: Some(2047),
+        moe: None,
     },
     // google/gemma-2-2b-it: 2.6 B parameters, a window of 4,096 in every other layer, soft-capping, tied embeddings.
     Shape {
@@ -257,6 +282,46 @@ pub const SHAPES: &[Shape] = &[
         rope_scaling: None,
         tied: true,
         sliding_window: Some(4096),
+        moe: None,
+    },
+    // Qwen/Qwen3-30B-A3B's experts (128, 8 per token) and heads (of 128, four query heads per key/value head) at half
+    // its width (hidden 1,024, experts 384 wide) and 4 of its 48 layers: 0.9 B parameters, 0.2 B active per token
+    // (the embeddings and output projection of its 151,936-token vocabulary most of them).
+    Shape {
+        name: "qwen3-moe-reduced",
+        family: Family::Qwen3Moe,
+        hidden: 1024,
+        layers: 4,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 128,
+        intermediate: 3072,
+        vocab: 151936,
+        context: 40960,
+        rope_theta: 1000000,
+        rope_scaling: None,
+        tied: false,
+        sliding_window: None,
+        moe: Some(MoeShape { experts: 128, used: 8, intermediate: 384 }),
+    },
+    // mistralai/Mixtral-8x7B-Instruct-v0.1's experts (8, 2 per token) and heads (of 128, four query heads per key/value
+    // head) at a quarter of its width (hidden 1,024, experts 3,584 wide) and 4 of its 32 layers: 0.4 B parameters.
+    Shape {
+        name: "mixtral-reduced",
+        family: Family::Mixtral,
+        hidden: 1024,
+        layers: 4,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 128,
+        intermediate: 3584,
+        vocab: 32000,
+        context: 32768,
+        rope_theta: 1000000,
+        rope_scaling: None,
+        tied: false,
+        sliding_window: None,
+        moe: Some(MoeShape { experts: 8, used: 2, intermediate: 3584 }),
     },
 ];
 
@@ -274,7 +339,11 @@ impl Shape {
         let biases = if self.family == Family::Qwen2 { q + 2 * kv } else { 0 };
         let qk_norms = if self.family.qk_norm() { 2 * self.head_dim } else { 0 };
         let post_norms = if self.family.is_gemma() { 2 * d } else { 0 };
-        let layer = 2 * d * q + 2 * d * kv + 3 * d * self.intermediate + 2 * d + biases + qk_norms + post_norms;
+        let ffn = match self.moe {
+            Some(m) => m.experts * (3 * d * m.intermediate + d),
+            None => 3 * d * self.intermediate,
+        };
+        let layer = 2 * d * q + 2 * d * kv + ffn + 2 * d + biases + qk_norms + post_norms;
         self.vocab * d * if self.tied { 1 } else { 2 } + self.layers * layer + d
     }
 }
@@ -522,9 +591,27 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
             tensors.insert(format!("{p}.self_attn.q_norm.weight"), norm(&mut draw, hd, 0.5)?);
             tensors.insert(format!("{p}.self_attn.k_norm.weight"), norm(&mut draw, hd, 0.5)?);
         }
-        tensors.insert(format!("{p}.mlp.gate_proj.weight"), draw.matrix(ff, d, 1.0)?);
-        tensors.insert(format!("{p}.mlp.up_proj.weight"), draw.matrix(ff, d, 1.0)?);
-        tensors.insert(format!("{p}.mlp.down_proj.weight"), draw.matrix(d, ff, 1.0)?);
+        match shape.moe {
+            // The router's logits spread wide enough (gain 8) that the chosen experts do not change with rounding.
+            Some(moe) => {
+                let (router, expert): (&str, fn(usize) -> [String; 3]) = match shape.family {
+                    Family::Mixtral => ("block_sparse_moe.gate", |e| ["w1", "w3", "w2"].map(|w| format!("block_sparse_moe.experts.{e}.{w}.weight"))),
+                    _ => ("mlp.gate", |e| ["gate_proj", "up_proj", "down_proj"].map(|w| format!("mlp.experts.{e}.{w}.weight"))),
+                };
+                tensors.insert(format!("{p}.{router}.weight"), draw.matrix(moe.experts, d, if fidelity { 8.0 } else { 1.0 })?);
+                for e in 0..moe.experts {
+                    let [gate, up, down] = expert(e);
+                    tensors.insert(format!("{p}.{gate}"), draw.matrix(moe.intermediate, d, 1.0)?);
+                    tensors.insert(format!("{p}.{up}"), draw.matrix(moe.intermediate, d, 1.0)?);
+                    tensors.insert(format!("{p}.{down}"), draw.matrix(d, moe.intermediate, 1.0)?);
+                }
+            }
+            None => {
+                tensors.insert(format!("{p}.mlp.gate_proj.weight"), draw.matrix(ff, d, 1.0)?);
+                tensors.insert(format!("{p}.mlp.up_proj.weight"), draw.matrix(ff, d, 1.0)?);
+                tensors.insert(format!("{p}.mlp.down_proj.weight"), draw.matrix(d, ff, 1.0)?);
+            }
+        }
     }
     let final_gain = if gemma_gain { output_gain } else { 1.0 };
     tensors.insert("model.norm.weight".into(), norm_times(&mut draw, d, 0.2, final_gain)?);
@@ -593,7 +680,13 @@ pub fn synth_gguf(dir: &Path, quant: GgmlDType, tokenizer: Option<&GgufTokenizer
         Some("gemma2") => Family::Gemma2,
         Some("gemma3_text") => Family::Gemma3,
         Some("phi3") => Family::Phi3,
+        Some("mixtral") => Family::Mixtral,
+        Some("qwen3_moe") => Family::Qwen3Moe,
         _ => Family::Llama,
+    };
+    let moe = match (get("num_local_experts").or_else(|_| get("num_experts")), get("num_experts_per_tok")) {
+        (Ok(experts), Ok(used)) => Some(MoeShape { experts, used, intermediate: get("moe_intermediate_size").or_else(|_| get("intermediate_size"))? }),
+        _ => None,
     };
     let shape = Shape {
         name: "synthetic",
@@ -610,6 +703,7 @@ pub fn synth_gguf(dir: &Path, quant: GgmlDType, tokenizer: Option<&GgufTokenizer
         rope_scaling: None,
         tied: !weights.contains_key("lm_head.weight"),
         sliding_window: get("sliding_window").ok().filter(|&w| family.is_gemma() || (family == Family::Phi3 && w < get("max_position_embeddings").unwrap_or(usize::MAX))),
+        moe,
     };
     let tokenizer = tokenizer.cloned().unwrap_or(GgufTokenizer::ByteLevel(Vocabulary { merges: &[], size: shape.vocab, add_bos: false }));
     if tokenizer.size() != shape.vocab {
@@ -658,6 +752,8 @@ fn gguf_architecture(family: Family) -> &'static str {
         Family::Gemma2 => "gemma2",
         Family::Gemma3 => "gemma3",
         Family::Phi3 => "phi3",
+        Family::Mixtral => "llama",
+        Family::Qwen3Moe => "qwen3moe",
     }
 }
 
@@ -803,11 +899,29 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
                 dense.push((b("attn_q"), rotary(&p("self_attn.q_proj.weight"))?, quant));
                 dense.push((b("attn_k"), rotary(&p("self_attn.k_proj.weight"))?, quant));
                 dense.push((b("attn_v"), tensor(&p("self_attn.v_proj.weight"))?, quant));
-                dense.push((b("ffn_gate"), tensor(&p("mlp.gate_proj.weight"))?, quant));
-                dense.push((b("ffn_up"), tensor(&p("mlp.up_proj.weight"))?, quant));
             }
         }
-        dense.push((b("ffn_down"), tensor(&p("mlp.down_proj.weight"))?, quant));
+        // Experts' matrices stacked `[experts, rows, columns]` (llama.cpp's `ffn_*_exps`), the router in F32 (as
+        // llama.cpp's converter writes it and `llama-quantize` leaves it).
+        match shape.moe {
+            Some(moe) => {
+                let (router, names): (&str, [&str; 3]) = match shape.family {
+                    Family::Mixtral => ("block_sparse_moe.gate", ["block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3", "block_sparse_moe.experts.{e}.w2"]),
+                    _ => ("mlp.gate", ["mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"]),
+                };
+                dense.push((b("ffn_gate_inp"), tensor(&p(&format!("{router}.weight")))?, GgmlDType::F32));
+                for (name, gguf) in names.iter().zip(["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]) {
+                    let parts = (0..moe.experts).map(|e| tensor(&p(&format!("{}.weight", name.replace("{e}", &e.to_string()))))).collect::<Result<Vec<_>, _>>()?;
+                    dense.push((b(gguf), Tensor::stack(&parts, 0).map_err(|e| fail(&e))?, quant));
+                }
+            }
+            None if shape.family == Family::Phi3 => dense.push((b("ffn_down"), tensor(&p("mlp.down_proj.weight"))?, quant)),
+            None => {
+                dense.push((b("ffn_gate"), tensor(&p("mlp.gate_proj.weight"))?, quant));
+                dense.push((b("ffn_up"), tensor(&p("mlp.up_proj.weight"))?, quant));
+                dense.push((b("ffn_down"), tensor(&p("mlp.down_proj.weight"))?, quant));
+            }
+        }
         for (hf, gguf) in [("q_proj.bias", "attn_q.bias"), ("k_proj.bias", "attn_k.bias"), ("v_proj.bias", "attn_v.bias")] {
             if weights.contains_key(&p(&format!("self_attn.{hf}"))) {
                 let t = if hf == "v_proj.bias" { tensor(&p(&format!("self_attn.{hf}")))? } else { rotary(&p(&format!("self_attn.{hf}")))? };
@@ -834,13 +948,24 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
         (a("context_length"), u32_of(shape.context)),
         (a("embedding_length"), u32_of(shape.hidden)),
         (a("block_count"), u32_of(shape.layers)),
-        (a("feed_forward_length"), u32_of(shape.intermediate)),
+        // Mixtral's is its experts' width (it has no dense network).
+        (a("feed_forward_length"), u32_of(match (shape.family, shape.moe) {
+            (Family::Mixtral, Some(moe)) => moe.intermediate,
+            _ => shape.intermediate,
+        })),
         (a("attention.head_count"), u32_of(shape.heads)),
         (a("attention.head_count_kv"), u32_of(shape.kv_heads)),
         (a("attention.layer_norm_rms_epsilon"), Value::F32(model.rms_eps)),
         (a("rope.freq_base"), Value::F32(shape.rope_theta as f32)),
     ];
-    if shape.head_dim * shape.heads != shape.hidden || shape.family == Family::Qwen3 || gemma {
+    if let Some(moe) = shape.moe {
+        metadata.push((a("expert_count"), u32_of(moe.experts)));
+        metadata.push((a("expert_used_count"), u32_of(moe.used)));
+        if shape.family == Family::Qwen3Moe {
+            metadata.push((a("expert_feed_forward_length"), u32_of(moe.intermediate)));
+        }
+    }
+    if shape.head_dim * shape.heads != shape.hidden || matches!(shape.family, Family::Qwen3 | Family::Qwen3Moe) || gemma {
         metadata.push((a("attention.key_length"), u32_of(hd)));
         metadata.push((a("attention.value_length"), u32_of(hd)));
     }
@@ -924,11 +1049,12 @@ pub fn write_hf(dir: &Path, spec: &Spec) -> Result<u64, Error> {
     match shape.family {
         Family::Llama => {}
         Family::Mistral => config["sliding_window"] = shape.context.into(),
-        Family::Qwen2 | Family::Qwen3 => {
+        Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => {
             config["sliding_window"] = shape.context.into();
             config["use_sliding_window"] = false.into();
             config["max_window_layers"] = shape.layers.into();
         }
+        Family::Mixtral => config["sliding_window"] = serde_json::Value::Null,
         Family::Phi3 => {
             config["sliding_window"] = shape.sliding_window.unwrap_or(shape.context).into();
         }
@@ -946,6 +1072,21 @@ pub fn write_hf(dir: &Path, spec: &Spec) -> Result<u64, Error> {
                 config["rope_local_base_freq"] = json!(GEMMA3_LOCAL_ROPE_BASE);
             }
         }
+    }
+    if let Some(moe) = shape.moe {
+        let key = if shape.family == Family::Mixtral { "num_local_experts" } else { "num_experts" };
+        if shape.family == Family::Mixtral {
+            config["intermediate_size"] = moe.intermediate.into();
+        }
+        config[key] = moe.experts.into();
+        config["num_experts_per_tok"] = moe.used.into();
+        if shape.family == Family::Qwen3Moe {
+            config["moe_intermediate_size"] = moe.intermediate.into();
+            config["norm_topk_prob"] = true.into();
+            config["decoder_sparse_step"] = 1.into();
+            config["mlp_only_layers"] = json!([]);
+        }
+        config["output_router_logits"] = false.into();
     }
     let write_json = |name: &str, value: &serde_json::Value| {
         std::fs::write(dir.join(name), serde_json::to_string_pretty(value).expect("JSON serialises")).map_err(|e| io(name, &e))
@@ -1016,9 +1157,20 @@ mod tests {
     #[test]
     fn parameters_count_every_tensor_of_every_family() {
         let tiny = Shape::named("tiny").unwrap();
-        let families = [(Family::Llama, 32, false), (Family::Mistral, 48, false), (Family::Qwen2, 32, true), (Family::Qwen3, 40, true), (Family::Gemma2, 32, true), (Family::Gemma3, 40, true), (Family::Phi3, 32, false)];
+        let families = [
+            (Family::Llama, 32, false),
+            (Family::Mistral, 48, false),
+            (Family::Qwen2, 32, true),
+            (Family::Qwen3, 40, true),
+            (Family::Gemma2, 32, true),
+            (Family::Gemma3, 40, true),
+            (Family::Phi3, 32, false),
+            (Family::Mixtral, 32, false),
+            (Family::Qwen3Moe, 40, false),
+        ];
         for (family, head_dim, tied) in families {
-            let shape = Shape { family, head_dim, tied, ..tiny };
+            let moe = matches!(family, Family::Mixtral | Family::Qwen3Moe).then_some(MoeShape { experts: 4, used: 2, intermediate: 64 });
+            let shape = Shape { family, head_dim, tied, moe, ..tiny };
             for init in [Init::Hf, Init::Peaked, Init::Fidelity] {
                 let spec = Spec { init, ..Spec::new(&shape, DType::F32, 1) };
                 let written: usize = weights(&spec).unwrap().values().map(|t| t.elem_count()).sum();

@@ -91,6 +91,11 @@ pub struct GenerateBenchReport {
     /// seconds less the forward passes', over the steps).
     pub forward_ms_per_step: f64,
     pub host_ms_per_step: f64,
+    /// A mixture of experts' share of the forward passes spent routing, gathering and combining (its experts'
+    /// networks excluded); `None` for dense models.
+    pub routing_share: Option<f64>,
+    /// Its busiest expert's tokens over the mean expert's.
+    pub expert_load_max_over_mean: Option<f64>,
     /// From a row's entering the engine's queue (up to `max_seqs` rows wait beside the running ones) to its first token.
     pub ttft_p50_s: f64,
     pub ttft_p90_s: f64,
@@ -244,6 +249,11 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         steps: stats.steps,
         forward_ms_per_step: per_step(stats.forward_s),
         host_ms_per_step: per_step((seconds - stats.forward_s).max(0.0)),
+        routing_share: (!stats.expert_tokens.is_empty() && stats.forward_s > 0.0).then(|| stats.routing_s / stats.forward_s),
+        expert_load_max_over_mean: {
+            let total: u64 = stats.expert_tokens.iter().sum();
+            (total > 0).then(|| stats.expert_tokens.iter().copied().max().unwrap_or(0) as f64 * stats.expert_tokens.len() as f64 / total as f64)
+        },
         ttft_p50_s: p(&ttft, 50.0),
         ttft_p90_s: p(&ttft, 90.0),
         ttft_p99_s: p(&ttft, 99.0),

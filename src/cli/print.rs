@@ -102,6 +102,9 @@ pub fn print_generate_bench(r: &crate::bench::GenerateBenchReport, json: bool) {
         r.prefill_s, r.prefill_tokens_per_s, r.decode_s, r.decode_tokens_per_s
     );
     out!("per step: {:.2} ms in the model's forward pass, {:.2} ms of host time (the engine and driver)", r.forward_ms_per_step, r.host_ms_per_step);
+    if let (Some(share), Some(load)) = (r.routing_share, r.expert_load_max_over_mean) {
+        out!("mixture of experts: {:.1} % of the forward passes routing, gathering and combining; busiest expert {load:.2}x the mean load", 100.0 * share);
+    }
     out!(
         "latency: TTFT p50 {:.3} s, p90 {:.3} s, p99 {:.3} s (from entering the engine's queue); TPOT p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms",
         r.ttft_p50_s,

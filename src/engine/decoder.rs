@@ -331,6 +331,11 @@ impl<A: Attention, M: DecoderModel> BatchEngine<A, M> {
         let started = Instant::now();
         let (logits, inputs) = self.model.forward_step_timed(&self.attention, &mut segments, &outputs, &greedy)?;
         self.stats.forward_s += (started.elapsed() - inputs).as_secs_f64();
+        if let Some((tokens, seconds)) = self.model.take_routing() {
+            self.stats.expert_tokens.resize(tokens.len(), 0);
+            self.stats.expert_tokens.iter_mut().zip(tokens).for_each(|(a, t)| *a += t);
+            self.stats.routing_s += seconds;
+        }
         Ok(logits)
     }
 

@@ -165,6 +165,11 @@ pub struct EngineStats {
     pub kv_blocks: usize,
     pub peak_kv_blocks: usize,
     pub mean_kv_blocks: f64,
+    /// A mixture of experts' tokens per expert (each expert index summed over the layers), and the seconds its
+    /// layers spent routing, gathering and combining (the experts' own networks excluded); empty and 0 for dense
+    /// models.
+    pub expert_tokens: Vec<u64>,
+    pub routing_s: f64,
 }
 
 impl EngineStats {

@@ -54,36 +54,43 @@ impl std::fmt::Debug for MetricsColumn {
 }
 
 /// The types of [`JobMetrics`](super::JobMetrics) fields: a field of another type is not a column.
-pub trait MetricField: Copy {
+pub trait MetricField {
     const TYPE: MetricType;
-    fn value(self) -> MetricValue<'static>;
+    fn value(&self) -> MetricValue<'_>;
 }
 
 impl MetricField for u64 {
     const TYPE: MetricType = MetricType::UInt64;
-    fn value(self) -> MetricValue<'static> {
-        MetricValue::UInt64(self)
+    fn value(&self) -> MetricValue<'_> {
+        MetricValue::UInt64(*self)
     }
 }
 
 impl MetricField for f64 {
     const TYPE: MetricType = MetricType::Float64;
-    fn value(self) -> MetricValue<'static> {
-        MetricValue::Float64(self)
+    fn value(&self) -> MetricValue<'_> {
+        MetricValue::Float64(*self)
     }
 }
 
 impl MetricField for &'static str {
     const TYPE: MetricType = MetricType::Utf8;
-    fn value(self) -> MetricValue<'static> {
+    fn value(&self) -> MetricValue<'_> {
+        MetricValue::Utf8(self)
+    }
+}
+
+impl MetricField for String {
+    const TYPE: MetricType = MetricType::Utf8;
+    fn value(&self) -> MetricValue<'_> {
         MetricValue::Utf8(self)
     }
 }
 
 impl MetricField for Option<f64> {
     const TYPE: MetricType = MetricType::NullableFloat64;
-    fn value(self) -> MetricValue<'static> {
-        MetricValue::NullableFloat64(self)
+    fn value(&self) -> MetricValue<'_> {
+        MetricValue::NullableFloat64(*self)
     }
 }
 
@@ -129,7 +136,7 @@ macro_rules! job_metrics {
                     name: stringify!($name),
                     ty: <$ty as $crate::metrics::MetricField>::TYPE,
                     doc: &[$($doc),+],
-                    read: |row| $crate::metrics::MetricField::value(row.metrics.$name),
+                    read: |row| $crate::metrics::MetricField::value(&row.metrics.$name),
                 }, )*
             ];
         }

@@ -185,6 +185,14 @@ job_metrics! {
         pub kv_cache_dtype: &'static str,
         /// Peak resident memory of the process (VmHWM).
         pub peak_rss_bytes: u64,
+        /// A mixture-of-experts model's tokens per expert, a JSON array indexed by expert (each index summed over
+        /// the model's layers: a token counts once per layer); empty for dense models.
+        pub expert_tokens: String,
+        /// The busiest expert's tokens over the mean expert's (1 is perfectly balanced); null for dense models.
+        pub expert_load_max_over_mean: Option<f64>,
+        /// Seconds a mixture of experts spent routing, gathering rows and combining the experts' outputs (their
+        /// networks excluded); 0 for dense models.
+        pub routing_s: f64,
     }
 }
 
@@ -228,6 +236,16 @@ impl JobMetrics {
             cached_prompt_tokens: engine.cached_prompt_tokens,
             prefix_cache_evictions: engine.prefix_evictions,
             peak_rss_bytes: crate::host::peak_rss_bytes().unwrap_or(0),
+            expert_tokens: match engine.expert_tokens.is_empty() {
+                true => String::new(),
+                false => format!("[{}]", engine.expert_tokens.iter().map(u64::to_string).collect::<Vec<_>>().join(",")),
+            },
+            expert_load_max_over_mean: {
+                let total: u64 = engine.expert_tokens.iter().sum();
+                let max = engine.expert_tokens.iter().copied().max().unwrap_or(0);
+                (total > 0).then(|| max as f64 * engine.expert_tokens.len() as f64 / total as f64)
+            },
+            routing_s: engine.routing_s,
             ..JobMetrics::default()
         }
     }

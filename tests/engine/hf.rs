@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use candle_transformers::models::{llama, mistral, phi3, qwen2, qwen3};
+use candle_transformers::models::{llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe};
 use nightshift::engine::attention::HostCache;
 use nightshift::engine::{Attention, HostAttention, KvCache, Model, Segment};
 
@@ -34,6 +34,8 @@ enum Reference {
     Qwen2(Box<qwen2::ModelForCausalLM>),
     Qwen3(Box<qwen3::ModelForCausalLM>),
     Phi3(Box<phi3::Model>),
+    Mixtral(Box<mixtral::Model>),
+    Qwen3Moe(Box<qwen3_moe::ModelForCausalLM>),
 }
 
 impl Reference {
@@ -54,6 +56,14 @@ impl Reference {
             // Gemma's reference is llama.cpp (tests/engine/llama_cpp.rs): candle-transformers' gemma2 and gemma3 let
             // a sliding layer's query see `sliding_window + 1` positions, one more than Hugging Face's.
             HfVariant::Phi3 => Reference::Phi3(Box::new(phi3::Model::new(&serde_json::from_str(&json).unwrap(), vb).unwrap())),
+            // candle-transformers' Mixtral config wants a window and a flash-attention flag (Mixtral's own is null).
+            HfVariant::Mixtral => {
+                let mut config: serde_json::Value = serde_json::from_str(&json).unwrap();
+                config["sliding_window"] = config["max_position_embeddings"].clone();
+                config["use_flash_attn"] = false.into();
+                Reference::Mixtral(Box::new(mixtral::Model::new(&serde_json::from_value(config).unwrap(), vb).unwrap()))
+            }
+            HfVariant::Qwen3Moe => Reference::Qwen3Moe(Box::new(qwen3_moe::ModelForCausalLM::new(&serde_json::from_str(&json).unwrap(), vb).unwrap())),
             HfVariant::Gemma2 | HfVariant::Gemma3 => unreachable!("no candle-transformers reference for {variant:?}"),
         }
     }
@@ -67,6 +77,8 @@ impl Reference {
             Reference::Qwen2(model) => model.forward(&ids, offset),
             Reference::Qwen3(model) => model.forward(&ids, offset),
             Reference::Phi3(model) => model.forward(&ids, offset),
+            Reference::Mixtral(model) => model.forward(&ids, offset),
+            Reference::Qwen3Moe(model) => model.forward(&ids, offset),
         };
         logits.unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
     }
@@ -84,6 +96,7 @@ fn parity_with_candle_transformers(variant: HfVariant) {
     let host = HostAttention::new(&model, DType::F32).unwrap();
     let family = match variant {
         HfVariant::Llama3 | HfVariant::SmolLm => "llama".to_string(),
+        HfVariant::Qwen3Moe => "qwen3_moe".to_string(),
         other => format!("{other:?}").to_lowercase(),
     };
     assert_eq!(info.config.architecture, family);
@@ -134,6 +147,12 @@ fn qwen3_with_qk_norms_equals_candle_transformers() {
 #[test]
 fn phi3_with_fused_projections_equals_candle_transformers() {
     parity_with_candle_transformers(HfVariant::Phi3);
+}
+
+#[test]
+fn mixtral_and_qwen3_moe_experts_equal_candle_transformers() {
+    parity_with_candle_transformers(HfVariant::Mixtral);
+    parity_with_candle_transformers(HfVariant::Qwen3Moe);
 }
 
 /// Three prompts of different lengths packed into one pass, then ten greedy steps of all three together, against

@@ -10,7 +10,7 @@ use std::io::Write;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device};
 use nightshift::engine::{Attention, HostAttention, Model, Segment};
-use nightshift::synth::{self, Family, Init, Shape, Spec, Vocabulary};
+use nightshift::synth::{self, Family, Init, MoeShape, Shape, Spec, Vocabulary};
 
 use crate::tokenizer::llama_peer;
 
@@ -89,13 +89,15 @@ fn choice_gap(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 
 /// The families nightshift reads from GGUF, as the tests write them: (family, head size, tied embeddings). qwen3's
 /// and gemma3's heads are wider than hidden / heads.
-pub(super) const FAMILIES: [(Family, usize, bool); 6] = [
+pub(super) const FAMILIES: [(Family, usize, bool); 8] = [
     (Family::Llama, 16, false),
     (Family::Qwen2, 16, true),
     (Family::Qwen3, 24, true),
     (Family::Gemma2, 16, true),
     (Family::Gemma3, 24, true),
     (Family::Phi3, 16, false),
+    (Family::Mixtral, 16, false),
+    (Family::Qwen3Moe, 24, false),
 ];
 
 /// The global RoPE base the tests' models have: Gemma 3's local layers have their own, 10,000.
@@ -122,6 +124,12 @@ pub(super) fn spec(family: Family, head_dim: usize, tied: bool, rope_theta: u32)
         rope_scaling: None,
         tied,
         sliding_window: family.is_gemma().then_some(16),
+        // Mixtral's 8 experts, 2 per token; Qwen3-MoE's many (16 here), 4 per token, narrower than the dense width.
+        moe: match family {
+            Family::Mixtral => Some(MoeShape { experts: 8, used: 2, intermediate: 128 }),
+            Family::Qwen3Moe => Some(MoeShape { experts: 16, used: 4, intermediate: 64 }),
+            _ => None,
+        },
     };
     Spec { shape, vocabulary: VOCABULARY, dtype: DType::F32, init: Init::Fidelity, seed: 7 }
 }
@@ -166,8 +174,10 @@ fn gguf_families_compute_what_llama_cpp_computes() {
             let gap = choice_gap(&theirs, &ours);
             eprintln!("{family:?} {quant:?}: largest difference {diff} of the largest logit; argmax agrees: {same} (else within {gap})");
             // The argmax agrees; for Gemma, whose tiny Gemma 3 Q8_0 has a near-tie (1.6 % of the largest logit), a
-            // choice within the tolerance of llama.cpp's top logit passes too.
-            let agrees = same || (family.is_gemma() && gap <= tolerance);
+            // choice within the tolerance of llama.cpp's top logit passes too; for the mixtures of experts (the tiny
+            // Mixtral Q8_0 has one at 0.23 %), a choice closer to llama.cpp's than the largest difference measured.
+            let moe = matches!(family, Family::Mixtral | Family::Qwen3Moe);
+            let agrees = same || (family.is_gemma() && gap <= tolerance) || (moe && gap <= diff);
             assert!(diff <= tolerance && agrees, "{family:?} {quant:?}: largest difference {diff} of the largest logit, argmax agrees: {same} (else within {gap})");
         }
     }

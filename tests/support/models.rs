@@ -5,7 +5,7 @@ use std::path::Path;
 
 use candle_core::quantized::GgmlDType;
 use candle_core::DType;
-use nightshift::synth::{self, Family, Init, Llama3Rope, Shape, Spec, Vocabulary};
+use nightshift::synth::{self, Family, Init, Llama3Rope, MoeShape, Shape, Spec, Vocabulary};
 
 /// The tiny models' tokenizer: GPT-2's 256 byte tokens, three merges (`Ġt`, `he` and `Ġa`: ids 256 to 258), then
 /// `<|endoftext|>`, `<|im_start|>` and `<|im_end|>` as control tokens (ids 259 to 261). synth's chat template is
@@ -36,6 +36,7 @@ pub fn write_tiny_model(path: &Path) {
         rope_scaling: None,
         tied: false,
         sliding_window: None,
+        moe: None,
     };
     let spec = Spec { shape, vocabulary: VOCABULARY, dtype: DType::F32, init: Init::Peaked, seed: 0xf };
     synth::write_gguf(path, &spec, GgmlDType::Q8_0).unwrap();
@@ -63,10 +64,14 @@ pub enum HfVariant {
     /// `phi3`: fused `qkv_proj` and `gate_up_proj`, no window (candle-transformers' Phi-3, the reference, has none);
     /// f32.
     Phi3,
+    /// `mixtral`: 8 experts of 128, 2 per token, their weights renormalized; f32.
+    Mixtral,
+    /// `qwen3_moe`: q/k norms, `head_dim` 40, 16 experts of 64, 4 per token, `norm_topk_prob`; bf16.
+    Qwen3Moe,
 }
 
 impl HfVariant {
-    pub const ALL: [HfVariant; 8] = [
+    pub const ALL: [HfVariant; 10] = [
         HfVariant::Llama3,
         HfVariant::SmolLm,
         HfVariant::Mistral,
@@ -75,6 +80,8 @@ impl HfVariant {
         HfVariant::Gemma2,
         HfVariant::Gemma3,
         HfVariant::Phi3,
+        HfVariant::Mixtral,
+        HfVariant::Qwen3Moe,
     ];
 }
 
@@ -110,6 +117,10 @@ pub fn write_tiny_hf_model(dir: &Path, variant: HfVariant) {
         HfVariant::Qwen3 => (Shape { family: Family::Qwen3, head_dim: 40, tied: true, ..base }, DType::BF16),
         HfVariant::Gemma2 => (Shape { family: Family::Gemma2, tied: true, sliding_window: Some(16), ..base }, DType::F32),
         HfVariant::Phi3 => (Shape { family: Family::Phi3, ..base }, DType::F32),
+        HfVariant::Mixtral => (Shape { family: Family::Mixtral, moe: Some(MoeShape { experts: 8, used: 2, intermediate: 128 }), ..base }, DType::F32),
+        HfVariant::Qwen3Moe => {
+            (Shape { family: Family::Qwen3Moe, head_dim: 40, moe: Some(MoeShape { experts: 16, used: 4, intermediate: 64 }), ..base }, DType::BF16)
+        }
         HfVariant::Gemma3 => {
             (Shape { family: Family::Gemma3, layers: 6, head_dim: 40, tied: true, sliding_window: Some(16), rope_theta: 1_000_000, ..base }, DType::BF16)
         }

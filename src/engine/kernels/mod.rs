@@ -510,6 +510,15 @@ impl Matrix {
         Ok(Matrix::Candle(QMatMul::from_qtensor(t)?))
     }
 
+    /// The matrix's columns, the width of the rows it multiplies.
+    pub fn columns(&self) -> usize {
+        match self {
+            Matrix::Packed(p) => p.k,
+            Matrix::Candle(QMatMul::QTensor(t)) => t.shape().dims().last().copied().unwrap_or(0),
+            Matrix::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => t.dims().last().copied().unwrap_or(0),
+        }
+    }
+
     /// Bytes of weights held.
     pub fn bytes(&self) -> usize {
         match self {

@@ -17,6 +17,7 @@ use rayon::prelude::*;
 use crate::engine::attention::{Attention, Segment};
 pub use crate::engine::kernels::elementwise::Activation;
 use crate::engine::kernels::Matrix;
+use crate::engine::models::moe::Router;
 
 /// A vector of weights (a norm's, a bias): the tensor, and its values in host memory where a host lane reads it
 /// ([`Vector::keep_host`]).
@@ -73,6 +74,45 @@ pub trait Lane {
 
     /// The residual stream, `x + y`.
     fn add(&self, x: Self::X, y: &Self::X) -> candle_core::Result<Self::X>;
+
+    /// A mixture of experts' router logits for every row, `[rows, experts]` f32 in host memory.
+    fn router_logits(&self, x: &Self::X, router: &Router) -> candle_core::Result<Vec<f32>>;
+
+    /// The rows `rows` of `x`, in that order.
+    fn gather(&self, x: &Self::X, rows: &[u32]) -> candle_core::Result<Self::X>;
+
+    /// Zeros of `x`'s shape.
+    fn zeros(&self, x: &Self::X) -> candle_core::Result<Self::X>;
+
+    /// `acc[rows[j]] += weights[j] * y[j]` for each row `j` of `y` (`rows` distinct): an expert's outputs added
+    /// into the layer's.
+    fn scatter_add(&self, acc: Self::X, y: &Self::X, rows: &[u32], weights: &[f32]) -> candle_core::Result<Self::X>;
+}
+
+/// `acc[rows[j]] += weights[j] * y[j]` on host rows `width` wide: the product rounded to f32, then the sum.
+fn scatter_add_host(acc: &mut [f32], y: &[f32], rows: &[u32], weights: &[f32], width: usize) -> candle_core::Result<()> {
+    if y.len() != rows.len() * width || weights.len() != rows.len() {
+        candle_core::bail!("{} expert outputs for {} rows and {} weights (a bug)", y.len() / width.max(1), rows.len(), weights.len());
+    }
+    for ((src, &row), &w) in y.chunks_exact(width).zip(rows).zip(weights) {
+        let dst = acc.get_mut(row as usize * width..(row as usize + 1) * width).ok_or_else(|| candle_core::Error::Msg(format!("row {row} outside the step (a bug)")))?;
+        dst.iter_mut().zip(src).for_each(|(a, &v)| *a += w * v);
+    }
+    Ok(())
+}
+
+/// The rows `rows` of host rows `width` wide.
+fn gather_host(x: &[f32], rows: &[u32], width: usize) -> candle_core::Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(rows.len() * width);
+    for &r in rows {
+        out.extend_from_slice(x.get(r as usize * width..(r as usize + 1) * width).ok_or_else(|| candle_core::Error::Msg(format!("row {r} outside the step (a bug)")))?);
+    }
+    Ok(out)
+}
+
+/// Whether a tensor's activations are computed on the host as the host lane computes them: f32 on the CPU.
+fn on_host(x: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == DType::F32
 }
 
 /// Activations as candle tensors: any device, any dtype.
@@ -124,6 +164,33 @@ impl Lane for TensorLane {
     fn add(&self, x: Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
         x + y
     }
+
+    // On the CPU in f32, the host lane's arithmetic (the same bits); elsewhere candle's.
+    fn router_logits(&self, x: &Tensor, router: &Router) -> candle_core::Result<Vec<f32>> {
+        match on_host(x) {
+            true => Ok(router.logits_host(&x.flatten_all()?.to_vec1::<f32>()?)),
+            false => router.logits_tensor(x),
+        }
+    }
+
+    fn gather(&self, x: &Tensor, rows: &[u32]) -> candle_core::Result<Tensor> {
+        x.index_select(&Tensor::from_slice(rows, rows.len(), x.device())?, 0)
+    }
+
+    fn zeros(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        x.zeros_like()
+    }
+
+    fn scatter_add(&self, acc: Tensor, y: &Tensor, rows: &[u32], weights: &[f32]) -> candle_core::Result<Tensor> {
+        let (n, width) = acc.dims2()?;
+        if on_host(&acc) && on_host(y) {
+            let mut values = acc.flatten_all()?.to_vec1::<f32>()?;
+            scatter_add_host(&mut values, &y.flatten_all()?.to_vec1::<f32>()?, rows, weights, width)?;
+            return Tensor::from_vec(values, (n, width), acc.device());
+        }
+        let w = Tensor::from_slice(weights, (weights.len(), 1), y.device())?.to_dtype(y.dtype())?;
+        acc.index_add(&Tensor::from_slice(rows, rows.len(), y.device())?, &y.broadcast_mul(&w)?, 0)
+    }
 }
 
 /// Activations as host vectors, `rows` rows, row-major: an f32 model on the CPU whose matrices are all the
@@ -159,7 +226,9 @@ impl Lane for HostLane {
     }
 
     fn gated_ffn(&self, x: &Vec<f32>, gate: &Matrix, up: &Matrix, down: &Matrix, act: Activation) -> candle_core::Result<Vec<f32>> {
-        Matrix::ffn_host(x, self.rows, gate, up, down, act)?.ok_or_else(|| not_packed("the feed-forward network"))
+        // The step's rows, or an expert's share of them.
+        let rows = x.len() / gate.columns().max(1);
+        Matrix::ffn_host(x, rows, gate, up, down, act)?.ok_or_else(|| not_packed("the feed-forward network"))
     }
 
     fn attend<A: Attention>(&self, attention: &A, step: &A::Step, layer: usize, qkv: [Vec<f32>; 3], segments: &mut [Segment<'_, A::Cache>]) -> candle_core::Result<Vec<f32>> {
@@ -169,6 +238,24 @@ impl Lane for HostLane {
     fn add(&self, mut x: Vec<f32>, y: &Vec<f32>) -> candle_core::Result<Vec<f32>> {
         add_assign(&mut x, y);
         Ok(x)
+    }
+
+    fn router_logits(&self, x: &Vec<f32>, router: &Router) -> candle_core::Result<Vec<f32>> {
+        Ok(router.logits_host(x))
+    }
+
+    fn gather(&self, x: &Vec<f32>, rows: &[u32]) -> candle_core::Result<Vec<f32>> {
+        gather_host(x, rows, x.len() / self.rows.max(1))
+    }
+
+    fn zeros(&self, x: &Vec<f32>) -> candle_core::Result<Vec<f32>> {
+        Ok(vec![0f32; x.len()])
+    }
+
+    fn scatter_add(&self, mut acc: Vec<f32>, y: &Vec<f32>, rows: &[u32], weights: &[f32]) -> candle_core::Result<Vec<f32>> {
+        let width = acc.len() / self.rows.max(1);
+        scatter_add_host(&mut acc, y, rows, weights, width)?;
+        Ok(acc)
     }
 }
 

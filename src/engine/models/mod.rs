@@ -5,6 +5,7 @@ pub mod bert;
 pub mod gemma;
 pub mod lanes;
 pub mod llama;
+pub mod moe;
 pub mod t5;
 
 use crate::engine::attention::{Attention, AttentionModel, Segment};
@@ -34,6 +35,12 @@ pub trait DecoderModel: AttentionModel + Send + 'static {
     /// Makes the model's device context current on the calling thread (the engine thread, before its first step);
     /// a no-op on the CPU.
     fn bind_to_thread(&self) -> candle_core::Result<()>;
+
+    /// A mixture of experts' tokens per expert (summed over layers) and seconds spent routing, gathering and
+    /// combining since the last call; `None` for a dense model.
+    fn take_routing(&self) -> Option<(Vec<u64>, f64)> {
+        None
+    }
 }
 
 /// A decoder's sliding-window layers (Gemma 2 and 3, Phi-3): the window (positions a query sees, its own

@@ -9,7 +9,8 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use super::layers::vectors;
+use super::layers::{vectors, Ffn};
+use crate::engine::models::moe::{Expert, Experts, Router};
 use super::{Layer, Model, ModelConfig, ModelInfo, Weights, MAX_CONTEXT};
 use crate::engine::models::gemma::{GemmaConfig, PostNorms};
 use crate::engine::models::lanes::Vector;
@@ -187,9 +188,12 @@ struct Architecture {
     gemma: Option<u8>,
     /// Phi-3's fused q/k/v and gate/up matrices, and its window over every layer.
     phi3: bool,
+    /// A mixture of experts in every layer, required (Qwen3-MoE); a llama file has one where it declares
+    /// `llama.expert_count` (Mixtral).
+    experts: bool,
 }
 
-const LLAMA: Architecture = Architecture { name: "llama", halves: false, qkv_bias: false, qk_norm: false, gemma: None, phi3: false };
+const LLAMA: Architecture = Architecture { name: "llama", halves: false, qkv_bias: false, qk_norm: false, gemma: None, phi3: false, experts: false };
 
 /// The GGUF architectures nightshift computes.
 const ARCHITECTURES: &[Architecture] = &[
@@ -199,6 +203,7 @@ const ARCHITECTURES: &[Architecture] = &[
     Architecture { name: "gemma2", halves: true, gemma: Some(2), ..LLAMA },
     Architecture { name: "gemma3", halves: true, qk_norm: true, gemma: Some(3), ..LLAMA },
     Architecture { name: "phi3", halves: true, phi3: true, ..LLAMA },
+    Architecture { name: "qwen3moe", halves: true, qk_norm: true, experts: true, ..LLAMA },
 ];
 
 impl Architecture {
@@ -214,7 +219,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         .map_err(|_| ModelError::Metadata("`general.architecture` is not a string".into()))?
         .clone();
     if !ARCHITECTURES.iter().any(|a| a.name == architecture) {
-        return Err(ModelError::Architecture { name: architecture, supported: "llama (Llama 2 and 3, Mistral, SmolLM, ...), qwen2, qwen3, gemma2, gemma3 and phi3 in GGUF files" });
+        return Err(ModelError::Architecture { name: architecture, supported: "llama (Llama 2 and 3, Mistral, Mixtral, SmolLM, ...), qwen2, qwen3, qwen3moe, gemma2, gemma3 and phi3 in GGUF files" });
     }
     let a = |k: &str| format!("{architecture}.{k}");
     let hidden_size = meta_usize(content, &a("embedding_length"))?;
@@ -314,11 +319,29 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         tracing::info!(window, declared = context_length, "context capped at the sliding window");
         context_length = window;
     }
+    // A mixture of experts (Mixtral: `llama.expert_count`; Qwen3-MoE), with llama.cpp's softmax gating. Both
+    // renormalize the chosen experts' weights (llama.cpp hard-codes it for these two); `expert_weights_norm`, which
+    // llama.cpp reads for other architectures, is honoured where a file has it. Each expert's network is
+    // `expert_feed_forward_length` wide (Qwen3-MoE) or `feed_forward_length` (Mixtral)
+    let moe = match meta_usize(content, &a("expert_count")).ok().filter(|&n| n > 0) {
+        None if arch.experts => return Err(ModelError::Metadata(format!("missing `{}`", a("expert_count")))),
+        None => None,
+        Some(experts) => {
+            let used = meta_usize(content, &a("expert_used_count"))?;
+            Some(crate::engine::models::moe::MoeConfig::new(experts, used, meta_bool(content, &a("expert_weights_norm")).unwrap_or(true))?)
+        }
+    };
+    // (Qwen3-MoE without `expert_feed_forward_length`: `feed_forward_length / expert_used_count`, as llama.cpp.)
+    let ffn_size = match (&moe, content.metadata.contains_key(&a("expert_feed_forward_length"))) {
+        (Some(_), true) => meta_usize(content, &a("expert_feed_forward_length"))?,
+        (Some(m), false) if arch.experts => meta_usize(content, &a("feed_forward_length"))? / m.used,
+        _ => meta_usize(content, &a("feed_forward_length"))?,
+    };
     let config = ModelConfig {
         name: content.metadata.get("general.name").and_then(|v| v.to_string().ok().cloned()),
         context_length,
         layers,
-        ffn_size: meta_usize(content, &a("feed_forward_length"))?,
+        ffn_size,
         rms_eps,
         rope_base,
         rope_scaling: None,
@@ -331,6 +354,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         architecture,
         gemma,
         sliding,
+        moe,
     };
     // Bounds that keep a malformed file from asking for absurd allocations (the RoPE table is sized by context).
     if config.context_length == 0 || config.context_length > MAX_CONTEXT || config.layers == 0 || config.layers > 1024 {
@@ -405,6 +429,16 @@ fn split_rows(t: QTensor, parts: &[usize], device: &Device) -> candle_core::Resu
             candle_core::quantized::ggml_file::qtensor_from_ggml(t.dtype(), bytes, vec![n, dims[1]], device)
         })
         .collect()
+}
+
+/// A stack of experts' matrices `[experts, rows, columns]`, one matrix per expert (each expert's rows are its own
+/// bytes: the parts are the stored weights, bit for bit).
+fn split_experts(t: QTensor, device: &Device) -> candle_core::Result<Vec<QTensor>> {
+    let dims = t.shape().dims().to_vec();
+    let [experts, rows, columns] = dims[..] else { candle_core::bail!("experts' matrices of shape {dims:?}") };
+    let data = t.data()?;
+    let bytes = data.len() / experts;
+    (0..experts).map(|e| candle_core::quantized::ggml_file::qtensor_from_ggml(t.dtype(), &data[e * bytes..(e + 1) * bytes], vec![rows, columns], device)).collect()
 }
 
 /// A host tensor moved to `device` (a copy of its bytes; the same tensor on the CPU).
@@ -595,14 +629,24 @@ fn expected_tensors(content: &Content, config: &ModelConfig) -> Vec<(String, Vec
             }
         }
         need("attn_output.weight", vec![d, q], true);
-        match fused.gate_up {
-            true => need("ffn_up.weight", vec![2 * f, d], true),
-            false => {
+        // Experts' matrices stacked, one `[f, d]` (or `[d, f]`) per expert; the router one row per expert.
+        match (&config.moe, fused.gate_up) {
+            (Some(moe), _) => {
+                let e = moe.experts;
+                need("ffn_gate_inp.weight", vec![e, d], true);
+                need("ffn_gate_exps.weight", vec![e, f, d], true);
+                need("ffn_up_exps.weight", vec![e, f, d], true);
+                need("ffn_down_exps.weight", vec![e, d, f], true);
+            }
+            (None, true) => need("ffn_up.weight", vec![2 * f, d], true),
+            (None, false) => {
                 need("ffn_gate.weight", vec![f, d], true);
                 need("ffn_up.weight", vec![f, d], true);
             }
         }
-        need("ffn_down.weight", vec![d, f], true);
+        if config.moe.is_none() {
+            need("ffn_down.weight", vec![d, f], true);
+        }
         // Qwen2's q, k and v biases are required (as llama.cpp requires them); a llama file's are read where present.
         let biases = arch.qkv_bias || has(&format!("blk.{i}.attn_q.bias"));
         for (suffix, dims) in [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)] {
@@ -674,7 +718,14 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         ("ffn_up", [ffn_width, width]),
         ("ffn_down", [width, ffn_width]),
     ];
-    let mut raw = Vec::with_capacity(config.layers * shapes.len());
+    // A mixture of experts' layers hold each of gate, up and down once per expert instead (every expert's gates,
+    // then ups, then downs).
+    let moe = config.moe.clone();
+    let per_layer = match &moe {
+        Some(m) => 4 + 3 * m.experts,
+        None => shapes.len(),
+    };
+    let mut raw = Vec::with_capacity(config.layers * per_layer);
     let fused = Fused::of(&content, &config);
     for i in 0..config.layers {
         // Phi-3's fused q/k/v and gate/up projections, split by rows (each row's blocks are its own: the parts are
@@ -692,6 +743,12 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         };
         for (suffix, pad) in shapes {
             let name = format!("blk.{i}.{suffix}.weight");
+            if moe.is_some() && suffix.starts_with("ffn_") {
+                let stack = read(&format!("blk.{i}.{suffix}_exps.weight"), &Device::Cpu)?;
+                let experts = split_experts(stack, device).map_err(fmt)?;
+                raw.extend(experts.into_iter().map(|t| (t, pad)));
+                continue;
+            }
             let part = match suffix {
                 "attn_q" => qkv[0].take(),
                 "attn_k" => qkv[1].take(),
@@ -719,8 +776,24 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
     let mut layers = Vec::with_capacity(config.layers);
     let mut post_norms = Vec::new();
     for i in 0..config.layers {
-        let mut next = || matrices.next().expect("seven matrices per layer");
-        let (wq, wk, wv, wo, w_gate, w_up, w_down) = (next(), next(), next(), next(), next(), next(), next());
+        let mut next = || matrices.next().expect("the layer's matrices");
+        let (wq, wk, wv, wo) = (next(), next(), next(), next());
+        let ffn = match &moe {
+            None => Ffn::Dense { gate: next(), up: next(), down: next() },
+            Some(m) => {
+                let mut take = |n: usize| (0..n).map(|_| next()).collect::<Vec<_>>();
+                let (gates, ups, downs) = (take(m.experts), take(m.experts), take(m.experts));
+                let experts = gates.into_iter().zip(ups).zip(downs).map(|((gate, up), down)| Expert { gate, up, down }).collect();
+                // The router in f32 (as stored: llama.cpp never quantizes it), zero columns for a padded width.
+                let router = read(&format!("blk.{i}.ffn_gate_inp.weight"), &Device::Cpu)?
+                    .dequantize(&Device::Cpu)
+                    .and_then(|w| w.pad_with_zeros(1, 0, width - d))
+                    .and_then(|w| w.to_device(device))
+                    .and_then(|w| Router::new(w, embedding.dtype()))
+                    .map_err(fmt)?;
+                Ffn::Experts(Box::new(Experts { router, experts, used: m.used, normalize: m.normalize }))
+            }
+        };
         let norm = |suffix: &str| -> Result<Tensor, ModelError> {
             let name = format!("blk.{i}.{suffix}.weight");
             let t = qtensor(&name)?;
@@ -765,9 +838,7 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
             wo_bias: wo_bias.map(Vector::from),
             qk_norm: vectors(qk_norm),
             ffn_norm: ffn_norm.into(),
-            w_gate,
-            w_up,
-            w_down,
+            ffn,
         });
     }
     let output_norm = qtensor("output_norm.weight")?;
@@ -819,6 +890,7 @@ mod tests {
             vocab_size: 1000,
             gemma: None,
             sliding: None,
+            moe: None,
         };
         let cpu = Device::Cpu;
         // SmolLM2-135M: 576 wide (padded to 768 adds a third), 9 heads of 64, 1536 in the feed-forward.

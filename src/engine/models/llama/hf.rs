@@ -9,6 +9,9 @@
 //! - `mistral`: `head_dim` may differ from `hidden_size / num_attention_heads`.
 //! - `qwen2`: biases on q, k and v.
 //! - `qwen3`: per-head RMSNorm of queries and keys before RoPE; `head_dim` must be given.
+//! - `mixtral` and `qwen3_moe` ([`crate::engine::models::moe`]): Mistral's and Qwen3's layers with a mixture of
+//!   SwiGLU experts in place of the feed-forward network (`num_local_experts` or `num_experts`,
+//!   `num_experts_per_tok`; Qwen3-MoE's `moe_intermediate_size` and `norm_topk_prob`).
 //! - `gemma2` and `gemma3_text` ([`crate::engine::models::gemma`]): RMSNorm weights stored as `w` for `1 + w` (the
 //!   one added at load, in f32, before the weights take the compute dtype), norms after attention and the
 //!   feed-forward network (`post_attention_layernorm` is the first; `pre_feedforward_layernorm` the norm before the
@@ -43,7 +46,8 @@ use candle_core::{DType, Device, Tensor};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::layers::vectors;
+use super::layers::{vectors, Ffn};
+use crate::engine::models::moe::{Expert, Experts, Router};
 use super::{Layer, Model, ModelConfig, ModelInfo, RopeScaling, Weights, MAX_CONTEXT};
 use crate::engine::models::gemma::{GemmaConfig, PostNorms};
 use crate::engine::models::Sliding;
@@ -108,6 +112,22 @@ struct HfConfig {
     rope_local_base_freq: Option<f64>,
     #[serde(default)]
     partial_rotary_factor: Option<f64>,
+    /// Mixtral's experts per layer.
+    #[serde(default)]
+    num_local_experts: Option<usize>,
+    /// Qwen3-MoE's experts per layer.
+    #[serde(default)]
+    num_experts: Option<usize>,
+    #[serde(default)]
+    num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    moe_intermediate_size: Option<usize>,
+    #[serde(default)]
+    norm_topk_prob: Option<bool>,
+    #[serde(default)]
+    decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    mlp_only_layers: Option<Vec<usize>>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,6 +139,8 @@ enum Family {
     Gemma2,
     Gemma3,
     Phi3,
+    Mixtral,
+    Qwen3Moe,
 }
 
 impl Family {
@@ -131,6 +153,8 @@ impl Family {
             Family::Gemma2 => "gemma2",
             Family::Gemma3 => "gemma3",
             Family::Phi3 => "phi3",
+            Family::Mixtral => "mixtral",
+            Family::Qwen3Moe => "qwen3_moe",
         }
     }
 
@@ -151,6 +175,8 @@ impl Family {
             "gemma2" => Some(Family::Gemma2),
             "gemma3_text" => Some(Family::Gemma3),
             "phi3" => Some(Family::Phi3),
+            "mixtral" => Some(Family::Mixtral),
+            "qwen3_moe" => Some(Family::Qwen3Moe),
             _ => None,
         };
         let by_class = |c: &str| match c {
@@ -161,6 +187,8 @@ impl Family {
             "Gemma2ForCausalLM" => Some(Family::Gemma2),
             "Gemma3ForCausalLM" => Some(Family::Gemma3),
             "Phi3ForCausalLM" => Some(Family::Phi3),
+            "MixtralForCausalLM" => Some(Family::Mixtral),
+            "Qwen3MoeForCausalLM" => Some(Family::Qwen3Moe),
             _ => None,
         };
         let class = config.architectures.as_ref().and_then(|a| a.first());
@@ -169,7 +197,7 @@ impl Family {
             (None, Some(c)) => by_class(c).ok_or_else(|| c.clone()),
             (None, None) => Err("none given".to_string()),
         };
-        found.map_err(|name| ModelError::Architecture { name, supported: "llama, mistral, qwen2, qwen3, gemma2, gemma3_text and phi3 in Hugging Face directories" })
+        found.map_err(|name| ModelError::Architecture { name, supported: "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text and phi3 in Hugging Face directories" })
     }
 }
 
@@ -184,6 +212,59 @@ struct Variant {
     post_norms: bool,
     /// Phi-3's fused `qkv_proj` (rows q, k, v) and `gate_up_proj` (rows gate, up).
     fused: bool,
+    /// How a mixture of experts names its router and experts' matrices.
+    experts: Option<ExpertNames>,
+}
+
+/// A mixture of experts' tensor names under `model.layers.{i}.`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ExpertNames {
+    /// `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down).
+    Mixtral,
+    /// `mlp.gate` and `mlp.experts.{e}.gate_proj`, `up_proj`, `down_proj`.
+    Qwen3Moe,
+}
+
+impl ExpertNames {
+    fn router(self) -> &'static str {
+        match self {
+            ExpertNames::Mixtral => "block_sparse_moe.gate.weight",
+            ExpertNames::Qwen3Moe => "mlp.gate.weight",
+        }
+    }
+
+    /// Expert `e`'s gate, up and down.
+    fn expert(self, e: usize) -> [String; 3] {
+        match self {
+            ExpertNames::Mixtral => ["w1", "w3", "w2"].map(|w| format!("block_sparse_moe.experts.{e}.{w}.weight")),
+            ExpertNames::Qwen3Moe => ["gate_proj", "up_proj", "down_proj"].map(|w| format!("mlp.experts.{e}.{w}.weight")),
+        }
+    }
+}
+
+/// A mixture of experts' keys of config.json: Mixtral's `num_local_experts` (its chosen experts' weights always
+/// renormalized, as Hugging Face's Mixtral computes them), Qwen3-MoE's `num_experts`, `moe_intermediate_size` and
+/// `norm_topk_prob`; `num_experts_per_tok` for both. Qwen3-MoE's dense layers (`mlp_only_layers`,
+/// `decoder_sparse_step` above 1) are refused, as llama.cpp has none either.
+fn moe_config(c: &HfConfig, family: Family) -> Result<Option<(crate::engine::models::moe::MoeConfig, usize)>, ModelError> {
+    let (experts, size, normalize) = match family {
+        Family::Mixtral => (c.num_local_experts, c.intermediate_size, true),
+        Family::Qwen3Moe => {
+            if c.mlp_only_layers.as_ref().is_some_and(|l| !l.is_empty()) || c.decoder_sparse_step.is_some_and(|s| s != 1) {
+                return Err(invalid("dense layers among the experts' (`mlp_only_layers`, `decoder_sparse_step`) are not supported".into()));
+            }
+            let size = c.moe_intermediate_size.ok_or_else(|| invalid("a qwen3_moe model must give `moe_intermediate_size`".into()))?;
+            (c.num_experts, size, c.norm_topk_prob.unwrap_or(false))
+        }
+        _ => return Ok(None),
+    };
+    let experts = experts.ok_or_else(|| invalid(format!("a {} model must give its number of experts", family.name())))?;
+    let used = c.num_experts_per_tok.ok_or_else(|| invalid("`num_experts_per_tok` is missing".into()))?;
+    if size == 0 || size > 1 << 20 {
+        return Err(invalid(format!("experts' feed-forward size {size} is outside 1..=1048576")));
+    }
+    let moe = crate::engine::models::moe::MoeConfig::new(experts, used, normalize).map_err(|e| invalid(e.to_string()))?;
+    Ok(Some((moe, size)))
 }
 
 /// Gemma's keys of config.json ([`GemmaConfig`]), with Hugging Face's defaults: the query scale of `head_dim`,
@@ -252,7 +333,7 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
     }
     let head_dim = match (c.head_dim, family) {
         (Some(hd), _) => hd,
-        (None, Family::Qwen3) => return Err(invalid("a qwen3 model must give `head_dim`".into())),
+        (None, Family::Qwen3 | Family::Qwen3Moe) => return Err(invalid(format!("a {} model must give `head_dim`", family.name()))),
         (None, _) if c.hidden_size.is_multiple_of(heads) => c.hidden_size / heads,
         (None, _) => return Err(invalid(format!("hidden size {} is not a multiple of {heads} heads", c.hidden_size))),
     };
@@ -274,6 +355,7 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
     // Gemma's GeGLU, named by `hidden_activation` (which Hugging Face's Gemma reads over `hidden_act`), or by
     // `hidden_act` in configs without it; SwiGLU elsewhere.
     let wanted = if family.gemma().is_some() { "gelu_pytorch_tanh" } else { "silu" };
+    let moe = moe_config(c, family)?;
     let (key, act) = match (&c.hidden_activation, family.gemma()) {
         (Some(act), Some(_)) => ("hidden_activation", Some(act)),
         _ => ("hidden_act", c.hidden_act.as_ref()),
@@ -300,8 +382,8 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
     let rope_scaling = if linear.is_some() { None } else { rope_scaling(c.rope_scaling.as_ref())? };
     // Sliding-window attention equals full attention over a context no longer than the window.
     let window = match family {
-        Family::Mistral => c.sliding_window,
-        Family::Qwen2 | Family::Qwen3 => c.sliding_window.filter(|_| c.use_sliding_window == Some(true)),
+        Family::Mistral | Family::Mixtral => c.sliding_window,
+        Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => c.sliding_window.filter(|_| c.use_sliding_window == Some(true)),
         Family::Llama | Family::Gemma2 | Family::Gemma3 | Family::Phi3 => None,
     };
     let mut context_length = c.max_position_embeddings;
@@ -319,12 +401,17 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
     let attention_bias = c.attention_bias.unwrap_or(false);
     let variant = Variant {
         qkv_bias: family == Family::Qwen2 || (attention_bias && family != Family::Mistral),
-        wo_bias: attention_bias && matches!(family, Family::Llama | Family::Qwen3),
-        qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3),
+        wo_bias: attention_bias && matches!(family, Family::Llama | Family::Qwen3 | Family::Qwen3Moe),
+        qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3),
         // Gemma's configuration classes tie by default.
         tied: c.tie_word_embeddings.unwrap_or(family.gemma().is_some()),
         post_norms: family.gemma().is_some(),
         fused: family == Family::Phi3,
+        experts: match family {
+            Family::Mixtral => Some(ExpertNames::Mixtral),
+            Family::Qwen3Moe => Some(ExpertNames::Qwen3Moe),
+            _ => None,
+        },
     };
     let (gemma, sliding) = match family.gemma() {
         Some(version) => {
@@ -345,7 +432,7 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         heads,
         kv_heads,
         head_dim,
-        ffn_size: c.intermediate_size,
+        ffn_size: moe.as_ref().map_or(c.intermediate_size, |m| m.1),
         rms_eps: rms_eps as f32,
         rope_base: rope_base as f32,
         rope_scaling,
@@ -353,6 +440,7 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         vocab_size: c.vocab_size,
         gemma,
         sliding,
+        moe: moe.map(|m| m.0),
     };
     Ok((config, variant))
 }
@@ -503,13 +591,26 @@ fn expected_tensors(c: &ModelConfig, v: Variant) -> Vec<(String, Vec<usize>)> {
             add("self_attn.q_norm.weight", vec![hd]);
             add("self_attn.k_norm.weight", vec![hd]);
         }
-        if v.fused {
-            add("mlp.gate_up_proj.weight", vec![2 * f, d]);
-        } else {
-            add("mlp.gate_proj.weight", vec![f, d]);
-            add("mlp.up_proj.weight", vec![f, d]);
+        match (v.experts, &c.moe) {
+            (Some(names), Some(moe)) => {
+                add(names.router(), vec![moe.experts, d]);
+                for e in 0..moe.experts {
+                    let [gate, up, down] = names.expert(e);
+                    add(&gate, vec![f, d]);
+                    add(&up, vec![f, d]);
+                    add(&down, vec![d, f]);
+                }
+            }
+            _ if v.fused => {
+                add("mlp.gate_up_proj.weight", vec![2 * f, d]);
+                add("mlp.down_proj.weight", vec![d, f]);
+            }
+            _ => {
+                add("mlp.gate_proj.weight", vec![f, d]);
+                add("mlp.up_proj.weight", vec![f, d]);
+                add("mlp.down_proj.weight", vec![d, f]);
+            }
         }
-        add("mlp.down_proj.weight", vec![d, f]);
     }
     out
 }
@@ -621,21 +722,32 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
         };
         let halves = |t: Tensor, name: &str| interleave_halves(&t, hd).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")));
         let (q_rows, kv_rows) = (config.heads * hd, config.kv_heads * hd);
-        let (wq, wk, wv, w_gate, w_up) = match variant.fused {
+        let (wq, wk, wv) = match variant.fused {
             true => {
                 let qkv = p("self_attn.qkv_proj.weight");
                 let [q, k, v]: [Tensor; 3] = rows(&qkv, &[q_rows, kv_rows, kv_rows])?.try_into().expect("three parts");
+                (halves(q, &qkv)?, halves(k, &qkv)?, v)
+            }
+            false => (rotary(&p("self_attn.q_proj.weight"))?, rotary(&p("self_attn.k_proj.weight"))?, load(&p("self_attn.v_proj.weight"))?),
+        };
+        let ffn = match (variant.experts, &config.moe) {
+            (Some(names), Some(moe)) => {
+                let experts = (0..moe.experts)
+                    .map(|e| {
+                        let [gate, up, down] = names.expert(e).map(|n| p(&n));
+                        Ok(Expert { gate: dense(load(&gate)?), up: dense(load(&up)?), down: dense(load(&down)?) })
+                    })
+                    .collect::<Result<_, ModelError>>()?;
+                let name = p(names.router());
+                let router = Router::new(shards.load(&name, device, DType::F32)?, dtype).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")))?;
+                Ffn::Experts(Box::new(Experts { router, experts, used: moe.used, normalize: moe.normalize }))
+            }
+            _ if variant.fused => {
                 let gate_up = p("mlp.gate_up_proj.weight");
                 let [gate, up]: [Tensor; 2] = rows(&gate_up, &[config.ffn_size, config.ffn_size])?.try_into().expect("two parts");
-                (halves(q, &qkv)?, halves(k, &qkv)?, v, gate, up)
+                Ffn::Dense { gate: dense(gate), up: dense(up), down: dense(load(&p("mlp.down_proj.weight"))?) }
             }
-            false => (
-                rotary(&p("self_attn.q_proj.weight"))?,
-                rotary(&p("self_attn.k_proj.weight"))?,
-                load(&p("self_attn.v_proj.weight"))?,
-                load(&p("mlp.gate_proj.weight"))?,
-                load(&p("mlp.up_proj.weight"))?,
-            ),
+            _ => Ffn::Dense { gate: dense(load(&p("mlp.gate_proj.weight"))?), up: dense(load(&p("mlp.up_proj.weight"))?), down: dense(load(&p("mlp.down_proj.weight"))?) },
         };
         layers.push(Layer {
             attn_norm: norm(&p("input_layernorm.weight"))?.into(),
@@ -647,9 +759,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
             wo_bias: if variant.wo_bias { Some(load(&p("self_attn.o_proj.bias"))?.into()) } else { None },
             qk_norm: vectors(qk_norm),
             ffn_norm: ffn_norm.into(),
-            w_gate: dense(w_gate),
-            w_up: dense(w_up),
-            w_down: dense(load(&p("mlp.down_proj.weight"))?),
+            ffn,
         });
     }
     let output_norm = norm("model.norm.weight")?;

@@ -1,12 +1,14 @@
 //! The llama family's layers, and the one loop that runs them over a [`Lane`] (host vectors on the CPU's fast
 //! path, candle tensors elsewhere): pre-norm attention (q, k and v projections, with biases and per-head norms
-//! where the checkpoint has them) and a SwiGLU feed-forward network, each added to the residual stream.
+//! where the checkpoint has them) and a SwiGLU feed-forward network (or a mixture of SwiGLU experts: Mixtral,
+//! Qwen3-MoE), each added to the residual stream.
 
 use candle_core::Tensor;
 
 use crate::engine::attention::{Attention, Segment};
 use crate::engine::kernels::Matrix;
 use crate::engine::models::lanes::{Activation, Lane, Vector};
+use crate::engine::models::moe;
 
 pub(crate) struct Layer {
     pub attn_norm: Vector,
@@ -21,9 +23,26 @@ pub(crate) struct Layer {
     /// Per-head RMSNorm weights of queries and keys, `[head_dim]` each, applied before RoPE (Qwen3).
     pub qk_norm: Option<[Vector; 2]>,
     pub ffn_norm: Vector,
-    pub w_gate: Matrix,
-    pub w_up: Matrix,
-    pub w_down: Matrix,
+    pub ffn: Ffn,
+}
+
+/// A layer's feed-forward network: one gated network, or a mixture of experts ([`moe`]).
+pub(crate) enum Ffn {
+    Dense { gate: Matrix, up: Matrix, down: Matrix },
+    Experts(Box<moe::Experts>),
+}
+
+impl Ffn {
+    /// The network over `h` (the normed residual stream), `act` the dense network's activation (experts' is SiLU).
+    pub fn run<L: Lane>(&self, lane: &L, h: &L::X, act: Activation, routing: Option<&moe::Routing>) -> candle_core::Result<L::X> {
+        match self {
+            Ffn::Dense { gate, up, down } => lane.gated_ffn(h, gate, up, down, act),
+            Ffn::Experts(experts) => {
+                let routing = routing.ok_or_else(|| candle_core::Error::Msg("a mixture of experts without its routing counters (a bug)".into()))?;
+                moe::run(lane, experts, routing, h)
+            }
+        }
+    }
 }
 
 /// Optional vectors from the loaders' tensors.
@@ -32,9 +51,14 @@ pub(super) fn vectors<const N: usize>(tensors: Option<[Tensor; N]>) -> Option<[V
 }
 
 impl Layer {
-    /// The layer's matrices.
-    pub fn matrices(&self) -> [&Matrix; 7] {
-        [&self.wq, &self.wk, &self.wv, &self.wo, &self.w_gate, &self.w_up, &self.w_down]
+    /// The layer's matrices (every expert's too).
+    pub fn matrices(&self) -> Vec<&Matrix> {
+        let mut out = vec![&self.wq, &self.wk, &self.wv, &self.wo];
+        match &self.ffn {
+            Ffn::Dense { gate, up, down } => out.extend([gate, up, down]),
+            Ffn::Experts(experts) => out.extend(experts.matrices()),
+        }
+        out
     }
 
     /// The layer's vectors (norms, biases).
@@ -46,9 +70,13 @@ impl Layer {
             .chain(self.qk_norm.iter_mut().flatten())
     }
 
-    /// Its vectors' bytes.
+    /// Its vectors' bytes (and a router's).
     pub fn vector_bytes(&self) -> usize {
-        [&self.attn_norm, &self.ffn_norm].into_iter().chain(self.qkv_bias.iter().flatten()).chain(&self.wo_bias).chain(self.qk_norm.iter().flatten()).map(Vector::bytes).sum()
+        let router = match &self.ffn {
+            Ffn::Experts(experts) => experts.router.bytes(),
+            Ffn::Dense { .. } => 0,
+        };
+        router + [&self.attn_norm, &self.ffn_norm].into_iter().chain(self.qkv_bias.iter().flatten()).chain(&self.wo_bias).chain(self.qk_norm.iter().flatten()).map(Vector::bytes).sum::<usize>()
     }
 
     /// Its vectors read into host memory, for the host lane.
@@ -67,12 +95,13 @@ pub(crate) fn run<L: Lane, A: Attention>(
     segments: &mut [Segment<'_, A::Cache>],
     mut x: L::X,
     (eps, head_eps): (f32, f32),
+    routing: Option<&moe::Routing>,
 ) -> candle_core::Result<L::X> {
     for (li, layer) in layers.iter().enumerate() {
         let out = attention_block(lane, layer, li, attention, step, segments, &x, (eps, head_eps))?;
         x = lane.add(x, &out)?;
         let h = lane.rms_norm(&x, &layer.ffn_norm, eps)?;
-        x = lane.add(x, &lane.gated_ffn(&h, &layer.w_gate, &layer.w_up, &layer.w_down, Activation::Silu)?)?;
+        x = lane.add(x, &layer.ffn.run(lane, &h, Activation::Silu, routing)?)?;
     }
     Ok(x)
 }

@@ -23,6 +23,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 use layers::Layer;
 use super::gemma::{self, GemmaConfig, PostNorms};
+use super::moe::{MoeConfig, Routing};
 use super::lanes::{product, rms_norm, HostLane, TensorLane};
 use super::{DecoderModel, StepLogits};
 use crate::engine::attention::{Attention, AttentionModel, AttentionShape, KvCache, Segment, SlidingWindow};
@@ -58,6 +59,9 @@ pub struct ModelConfig {
     pub gemma: Option<GemmaConfig>,
     /// Sliding-window layers, where the attention backends slide (Gemma, Phi-3).
     pub sliding: Option<super::Sliding>,
+    /// A mixture of experts in every layer's feed-forward network (Mixtral, Qwen3-MoE), each expert's network
+    /// `ffn_size` wide.
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -135,6 +139,8 @@ pub struct Model {
     /// Whether the layer loop runs on host vectors ([`HostLane`]): an f32 model on the CPU whose matrices are all
     /// the kernels' (its layers' vectors then kept in host memory too).
     host_loop: bool,
+    /// A mixture of experts' counters (tokens per expert, time routing), taken by the engine after each step.
+    routing: Option<Routing>,
 }
 
 /// The weights of a [`Model`], as a loader hands them over.
@@ -227,6 +233,9 @@ impl DecoderModel for Model {
         }
         Ok(())
     }
+    fn take_routing(&self) -> Option<(Vec<u64>, f64)> {
+        self.routing.as_ref().map(Routing::take)
+    }
 }
 
 impl AttentionModel for Model {
@@ -314,6 +323,9 @@ impl Model {
         if let Some(sliding) = &config.sliding {
             tracing::info!(architecture = %config.architecture, "{}", sliding.describe());
         }
+        if let Some(moe) = &config.moe {
+            tracing::info!(architecture = %config.architecture, "{}", moe.describe());
+        }
         let mut layers = layers;
         let host_loop = device.is_cpu()
             && embedding.dtype() == DType::F32
@@ -322,6 +334,7 @@ impl Model {
             && post_norms.iter_mut().flat_map(PostNorms::vectors_mut).try_for_each(super::lanes::Vector::keep_host).is_ok();
         Model {
             host_loop,
+            routing: config.moe.as_ref().map(|m| Routing::new(m.experts)),
             width: embedding.dims().last().copied().unwrap_or(config.hidden_size),
             attention: config.attention_shape(attn_width),
             config,
@@ -347,7 +360,7 @@ impl Model {
     ) -> candle_core::Result<L::X> {
         match self.config.gemma {
             Some(_) => gemma::run(lane, &self.layers, &self.post_norms, attention, step, segments, x, eps),
-            None => layers::run(lane, &self.layers, attention, step, segments, x, eps),
+            None => layers::run(lane, &self.layers, attention, step, segments, x, eps, self.routing.as_ref()),
         }
     }
 

@@ -1,0 +1,255 @@
+//! Mixture-of-experts feed-forward networks (Mixtral, Qwen3-MoE): a router scores every expert for each token, the
+//! `used` best (by softmax probability) compute the token's feed-forward network, and their outputs are summed,
+//! each weighted by its probability (renormalized over the chosen experts where the family does, as Mixtral and
+//! Qwen3-MoE do).
+//!
+//! The step's tokens are grouped by expert: each expert's SwiGLU runs once over the rows routed to it (on the CPU,
+//! one call of the quantized kernels per expert with its rows), never a dense pass over every expert. The router
+//! is computed in f32 from weights held in f32 (llama.cpp's converter stores it in F32 and `llama-quantize` never
+//! quantizes it), on the host on the CPU.
+//!
+//! [`Routing`] counts the tokens each expert computed (summed over layers) and the time spent routing, gathering
+//! and combining, for the job's metrics (`expert_tokens`, `routing_s`).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use candle_core::{DType, Tensor};
+use rayon::prelude::*;
+
+use crate::engine::kernels::Matrix;
+use crate::engine::models::lanes::{Activation, Lane};
+use crate::engine::ModelError;
+
+/// What a mixture-of-experts model's feed-forward layers are.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per layer.
+    pub experts: usize,
+    /// Experts each token is routed to (top-k).
+    pub used: usize,
+    /// Whether the chosen experts' probabilities are renormalized to sum to 1 (Mixtral, Qwen3-MoE).
+    pub normalize: bool,
+}
+
+impl MoeConfig {
+    /// A configuration checked for what could not compute: no experts, more used than there are, absurd counts.
+    pub fn new(experts: usize, used: usize, normalize: bool) -> Result<MoeConfig, ModelError> {
+        if experts == 0 || used == 0 || used > experts || experts > 1 << 12 {
+            return Err(ModelError::Metadata(format!("{used} experts used of {experts}: a mixture of experts routes each token to between 1 and all of its experts (at most 4,096)")));
+        }
+        Ok(MoeConfig { experts, used, normalize })
+    }
+
+    /// One line for `validate` and the load log.
+    pub fn describe(&self) -> String {
+        let norm = if self.normalize { ", their weights renormalized" } else { "" };
+        format!("mixture of experts: {} of {} experts per token{norm}", self.used, self.experts)
+    }
+}
+
+/// The router: one row of weights per expert, `width` wide, in f32 on the host (where the CPU computes it) and as a
+/// tensor on the model's device in its dtype (elsewhere).
+pub struct Router {
+    host: Vec<f32>,
+    tensor: Tensor,
+    width: usize,
+}
+
+impl Router {
+    /// From a `[experts, width]` tensor of any float dtype, held on `tensor`'s device in `dtype`.
+    pub fn new(tensor: Tensor, dtype: DType) -> candle_core::Result<Router> {
+        let (_, width) = tensor.dims2()?;
+        let host = tensor.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(Router { host, tensor: tensor.to_dtype(dtype)?, width })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.tensor.elem_count() * self.tensor.dtype().size_in_bytes()
+    }
+
+    /// The router's logits for `x` (`[rows, width]` row-major f32): `[rows, experts]`, each a dot product in f32
+    /// over eight partial sums.
+    pub fn logits_host(&self, x: &[f32]) -> Vec<f32> {
+        let experts = self.host.len() / self.width;
+        let mut out = vec![0f32; x.len() / self.width * experts];
+        let row = |(x, out): (&[f32], &mut [f32])| {
+            for (o, w) in out.iter_mut().zip(self.host.chunks_exact(self.width)) {
+                *o = dot(x, w);
+            }
+        };
+        if out.len() * self.width < 1 << 20 {
+            x.chunks_exact(self.width).zip(out.chunks_exact_mut(experts)).for_each(row);
+        } else {
+            x.par_chunks_exact(self.width).zip(out.par_chunks_exact_mut(experts)).for_each(row);
+        }
+        out
+    }
+
+    /// The logits of `x` `[rows, width]` on its device, read back as f32.
+    pub fn logits_tensor(&self, x: &Tensor) -> candle_core::Result<Vec<f32>> {
+        x.matmul(&self.tensor.t()?)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+    }
+}
+
+/// `a · b` in f32, eight partial sums (vectorized) added pairwise.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
+        acc[l] += x * y;
+    }
+    let s = [acc[0] + acc[4], acc[1] + acc[5], acc[2] + acc[6], acc[3] + acc[7]];
+    (s[0] + s[2]) + (s[1] + s[3])
+}
+
+/// One expert's SwiGLU matrices.
+pub(crate) struct Expert {
+    pub gate: Matrix,
+    pub up: Matrix,
+    pub down: Matrix,
+}
+
+/// A layer's experts and their router.
+pub(crate) struct Experts {
+    pub router: Router,
+    pub experts: Vec<Expert>,
+    pub used: usize,
+    pub normalize: bool,
+}
+
+impl Experts {
+    pub fn matrices(&self) -> impl Iterator<Item = &Matrix> {
+        self.experts.iter().flat_map(|e| [&e.gate, &e.up, &e.down])
+    }
+}
+
+/// What the router chose for each of a step's tokens: `used` (expert, weight) pairs per token, by descending
+/// probability (ties to the lower expert), as llama.cpp's `build_moe_ffn` with softmax gating: the softmax of
+/// the logits in f32 (its sum in f64), the top `used`, and with `normalize` each divided by their sum (at least
+/// 2^-14, as llama.cpp clamps it).
+pub(crate) fn route(logits: &[f32], experts: usize, used: usize, normalize: bool) -> Vec<(u32, f32)> {
+    let mut out = Vec::with_capacity(logits.len() / experts * used);
+    let mut probs = vec![0f32; experts];
+    let mut order: Vec<u32> = Vec::with_capacity(experts);
+    for row in logits.chunks_exact(experts) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f64;
+        for (p, &l) in probs.iter_mut().zip(row) {
+            *p = (l - max).exp();
+            sum += f64::from(*p);
+        }
+        let scale = (1.0 / sum) as f32;
+        probs.iter_mut().for_each(|p| *p *= scale);
+        order.clear();
+        order.extend(0..experts as u32);
+        // NaN probabilities (a broken model) sort last.
+        let key = |e: u32| if probs[e as usize].is_nan() { f32::NEG_INFINITY } else { probs[e as usize] };
+        order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+        let chosen = &order[..used];
+        let total = match normalize {
+            true => chosen.iter().map(|&e| probs[e as usize]).sum::<f32>().max(6.103_515_6e-5),
+            false => 1.0,
+        };
+        out.extend(chosen.iter().map(|&e| (e, if normalize { probs[e as usize] / total } else { probs[e as usize] })));
+    }
+    out
+}
+
+/// Tokens computed by each expert (summed over layers) and the time spent routing, gathering and combining, since
+/// they were last taken ([`Routing::take`]).
+pub struct Routing {
+    tokens: Vec<AtomicU64>,
+    nanos: AtomicU64,
+}
+
+impl Routing {
+    pub fn new(experts: usize) -> Routing {
+        Routing { tokens: (0..experts).map(|_| AtomicU64::new(0)).collect(), nanos: AtomicU64::new(0) }
+    }
+
+    /// The counts and seconds so far, reset to zero.
+    pub fn take(&self) -> (Vec<u64>, f64) {
+        let tokens = self.tokens.iter().map(|t| t.swap(0, Ordering::Relaxed)).collect();
+        (tokens, self.nanos.swap(0, Ordering::Relaxed) as f64 * 1e-9)
+    }
+}
+
+/// The layer's mixture of experts over `h` (the normed residual stream, `rows` rows): the weighted sum of each
+/// token's chosen experts' outputs.
+pub(crate) fn run<L: Lane>(lane: &L, moe: &Experts, routing: &Routing, h: &L::X) -> candle_core::Result<L::X> {
+    let started = std::time::Instant::now();
+    let experts = moe.experts.len();
+    let logits = lane.router_logits(h, &moe.router)?;
+    let choices = route(&logits, experts, moe.used, moe.normalize);
+    let mut groups: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); experts];
+    for (token, chosen) in choices.chunks_exact(moe.used).enumerate() {
+        for &(e, w) in chosen {
+            groups[e as usize].0.push(token as u32);
+            groups[e as usize].1.push(w);
+        }
+    }
+    let mut out = lane.zeros(h)?;
+    let mut in_ffn = std::time::Duration::ZERO;
+    for ((rows, weights), (expert, counter)) in groups.iter().zip(moe.experts.iter().zip(&routing.tokens)) {
+        if rows.is_empty() {
+            continue;
+        }
+        counter.fetch_add(rows.len() as u64, Ordering::Relaxed);
+        let x = lane.gather(h, rows)?;
+        let ffn = std::time::Instant::now();
+        let y = lane.gated_ffn(&x, &expert.gate, &expert.up, &expert.down, Activation::Silu)?;
+        in_ffn += ffn.elapsed();
+        out = lane.scatter_add(out, &y, rows, weights)?;
+    }
+    routing.nanos.fetch_add(started.elapsed().saturating_sub(in_ffn).as_nanos() as u64, Ordering::Relaxed);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Softmax, top-k and renormalization as llama.cpp (and Hugging Face's Mixtral and Qwen3-MoE) compute them.
+    #[test]
+    fn routing_picks_the_most_probable_experts_and_weighs_them() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0, 0.0, 0.5, 0.25];
+        let chosen = route(&logits, 4, 2, true);
+        // Token 0: experts 1 and 3 tie at the top (the lower first), each weighing a half once renormalized.
+        assert_eq!(chosen[..2].iter().map(|c| c.0).collect::<Vec<_>>(), [1, 3]);
+        assert!((chosen[0].1 - 0.5).abs() < 1e-6 && (chosen[1].1 - 0.5).abs() < 1e-6);
+        // Token 1: experts 2 and 3; unnormalized, their softmax probabilities.
+        let raw = route(&logits, 4, 2, false);
+        let exps: Vec<f64> = logits[4..].iter().map(|&l| f64::from(l).exp()).collect();
+        let total: f64 = exps.iter().sum();
+        assert_eq!((raw[2].0, raw[3].0), (2, 3));
+        assert!((f64::from(raw[2].1) - exps[2] / total).abs() < 1e-6);
+        assert!((f64::from(raw[3].1) - exps[3] / total).abs() < 1e-6);
+        let norm = &chosen[2..];
+        assert!((f64::from(norm[0].1) - exps[2] / (exps[2] + exps[3])).abs() < 1e-6);
+        assert!((norm[0].1 + norm[1].1 - 1.0).abs() < 1e-6);
+        // A NaN logit neither panics nor wins.
+        let nan = route(&[f32::NAN, 1.0, 0.0, 2.0], 4, 1, true);
+        assert_eq!(nan.len(), 1);
+    }
+
+    #[test]
+    fn router_logits_are_dot_products() {
+        let w = Tensor::from_vec((0..3 * 20).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<_>>(), (3, 20), &candle_core::Device::Cpu).unwrap();
+        let router = Router::new(w.clone(), DType::F32).unwrap();
+        let x: Vec<f32> = (0..2 * 20).map(|i| (i as f32 * 0.11).cos()).collect();
+        let ours = router.logits_host(&x);
+        let xt = Tensor::from_vec(x, (2, 20), &candle_core::Device::Cpu).unwrap();
+        let theirs = router.logits_tensor(&xt).unwrap();
+        for (a, b) in ours.iter().zip(&theirs) {
+            assert!((a - b).abs() < 1e-5, "{a} {b}");
+        }
+        assert!(MoeConfig::new(8, 9, true).is_err() && MoeConfig::new(0, 0, true).is_err());
+        assert_eq!(MoeConfig::new(8, 2, true).unwrap().describe(), "mixture of experts: 2 of 8 experts per token, their weights renormalized");
+    }
+}
