@@ -12,7 +12,8 @@
 3. With `--llama-baseline`, llama-server scores the same answers too, one request per answer position (the
    prompt and the answer so far in one prompt-processing pass, as a scoring job does, against the one-token
    decode steps that wrote the answer): how closely llama.cpp agrees with itself across its two paths, the floor
-   for any other implementation. Slow: a prompt pass per answer token (about 15 minutes for 48 answers on 2 cores).
+   for any other implementation; and nightshift against llama.cpp teacher-forced (both scoring from the whole
+   prefix). Slow: a prompt pass per answer token (about 15 minutes for 48 answers on 2 cores).
 4. Per layout: top-1 agreement (the share of answer positions where nightshift's most likely token is
    llama.cpp's most likely token: the token it chose, for greedy answers) and the mean absolute difference of the
    chosen tokens' log-probabilities.
@@ -131,8 +132,12 @@ def llama_scores(args, prompts, answers):
             row = []
             for j, token in enumerate(ids):
                 body = {"prompt": [chat, *ids[:j]] if j else chat, "n_predict": 1, "n_probs": 10, "temperature": 0.0,
-                        "top_k": 1, "cache_prompt": False}
-                probs = post(base + "/completion", body)["completion_probabilities"][0]
+                        "top_k": 1, "cache_prompt": False, "return_tokens": True}
+                # No probabilities come back where the most likely token ends generation: that position is skipped.
+                probs = (post(base + "/completion", body).get("completion_probabilities") or [None])[0]
+                if probs is None:
+                    row.append((token, None, None))
+                    continue
                 logprob = next((t["logprob"] for t in probs["top_logprobs"] if t["id"] == token), None)
                 row.append((token, logprob, probs["id"]))
             scores[f"p{i:03}"] = row
@@ -157,6 +162,22 @@ def compare(answers, scores):
         "rows": compared_rows, "positions": positions, "top1_agreement": agree / max(positions, 1),
         "rows_same_tokens": same_rows, "mean_abs_logprob_diff": sum(diffs) / len(diffs) if diffs else None,
     }
+
+
+def teacher_forced(scores, teacher):
+    """nightshift's scores against llama.cpp's teacher-forced ones (each position's prefix in one prompt pass, as
+    nightshift scores it): top-1 agreement and mean absolute log-probability difference, where llama.cpp gave one."""
+    positions = agree = 0
+    diffs = []
+    for key, row in scores.items():
+        for (_, lp, top), (_, ref_lp, ref_top) in zip(row, teacher.get(key, [])):
+            if ref_top is None:
+                continue
+            positions += 1
+            agree += top == ref_top
+            if lp is not None and ref_lp is not None:
+                diffs.append(abs(lp - ref_lp))
+    return {"positions": positions, "top1_agreement": agree / max(positions, 1), "mean_abs_logprob_diff": sum(diffs) / len(diffs) if diffs else None}
 
 
 def main():
@@ -185,13 +206,18 @@ def main():
     report = {"model": args.model, "prompts": len(prompts), "max_new": args.max_new, "layouts": {},
               "median_top1_margin": margins[len(margins) // 2] if margins else None,
               "share_margin_below_0_1": sum(1 for m in margins if m < 0.1) / max(len(margins), 1)}
+    scored = {}
     with tempfile.TemporaryDirectory(prefix="nightshift-fidelity-") as work:
         for layout in args.layouts.split(","):
             for kv in args.kv_cache_dtypes.split(","):
                 name = layout if kv == "auto" else f"{layout}, kv_cache_dtype {kv}"
-                report["layouts"][name] = compare(answers, nightshift_scores(args, work, prompts, answers, layout, kv))
+                scored[name] = nightshift_scores(args, work, prompts, answers, layout, kv)
+                report["layouts"][name] = compare(answers, scored[name])
     if args.llama_baseline:
-        report["layouts"]["llama.cpp itself (baseline)"] = compare(answers, llama_scores(args, prompts, answers))
+        teacher = llama_scores(args, prompts, answers)
+        report["layouts"]["llama.cpp itself (baseline)"] = compare(answers, teacher)
+        # nightshift against llama.cpp teacher-forced: both computing each position from the whole prefix at once.
+        report["teacher_forced"] = {name: teacher_forced(s, teacher) for name, s in scored.items()}
     if args.json:
         print(json.dumps(report))
         return
@@ -204,6 +230,13 @@ def main():
     for layout, r in report["layouts"].items():
         diff = "n/a" if r["mean_abs_logprob_diff"] is None else f"{r['mean_abs_logprob_diff']:.4f}"
         print(f"| {layout} | {r['positions']} | {100 * r['top1_agreement']:.1f} % | {r['rows_same_tokens']} of {r['rows']} | {diff} |")
+    if "teacher_forced" in report:
+        print("\nAgainst llama.cpp teacher-forced (llama-server scoring each answer position from its whole prefix in one pass):")
+        print("| runtime.cpu_weights | positions | top-1 agreement | mean abs logprob diff |")
+        print("|---|---:|---:|---:|")
+        for layout, r in report["teacher_forced"].items():
+            diff = "n/a" if r["mean_abs_logprob_diff"] is None else f"{r['mean_abs_logprob_diff']:.4f}"
+            print(f"| {layout} | {r['positions']} | {100 * r['top1_agreement']:.1f} % | {diff} |")
 
 
 if __name__ == "__main__":

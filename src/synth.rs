@@ -528,6 +528,10 @@ pub const FIDELITY_QK_GAIN: f32 = 4.0;
 /// 4, a 30-layer model of width 576 magnifies llama.cpp's f16 rounding to 0.14-0.17 of the largest logit over 200
 /// tokens (nightshift is 3e-4 from a float64 forward pass there); at 3, 0.003, as qwen2 at 4.
 pub const FIDELITY_QK_GAIN_LLAMA: f32 = 3.0;
+/// [`Init::Fidelity`]'s mixture-of-experts routers, over 1/sqrt(width). An expert whose probability is near the
+/// chosen ones' last changes places with the next under rounding (llama.cpp's f16 activations against nightshift's
+/// f32); a wide router makes such an expert's weight small, so that the swap hardly shows in the logits.
+pub const FIDELITY_ROUTER_GAIN: f32 = 16.0;
 /// [`Init::Fidelity`]'s output projection, over 1/sqrt(width). At 4 the top token leads the next by a third of a nat
 /// at the median, and rounding flips a few percent of positions.
 pub const FIDELITY_OUTPUT_GAIN: f32 = 8.0;
@@ -542,7 +546,7 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
     let fidelity = spec.init == Init::Fidelity;
     let (qk_gain, output_gain) = match (fidelity, shape.family) {
         // Attention without biases or q/k norms to steady it (llama, Gemma 2, Phi-3): the llama family's gain.
-        (true, Family::Llama | Family::Gemma2 | Family::Phi3) => (FIDELITY_QK_GAIN_LLAMA, FIDELITY_OUTPUT_GAIN),
+        (true, Family::Llama | Family::Gemma2 | Family::Phi3 | Family::Mixtral) => (FIDELITY_QK_GAIN_LLAMA, FIDELITY_OUTPUT_GAIN),
         (true, _) => (FIDELITY_QK_GAIN, FIDELITY_OUTPUT_GAIN),
         (false, _) => (1.0, 4.0),
     };
@@ -592,13 +596,20 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
             tensors.insert(format!("{p}.self_attn.k_norm.weight"), norm(&mut draw, hd, 0.5)?);
         }
         match shape.moe {
-            // The router's logits spread wide enough (gain 8) that the chosen experts do not change with rounding.
+            // Peaked: the router's logits a few units apart, so that bf16 rounding seldom swaps the chosen experts
+            // (at gain 1, a tiny Mixtral's bf16 logits were 7.5 % of the largest from f32's) while the next-chosen
+            // expert still weighs in.
             Some(moe) => {
+                let router_gain = match spec.init {
+                    Init::Fidelity => FIDELITY_ROUTER_GAIN,
+                    Init::Peaked => 4.0,
+                    Init::Hf => 1.0,
+                };
                 let (router, expert): (&str, fn(usize) -> [String; 3]) = match shape.family {
                     Family::Mixtral => ("block_sparse_moe.gate", |e| ["w1", "w3", "w2"].map(|w| format!("block_sparse_moe.experts.{e}.{w}.weight"))),
                     _ => ("mlp.gate", |e| ["gate_proj", "up_proj", "down_proj"].map(|w| format!("mlp.experts.{e}.{w}.weight"))),
                 };
-                tensors.insert(format!("{p}.{router}.weight"), draw.matrix(moe.experts, d, if fidelity { 8.0 } else { 1.0 })?);
+                tensors.insert(format!("{p}.{router}.weight"), draw.matrix(moe.experts, d, router_gain)?);
                 for e in 0..moe.experts {
                     let [gate, up, down] = expert(e);
                     tensors.insert(format!("{p}.{gate}"), draw.matrix(moe.intermediate, d, 1.0)?);

@@ -391,6 +391,9 @@ pub fn print_validate(report: &ValidateReport) {
             if let Some(sliding) = &c.sliding {
                 out!("{}", sliding.describe());
             }
+            if let Some(moe) = &c.moe {
+                out!("{}, each {} wide", moe.describe(), c.ffn_size);
+            }
             let types: Vec<String> = model.tensor_types.iter().map(|(t, n)| format!("{t} x{n}")).collect();
             out!("tensors: {}", types.join(", "));
             out!(

@@ -168,7 +168,7 @@ impl Lane for TensorLane {
     // On the CPU in f32, the host lane's arithmetic (the same bits); elsewhere candle's.
     fn router_logits(&self, x: &Tensor, router: &Router) -> candle_core::Result<Vec<f32>> {
         match on_host(x) {
-            true => Ok(router.logits_host(&x.flatten_all()?.to_vec1::<f32>()?)),
+            true => router.logits_host(&x.flatten_all()?.to_vec1::<f32>()?),
             false => router.logits_tensor(x),
         }
     }
@@ -241,7 +241,7 @@ impl Lane for HostLane {
     }
 
     fn router_logits(&self, x: &Vec<f32>, router: &Router) -> candle_core::Result<Vec<f32>> {
-        Ok(router.logits_host(x))
+        router.logits_host(x)
     }
 
     fn gather(&self, x: &Vec<f32>, rows: &[u32]) -> candle_core::Result<Vec<f32>> {

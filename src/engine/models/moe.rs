@@ -6,18 +6,18 @@
 //! The step's tokens are grouped by expert: each expert's SwiGLU runs once over the rows routed to it (on the CPU,
 //! one call of the quantized kernels per expert with its rows), never a dense pass over every expert. The router
 //! is computed in f32 from weights held in f32 (llama.cpp's converter stores it in F32 and `llama-quantize` never
-//! quantizes it), on the host on the CPU.
+//! quantizes it), by candle's f32 kernels on the CPU.
 //!
 //! [`Routing`] counts the tokens each expert computed (summed over layers) and the time spent routing, gathering
 //! and combining, for the job's metrics (`expert_tokens`, `routing_s`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use candle_core::{DType, Tensor};
-use rayon::prelude::*;
+use candle_core::quantized::QMatMul;
+use candle_core::{DType, Device, Tensor};
 
 use crate::engine::kernels::Matrix;
-use crate::engine::models::lanes::{Activation, Lane};
+use crate::engine::models::lanes::{product, Activation, Lane};
 use crate::engine::ModelError;
 
 /// What a mixture-of-experts model's feed-forward layers are.
@@ -47,10 +47,10 @@ impl MoeConfig {
     }
 }
 
-/// The router: one row of weights per expert, `width` wide, in f32 on the host (where the CPU computes it) and as a
-/// tensor on the model's device in its dtype (elsewhere).
+/// The router: one row of weights per expert, `width` wide, in f32 on the host (where the CPU computes it, as a
+/// dense matrix of candle's f32 kernels) and as a tensor on the model's device in its dtype (elsewhere).
 pub struct Router {
-    host: Vec<f32>,
+    host: Matrix,
     tensor: Tensor,
     width: usize,
 }
@@ -59,7 +59,7 @@ impl Router {
     /// From a `[experts, width]` tensor of any float dtype, held on `tensor`'s device in `dtype`.
     pub fn new(tensor: Tensor, dtype: DType) -> candle_core::Result<Router> {
         let (_, width) = tensor.dims2()?;
-        let host = tensor.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let host = Matrix::Candle(QMatMul::Tensor(tensor.to_dtype(DType::F32)?.to_device(&Device::Cpu)?));
         Ok(Router { host, tensor: tensor.to_dtype(dtype)?, width })
     }
 
@@ -67,45 +67,17 @@ impl Router {
         self.tensor.elem_count() * self.tensor.dtype().size_in_bytes()
     }
 
-    /// The router's logits for `x` (`[rows, width]` row-major f32): `[rows, experts]`, each a dot product in f32
-    /// over eight partial sums.
-    pub fn logits_host(&self, x: &[f32]) -> Vec<f32> {
-        let experts = self.host.len() / self.width;
-        let mut out = vec![0f32; x.len() / self.width * experts];
-        let row = |(x, out): (&[f32], &mut [f32])| {
-            for (o, w) in out.iter_mut().zip(self.host.chunks_exact(self.width)) {
-                *o = dot(x, w);
-            }
-        };
-        if out.len() * self.width < 1 << 20 {
-            x.chunks_exact(self.width).zip(out.chunks_exact_mut(experts)).for_each(row);
-        } else {
-            x.par_chunks_exact(self.width).zip(out.par_chunks_exact_mut(experts)).for_each(row);
-        }
-        out
+    /// The router's logits for `x` (`[rows, width]` row-major f32): `[rows, experts]`, by candle's f32 matrix
+    /// product (with at least [`lanes::product`]'s rows, so a row's logits do not depend on the rows beside it).
+    pub fn logits_host(&self, x: &[f32]) -> candle_core::Result<Vec<f32>> {
+        let x = Tensor::from_slice(x, (x.len() / self.width, self.width), &Device::Cpu)?;
+        product(&self.host, &x)?.flatten_all()?.to_vec1::<f32>()
     }
 
     /// The logits of `x` `[rows, width]` on its device, read back as f32.
     pub fn logits_tensor(&self, x: &Tensor) -> candle_core::Result<Vec<f32>> {
         x.matmul(&self.tensor.t()?)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
     }
-}
-
-/// `a · b` in f32, eight partial sums (vectorized) added pairwise.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
-        acc[l] += x * y;
-    }
-    let s = [acc[0] + acc[4], acc[1] + acc[5], acc[2] + acc[6], acc[3] + acc[7]];
-    (s[0] + s[2]) + (s[1] + s[3])
 }
 
 /// One expert's SwiGLU matrices.
@@ -150,7 +122,11 @@ pub(crate) fn route(logits: &[f32], experts: usize, used: usize, normalize: bool
         order.extend(0..experts as u32);
         // NaN probabilities (a broken model) sort last.
         let key = |e: u32| if probs[e as usize].is_nan() { f32::NEG_INFINITY } else { probs[e as usize] };
-        order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+        let by_probability = |a: &u32, b: &u32| key(*b).total_cmp(&key(*a)).then(a.cmp(b));
+        if used < experts {
+            order.select_nth_unstable_by(used - 1, by_probability);
+        }
+        order[..used].sort_by(by_probability);
         let chosen = &order[..used];
         let total = match normalize {
             true => chosen.iter().map(|&e| probs[e as usize]).sum::<f32>().max(6.103_515_6e-5),
@@ -243,7 +219,7 @@ mod tests {
         let w = Tensor::from_vec((0..3 * 20).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<_>>(), (3, 20), &candle_core::Device::Cpu).unwrap();
         let router = Router::new(w.clone(), DType::F32).unwrap();
         let x: Vec<f32> = (0..2 * 20).map(|i| (i as f32 * 0.11).cos()).collect();
-        let ours = router.logits_host(&x);
+        let ours = router.logits_host(&x).unwrap();
         let xt = Tensor::from_vec(x, (2, 20), &candle_core::Device::Cpu).unwrap();
         let theirs = router.logits_tensor(&xt).unwrap();
         for (a, b) in ours.iter().zip(&theirs) {
