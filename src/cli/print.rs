@@ -27,14 +27,17 @@ pub fn print_written(path: &std::path::Path, bytes: u64) {
 pub fn print_synth(r: &crate::synth::SynthReport, dir: &std::path::Path) {
     let s = &r.shape;
     out!(
-        "wrote {}: {} shape ({} layers, hidden {}, {} heads / {} kv heads, ffn {}, vocab {}), {:.1} M parameters, {} weights, {:.1} MB in {:.1} s",
+        "wrote {}: {} shape ({} layers, hidden {}, {} heads / {} kv heads, {}, vocab {}), {:.1} M parameters, {} weights, {:.1} MB in {:.1} s",
         dir.display(),
         s.name,
         s.layers,
         s.hidden,
         s.heads,
         s.kv_heads,
-        s.intermediate,
+        match s.moe {
+            Some(m) => format!("{} experts of {}, {} per token", m.experts, m.intermediate, m.used),
+            None => format!("ffn {}", s.intermediate),
+        },
         s.vocab,
         r.parameters as f64 / 1e6,
         r.dtype,
