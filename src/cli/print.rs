@@ -394,6 +394,9 @@ pub fn print_validate(report: &ValidateReport) {
             if let Some(sliding) = &c.sliding {
                 out!("{}", sliding.describe());
             }
+            if let Some(l) = &c.long_rope {
+                out!("{}", l.describe());
+            }
             if let Some(moe) = &c.moe {
                 out!("{}, each {} wide", moe.describe(), c.ffn_size);
             }

@@ -193,6 +193,11 @@ fn gguf_families_compute_what_llama_cpp_computes() {
 
 /// A copy of a GGUF file with some metadata keys set to other values (the tensors as they are).
 fn with_keys(from: &std::path::Path, to: &std::path::Path, keys: &[(&str, candle_core::quantized::gguf_file::Value)]) {
+    rewrite(from, to, keys, &[]);
+}
+
+/// A copy of a GGUF file with some metadata keys set to other values and some F32 vectors added as tensors.
+fn rewrite(from: &std::path::Path, to: &std::path::Path, keys: &[(&str, candle_core::quantized::gguf_file::Value)], vectors: &[(&str, &[f32])]) {
     use candle_core::quantized::gguf_file::{Content, Value};
     let mut file = std::fs::File::open(from).unwrap();
     let content = Content::read(&mut file).unwrap();
@@ -201,8 +206,12 @@ fn with_keys(from: &std::path::Path, to: &std::path::Path, keys: &[(&str, candle
         metadata.retain(|(k, _)| k != key);
         metadata.push((key.to_string(), value.clone()));
     }
-    let tensors: Vec<(String, candle_core::quantized::QTensor)> =
+    let mut tensors: Vec<(String, candle_core::quantized::QTensor)> =
         content.tensor_infos.keys().map(|name| (name.clone(), content.tensor(&mut file, name, &Device::Cpu).unwrap())).collect();
+    for (name, values) in vectors {
+        let t = candle_core::Tensor::from_slice(values, values.len(), &Device::Cpu).unwrap();
+        tensors.push((name.to_string(), candle_core::quantized::QTensor::quantize(&t, GgmlDType::F32).unwrap()));
+    }
     let mut out = std::fs::File::create(to).unwrap();
     let meta: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensors: Vec<(&str, &candle_core::quantized::QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
@@ -271,6 +280,54 @@ fn a_mixture_of_experts_computed_wrongly_is_caught() {
         let (diff, _) = compare(&theirs, &nightshift_logits(&broken, &seqs));
         eprintln!("{key} changed: {diff} of the largest logit (the file as written: {same_file})");
         assert!(same_file <= F16_TOLERANCE && diff > 4.0 * F16_TOLERANCE, "{key} changed went unnoticed: {diff}");
+    }
+}
+
+/// Phi-3's LongRoPE (its 128k-context models, Phi-3.5) as llama.cpp computes it: a tiny Phi-3 with long and short
+/// factors (as llama.cpp's converter writes them), its context (256) past a pre-trained one of 32, so the long
+/// factors and an attention factor of sqrt(1 + ln 8 / ln 32) apply; and with a pre-trained context of 512, the short
+/// ones. Against llama.cpp on the sequences its context choice agrees on (the peer's context is the sequence's
+/// length and 16, long past 32 for the two longer ones); the factors change what the model computes; and the Hugging
+/// Face copy (`rope_scaling` of type `longrope`) computes what the GGUF file does.
+#[test]
+fn phi3_long_rope_computes_what_llama_cpp_computes() {
+    use candle_core::quantized::gguf_file::Value;
+    let Some(peer) = llama_peer() else { return };
+    let dir = crate::support::scratch("phi3-longrope");
+    let spec = spec(Family::Phi3, 16, false, 10000);
+    let written = dir.join("phi3.gguf");
+    synth::write_gguf(&written, &spec, GgmlDType::F32).unwrap();
+    let long: Vec<f32> = (0..8).map(|i| 1.0 + 0.9 * i as f32).collect();
+    let short: Vec<f32> = (0..8).map(|i| 1.0 + 0.1 * i as f32).collect();
+    let plain = nightshift_logits(&written, &sequences());
+    for (original, is_long) in [(32usize, true), (512, false)] {
+        let attn_factor = if is_long { (1.0 + (256.0 / original as f64).ln() / (original as f64).ln()).sqrt() as f32 } else { 1.0 };
+        let path = dir.join(format!("phi3-longrope-{original}.gguf"));
+        let keys = [("phi3.rope.scaling.original_context_length", Value::U32(original as u32)), ("phi3.rope.scaling.attn_factor", Value::F32(attn_factor))];
+        rewrite(&written, &path, &keys, &[("rope_factors_long.weight", &long), ("rope_factors_short.weight", &short)]);
+        let config = Model::load(&path, &Device::Cpu).unwrap().0.config;
+        assert_eq!(config.long_rope.as_ref().map(|l| (l.long, l.original_context)), Some((is_long, original)));
+        let seqs: Vec<Vec<u32>> = sequences().into_iter().filter(|s| (s.len() + 16 > original) == is_long).collect();
+        let ours = nightshift_logits(&path, &seqs);
+        let (diff, same) = compare(&peer_logits(&peer, &path, &seqs), &ours);
+        eprintln!("Phi-3 LongRoPE, pre-trained context {original}: {diff} of the largest logit from llama.cpp on {} sequences", seqs.len());
+        assert!(diff <= F16_TOLERANCE && same, "LongRoPE ({original}): {diff}");
+        let (changed, _) = compare(&plain[plain.len() - seqs.len()..], &ours);
+        assert!(changed > 4.0 * F16_TOLERANCE, "the factors changed nothing: {changed}");
+        if is_long {
+            // The Hugging Face copy, its factors and pre-trained context in config.json.
+            let hf = dir.join("phi3-hf");
+            synth::write_hf(&hf, &spec).unwrap();
+            let config_path = hf.join("config.json");
+            let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+            json["rope_scaling"] = serde_json::json!({"type": "longrope", "long_factor": long, "short_factor": short});
+            json["original_max_position_embeddings"] = original.into();
+            std::fs::write(&config_path, json.to_string()).unwrap();
+            let hf_config = Model::load(&hf, &Device::Cpu).unwrap().0.config;
+            assert_eq!(hf_config.long_rope, config.long_rope, "the two copies' LongRoPE");
+            let (diff, same) = compare(&nightshift_logits(&path, &sequences()), &nightshift_logits(&hf, &sequences()));
+            assert!(diff <= 1e-5 && same, "LongRoPE's safetensors and GGUF copies: {diff}");
+        }
     }
 }
 

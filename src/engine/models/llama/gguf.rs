@@ -293,6 +293,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         }
         None => None,
     };
+    let mut long_rope = None;
     let (gemma, mut sliding) = match gemma {
         Some((gemma, sliding)) => (Some(gemma), sliding),
         None => (None, None),
@@ -303,10 +304,15 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         if let Some(window) = meta_u32(content, &a("attention.sliding_window")).map(|w| w as usize).filter(|&w| w > 0 && w < context_length) {
             sliding = Some(crate::engine::models::Sliding::every_layer(window, layers, rope_base));
         }
-        // LongRoPE (Phi-3's 128k models: short and long factors chosen by length, and a magnitude correction) is
-        // not computed; refused rather than run with the short context's rotation.
+        // LongRoPE (Phi-3's 128k models, Phi-3.5): the long or short factors (read at load) by the context served
+        // against the pre-trained one, and the attention factor.
         if content.tensor_infos.contains_key("rope_factors_long.weight") {
-            return Err(ModelError::Metadata("LongRoPE (`rope_factors_long`, Phi-3's 128k-context models) is not supported".into()));
+            let original = meta_usize(content, &a("rope.scaling.original_context_length")).unwrap_or(context_length);
+            let attn_factor = meta_f32(content, &a("rope.scaling.attn_factor")).unwrap_or(1.0);
+            if original == 0 || !(attn_factor.is_finite() && attn_factor > 0.0) {
+                return Err(ModelError::Metadata(format!("LongRoPE's pre-trained context {original} or attention factor {attn_factor} is out of range")));
+            }
+            long_rope = Some(super::LongRope { long: context_length > original, original_context: original, attn_factor });
         }
     }
     // Sliding-window attention of every layer (llama's): the context is capped at the window, where full attention
@@ -355,6 +361,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         gemma,
         sliding,
         moe,
+        long_rope,
     };
     // Bounds that keep a malformed file from asking for absurd allocations (the RoPE table is sized by context).
     if config.context_length == 0 || config.context_length > MAX_CONTEXT || config.layers == 0 || config.layers > 1024 {
@@ -614,6 +621,10 @@ fn expected_tensors(content: &Content, config: &ModelConfig) -> Vec<(String, Vec
     let has = |name: &str| content.tensor_infos.contains_key(name);
     let arch = Architecture::of(&config.architecture);
     let mut out = vec![("token_embd.weight".to_string(), vec![v, d], true), ("output_norm.weight".into(), vec![d], true), ("output.weight".into(), vec![v, d], false)];
+    // LongRoPE's two factor sets (Phi-3's 128k models).
+    let long_rope = config.long_rope.is_some();
+    out.push(("rope_factors_long.weight".into(), vec![hd / 2], long_rope));
+    out.push(("rope_factors_short.weight".into(), vec![hd / 2], long_rope));
     let fused = Fused::of(content, config);
     for i in 0..config.layers {
         let mut need = |suffix: &str, dims: Vec<usize>, required: bool| out.push((format!("blk.{i}.{suffix}"), dims, required));
@@ -697,6 +708,15 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         }
         let linear = config.rope_freq_factors.take().unwrap_or_else(|| vec![1.0; factors.len()]);
         config.rope_freq_factors = Some(factors.iter().zip(linear).map(|(f, l)| f * l).collect());
+    }
+    // LongRoPE's factor set, the long or the short, as the frequencies' divisors.
+    if let Some(l) = &config.long_rope {
+        let name = if l.long { "rope_factors_long.weight" } else { "rope_factors_short.weight" };
+        let factors = read(name, &Device::Cpu)?.dequantize(&Device::Cpu).and_then(|t| t.flatten_all()?.to_vec1::<f32>()).map_err(fmt)?;
+        if factors.iter().any(|f| !(f.is_finite() && *f > 0.0)) {
+            return Err(ModelError::Metadata(format!("`{name}` holds a factor that is not positive")));
+        }
+        config.rope_freq_factors = Some(factors);
     }
     let arch = Architecture::of(&config.architecture);
     let halves = arch.halves;
@@ -891,6 +911,7 @@ mod tests {
             gemma: None,
             sliding: None,
             moe: None,
+            long_rope: None,
         };
         let cpu = Device::Cpu;
         // SmolLM2-135M: 576 wide (padded to 768 adds a third), 9 heads of 64, 1536 in the feed-forward.

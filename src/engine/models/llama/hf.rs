@@ -9,6 +9,8 @@
 //! - `mistral`: `head_dim` may differ from `hidden_size / num_attention_heads`.
 //! - `qwen2`: biases on q, k and v.
 //! - `qwen3`: per-head RMSNorm of queries and keys before RoPE; `head_dim` must be given.
+//! - `phi3`: fused `qkv_proj` and `gate_up_proj`; its window over every layer; LongRoPE (`rope_scaling` of type
+//!   `longrope` or `su`, [`long_rope`]).
 //! - `mixtral` and `qwen3_moe` ([`crate::engine::models::moe`]): Mistral's and Qwen3's layers with a mixture of
 //!   SwiGLU experts in place of the feed-forward network (`num_local_experts` or `num_experts`,
 //!   `num_experts_per_tok`; Qwen3-MoE's `moe_intermediate_size` and `norm_topk_prob`).
@@ -112,6 +114,9 @@ struct HfConfig {
     rope_local_base_freq: Option<f64>,
     #[serde(default)]
     partial_rotary_factor: Option<f64>,
+    /// Phi-3's pre-trained context, for LongRoPE.
+    #[serde(default)]
+    original_max_position_embeddings: Option<usize>,
     /// Mixtral's experts per layer.
     #[serde(default)]
     num_local_experts: Option<usize>,
@@ -318,6 +323,44 @@ fn linear_rope_factor(value: Option<&Value>) -> Result<Option<f64>, ModelError> 
     }
 }
 
+/// Phi-3's LongRoPE (`rope_scaling.type` `longrope`, or `su` in the first 128k checkpoints): the long factors when the
+/// model's context exceeds its pre-trained one (`original_max_position_embeddings`), the short ones otherwise, as
+/// llama.cpp chooses by the context it serves (its converter writes both sets); the attention factor
+/// (`rope_scaling.attention_factor`, or `sqrt(1 + ln(scale) / ln(original))` of the context's scale over the
+/// pre-trained one, as Hugging Face's and llama.cpp's converter compute it). `None` without LongRoPE.
+fn long_rope(c: &HfConfig, head_dim: usize) -> Result<Option<(super::LongRope, Vec<f32>)>, ModelError> {
+    let Some(object) = c.rope_scaling.as_ref().filter(|v| !v.is_null()) else { return Ok(None) };
+    match object.get("rope_type").or_else(|| object.get("type")).and_then(Value::as_str) {
+        Some("longrope" | "su") => {}
+        _ => return Ok(None),
+    }
+    let factors = |key: &str| -> Result<Vec<f32>, ModelError> {
+        let values: Option<Vec<f32>> = object.get(key).and_then(Value::as_array).and_then(|a| a.iter().map(|v| v.as_f64().map(|f| f as f32)).collect());
+        match values {
+            Some(v) if v.len() == head_dim / 2 && v.iter().all(|f| f.is_finite() && *f > 0.0) => Ok(v),
+            _ => Err(invalid(format!("rope_scaling.{key} must be {} positive numbers", head_dim / 2))),
+        }
+    };
+    let original = object
+        .get("original_max_position_embeddings")
+        .and_then(Value::as_u64)
+        .map(|v| v as usize)
+        .or(c.original_max_position_embeddings)
+        .filter(|&o| o > 0)
+        .ok_or_else(|| invalid("LongRoPE needs `original_max_position_embeddings`".into()))?;
+    let scale = c.max_position_embeddings as f64 / original as f64;
+    let attn_factor = match object.get("attention_factor").and_then(Value::as_f64) {
+        Some(f) if f.is_finite() && f > 0.0 => f,
+        Some(f) => return Err(invalid(format!("rope_scaling.attention_factor is {f}"))),
+        None if scale > 1.0 => (1.0 + scale.ln() / (original as f64).ln()).sqrt(),
+        None => 1.0,
+    };
+    let long = c.max_position_embeddings > original;
+    let chosen = factors(if long { "long_factor" } else { "short_factor" })?;
+    factors(if long { "short_factor" } else { "long_factor" })?;
+    Ok(Some((super::LongRope { long, original_context: original, attn_factor: attn_factor as f32 }, chosen)))
+}
+
 fn invalid(message: String) -> ModelError {
     ModelError::Metadata(format!("config.json: {message}"))
 }
@@ -379,7 +422,11 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         Some(_) => linear_rope_factor(c.rope_scaling.as_ref())?,
         None => None,
     };
-    let rope_scaling = if linear.is_some() { None } else { rope_scaling(c.rope_scaling.as_ref())? };
+    let long_rope = match family {
+        Family::Phi3 => long_rope(c, head_dim)?,
+        _ => None,
+    };
+    let rope_scaling = if linear.is_some() || long_rope.is_some() { None } else { rope_scaling(c.rope_scaling.as_ref())? };
     // Sliding-window attention equals full attention over a context no longer than the window.
     let window = match family {
         Family::Mistral | Family::Mixtral => c.sliding_window,
@@ -436,11 +483,15 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         rms_eps: rms_eps as f32,
         rope_base: rope_base as f32,
         rope_scaling,
-        rope_freq_factors: linear.map(|f| vec![f as f32; head_dim / 2]),
+        rope_freq_factors: match &long_rope {
+            Some((_, factors)) => Some(factors.clone()),
+            None => linear.map(|f| vec![f as f32; head_dim / 2]),
+        },
         vocab_size: c.vocab_size,
         gemma,
         sliding,
         moe: moe.map(|m| m.0),
+        long_rope: long_rope.map(|l| l.0),
     };
     Ok((config, variant))
 }

@@ -62,6 +62,28 @@ pub struct ModelConfig {
     /// A mixture of experts in every layer's feed-forward network (Mixtral, Qwen3-MoE), each expert's network
     /// `ffn_size` wide.
     pub moe: Option<MoeConfig>,
+    /// LongRoPE (Phi-3's 128k-context models, Phi-3.5): which factor set divides the frequencies (in
+    /// `rope_freq_factors`) and the attention factor q and k are scaled by.
+    pub long_rope: Option<LongRope>,
+}
+
+/// LongRoPE's choice, as llama.cpp makes it: the long factors when the context served exceeds the context the model
+/// was pre-trained at (`original_context`), the short ones otherwise, for every position (so a sequence's keys never
+/// change rotation as it grows); and the attention factor (`sqrt(1 + ln(context / original) / ln(original))`, or
+/// the file's), which multiplies both q and k after rotation: here the scores' scale, by its square.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LongRope {
+    pub long: bool,
+    pub original_context: usize,
+    pub attn_factor: f32,
+}
+
+impl LongRope {
+    /// One line for `validate` and the load log.
+    pub fn describe(&self) -> String {
+        let set = if self.long { "long" } else { "short" };
+        format!("LongRoPE: the {set} factors (pre-trained context {}), attention factor {}", self.original_context, self.attn_factor)
+    }
 }
 
 impl ModelConfig {
@@ -87,6 +109,9 @@ impl ModelConfig {
         };
         if let Some(gemma) = &self.gemma {
             gemma.shape_attention(&mut shape);
+        }
+        if let Some(l) = &self.long_rope {
+            shape.scale *= l.attn_factor * l.attn_factor;
         }
         shape.sliding = self.sliding.as_ref().map(|s| SlidingWindow {
             window: s.window,
@@ -325,6 +350,9 @@ impl Model {
         }
         if let Some(moe) = &config.moe {
             tracing::info!(architecture = %config.architecture, "{}", moe.describe());
+        }
+        if let Some(l) = &config.long_rope {
+            tracing::info!(architecture = %config.architecture, "{}", l.describe());
         }
         let mut layers = layers;
         let host_loop = device.is_cpu()
