@@ -250,10 +250,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         forward_ms_per_step: per_step(stats.forward_s),
         host_ms_per_step: per_step((seconds - stats.forward_s).max(0.0)),
         routing_share: (!stats.expert_tokens.is_empty() && stats.forward_s > 0.0).then(|| stats.routing_s / stats.forward_s),
-        expert_load_max_over_mean: {
-            let total: u64 = stats.expert_tokens.iter().sum();
-            (total > 0).then(|| stats.expert_tokens.iter().copied().max().unwrap_or(0) as f64 * stats.expert_tokens.len() as f64 / total as f64)
-        },
+        expert_load_max_over_mean: stats.expert_load_max_over_mean(),
         ttft_p50_s: p(&ttft, 50.0),
         ttft_p90_s: p(&ttft, 90.0),
         ttft_p99_s: p(&ttft, 99.0),

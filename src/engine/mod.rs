@@ -173,6 +173,13 @@ pub struct EngineStats {
 }
 
 impl EngineStats {
+    /// A mixture of experts' busiest expert's tokens over the mean expert's; `None` for a dense model.
+    pub fn expert_load_max_over_mean(&self) -> Option<f64> {
+        let total: u64 = self.expert_tokens.iter().sum();
+        let max = self.expert_tokens.iter().copied().max().unwrap_or(0);
+        (total > 0).then(|| max as f64 * self.expert_tokens.len() as f64 / total as f64)
+    }
+
     /// Useful tokens over tokens computed: prompt tokens prefilled again after preemption are computed twice.
     /// `None` for engines without a block KV cache (embed, seq2seq), which do not count them.
     pub fn packing_efficiency(&self) -> Option<f64> {

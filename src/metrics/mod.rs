@@ -240,11 +240,7 @@ impl JobMetrics {
                 true => String::new(),
                 false => format!("[{}]", engine.expert_tokens.iter().map(u64::to_string).collect::<Vec<_>>().join(",")),
             },
-            expert_load_max_over_mean: {
-                let total: u64 = engine.expert_tokens.iter().sum();
-                let max = engine.expert_tokens.iter().copied().max().unwrap_or(0);
-                (total > 0).then(|| max as f64 * engine.expert_tokens.len() as f64 / total as f64)
-            },
+            expert_load_max_over_mean: engine.expert_load_max_over_mean(),
             routing_s: engine.routing_s,
             ..JobMetrics::default()
         }

@@ -8,8 +8,8 @@
 //! is computed in f32 from weights held in f32 (llama.cpp's converter stores it in F32 and `llama-quantize` never
 //! quantizes it), by candle's f32 kernels on the CPU.
 //!
-//! [`Routing`] counts the tokens each expert computed (summed over layers) and the time spent routing, gathering
-//! and combining, for the job's metrics (`expert_tokens`, `routing_s`).
+//! Each layer's [`Routing`] counts the tokens each of its experts computed and the time spent routing, gathering
+//! and combining, for the job's metrics (`expert_tokens`, `routing_s`: the model sums its layers').
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -47,36 +47,37 @@ impl MoeConfig {
     }
 }
 
-/// The router: one row of weights per expert, `width` wide, in f32 on the host (where the CPU computes it, as a
-/// dense matrix of candle's f32 kernels) and as a tensor on the model's device in its dtype (elsewhere).
+/// The router: one row of weights per expert (`[experts, width]`), on the model's device in its dtype.
 pub struct Router {
-    host: Matrix,
-    tensor: Tensor,
-    width: usize,
+    weights: Tensor,
 }
 
 impl Router {
-    /// From a `[experts, width]` tensor of any float dtype, held on `tensor`'s device in `dtype`.
-    pub fn new(tensor: Tensor, dtype: DType) -> candle_core::Result<Router> {
-        let (_, width) = tensor.dims2()?;
-        let host = Matrix::Candle(QMatMul::Tensor(tensor.to_dtype(DType::F32)?.to_device(&Device::Cpu)?));
-        Ok(Router { host, tensor: tensor.to_dtype(dtype)?, width })
+    /// From a `[experts, width]` tensor of any float dtype, held in `dtype` on its device.
+    pub fn new(weights: Tensor, dtype: DType) -> candle_core::Result<Router> {
+        weights.dims2()?;
+        Ok(Router { weights: weights.to_dtype(dtype)? })
     }
 
     pub fn bytes(&self) -> usize {
-        self.tensor.elem_count() * self.tensor.dtype().size_in_bytes()
+        self.weights.elem_count() * self.weights.dtype().size_in_bytes()
     }
 
-    /// The router's logits for `x` (`[rows, width]` row-major f32): `[rows, experts]`, by candle's f32 matrix
-    /// product (with at least [`lanes::product`]'s rows, so a row's logits do not depend on the rows beside it).
+    /// The router's logits for `x` (`[rows, width]` row-major f32) of an f32 model on the CPU: `[rows, experts]`,
+    /// by candle's f32 matrix product as [`product`] runs it for dense matrices (with at least its rows, so a row's
+    /// logits do not depend on the rows beside it).
     pub fn logits_host(&self, x: &[f32]) -> candle_core::Result<Vec<f32>> {
-        let x = Tensor::from_slice(x, (x.len() / self.width, self.width), &Device::Cpu)?;
-        product(&self.host, &x)?.flatten_all()?.to_vec1::<f32>()
+        if !self.weights.device().is_cpu() || self.weights.dtype() != DType::F32 {
+            candle_core::bail!("host router logits of a router held in {:?} off the CPU (a bug)", self.weights.dtype());
+        }
+        let width = self.weights.dim(1)?;
+        let x = Tensor::from_slice(x, (x.len() / width, width), &Device::Cpu)?;
+        product(&Matrix::Candle(QMatMul::Tensor(self.weights.clone())), &x)?.flatten_all()?.to_vec1::<f32>()
     }
 
     /// The logits of `x` `[rows, width]` on its device, read back as f32.
     pub fn logits_tensor(&self, x: &Tensor) -> candle_core::Result<Vec<f32>> {
-        x.matmul(&self.tensor.t()?)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+        x.matmul(&self.weights.t()?)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
     }
 }
 
@@ -87,15 +88,21 @@ pub(crate) struct Expert {
     pub down: Matrix,
 }
 
-/// A layer's experts and their router.
+/// A layer's experts, their router, and what they computed.
 pub(crate) struct Experts {
     pub router: Router,
     pub experts: Vec<Expert>,
     pub used: usize,
     pub normalize: bool,
+    pub routing: Routing,
 }
 
 impl Experts {
+    pub fn new(router: Router, experts: Vec<Expert>, config: &MoeConfig) -> Experts {
+        let routing = Routing::new(experts.len());
+        Experts { router, experts, used: config.used, normalize: config.normalize, routing }
+    }
+
     pub fn matrices(&self) -> impl Iterator<Item = &Matrix> {
         self.experts.iter().flat_map(|e| [&e.gate, &e.up, &e.down])
     }
@@ -137,8 +144,8 @@ pub(crate) fn route(logits: &[f32], experts: usize, used: usize, normalize: bool
     out
 }
 
-/// Tokens computed by each expert (summed over layers) and the time spent routing, gathering and combining, since
-/// they were last taken ([`Routing::take`]).
+/// Tokens computed by each of a layer's experts and the time spent routing, gathering and combining, since they
+/// were last taken ([`Routing::take`]).
 pub struct Routing {
     tokens: Vec<AtomicU64>,
     nanos: AtomicU64,
@@ -156,9 +163,10 @@ impl Routing {
     }
 }
 
-/// The layer's mixture of experts over `h` (the normed residual stream, `rows` rows): the weighted sum of each
-/// token's chosen experts' outputs.
-pub(crate) fn run<L: Lane>(lane: &L, moe: &Experts, routing: &Routing, h: &L::X) -> candle_core::Result<L::X> {
+/// The layer's mixture of experts over `h` (the normed residual stream): the weighted sum of each token's chosen
+/// experts' outputs.
+pub(crate) fn run<L: Lane>(lane: &L, moe: &Experts, h: &L::X) -> candle_core::Result<L::X> {
+    let routing = &moe.routing;
     let started = std::time::Instant::now();
     let experts = moe.experts.len();
     let logits = lane.router_logits(h, &moe.router)?;

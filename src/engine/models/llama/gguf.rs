@@ -811,7 +811,7 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
                     .and_then(|w| w.to_device(device))
                     .and_then(|w| Router::new(w, embedding.dtype()))
                     .map_err(fmt)?;
-                Ffn::Experts(Box::new(Experts { router, experts, used: m.used, normalize: m.normalize }))
+                Ffn::Experts(Box::new(Experts::new(router, experts, m)))
             }
         };
         let norm = |suffix: &str| -> Result<Tensor, ModelError> {

@@ -791,7 +791,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
                     .collect::<Result<_, ModelError>>()?;
                 let name = p(names.router());
                 let router = Router::new(shards.load(&name, device, DType::F32)?, dtype).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")))?;
-                Ffn::Experts(Box::new(Experts { router, experts, used: moe.used, normalize: moe.normalize }))
+                Ffn::Experts(Box::new(Experts::new(router, experts, moe)))
             }
             _ if variant.fused => {
                 let gate_up = p("mlp.gate_up_proj.weight");

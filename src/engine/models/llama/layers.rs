@@ -34,13 +34,10 @@ pub(crate) enum Ffn {
 
 impl Ffn {
     /// The network over `h` (the normed residual stream), `act` the dense network's activation (experts' is SiLU).
-    pub fn run<L: Lane>(&self, lane: &L, h: &L::X, act: Activation, routing: Option<&moe::Routing>) -> candle_core::Result<L::X> {
+    pub fn run<L: Lane>(&self, lane: &L, h: &L::X, act: Activation) -> candle_core::Result<L::X> {
         match self {
             Ffn::Dense { gate, up, down } => lane.gated_ffn(h, gate, up, down, act),
-            Ffn::Experts(experts) => {
-                let routing = routing.ok_or_else(|| candle_core::Error::Msg("a mixture of experts without its routing counters (a bug)".into()))?;
-                moe::run(lane, experts, routing, h)
-            }
+            Ffn::Experts(experts) => moe::run(lane, experts, h),
         }
     }
 }
@@ -95,13 +92,12 @@ pub(crate) fn run<L: Lane, A: Attention>(
     segments: &mut [Segment<'_, A::Cache>],
     mut x: L::X,
     (eps, head_eps): (f32, f32),
-    routing: Option<&moe::Routing>,
 ) -> candle_core::Result<L::X> {
     for (li, layer) in layers.iter().enumerate() {
         let out = attention_block(lane, layer, li, attention, step, segments, &x, (eps, head_eps))?;
         x = lane.add(x, &out)?;
         let h = lane.rms_norm(&x, &layer.ffn_norm, eps)?;
-        x = lane.add(x, &layer.ffn.run(lane, &h, Activation::Silu, routing)?)?;
+        x = lane.add(x, &layer.ffn.run(lane, &h, Activation::Silu)?)?;
     }
     Ok(x)
 }

@@ -23,7 +23,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 use layers::Layer;
 use super::gemma::{self, GemmaConfig, PostNorms};
-use super::moe::{MoeConfig, Routing};
+use super::moe::MoeConfig;
 use super::lanes::{product, rms_norm, HostLane, TensorLane};
 use super::{DecoderModel, StepLogits};
 use crate::engine::attention::{Attention, AttentionModel, AttentionShape, KvCache, Segment, SlidingWindow};
@@ -164,8 +164,6 @@ pub struct Model {
     /// Whether the layer loop runs on host vectors ([`HostLane`]): an f32 model on the CPU whose matrices are all
     /// the kernels' (its layers' vectors then kept in host memory too).
     host_loop: bool,
-    /// A mixture of experts' counters (tokens per expert, time routing), taken by the engine after each step.
-    routing: Option<Routing>,
 }
 
 /// The weights of a [`Model`], as a loader hands them over.
@@ -258,8 +256,18 @@ impl DecoderModel for Model {
         }
         Ok(())
     }
+    /// Every layer's routing counters, taken and summed per expert index.
     fn take_routing(&self) -> Option<(Vec<u64>, f64)> {
-        self.routing.as_ref().map(Routing::take)
+        let moe = self.config.moe.as_ref()?;
+        let (mut tokens, mut seconds) = (vec![0u64; moe.experts], 0.0);
+        for layer in &self.layers {
+            if let layers::Ffn::Experts(experts) = &layer.ffn {
+                let (t, s) = experts.routing.take();
+                tokens.iter_mut().zip(t).for_each(|(a, b)| *a += b);
+                seconds += s;
+            }
+        }
+        Some((tokens, seconds))
     }
 }
 
@@ -362,7 +370,6 @@ impl Model {
             && post_norms.iter_mut().flat_map(PostNorms::vectors_mut).try_for_each(super::lanes::Vector::keep_host).is_ok();
         Model {
             host_loop,
-            routing: config.moe.as_ref().map(|m| Routing::new(m.experts)),
             width: embedding.dims().last().copied().unwrap_or(config.hidden_size),
             attention: config.attention_shape(attn_width),
             config,
@@ -388,7 +395,7 @@ impl Model {
     ) -> candle_core::Result<L::X> {
         match self.config.gemma {
             Some(_) => gemma::run(lane, &self.layers, &self.post_norms, attention, step, segments, x, eps),
-            None => layers::run(lane, &self.layers, attention, step, segments, x, eps, self.routing.as_ref()),
+            None => layers::run(lane, &self.layers, attention, step, segments, x, eps),
         }
     }
 
