@@ -20,6 +20,7 @@ cp "$WORK/$SHAPE/config.json" "$OUT/model-config.json" 2>/dev/null
 #     XL_PROMPT (8,064) + 32 new at batch XL_BATCH (8): memory bounded by tiles, no out-of-memory;
 # (f) with a binary built with `--flash-attn` (its reports say `"attention": "paged-flash"`), the long-prompt workload and
 #     batch 256 once more on the tiled path (NIGHTSHIFT_ATTENTION=paged-tiled), both attention paths side by side;
+# (g) FAMILY_SHAPES (Gemma 3, Mixtral, Qwen3-MoE; empty: none): parity in f32 as in (a), peaked weights;
 # and the GGUF path (candle's CUDA quantized kernels): the same weights as GGUF_TYPE GGUF files, parity on the
 # small shape and throughput at batch 1 and 64 on the large one.
 # Then OUT_DIR/table.md (and the same on stdout, last): the figures side by side, ratios to the peer and to the
@@ -43,6 +44,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DEVICE=${DEVICE:-cuda:0}
 SHAPE=${SHAPE:-llama-3.2-1b}
 PARITY_SHAPES=${PARITY_SHAPES:-smollm2-135m llama-3.2-1b}
+FAMILY_SHAPES=${FAMILY_SHAPES-gemma-3-1b mixtral-reduced qwen3-moe-reduced}
 BATCHES=${BATCHES:-1,16,64,256}
 GGUF_TYPE=${GGUF_TYPE:-q4_1}
 GGUF_BATCHES=${GGUF_BATCHES:-1,64}
@@ -171,6 +173,14 @@ else
   echo "roofline rc=skipped" >> "$OUT/steps.txt"
   echo "peer rc=skipped" >> "$OUT/steps.txt"
 fi
+
+# (g) the other families' layer loops (Gemma 3's norms and windows, the mixtures' routing, gather and scatter-add
+#     on the device), f32 only: the kernels' own error, where a wrong formula shows at once.
+for shape in $FAMILY_SHAPES; do
+  [ -d "$WORK/$shape" ] || step "synth-$shape" 120 "$BIN" synth-model "$WORK/$shape" --shape "$shape" --dtype bf16 --seed 1 --init peaked
+  step "parity-$shape-f32" 120 "$BIN" bench parity --model "$WORK/$shape" --device "$DEVICE" --dtype f32 \
+    --prompt-lengths 7,23,64 --steps 8 --json
+done
 
 # The GGUF path last: the targets do not depend on it.
 first_parity=${PARITY_SHAPES%% *}
