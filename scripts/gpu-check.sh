@@ -132,9 +132,10 @@ if ! step smoke 90 "$BIN" bench generate --model "$WORK/smoke" --device "$DEVICE
   exit 3
 fi
 
-# Models (bf16 safetensors, what the peer loads too).
+# Models (bf16 safetensors, what the peer loads too), peaked: Hugging Face's initialisation gives near-flat logits whose
+# argmax flips with any rounding (bf16 parity on Llama-3.2-1B failed for that alone, BENCHMARKS.md 2026-12-04).
 for shape in $SHAPE $PARITY_SHAPES; do
-  [ -d "$WORK/$shape" ] || step "synth-$shape" 150 "$BIN" synth-model "$WORK/$shape" --shape "$shape" --dtype bf16 --seed 1 --gguf "$GGUF_TYPE"
+  [ -d "$WORK/$shape" ] || step "synth-$shape" 150 "$BIN" synth-model "$WORK/$shape" --shape "$shape" --dtype bf16 --seed 1 --init peaked --gguf "$GGUF_TYPE"
 done
 
 cp "$WORK/$SHAPE/config.json" "$OUT/model-config.json" 2>/dev/null
