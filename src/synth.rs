@@ -127,6 +127,9 @@ pub struct Shape {
     pub sliding_window: Option<usize>,
     /// A mixture of experts (Mixtral, Qwen3-MoE) in place of each layer's feed-forward network.
     pub moe: Option<MoeShape>,
+    /// Partial rotary: RoPE on the first this many values of each head (Phi-4-mini's 96 of 128), written as
+    /// `partial_rotary_factor` and GGUF's `rope.dimension_count`; `None`, whole heads.
+    pub rotary_dim: Option<usize>,
 }
 
 /// A mixture of experts' shape: experts per layer, experts per token, and each expert's feed-forward width.
@@ -156,6 +159,7 @@ pub const SHAPES: &[Shape] = &[
         tied: true,
         sliding_window: None,
         moe: None,
+        rotary_dim: None,
     },
     // HuggingFaceTB/SmolLM2-135M-Instruct: the CPU tests' model.
     Shape {
@@ -174,6 +178,7 @@ pub const SHAPES: &[Shape] = &[
         tied: true,
         sliding_window: None,
         moe: None,
+        rotary_dim: None,
     },
     // Qwen/Qwen2.5-0.5B-Instruct: 494 M parameters, q/k/v biases, tied embeddings.
     Shape {
@@ -192,6 +197,7 @@ pub const SHAPES: &[Shape] = &[
         tied: true,
         sliding_window: None,
         moe: None,
+        rotary_dim: None,
     },
     // Qwen/Qwen3-0.6B: 596 M parameters, heads of 128 (wider than hidden / heads), q/k norms, tied embeddings.
     Shape {
@@ -210,6 +216,7 @@ pub const SHAPES: &[Shape] = &[
         tied: true,
         sliding_window: None,
         moe: None,
+        rotary_dim: None,
     },
     // A few megabytes, for tests.
     Shape {
@@ -228,6 +235,7 @@ pub const SHAPES: &[Shape] = &[
         tied: false,
         sliding_window: None,
         moe: None,
+        rotary_dim: None,
     },
     // google/gemma-3-1b-it: 1.0 B parameters, heads of 256 (wider than hidden / heads), one kv head, a window of
     // 512 in five layers of six, tied embeddings.
@@ -247,6 +255,7 @@ pub const SHAPES: &[Shape] = &[
         tied: true,
         sliding_window: Some(512),
         moe: None,
+        rotary_dim: None,
     },
     // microsoft/Phi-3-mini-4k-instruct: 3.8 B parameters, fused q/k/v and gate/up, heads of 96, a window of 2,047.
     Shape {
@@ -265,6 +274,28 @@ pub const SHAPES: &[Shape] = &[
         tied: false,
         sliding_window: Some(2047),
         moe: None,
+        rotary_dim: None,
+    },
+    // microsoft/Phi-4-mini-instruct: 3.8 B parameters, RoPE on 96 of each head's 128 values, grouped-query attention
+    // (24 heads, 8 key/value heads), a 200,064-token vocabulary, tied embeddings; at its pre-trained context of 4,096
+    // (its LongRoPE factors, which stretch it to 131,072, are not written).
+    Shape {
+        name: "phi-4-mini",
+        family: Family::Phi3,
+        hidden: 3072,
+        layers: 32,
+        heads: 24,
+        kv_heads: 8,
+        head_dim: 128,
+        intermediate: 8192,
+        vocab: 200064,
+        context: 4096,
+        rope_theta: 10000,
+        rope_scaling: None,
+        tied: true,
+        sliding_window: None,
+        moe: None,
+        rotary_dim: Some(96),
     },
     // google/gemma-2-2b-it: 2.6 B parameters, a window of 4,096 in every other layer, soft-capping, tied embeddings.
     Shape {
@@ -283,6 +314,7 @@ pub const SHAPES: &[Shape] = &[
         tied: true,
         sliding_window: Some(4096),
         moe: None,
+        rotary_dim: None,
     },
     // Qwen/Qwen3-30B-A3B's experts (128, 8 per token) and heads (of 128, four query heads per key/value head) at half
     // its width (hidden 1,024, experts 384 wide) and 4 of its 48 layers: 0.9 B parameters, 0.2 B active per token
@@ -303,6 +335,7 @@ pub const SHAPES: &[Shape] = &[
         tied: false,
         sliding_window: None,
         moe: Some(MoeShape { experts: 128, used: 8, intermediate: 384 }),
+        rotary_dim: None,
     },
     // mistralai/Mixtral-8x7B-Instruct-v0.1's experts (8, 2 per token) and heads (of 128, four query heads per key/value
     // head) at a quarter of its width (hidden 1,024, experts 3,584 wide) and 4 of its 32 layers: 0.4 B parameters.
@@ -322,6 +355,7 @@ pub const SHAPES: &[Shape] = &[
         tied: false,
         sliding_window: None,
         moe: Some(MoeShape { experts: 8, used: 2, intermediate: 3584 }),
+        rotary_dim: None,
     },
 ];
 
@@ -715,6 +749,7 @@ pub fn synth_gguf(dir: &Path, quant: GgmlDType, tokenizer: Option<&GgufTokenizer
         tied: !weights.contains_key("lm_head.weight"),
         sliding_window: get("sliding_window").ok().filter(|&w| family.is_gemma() || (family == Family::Phi3 && w < get("max_position_embeddings").unwrap_or(usize::MAX))),
         moe,
+        rotary_dim: config["partial_rotary_factor"].as_f64().map(|f| (get("head_dim").unwrap_or(hidden / heads) as f64 * f) as usize),
     };
     let tokenizer = tokenizer.cloned().unwrap_or(GgufTokenizer::ByteLevel(Vocabulary { merges: &[], size: shape.vocab, add_bos: false }));
     if tokenizer.size() != shape.vocab {
@@ -877,7 +912,7 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
     // Hugging Face rotates halves of each head; GGUF's llama weights are permuted for adjacent pairs.
     let rotary = |name: &str| -> Result<Tensor, Error> {
         match arch {
-            "llama" => crate::engine::models::llama::hf::interleave_halves(&tensor(name)?, hd).map_err(|e| fail(&e)),
+            "llama" => crate::engine::models::llama::hf::interleave_halves(&tensor(name)?, hd, shape.rotary_dim.unwrap_or(hd)).map_err(|e| fail(&e)),
             _ => tensor(name),
         }
     };
@@ -969,6 +1004,9 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
         (a("attention.layer_norm_rms_epsilon"), Value::F32(model.rms_eps)),
         (a("rope.freq_base"), Value::F32(shape.rope_theta as f32)),
     ];
+    if let Some(rotated) = shape.rotary_dim {
+        metadata.push((a("rope.dimension_count"), u32_of(rotated)));
+    }
     if let Some(moe) = shape.moe {
         metadata.push((a("expert_count"), u32_of(moe.experts)));
         metadata.push((a("expert_used_count"), u32_of(moe.used)));
@@ -1053,6 +1091,9 @@ pub fn write_hf(dir: &Path, spec: &Spec) -> Result<u64, Error> {
         "attention_bias": false, "mlp_bias": false, "bos_token_id": bos, "eos_token_id": eos,
         "torch_dtype": dtype_name,
     });
+    if let Some(rotated) = shape.rotary_dim {
+        config["partial_rotary_factor"] = json!(rotated as f64 / shape.head_dim as f64);
+    }
     if let Some(rope) = shape.rope_scaling {
         config["rope_scaling"] = json!({"rope_type": "llama3", "factor": rope.factor as f64, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": rope.original_context});

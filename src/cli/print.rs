@@ -397,6 +397,9 @@ pub fn print_validate(report: &ValidateReport) {
             if let Some(l) = &c.long_rope {
                 out!("{}", l.describe());
             }
+            if let Some(partial) = c.partial_rotary() {
+                out!("{partial}");
+            }
             if let Some(moe) = &c.moe {
                 out!("{}, each {} wide", moe.describe(), c.ffn_size);
             }

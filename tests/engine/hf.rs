@@ -55,7 +55,7 @@ impl Reference {
             HfVariant::Qwen3 => Reference::Qwen3(Box::new(qwen3::ModelForCausalLM::new(&serde_json::from_str(&json).unwrap(), vb).unwrap())),
             // Gemma's reference is llama.cpp (tests/engine/llama_cpp.rs): candle-transformers' gemma2 and gemma3 let
             // a sliding layer's query see `sliding_window + 1` positions, one more than Hugging Face's.
-            HfVariant::Phi3 => Reference::Phi3(Box::new(phi3::Model::new(&serde_json::from_str(&json).unwrap(), vb).unwrap())),
+            HfVariant::Phi3 | HfVariant::Phi4Mini => Reference::Phi3(Box::new(phi3::Model::new(&serde_json::from_str(&json).unwrap(), vb).unwrap())),
             // candle-transformers' Mixtral config wants a window and a flash-attention flag (Mixtral's own is null).
             HfVariant::Mixtral => {
                 let mut config: serde_json::Value = serde_json::from_str(&json).unwrap();
@@ -97,6 +97,7 @@ fn parity_with_candle_transformers(variant: HfVariant) {
     let family = match variant {
         HfVariant::Llama3 | HfVariant::SmolLm => "llama".to_string(),
         HfVariant::Qwen3Moe => "qwen3_moe".to_string(),
+        HfVariant::Phi4Mini => "phi3".to_string(),
         other => format!("{other:?}").to_lowercase(),
     };
     assert_eq!(info.config.architecture, family);
@@ -147,6 +148,8 @@ fn qwen3_with_qk_norms_equals_candle_transformers() {
 #[test]
 fn phi3_with_fused_projections_equals_candle_transformers() {
     parity_with_candle_transformers(HfVariant::Phi3);
+    // Phi-4-mini's partial rotary and tied embeddings.
+    parity_with_candle_transformers(HfVariant::Phi4Mini);
 }
 
 #[test]

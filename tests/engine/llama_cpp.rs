@@ -130,6 +130,7 @@ pub(super) fn spec(family: Family, head_dim: usize, tied: bool, rope_theta: u32)
             Family::Qwen3Moe => Some(MoeShape { experts: 16, used: 4, intermediate: 64 }),
             _ => None,
         },
+        rotary_dim: None,
     };
     Spec { shape, vocabulary: VOCABULARY, dtype: DType::F32, init: Init::Fidelity, seed: 7 }
 }
@@ -329,6 +330,63 @@ fn phi3_long_rope_computes_what_llama_cpp_computes() {
             assert!(diff <= 1e-5 && same, "LongRoPE's safetensors and GGUF copies: {diff}");
         }
     }
+}
+
+/// Partial rotary (Phi-4-mini: RoPE on 96 of each head's 128 values, the rest unrotated) as llama.cpp computes it
+/// from `rope.dimension_count`: a tiny Phi-3 rotating 8 of each head's 16 values, alone and with LongRoPE's factors (one
+/// per rotated pair, as Phi-4-mini has them; the short set at a pre-trained context of 512), and a Gemma 3 rotating 16
+/// of 24 (its per-head q and k norms reordered with the rows). Against llama.cpp; rotating whole heads instead is
+/// caught; the Hugging Face copy (`partial_rotary_factor`) computes what the GGUF file does; and a Qwen3 file that
+/// rotates part of its heads is refused, as llama.cpp refuses it.
+#[test]
+fn partial_rotary_computes_what_llama_cpp_computes() {
+    use candle_core::quantized::gguf_file::Value;
+    let Some(peer) = llama_peer() else { return };
+    let dir = crate::support::scratch("partial-rotary");
+    let seqs = sequences();
+    let short: Vec<f32> = (0..4).map(|i| 1.0 + 0.3 * i as f32).collect();
+    for (family, head_dim, rotated, long_rope) in [(Family::Phi3, 16, 8, false), (Family::Phi3, 16, 8, true), (Family::Gemma3, 24, 16, false)] {
+        let whole = spec(family, head_dim, false, rope_theta(family));
+        let spec = Spec { shape: Shape { rotary_dim: Some(rotated), ..whole.shape }, ..whole };
+        let name = format!("{family:?}-{rotated}-of-{head_dim}{}", if long_rope { "-longrope" } else { "" });
+        let written = dir.join(format!("{name}-written.gguf"));
+        synth::write_gguf(&written, &spec, GgmlDType::F32).unwrap();
+        let path = dir.join(format!("{name}.gguf"));
+        match long_rope {
+            true => {
+                let keys = [("phi3.rope.scaling.original_context_length", Value::U32(512)), ("phi3.rope.scaling.attn_factor", Value::F32(1.0))];
+                rewrite(&written, &path, &keys, &[("rope_factors_long.weight", &short), ("rope_factors_short.weight", &short)]);
+            }
+            false => std::fs::rename(&written, &path).unwrap(),
+        }
+        let config = Model::load(&path, &Device::Cpu).unwrap().0.config;
+        assert_eq!((config.head_dim, config.rotary_dim, config.long_rope.is_some()), (head_dim, rotated, long_rope));
+        let ours = nightshift_logits(&path, &seqs);
+        let (diff, same) = compare(&peer_logits(&peer, &path, &seqs), &ours);
+        eprintln!("{name}: {diff} of the largest logit from llama.cpp");
+        assert!(diff <= F16_TOLERANCE && same, "{name}: {diff}");
+        if long_rope {
+            continue;
+        }
+        // Whole heads rotated: another function.
+        let all = dir.join(format!("{name}-whole.gguf"));
+        synth::write_gguf(&all, &whole, GgmlDType::F32).unwrap();
+        let (changed, _) = compare(&nightshift_logits(&all, &seqs), &ours);
+        assert!(changed > 4.0 * F16_TOLERANCE, "{name}: rotating whole heads changed nothing: {changed}");
+        if family == Family::Phi3 {
+            let hf = dir.join(format!("{name}-hf"));
+            synth::write_hf(&hf, &spec).unwrap();
+            let hf_config = Model::load(&hf, &Device::Cpu).unwrap().0.config;
+            assert_eq!(hf_config.rotary_dim, rotated, "partial_rotary_factor read");
+            let (diff, same) = compare(&ours, &nightshift_logits(&hf, &seqs));
+            assert!(diff <= 1e-5 && same, "{name}: the safetensors and GGUF copies: {diff}");
+        }
+    }
+    let qwen3 = spec(Family::Qwen3, 24, false, 10000);
+    let path = dir.join("qwen3-partial.gguf");
+    synth::write_gguf(&path, &Spec { shape: Shape { rotary_dim: Some(16), ..qwen3.shape }, ..qwen3 }, GgmlDType::F32).unwrap();
+    let error = Model::load(&path, &Device::Cpu).err().expect("refused").to_string();
+    assert!(error.contains("qwen3.rope.dimension_count") && error.contains("whole heads"), "{error}");
 }
 
 /// Gemma's, Phi-3's and the mixtures of experts' Hugging Face checkpoints (Gemma's norm weights stored as `w`, llama's

@@ -37,6 +37,7 @@ pub fn write_tiny_model(path: &Path) {
         tied: false,
         sliding_window: None,
         moe: None,
+        rotary_dim: None,
     };
     let spec = Spec { shape, vocabulary: VOCABULARY, dtype: DType::F32, init: Init::Peaked, seed: 0xf };
     synth::write_gguf(path, &spec, GgmlDType::Q8_0).unwrap();
@@ -64,6 +65,8 @@ pub enum HfVariant {
     /// `phi3`: fused `qkv_proj` and `gate_up_proj`, no window (candle-transformers' Phi-3, the reference, has none);
     /// f32.
     Phi3,
+    /// `phi3` as Phi-4-mini: RoPE on 24 of each head's 32 values (`partial_rotary_factor` 0.75), tied embeddings; f32.
+    Phi4Mini,
     /// `mixtral`: 8 experts of 128, 2 per token, their weights renormalized; f32.
     Mixtral,
     /// `qwen3_moe`: q/k norms, `head_dim` 40, 16 experts of 64, 4 per token, `norm_topk_prob`; bf16.
@@ -71,7 +74,7 @@ pub enum HfVariant {
 }
 
 impl HfVariant {
-    pub const ALL: [HfVariant; 10] = [
+    pub const ALL: [HfVariant; 11] = [
         HfVariant::Llama3,
         HfVariant::SmolLm,
         HfVariant::Mistral,
@@ -80,6 +83,7 @@ impl HfVariant {
         HfVariant::Gemma2,
         HfVariant::Gemma3,
         HfVariant::Phi3,
+        HfVariant::Phi4Mini,
         HfVariant::Mixtral,
         HfVariant::Qwen3Moe,
     ];
@@ -117,6 +121,7 @@ pub fn write_tiny_hf_model(dir: &Path, variant: HfVariant) {
         HfVariant::Qwen3 => (Shape { family: Family::Qwen3, head_dim: 40, tied: true, ..base }, DType::BF16),
         HfVariant::Gemma2 => (Shape { family: Family::Gemma2, tied: true, sliding_window: Some(16), ..base }, DType::F32),
         HfVariant::Phi3 => (Shape { family: Family::Phi3, ..base }, DType::F32),
+        HfVariant::Phi4Mini => (Shape { family: Family::Phi3, tied: true, rotary_dim: Some(base.head_dim * 3 / 4), ..base }, DType::F32),
         HfVariant::Mixtral => (Shape { family: Family::Mixtral, moe: Some(MoeShape { experts: 8, used: 2, intermediate: 128 }), ..base }, DType::F32),
         HfVariant::Qwen3Moe => {
             (Shape { family: Family::Qwen3Moe, head_dim: 40, moe: Some(MoeShape { experts: 16, used: 4, intermediate: 64 }), ..base }, DType::BF16)

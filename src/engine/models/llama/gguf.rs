@@ -191,18 +191,22 @@ struct Architecture {
     /// A mixture of experts in every layer, required (Qwen3-MoE); a llama file has one where it declares
     /// `llama.expert_count` (Mixtral).
     experts: bool,
+    /// RoPE over part of each head (`rope.dimension_count` below the head's width), where llama.cpp computes it
+    /// (Phi-4-mini; Gemma's builds take it too); llama.cpp's llama, qwen2 and qwen3 builds assert whole heads, so
+    /// nightshift refuses such a file there as well.
+    partial_rotary: bool,
 }
 
-const LLAMA: Architecture = Architecture { name: "llama", halves: false, qkv_bias: false, qk_norm: false, gemma: None, phi3: false, experts: false };
+const LLAMA: Architecture = Architecture { name: "llama", halves: false, qkv_bias: false, qk_norm: false, gemma: None, phi3: false, experts: false, partial_rotary: false };
 
 /// The GGUF architectures nightshift computes.
 const ARCHITECTURES: &[Architecture] = &[
     LLAMA,
     Architecture { name: "qwen2", halves: true, qkv_bias: true, ..LLAMA },
     Architecture { name: "qwen3", halves: true, qk_norm: true, ..LLAMA },
-    Architecture { name: "gemma2", halves: true, gemma: Some(2), ..LLAMA },
-    Architecture { name: "gemma3", halves: true, qk_norm: true, gemma: Some(3), ..LLAMA },
-    Architecture { name: "phi3", halves: true, phi3: true, ..LLAMA },
+    Architecture { name: "gemma2", halves: true, gemma: Some(2), partial_rotary: true, ..LLAMA },
+    Architecture { name: "gemma3", halves: true, qk_norm: true, gemma: Some(3), partial_rotary: true, ..LLAMA },
+    Architecture { name: "phi3", halves: true, phi3: true, partial_rotary: true, ..LLAMA },
     Architecture { name: "qwen3moe", halves: true, qk_norm: true, experts: true, ..LLAMA },
 ];
 
@@ -240,11 +244,16 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         return Err(ModelError::Metadata(format!("head size {head_dim} is odd")));
     }
     let value_length = meta_usize(content, &a("attention.value_length")).unwrap_or(head_dim);
-    let rotated = meta_usize(content, &a("rope.dimension_count")).unwrap_or(head_dim);
-    if value_length != head_dim || rotated != head_dim {
-        return Err(ModelError::Metadata(format!(
-            "heads of {head_dim} with values of {value_length} and {rotated} rotated dimensions: nightshift computes keys, values and RoPE over whole heads"
-        )));
+    if value_length != head_dim {
+        return Err(ModelError::Metadata(format!("heads of {head_dim} with values of {value_length}: nightshift computes keys and values of one width")));
+    }
+    // RoPE over the first `rope.dimension_count` values of each head (Phi-4-mini's 96 of 128), the rest unrotated.
+    let rotary_dim = meta_usize(content, &a("rope.dimension_count")).unwrap_or(head_dim);
+    if rotary_dim < 2 || rotary_dim > head_dim || !rotary_dim.is_multiple_of(2) {
+        return Err(ModelError::Metadata(format!("`{}` is {rotary_dim}: RoPE rotates an even number of a head's {head_dim} values, at least 2", a("rope.dimension_count"))));
+    }
+    if rotary_dim != head_dim && !Architecture::of(&architecture).partial_rotary {
+        return Err(ModelError::Metadata(format!("`{}` is {rotary_dim} of a head's {head_dim} values: {architecture} rotates whole heads (as llama.cpp requires)", a("rope.dimension_count"))));
     }
     // RoPE scaling as llama.cpp reads it: linear (positions divided by the factor), or per-frequency factors in a
     // `rope_freqs` tensor (Llama 3.1 and later, read at load). Others are refused rather than computed without.
@@ -256,7 +265,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
             if !(factor.is_finite() && factor > 0.0) {
                 return Err(ModelError::Metadata(format!("`{}` is {factor}", a("rope.scaling.factor"))));
             }
-            rope_freq_factors = Some(vec![factor; head_dim / 2]);
+            rope_freq_factors = Some(vec![factor; rotary_dim / 2]);
         }
         Some(other) => {
             return Err(ModelError::Metadata(format!("RoPE scaling `{other}` is not supported (supported: none, linear, and `rope_freqs` factors)")));
@@ -357,6 +366,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         heads,
         kv_heads,
         head_dim,
+        rotary_dim,
         architecture,
         gemma,
         sliding,
@@ -378,25 +388,23 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
     Ok(ModelInfo { config, vocab, tensor_types: counts.into_iter().collect() })
 }
 
-/// A q or k projection `[heads x head_dim, k]` with each head's rows reordered from pairs `(i, i + head_dim / 2)`
-/// to adjacent pairs, as [`super::hf::interleave_halves`] does, on the stored (quantized) rows themselves: a row's
-/// blocks are its own, so the permuted matrix is the same weights, bit for bit.
-fn interleave_rows(t: QTensor, head_dim: usize, device: &Device) -> candle_core::Result<QTensor> {
+/// A q or k projection `[heads x head_dim, k]` with each head's rows reordered from pairs `(i, i + rotary_dim / 2)`
+/// to adjacent pairs ([`super::hf::rotary_row_order`], as [`super::hf::interleave_halves`] does), on the stored
+/// (quantized) rows themselves: a row's blocks are its own, so the permuted matrix is the same weights, bit for bit.
+fn interleave_rows(t: QTensor, head_dim: usize, rotary_dim: usize, device: &Device) -> candle_core::Result<QTensor> {
     let dims = t.shape().dims().to_vec();
     let rows = dims[0];
     let data = t.data()?;
-    if !rows.is_multiple_of(head_dim) || !data.len().is_multiple_of(rows) {
+    if head_dim == 0 || !rows.is_multiple_of(head_dim) || !data.len().is_multiple_of(rows) {
         candle_core::bail!("{rows} rows are not whole heads of {head_dim}");
     }
     let row_bytes = data.len() / rows;
-    let half = head_dim / 2;
+    let order = super::hf::rotary_row_order(head_dim, rotary_dim);
     let mut out = Vec::with_capacity(data.len());
     for head in 0..rows / head_dim {
-        for j in 0..half {
-            for side in 0..2 {
-                let row = head * head_dim + side * half + j;
-                out.extend_from_slice(&data[row * row_bytes..(row + 1) * row_bytes]);
-            }
+        for &r in &order {
+            let row = head * head_dim + r;
+            out.extend_from_slice(&data[row * row_bytes..(row + 1) * row_bytes]);
         }
     }
     candle_core::quantized::ggml_file::qtensor_from_ggml(t.dtype(), &out, dims, device)
@@ -623,8 +631,8 @@ fn expected_tensors(content: &Content, config: &ModelConfig) -> Vec<(String, Vec
     let mut out = vec![("token_embd.weight".to_string(), vec![v, d], true), ("output_norm.weight".into(), vec![d], true), ("output.weight".into(), vec![v, d], false)];
     // LongRoPE's two factor sets (Phi-3's 128k models).
     let long_rope = config.long_rope.is_some();
-    out.push(("rope_factors_long.weight".into(), vec![hd / 2], long_rope));
-    out.push(("rope_factors_short.weight".into(), vec![hd / 2], long_rope));
+    out.push(("rope_factors_long.weight".into(), vec![config.rotary_dim / 2], long_rope));
+    out.push(("rope_factors_short.weight".into(), vec![config.rotary_dim / 2], long_rope));
     let fused = Fused::of(content, config);
     for i in 0..config.layers {
         let mut need = |suffix: &str, dims: Vec<usize>, required: bool| out.push((format!("blk.{i}.{suffix}"), dims, required));
@@ -703,8 +711,8 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
     // Per-frequency RoPE factors (Llama 3.1's `rope_freqs`), with a linear scaling's if both are given.
     if content.tensor_infos.contains_key("rope_freqs.weight") {
         let factors = read("rope_freqs.weight", &Device::Cpu)?.dequantize(&Device::Cpu).and_then(|t| t.flatten_all()?.to_vec1::<f32>()).map_err(fmt)?;
-        if factors.len() != config.head_dim / 2 || factors.iter().any(|f| !(f.is_finite() && *f > 0.0)) {
-            return Err(ModelError::Metadata(format!("`rope_freqs.weight` has {} factors for heads of {}, or one not positive", factors.len(), config.head_dim)));
+        if factors.len() != config.rotary_dim / 2 || factors.iter().any(|f| !(f.is_finite() && *f > 0.0)) {
+            return Err(ModelError::Metadata(format!("`rope_freqs.weight` has {} factors for {} rotated values, or one not positive", factors.len(), config.rotary_dim)));
         }
         let linear = config.rope_freq_factors.take().unwrap_or_else(|| vec![1.0; factors.len()]);
         config.rope_freq_factors = Some(factors.iter().zip(linear).map(|(f, l)| f * l).collect());
@@ -779,9 +787,9 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
             };
             // Pairs `(i, i + head_dim / 2)` become adjacent ones: the rows are read on the host and reordered.
             let t = match (part, halves && (suffix == "attn_q" || suffix == "attn_k")) {
-                (Some(t), true) => interleave_rows(t, hd, device).map_err(fmt)?,
+                (Some(t), true) => interleave_rows(t, hd, config.rotary_dim, device).map_err(fmt)?,
                 (Some(t), false) => to_device(t, device).map_err(fmt)?,
-                (None, true) => interleave_rows(read(&name, &Device::Cpu)?, hd, device).map_err(fmt)?,
+                (None, true) => interleave_rows(read(&name, &Device::Cpu)?, hd, config.rotary_dim, device).map_err(fmt)?,
                 (None, false) => qtensor(&name)?,
             };
             raw.push((t, pad));
@@ -830,7 +838,7 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
             let t = qtensor(&name)?;
             let t = t.dequantize(device).map_err(fmt)?;
             match rotary && halves {
-                true => super::hf::interleave_halves(&t, hd).map_err(fmt),
+                true => super::hf::interleave_halves(&t, hd, config.rotary_dim).map_err(fmt),
                 false => Ok(t),
             }
         };
@@ -902,6 +910,7 @@ mod tests {
             heads,
             kv_heads: heads,
             head_dim: 64,
+            rotary_dim: 64,
             ffn_size: ffn,
             rms_eps: 1e-5,
             rope_base: 10000.0,

@@ -328,7 +328,8 @@ fn linear_rope_factor(value: Option<&Value>) -> Result<Option<f64>, ModelError> 
 /// llama.cpp chooses by the context it serves (its converter writes both sets); the attention factor
 /// (`rope_scaling.attention_factor`, or `sqrt(1 + ln(scale) / ln(original))` of the context's scale over the
 /// pre-trained one, as Hugging Face's and llama.cpp's converter compute it). `None` without LongRoPE.
-fn long_rope(c: &HfConfig, head_dim: usize) -> Result<Option<(super::LongRope, Vec<f32>)>, ModelError> {
+/// LongRoPE from `rope_scaling`: its factor set (one per rotated pair: `rotary_dim / 2`) and its choice.
+fn long_rope(c: &HfConfig, rotary_dim: usize) -> Result<Option<(super::LongRope, Vec<f32>)>, ModelError> {
     let Some(object) = c.rope_scaling.as_ref().filter(|v| !v.is_null()) else { return Ok(None) };
     match object.get("rope_type").or_else(|| object.get("type")).and_then(Value::as_str) {
         Some("longrope" | "su") => {}
@@ -337,8 +338,8 @@ fn long_rope(c: &HfConfig, head_dim: usize) -> Result<Option<(super::LongRope, V
     let factors = |key: &str| -> Result<Vec<f32>, ModelError> {
         let values: Option<Vec<f32>> = object.get(key).and_then(Value::as_array).and_then(|a| a.iter().map(|v| v.as_f64().map(|f| f as f32)).collect());
         match values {
-            Some(v) if v.len() == head_dim / 2 && v.iter().all(|f| f.is_finite() && *f > 0.0) => Ok(v),
-            _ => Err(invalid(format!("rope_scaling.{key} must be {} positive numbers", head_dim / 2))),
+            Some(v) if v.len() == rotary_dim / 2 && v.iter().all(|f| f.is_finite() && *f > 0.0) => Ok(v),
+            _ => Err(invalid(format!("rope_scaling.{key} must be {} positive numbers", rotary_dim / 2))),
         }
     };
     let original = object
@@ -406,9 +407,16 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
     if let Some(act) = act.filter(|a| a.as_str() != wanted) {
         return Err(invalid(format!("{key} `{act}` is not supported ({wanted} only for {})", family.name())));
     }
-    if let Some(f) = c.partial_rotary_factor.filter(|&f| f != 1.0) {
-        return Err(invalid(format!("`partial_rotary_factor` {f} is not supported: nightshift rotates whole heads")));
-    }
+    // Partial rotary (Phi-4-mini's 0.75): the first `head_dim x factor` values of each head rotate, as Hugging Face's
+    // `int(head_dim * partial_rotary_factor)`.
+    let rotary_dim = match c.partial_rotary_factor {
+        None => head_dim,
+        Some(f) if f == 1.0 => head_dim,
+        // Hugging Face's other families here rotate whole heads whatever the key says (or fail on it).
+        Some(f) if family != Family::Phi3 => return Err(invalid(format!("`partial_rotary_factor` {f} is not supported for {}: it rotates whole heads", family.name()))),
+        Some(f) if f.is_finite() && f > 0.0 && f <= 1.0 && ((head_dim as f64 * f) as usize).is_multiple_of(2) && (head_dim as f64 * f) as usize >= 2 => (head_dim as f64 * f) as usize,
+        Some(f) => return Err(invalid(format!("`partial_rotary_factor` {f} must rotate an even number of a head's {head_dim} values, at least 2"))),
+    };
     if c.mlp_bias == Some(true) {
         return Err(invalid("`mlp_bias` is not supported".into()));
     }
@@ -423,7 +431,7 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         None => None,
     };
     let long_rope = match family {
-        Family::Phi3 => long_rope(c, head_dim)?,
+        Family::Phi3 => long_rope(c, rotary_dim)?,
         _ => None,
     };
     let rope_scaling = if linear.is_some() || long_rope.is_some() { None } else { rope_scaling(c.rope_scaling.as_ref())? };
@@ -479,13 +487,14 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         heads,
         kv_heads,
         head_dim,
+        rotary_dim,
         ffn_size: moe.as_ref().map_or(c.intermediate_size, |m| m.1),
         rms_eps: rms_eps as f32,
         rope_base: rope_base as f32,
         rope_scaling,
         rope_freq_factors: match &long_rope {
             Some((_, factors)) => Some(factors.clone()),
-            None => linear.map(|f| vec![f as f32; head_dim / 2]),
+            None => linear.map(|f| vec![f as f32; rotary_dim / 2]),
         },
         vocab_size: c.vocab_size,
         gemma,
@@ -719,13 +728,13 @@ pub fn compute_dtype(device: &Device, asked: ComputeDtype) -> DType {
 pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model, ModelInfo), ModelError> {
     let Checkpoint { info, variant, shards } = Checkpoint::open(dir)?;
     let config = info.config.clone();
-    let hd = config.head_dim;
+    let (hd, rot) = (config.head_dim, config.rotary_dim);
     let dtype = match dtype {
         Some(dtype) => dtype,
         None => compute_dtype(device, ComputeDtype::Auto),
     };
     let load = |name: &str| shards.load(name, device, dtype);
-    let rotary = |name: &str| load(name).and_then(|t| interleave_halves(&t, hd).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}"))));
+    let rotary = |name: &str| load(name).and_then(|t| interleave_halves(&t, hd, rot).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}"))));
     // A norm weight: Gemma's `w` as `1 + w`, added in f32 before the compute dtype, as Hugging Face computes it.
     let norm = |name: &str| -> Result<Tensor, ModelError> {
         match variant.post_norms {
@@ -745,7 +754,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
             true => Some([rotary(&p("self_attn.q_proj.bias"))?, rotary(&p("self_attn.k_proj.bias"))?, load(&p("self_attn.v_proj.bias"))?]),
             false => None,
         };
-        let head_norm = |name: &str| norm(name).and_then(|t| interleave_halves(&t, hd).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}"))));
+        let head_norm = |name: &str| norm(name).and_then(|t| interleave_halves(&t, hd, rot).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}"))));
         let qk_norm = match variant.qk_norm {
             true => Some([head_norm(&p("self_attn.q_norm.weight"))?, head_norm(&p("self_attn.k_norm.weight"))?]),
             false => None,
@@ -771,7 +780,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
                 })
                 .collect()
         };
-        let halves = |t: Tensor, name: &str| interleave_halves(&t, hd).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")));
+        let halves = |t: Tensor, name: &str| interleave_halves(&t, hd, rot).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")));
         let (q_rows, kv_rows) = (config.heads * hd, config.kv_heads * hd);
         let (wq, wk, wv) = match variant.fused {
             true => {
@@ -822,14 +831,25 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
     Ok((Model::assemble(config, device, weights), info))
 }
 
+/// Within a head of `head_dim` rows, the row each row takes when Hugging Face's rotate-half pairing of the first
+/// `rotary_dim` values (pairs `(i, i + rotary_dim / 2)`) becomes adjacent pairs: row `2i` takes row `i` and row
+/// `2i + 1` row `i + rotary_dim / 2`; the rows from `rotary_dim` on (partial rotary: not rotated) stay in place.
+pub(crate) fn rotary_row_order(head_dim: usize, rotary_dim: usize) -> Vec<usize> {
+    let half = rotary_dim / 2;
+    (0..half).flat_map(|i| [i, i + half]).chain(rotary_dim..head_dim).collect()
+}
+
 /// Reorders the rows of a tensor whose first dimension is `heads x head_dim` (a q or k projection, its bias, a
-/// per-head norm weight) within each head, from Hugging Face's rotate-half pairing to adjacent pairs: row `2i`
-/// takes row `i` and row `2i + 1` takes row `i + head_dim / 2`.
-pub(crate) fn interleave_halves(t: &Tensor, head_dim: usize) -> candle_core::Result<Tensor> {
-    let dims = t.dims().to_vec();
-    let rows = dims.first().copied().unwrap_or(0);
-    let columns: usize = dims[1..].iter().product();
-    t.reshape((rows / head_dim, 2, head_dim / 2, columns))?.transpose(1, 2)?.contiguous()?.reshape(dims)
+/// per-head norm weight) within each head, from Hugging Face's rotate-half pairing to adjacent pairs
+/// ([`rotary_row_order`]).
+pub(crate) fn interleave_halves(t: &Tensor, head_dim: usize, rotary_dim: usize) -> candle_core::Result<Tensor> {
+    let rows = t.dim(0)?;
+    if head_dim == 0 || !rows.is_multiple_of(head_dim) || rotary_dim > head_dim || !rotary_dim.is_multiple_of(2) {
+        candle_core::bail!("{rows} rows are not whole heads of {head_dim} with {rotary_dim} rotated");
+    }
+    let order = rotary_row_order(head_dim, rotary_dim);
+    let index: Vec<u32> = (0..rows / head_dim).flat_map(|h| order.iter().map(move |&r| (h * head_dim + r) as u32)).collect();
+    t.index_select(&Tensor::from_vec(index, rows, t.device())?, 0)
 }
 
 /// A special token as tokenizer_config.json writes it: a string, `{"content": ...}`, or null.
@@ -1011,9 +1031,17 @@ mod tests {
         let (c, v) = phi3(64);
         assert!(v.fused && c.sliding.as_ref().is_some_and(|s| s.window == 64 && s.layers.iter().all(|&l| l)));
         assert!(phi3(256).0.sliding.is_none(), "a window as long as the context is none");
+        // Phi-4-mini's partial rotary: 3/4 of each head (12 of 16 here); factors that leave an odd count, or none, refused.
         let mut partial = with("model_type", "phi3".into());
         partial["partial_rotary_factor"] = 0.75.into();
-        assert!(config(partial).unwrap_err().to_string().contains("partial_rotary_factor"));
+        let (c, _) = config(partial.clone()).unwrap();
+        assert_eq!((c.head_dim, c.rotary_dim), (16, 12));
+        assert!(c.partial_rotary().is_some_and(|l| l.contains("12 of each head's 16")));
+        for bad in [0.7, 0.0, 1.5] {
+            partial["partial_rotary_factor"] = bad.into();
+            assert!(config(partial.clone()).unwrap_err().to_string().contains("partial_rotary_factor"), "{bad}");
+        }
+        assert_eq!(config(base()).unwrap().0.rotary_dim, 16);
     }
 
     #[test]
@@ -1030,7 +1058,7 @@ mod tests {
                 reference[h * hd + i + half] = a * sin[i] + b * cos[i];
             }
         }
-        let permuted = interleave_halves(&Tensor::from_vec(x, heads * hd, &Device::Cpu).unwrap(), hd).unwrap();
+        let permuted = interleave_halves(&Tensor::from_vec(x, heads * hd, &Device::Cpu).unwrap(), hd, hd).unwrap();
         let mut adjacent = permuted.to_vec1::<f32>().unwrap();
         for h in 0..heads {
             for i in 0..half {
@@ -1039,8 +1067,14 @@ mod tests {
                 adjacent[h * hd + 2 * i + 1] = a * sin[i] + b * cos[i];
             }
         }
-        let back = interleave_halves(&Tensor::from_vec(reference, heads * hd, &Device::Cpu).unwrap(), hd).unwrap();
+        let back = interleave_halves(&Tensor::from_vec(reference, heads * hd, &Device::Cpu).unwrap(), hd, hd).unwrap();
         assert_eq!(adjacent, back.to_vec1::<f32>().unwrap());
+        // Partial rotary: the first 4 of 8 rotate (pairs (0, 2) and (1, 3)), the last 4 stay where they are.
+        assert_eq!(rotary_row_order(8, 4), [0, 2, 1, 3, 4, 5, 6, 7]);
+        assert_eq!(rotary_row_order(8, 8), [0, 4, 1, 5, 2, 6, 3, 7]);
+        let rows = Tensor::arange(0u32, 16, &Device::Cpu).unwrap();
+        assert_eq!(interleave_halves(&rows, 8, 4).unwrap().to_vec1::<u32>().unwrap(), [0, 2, 1, 3, 4, 5, 6, 7, 8, 10, 9, 11, 12, 13, 14, 15]);
+        assert!(interleave_halves(&rows, 6, 4).is_err() && interleave_halves(&rows, 8, 3).is_err());
     }
 
     #[test]

@@ -46,13 +46,17 @@ pub struct ModelConfig {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// The values of each head RoPE rotates, from its start: `head_dim`, or fewer where the model rotates part of
+    /// each head (`partial_rotary_factor`, Phi-4-mini's 96 of 128; GGUF's `rope.dimension_count`). The rest pass
+    /// through unrotated (their pairs' frequency is 0: cos 1, sin 0, exactly the identity).
+    pub rotary_dim: usize,
     pub ffn_size: usize,
     pub rms_eps: f32,
     pub rope_base: f32,
     /// Llama 3's rescaling of the RoPE frequencies, when the checkpoint declares it.
     pub rope_scaling: Option<RopeScaling>,
-    /// A divisor of each pair's RoPE frequency (`head_dim / 2` of them): a GGUF file's `rope_freqs` tensor (Llama
-    /// 3.1's scaling as llama.cpp's converter stores it) and linear scaling's factor.
+    /// A divisor of each rotated pair's RoPE frequency (`rotary_dim / 2` of them): a GGUF file's `rope_freqs` tensor
+    /// (Llama 3.1's scaling as llama.cpp's converter stores it), linear scaling's factor, LongRoPE's factors.
     pub rope_freq_factors: Option<Vec<f32>>,
     pub vocab_size: usize,
     /// Gemma 2 and 3's additions ([`gemma`]); `None` in the llama-shaped families.
@@ -87,6 +91,11 @@ impl LongRope {
 }
 
 impl ModelConfig {
+    /// One line for `validate` and the load log where RoPE rotates part of each head.
+    pub fn partial_rotary(&self) -> Option<String> {
+        (self.rotary_dim < self.head_dim).then(|| format!("RoPE on the first {} of each head's {} values (the rest unrotated)", self.rotary_dim, self.head_dim))
+    }
+
     /// Bytes of one block of [`KV_BLOCK_TOKENS`] positions of a sequence's cache, every layer's keys and values
     /// held in `kv_dtype`.
     pub fn kv_block_bytes(&self, kv_dtype: DType) -> usize {
@@ -178,13 +187,17 @@ struct Weights {
     layout: Layout,
 }
 
-/// The rotary frequency of each pair of a head's values, `base^(-2i / head_dim)`, with Llama 3's rescaling when
-/// the model declares it (as Hugging Face's `_compute_llama3_parameters`).
+/// The rotary frequency of each pair of a head's values, `base^(-2i / rotary_dim)` for the `rotary_dim / 2` pairs
+/// RoPE rotates (0 for the rest: they pass through), with Llama 3's rescaling when the model declares it (as Hugging
+/// Face's `_compute_llama3_parameters`).
 fn rope_frequencies(config: &ModelConfig) -> Vec<f64> {
-    let hd = config.head_dim;
+    let (hd, rotated) = (config.head_dim, config.rotary_dim);
     (0..hd / 2)
         .map(|i| {
-            let freq = 1.0 / (config.rope_base as f64).powf(2.0 * i as f64 / hd as f64);
+            if i >= rotated / 2 {
+                return 0.0;
+            }
+            let freq = 1.0 / (config.rope_base as f64).powf(2.0 * i as f64 / rotated as f64);
             let freq = match &config.rope_freq_factors {
                 Some(factors) => freq / f64::from(factors[i]),
                 None => freq,
@@ -361,6 +374,9 @@ impl Model {
         }
         if let Some(l) = &config.long_rope {
             tracing::info!(architecture = %config.architecture, "{}", l.describe());
+        }
+        if let Some(partial) = config.partial_rotary() {
+            tracing::info!(architecture = %config.architecture, "{partial}");
         }
         let mut layers = layers;
         let host_loop = device.is_cpu()
