@@ -30,10 +30,18 @@ def main():
             return default
         return field.parts[field.data[0]][0].item()
 
-    tensors = {}
-    for t in reader.tensors:
+    # Weights are dequantized when a layer first needs them and dropped after it: one layer's float64 weights in
+    # memory at a time (a 2.6 B-parameter model would take 21 GB whole), every sequence run through that layer.
+    stored = {t.name: t for t in reader.tensors}
+
+    def load(name):
+        t = stored.get(name)
+        if t is None:
+            return None
         shape = [int(d) for d in reversed(t.shape)]
-        tensors[t.name] = dequantize(t.data, t.tensor_type).astype(np.float64).reshape(shape)
+        return dequantize(t.data, t.tensor_type).astype(np.float64).reshape(shape)
+
+    tensors = {name: load(name) for name in ("rope_freqs.weight", "token_embd.weight", "output.weight", "output_norm.weight") if name in stored}
     heads, kv_heads = meta("attention.head_count"), meta("attention.head_count_kv")
     eps, layers = meta("attention.layer_norm_rms_epsilon", 1e-5), meta("block_count")
     base = meta("rope.freq_base", 10000.0)
@@ -63,8 +71,11 @@ def main():
 
     def rope(x, local=False):
         # x: [positions, heads, head_dim]. llama's GGUF rows are stored for rotating adjacent pairs (llama.cpp's
-        # "normal" mode); qwen2, qwen3 and Gemma rotate the two halves (NEOX).
-        positions, _, dim = x.shape
+        # "normal" mode); qwen2, qwen3 and Gemma rotate the two halves (NEOX). Only the first
+        # `rope.dimension_count` values of each head rotate (partial rotary, Phi-4-mini); the rest pass through.
+        positions, _, head_dim = x.shape
+        dim = meta("rope.dimension_count", head_dim)
+        x, rest = x[..., :dim], x[..., dim:]
         inv = (local_base if local else base) ** (-np.arange(0, dim, 2) / dim)
         if factors is not None and not local:
             inv = inv / factors[: dim // 2]
@@ -74,9 +85,9 @@ def main():
             a, b = x[..., 0::2], x[..., 1::2]
             out = np.empty_like(x)
             out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
-            return out
+            return np.concatenate([out, rest], axis=-1)
         a, b = x[..., : dim // 2], x[..., dim // 2 :]
-        return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+        return np.concatenate([a * cos - b * sin, a * sin + b * cos, rest], axis=-1)
 
     # A mixture of experts (Hugging Face's MixtralSparseMoeBlock and Qwen3MoeSparseMoeBlock): the softmax of the
     # router's logits, the `expert_used_count` most probable experts, their probabilities renormalized (both
@@ -98,55 +109,68 @@ def main():
                 out[t] += p * (downs[e] @ (gate / (1 + np.exp(-gate)) * up))
         return out
 
+    def block(x, layer, w):
+        n = x.shape[0]
+        mask = np.triu(np.full((n, n), -np.inf), 1)
+        local = window is not None and (arch == "phi3" or layer % period < period - 1)
+        # A sliding layer's query at position i sees positions i - window + 1 to i.
+        layer_mask = mask + np.tril(np.full((n, n), -np.inf), -window) if local else mask
+        h = rms(x, w("attn_norm.weight"))
+        if w("attn_qkv.weight") is not None:
+            qkv = h @ w("attn_qkv.weight").T
+            q_rows = heads * (qkv.shape[1] // (heads + 2 * kv_heads))
+            kv_rows = (qkv.shape[1] - q_rows) // 2
+            q, k, v = qkv[:, :q_rows], qkv[:, q_rows : q_rows + kv_rows], qkv[:, q_rows + kv_rows :]
+        else:
+            q, k, v = (h @ w(f"attn_{p}.weight").T + (0 if w(f"attn_{p}.bias") is None else w(f"attn_{p}.bias")) for p in "qkv")
+        dim = k.shape[1] // kv_heads
+        q, k, v = q.reshape(n, heads, dim), k.reshape(n, kv_heads, dim), v.reshape(n, kv_heads, dim)
+        if w("attn_q_norm.weight") is not None:
+            q, k = rms(q, w("attn_q_norm.weight")), rms(k, w("attn_k_norm.weight"))
+        q, k = rope(q, local), rope(k, local)
+        attended = np.empty((n, heads, dim))
+        for head in range(heads):
+            kv = head // (heads // kv_heads)
+            scores = q[:, head] @ k[:, kv].T / np.sqrt(dim)
+            if attn_cap is not None:
+                scores = attn_cap * np.tanh(scores / attn_cap)
+            scores = scores + layer_mask
+            scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            attended[:, head] = (scores / scores.sum(axis=-1, keepdims=True)) @ v[:, kv]
+        out = attended.reshape(n, heads * dim) @ w("attn_output.weight").T
+        x = x + (rms(out, w("post_attention_norm.weight")) if gemma else out)
+        h = rms(x, w("ffn_norm.weight"))
+        if w("ffn_gate_inp.weight") is not None:
+            x = x + experts(h, w)
+            return x
+        if w("ffn_gate.weight") is None:
+            gate, up = np.split(h @ w("ffn_up.weight").T, 2, axis=-1)
+        else:
+            gate, up = h @ w("ffn_gate.weight").T, h @ w("ffn_up.weight").T
+        if gemma:
+            act = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
+            x = x + rms((act * up) @ w("ffn_down.weight").T, w("post_ffw_norm.weight"))
+        else:
+            x = x + (gate / (1 + np.exp(-gate)) * up) @ w("ffn_down.weight").T
+        return x
+
+    sequences = []
     for line in sys.stdin:
         ids = [int(i) for i in line.strip().lstrip("!").split()]
         if not ids or max(ids) >= embedding.shape[0] or min(ids) < 0:
             sys.exit(f"error: token ids {line.strip()!r} out of range")
-        n = len(ids)
-        x = embedding[ids] * (np.sqrt(embedding.shape[1]) if gemma else 1.0)
-        mask = np.triu(np.full((n, n), -np.inf), 1)
-        for layer in range(layers):
-            local = window is not None and (arch == "phi3" or layer % period < period - 1)
-            # A sliding layer's query at position i sees positions i - window + 1 to i.
-            layer_mask = mask + np.tril(np.full((n, n), -np.inf), -window) if local else mask
-            w = lambda name: tensors.get(f"blk.{layer}.{name}")
-            h = rms(x, w("attn_norm.weight"))
-            if w("attn_qkv.weight") is not None:
-                qkv = h @ w("attn_qkv.weight").T
-                q_rows = heads * (qkv.shape[1] // (heads + 2 * kv_heads))
-                kv_rows = (qkv.shape[1] - q_rows) // 2
-                q, k, v = qkv[:, :q_rows], qkv[:, q_rows : q_rows + kv_rows], qkv[:, q_rows + kv_rows :]
-            else:
-                q, k, v = (h @ w(f"attn_{p}.weight").T + (0 if w(f"attn_{p}.bias") is None else w(f"attn_{p}.bias")) for p in "qkv")
-            dim = k.shape[1] // kv_heads
-            q, k, v = q.reshape(n, heads, dim), k.reshape(n, kv_heads, dim), v.reshape(n, kv_heads, dim)
-            if w("attn_q_norm.weight") is not None:
-                q, k = rms(q, w("attn_q_norm.weight")), rms(k, w("attn_k_norm.weight"))
-            q, k = rope(q, local), rope(k, local)
-            attended = np.empty((n, heads, dim))
-            for head in range(heads):
-                kv = head // (heads // kv_heads)
-                scores = q[:, head] @ k[:, kv].T / np.sqrt(dim)
-                if attn_cap is not None:
-                    scores = attn_cap * np.tanh(scores / attn_cap)
-                scores = scores + layer_mask
-                scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-                attended[:, head] = (scores / scores.sum(axis=-1, keepdims=True)) @ v[:, kv]
-            out = attended.reshape(n, heads * dim) @ w("attn_output.weight").T
-            x = x + (rms(out, w("post_attention_norm.weight")) if gemma else out)
-            h = rms(x, w("ffn_norm.weight"))
-            if w("ffn_gate_inp.weight") is not None:
-                x = x + experts(h, w)
-                continue
-            if w("ffn_gate.weight") is None:
-                gate, up = np.split(h @ w("ffn_up.weight").T, 2, axis=-1)
-            else:
-                gate, up = h @ w("ffn_gate.weight").T, h @ w("ffn_up.weight").T
-            if gemma:
-                act = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
-                x = x + rms((act * up) @ w("ffn_down.weight").T, w("post_ffw_norm.weight"))
-            else:
-                x = x + (gate / (1 + np.exp(-gate)) * up) @ w("ffn_down.weight").T
+        sequences.append(ids)
+    xs = [embedding[ids] * (np.sqrt(embedding.shape[1]) if gemma else 1.0) for ids in sequences]
+    for layer in range(layers):
+        weights = {}
+
+        def w(name):
+            if name not in weights:
+                weights[name] = load(f"blk.{layer}.{name}")
+            return weights[name]
+
+        xs = [block(x, layer, w) for x in xs]
+    for x in xs:
         logits = output @ rms(x[-1], tensors["output_norm.weight"])
         if final_cap is not None:
             logits = final_cap * np.tanh(logits / final_cap)
