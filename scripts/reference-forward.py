@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A float64 forward pass of a GGUF decoder (llama and Mixtral, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3), written from the architectures' definitions in
+"""A float64 forward pass of a GGUF decoder (llama and Mixtral, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3), written from the architectures' definitions in
 numpy: the arbiter when nightshift and llama.cpp disagree, and the tight check of nightshift's arithmetic (llama.cpp,
 with an f16 KV cache and other rounding, is 5e-5 to 2e-4 of the largest logit from it on one F32 layer).
 
@@ -21,7 +21,7 @@ def main():
     reader = GGUFReader(sys.argv[1])
     fields = reader.fields
     arch = bytes(fields["general.architecture"].parts[-1]).decode()
-    if arch not in ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3"):
+    if arch not in ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3"):
         sys.exit(f"error: architecture {arch} is not computed here")
 
     def meta(key, default=None):
@@ -89,11 +89,13 @@ def main():
         a, b = x[..., : dim // 2], x[..., dim // 2 :]
         return np.concatenate([a * cos - b * sin, a * sin + b * cos, rest], axis=-1)
 
-    # A mixture of experts (Hugging Face's MixtralSparseMoeBlock and Qwen3MoeSparseMoeBlock): the softmax of the
-    # router's logits, the `expert_used_count` most probable experts, their probabilities renormalized (both
-    # families; `expert_weights_norm` false turns it off), each expert's SwiGLU weighted by its probability.
+    # A mixture of experts (Hugging Face's MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock and Qwen2MoeSparseMoeBlock):
+    # the softmax of the router's logits, the `expert_used_count` most probable experts, their probabilities
+    # renormalized (Mixtral and Qwen3-MoE; not Qwen2-MoE; `expert_weights_norm` decides where a file has it), each
+    # expert's SwiGLU weighted by its probability; Qwen2-MoE adds a shared expert's SwiGLU on every token, weighted by
+    # the sigmoid of its gate's logit.
     used = meta("expert_used_count")
-    normalize = meta("expert_weights_norm", True)
+    normalize = meta("expert_weights_norm", arch != "qwen2moe")
 
     def experts(h, w):
         logits = h @ w("ffn_gate_inp.weight").T
@@ -107,6 +109,10 @@ def main():
             for e, p in zip(chosen, weights):
                 gate, up = gates[e] @ h[t], ups[e] @ h[t]
                 out[t] += p * (downs[e] @ (gate / (1 + np.exp(-gate)) * up))
+        if w("ffn_gate_inp_shexp.weight") is not None:
+            weight = 1 / (1 + np.exp(-(h @ w("ffn_gate_inp_shexp.weight"))))
+            gate, up = h @ w("ffn_gate_shexp.weight").T, h @ w("ffn_up_shexp.weight").T
+            out += weight[:, None] * ((gate / (1 + np.exp(-gate)) * up) @ w("ffn_down_shexp.weight").T)
         return out
 
     def block(x, layer, w):

@@ -54,6 +54,9 @@ pub enum Family {
     Mixtral,
     /// Qwen3-MoE: Qwen3's layers with a mixture of experts (`mlp.experts`), `norm_topk_prob` on.
     Qwen3Moe,
+    /// Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's layers (q, k and v biases) with a mixture of experts,
+    /// `norm_topk_prob` off, and a shared expert every token computes, gated by a sigmoid (`mlp.shared_expert`).
+    Qwen2Moe,
 }
 
 impl Family {
@@ -68,12 +71,18 @@ impl Family {
             Family::Phi3 => "phi3",
             Family::Mixtral => "mixtral",
             Family::Qwen3Moe => "qwen3_moe",
+            Family::Qwen2Moe => "qwen2_moe",
         }
     }
 
     /// Gemma's, whose RMSNorm weights are stored as `w` for `1 + w`.
     pub fn is_gemma(self) -> bool {
         matches!(self, Family::Gemma2 | Family::Gemma3)
+    }
+
+    /// Whether the family has q, k and v biases (Qwen2's).
+    fn qkv_bias(self) -> bool {
+        matches!(self, Family::Qwen2 | Family::Qwen2Moe)
     }
 
     /// Whether the family has per-head q/k norms.
@@ -92,6 +101,7 @@ impl Family {
             Family::Phi3 => "Phi3ForCausalLM",
             Family::Mixtral => "MixtralForCausalLM",
             Family::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Family::Qwen2Moe => "Qwen2MoeForCausalLM",
         }
     }
 }
@@ -138,6 +148,8 @@ pub struct MoeShape {
     pub experts: usize,
     pub used: usize,
     pub intermediate: usize,
+    /// A shared expert's width (Qwen2-MoE).
+    pub shared: Option<usize>,
 }
 
 /// Shapes of published models, by name.
@@ -334,7 +346,7 @@ pub const SHAPES: &[Shape] = &[
         rope_scaling: None,
         tied: false,
         sliding_window: None,
-        moe: Some(MoeShape { experts: 128, used: 8, intermediate: 384 }),
+        moe: Some(MoeShape { experts: 128, used: 8, intermediate: 384, shared: None }),
         rotary_dim: None,
     },
     // mistralai/Mixtral-8x7B-Instruct-v0.1's experts (8, 2 per token) and heads (of 128, four query heads per key/value
@@ -354,7 +366,7 @@ pub const SHAPES: &[Shape] = &[
         rope_scaling: None,
         tied: false,
         sliding_window: None,
-        moe: Some(MoeShape { experts: 8, used: 2, intermediate: 3584 }),
+        moe: Some(MoeShape { experts: 8, used: 2, intermediate: 3584, shared: None }),
         rotary_dim: None,
     },
 ];
@@ -370,11 +382,11 @@ impl Shape {
     /// Parameters, embeddings included (once when tied), biases and q/k norms included.
     pub fn parameters(&self) -> usize {
         let (d, q, kv) = (self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim);
-        let biases = if self.family == Family::Qwen2 { q + 2 * kv } else { 0 };
+        let biases = if self.family.qkv_bias() { q + 2 * kv } else { 0 };
         let qk_norms = if self.family.qk_norm() { 2 * self.head_dim } else { 0 };
         let post_norms = if self.family.is_gemma() { 2 * d } else { 0 };
         let ffn = match self.moe {
-            Some(m) => m.experts * (3 * d * m.intermediate + d),
+            Some(m) => m.experts * (3 * d * m.intermediate + d) + m.shared.map_or(0, |s| 3 * d * s + d),
             None => 3 * d * self.intermediate,
         };
         let layer = 2 * d * q + 2 * d * kv + ffn + 2 * d + biases + qk_norms + post_norms;
@@ -620,7 +632,7 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
         tensors.insert(format!("{p}.self_attn.k_proj.weight"), draw.matrix(kv, d, qk_gain)?);
         tensors.insert(format!("{p}.self_attn.v_proj.weight"), draw.matrix(kv, d, 1.0)?);
         tensors.insert(format!("{p}.self_attn.o_proj.weight"), draw.matrix(d, q, 1.0)?);
-        if shape.family == Family::Qwen2 {
+        if shape.family.qkv_bias() {
             tensors.insert(format!("{p}.self_attn.q_proj.bias"), draw.bias(q)?);
             tensors.insert(format!("{p}.self_attn.k_proj.bias"), draw.bias(kv)?);
             tensors.insert(format!("{p}.self_attn.v_proj.bias"), draw.bias(kv)?);
@@ -649,6 +661,13 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
                     tensors.insert(format!("{p}.{gate}"), draw.matrix(moe.intermediate, d, 1.0)?);
                     tensors.insert(format!("{p}.{up}"), draw.matrix(moe.intermediate, d, 1.0)?);
                     tensors.insert(format!("{p}.{down}"), draw.matrix(d, moe.intermediate, 1.0)?);
+                }
+                // Qwen2-MoE's shared expert and its gate (one row: a logit whose sigmoid weighs the expert).
+                if let Some(width) = moe.shared {
+                    tensors.insert(format!("{p}.mlp.shared_expert.gate_proj.weight"), draw.matrix(width, d, 1.0)?);
+                    tensors.insert(format!("{p}.mlp.shared_expert.up_proj.weight"), draw.matrix(width, d, 1.0)?);
+                    tensors.insert(format!("{p}.mlp.shared_expert.down_proj.weight"), draw.matrix(d, width, 1.0)?);
+                    tensors.insert(format!("{p}.mlp.shared_expert_gate.weight"), draw.matrix(1, d, 1.0)?);
                 }
             }
             None => {
@@ -727,10 +746,16 @@ pub fn synth_gguf(dir: &Path, quant: GgmlDType, tokenizer: Option<&GgufTokenizer
         Some("phi3") => Family::Phi3,
         Some("mixtral") => Family::Mixtral,
         Some("qwen3_moe") => Family::Qwen3Moe,
+        Some("qwen2_moe") => Family::Qwen2Moe,
         _ => Family::Llama,
     };
     let moe = match (get("num_local_experts").or_else(|_| get("num_experts")), get("num_experts_per_tok")) {
-        (Ok(experts), Ok(used)) => Some(MoeShape { experts, used, intermediate: get("moe_intermediate_size").or_else(|_| get("intermediate_size"))? }),
+        (Ok(experts), Ok(used)) => Some(MoeShape {
+            experts,
+            used,
+            intermediate: get("moe_intermediate_size").or_else(|_| get("intermediate_size"))?,
+            shared: get("shared_expert_intermediate_size").ok(),
+        }),
         _ => None,
     };
     let shape = Shape {
@@ -800,6 +825,7 @@ fn gguf_architecture(family: Family) -> &'static str {
         Family::Phi3 => "phi3",
         Family::Mixtral => "llama",
         Family::Qwen3Moe => "qwen3moe",
+        Family::Qwen2Moe => "qwen2moe",
     }
 }
 
@@ -960,6 +986,14 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
                     let parts = (0..moe.experts).map(|e| tensor(&p(&format!("{}.weight", name.replace("{e}", &e.to_string()))))).collect::<Result<Vec<_>, _>>()?;
                     dense.push((b(gguf), Tensor::stack(&parts, 0).map_err(|e| fail(&e))?, quant));
                 }
+                // Qwen2-MoE's shared expert (`*_shexp`), its gate a vector in F32 (llama.cpp's `{n_embd}`).
+                if moe.shared.is_some() {
+                    for (name, gguf) in [("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"), ("down_proj", "ffn_down_shexp")] {
+                        dense.push((b(gguf), tensor(&p(&format!("mlp.shared_expert.{name}.weight")))?, quant));
+                    }
+                    let gate = tensor(&p("mlp.shared_expert_gate.weight"))?.flatten_all().map_err(|e| fail(&e))?;
+                    dense.push((b("ffn_gate_inp_shexp"), gate, GgmlDType::F32));
+                }
             }
             None if shape.family == Family::Phi3 => dense.push((b("ffn_down"), tensor(&p("mlp.down_proj.weight"))?, quant)),
             None => {
@@ -1010,8 +1044,11 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
     if let Some(moe) = shape.moe {
         metadata.push((a("expert_count"), u32_of(moe.experts)));
         metadata.push((a("expert_used_count"), u32_of(moe.used)));
-        if shape.family == Family::Qwen3Moe {
+        if matches!(shape.family, Family::Qwen3Moe | Family::Qwen2Moe) {
             metadata.push((a("expert_feed_forward_length"), u32_of(moe.intermediate)));
+        }
+        if let Some(width) = moe.shared {
+            metadata.push((a("expert_shared_feed_forward_length"), u32_of(width)));
         }
     }
     if shape.head_dim * shape.heads != shape.hidden || matches!(shape.family, Family::Qwen3 | Family::Qwen3Moe) || gemma {
@@ -1101,7 +1138,7 @@ pub fn write_hf(dir: &Path, spec: &Spec) -> Result<u64, Error> {
     match shape.family {
         Family::Llama => {}
         Family::Mistral => config["sliding_window"] = shape.context.into(),
-        Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => {
+        Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::Qwen2Moe => {
             config["sliding_window"] = shape.context.into();
             config["use_sliding_window"] = false.into();
             config["max_window_layers"] = shape.layers.into();
@@ -1132,11 +1169,14 @@ pub fn write_hf(dir: &Path, spec: &Spec) -> Result<u64, Error> {
         }
         config[key] = moe.experts.into();
         config["num_experts_per_tok"] = moe.used.into();
-        if shape.family == Family::Qwen3Moe {
+        if matches!(shape.family, Family::Qwen3Moe | Family::Qwen2Moe) {
             config["moe_intermediate_size"] = moe.intermediate.into();
-            config["norm_topk_prob"] = true.into();
+            config["norm_topk_prob"] = (shape.family == Family::Qwen3Moe).into();
             config["decoder_sparse_step"] = 1.into();
             config["mlp_only_layers"] = json!([]);
+        }
+        if let Some(width) = moe.shared {
+            config["shared_expert_intermediate_size"] = width.into();
         }
         config["output_router_logits"] = false.into();
     }
@@ -1219,9 +1259,11 @@ mod tests {
             (Family::Phi3, 32, false),
             (Family::Mixtral, 32, false),
             (Family::Qwen3Moe, 40, false),
+            (Family::Qwen2Moe, 32, false),
         ];
         for (family, head_dim, tied) in families {
-            let moe = matches!(family, Family::Mixtral | Family::Qwen3Moe).then_some(MoeShape { experts: 4, used: 2, intermediate: 64 });
+            let shared = (family == Family::Qwen2Moe).then_some(96);
+            let moe = matches!(family, Family::Mixtral | Family::Qwen3Moe | Family::Qwen2Moe).then_some(MoeShape { experts: 4, used: 2, intermediate: 64, shared });
             let shape = Shape { family, head_dim, tied, moe, ..tiny };
             for init in [Init::Hf, Init::Peaked, Init::Fidelity] {
                 let spec = Spec { init, ..Spec::new(&shape, DType::F32, 1) };

@@ -89,7 +89,7 @@ fn choice_gap(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 
 /// The families nightshift reads from GGUF, as the tests write them: (family, head size, tied embeddings). qwen3's
 /// and gemma3's heads are wider than hidden / heads.
-pub(super) const FAMILIES: [(Family, usize, bool); 8] = [
+pub(super) const FAMILIES: [(Family, usize, bool); 9] = [
     (Family::Llama, 16, false),
     (Family::Qwen2, 16, true),
     (Family::Qwen3, 24, true),
@@ -98,6 +98,7 @@ pub(super) const FAMILIES: [(Family, usize, bool); 8] = [
     (Family::Phi3, 16, false),
     (Family::Mixtral, 16, false),
     (Family::Qwen3Moe, 24, false),
+    (Family::Qwen2Moe, 16, false),
 ];
 
 /// The global RoPE base the tests' models have: Gemma 3's local layers have their own, 10,000.
@@ -126,8 +127,10 @@ pub(super) fn spec(family: Family, head_dim: usize, tied: bool, rope_theta: u32)
         sliding_window: family.is_gemma().then_some(16),
         // Mixtral's 8 experts, 2 per token; Qwen3-MoE's many (16 here), 4 per token, narrower than the dense width.
         moe: match family {
-            Family::Mixtral => Some(MoeShape { experts: 8, used: 2, intermediate: 128 }),
-            Family::Qwen3Moe => Some(MoeShape { experts: 16, used: 4, intermediate: 64 }),
+            Family::Mixtral => Some(MoeShape { experts: 8, used: 2, intermediate: 128, shared: None }),
+            Family::Qwen3Moe => Some(MoeShape { experts: 16, used: 4, intermediate: 64, shared: None }),
+            // Qwen2-MoE's 60 experts and 4 per token in small, and a shared expert four times an expert's width.
+            Family::Qwen2Moe => Some(MoeShape { experts: 12, used: 4, intermediate: 32, shared: Some(128) }),
             _ => None,
         },
         rotary_dim: None,
@@ -177,7 +180,7 @@ fn gguf_families_compute_what_llama_cpp_computes() {
             // The argmax agrees; for Gemma, whose tiny Gemma 3 Q8_0 has a near-tie (1.6 % of the largest logit), a
             // choice within the tolerance of llama.cpp's top logit passes too; for the mixtures of experts (the tiny
             // Mixtral Q8_0 has one at 0.23 %), a choice closer to llama.cpp's than the largest difference measured.
-            let moe = matches!(family, Family::Mixtral | Family::Qwen3Moe);
+            let moe = matches!(family, Family::Mixtral | Family::Qwen3Moe | Family::Qwen2Moe);
             let agrees = same || (family.is_gemma() && gap <= tolerance) || (moe && gap <= diff);
             assert!(diff <= tolerance && agrees, "{family:?} {quant:?}: largest difference {diff} of the largest logit, argmax agrees: {same} (else within {gap})");
         }
@@ -252,8 +255,9 @@ fn gemma_computed_without_one_of_its_operations_is_caught() {
 }
 
 /// The comparison with llama.cpp catches a mixture of experts computed wrongly: nightshift computing a copy of the
-/// file without renormalizing the chosen experts' weights (`expert_weights_norm` false), or routing each token to
-/// one expert more than the file says, against llama.cpp on the file itself. Measured: 4.6e-2 to 6.8e-2 of the
+/// file without renormalizing the chosen experts' weights (`expert_weights_norm` false; for Qwen2-MoE, which does not
+/// renormalize, true), or routing each token to one expert more than the file says, against llama.cpp on the file
+/// itself. Measured: 4.6e-2 to 6.8e-2 of the
 /// largest logit, against 3e-4 to 4.5e-4 for the file as written.
 #[test]
 fn a_mixture_of_experts_computed_wrongly_is_caught() {
@@ -261,11 +265,13 @@ fn a_mixture_of_experts_computed_wrongly_is_caught() {
     let Some(peer) = llama_peer() else { return };
     let dir = crate::support::scratch("moe-broken-variants");
     let seqs = sequences();
-    let cases: [(Family, &str, Value); 4] = [
+    let cases: [(Family, &str, Value); 5] = [
         (Family::Mixtral, "llama.expert_weights_norm", Value::Bool(false)),
         (Family::Mixtral, "llama.expert_used_count", Value::U32(3)),
         (Family::Qwen3Moe, "qwen3moe.expert_weights_norm", Value::Bool(false)),
         (Family::Qwen3Moe, "qwen3moe.expert_used_count", Value::U32(5)),
+        // Qwen2-MoE's weights renormalized, which its family does not do.
+        (Family::Qwen2Moe, "qwen2moe.expert_weights_norm", Value::Bool(true)),
     ];
     for (family, key, off) in cases {
         let head_dim = if family == Family::Qwen3Moe { 24 } else { 16 };
@@ -399,7 +405,7 @@ fn partial_rotary_computes_what_llama_cpp_computes() {
 fn gemma_phi3_and_moe_safetensors_and_gguf_copies_agree() {
     let dir = crate::support::scratch("gemma-hf-gguf");
     let seqs = sequences();
-    for (family, head_dim, tied) in FAMILIES.into_iter().filter(|f| f.0.is_gemma() || matches!(f.0, Family::Phi3 | Family::Mixtral | Family::Qwen3Moe)) {
+    for (family, head_dim, tied) in FAMILIES.into_iter().filter(|f| f.0.is_gemma() || matches!(f.0, Family::Phi3 | Family::Mixtral | Family::Qwen3Moe | Family::Qwen2Moe)) {
         for dtype in [DType::F32, DType::BF16] {
             let mut spec = Spec { dtype, ..spec(family, head_dim, tied, rope_theta(family)) };
             if family == Family::Phi3 {

@@ -71,10 +71,13 @@ pub enum HfVariant {
     Mixtral,
     /// `qwen3_moe`: q/k norms, `head_dim` 40, 16 experts of 64, 4 per token, `norm_topk_prob`; bf16.
     Qwen3Moe,
+    /// `qwen2_moe`: q, k and v biases, 8 experts of 64, 2 per token, not renormalized, a shared expert of 128 gated
+    /// by a sigmoid; f32.
+    Qwen2Moe,
 }
 
 impl HfVariant {
-    pub const ALL: [HfVariant; 11] = [
+    pub const ALL: [HfVariant; 12] = [
         HfVariant::Llama3,
         HfVariant::SmolLm,
         HfVariant::Mistral,
@@ -86,6 +89,7 @@ impl HfVariant {
         HfVariant::Phi4Mini,
         HfVariant::Mixtral,
         HfVariant::Qwen3Moe,
+        HfVariant::Qwen2Moe,
     ];
 }
 
@@ -122,9 +126,12 @@ pub fn write_tiny_hf_model(dir: &Path, variant: HfVariant) {
         HfVariant::Gemma2 => (Shape { family: Family::Gemma2, tied: true, sliding_window: Some(16), ..base }, DType::F32),
         HfVariant::Phi3 => (Shape { family: Family::Phi3, ..base }, DType::F32),
         HfVariant::Phi4Mini => (Shape { family: Family::Phi3, tied: true, rotary_dim: Some(base.head_dim * 3 / 4), ..base }, DType::F32),
-        HfVariant::Mixtral => (Shape { family: Family::Mixtral, moe: Some(MoeShape { experts: 8, used: 2, intermediate: 128 }), ..base }, DType::F32),
+        HfVariant::Mixtral => (Shape { family: Family::Mixtral, moe: Some(MoeShape { experts: 8, used: 2, intermediate: 128, shared: None }), ..base }, DType::F32),
         HfVariant::Qwen3Moe => {
-            (Shape { family: Family::Qwen3Moe, head_dim: 40, moe: Some(MoeShape { experts: 16, used: 4, intermediate: 64 }), ..base }, DType::BF16)
+            (Shape { family: Family::Qwen3Moe, head_dim: 40, moe: Some(MoeShape { experts: 16, used: 4, intermediate: 64, shared: None }), ..base }, DType::BF16)
+        }
+        HfVariant::Qwen2Moe => {
+            (Shape { family: Family::Qwen2Moe, moe: Some(MoeShape { experts: 8, used: 2, intermediate: 64, shared: Some(128) }), ..base }, DType::F32)
         }
         HfVariant::Gemma3 => {
             (Shape { family: Family::Gemma3, layers: 6, head_dim: 40, tied: true, sliding_window: Some(16), rope_theta: 1_000_000, ..base }, DType::BF16)

@@ -1,7 +1,8 @@
-//! Mixture-of-experts feed-forward networks (Mixtral, Qwen3-MoE): a router scores every expert for each token, the
-//! `used` best (by softmax probability) compute the token's feed-forward network, and their outputs are summed,
-//! each weighted by its probability (renormalized over the chosen experts where the family does, as Mixtral and
-//! Qwen3-MoE do).
+//! Mixture-of-experts feed-forward networks (Mixtral, Qwen3-MoE, Qwen2-MoE): a router scores every expert for each
+//! token, the `used` best (by softmax probability) compute the token's feed-forward network, and their outputs are
+//! summed, each weighted by its probability (renormalized over the chosen experts where the family does, as Mixtral
+//! and Qwen3-MoE do). Qwen2-MoE adds a shared expert that every token computes, its output weighted by the sigmoid
+//! of its own one-row gate.
 //!
 //! The step's tokens are grouped by expert: each expert's SwiGLU runs once over the rows routed to it (on the CPU,
 //! one call of the quantized kernels per expert with its rows), never a dense pass over every expert. The router
@@ -29,6 +30,8 @@ pub struct MoeConfig {
     pub used: usize,
     /// Whether the chosen experts' probabilities are renormalized to sum to 1 (Mixtral, Qwen3-MoE).
     pub normalize: bool,
+    /// The shared expert's feed-forward width, where every token also computes one (Qwen2-MoE).
+    pub shared: Option<usize>,
 }
 
 impl MoeConfig {
@@ -37,13 +40,23 @@ impl MoeConfig {
         if experts == 0 || used == 0 || used > experts || experts > 1 << 12 {
             return Err(ModelError::Metadata(format!("{used} experts used of {experts}: a mixture of experts routes each token to between 1 and all of its experts (at most 4,096)")));
         }
-        Ok(MoeConfig { experts, used, normalize })
+        Ok(MoeConfig { experts, used, normalize, shared: None })
+    }
+
+    /// With a shared expert `width` wide (checked as the experts' widths are).
+    pub fn with_shared(mut self, width: usize) -> Result<MoeConfig, ModelError> {
+        if width == 0 || width > 1 << 20 {
+            return Err(ModelError::Metadata(format!("a shared expert {width} wide: its feed-forward width is between 1 and 1,048,576")));
+        }
+        self.shared = Some(width);
+        Ok(self)
     }
 
     /// One line for `validate` and the load log.
     pub fn describe(&self) -> String {
         let norm = if self.normalize { ", their weights renormalized" } else { "" };
-        format!("mixture of experts: {} of {} experts per token{norm}", self.used, self.experts)
+        let shared = self.shared.map(|w| format!(", and a shared expert {w} wide on every token, gated by a sigmoid")).unwrap_or_default();
+        format!("mixture of experts: {} of {} experts per token{norm}{shared}", self.used, self.experts)
     }
 }
 
@@ -88,23 +101,36 @@ pub(crate) struct Expert {
     pub down: Matrix,
 }
 
+/// A shared expert (Qwen2-MoE): computed for every token beside its routed experts, its output weighted by the
+/// sigmoid of its gate's logit (a router of one row).
+pub(crate) struct SharedExpert {
+    pub expert: Expert,
+    pub gate: Router,
+}
+
 /// A layer's experts, their router, and what they computed.
 pub(crate) struct Experts {
     pub router: Router,
     pub experts: Vec<Expert>,
     pub used: usize,
     pub normalize: bool,
+    pub shared: Option<SharedExpert>,
     pub routing: Routing,
 }
 
 impl Experts {
     pub fn new(router: Router, experts: Vec<Expert>, config: &MoeConfig) -> Experts {
         let routing = Routing::new(experts.len());
-        Experts { router, experts, used: config.used, normalize: config.normalize, routing }
+        Experts { router, experts, used: config.used, normalize: config.normalize, shared: None, routing }
+    }
+
+    pub fn with_shared(mut self, shared: SharedExpert) -> Experts {
+        self.shared = Some(shared);
+        self
     }
 
     pub fn matrices(&self) -> impl Iterator<Item = &Matrix> {
-        self.experts.iter().flat_map(|e| [&e.gate, &e.up, &e.down])
+        self.experts.iter().chain(self.shared.as_ref().map(|s| &s.expert)).flat_map(|e| [&e.gate, &e.up, &e.down])
     }
 }
 
@@ -190,6 +216,16 @@ pub(crate) fn run<L: Lane>(lane: &L, moe: &Experts, h: &L::X) -> candle_core::Re
         let y = lane.gated_ffn(&x, &expert.gate, &expert.up, &expert.down, Activation::Silu)?;
         in_ffn += ffn.elapsed();
         out = lane.scatter_add(out, &y, rows, weights)?;
+    }
+    // The shared expert over every row, weighted by sigmoid(gate . h) (llama.cpp's `silu(x) / x`, the same function).
+    if let Some(shared) = &moe.shared {
+        let weights: Vec<f32> = lane.router_logits(h, &shared.gate)?.into_iter().map(|x| 1.0 / (1.0 + (-x).exp())).collect();
+        let rows: Vec<u32> = (0..weights.len() as u32).collect();
+        let ffn = std::time::Instant::now();
+        let e = &shared.expert;
+        let y = lane.gated_ffn(h, &e.gate, &e.up, &e.down, Activation::Silu)?;
+        in_ffn += ffn.elapsed();
+        out = lane.scatter_add(out, &y, &rows, &weights)?;
     }
     routing.nanos.fetch_add(started.elapsed().saturating_sub(in_ffn).as_nanos() as u64, Ordering::Relaxed);
     Ok(out)

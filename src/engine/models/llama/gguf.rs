@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use super::layers::{vectors, Ffn};
-use crate::engine::models::moe::{Expert, Experts, Router};
+use crate::engine::models::moe::{Expert, Experts, Router, SharedExpert};
 use super::{Layer, Model, ModelConfig, ModelInfo, Weights, MAX_CONTEXT};
 use crate::engine::models::gemma::{GemmaConfig, PostNorms};
 use crate::engine::models::lanes::Vector;
@@ -195,9 +195,13 @@ struct Architecture {
     /// (Phi-4-mini; Gemma's builds take it too); llama.cpp's llama, qwen2 and qwen3 builds assert whole heads, so
     /// nightshift refuses such a file there as well.
     partial_rotary: bool,
+    /// Qwen2-MoE's shared expert in every layer beside the routed ones (`ffn_{gate,up,down}_shexp`, gated by
+    /// `ffn_gate_inp_shexp`), its routed experts' weights not renormalized (llama.cpp's `build_moe_ffn` call).
+    shared_experts: bool,
 }
 
-const LLAMA: Architecture = Architecture { name: "llama", halves: false, qkv_bias: false, qk_norm: false, gemma: None, phi3: false, experts: false, partial_rotary: false };
+const LLAMA: Architecture =
+    Architecture { name: "llama", halves: false, qkv_bias: false, qk_norm: false, gemma: None, phi3: false, experts: false, partial_rotary: false, shared_experts: false };
 
 /// The GGUF architectures nightshift computes.
 const ARCHITECTURES: &[Architecture] = &[
@@ -208,6 +212,7 @@ const ARCHITECTURES: &[Architecture] = &[
     Architecture { name: "gemma3", halves: true, qk_norm: true, gemma: Some(3), partial_rotary: true, ..LLAMA },
     Architecture { name: "phi3", halves: true, phi3: true, partial_rotary: true, ..LLAMA },
     Architecture { name: "qwen3moe", halves: true, qk_norm: true, experts: true, ..LLAMA },
+    Architecture { name: "qwen2moe", halves: true, qkv_bias: true, experts: true, shared_experts: true, ..LLAMA },
 ];
 
 impl Architecture {
@@ -223,7 +228,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         .map_err(|_| ModelError::Metadata("`general.architecture` is not a string".into()))?
         .clone();
     if !ARCHITECTURES.iter().any(|a| a.name == architecture) {
-        return Err(ModelError::Architecture { name: architecture, supported: "llama (Llama 2 and 3, Mistral, Mixtral, SmolLM, ...), qwen2, qwen3, qwen3moe, gemma2, gemma3 and phi3 in GGUF files" });
+        return Err(ModelError::Architecture { name: architecture, supported: "llama (Llama 2 and 3, Mistral, Mixtral, SmolLM, ...), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 and phi3 in GGUF files" });
     }
     let a = |k: &str| format!("{architecture}.{k}");
     let hidden_size = meta_usize(content, &a("embedding_length"))?;
@@ -343,7 +348,14 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         None => None,
         Some(experts) => {
             let used = meta_usize(content, &a("expert_used_count"))?;
-            Some(crate::engine::models::moe::MoeConfig::new(experts, used, meta_bool(content, &a("expert_weights_norm")).unwrap_or(true))?)
+            let normalize = meta_bool(content, &a("expert_weights_norm")).unwrap_or(!arch.shared_experts);
+            let moe = crate::engine::models::moe::MoeConfig::new(experts, used, normalize)?;
+            // Qwen2-MoE's shared expert, `expert_shared_feed_forward_length` wide (llama.cpp's default: the
+            // dense width).
+            match arch.shared_experts {
+                true => Some(moe.with_shared(meta_usize(content, &a("expert_shared_feed_forward_length")).or_else(|_| meta_usize(content, &a("feed_forward_length")))?)?),
+                false => Some(moe),
+            }
         }
     };
     // (Qwen3-MoE without `expert_feed_forward_length`: `feed_forward_length / expert_used_count`, as llama.cpp.)
@@ -656,6 +668,12 @@ fn expected_tensors(content: &Content, config: &ModelConfig) -> Vec<(String, Vec
                 need("ffn_gate_exps.weight", vec![e, f, d], true);
                 need("ffn_up_exps.weight", vec![e, f, d], true);
                 need("ffn_down_exps.weight", vec![e, d, f], true);
+                if let Some(s) = moe.shared {
+                    need("ffn_gate_inp_shexp.weight", vec![d], true);
+                    need("ffn_gate_shexp.weight", vec![s, d], true);
+                    need("ffn_up_shexp.weight", vec![s, d], true);
+                    need("ffn_down_shexp.weight", vec![d, s], true);
+                }
             }
             (None, true) => need("ffn_up.weight", vec![2 * f, d], true),
             (None, false) => {
@@ -750,7 +768,7 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
     // then ups, then downs).
     let moe = config.moe.clone();
     let per_layer = match &moe {
-        Some(m) => 4 + 3 * m.experts,
+        Some(m) => 4 + 3 * m.experts + if m.shared.is_some() { 3 } else { 0 },
         None => shapes.len(),
     };
     let mut raw = Vec::with_capacity(config.layers * per_layer);
@@ -794,6 +812,12 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
             };
             raw.push((t, pad));
         }
+        // Qwen2-MoE's shared expert: gate, up and down, after the routed experts'.
+        if let Some(s) = moe.as_ref().and_then(|m| m.shared) {
+            for (suffix, pad) in [("ffn_gate_shexp", [s, width]), ("ffn_up_shexp", [s, width]), ("ffn_down_shexp", [width, s])] {
+                raw.push((qtensor(&format!("blk.{i}.{suffix}.weight"))?, pad));
+            }
+        }
     }
     let laid_out: Vec<Matrix> = raw
         .into_par_iter()
@@ -819,7 +843,21 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
                     .and_then(|w| w.to_device(device))
                     .and_then(|w| Router::new(w, embedding.dtype()))
                     .map_err(fmt)?;
-                Ffn::Experts(Box::new(Experts::new(router, experts, m)))
+                let experts = Experts::new(router, experts, m);
+                match m.shared {
+                    None => Ffn::Experts(Box::new(experts)),
+                    Some(_) => {
+                        let expert = Expert { gate: next(), up: next(), down: next() };
+                        // Its gate `[d]` as a router of one row, in f32 as stored.
+                        let gate = read(&format!("blk.{i}.ffn_gate_inp_shexp.weight"), &Device::Cpu)?
+                            .dequantize(&Device::Cpu)
+                            .and_then(|w| w.reshape((1, d))?.pad_with_zeros(1, 0, width - d))
+                            .and_then(|w| w.to_device(device))
+                            .and_then(|w| Router::new(w, embedding.dtype()))
+                            .map_err(fmt)?;
+                        Ffn::Experts(Box::new(experts.with_shared(SharedExpert { expert, gate })))
+                    }
+                }
             }
         };
         let norm = |suffix: &str| -> Result<Tensor, ModelError> {

@@ -10,10 +10,11 @@
 //! - `qwen2`: biases on q, k and v.
 //! - `qwen3`: per-head RMSNorm of queries and keys before RoPE; `head_dim` must be given.
 //! - `phi3`: fused `qkv_proj` and `gate_up_proj`; its window over every layer; LongRoPE (`rope_scaling` of type
-//!   `longrope` or `su`, [`long_rope`]).
-//! - `mixtral` and `qwen3_moe` ([`crate::engine::models::moe`]): Mistral's and Qwen3's layers with a mixture of
-//!   SwiGLU experts in place of the feed-forward network (`num_local_experts` or `num_experts`,
-//!   `num_experts_per_tok`; Qwen3-MoE's `moe_intermediate_size` and `norm_topk_prob`).
+//!   `longrope` or `su`, [`long_rope`]); partial rotary (`partial_rotary_factor`, Phi-4-mini).
+//! - `mixtral`, `qwen3_moe` and `qwen2_moe` ([`crate::engine::models::moe`]): Mistral's, Qwen3's and Qwen2's layers
+//!   with a mixture of SwiGLU experts in place of the feed-forward network (`num_local_experts` or `num_experts`,
+//!   `num_experts_per_tok`; the Qwens' `moe_intermediate_size` and `norm_topk_prob`; Qwen2-MoE's shared expert,
+//!   `shared_expert_intermediate_size` wide, and its sigmoid gate).
 //! - `gemma2` and `gemma3_text` ([`crate::engine::models::gemma`]): RMSNorm weights stored as `w` for `1 + w` (the
 //!   one added at load, in f32, before the weights take the compute dtype), norms after attention and the
 //!   feed-forward network (`post_attention_layernorm` is the first; `pre_feedforward_layernorm` the norm before the
@@ -49,7 +50,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::layers::{vectors, Ffn};
-use crate::engine::models::moe::{Expert, Experts, Router};
+use crate::engine::models::moe::{Expert, Experts, Router, SharedExpert};
 use super::{Layer, Model, ModelConfig, ModelInfo, RopeScaling, Weights, MAX_CONTEXT};
 use crate::engine::models::gemma::{GemmaConfig, PostNorms};
 use crate::engine::models::Sliding;
@@ -129,6 +130,7 @@ struct HfConfig {
     moe_intermediate_size: Option<usize>,
     #[serde(default)]
     norm_topk_prob: Option<bool>,
+    shared_expert_intermediate_size: Option<usize>,
     #[serde(default)]
     decoder_sparse_step: Option<usize>,
     #[serde(default)]
@@ -146,6 +148,7 @@ enum Family {
     Phi3,
     Mixtral,
     Qwen3Moe,
+    Qwen2Moe,
 }
 
 impl Family {
@@ -160,6 +163,7 @@ impl Family {
             Family::Phi3 => "phi3",
             Family::Mixtral => "mixtral",
             Family::Qwen3Moe => "qwen3_moe",
+            Family::Qwen2Moe => "qwen2_moe",
         }
     }
 
@@ -182,6 +186,7 @@ impl Family {
             "phi3" => Some(Family::Phi3),
             "mixtral" => Some(Family::Mixtral),
             "qwen3_moe" => Some(Family::Qwen3Moe),
+            "qwen2_moe" => Some(Family::Qwen2Moe),
             _ => None,
         };
         let by_class = |c: &str| match c {
@@ -194,6 +199,7 @@ impl Family {
             "Phi3ForCausalLM" => Some(Family::Phi3),
             "MixtralForCausalLM" => Some(Family::Mixtral),
             "Qwen3MoeForCausalLM" => Some(Family::Qwen3Moe),
+            "Qwen2MoeForCausalLM" => Some(Family::Qwen2Moe),
             _ => None,
         };
         let class = config.architectures.as_ref().and_then(|a| a.first());
@@ -202,7 +208,7 @@ impl Family {
             (None, Some(c)) => by_class(c).ok_or_else(|| c.clone()),
             (None, None) => Err("none given".to_string()),
         };
-        found.map_err(|name| ModelError::Architecture { name, supported: "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text and phi3 in Hugging Face directories" })
+        found.map_err(|name| ModelError::Architecture { name, supported: "llama, mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe, gemma2, gemma3_text and phi3 in Hugging Face directories" })
     }
 }
 
@@ -226,7 +232,8 @@ struct Variant {
 enum ExpertNames {
     /// `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down).
     Mixtral,
-    /// `mlp.gate` and `mlp.experts.{e}.gate_proj`, `up_proj`, `down_proj`.
+    /// `mlp.gate` and `mlp.experts.{e}.gate_proj`, `up_proj`, `down_proj` (Qwen2-MoE's too, with its shared
+    /// expert's `mlp.shared_expert.{gate,up,down}_proj` and gate `mlp.shared_expert_gate`).
     Qwen3Moe,
 }
 
@@ -254,11 +261,11 @@ impl ExpertNames {
 fn moe_config(c: &HfConfig, family: Family) -> Result<Option<(crate::engine::models::moe::MoeConfig, usize)>, ModelError> {
     let (experts, size, normalize) = match family {
         Family::Mixtral => (c.num_local_experts, c.intermediate_size, true),
-        Family::Qwen3Moe => {
+        Family::Qwen3Moe | Family::Qwen2Moe => {
             if c.mlp_only_layers.as_ref().is_some_and(|l| !l.is_empty()) || c.decoder_sparse_step.is_some_and(|s| s != 1) {
                 return Err(invalid("dense layers among the experts' (`mlp_only_layers`, `decoder_sparse_step`) are not supported".into()));
             }
-            let size = c.moe_intermediate_size.ok_or_else(|| invalid("a qwen3_moe model must give `moe_intermediate_size`".into()))?;
+            let size = c.moe_intermediate_size.ok_or_else(|| invalid(format!("a {} model must give `moe_intermediate_size`", family.name())))?;
             (c.num_experts, size, c.norm_topk_prob.unwrap_or(false))
         }
         _ => return Ok(None),
@@ -269,6 +276,14 @@ fn moe_config(c: &HfConfig, family: Family) -> Result<Option<(crate::engine::mod
         return Err(invalid(format!("experts' feed-forward size {size} is outside 1..=1048576")));
     }
     let moe = crate::engine::models::moe::MoeConfig::new(experts, used, normalize).map_err(|e| invalid(e.to_string()))?;
+    // Qwen2-MoE's shared expert, `shared_expert_intermediate_size` wide.
+    let moe = match family {
+        Family::Qwen2Moe => {
+            let width = c.shared_expert_intermediate_size.ok_or_else(|| invalid("a qwen2_moe model must give `shared_expert_intermediate_size`".into()))?;
+            moe.with_shared(width).map_err(|e| invalid(e.to_string()))?
+        }
+        _ => moe,
+    };
     Ok(Some((moe, size)))
 }
 
@@ -411,7 +426,7 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
     // `int(head_dim * partial_rotary_factor)`.
     let rotary_dim = match c.partial_rotary_factor {
         None => head_dim,
-        Some(f) if f == 1.0 => head_dim,
+        Some(1.0) => head_dim,
         // Hugging Face's other families here rotate whole heads whatever the key says (or fail on it).
         Some(f) if family != Family::Phi3 => return Err(invalid(format!("`partial_rotary_factor` {f} is not supported for {}: it rotates whole heads", family.name()))),
         Some(f) if f.is_finite() && f > 0.0 && f <= 1.0 && ((head_dim as f64 * f) as usize).is_multiple_of(2) && (head_dim as f64 * f) as usize >= 2 => (head_dim as f64 * f) as usize,
@@ -438,7 +453,7 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
     // Sliding-window attention equals full attention over a context no longer than the window.
     let window = match family {
         Family::Mistral | Family::Mixtral => c.sliding_window,
-        Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => c.sliding_window.filter(|_| c.use_sliding_window == Some(true)),
+        Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::Qwen2Moe => c.sliding_window.filter(|_| c.use_sliding_window == Some(true)),
         Family::Llama | Family::Gemma2 | Family::Gemma3 | Family::Phi3 => None,
     };
     let mut context_length = c.max_position_embeddings;
@@ -455,7 +470,7 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
     }
     let attention_bias = c.attention_bias.unwrap_or(false);
     let variant = Variant {
-        qkv_bias: family == Family::Qwen2 || (attention_bias && family != Family::Mistral),
+        qkv_bias: matches!(family, Family::Qwen2 | Family::Qwen2Moe) || (attention_bias && family != Family::Mistral),
         wo_bias: attention_bias && matches!(family, Family::Llama | Family::Qwen3 | Family::Qwen3Moe),
         qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3),
         // Gemma's configuration classes tie by default.
@@ -464,7 +479,7 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         fused: family == Family::Phi3,
         experts: match family {
             Family::Mixtral => Some(ExpertNames::Mixtral),
-            Family::Qwen3Moe => Some(ExpertNames::Qwen3Moe),
+            Family::Qwen3Moe | Family::Qwen2Moe => Some(ExpertNames::Qwen3Moe),
             _ => None,
         },
     };
@@ -660,6 +675,12 @@ fn expected_tensors(c: &ModelConfig, v: Variant) -> Vec<(String, Vec<usize>)> {
                     add(&up, vec![f, d]);
                     add(&down, vec![d, f]);
                 }
+                if let Some(s) = moe.shared {
+                    add("mlp.shared_expert.gate_proj.weight", vec![s, d]);
+                    add("mlp.shared_expert.up_proj.weight", vec![s, d]);
+                    add("mlp.shared_expert.down_proj.weight", vec![d, s]);
+                    add("mlp.shared_expert_gate.weight", vec![1, d]);
+                }
             }
             _ if v.fused => {
                 add("mlp.gate_up_proj.weight", vec![2 * f, d]);
@@ -800,7 +821,17 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
                     .collect::<Result<_, ModelError>>()?;
                 let name = p(names.router());
                 let router = Router::new(shards.load(&name, device, DType::F32)?, dtype).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")))?;
-                Ffn::Experts(Box::new(Experts::new(router, experts, moe)))
+                let experts = Experts::new(router, experts, moe);
+                match moe.shared {
+                    None => Ffn::Experts(Box::new(experts)),
+                    Some(_) => {
+                        let [gate, up, down] = ["gate_proj", "up_proj", "down_proj"].map(|w| p(&format!("mlp.shared_expert.{w}.weight")));
+                        let expert = Expert { gate: dense(load(&gate)?), up: dense(load(&up)?), down: dense(load(&down)?) };
+                        let name = p("mlp.shared_expert_gate.weight");
+                        let gate = Router::new(shards.load(&name, device, DType::F32)?, dtype).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")))?;
+                        Ffn::Experts(Box::new(experts.with_shared(SharedExpert { expert, gate })))
+                    }
+                }
             }
             _ if variant.fused => {
                 let gate_up = p("mlp.gate_up_proj.weight");
