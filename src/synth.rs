@@ -369,6 +369,28 @@ pub const SHAPES: &[Shape] = &[
         moe: Some(MoeShape { experts: 8, used: 2, intermediate: 3584, shared: None }),
         rotary_dim: None,
     },
+    // Qwen/Qwen1.5-MoE-A2.7B's experts (60, 4 per token, and a shared one four experts wide) and heads (of 128, a
+    // key/value head per query head) at half its width (hidden 1,024, experts 704 and the shared expert 2,816 wide)
+    // and 4 of its 24 layers: 0.9 B parameters (0.3 B of them the embeddings and output projection of Qwen2's
+    // 151,936-token vocabulary), 0.4 B active per token.
+    Shape {
+        name: "qwen2-moe-reduced",
+        family: Family::Qwen2Moe,
+        hidden: 1024,
+        layers: 4,
+        heads: 8,
+        kv_heads: 8,
+        head_dim: 128,
+        intermediate: 2816,
+        vocab: 151936,
+        context: 8192,
+        rope_theta: 1000000,
+        rope_scaling: None,
+        tied: false,
+        sliding_window: None,
+        moe: Some(MoeShape { experts: 60, used: 4, intermediate: 704, shared: Some(2816) }),
+        rotary_dim: None,
+    },
 ];
 
 impl Shape {

@@ -35,7 +35,10 @@ pub fn print_synth(r: &crate::synth::SynthReport, dir: &std::path::Path) {
         s.heads,
         s.kv_heads,
         match s.moe {
-            Some(m) => format!("{} experts of {}, {} per token", m.experts, m.intermediate, m.used),
+            Some(m) => {
+                let shared = m.shared.map(|w| format!(", a shared expert of {w}")).unwrap_or_default();
+                format!("{} experts of {}, {} per token{shared}", m.experts, m.intermediate, m.used)
+            }
             None => format!("ffn {}", s.intermediate),
         },
         s.vocab,
