@@ -60,7 +60,8 @@ impl MoeConfig {
     }
 }
 
-/// The router: one row of weights per expert (`[experts, width]`), on the model's device in its dtype.
+/// The router: one row of weights per expert (`[experts, width]`, and a shared expert's gate as one row more), on the
+/// model's device in its dtype.
 pub struct Router {
     weights: Tensor,
 }
@@ -74,6 +75,11 @@ impl Router {
 
     pub fn bytes(&self) -> usize {
         self.weights.elem_count() * self.weights.dtype().size_in_bytes()
+    }
+
+    /// Rows of logits the router gives each token.
+    fn rows(&self) -> usize {
+        self.weights.dim(0).unwrap_or(0)
     }
 
     /// The router's logits for `x` (`[rows, width]` row-major f32) of an f32 model on the CPU: `[rows, experts]`,
@@ -101,20 +107,16 @@ pub(crate) struct Expert {
     pub down: Matrix,
 }
 
-/// A shared expert (Qwen2-MoE): computed for every token beside its routed experts, its output weighted by the
-/// sigmoid of its gate's logit (a router of one row).
-pub(crate) struct SharedExpert {
-    pub expert: Expert,
-    pub gate: Router,
-}
-
 /// A layer's experts, their router, and what they computed.
 pub(crate) struct Experts {
     pub router: Router,
     pub experts: Vec<Expert>,
     pub used: usize,
     pub normalize: bool,
-    pub shared: Option<SharedExpert>,
+    /// Qwen2-MoE's shared expert, computed for every token beside its routed experts, its output weighted by the
+    /// sigmoid of its gate's logit: the router's last row, so one product (and on a GPU one read-back) gives a
+    /// step's routing and gates together.
+    pub shared: Option<Expert>,
     pub routing: Routing,
 }
 
@@ -124,25 +126,30 @@ impl Experts {
         Experts { router, experts, used: config.used, normalize: config.normalize, shared: None, routing }
     }
 
-    pub fn with_shared(mut self, shared: SharedExpert) -> Experts {
-        self.shared = Some(shared);
-        self
+    /// With a shared expert, its gate `[1, width]` (any float dtype) appended to the router's rows.
+    pub fn with_shared(mut self, expert: Expert, gate: Tensor) -> candle_core::Result<Experts> {
+        let router = &self.router.weights;
+        let gate = gate.to_device(router.device())?.to_dtype(router.dtype())?;
+        self.router = Router { weights: Tensor::cat(&[router, &gate], 0)? };
+        self.shared = Some(expert);
+        Ok(self)
     }
 
     pub fn matrices(&self) -> impl Iterator<Item = &Matrix> {
-        self.experts.iter().chain(self.shared.as_ref().map(|s| &s.expert)).flat_map(|e| [&e.gate, &e.up, &e.down])
+        self.experts.iter().chain(&self.shared).flat_map(|e| [&e.gate, &e.up, &e.down])
     }
 }
 
-/// What the router chose for each of a step's tokens: `used` (expert, weight) pairs per token, by descending
+/// What the router chose for each of a step's tokens, from its logits `stride` to a token (the first `experts` of
+/// them the experts'): `used` (expert, weight) pairs per token, by descending
 /// probability (ties to the lower expert), as llama.cpp's `build_moe_ffn` with softmax gating: the softmax of
 /// the logits in f32 (its sum in f64), the top `used`, and with `normalize` each divided by their sum (at least
 /// 2^-14, as llama.cpp clamps it).
-pub(crate) fn route(logits: &[f32], experts: usize, used: usize, normalize: bool) -> Vec<(u32, f32)> {
-    let mut out = Vec::with_capacity(logits.len() / experts * used);
+pub(crate) fn route(logits: &[f32], stride: usize, experts: usize, used: usize, normalize: bool) -> Vec<(u32, f32)> {
+    let mut out = Vec::with_capacity(logits.len() / stride * used);
     let mut probs = vec![0f32; experts];
     let mut order: Vec<u32> = Vec::with_capacity(experts);
-    for row in logits.chunks_exact(experts) {
+    for row in logits.chunks_exact(stride).map(|r| &r[..experts]) {
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0f64;
         for (p, &l) in probs.iter_mut().zip(row) {
@@ -196,7 +203,8 @@ pub(crate) fn run<L: Lane>(lane: &L, moe: &Experts, h: &L::X) -> candle_core::Re
     let started = std::time::Instant::now();
     let experts = moe.experts.len();
     let logits = lane.router_logits(h, &moe.router)?;
-    let choices = route(&logits, experts, moe.used, moe.normalize);
+    let stride = moe.router.rows();
+    let choices = route(&logits, stride, experts, moe.used, moe.normalize);
     let mut groups: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); experts];
     for (token, chosen) in choices.chunks_exact(moe.used).enumerate() {
         for &(e, w) in chosen {
@@ -217,12 +225,12 @@ pub(crate) fn run<L: Lane>(lane: &L, moe: &Experts, h: &L::X) -> candle_core::Re
         in_ffn += ffn.elapsed();
         out = lane.scatter_add(out, &y, rows, weights)?;
     }
-    // The shared expert over every row, weighted by sigmoid(gate . h) (llama.cpp's `silu(x) / x`, the same function).
-    if let Some(shared) = &moe.shared {
-        let weights: Vec<f32> = lane.router_logits(h, &shared.gate)?.into_iter().map(|x| 1.0 / (1.0 + (-x).exp())).collect();
+    // The shared expert over every row, weighted by sigmoid(gate . h) (llama.cpp's `silu(x) / x`, the same function),
+    // the gate's logit the last of each token's.
+    if let Some(e) = &moe.shared {
+        let weights: Vec<f32> = logits.chunks_exact(stride).map(|r| 1.0 / (1.0 + (-r[experts]).exp())).collect();
         let rows: Vec<u32> = (0..weights.len() as u32).collect();
         let ffn = std::time::Instant::now();
-        let e = &shared.expert;
         let y = lane.gated_ffn(h, &e.gate, &e.up, &e.down, Activation::Silu)?;
         in_ffn += ffn.elapsed();
         out = lane.scatter_add(out, &y, &rows, &weights)?;
@@ -239,12 +247,12 @@ mod tests {
     #[test]
     fn routing_picks_the_most_probable_experts_and_weighs_them() {
         let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0, 0.0, 0.5, 0.25];
-        let chosen = route(&logits, 4, 2, true);
+        let chosen = route(&logits, 4, 4, 2, true);
         // Token 0: experts 1 and 3 tie at the top (the lower first), each weighing a half once renormalized.
         assert_eq!(chosen[..2].iter().map(|c| c.0).collect::<Vec<_>>(), [1, 3]);
         assert!((chosen[0].1 - 0.5).abs() < 1e-6 && (chosen[1].1 - 0.5).abs() < 1e-6);
         // Token 1: experts 2 and 3; unnormalized, their softmax probabilities.
-        let raw = route(&logits, 4, 2, false);
+        let raw = route(&logits, 4, 4, 2, false);
         let exps: Vec<f64> = logits[4..].iter().map(|&l| f64::from(l).exp()).collect();
         let total: f64 = exps.iter().sum();
         assert_eq!((raw[2].0, raw[3].0), (2, 3));
@@ -254,7 +262,7 @@ mod tests {
         assert!((f64::from(norm[0].1) - exps[2] / (exps[2] + exps[3])).abs() < 1e-6);
         assert!((norm[0].1 + norm[1].1 - 1.0).abs() < 1e-6);
         // A NaN logit neither panics nor wins.
-        let nan = route(&[f32::NAN, 1.0, 0.0, 2.0], 4, 1, true);
+        let nan = route(&[f32::NAN, 1.0, 0.0, 2.0], 4, 4, 1, true);
         assert_eq!(nan.len(), 1);
     }
 

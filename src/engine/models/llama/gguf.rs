@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use super::layers::{vectors, Ffn};
-use crate::engine::models::moe::{Expert, Experts, Router, SharedExpert};
+use crate::engine::models::moe::{Expert, Experts, Router};
 use super::{Layer, Model, ModelConfig, ModelInfo, Weights, MAX_CONTEXT};
 use crate::engine::models::gemma::{GemmaConfig, PostNorms};
 use crate::engine::models::lanes::Vector;
@@ -848,14 +848,12 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
                     None => Ffn::Experts(Box::new(experts)),
                     Some(_) => {
                         let expert = Expert { gate: next(), up: next(), down: next() };
-                        // Its gate `[d]` as a router of one row, in f32 as stored.
+                        // Its gate `[d]` as the router's last row, in f32 as stored.
                         let gate = read(&format!("blk.{i}.ffn_gate_inp_shexp.weight"), &Device::Cpu)?
                             .dequantize(&Device::Cpu)
                             .and_then(|w| w.reshape((1, d))?.pad_with_zeros(1, 0, width - d))
-                            .and_then(|w| w.to_device(device))
-                            .and_then(|w| Router::new(w, embedding.dtype()))
                             .map_err(fmt)?;
-                        Ffn::Experts(Box::new(experts.with_shared(SharedExpert { expert, gate })))
+                        Ffn::Experts(Box::new(experts.with_shared(expert, gate).map_err(fmt)?))
                     }
                 }
             }

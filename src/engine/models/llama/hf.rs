@@ -50,7 +50,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::layers::{vectors, Ffn};
-use crate::engine::models::moe::{Expert, Experts, Router, SharedExpert};
+use crate::engine::models::moe::{Expert, Experts, Router};
 use super::{Layer, Model, ModelConfig, ModelInfo, RopeScaling, Weights, MAX_CONTEXT};
 use crate::engine::models::gemma::{GemmaConfig, PostNorms};
 use crate::engine::models::Sliding;
@@ -828,8 +828,8 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
                         let [gate, up, down] = ["gate_proj", "up_proj", "down_proj"].map(|w| p(&format!("mlp.shared_expert.{w}.weight")));
                         let expert = Expert { gate: dense(load(&gate)?), up: dense(load(&up)?), down: dense(load(&down)?) };
                         let name = p("mlp.shared_expert_gate.weight");
-                        let gate = Router::new(shards.load(&name, device, DType::F32)?, dtype).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")))?;
-                        Ffn::Experts(Box::new(experts.with_shared(SharedExpert { expert, gate })))
+                        let experts = experts.with_shared(expert, shards.load(&name, device, DType::F32)?).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")))?;
+                        Ffn::Experts(Box::new(experts))
                     }
                 }
             }

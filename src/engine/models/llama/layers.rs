@@ -70,7 +70,7 @@ impl Layer {
     /// Its vectors' bytes (and a router's).
     pub fn vector_bytes(&self) -> usize {
         let router = match &self.ffn {
-            Ffn::Experts(experts) => experts.router.bytes() + experts.shared.as_ref().map_or(0, |s| s.gate.bytes()),
+            Ffn::Experts(experts) => experts.router.bytes(),
             Ffn::Dense { .. } => 0,
         };
         router + [&self.attn_norm, &self.ffn_norm].into_iter().chain(self.qkv_bias.iter().flatten()).chain(&self.wo_bias).chain(self.qk_norm.iter().flatten()).map(Vector::bytes).sum::<usize>()
