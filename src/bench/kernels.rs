@@ -23,22 +23,33 @@ pub struct KernelBenchOptions {
     pub contexts: Vec<usize>,
     /// Sequences in that decode step.
     pub seqs: usize,
+    /// (cached positions, new tokens) of prefills whose attention to measure: one sequence's prefill chunk over a
+    /// cached prefix.
+    pub prefills: Vec<(usize, usize)>,
 }
 
-/// One decode step's attention, every layer, at one cache length: what it streams and how fast.
+/// One step's attention, every layer: a decode step at one cache length (what it streams and how fast), or one
+/// sequence's prefill over a cached prefix (how fast it computes).
 #[derive(Clone, Debug, Serialize)]
 pub struct AttentionMeasurement {
+    /// `decode` or `prefill`.
+    pub step: &'static str,
     pub kv_dtype: &'static str,
     pub level: &'static str,
     pub seqs: usize,
-    /// Positions each sequence attends to (its cache and the new token).
+    /// Positions each sequence attends to (its cache and the new tokens).
     pub context: usize,
+    /// New tokens per sequence: 1 decoding, the chunk's length in a prefill.
+    pub new_tokens: usize,
     /// Median seconds of the step's attention, every layer.
     pub seconds: f64,
     /// KV cache bytes the step reads.
     pub bytes: u64,
     /// `bytes / seconds / 1e9`.
     pub gbps: f64,
+    /// Multiply-adds of scores and of values, twice, over the seconds, in billions: `4 x heads x head_dim` per
+    /// position each new token sees, every layer.
+    pub gflops: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -92,39 +103,74 @@ pub fn kernels(options: &KernelBenchOptions) -> Result<Vec<KernelMeasurement>, E
 
 /// A decode step's attention on the host backend, every layer of the model's shape, for `seqs` sequences whose
 /// caches hold `context - 1` positions (random keys and values, f32 and the 16-bit dtypes): the bytes of the KV
-/// cache it streams per second. At the active kernel level (`NIGHTSHIFT_CPU_KERNELS` chooses it).
+/// cache it streams per second; and a prefill's over a cached prefix, for each of `prefills`: how fast it computes.
+/// At each of the options' levels (the attention's code differs by level: AVX-512 at VNNI and AMX where the CPU has
+/// it, AVX2, portable).
 pub fn attention(options: &KernelBenchOptions) -> Result<Vec<AttentionMeasurement>, Error> {
     use candle_core::DType;
 
     use crate::engine::{Attention, HostAttention};
 
-    if options.contexts.is_empty() {
+    if options.contexts.is_empty() && options.prefills.is_empty() {
         return Ok(Vec::new());
     }
     let config = crate::engine::models::llama::inspect(&options.model).map_err(Error::Model)?.config;
     crate::engine::device::join_cpu_pool();
     let row = config.kv_heads * config.head_dim;
     let noise = |n: usize, salt: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7919 + salt * 104_729) % 2001) as f32 / 1000.0 - 1.0).collect() };
+    // Only levels this CPU runs: the attention's code for a level uses its instructions.
+    let levels: Vec<Level> = Level::available().into_iter().filter(|l| options.levels.is_empty() || options.levels.contains(l)).collect();
     let mut out = Vec::new();
-    for dtype in [DType::F32, DType::F16] {
-        let host = HostAttention::for_shape(config.attention_shape(config.heads * config.head_dim), dtype);
-        for &context in &options.contexts {
-            let context = context.clamp(1, config.context_length);
-            let mut caches: Vec<_> = (0..options.seqs).map(|s| host.filled_cache(&noise(context * row, 2 * s), &noise(context * row, 2 * s + 1), context)).collect();
-            let q = noise(options.seqs * config.heads * config.head_dim, 7);
-            let seconds = median_seconds(0.05, 1000, || host.decode_attention(&mut caches, &q));
-            // Every layer reads each sequence's keys and values for its `context` positions, in whole blocks.
-            let blocks = context.div_ceil(crate::engine::KV_BLOCK_TOKENS) as u64;
-            let bytes = options.seqs as u64 * blocks * host.block_bytes() as u64;
-            out.push(AttentionMeasurement {
-                kv_dtype: if dtype == DType::F32 { "f32" } else { "f16" },
-                level: Level::active().name(),
-                seqs: options.seqs,
-                context,
-                seconds,
-                bytes,
-                gbps: bytes as f64 / seconds / 1e9,
-            });
+    for &level in &levels {
+        for dtype in [DType::F32, DType::F16] {
+            let host = HostAttention::for_shape(config.attention_shape(config.heads * config.head_dim), dtype);
+            for &context in &options.contexts {
+                let context = context.clamp(1, config.context_length);
+                let mut caches: Vec<_> = (0..options.seqs).map(|s| host.filled_cache(&noise(context * row, 2 * s), &noise(context * row, 2 * s + 1), context)).collect();
+                let q = noise(options.seqs * config.heads * config.head_dim, 7);
+                let seconds = median_seconds(0.05, 1000, || host.decode_attention(level, &mut caches, &q));
+                // Every layer reads each sequence's keys and values for its `context` positions, in whole blocks.
+                let blocks = context.div_ceil(crate::engine::KV_BLOCK_TOKENS) as u64;
+                let bytes = options.seqs as u64 * blocks * host.block_bytes() as u64;
+                let flops = 4.0 * (config.layers * config.heads * config.head_dim * options.seqs * context) as f64;
+                out.push(AttentionMeasurement {
+                    step: "decode",
+                    kv_dtype: if dtype == DType::F32 { "f32" } else { "f16" },
+                    level: level.name(),
+                    seqs: options.seqs,
+                    context,
+                    new_tokens: 1,
+                    seconds,
+                    bytes,
+                    gbps: bytes as f64 / seconds / 1e9,
+                    gflops: flops / seconds / 1e9,
+                });
+            }
+            for &(cached, new) in &options.prefills {
+                let new = new.clamp(1, config.context_length);
+                let cached = cached.min(config.context_length - new);
+                let context = cached + new;
+                let mut cache = host.prefilled_cache(&noise(context * row, 1), &noise(context * row, 2), cached, new);
+                let q = noise(new * config.heads * config.head_dim, 7);
+                let seconds = median_seconds(0.05, 1000, || host.prefill_attention(level, &mut cache, &q, new));
+                let blocks = context.div_ceil(crate::engine::KV_BLOCK_TOKENS) as u64;
+                let bytes = blocks * host.block_bytes() as u64;
+                // New token i sees `cached + i + 1` positions.
+                let seen = (cached * new + new * (new + 1) / 2) as f64;
+                let flops = 4.0 * (config.layers * config.heads * config.head_dim) as f64 * seen;
+                out.push(AttentionMeasurement {
+                    step: "prefill",
+                    kv_dtype: if dtype == DType::F32 { "f32" } else { "f16" },
+                    level: level.name(),
+                    seqs: 1,
+                    context,
+                    new_tokens: new,
+                    seconds,
+                    bytes,
+                    gbps: bytes as f64 / seconds / 1e9,
+                    gflops: flops / seconds / 1e9,
+                });
+            }
         }
     }
     Ok(out)

@@ -206,6 +206,10 @@ pub struct KernelBenchArgs {
     /// Sequences in that decode step.
     #[arg(long, value_parser = at_least_one, default_value = "16")]
     pub seqs: usize,
+    /// Prefills whose attention to measure, every layer, as CACHED+NEW (positions already in the cache, tokens in
+    /// the chunk): one sequence's prefill over a cached prefix; `--prefills none` for none.
+    #[arg(long, value_delimiter = ',', value_parser = parse_prefill, default_value = "600+150")]
+    pub prefills: Vec<Option<(usize, usize)>>,
     /// Print one JSON object per measurement.
     #[arg(long)]
     pub json: bool,
@@ -221,6 +225,17 @@ fn at_least_one(text: &str) -> Result<usize, String> {
     }
 }
 
+fn parse_prefill(text: &str) -> Result<Option<(usize, usize)>, String> {
+    if text == "none" {
+        return Ok(None);
+    }
+    let parsed = text.split_once('+').and_then(|(c, n)| Some((c.trim().parse::<usize>().ok()?, n.trim().parse::<usize>().ok()?)));
+    match parsed {
+        Some((cached, new)) if new > 0 => Ok(Some((cached, new))),
+        _ => Err(format!("must be CACHED+NEW (positions in the cache, new tokens at least 1) or none, got {text:?}")),
+    }
+}
+
 fn parse_level(text: &str) -> Result<crate::engine::kernels::Level, String> {
     crate::engine::kernels::Level::parse(text).ok_or_else(|| format!("must be portable, avx2, vnni or amx, got {text:?}"))
 }
@@ -228,7 +243,8 @@ fn parse_level(text: &str) -> Result<crate::engine::kernels::Level, String> {
 impl KernelBenchArgs {
     pub fn options(&self) -> crate::bench::KernelBenchOptions {
         let contexts = self.contexts.iter().copied().filter(|&c| c > 0).collect();
-        crate::bench::KernelBenchOptions { model: self.model.clone(), rows: self.rows.clone(), levels: self.levels.clone(), contexts, seqs: self.seqs }
+        let prefills = self.prefills.iter().flatten().copied().collect();
+        crate::bench::KernelBenchOptions { model: self.model.clone(), rows: self.rows.clone(), levels: self.levels.clone(), contexts, seqs: self.seqs, prefills }
     }
 }
 

@@ -9,8 +9,9 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
+use super::tile::{self, Ahead, CHUNK, CHUNK_BLOCKS};
 use super::{Attention, AttentionModel, AttentionShape, KvCache, Segment, BLOCK};
-use crate::engine::kernels::elementwise::{exp, narrow_f16, widen_bf16, widen_f16};
+use crate::engine::kernels::elementwise::{narrow_f16, widen_bf16, widen_f16};
 use crate::engine::kernels::Level;
 
 /// The host backend: the attention's shape, its RoPE tables and the laid-out width of the attention output.
@@ -181,14 +182,35 @@ impl HostAttention {
     /// One decode step's attention over every layer for sequences already holding `caches` (one new token each,
     /// queries `q` `[caches, heads x head_dim]`), which it reads and leaves as they were: `bench kernels`'
     /// measurement of the part of a step that streams the KV cache.
-    pub fn decode_attention(&self, caches: &mut [HostCache], q: &[f32]) -> Vec<f32> {
+    pub fn decode_attention(&self, level: Level, caches: &mut [HostCache], q: &[f32]) -> Vec<f32> {
         const ONE: [u32; 1] = [0];
         let segments: Vec<Segment<'_, HostCache>> = caches.iter_mut().map(|cache| Segment { tokens: &ONE, cache }).collect();
         let mut out = Vec::new();
         for layer in 0..self.shape.layers {
-            out = self.attention(layer, q, &segments);
+            out = self.attention(level, layer, q, &segments);
         }
         out
+    }
+
+    /// The attention of a prefill of `new` tokens (queries `q` `[new, heads x head_dim]`) over every layer of a
+    /// cache that holds their keys and values past its length ([`HostAttention::prefilled_cache`]), which it reads
+    /// and leaves as it was: `bench kernels`' measurement of a prefill's attention over a cached prefix.
+    pub fn prefill_attention(&self, level: Level, cache: &mut HostCache, q: &[f32], new: usize) -> Vec<f32> {
+        let tokens = vec![0u32; new];
+        let segments = [Segment { tokens: &tokens, cache }];
+        let mut out = Vec::new();
+        for layer in 0..self.shape.layers {
+            out = self.attention(level, layer, q, &segments);
+        }
+        out
+    }
+
+    /// A cache of `cached + new` positions of the given keys and values (`[cached + new][kv_heads x head_dim]`,
+    /// every layer the same) whose length is `cached`: the last `new` positions are a prefill's own.
+    pub fn prefilled_cache(&self, k: &[f32], v: &[f32], cached: usize, new: usize) -> HostCache {
+        let mut cache = self.filled_cache(k, v, cached + new);
+        cache.len = cached;
+        cache
     }
 
     /// A cache of `len` positions of the given keys and values (`[len][kv_heads x head_dim]`, every layer the
@@ -223,7 +245,7 @@ impl HostAttention {
     /// streams the kv head's blocks once for every query head that shares it (grouped-query attention without
     /// copies) and every token of the tile, with an online softmax. Sequences of different lengths never need
     /// padding or masks between them, and a row's result depends only on its own sequence.
-    fn attention(&self, layer: usize, q: &[f32], segments: &[Segment<'_, HostCache>]) -> Vec<f32> {
+    fn attention(&self, level: Level, layer: usize, q: &[f32], segments: &[Segment<'_, HostCache>]) -> Vec<f32> {
         let cfg = &self.shape;
         let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
         let mut starts = Vec::with_capacity(segments.len());
@@ -239,7 +261,7 @@ impl HostAttention {
             })
             .collect();
         let results: Vec<Vec<f32>> =
-            tasks.par_iter().map(|&(si, kv, t0)| self.attend_tile(layer, q, starts[si], &segments[si], kv, t0)).collect();
+            tasks.par_iter().map(|&(si, kv, t0)| self.attend_tile(level, &Tile { layer, q, start: starts[si], segment: &segments[si], kv, t0 })).collect();
         // Rows as wide as the laid-out attention output, the padding zero.
         let row = self.out_width;
         let mut attn = vec![0f32; offset * row];
@@ -253,29 +275,63 @@ impl HostAttention {
     }
 
     /// Attention of new tokens `t0..t0 + TILE` of one segment (those that exist), every query head of kv head
-    /// `kv`: `[token][group][head_dim]`. The same source compiled for AVX2 and FMA where the CPU has them (the
-    /// release build targets plain x86-64): the same operations in the same order, so the same results, 8 wide.
-    fn attend_tile(&self, layer: usize, q: &[f32], start: usize, s: &Segment<'_, HostCache>, kv: usize, t0: usize) -> Vec<f32> {
+    /// `kv`: `[token][group][head_dim]`. The same source ([`tile`]) compiled for AVX-512 (at the VNNI and AMX levels,
+    /// where the CPU has it), for AVX2 and FMA, or for any CPU (the release build targets plain x86-64): the same
+    /// operations in the same order, so the same bits, 16, 8 or 1 wide.
+    fn attend_tile(&self, level: Level, task: &Tile<'_, '_>) -> Vec<f32> {
         #[cfg(target_arch = "x86_64")]
-        if Level::active() >= Level::Avx2 {
-            // SAFETY: the active level is at most the detected one, so the CPU has AVX2, FMA and F16C.
-            return unsafe { self.attend_tile_avx2(layer, q, start, s, kv, t0) };
+        {
+            if level >= Level::Vnni && is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512F (detected just now) and, at this level (callers pass the active one or
+                // one of `Level::available`, never above the detected one), AVX2, FMA and F16C.
+                return unsafe { self.attend_tile_avx512(task) };
+            }
+            if level >= Level::Avx2 {
+                // SAFETY: the level is at most the detected one, so the CPU has AVX2, FMA and F16C.
+                return unsafe { self.attend_tile_avx2(task) };
+            }
+            if is_x86_feature_detected!("fma") {
+                // SAFETY: the CPU has FMA (detected just now).
+                return unsafe { self.attend_tile_fma(task) };
+            }
         }
-        self.attend_tile_body(layer, q, start, s, kv, t0)
+        // Without the FMA instruction (x86-64 CPUs before 2013, or a virtual CPU that hides it), each `mul_add` is
+        // a call into libm's exact `fmaf`: the same bits, 20 to 60 times slower than the AVX2 level.
+        self.attend_tile_body::<4, 1, 8>(task)
     }
 
+    /// The portable level where the CPU has the FMA instruction but not the AVX2 level (AMD's 2012-2015 cores, or
+    /// a level forced lower): the portable arithmetic, its fused multiply-adds one instruction each.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "fma")]
+    fn attend_tile_fma(&self, task: &Tile<'_, '_>) -> Vec<f32> {
+        self.attend_tile_body::<4, 1, 8>(task)
+    }
+
+    /// Scores 4 rows at a time (8 registers of sums), values 2 rows x 32 dimensions (8 registers).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn attend_tile_avx2(&self, layer: usize, q: &[f32], start: usize, s: &Segment<'_, HostCache>, kv: usize, t0: usize) -> Vec<f32> {
-        self.attend_tile_body(layer, q, start, s, kv, t0)
+    fn attend_tile_avx2(&self, task: &Tile<'_, '_>) -> Vec<f32> {
+        self.attend_tile_body::<4, 2, 32>(task)
     }
 
+    /// Scores 8 rows at a time (a register of 16 positions each), values 4 rows x 64 dimensions (16 registers).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    fn attend_tile_avx512(&self, task: &Tile<'_, '_>) -> Vec<f32> {
+        self.attend_tile_body::<8, 4, 64>(task)
+    }
+
+    /// The tile's attention, chunk by chunk ([`tile`]): `SR` rows' scores at a time, `VR` rows x `W` dimensions of
+    /// output at a time (register blocking only: every choice gives the same bits).
     #[inline(always)]
-    fn attend_tile_body(&self, layer: usize, q: &[f32], start: usize, s: &Segment<'_, HostCache>, kv: usize, t0: usize) -> Vec<f32> {
+    fn attend_tile_body<const SR: usize, const VR: usize, const W: usize>(&self, task: &Tile<'_, '_>) -> Vec<f32> {
+        let &Tile { layer, q, start, segment: s, kv, t0 } = task;
         let cfg = &self.shape;
         let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
         let q_row = cfg.heads * hd;
-        let (scale, softcap, window) = (cfg.scale, cfg.softcap, cfg.window(layer));
+        let scoring = tile::Scoring { scale: cfg.scale, softcap: cfg.softcap };
+        let window = cfg.window(layer);
         let new = s.tokens.len();
         let total = s.cache.len + new;
         let t1 = (t0 + TILE).min(new);
@@ -289,92 +345,82 @@ impl HostAttention {
         let mut max = vec![f32::NEG_INFINITY; rows];
         let mut sum = vec![0f32; rows];
         let mut out = vec![0f32; rows * hd];
-        let mut scores = vec![[0f32; BLOCK]; rows];
-        // A 16-bit cache's block of this kv head, widened (a block of keys and one of values: 8 KiB at head_dim 64).
-        let (mut k_scratch, mut v_scratch) = match s.cache.dtype {
-            DType::F32 => (Vec::new(), Vec::new()),
-            _ => (vec![0f32; hd * BLOCK], vec![0f32; BLOCK * hd]),
-        };
+        // Per row, the chunk's scores, then its weights.
+        let mut weights = vec![0f32; rows * CHUNK];
+        // Per row, the chunk positions it sees.
+        let mut ranges = vec![(0usize, 0usize); rows];
+        // A 16-bit cache's blocks of this kv head, widened (per block, one of keys and one of values).
+        // A 16-bit cache's blocks of this kv head, widened: one of keys at a time, the chunk's values.
+        let sixteen = s.cache.dtype != DType::F32;
+        let scratch = |_| if sixteen { vec![0f32; hd * BLOCK] } else { Vec::new() };
+        let mut k_scratch = scratch(0);
+        let mut v_scratch: Vec<Vec<f32>> = (0..CHUNK_BLOCKS).map(scratch).collect();
         let used = visible(rows - 1).div_ceil(BLOCK);
         // Blocks before every row's window are not read.
         let skipped = first(0) / BLOCK;
-        for (b, block) in blocks.iter().enumerate().take(used).skip(skipped) {
-            let kt = block.keys[layer].read(kv * hd * BLOCK, hd * BLOCK, &mut k_scratch);
-            let vb = block.values[layer].read(kv * BLOCK * hd, BLOCK * hd, &mut v_scratch);
-            // Decoding, the next block's keys and values, asked for a line at a time while this block is computed
-            // (with the first rows): a sequence's blocks are separate allocations, so the CPU's own stream
-            // prefetchers start over at each one, and a decode step otherwise waits on the first loads of each
-            // (`bench kernels`, 16 sequences of 1,024 positions: 1.3 to 1.5 times the bytes per second; at 256
-            // positions no change). A prefill's tiles read blocks the step has just written or other tiles read,
-            // from the L2 cache, where asking cost more than it gained (prefill 2 to 10 % slower).
-            let next = blocks.get(b + 1).filter(|_| b + 1 < used && t1 - t0 == 1);
-            let next_k = next.map_or(Ahead::NONE, |n| Ahead::new(n.keys[layer].bytes(kv * hd * BLOCK, hd * BLOCK)));
-            let next_v = next.map_or(Ahead::NONE, |n| Ahead::new(n.values[layer].bytes(kv * BLOCK * hd, BLOCK * hd)));
-            // Every row's scores against the block, four rows at a time (independent sums in registers).
-            let mut r = 0;
-            while r < rows {
-                let step = (rows - r).min(4);
-                let ahead = if r == 0 { next_k } else { Ahead::NONE };
-                match step {
-                    4 => scores[r..r + 4].copy_from_slice(&block_scores([query(r), query(r + 1), query(r + 2), query(r + 3)], kt, ahead)),
-                    3 => scores[r..r + 3].copy_from_slice(&block_scores([query(r), query(r + 1), query(r + 2)], kt, ahead)),
-                    2 => scores[r..r + 2].copy_from_slice(&block_scores([query(r), query(r + 1)], kt, ahead)),
-                    _ => scores[r] = block_scores([query(r)], kt, ahead)[0],
-                }
-                r += step;
-            }
-            for r in 0..rows {
-                // The row sees this block's positions `from..valid`.
-                let valid = visible(r).saturating_sub(b * BLOCK).min(BLOCK);
-                let from = first(r).saturating_sub(b * BLOCK).min(BLOCK);
-                if valid <= from {
-                    continue;
-                }
-                // Soft-capped scores are capped once here, and then scaled by 1.
-                let scale = match softcap {
-                    Some(cap) => {
-                        scores[r].iter_mut().for_each(|x| *x = cap * (*x * scale / cap).tanh());
-                        1.0
-                    }
-                    None => scale,
+        // Decoding, each block's values and the next block's keys are asked for a line at a time while its scores
+        // are computed (with the first rows): a sequence's blocks are separate allocations, so the CPU's own stream
+        // prefetchers start over at each one, and a decode step otherwise waits on the first loads of each
+        // (`bench kernels`, 16 sequences of 1,024 positions: 1.3 to 1.5 times the bytes per second). A prefill's
+        // tiles read blocks the step has just written or other tiles read, from the L2 cache, where asking cost
+        // more than it gained.
+        let decoding = t1 - t0 == 1;
+        for c0 in (skipped - skipped % CHUNK_BLOCKS..used).step_by(CHUNK_BLOCKS) {
+            let (lo, hi) = (skipped.max(c0), used.min(c0 + CHUNK_BLOCKS));
+            for b in lo..hi {
+                // Decoding, block b's values and the next block's keys are asked for: from an f32 cache a line at a
+                // time as the scores are computed, from a 16-bit one whole, before its keys are widened.
+                let ahead = match blocks.get(b + 1).filter(|_| decoding && b + 1 < used) {
+                    Some(next) => [Ahead::new(next.keys[layer].bytes(kv * hd * BLOCK, hd * BLOCK)), Ahead::new(blocks[b].values[layer].bytes(kv * BLOCK * hd, BLOCK * hd))],
+                    None => [Ahead::NONE; 2],
                 };
-                // max(x * scale) is max(x) * scale exactly: rounding a product by a positive scale keeps order.
-                // (A loop, not `std::array::from_fn`, whose closure is compiled apart from the AVX2 build, one
-                // scalar comparison per position: 2 % of a job.)
-                let mut visible_scores = scores[r];
-                for (c, v) in visible_scores.iter_mut().enumerate() {
-                    if c >= valid || c < from {
-                        *v = f32::NEG_INFINITY;
-                    }
-                }
-                let block_max = tree(visible_scores, f32::max) * scale;
-                let new_max = max[r].max(block_max);
-                let correction = exp(max[r] - new_max);
-                let o = &mut out[r * hd..(r + 1) * hd];
-                if correction != 1.0 {
-                    for x in o.iter_mut() {
-                        *x *= correction;
-                    }
-                }
-                // Every position's weight at once (a vector loop), zero past `valid`.
-                let mut weights = [0f32; BLOCK];
-                for (c, (w, &score)) in weights.iter_mut().zip(&scores[r]).enumerate() {
-                    let p = exp(score * scale - new_max);
-                    *w = if c < valid && c >= from { p } else { 0.0 };
-                }
-                sum[r] = sum[r] * correction + tree(weights, |a, b| a + b);
-                let ahead = if r == 0 { next_v } else { Ahead::NONE };
-                if hd.is_multiple_of(64) {
-                    accumulate::<64>(o, &weights[..valid], vb, ahead);
-                } else if hd.is_multiple_of(32) {
-                    accumulate::<32>(o, &weights[..valid], vb, ahead);
-                } else if hd.is_multiple_of(8) {
-                    accumulate::<8>(o, &weights[..valid], vb, ahead);
+                let ahead = if sixteen {
+                    ahead.iter().for_each(|a| (0..a.lines()).for_each(|i| a.line(i)));
+                    [Ahead::NONE; 2]
                 } else {
-                    accumulate::<1>(o, &weights[..valid], vb, ahead);
+                    ahead
+                };
+                let keys = blocks[b].keys[layer].read(kv * hd * BLOCK, hd * BLOCK, &mut k_scratch);
+                let mut r = 0;
+                while r < rows {
+                    let at = &mut weights[r * CHUNK..];
+                    let (slot, ahead) = (b - c0, if r == 0 { ahead } else { [Ahead::NONE; 2] });
+                    r += match rows - r {
+                        n if n >= SR => {
+                            tile::scores::<SR>(at, std::array::from_fn(|i| query(r + i)), keys, slot, ahead);
+                            SR
+                        }
+                        n if n >= 4 => {
+                            tile::scores::<4>(at, std::array::from_fn(|i| query(r + i)), keys, slot, ahead);
+                            4
+                        }
+                        3 => {
+                            tile::scores::<3>(at, std::array::from_fn(|i| query(r + i)), keys, slot, ahead);
+                            3
+                        }
+                        2 => {
+                            tile::scores::<2>(at, std::array::from_fn(|i| query(r + i)), keys, slot, ahead);
+                            2
+                        }
+                        _ => {
+                            tile::scores::<1>(at, [query(r)], keys, slot, ahead);
+                            1
+                        }
+                    };
                 }
-                max[r] = new_max;
             }
+            let base = c0 * BLOCK;
+            for r in 0..rows {
+                let range = (first(r).saturating_sub(base).min(CHUNK), visible(r).saturating_sub(base).min(CHUNK));
+                ranges[r] = range;
+                let row: &mut [f32; CHUNK] = (&mut weights[r * CHUNK..(r + 1) * CHUNK]).try_into().expect("a chunk of weights");
+                tile::softmax_step(row, range.0, range.1, scoring, &mut max[r], &mut sum[r], &mut out[r * hd..(r + 1) * hd]);
+            }
+            let mut values: [&[f32]; CHUNK_BLOCKS] = [&[]; CHUNK_BLOCKS];
+            for (b, vs) in (lo..hi).zip(v_scratch.iter_mut()) {
+                values[b - c0] = blocks[b].values[layer].read(kv * BLOCK * hd, BLOCK * hd, vs);
+            }
+            tile::accumulate_rows::<VR, W>(&mut out, &weights, &values, &ranges, hd);
         }
         for (o, s) in out.chunks_exact_mut(hd).zip(&sum) {
             let inv = 1.0 / s;
@@ -452,7 +498,7 @@ impl Attention for HostAttention {
             s.cache.write(layer, start, &k[offset * kv_row..(offset + len) * kv_row], &v[offset * kv_row..(offset + len) * kv_row]);
             offset += len;
         }
-        Ok(self.attention(layer, &q, segments))
+        Ok(self.attention(Level::active(), layer, &q, segments))
     }
 
     fn advance(&self, segments: &mut [Segment<'_, HostCache>]) {
@@ -466,90 +512,15 @@ impl Attention for HostAttention {
     }
 }
 
-/// Memory attention will read next, asked for a cache line at a time ([`Ahead::line`]): a hint to the CPU that
-/// changes no result. It borrows the bytes it points into.
-#[derive(Clone, Copy)]
-struct Ahead<'a> {
-    bytes: &'a [u8],
-}
-
-impl<'a> Ahead<'a> {
-    const NONE: Ahead<'static> = Ahead { bytes: &[] };
-
-    fn new(bytes: &'a [u8]) -> Ahead<'a> {
-        Ahead { bytes }
-    }
-
-    /// Lines of 64 bytes it covers (the last perhaps partial).
-    fn lines(self) -> usize {
-        self.bytes.len().div_ceil(64)
-    }
-
-    /// Asks for line `i` (bytes `64 i..`) to be brought into the L1 cache; nothing past the last line.
-    #[inline(always)]
-    fn line(self, i: usize) {
-        #[cfg(target_arch = "x86_64")]
-        if let Some(byte) = self.bytes.get(64 * i) {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            // SAFETY: the address is that of a byte of a borrowed slice (`get` checked it); a prefetch only hints
-            // the cache, reads nothing into the program and writes nothing.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(byte).cast::<i8>()) };
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = i;
-    }
-}
-
-/// A block's values reduced pairwise, halves first (a fixed order that vectorizes).
-#[inline(always)]
-fn tree(mut v: [f32; BLOCK], op: impl Fn(f32, f32) -> f32) -> f32 {
-    let mut width = BLOCK / 2;
-    while width > 0 {
-        for c in 0..width {
-            v[c] = op(v[c], v[c + width]);
-        }
-        width /= 2;
-    }
-    v[0]
-}
-
-/// Scores of `R` queries against a block of keys stored `[head_dim][BLOCK]`: `R x BLOCK` sums in registers, each
-/// over the head's dimensions in order.
-#[inline(always)]
-fn block_scores<const R: usize>(queries: [&[f32]; R], kt: &[f32], ahead: Ahead<'_>) -> [[f32; BLOCK]; R] {
-    let mut s = [[0f32; BLOCK]; R];
-    for (d, k) in kt.chunks_exact(BLOCK).enumerate() {
-        ahead.line(d);
-        for i in 0..R {
-            let qd = queries[i][d];
-            for c in 0..BLOCK {
-                s[i][c] += qd * k[c];
-            }
-        }
-    }
-    s
-}
-
-/// `o += sum over c of weights[c] * values[c]`, values `[BLOCK][head_dim]`, in slices of `W` dimensions held in
-/// registers across the positions (each element still summed in position order).
-#[inline(always)]
-fn accumulate<const W: usize>(o: &mut [f32], weights: &[f32], values: &[f32], ahead: Ahead<'_>) {
-    let hd = o.len();
-    // Lines of the next block's values to ask for per position (the block's lines spread over its positions).
-    let per_position = ahead.lines().div_ceil(BLOCK);
-    for j0 in (0..hd).step_by(W) {
-        let mut acc: [f32; W] = o[j0..j0 + W].try_into().expect("W values");
-        for (c, &p) in weights.iter().enumerate() {
-            if j0 == 0 {
-                (0..per_position).for_each(|l| ahead.line(c * per_position + l));
-            }
-            let v = &values[c * hd + j0..][..W];
-            for j in 0..W {
-                acc[j] += p * v[j];
-            }
-        }
-        o[j0..j0 + W].copy_from_slice(&acc);
-    }
+/// One attention task: new tokens `t0..t0 + TILE` of a segment (whose first new token is row `start` of the
+/// step's queries `q`), every query head of kv head `kv`, in layer `layer`.
+struct Tile<'a, 'b> {
+    layer: usize,
+    q: &'a [f32],
+    start: usize,
+    segment: &'a Segment<'b, HostCache>,
+    kv: usize,
+    t0: usize,
 }
 
 /// New tokens per attention task: each kv block read serves this many tokens times the query group.
@@ -607,7 +578,7 @@ mod tests {
                 let kv: Vec<(Vec<f32>, Vec<f32>)> = (0..3).map(|s| (noise(len * kv_row, 10 * s + len as u64), noise(len * kv_row, 10 * s + 5 + len as u64))).collect();
                 let mut caches: Vec<HostCache> = kv.iter().map(|(k, v)| host.filled_cache(k, v, len)).collect();
                 let q = noise(3 * q_row, 99);
-                let out = host.decode_attention(&mut caches, &q);
+                let out = host.decode_attention(Level::active(), &mut caches, &q);
                 assert_eq!(out.len(), 3 * q_row);
                 for (s, (k, v)) in kv.iter().enumerate() {
                     for h in 0..cfg.heads {
@@ -628,6 +599,64 @@ mod tests {
                             let expected = (0..len).map(|j| weights[j] * held(v[j * kv_row + kvh * hd + d]) as f64).sum::<f64>() / total;
                             let got = out[s * q_row + h * hd + d] as f64;
                             assert!((got - expected).abs() < 1e-5, "{dtype:?}, {len} positions, sequence {s}, head {h}, dim {d}: {got} against {expected}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A prefill's attention over a cached prefix, every new token against its own causal range (its window's, in
+    /// a sliding-window layer), against a direct softmax in f64: prefixes and chunks that start and end inside a
+    /// block, a chunk of 64 positions, a tile of 8 tokens, or none of them; f32 and bf16 caches; Gemma's scale,
+    /// soft-capping and windows of 37 and 5. And every level this CPU runs gives the same bits.
+    #[test]
+    fn prefill_attention_matches_a_direct_softmax_at_every_level() {
+        let gemma = |window: usize| AttentionShape {
+            scale: 0.6,
+            softcap: Some(1.5),
+            sliding: Some(super::super::SlidingWindow { window, layers: vec![false, true], rope_frequencies: None }),
+            ..config()
+        };
+        for (cfg, dtype) in [(config(), DType::F32), (config(), DType::BF16), (gemma(37), DType::F32), (gemma(5), DType::F16)] {
+            let (hd, group, kv_row, q_row) = (cfg.head_dim, cfg.heads / cfg.kv_heads, cfg.kv_heads * cfg.head_dim, cfg.heads * cfg.head_dim);
+            let window = cfg.window(1).unwrap_or(usize::MAX);
+            let host = HostAttention::for_shape(cfg.clone(), dtype);
+            let held = |x: f32| match dtype {
+                DType::F16 => half::f16::from_f32(x).to_f32(),
+                DType::BF16 => half::bf16::from_f32(x).to_f32(),
+                _ => x,
+            };
+            for (cached, new) in [(0, 1), (0, 23), (5, 11), (16, 16), (37, 29), (64, 9), (100, 70), (250, 3)] {
+                let len = cached + new;
+                let (k, v) = (noise(len * kv_row, 3 + len as u64), noise(len * kv_row, 7 + len as u64));
+                let q = noise(new * q_row, 11 + new as u64);
+                let mut cache = host.prefilled_cache(&k, &v, cached, new);
+                let mut outs = Level::available().into_iter().map(|level| (level, host.prefill_attention(level, &mut cache, &q, new)));
+                let (_, out) = outs.next().expect("the portable level");
+                for (level, other) in outs {
+                    assert!(out.iter().zip(&other).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?}, {cached}+{new}: {level:?} differs from portable");
+                }
+                assert_eq!(out.len(), new * q_row);
+                for t in 0..new {
+                    let seen = cached + t + 1;
+                    for h in 0..cfg.heads {
+                        let kvh = h / group;
+                        let qh = &q[t * q_row + h * hd..][..hd];
+                        let first = seen.saturating_sub(window);
+                        let scores: Vec<f64> = (first..seen)
+                            .map(|j| {
+                                let score = (0..hd).map(|d| qh[d] as f64 * held(k[j * kv_row + kvh * hd + d]) as f64).sum::<f64>() * cfg.scale as f64;
+                                cfg.softcap.map_or(score, |cap| cap as f64 * (score / cap as f64).tanh())
+                            })
+                            .collect();
+                        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                        let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+                        let total: f64 = weights.iter().sum();
+                        for d in 0..hd {
+                            let expected = (first..seen).zip(&weights).map(|(j, w)| w * held(v[j * kv_row + kvh * hd + d]) as f64).sum::<f64>() / total;
+                            let got = out[t * q_row + h * hd + d] as f64;
+                            assert!((got - expected).abs() < 1e-5, "{dtype:?}, {cached}+{new}, token {t}, head {h}, dim {d}: {got} against {expected}");
                         }
                     }
                 }

@@ -12,6 +12,7 @@
 
 pub mod host;
 pub mod paged;
+mod tile;
 
 use candle_core::{DType, Device, Tensor};
 

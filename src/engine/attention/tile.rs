@@ -1,0 +1,238 @@
+//! The host backend's attention arithmetic for one task: a tile of query rows (new tokens of one sequence, times
+//! the query heads that share a kv head) against that kv head's blocks, with an online softmax updated once per
+//! chunk of [`CHUNK`] positions.
+//!
+//! Per chunk, three phases, each register-blocked over several rows so that a key or value vector loaded once
+//! serves them all: every row's scores against the chunk's keys ([`scores`]), the softmax step of each row
+//! ([`softmax_step`]: the running maximum and sum, and the chunk's weights), and the weighted values added into each
+//! row's output ([`accumulate`]). A chunk is four blocks (64 positions), so the softmax's bookkeeping (a rescale of
+//! the output, two reductions) happens a quarter as often as per block, and chunks start at fixed positions (multiples
+//! of [`CHUNK`]), so a row's arithmetic is the same whichever tile, step or cache it is computed in: a cached
+//! prefix gives the bits of a full prefill.
+//!
+//! Every value is computed lane by lane in a fixed order: a score is `fma(q[d], k[d], s)` over the head's dimensions
+//! in order, an output element `fma(w[p], v[p], o)` over positions in order, the reductions fixed trees
+//! ([`tree`]), the exponential [`exp`]'s operations. So the same source compiled for AVX-512, for AVX2 and FMA, or
+//! for any CPU (where `mul_add` is a call) gives the same bits, and how many rows a step blocks together (a choice
+//! per level) changes nothing. Positions a row does not see weigh exactly 0 in its sum (`fma(0, v, o)` is `o`).
+
+use super::BLOCK;
+use crate::engine::kernels::elementwise::exp;
+
+/// Blocks per softmax update.
+pub const CHUNK_BLOCKS: usize = if BLOCK >= 64 { 1 } else { 64 / BLOCK };
+/// Positions per softmax update: the unit of a tile's scores and weights.
+pub const CHUNK: usize = CHUNK_BLOCKS * BLOCK;
+
+/// Memory attention will read next, asked for a cache line at a time ([`Ahead::line`]): a hint to the CPU that
+/// changes no result. It borrows the bytes it points into.
+#[derive(Clone, Copy)]
+pub struct Ahead<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Ahead<'a> {
+    pub const NONE: Ahead<'static> = Ahead { bytes: &[] };
+
+    pub fn new(bytes: &'a [u8]) -> Ahead<'a> {
+        Ahead { bytes }
+    }
+
+    /// Lines of 64 bytes it covers (the last perhaps partial).
+    pub fn lines(self) -> usize {
+        self.bytes.len().div_ceil(64)
+    }
+
+    /// Asks for line `i` (bytes `64 i..`) to be brought into the L1 cache; nothing past the last line.
+    #[inline(always)]
+    pub fn line(self, i: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(byte) = self.bytes.get(64 * i) {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            // SAFETY: the address is that of a byte of a borrowed slice (`get` checked it); a prefetch only hints
+            // the cache, reads nothing into the program and writes nothing.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(byte).cast::<i8>()) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = i;
+    }
+}
+
+/// `N` values reduced pairwise, halves first (a fixed order that vectorizes).
+#[inline(always)]
+pub fn tree<const N: usize>(mut v: [f32; N], op: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut width = N / 2;
+    while width > 0 {
+        for c in 0..width {
+            v[c] = op(v[c], v[c + width]);
+        }
+        width /= 2;
+    }
+    v[0]
+}
+
+/// Scores of `R` consecutive rows against one block of keys stored `[head_dim][BLOCK]`, into the rows' slots of
+/// block `slot` of the chunk (`scores` is `[R][CHUNK]`). `R x BLOCK` sums held in registers, each over the head's
+/// dimensions in order. Line `d` of `ahead_k` and of `ahead_v` is asked for at dimension `d`.
+#[inline(always)]
+pub fn scores<const R: usize>(scores: &mut [f32], queries: [&[f32]; R], keys: &[f32], slot: usize, ahead: [Ahead<'_>; 2]) {
+    let mut s = [[0f32; BLOCK]; R];
+    for (d, k) in keys.chunks_exact(BLOCK).enumerate() {
+        ahead[0].line(d);
+        ahead[1].line(d);
+        let k: &[f32; BLOCK] = k.try_into().expect("a block's row of keys");
+        for i in 0..R {
+            let qd = queries[i][d];
+            for c in 0..BLOCK {
+                s[i][c] = qd.mul_add(k[c], s[i][c]);
+            }
+        }
+    }
+    for (i, s) in s.iter().enumerate() {
+        scores[i * CHUNK + slot * BLOCK..][..BLOCK].copy_from_slice(s);
+    }
+}
+
+/// What shapes a row's softmax: the scale of scores, and Gemma 2's soft-capping.
+#[derive(Clone, Copy, Debug)]
+pub struct Scoring {
+    pub scale: f32,
+    pub softcap: Option<f32>,
+}
+
+/// One row's softmax step over a chunk: `row` holds its scores, of which it sees chunk positions `from..to`; on
+/// return it holds their weights (`exp(score x scale - max)`, 0 where unseen), and `max`, `sum` and `out` (the
+/// row's unnormalized output) are rescaled to the new maximum. A row that sees nothing of the chunk is left as
+/// it was, its weights all 0.
+#[inline(always)]
+pub fn softmax_step(row: &mut [f32; CHUNK], from: usize, to: usize, scoring: Scoring, max: &mut f32, sum: &mut f32, out: &mut [f32]) {
+    if to <= from {
+        *row = [0.0; CHUNK];
+        return;
+    }
+    // Soft-capped scores are capped once here, and then scaled by 1.
+    let scale = match scoring.softcap {
+        Some(cap) => {
+            row[from..to].iter_mut().for_each(|x| *x = cap * (*x * scoring.scale / cap).tanh());
+            1.0
+        }
+        None => scoring.scale,
+    };
+    // max(x * scale) is max(x) * scale exactly: rounding a product by a positive scale keeps order.
+    let mut seen = *row;
+    for (c, v) in seen.iter_mut().enumerate() {
+        if c < from || c >= to {
+            *v = f32::NEG_INFINITY;
+        }
+    }
+    let new_max = max.max(tree(seen, f32::max) * scale);
+    let correction = exp(*max - new_max);
+    if correction != 1.0 {
+        out.iter_mut().for_each(|x| *x *= correction);
+    }
+    for (c, x) in row.iter_mut().enumerate() {
+        let p = exp(*x * scale - new_max);
+        *x = if c >= from && c < to { p } else { 0.0 };
+    }
+    *sum = *sum * correction + tree(*row, |a, b| a + b);
+    *max = new_max;
+}
+
+/// `out[i] += sum over chunk positions p in from..to of weights[i][p] x values(p)` for `R` consecutive rows
+/// (`out` `[R][head_dim]`, `weights` `[R][CHUNK]`), the chunk's value blocks `[BLOCK][head_dim]` each (a block no
+/// row sees may be empty). `R` rows x `W` dimensions in registers across the positions; each element summed in
+/// position order.
+#[inline(always)]
+pub fn accumulate<const R: usize, const W: usize>(out: &mut [f32], weights: &[f32], values: &[&[f32]; CHUNK_BLOCKS], from: usize, to: usize) {
+    let hd = out.len() / R;
+    for j0 in (0..hd).step_by(W) {
+        let mut acc = [[0f32; W]; R];
+        for (i, a) in acc.iter_mut().enumerate() {
+            a.copy_from_slice(&out[i * hd + j0..][..W]);
+        }
+        for p in from..to {
+            let v: &[f32; W] = values[p / BLOCK][(p % BLOCK) * hd + j0..][..W].try_into().expect("W values");
+            for i in 0..R {
+                let w = weights[i * CHUNK + p];
+                for j in 0..W {
+                    acc[i][j] = w.mul_add(v[j], acc[i][j]);
+                }
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            out[i * hd + j0..][..W].copy_from_slice(a);
+        }
+    }
+}
+
+/// [`accumulate`] over any number of rows, `R` at a time and the rest one by one, `W` dimensions at a time where
+/// the head's width allows (else the widest that divides it).
+#[inline(always)]
+pub fn accumulate_rows<const R: usize, const W: usize>(out: &mut [f32], weights: &[f32], values: &[&[f32]; CHUNK_BLOCKS], ranges: &[(usize, usize)], hd: usize) {
+    let rows = ranges.len();
+    let span = |rs: &[(usize, usize)]| {
+        let from = rs.iter().filter(|r| r.0 < r.1).map(|r| r.0).min().unwrap_or(0);
+        let to = rs.iter().filter(|r| r.0 < r.1).map(|r| r.1).max().unwrap_or(0);
+        (from, to)
+    };
+    let mut r = 0;
+    while r < rows {
+        let step = if rows - r >= R { R } else { 1 };
+        let (from, to) = span(&ranges[r..r + step]);
+        if from < to {
+            let (o, w) = (&mut out[r * hd..(r + step) * hd], &weights[r * CHUNK..(r + step) * CHUNK]);
+            match (step == R, hd.is_multiple_of(W), hd.is_multiple_of(16), hd.is_multiple_of(8)) {
+                (true, true, ..) => accumulate::<R, W>(o, w, values, from, to),
+                (true, false, true, _) => accumulate::<R, 16>(o, w, values, from, to),
+                (true, false, false, true) => accumulate::<R, 8>(o, w, values, from, to),
+                (true, ..) => accumulate::<R, 1>(o, w, values, from, to),
+                (false, true, ..) => accumulate::<1, W>(o, w, values, from, to),
+                (false, false, true, _) => accumulate::<1, 16>(o, w, values, from, to),
+                (false, false, false, true) => accumulate::<1, 8>(o, w, values, from, to),
+                (false, ..) => accumulate::<1, 1>(o, w, values, from, to),
+            }
+        }
+        r += step;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows blocked together or one by one, and any width of register slice, give the same bits: what lets each
+    /// level choose its own blocking.
+    #[test]
+    fn blocking_changes_no_bit() {
+        let hd = 48;
+        let rows = 7;
+        let noise = |n: usize, salt: u32| -> Vec<f32> { (0..n as u32).map(|i| ((i.wrapping_mul(2_654_435_761) ^ salt) % 2001) as f32 / 1000.0 - 1.0).collect() };
+        let blocks: Vec<Vec<f32>> = (0..CHUNK_BLOCKS).map(|b| noise(BLOCK * hd, b as u32)).collect();
+        let values: [&[f32]; CHUNK_BLOCKS] = std::array::from_fn(|b| &blocks[b][..]);
+        let ranges: Vec<(usize, usize)> = (0..rows).map(|r| (r, CHUNK - 2 * r)).collect();
+        // Weights 0 outside each row's range, as `softmax_step` leaves them.
+        let mut weights = noise(rows * CHUNK, 99);
+        for (r, &(from, to)) in ranges.iter().enumerate() {
+            weights[r * CHUNK..(r + 1) * CHUNK].iter_mut().enumerate().filter(|(p, _)| *p < from || *p >= to).for_each(|(_, w)| *w = 0.0);
+        }
+        let start = noise(rows * hd, 7);
+        let run = |f: &dyn Fn(&mut [f32])| {
+            let mut out = start.clone();
+            f(&mut out);
+            out
+        };
+        let reference = run(&|o| accumulate_rows::<1, 1>(o, &weights, &values, &ranges, hd));
+        assert_eq!(run(&|o| accumulate_rows::<4, 16>(o, &weights, &values, &ranges, hd)), reference);
+        assert_eq!(run(&|o| accumulate_rows::<2, 48>(o, &weights, &values, &ranges, hd)), reference);
+        assert_eq!(run(&|o| accumulate_rows::<3, 64>(o, &weights, &values, &ranges, hd)), reference);
+        let keys = noise(hd * BLOCK, 3);
+        let q = noise(4 * hd, 5);
+        let mut one = vec![0f32; 4 * CHUNK];
+        let mut four = vec![0f32; 4 * CHUNK];
+        for i in 0..4 {
+            scores::<1>(&mut one[i * CHUNK..], [&q[i * hd..(i + 1) * hd]], &keys, 1, [Ahead::NONE; 2]);
+        }
+        scores::<4>(&mut four, std::array::from_fn(|i| &q[i * hd..(i + 1) * hd]), &keys, 1, [Ahead::NONE; 2]);
+        assert_eq!(one, four);
+    }
+}
