@@ -368,17 +368,11 @@ impl HostAttention {
         for c0 in (skipped - skipped % CHUNK_BLOCKS..used).step_by(CHUNK_BLOCKS) {
             let (lo, hi) = (skipped.max(c0), used.min(c0 + CHUNK_BLOCKS));
             for b in lo..hi {
-                // Decoding, block b's values and the next block's keys are asked for: from an f32 cache a line at a
-                // time as the scores are computed, from a 16-bit one whole, before its keys are widened.
+                // Decoding, block b's values and the next block's keys are asked for a line at a time as block b's
+                // scores are computed (a 16-bit cache's lines first, as they are half as many).
                 let ahead = match blocks.get(b + 1).filter(|_| decoding && b + 1 < used) {
                     Some(next) => [Ahead::new(next.keys[layer].bytes(kv * hd * BLOCK, hd * BLOCK)), Ahead::new(blocks[b].values[layer].bytes(kv * BLOCK * hd, BLOCK * hd))],
                     None => [Ahead::NONE; 2],
-                };
-                let ahead = if sixteen {
-                    ahead.iter().for_each(|a| (0..a.lines()).for_each(|i| a.line(i)));
-                    [Ahead::NONE; 2]
-                } else {
-                    ahead
                 };
                 let keys = blocks[b].keys[layer].read(kv * hd * BLOCK, hd * BLOCK, &mut k_scratch);
                 let mut r = 0;

@@ -39,6 +39,7 @@ impl<'a> Ahead<'a> {
     }
 
     /// Lines of 64 bytes it covers (the last perhaps partial).
+    #[cfg(test)]
     pub fn lines(self) -> usize {
         self.bytes.len().div_ceil(64)
     }
