@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it: fetches the models, installs the S3 test server (moto), the Pushgateway and
-# Chromium, builds the llama.cpp peer the GGUF support is checked against, runs every test.
+# The whole test suite, as CI runs it: fetches the models, installs the S3 test server (moto), the Azure one
+# (Azurite), the Pushgateway and Chromium, builds the llama.cpp peer the GGUF support is checked against, runs every test.
 # The end-to-end tests start and stop their own moto server (and Pushgateway) on 127.0.0.1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,5 +20,17 @@ if [ "${#missing[@]}" -gt 0 ]; then
     $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 python3 -c 'import moto.server' # fail here, clearly, if moto cannot be imported
+# Azurite, Microsoft's Azure Storage emulator (npm), which the Azure store tests start on 127.0.0.1. Where npm
+# cannot install it at all, those tests print that they skipped.
+azurite="$PWD/target/azurite/node_modules/.bin/azurite-blob"
+if [ ! -x "$azurite" ] && command -v npm >/dev/null; then
+    npm install --silent --no-save --no-audit --no-fund --prefix target/azurite 'azurite@3.35.0' >/dev/null || true
+fi
+if [ -x "$azurite" ]; then
+    export NIGHTSHIFT_AZURITE="$azurite"
+else
+    echo "warning: Azurite could not be installed (npm missing or failing): the Azure store tests will skip" >&2
+    export NIGHTSHIFT_AZURITE="skip: npm could not install azurite@3.35.0"
+fi
 
 cargo test --locked "$@"

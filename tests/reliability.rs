@@ -1,6 +1,6 @@
 //! Never lose or duplicate a row: unit commits, resume after kill -9, two processes at once, SIGTERM drain, a
-//! store outage, and bad input. The commit tests are one suite run against two stores: a local directory and a
-//! moto S3 server. A tiny random-weight model keeps the thousands of rows fast; its outputs are noise, but
+//! store outage, and bad input. The commit tests are one suite run against three stores: a local directory, a
+//! moto S3 server and an Azurite (Azure Blob Storage) server. A tiny random-weight model keeps the thousands of rows fast; its outputs are noise, but
 //! deterministic, so an interrupted job can be compared with an uninterrupted one row by row.
 
 use std::collections::BTreeMap;
@@ -30,9 +30,10 @@ fn row_prompts(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{i}: {} {}", WORDS[i % 11], WORDS[(i * 7 + 3) % 11])).collect()
 }
 
-/// One suite, two stores: a test per store for a function that takes the store.
-macro_rules! on_both_stores {
-    ($suite:ident, $local:ident, $s3:ident) => {
+/// One suite, three stores: a test per store for a function that takes the store. Azure's test says it skipped
+/// (and passes) only where scripts/test.sh could not install Azurite ([`azurite_binary`]).
+macro_rules! on_every_store {
+    ($suite:ident, $local:ident, $s3:ident, $azure:ident) => {
         #[test]
         fn $local() {
             $suite(Store::Local);
@@ -42,6 +43,13 @@ macro_rules! on_both_stores {
         fn $s3() {
             $suite(Store::S3);
         }
+
+        #[test]
+        fn $azure() {
+            if azurite_binary().is_some() {
+                $suite(Store::Azure);
+            }
+        }
     };
 }
 
@@ -49,6 +57,8 @@ macro_rules! on_both_stores {
 enum Store {
     Local,
     S3,
+    /// Azure Blob Storage, on Azurite.
+    Azure,
 }
 
 /// One test's world: a scratch directory, the tiny model, the input, and the store the job reads and writes.
@@ -57,6 +67,7 @@ struct World {
     model: PathBuf,
     store: Store,
     moto: Option<Moto>,
+    azurite: Option<Azurite>,
     proxy: Option<Proxy>,
 }
 
@@ -70,14 +81,51 @@ impl World {
         let prompts = row_prompts(ROWS);
         let prompt_refs: Vec<&str> = prompts.iter().map(String::as_str).collect();
         write_parquet_groups(&input, support_prompts(&ids, &prompt_refs), Some(GROUP_ROWS));
-        let mut world = World { dir, model, store, moto: None, proxy: None };
-        if store == Store::S3 {
-            let moto = Moto::start();
-            moto.create_bucket("nightly");
-            OutputStore::s3(&moto, "nightly", "in").put("part-0.parquet", std::fs::read(&input).unwrap());
-            world.moto = Some(moto);
+        let mut world = World { dir, model, store, moto: None, azurite: None, proxy: None };
+        match store {
+            Store::Local => {}
+            Store::S3 => {
+                let moto = Moto::start();
+                moto.create_bucket("nightly");
+                world.moto = Some(moto);
+            }
+            Store::Azure => {
+                let azurite = Azurite::start(&world.dir).expect("the caller checked that Azurite is installed");
+                azurite.create_container("nightly");
+                world.azurite = Some(azurite);
+            }
+        }
+        if store != Store::Local {
+            world.remote("in").put("part-0.parquet", std::fs::read(&input).unwrap());
         }
         world
+    }
+
+    /// A prefix of the `nightly` bucket (or container) of the world's object store, read directly.
+    fn remote(&self, prefix: &str) -> OutputStore {
+        match self.store {
+            Store::Local => panic!("a local world has no object store"),
+            Store::S3 => OutputStore::s3(self.moto.as_ref().unwrap(), "nightly", prefix),
+            Store::Azure => OutputStore::azure(self.azurite.as_ref().unwrap(), "nightly", prefix),
+        }
+    }
+
+    /// The URL scheme of the world's object store.
+    fn scheme(&self) -> &'static str {
+        match self.store {
+            Store::Local => "file",
+            Store::S3 => "s3",
+            Store::Azure => "az",
+        }
+    }
+
+    /// What a nightshift process needs to reach the world's object store.
+    fn store_env(&self) -> Vec<(&'static str, String)> {
+        match self.store {
+            Store::Local => Vec::new(),
+            Store::S3 => self.moto.as_ref().unwrap().env(),
+            Store::Azure => self.azurite.as_ref().unwrap().env(),
+        }
     }
 
     /// Puts a proxy between the job and moto; jobs started afterwards go through it.
@@ -90,14 +138,14 @@ impl World {
     fn input_url(&self) -> String {
         match self.store {
             Store::Local => self.dir.join("in.parquet").to_string_lossy().into_owned(),
-            Store::S3 => "s3://nightly/in/part-0.parquet".into(),
+            Store::S3 | Store::Azure => format!("{}://nightly/in/part-0.parquet", self.scheme()),
         }
     }
 
     fn output_url(&self, name: &str) -> String {
         match self.store {
             Store::Local => self.dir.join(name).to_string_lossy().into_owned(),
-            Store::S3 => format!("s3://nightly/{}/{name}", self.dir.file_name().unwrap().to_string_lossy()),
+            Store::S3 | Store::Azure => format!("{}://nightly/{}/{name}", self.scheme(), self.dir.file_name().unwrap().to_string_lossy()),
         }
     }
 
@@ -105,7 +153,7 @@ impl World {
     fn output(&self, name: &str) -> OutputStore {
         match self.store {
             Store::Local => OutputStore::local(&self.dir.join(name)),
-            Store::S3 => OutputStore::s3(self.moto.as_ref().unwrap(), "nightly", &format!("{}/{name}", self.dir.file_name().unwrap().to_string_lossy())),
+            Store::S3 | Store::Azure => self.remote(&format!("{}/{name}", self.dir.file_name().unwrap().to_string_lossy())),
         }
     }
 
@@ -130,9 +178,9 @@ impl World {
         write_parquet_groups(&local, support_prompts(ids, &refs), Some(GROUP_ROWS));
         match self.store {
             Store::Local => local.to_string_lossy().into_owned(),
-            Store::S3 => {
-                OutputStore::s3(self.moto.as_ref().unwrap(), "nightly", name).put("part-0.parquet", std::fs::read(&local).unwrap());
-                format!("s3://nightly/{name}/part-0.parquet")
+            Store::S3 | Store::Azure => {
+                self.remote(name).put("part-0.parquet", std::fs::read(&local).unwrap());
+                format!("{}://nightly/{name}/part-0.parquet", self.scheme())
             }
         }
     }
@@ -158,13 +206,9 @@ impl World {
     fn command_for(&self, verb: &str, job: &Path) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_nightshift"));
         cmd.args([verb, job.to_str().unwrap()]).current_dir(repo()).env("RUST_LOG", "warn");
-        if let Some(moto) = &self.moto {
-            for (k, v) in moto.env() {
-                cmd.env(k, v);
-            }
-            if let Some(proxy) = &self.proxy {
-                cmd.env("AWS_ENDPOINT", format!("http://127.0.0.1:{}", proxy.port));
-            }
+        cmd.envs(self.store_env());
+        if let Some(proxy) = &self.proxy {
+            cmd.env("AWS_ENDPOINT", format!("http://127.0.0.1:{}", proxy.port));
         }
         cmd
     }
@@ -182,7 +226,7 @@ impl World {
 
     /// `nightshift VERB ARGS` against the world's store (finalize, status).
     fn tool(&self, args: &[&str]) -> Run {
-        let env = self.moto.as_ref().map(|m| m.env()).unwrap_or_default();
+        let env = self.store_env();
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         nightshift(args, &env)
     }
@@ -338,7 +382,7 @@ fn finalize(world: &World, name: &str) -> Run {
     world.tool(&["finalize", &world.output_url(name)])
 }
 
-on_both_stores!(kill_nine_at_random_moments_then_resume, kill_nine_at_random_moments_then_resume_local, kill_nine_at_random_moments_then_resume_s3);
+on_every_store!(kill_nine_at_random_moments_then_resume, kill_nine_at_random_moments_then_resume_local, kill_nine_at_random_moments_then_resume_s3, kill_nine_at_random_moments_then_resume_azure);
 
 fn two_processes_at_once_commit_each_unit_once(store: Store) {
     let world = World::new(&format!("two-{store:?}").to_lowercase(), store);
@@ -351,7 +395,7 @@ fn two_processes_at_once_commit_each_unit_once(store: Store) {
     assert_complete_and_equal(&world.output("twice"), &reference);
 }
 
-on_both_stores!(two_processes_at_once_commit_each_unit_once, two_processes_at_once_commit_each_unit_once_local, two_processes_at_once_commit_each_unit_once_s3);
+on_every_store!(two_processes_at_once_commit_each_unit_once, two_processes_at_once_commit_each_unit_once_local, two_processes_at_once_commit_each_unit_once_s3, two_processes_at_once_commit_each_unit_once_azure);
 
 /// A committed unit whose result or metrics file was deleted afterwards is not committed: `status` says so, `finalize`
 /// refuses to write a manifest naming the missing file (exit 75: a rerun repairs it), and a rerun computes the
@@ -398,7 +442,7 @@ fn a_deleted_unit_file_is_recomputed_not_trusted(store: Store) {
     }
 }
 
-on_both_stores!(a_deleted_unit_file_is_recomputed_not_trusted, a_deleted_unit_file_is_recomputed_not_trusted_local, a_deleted_unit_file_is_recomputed_not_trusted_s3);
+on_every_store!(a_deleted_unit_file_is_recomputed_not_trusted, a_deleted_unit_file_is_recomputed_not_trusted_local, a_deleted_unit_file_is_recomputed_not_trusted_s3, a_deleted_unit_file_is_recomputed_not_trusted_azure);
 
 /// Garbage in the output's own metadata (a commit marker, the manifest) is damage, not a transient fault: `run`,
 /// `finalize` and `status` exit 5 naming the object, never 75, which a scheduler would retry forever (issue #23,
@@ -448,7 +492,7 @@ fn damaged_output_metadata_is_exit_5_naming_the_object(store: Store) {
     }
 }
 
-on_both_stores!(damaged_output_metadata_is_exit_5_naming_the_object, damaged_output_metadata_is_exit_5_naming_the_object_local, damaged_output_metadata_is_exit_5_naming_the_object_s3);
+on_every_store!(damaged_output_metadata_is_exit_5_naming_the_object, damaged_output_metadata_is_exit_5_naming_the_object_local, damaged_output_metadata_is_exit_5_naming_the_object_s3, damaged_output_metadata_is_exit_5_naming_the_object_azure);
 
 /// A local output that fails mid-run (a write refused, as on a full disk: here the metrics directory replaced by a
 /// file after the first commit) ends the run "partial, resumable" (75), and the message counts the units this run
@@ -584,7 +628,7 @@ fn sigterm_drains_and_exits_resumable(store: Store) {
     assert_complete_and_equal(&output, &reference);
 }
 
-on_both_stores!(sigterm_drains_and_exits_resumable, sigterm_drains_and_exits_resumable_local, sigterm_drains_and_exits_resumable_s3);
+on_every_store!(sigterm_drains_and_exits_resumable, sigterm_drains_and_exits_resumable_local, sigterm_drains_and_exits_resumable_s3, sigterm_drains_and_exits_resumable_azure);
 
 #[test]
 fn a_second_signal_exits_at_once_and_the_rerun_completes() {
@@ -689,9 +733,10 @@ fn s3_stale_listings_lose_nothing_and_claim_nothing() {
     assert_complete_and_equal(&output, &reference);
 }
 
-#[test]
-fn input_rewritten_mid_run_fails_loudly_and_a_rerun_is_refused() {
-    let world = World::new("rewritten", Store::Local);
+/// An input replaced while the job runs (its object's e_tag, or the file's size and time, changed) fails the run
+/// with the input named, and a rerun is refused, on each store.
+fn input_rewritten_mid_run_fails_loudly_and_a_rerun_is_refused(store: Store) {
+    let world = World::new(&format!("rewritten-{store:?}").to_lowercase(), store);
     let job = world.job("out", "max_seqs = 2");
     let output = world.output("out");
     let mut child = world.spawn(&job);
@@ -701,10 +746,17 @@ fn input_rewritten_mid_run_fails_loudly_and_a_rerun_is_refused() {
     let ids = row_ids(ROWS);
     let prompts: Vec<&str> = vec!["A different night's ticket."; ROWS];
     write_parquet_groups(&world.dir.join("in.parquet"), support_prompts(&ids, &prompts), Some(GROUP_ROWS));
+    let name = match store {
+        Store::Local => "in.parquet",
+        Store::S3 | Store::Azure => {
+            world.remote("in").put("part-0.parquet", std::fs::read(world.dir.join("in.parquet")).unwrap());
+            "part-0.parquet"
+        }
+    };
     signal(&child, "CONT");
     let run = finish(child);
     assert_eq!(run.code, 3, "{}", run.stderr);
-    assert!(run.stderr.contains("in.parquet") && run.stderr.contains("changed during the run"), "{}", run.stderr);
+    assert!(run.stderr.contains(name) && run.stderr.contains("changed during the run"), "{}", run.stderr);
     assert!(!output.exists("_SUCCESS"));
     let committed = output.list("_commits").len();
     assert!((1..UNITS).contains(&committed), "the units committed before the change are kept: {committed}");
@@ -713,6 +765,13 @@ fn input_rewritten_mid_run_fails_loudly_and_a_rerun_is_refused() {
     assert_eq!(run.code, 5, "{}", run.stderr);
     assert!(run.stderr.contains("different job") && run.stderr.contains("input files"), "{}", run.stderr);
 }
+
+on_every_store!(
+    input_rewritten_mid_run_fails_loudly_and_a_rerun_is_refused,
+    input_rewritten_mid_run_fails_loudly_and_a_rerun_is_refused_local,
+    input_rewritten_mid_run_fails_loudly_and_a_rerun_is_refused_s3,
+    input_rewritten_mid_run_fails_loudly_and_a_rerun_is_refused_azure
+);
 
 #[test]
 fn duplicate_ids_are_refused_before_any_generation() {
@@ -832,11 +891,23 @@ fn over_long_prompts_are_error_rows_unless_truncation_is_asked_for() {
     }
 }
 
-/// Four shard processes at once against moto, each started the way a scheduler starts it; one is killed -9 and
-/// rerun; finalize refuses the output until every shard is in, and two finalizes at once both succeed.
 #[test]
 fn four_shards_in_parallel_on_s3_with_one_killed_and_rerun() {
-    let world = World::new("shards-s3", Store::S3);
+    four_shards_in_parallel_with_one_killed_and_rerun(Store::S3);
+}
+
+#[test]
+fn four_shards_in_parallel_on_azure_with_one_killed_and_rerun() {
+    if azurite_binary().is_some() {
+        four_shards_in_parallel_with_one_killed_and_rerun(Store::Azure);
+    }
+}
+
+/// Four shard processes at once against an object store (moto's S3, Azurite's Azure), each started the way a
+/// scheduler starts it; one is killed -9 and rerun; finalize refuses the output until every shard is in, and two
+/// finalizes at once both succeed.
+fn four_shards_in_parallel_with_one_killed_and_rerun(store: Store) {
+    let world = World::new(&format!("shards-{store:?}").to_lowercase(), store);
     let (reference, _) = world.reference();
     let job = world.job("sharded", "");
     let output = world.output("sharded");
@@ -952,7 +1023,7 @@ fn four_shards_in_parallel_on_s3_with_one_killed_and_rerun() {
     let finalizers: Vec<_> = (0..2)
         .map(|_| {
             let mut cmd = Command::new(env!("CARGO_BIN_EXE_nightshift"));
-            cmd.args(["finalize", &world.output_url("sharded")]).envs(world.moto.as_ref().unwrap().env());
+            cmd.args(["finalize", &world.output_url("sharded")]).envs(world.store_env());
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
         })
         .collect();

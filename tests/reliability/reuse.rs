@@ -163,7 +163,7 @@ fn nightly_reuse(store: Store) {
     }
 }
 
-on_both_stores!(nightly_reuse, nightly_reuse_local, nightly_reuse_s3);
+on_every_store!(nightly_reuse, nightly_reuse_local, nightly_reuse_s3, nightly_reuse_azure);
 
 /// kill -9 with reuse on, an incomplete source, and a source that disappears mid-run.
 fn reuse_through_kills_and_lost_sources(store: Store) {
@@ -251,7 +251,7 @@ fn reuse_through_kills_and_lost_sources(store: Store) {
     assert_eq!(output.ids_in_order(), ids2);
 }
 
-on_both_stores!(reuse_through_kills_and_lost_sources, reuse_through_kills_and_lost_sources_local, reuse_through_kills_and_lost_sources_s3);
+on_every_store!(reuse_through_kills_and_lost_sources, reuse_through_kills_and_lost_sources_local, reuse_through_kills_and_lost_sources_s3, reuse_through_kills_and_lost_sources_azure);
 
 /// 30 % of rows repeat an earlier row's prompt under their own id: each distinct request is computed once, and
 /// every copy equals its original.

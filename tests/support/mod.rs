@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+mod azure;
 pub mod browser;
 mod models;
 mod output;
@@ -12,7 +13,7 @@ mod parquet;
 mod s3;
 
 // `self::`: `parquet` alone would also name the parquet crate.
-pub use self::{models::*, output::*, parquet::*, s3::*};
+pub use self::{azure::*, models::*, output::*, parquet::*, s3::*};
 
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -12,6 +12,7 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
+use super::azure::{Azurite, AZURITE_ACCOUNT, AZURITE_KEY};
 use super::s3::Moto;
 
 #[derive(Clone, Debug, PartialEq)]
@@ -140,6 +141,21 @@ impl OutputStore {
             .with_secret_access_key("test")
             .with_region("us-east-1")
             .with_bucket_name(bucket)
+            .build()
+            .unwrap();
+        OutputStore::new(Arc::new(store), ObjectPath::from(prefix))
+    }
+
+    /// A prefix in a container of an Azurite server, reached as any Azure endpoint is (object_store's emulator
+    /// mode reads the emulator's address from the process environment, which tests running at once cannot share).
+    pub fn azure(azurite: &Azurite, container: &str, prefix: &str) -> OutputStore {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let store = object_store::azure::MicrosoftAzureBuilder::new()
+            .with_endpoint(format!("{}/{AZURITE_ACCOUNT}", azurite.endpoint()))
+            .with_allow_http(true)
+            .with_account(AZURITE_ACCOUNT)
+            .with_access_key(AZURITE_KEY)
+            .with_container_name(container)
             .build()
             .unwrap();
         OutputStore::new(Arc::new(store), ObjectPath::from(prefix))
