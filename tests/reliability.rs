@@ -1064,8 +1064,8 @@ fn slurm_example_forwards_the_time_limit_signal_and_requeues_the_shard() {
     let first = task("0");
     let mut second = task("1");
     assert!(wait_for_commit_under(&mut second, &output, "_commits/shard=1"), "task 1 ended before its first commit");
-    // Slurm's `--signal=B:TERM@300` signals the batch shell, not its children.
-    signal(&second, "TERM");
+    // Slurm's `--signal=B:USR1@300` signals the batch shell, not its children.
+    signal(&second, "USR1");
     let run = finish(second);
     assert_eq!(run.code, 75, "{}", run.stderr);
     assert!(run.stderr.contains("requeueing 4242_1"), "{}", run.stderr);
@@ -1085,6 +1085,210 @@ fn slurm_example_forwards_the_time_limit_signal_and_requeues_the_shard() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("complete already") && stdout.contains("state: complete"), "{stdout}");
+}
+
+/// Whether the tests may start a Slurm cluster (`scripts/local-cluster.sh`): `NIGHTSHIFT_SLURM` is `1` where
+/// scripts/test.sh installed Debian's Slurm and runs as root, or `skip: REASON`; missing altogether is a broken
+/// set-up, and fails.
+fn slurm_available() -> bool {
+    let value = std::env::var("NIGHTSHIFT_SLURM").unwrap_or_else(|_| panic!("NIGHTSHIFT_SLURM is not set: scripts/test.sh installs Slurm and sets it to 1, or to `skip: REASON`"));
+    match value.strip_prefix("skip:") {
+        Some(reason) => {
+            eprintln!("skipped: no Slurm cluster ({})", reason.trim());
+            false
+        }
+        None => true,
+    }
+}
+
+/// A single-node Slurm cluster (Debian's slurmctld and slurmd) started by `scripts/local-cluster.sh` in a
+/// directory, stopped when dropped.
+struct Slurm {
+    dir: PathBuf,
+    conf: String,
+}
+
+impl Slurm {
+    fn up(dir: &Path) -> Slurm {
+        let out = Command::new("bash").arg(repo().join("scripts/local-cluster.sh")).args(["slurm", "up", dir.to_str().unwrap()]).output().unwrap();
+        assert!(out.status.success(), "scripts/local-cluster.sh slurm up: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        Slurm { dir: dir.to_path_buf(), conf: dir.join("slurm.conf").to_string_lossy().into_owned() }
+    }
+
+    /// A Slurm command against this cluster; its standard output, asserting success.
+    fn command(&self, program: &str, args: &[&str]) -> String {
+        let out = Command::new(program).args(args).env("SLURM_CONF", &self.conf).output().unwrap();
+        assert!(out.status.success(), "{program} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// SIGUSR1 to a job's batch shell through Slurm (`scancel --signal=USR1 --batch`), as `--signal=B:USR1@N` sends
+    /// it before the time limit. Slurm 22.05 delivers it and then answers "Job can not be altered now, try again
+    /// later" for an array task that requeues itself at once, which scancel retries for a minute: its answer is not
+    /// waited for (the returned process is killed when dropped); the test checks what the task did instead.
+    fn time_limit_signal(&self, id: &str) -> Background {
+        Background(Command::new("scancel").args(["--signal=USR1", "--batch", id]).env("SLURM_CONF", &self.conf).stderr(Stdio::null()).spawn().unwrap())
+    }
+
+    /// The job's (or array task's) state and exit code as `scontrol show job` gives them.
+    fn state(&self, id: &str) -> (String, String) {
+        let text = self.command("scontrol", &["show", "job", id]);
+        let field = |name: &str| text.split_whitespace().find_map(|w| w.strip_prefix(&format!("{name}="))).unwrap_or_default().to_string();
+        (field("JobState"), field("ExitCode"))
+    }
+
+    /// Waits until none of the jobs is pending or running.
+    fn wait_all(&self, ids: &[&str], limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let queued = self.command("squeue", &["-h", "-o", "%i %T", "-j", &ids.join(",")]);
+            if queued.trim().is_empty() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "jobs still queued after {limit:?}: {queued}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+/// A process killed when dropped.
+struct Background(Child);
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Slurm {
+    fn drop(&mut self) {
+        let _ = Command::new("bash").arg(repo().join("scripts/local-cluster.sh")).args(["slurm", "down", self.dir.to_str().unwrap()]).status();
+    }
+}
+
+/// Waits until `output` has a commit under `dir`.
+fn wait_for_commit(output: &OutputStore, dir: &str, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while output.list(dir).is_empty() {
+        assert!(Instant::now() < deadline, "nothing committed under {dir} within {limit:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The pid of the `nightshift` process an array task runs, found by the task's id in its environment.
+fn nightshift_of_task(array: &str, task: usize) -> Option<u32> {
+    std::fs::read_dir("/proc").unwrap().flatten().find_map(|entry| {
+        let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+        let exe = std::fs::read_link(entry.path().join("exe")).ok()?;
+        let environ = std::fs::read(entry.path().join("environ")).ok()?;
+        let vars: Vec<&[u8]> = environ.split(|&b| b == 0).collect();
+        let has = |var: String| vars.contains(&var.as_bytes());
+        (exe.file_name()? == "nightshift" && has(format!("SLURM_ARRAY_JOB_ID={array}")) && has(format!("SLURM_ARRAY_TASK_ID={task}"))).then_some(pid)
+    })
+}
+
+/// `jobs/cluster/slurm-shards.sbatch` on a real Slurm cluster (scripts/local-cluster.sh: Debian's slurmctld and
+/// slurmd on this machine), submitted as the docs show: an array of 4 tasks, and the finalize job chained with
+/// `--dependency=afterany`. Mid-run, one task gets the time-limit signal through Slurm (`scancel --signal=USR1
+/// --batch`, what `--signal=B:USR1@N` sends): nightshift drains, exits 75 and the script requeues the task; one
+/// task's nightshift is killed -9: the task fails (exit 137) and is requeued with `scontrol requeue`; one task is
+/// cancelled (`scancel`: nightshift drains and the script leaves it cancelled) and requeued by hand. Requeued tasks
+/// start again when Slurm makes them eligible (about two minutes after the requeue). Every input row is then in the output exactly once, equal to an
+/// uninterrupted run, with `_SUCCESS`; Slurm's records say what happened to each task.
+#[test]
+fn slurm_cluster_runs_the_array_with_tasks_signalled_killed_and_cancelled() {
+    if !slurm_available() {
+        return;
+    }
+    let world = World::new("slurm-cluster", Store::Local);
+    // 220 tokens a row, one sequence at a time: each shard runs for seconds, and is still running when it is
+    // interrupted. The uninterrupted run batches (greedy results do not depend on it).
+    let generation = "max_new_tokens = 220\nignore_eos = true";
+    world.run(&world.job_with("reference", &world.input_url(), generation, "")).assert_ok();
+    let reference = world.output("reference").results();
+    let slurm = Slurm::up(&world.dir.join("slurm"));
+    let job = world.job_with("out", &world.input_url(), generation, "max_seqs = 1");
+    let output = world.output("out");
+    let logs = world.dir.join("logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let log = format!("--output={}/nightshift-%A_%a.log", logs.display());
+    let nightshift = format!("NIGHTSHIFT={}", env!("CARGO_BIN_EXE_nightshift"));
+    // The script's own resources are a production node's; this node has 2 cores, so two tasks run at a time.
+    let (nightshift_env, repo_dir) = (format!("--export=ALL,{nightshift},RUST_LOG=warn"), repo().to_string_lossy().into_owned());
+    let submit = |args: &[&str]| -> String {
+        let mut all = vec!["--parsable", "--cpus-per-task=1", "--mem=512M", "--time=10", &log, &nightshift_env, "--chdir", repo_dir.as_str()];
+        all.extend_from_slice(args);
+        slurm.command("sbatch", &all).trim().to_string()
+    };
+    let shards = repo().join("jobs/cluster/slurm-shards.sbatch");
+    let array = submit(&["--array=0-3", shards.to_str().unwrap(), job.to_str().unwrap()]);
+    let finalizer = repo().join("jobs/cluster/slurm-finalize.sbatch");
+    let output_url = world.output_url("out");
+    let finalize = submit(&[&format!("--dependency=afterany:{array}"), finalizer.to_str().unwrap(), &output_url]);
+
+    // Task 0: the time-limit signal to its batch shell; nightshift drains, exits 75 and the task requeues itself.
+    wait_for_commit(&output, "_commits/shard=0", Duration::from_secs(120));
+    let _scancel = slurm.time_limit_signal(&format!("{array}_0"));
+    // Task 1: its nightshift killed -9; the task fails, and is requeued by hand.
+    wait_for_commit(&output, "_commits/shard=1", Duration::from_secs(120));
+    let pid = nightshift_of_task(&array, 1).expect("task 1's nightshift is running");
+    assert!(Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while slurm.state(&format!("{array}_1")).0 != "FAILED" {
+        assert!(Instant::now() < deadline, "task 1 did not fail: {:?}", slurm.state(&format!("{array}_1")));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(slurm.state(&format!("{array}_1")).1, "137:0", "the batch script passes on its nightshift's status");
+    slurm.command("scontrol", &["requeue", &format!("{array}_1")]);
+    // Task 2: cancelled outright once it has committed a unit, then requeued by hand.
+    wait_for_commit(&output, "_commits/shard=2", Duration::from_secs(120));
+    slurm.command("scancel", &[&format!("{array}_2")]);
+    let log2 = logs.join(format!("nightshift-{array}_2.log"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let text = std::fs::read_to_string(&log2).unwrap_or_default();
+        if text.contains("exit 75") {
+            assert!(text.contains("by SIGTERM (cancelled or preempted): not requeued"), "{text}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "task 2's script did not end: {text}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    while slurm.state(&format!("{array}_2")).0 != "CANCELLED" || !slurm.command("squeue", &["-h", "-t", "CG", "-j", &array]).trim().is_empty() {
+        assert!(Instant::now() < deadline, "task 2 is not cancelled: {:?}", slurm.state(&format!("{array}_2")));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    slurm.command("scontrol", &["requeue", &format!("{array}_2")]);
+
+    slurm.wait_all(&[&array, &finalize], Duration::from_secs(600));
+    assert_complete_and_equal(&output, &reference);
+    for task in 0..4 {
+        assert_eq!(slurm.state(&format!("{array}_{task}")), ("COMPLETED".to_string(), "0:0".to_string()), "task {task}");
+    }
+    let (state, code) = slurm.state(&finalize);
+    assert!(state == "COMPLETED" && code == "0:0", "finalize: {state} {code}");
+    // Slurm's record of every run (jobcomp/filetxt): each task completed once in the end; task 0 was requeued by its
+    // script after exit 75, task 1 failed on signal 9, task 2 was cancelled.
+    let records = std::fs::read_to_string(slurm.dir.join("jobcomp.txt")).unwrap();
+    let log0 = std::fs::read_to_string(logs.join(format!("nightshift-{array}_0.log"))).unwrap();
+    assert!(log0.contains(&format!("exit 75); requeueing {array}_0")), "{log0}");
+    let runs: Vec<(String, String, String)> = records
+        .lines()
+        .filter_map(|line| {
+            let field = |name: &str| line.split_whitespace().find_map(|w| w.strip_prefix(&format!("{name}="))).map(str::to_string);
+            Some((field("ArrayTaskId")?, field("JobState")?, field("ExitCode")?))
+        })
+        .collect();
+    let of = |task: &str| runs.iter().filter(|r| r.0 == task).map(|r| format!("{} {}", r.1, r.2)).collect::<Vec<_>>();
+    assert!(of("1").contains(&"FAILED 137:0".to_string()), "{records}");
+    assert!(of("2").contains(&"CANCELLED 0:0".to_string()) || of("2").iter().any(|r| r.starts_with("CANCELLED")), "{records}");
+    for task in ["0", "1", "2", "3"] {
+        assert_eq!(of(task).last().map(String::as_str), Some("COMPLETED 0:0"), "task {task}'s last run: {records}");
+    }
+    let status = world.tool(&["status", &output_url]);
+    status.assert_ok();
+    assert!(status.stdout.contains("complete"), "{}", status.stdout);
 }
 
 /// The Kubernetes and AWS Batch examples agree with the binary: the cluster job file validates, the shard counts
