@@ -1291,6 +1291,102 @@ fn slurm_cluster_runs_the_array_with_tasks_signalled_killed_and_cancelled() {
     assert!(status.stdout.contains("complete"), "{}", status.stdout);
 }
 
+/// Whether the tests may start a Ray cluster: `NIGHTSHIFT_RAY` is `1` where scripts/test.sh installed `ray`, or
+/// `skip: REASON`; missing altogether is a broken set-up, and fails.
+fn ray_available() -> bool {
+    let value = std::env::var("NIGHTSHIFT_RAY").unwrap_or_else(|_| panic!("NIGHTSHIFT_RAY is not set: scripts/test.sh installs ray and sets it to 1, or to `skip: REASON`"));
+    match value.strip_prefix("skip:") {
+        Some(reason) => {
+            eprintln!("skipped: no Ray ({})", reason.trim());
+            false
+        }
+        None => true,
+    }
+}
+
+/// A local Ray cluster of two nodes on this machine (`ray start --head`, then a second `ray start` joining it), one
+/// core each, stopped when dropped.
+struct RayCluster {
+    address: String,
+    temp: PathBuf,
+}
+
+impl RayCluster {
+    fn start() -> RayCluster {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let address = format!("127.0.0.1:{port}");
+        let ray = |args: &[&str]| {
+            let out = Command::new("ray").args(args).env("RAY_USAGE_STATS_ENABLED", "0").output().unwrap_or_else(|e| panic!("cannot run ray (scripts/test.sh installs it): {e}"));
+            assert!(out.status.success(), "ray {args:?}: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        };
+        // Ray's sockets live under its temp dir, whose paths must stay within AF_UNIX's 107 bytes: a short one.
+        let temp = std::env::temp_dir().join(format!("nsray-{}", std::process::id()));
+        ray(&["start", "--head", &format!("--port={port}"), "--num-cpus=1", "--temp-dir", temp.to_str().unwrap(), "--include-dashboard=false", "--disable-usage-stats"]);
+        let cluster = RayCluster { address, temp };
+        ray(&["start", &format!("--address={}", cluster.address), "--num-cpus=1"]);
+        cluster
+    }
+}
+
+impl Drop for RayCluster {
+    fn drop(&mut self) {
+        let _ = Command::new("ray").args(["stop", "--force"]).stdout(Stdio::null()).stderr(Stdio::null()).status();
+        let _ = std::fs::remove_dir_all(&self.temp);
+    }
+}
+
+/// The Ray driver (`jobs/cluster/ray/nightshift_ray.py`) on a local two-node Ray cluster: one Ray task per shard,
+/// each line of each shard streamed to the driver; the Ray worker running shard 1 is killed -9 mid-run, its
+/// nightshift drains (the parent-death signal), Ray runs the task again (`max_retries`) and it resumes; the driver
+/// finalizes and exits 0. Every row once, equal to an uninterrupted run, and shard 1 made two attempts.
+#[test]
+fn ray_driver_runs_every_shard_and_retries_one_whose_worker_is_killed() {
+    if !ray_available() {
+        return;
+    }
+    let world = World::new("ray-cluster", Store::Local);
+    let generation = "max_new_tokens = 120\nignore_eos = true";
+    world.run(&world.job_with("reference", &world.input_url(), generation, "")).assert_ok();
+    let reference = world.output("reference").results();
+    let job = world.job_with("out", &world.input_url(), generation, "max_seqs = 1");
+    let output = world.output("out");
+    let cluster = RayCluster::start();
+    let driver = Command::new(std::env::var("NIGHTSHIFT_TEST_PYTHON").unwrap_or_else(|_| "python3".into()))
+        .arg(repo().join("jobs/cluster/ray/nightshift_ray.py"))
+        .arg(&job)
+        .args(["--shards", "4", "--cpus-per-shard", "1", "--address", &cluster.address, "--nightshift", env!("CARGO_BIN_EXE_nightshift")])
+        .env("RAY_USAGE_STATS_ENABLED", "0")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_commit(&output, "_commits/shard=1", Duration::from_secs(180));
+    // The Ray worker process is shard 1's nightshift's parent.
+    let nightshift = std::fs::read_dir("/proc").unwrap().flatten().find_map(|entry| {
+        let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+        let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+        (args.windows(2).any(|w| w == [b"--shard".as_slice(), b"1/4".as_slice()]) && args.iter().any(|a| *a == job.to_str().unwrap().as_bytes())).then_some(pid)
+    });
+    let nightshift = nightshift.expect("shard 1's nightshift is running");
+    let status = std::fs::read_to_string(format!("/proc/{nightshift}/status")).unwrap();
+    let worker: u32 = status.lines().find_map(|l| l.strip_prefix("PPid:")).unwrap().trim().parse().unwrap();
+    assert!(Command::new("kill").args(["-KILL", &worker.to_string()]).status().unwrap().success());
+    let run = finish(driver);
+    assert_eq!(run.code, 0, "{}{}", run.stdout, run.stderr);
+    for shard in 0..4 {
+        assert!(run.stdout.contains(&format!("[shard {shard}/4] ")) && run.stdout.contains(&format!("shard {shard}/4 done")), "shard {shard}'s lines and its end: {}", run.stdout);
+    }
+    assert_complete_and_equal(&output, &reference);
+    let status = world.tool(&["status", &world.output_url("out"), "--json"]);
+    status.assert_ok();
+    let status: serde_json::Value = serde_json::from_str(&status.stdout).unwrap();
+    let attempts = |shard: usize| status["shards"][shard]["attempts"].as_array().unwrap().len();
+    assert_eq!(attempts(1), 2, "shard 1 ran twice: {status}");
+    assert_eq!((attempts(0), attempts(2), attempts(3)), (1, 1, 1), "{status}");
+}
+
 /// The Kubernetes and AWS Batch examples agree with the binary: the cluster job file validates, the shard counts
 /// in each example match, and the exit codes they fail fast on are the permanent ones.
 #[test]
