@@ -1087,18 +1087,10 @@ fn slurm_example_forwards_the_time_limit_signal_and_requeues_the_shard() {
     assert!(stdout.contains("complete already") && stdout.contains("state: complete"), "{stdout}");
 }
 
-/// Whether the tests may start a Slurm cluster (`scripts/local-cluster.sh`): `NIGHTSHIFT_SLURM` is `1` where
-/// scripts/test.sh installed Debian's Slurm and runs as root, or `skip: REASON`; missing altogether is a broken
-/// set-up, and fails.
+/// Whether the tests may start a Slurm cluster (`scripts/local-cluster.sh`): scripts/test.sh sets `NIGHTSHIFT_SLURM`
+/// to 1 where it installed Debian's Slurm and runs as root.
 fn slurm_available() -> bool {
-    let value = std::env::var("NIGHTSHIFT_SLURM").unwrap_or_else(|_| panic!("NIGHTSHIFT_SLURM is not set: scripts/test.sh installs Slurm and sets it to 1, or to `skip: REASON`"));
-    match value.strip_prefix("skip:") {
-        Some(reason) => {
-            eprintln!("skipped: no Slurm cluster ({})", reason.trim());
-            false
-        }
-        None => true,
-    }
+    installed("NIGHTSHIFT_SLURM", "Slurm (Debian's slurmctld and slurmd, run as root)").is_some()
 }
 
 /// A single-node Slurm cluster (Debian's slurmctld and slurmd) started by `scripts/local-cluster.sh` in a
@@ -1291,17 +1283,9 @@ fn slurm_cluster_runs_the_array_with_tasks_signalled_killed_and_cancelled() {
     assert!(status.stdout.contains("complete"), "{}", status.stdout);
 }
 
-/// Whether the tests may start a Ray cluster: `NIGHTSHIFT_RAY` is `1` where scripts/test.sh installed `ray`, or
-/// `skip: REASON`; missing altogether is a broken set-up, and fails.
+/// Whether the tests may start a Ray cluster: scripts/test.sh sets `NIGHTSHIFT_RAY` to 1 where pip installed `ray`.
 fn ray_available() -> bool {
-    let value = std::env::var("NIGHTSHIFT_RAY").unwrap_or_else(|_| panic!("NIGHTSHIFT_RAY is not set: scripts/test.sh installs ray and sets it to 1, or to `skip: REASON`"));
-    match value.strip_prefix("skip:") {
-        Some(reason) => {
-            eprintln!("skipped: no Ray ({})", reason.trim());
-            false
-        }
-        None => true,
-    }
+    installed("NIGHTSHIFT_RAY", "Ray (pip)").is_some()
 }
 
 /// A local Ray cluster of two nodes on this machine (`ray start --head`, then a second `ray start` joining it), one

@@ -8,19 +8,9 @@ pub const AZURITE_ACCOUNT: &str = "devstoreaccount1";
 pub const AZURITE_KEY: &str = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
 
 /// Where the tests find Azurite: `NIGHTSHIFT_AZURITE`, the path of its `azurite-blob` (scripts/test.sh installs it
-/// with npm and sets it), or `skip: REASON` where npm could not install it. `None` means skip, after printing why;
-/// the variable missing altogether is a broken test set-up, and fails.
+/// with npm), or `None` where it could not ([`super::installed`]).
 pub fn azurite_binary() -> Option<String> {
-    let value = std::env::var("NIGHTSHIFT_AZURITE").unwrap_or_else(|_| {
-        panic!("NIGHTSHIFT_AZURITE is not set: scripts/test.sh installs Azurite (npm) and sets it, or sets `skip: REASON`")
-    });
-    match value.strip_prefix("skip:") {
-        Some(reason) => {
-            eprintln!("skipped: Azurite is not installed ({})", reason.trim());
-            None
-        }
-        None => Some(value),
-    }
+    super::installed("NIGHTSHIFT_AZURITE", "Azurite (npm)")
 }
 
 /// An Azurite blob service on 127.0.0.1 holding its data in `dir`, stopped when dropped.

@@ -26,6 +26,20 @@ pub fn model_path() -> PathBuf {
 }
 
 /// A fresh directory under the target directory, removed first if a previous run left it.
+/// A test dependency scripts/test.sh installs and names in environment variable `var`: its value, or `None` (after
+/// printing that the test skipped, and why) where the script set `skip: REASON` because it could not install it.
+/// The variable missing altogether is a broken set-up, and panics: a test must not skip because a step was left out.
+pub fn installed(var: &str, what: &str) -> Option<String> {
+    let value = std::env::var(var).unwrap_or_else(|_| panic!("{var} is not set: scripts/test.sh installs {what} and sets it, or sets `skip: REASON`"));
+    match value.strip_prefix("skip:") {
+        Some(reason) => {
+            eprintln!("skipped: {what} is not installed ({})", reason.trim());
+            None
+        }
+        None => Some(value),
+    }
+}
+
 pub fn scratch(name: &str) -> PathBuf {
     let dir = repo().join("target/test-scratch").join(name);
     let _ = std::fs::remove_dir_all(&dir);
