@@ -973,7 +973,7 @@ fn four_shards_in_parallel_with_one_killed_and_rerun(store: Store) {
     let run = world.tool(&["report", &world.output_url("sharded"), "--to", report.to_str().unwrap()]);
     run.assert_ok();
     assert!(run.stdout.contains("report: ") && run.stdout.contains("incomplete.html"), "{}", run.stdout);
-    let page = browser::render(&std::fs::read_to_string(&report).unwrap(), "sharded-incomplete");
+    let page = browser::render(&std::fs::read_to_string(&report).unwrap(), &format!("sharded-incomplete-{store:?}").to_lowercase());
     page.assert_well_formed();
     assert_eq!(page.probe["state"], "incomplete");
     let committed = shard_of.len() - status["shards"][3]["missing_units"].as_array().unwrap().len();
@@ -1006,7 +1006,7 @@ fn four_shards_in_parallel_with_one_killed_and_rerun(store: Store) {
 
     // Its report, written by finalize: complete, every row, and five attempts (shard 3 twice: killed, then rerun).
     let html = String::from_utf8(output.get("_report.html").expect("finalize writes the report").to_vec()).unwrap();
-    let page = browser::render(&html, "sharded-complete");
+    let page = browser::render(&html, &format!("sharded-complete-{store:?}").to_lowercase());
     page.assert_well_formed();
     assert_eq!(page.probe["state"], "complete");
     assert_eq!(page.card("rows"), "2,000");
