@@ -1168,16 +1168,34 @@ fn wait_for_commit(output: &OutputStore, dir: &str, limit: Duration) {
     }
 }
 
+/// The pids of this machine's processes that `matches` (given each one's /proc directory); a process that ends
+/// while it is read is left out.
+fn processes(matches: impl Fn(&Path) -> Option<bool>) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            matches(&entry.path())?.then_some(pid)
+        })
+        .collect()
+}
+
+/// A process's NUL-separated /proc file (`cmdline`, `environ`) as its parts.
+fn proc_list(dir: &Path, file: &str) -> Option<Vec<Vec<u8>>> {
+    Some(std::fs::read(dir.join(file)).ok()?.split(|&b| b == 0).map(<[u8]>::to_vec).collect())
+}
+
 /// The pid of the `nightshift` process an array task runs, found by the task's id in its environment.
 fn nightshift_of_task(array: &str, task: usize) -> Option<u32> {
-    std::fs::read_dir("/proc").unwrap().flatten().find_map(|entry| {
-        let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
-        let exe = std::fs::read_link(entry.path().join("exe")).ok()?;
-        let environ = std::fs::read(entry.path().join("environ")).ok()?;
-        let vars: Vec<&[u8]> = environ.split(|&b| b == 0).collect();
-        let has = |var: String| vars.contains(&var.as_bytes());
-        (exe.file_name()? == "nightshift" && has(format!("SLURM_ARRAY_JOB_ID={array}")) && has(format!("SLURM_ARRAY_TASK_ID={task}"))).then_some(pid)
+    let ids = [format!("SLURM_ARRAY_JOB_ID={array}").into_bytes(), format!("SLURM_ARRAY_TASK_ID={task}").into_bytes()];
+    processes(|dir| {
+        let exe = std::fs::read_link(dir.join("exe")).ok()?;
+        let environ = proc_list(dir, "environ")?;
+        Some(exe.file_name()? == "nightshift" && ids.iter().all(|id| environ.contains(id)))
     })
+    .first()
+    .copied()
 }
 
 /// `jobs/cluster/slurm-shards.sbatch` on a real Slurm cluster (scripts/local-cluster.sh: Debian's slurmctld and
@@ -1289,7 +1307,7 @@ fn ray_available() -> bool {
 }
 
 /// A local Ray cluster of two nodes on this machine (`ray start --head`, then a second `ray start` joining it), one
-/// core each, stopped when dropped.
+/// core each, killed when dropped.
 struct RayCluster {
     address: String,
     temp: PathBuf,
@@ -1297,7 +1315,7 @@ struct RayCluster {
 
 impl RayCluster {
     fn start() -> RayCluster {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = free_port();
         let address = format!("127.0.0.1:{port}");
         let ray = |args: &[&str]| {
             let out = Command::new("ray").args(args).env("RAY_USAGE_STATS_ENABLED", "0").output().unwrap_or_else(|e| panic!("cannot run ray (scripts/test.sh installs it): {e}"));
@@ -1314,7 +1332,27 @@ impl RayCluster {
 
 impl Drop for RayCluster {
     fn drop(&mut self) {
-        let _ = Command::new("ray").args(["stop", "--force"]).stdout(Stdio::null()).stderr(Stdio::null()).status();
+        // Only this cluster's processes (`ray stop` would stop every Ray cluster on the machine): those whose
+        // command line names its temp dir, and everything they started (the nodes' agents and workers), gathered
+        // before any is killed, since an orphan is handed to init.
+        let temp = self.temp.to_string_lossy().into_owned().into_bytes();
+        let mut tree = processes(|dir| Some(proc_list(dir, "cmdline")?.iter().any(|a| a.windows(temp.len()).any(|w| w == temp))));
+        let parents: Vec<(u32, u32)> = processes(|_| Some(true))
+            .into_iter()
+            .filter_map(|pid| {
+                let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+                Some((pid, status.lines().find_map(|l| l.strip_prefix("PPid:"))?.trim().parse().ok()?))
+            })
+            .collect();
+        let mut i = 0;
+        while i < tree.len() {
+            let parent = tree[i];
+            tree.extend(parents.iter().filter(|(pid, ppid)| *ppid == parent && !tree.contains(pid)).map(|(pid, _)| *pid).collect::<Vec<_>>());
+            i += 1;
+        }
+        for pid in tree {
+            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).stderr(Stdio::null()).status();
+        }
         let _ = std::fs::remove_dir_all(&self.temp);
     }
 }
@@ -1347,13 +1385,12 @@ fn ray_driver_runs_every_shard_and_retries_one_whose_worker_is_killed() {
         .unwrap();
     wait_for_commit(&output, "_commits/shard=1", Duration::from_secs(180));
     // The Ray worker process is shard 1's nightshift's parent.
-    let nightshift = std::fs::read_dir("/proc").unwrap().flatten().find_map(|entry| {
-        let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
-        let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
-        let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
-        (args.windows(2).any(|w| w == [b"--shard".as_slice(), b"1/4".as_slice()]) && args.iter().any(|a| *a == job.to_str().unwrap().as_bytes())).then_some(pid)
+    let shard = [b"--shard".to_vec(), b"1/4".to_vec()];
+    let nightshift = processes(|dir| {
+        let args = proc_list(dir, "cmdline")?;
+        Some(args.windows(2).any(|w| w == shard) && args.iter().any(|a| a == job.to_str().unwrap().as_bytes()))
     });
-    let nightshift = nightshift.expect("shard 1's nightshift is running");
+    let nightshift = *nightshift.first().expect("shard 1's nightshift is running");
     let status = std::fs::read_to_string(format!("/proc/{nightshift}/status")).unwrap();
     let worker: u32 = status.lines().find_map(|l| l.strip_prefix("PPid:")).unwrap().trim().parse().unwrap();
     assert!(Command::new("kill").args(["-KILL", &worker.to_string()]).status().unwrap().success());
@@ -1369,6 +1406,20 @@ fn ray_driver_runs_every_shard_and_retries_one_whose_worker_is_killed() {
     let attempts = |shard: usize| status["shards"][shard]["attempts"].as_array().unwrap().len();
     assert_eq!(attempts(1), 2, "shard 1 ran twice: {status}");
     assert_eq!((attempts(0), attempts(2), attempts(3)), (1, 1, 1), "{status}");
+
+    // A job whose model is missing: every shard exits 4, which no retry mends; the driver says so and exits 4.
+    let bad = world.dir.join("bad.toml");
+    std::fs::write(&bad, std::fs::read_to_string(&job).unwrap().replace(world.model.to_str().unwrap(), "/nonexistent/model.gguf")).unwrap();
+    let run = Command::new(std::env::var("NIGHTSHIFT_TEST_PYTHON").unwrap_or_else(|_| "python3".into()))
+        .arg(repo().join("jobs/cluster/ray/nightshift_ray.py"))
+        .arg(&bad)
+        .args(["--shards", "2", "--address", &cluster.address, "--nightshift", env!("CARGO_BIN_EXE_nightshift")])
+        .env("RAY_USAGE_STATS_ENABLED", "0")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(4), "{stderr}");
+    assert_eq!(stderr.matches("gave up (not retried): exit 4").count(), 2, "{stderr}");
 }
 
 /// The Kubernetes and AWS Batch examples agree with the binary: the cluster job file validates, the shard counts

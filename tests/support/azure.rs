@@ -23,7 +23,7 @@ impl Azurite {
     /// Starts it, or `None` where the tests are told to skip Azure ([`azurite_binary`]).
     pub fn start(dir: &std::path::Path) -> Option<Azurite> {
         let binary = azurite_binary()?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = super::free_port();
         let location = dir.join("azurite");
         std::fs::create_dir_all(&location).unwrap();
         let child = Command::new(&binary)
@@ -33,14 +33,7 @@ impl Azurite {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start Azurite ({binary}): {e}"));
         let mut azurite = Azurite { child, port };
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Ok(Some(status)) = azurite.child.try_wait() {
-                panic!("Azurite exited with {status}");
-            }
-            assert!(std::time::Instant::now() < deadline, "Azurite did not start within 60 s");
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
+        super::wait_until_listening(&mut azurite.child, port, "Azurite");
         Some(azurite)
     }
 

@@ -26,6 +26,24 @@ pub fn model_path() -> PathBuf {
 }
 
 /// A fresh directory under the target directory, removed first if a previous run left it.
+/// A port on 127.0.0.1 free a moment ago, for a server a test starts.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Waits until the server `child` (`what`, for messages) accepts connections on 127.0.0.1:`port`; panics if it
+/// exits first or takes over 60 s.
+pub fn wait_until_listening(child: &mut std::process::Child, port: u16, what: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("{what} exited with {status}");
+        }
+        assert!(std::time::Instant::now() < deadline, "{what} did not start within 60 s");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// A test dependency scripts/test.sh installs and names in environment variable `var`: its value, or `None` (after
 /// printing that the test skipped, and why) where the script set `skip: REASON` because it could not install it.
 /// The variable missing altogether is a broken set-up, and panics: a test must not skip because a step was left out.

@@ -12,7 +12,7 @@ pub struct Moto {
 
 impl Moto {
     pub fn start() -> Moto {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = super::free_port();
         let python = std::env::var("NIGHTSHIFT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
         let child = Command::new(&python)
             .args(["-m", "moto.server", "-H", "127.0.0.1", "-p", &port.to_string()])
@@ -21,14 +21,7 @@ impl Moto {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start moto with {python}: {e} (scripts/test.sh installs moto[server])"));
         let mut moto = Moto { child, endpoint: format!("http://127.0.0.1:{port}") };
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Ok(Some(status)) = moto.child.try_wait() {
-                panic!("moto exited with {status}: is moto[server] installed? (scripts/test.sh installs it)");
-            }
-            assert!(std::time::Instant::now() < deadline, "moto did not start within 60 s");
-            std::thread::sleep(std::time::Duration::from_millis(200));
-        }
+        super::wait_until_listening(&mut moto.child, port, "moto (is moto[server] installed? scripts/test.sh installs it)");
         moto
     }
 
@@ -308,21 +301,16 @@ pub struct Pushgateway {
 
 impl Pushgateway {
     pub fn start() -> Pushgateway {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = super::free_port();
         let child = Command::new("prometheus-pushgateway")
             .arg(format!("--web.listen-address=127.0.0.1:{port}"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("prometheus-pushgateway runs (scripts/test.sh installs it)");
-        let gateway = Pushgateway { child, url: format!("http://127.0.0.1:{port}") };
-        for _ in 0..200 {
-            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return gateway;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-        panic!("the Pushgateway did not start");
+        let mut gateway = Pushgateway { child, url: format!("http://127.0.0.1:{port}") };
+        super::wait_until_listening(&mut gateway.child, port, "the Pushgateway");
+        gateway
     }
 
     /// What it serves on `/metrics`.

@@ -10,7 +10,8 @@ driver a line at a time, prefixed with the shard. A shard whose nightshift exits
 is retried, and so is one whose node or worker is lost (Ray's `max_retries`): the rerun resumes from its committed
 units. Exits 2 to 5 (a bad job file, input, model or output) are not retried: they would fail again. When every
 shard is done, `nightshift finalize OUTPUT` completes the output (the last shard usually has already); the driver
-exits with nightshift's codes: 0 complete, 75 if a shard gave up resumable, the shard's own code otherwise.
+exits with nightshift's codes: 0 complete; where a shard gave up, its exit code (75 for a lost node or worker), a
+failure outranking 75 as `run --data-parallel` ranks its workers.
 
 The nightshift binary and the job file must be at the same paths on every node (a shared file system, or an
 image), as with Slurm; the input, output and model are URLs every node can reach (or a shared directory).
@@ -37,13 +38,23 @@ RETRIED = {75, 1}
 class Resumable(Exception):
     """A shard's nightshift exited 75 or 1: worth running again (it resumes from its committed units)."""
 
+    def __init__(self, shard, code):
+        super().__init__(shard, code)  # both in `args`, so that Ray can pickle it back to the driver
+        self.shard, self.code = shard, code
+
+    def __str__(self):
+        return f"shard {self.shard} exited {self.code}"
+
 
 class Permanent(Exception):
     """A shard's nightshift exited with a code a retry cannot change (2 to 5)."""
 
     def __init__(self, shard, code):
-        super().__init__(f"shard {shard} exited {code}")
-        self.code = code
+        super().__init__(shard, code)  # both in `args`, so that Ray can pickle it back to the driver
+        self.shard, self.code = shard, code
+
+    def __str__(self):
+        return f"shard {self.shard} exited {self.code}"
 
 
 def _die_with_parent():
@@ -60,9 +71,9 @@ def run_shard(nightshift, job, shard, shards, args):
         print(f"[shard {shard}/{shards}] {line}", end="", flush=True)
     code = process.wait()
     if code in RETRIED:
-        raise Resumable(f"shard {shard}/{shards} exited {code}")
+        raise Resumable(f"{shard}/{shards}", code)
     if code != 0:
-        raise Permanent(shard, code)
+        raise Permanent(f"{shard}/{shards}", code)
     return shard
 
 
@@ -94,23 +105,23 @@ def main():
     resources = {"num_gpus": options.gpus_per_shard} if options.gpus_per_shard else {"num_cpus": options.cpus_per_shard}
     task = run_shard.options(max_retries=options.max_retries, retry_exceptions=[Resumable], **resources)
     pending = {task.remote(options.nightshift, options.job, i, options.shards, args): i for i in range(options.shards)}
-    worst = 0
+    codes = []
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
         shard = pending.pop(done[0])
         try:
             ray.get(done[0])
             print(f"nightshift-ray: shard {shard}/{options.shards} done", flush=True)
-        except Permanent as e:
-            code = getattr(getattr(e, "cause", None), "code", None) or getattr(e, "code", 1)
-            print(f"nightshift-ray: shard {shard}/{options.shards} failed: exit {code}, not retried", file=sys.stderr, flush=True)
-            worst = max(worst, code)
-        except (Resumable, ray.exceptions.RayError) as e:
-            cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause else e
-            print(f"nightshift-ray: shard {shard}/{options.shards} gave up after its retries: {cause}", file=sys.stderr, flush=True)
-            worst = max(worst, 75) if worst in (0, 75) else worst
-    if worst:
-        sys.exit(worst)
+        except (Permanent, Resumable, ray.exceptions.RayError) as e:
+            # Ray raises a task's exception wrapped, with the original as `cause`; a lost worker or node has no code.
+            cause = getattr(e, "cause", None) or e
+            code = getattr(cause, "code", 75)
+            retried = "not retried" if isinstance(cause, Permanent) else "after its retries"
+            print(f"nightshift-ray: shard {shard}/{options.shards} gave up ({retried}): exit {code}: {cause}", file=sys.stderr, flush=True)
+            codes.append(code)
+    # A failure outranks a resumable stop (75), as `run --data-parallel` ranks its workers.
+    if codes:
+        sys.exit(max((c for c in codes if c != 75), default=75))
     code = subprocess.call([options.nightshift, "finalize", output_url(options.job, args)])
     sys.exit(code)
 

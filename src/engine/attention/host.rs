@@ -551,18 +551,40 @@ mod tests {
             .collect()
     }
 
+    /// Gemma's attention: a scale of its own, soft-capped scores, and layer 1 sliding over `window` positions.
+    fn gemma(window: usize) -> AttentionShape {
+        AttentionShape {
+            scale: 0.6,
+            softcap: Some(1.5),
+            sliding: Some(super::super::SlidingWindow { window, layers: vec![false, true], rope_frequencies: None }),
+            ..config()
+        }
+    }
+
+    /// Layer 1's attention output for one query head `q` over positions `seen` of keys and values `[position][kv
+    /// head][head_dim]` (each value as the cache holds it: `held`), by a direct softmax in f64.
+    fn direct_attention(cfg: &AttentionShape, q: &[f32], k: &[f32], v: &[f32], kv_head: usize, seen: std::ops::Range<usize>, held: impl Fn(f32) -> f32) -> Vec<f64> {
+        let (hd, kv_row) = (cfg.head_dim, cfg.kv_heads * cfg.head_dim);
+        let at = |x: &[f32], j: usize, d: usize| held(x[j * kv_row + kv_head * hd + d]) as f64;
+        let scores: Vec<f64> = seen
+            .clone()
+            .map(|j| {
+                let score = (0..hd).map(|d| q[d] as f64 * at(k, j, d)).sum::<f64>() * cfg.scale as f64;
+                cfg.softcap.map_or(score, |cap| cap as f64 * (score / cap as f64).tanh())
+            })
+            .collect();
+        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        (0..hd).map(|d| seen.clone().zip(&weights).map(|(j, w)| w * at(v, j, d)).sum::<f64>() / total).collect()
+    }
+
     /// A decode step's attention, whose blocks are read with the next one hinted into the cache, against a direct
     /// softmax in f64 over every position: one block or part of one, block edges, many blocks; f32 and f16 caches
     /// (the reference sees the keys and values as the cache holds them); and Gemma's attention, a scale of its own,
     /// soft-capped scores and a sliding window of 37 positions (several blocks) or of 5 (less than a block).
     #[test]
     fn decode_attention_matches_a_direct_softmax_over_every_block() {
-        let gemma = |window: usize| AttentionShape {
-            scale: 0.6,
-            softcap: Some(1.5),
-            sliding: Some(super::super::SlidingWindow { window, layers: vec![false, true], rope_frequencies: None }),
-            ..config()
-        };
         for (cfg, dtype) in [(config(), DType::F32), (config(), DType::F16), (gemma(37), DType::F32), (gemma(5), DType::F16)] {
             let (hd, group, kv_row, q_row) = (cfg.head_dim, cfg.heads / cfg.kv_heads, cfg.kv_heads * cfg.head_dim, cfg.heads * cfg.head_dim);
             let window = cfg.window(1).unwrap_or(usize::MAX);
@@ -576,21 +598,9 @@ mod tests {
                 assert_eq!(out.len(), 3 * q_row);
                 for (s, (k, v)) in kv.iter().enumerate() {
                     for h in 0..cfg.heads {
-                        let kvh = h / group;
-                        let qh = &q[s * q_row + h * hd..][..hd];
-                        let scores: Vec<f64> = (0..len)
-                            .map(|j| {
-                                let score = (0..hd).map(|d| qh[d] as f64 * held(k[j * kv_row + kvh * hd + d]) as f64).sum::<f64>() * cfg.scale as f64;
-                                cfg.softcap.map_or(score, |cap| cap as f64 * (score / cap as f64).tanh())
-                            })
-                            .collect();
-                        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                         // The last layer's window: positions `len - window..` seen.
-                        let seen = |j: usize| len - j <= window;
-                        let weights: Vec<f64> = scores.iter().enumerate().map(|(j, x)| if seen(j) { (x - max).exp() } else { 0.0 }).collect();
-                        let total: f64 = weights.iter().sum();
-                        for d in 0..hd {
-                            let expected = (0..len).map(|j| weights[j] * held(v[j * kv_row + kvh * hd + d]) as f64).sum::<f64>() / total;
+                        let expected = direct_attention(&cfg, &q[s * q_row + h * hd..][..hd], k, v, h / group, len.saturating_sub(window)..len, held);
+                        for (d, expected) in expected.into_iter().enumerate() {
                             let got = out[s * q_row + h * hd + d] as f64;
                             assert!((got - expected).abs() < 1e-5, "{dtype:?}, {len} positions, sequence {s}, head {h}, dim {d}: {got} against {expected}");
                         }
@@ -606,12 +616,6 @@ mod tests {
     /// soft-capping and windows of 37 and 5. And every level this CPU runs gives the same bits.
     #[test]
     fn prefill_attention_matches_a_direct_softmax_at_every_level() {
-        let gemma = |window: usize| AttentionShape {
-            scale: 0.6,
-            softcap: Some(1.5),
-            sliding: Some(super::super::SlidingWindow { window, layers: vec![false, true], rope_frequencies: None }),
-            ..config()
-        };
         for (cfg, dtype) in [(config(), DType::F32), (config(), DType::BF16), (gemma(37), DType::F32), (gemma(5), DType::F16)] {
             let (hd, group, kv_row, q_row) = (cfg.head_dim, cfg.heads / cfg.kv_heads, cfg.kv_heads * cfg.head_dim, cfg.heads * cfg.head_dim);
             let window = cfg.window(1).unwrap_or(usize::MAX);
@@ -635,20 +639,8 @@ mod tests {
                 for t in 0..new {
                     let seen = cached + t + 1;
                     for h in 0..cfg.heads {
-                        let kvh = h / group;
-                        let qh = &q[t * q_row + h * hd..][..hd];
-                        let first = seen.saturating_sub(window);
-                        let scores: Vec<f64> = (first..seen)
-                            .map(|j| {
-                                let score = (0..hd).map(|d| qh[d] as f64 * held(k[j * kv_row + kvh * hd + d]) as f64).sum::<f64>() * cfg.scale as f64;
-                                cfg.softcap.map_or(score, |cap| cap as f64 * (score / cap as f64).tanh())
-                            })
-                            .collect();
-                        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                        let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
-                        let total: f64 = weights.iter().sum();
-                        for d in 0..hd {
-                            let expected = (first..seen).zip(&weights).map(|(j, w)| w * held(v[j * kv_row + kvh * hd + d]) as f64).sum::<f64>() / total;
+                        let expected = direct_attention(&cfg, &q[t * q_row + h * hd..][..hd], &k, &v, h / group, seen.saturating_sub(window)..seen, held);
+                        for (d, expected) in expected.into_iter().enumerate() {
                             let got = out[t * q_row + h * hd + d] as f64;
                             assert!((got - expected).abs() < 1e-5, "{dtype:?}, {cached}+{new}, token {t}, head {h}, dim {d}: {got} against {expected}");
                         }
