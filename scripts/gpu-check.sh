@@ -18,9 +18,12 @@ cp "$WORK/$SHAPE/config.json" "$OUT/model-config.json" 2>/dev/null
 #     over the measured bf16 matmul rate (scripts/gpu-peer.py roofline);
 # (e) long prompts: LONG_PROMPT (2,048) prompt + LONG_NEW (128) new tokens at batch LONG_BATCH (64), and
 #     XL_PROMPT (8,064) + 32 new at batch XL_BATCH (8): memory bounded by tiles, no out-of-memory;
-# (f) with a binary built with `--flash-attn` (its reports say `"attention": "paged-flash"`), the long-prompt workload and
-#     batch 256 once more on the tiled path (NIGHTSHIFT_ATTENTION=paged-tiled), both attention paths side by side;
-# (g) FAMILY_SHAPES (Gemma 3, Mixtral, Qwen3-MoE; empty: none): parity in f32 as in (a), peaked weights;
+# (f) when a kernel attends (the reports say `"attention": "paged-decode"`, nightshift's CUDA decode kernel, or
+#     `"paged-flash"` with a `--flash-attn` binary), batch 1, the last batch and the long-prompt workload once more on
+#     the tiled path (NIGHTSHIFT_ATTENTION=paged-tiled), both attention paths side by side;
+# (g) FAMILY_SHAPES (Gemma 3, Gemma 2, Phi-3, Mixtral, Qwen3-MoE; empty: none): parity in f32 and bf16 as in (a),
+#     peaked weights; the windowed shapes with a window of FAMILY_WINDOW (40) positions, so that the prompts and
+#     decodes cross it, and Gemma 2 and Phi-3 in FAMILY_LAYERS (4) layers (soft-capping, heads of 96);
 # and the GGUF path (candle's CUDA quantized kernels): the same weights as GGUF_TYPE GGUF files, parity on the
 # small shape and throughput at batch 1 and 64 on the large one.
 # Then OUT_DIR/table.md (and the same on stdout, last): the figures side by side, ratios to the peer and to the
@@ -44,7 +47,9 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DEVICE=${DEVICE:-cuda:0}
 SHAPE=${SHAPE:-llama-3.2-1b}
 PARITY_SHAPES=${PARITY_SHAPES:-smollm2-135m llama-3.2-1b}
-FAMILY_SHAPES=${FAMILY_SHAPES-gemma-3-1b mixtral-reduced qwen3-moe-reduced}
+FAMILY_SHAPES=${FAMILY_SHAPES-gemma-3-1b gemma-2-2b phi-3-mini mixtral-reduced qwen3-moe-reduced}
+FAMILY_WINDOW=${FAMILY_WINDOW:-40}
+FAMILY_LAYERS=${FAMILY_LAYERS:-4}
 BATCHES=${BATCHES:-1,16,64,256}
 GGUF_TYPE=${GGUF_TYPE:-q4_1}
 GGUF_BATCHES=${GGUF_BATCHES:-1,64}
@@ -158,10 +163,12 @@ done
 # (e) long prompts, and (f) the tiled path beside flash-attention when the binary has it.
 generate "long-$LONG_BATCH" "$LONG_BATCH" "$LONG_PROMPT" "$LONG_NEW"
 generate "xl-$XL_BATCH" "$XL_BATCH" "$XL_PROMPT" 32
-if grep -Eq '"attention": ?"paged-flash"' "$OUT/long-$LONG_BATCH.log" 2>/dev/null; then
-  generate "long-$LONG_BATCH-tiled" "$LONG_BATCH" "$LONG_PROMPT" "$LONG_NEW" NIGHTSHIFT_ATTENTION=paged-tiled
+if grep -Eq '"attention": ?"paged-(flash|decode)"' "$OUT/long-$LONG_BATCH.log" 2>/dev/null; then
+  first=${BATCHES%%,*}
   last=${BATCHES##*,}
+  generate "tiled-$first" "$first" "$PROMPT" "$NEW" NIGHTSHIFT_ATTENTION=paged-tiled
   generate "tiled-$last" "$last" "$PROMPT" "$NEW" NIGHTSHIFT_ATTENTION=paged-tiled
+  generate "long-$LONG_BATCH-tiled" "$LONG_BATCH" "$LONG_PROMPT" "$LONG_NEW" NIGHTSHIFT_ATTENTION=paged-tiled
 fi
 
 # (c) and (d): PyTorch on the same GPU.
@@ -178,9 +185,14 @@ fi
 # (g) the other families' layer loops (Gemma 3's norms and windows, the mixtures' routing, gather and scatter-add
 #     on the device), f32 only: the kernels' own error, where a wrong formula shows at once.
 for shape in $FAMILY_SHAPES; do
-  [ -d "$WORK/$shape" ] || step "synth-$shape" 120 "$BIN" synth-model "$WORK/$shape" --shape "$shape" --dtype bf16 --seed 1 --init peaked
-  step "parity-$shape-f32" 120 "$BIN" bench parity --model "$WORK/$shape" --device "$DEVICE" --dtype f32 \
-    --prompt-lengths 7,23,64 --steps 8 --json
+  extra=()
+  case "$shape" in gemma-3-1b|gemma-2-2b|phi-3-mini) extra+=(--window "$FAMILY_WINDOW") ;; esac
+  case "$shape" in gemma-2-2b|phi-3-mini) extra+=(--layers "$FAMILY_LAYERS") ;; esac
+  [ -d "$WORK/$shape" ] || step "synth-$shape" 120 "$BIN" synth-model "$WORK/$shape" --shape "$shape" --dtype bf16 --seed 1 --init peaked "${extra[@]}"
+  for dtype in f32 bf16; do
+    step "parity-$shape-$dtype" 120 "$BIN" bench parity --model "$WORK/$shape" --device "$DEVICE" --dtype "$dtype" \
+      --prompt-lengths 7,23,64 --steps 8 --json
+  done
 done
 
 # The GGUF path last: the targets do not depend on it.

@@ -121,20 +121,21 @@ def main(out):
     print()
     runs = [p for pattern in ("long-*.log", "xl-*.log", "tiled-*.log") for p in sorted(glob.glob(os.path.join(out, pattern)))]
     if runs:
-        print("Long prompts, and the tiled attention beside flash-attention (when the binary has it):\n")
+        print("Long prompts, and the tiled attention beside the kernels (nightshift's decode kernel, flash-attention):\n")
         print("| run | attention | rows | prompt + new tokens per row | output tok/s | total tok/s | prefill tok/s | "
-              "TTFT p50 | host ms/step | GPU memory in use |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "decode step | TTFT p50 | host ms/step | GPU memory in use |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for path in runs:
             name = os.path.basename(path)[:-len(".log")]
             r = last_json(path)
             if not r:
-                print(f"| {name} | | | (no report: see {os.path.basename(path)}) | | | | | | |")
+                print(f"| {name} | | | (no report: see {os.path.basename(path)}) | | | | | | | |")
                 continue
             mem = r.get("device_memory_in_use_bytes")
+            step_ms = r["rows"] / r["decode_tokens_per_s"] * 1e3 if r.get("decode_tokens_per_s") else None
             print(f"| {name} | {r.get('attention', 'n/a')} | {r['rows']} | {r['prompt_tokens'] // max(r['rows'], 1)} + "
                   f"{r['output_tokens'] // max(r['rows'], 1)} | {r['output_tokens_per_s']:.0f} | {r['total_tokens_per_s']:.0f} | "
-                  f"{r['prefill_tokens_per_s']:.0f} | {r['ttft_p50_s'] * 1e3:.0f} ms | {fmt(r.get('host_ms_per_step'), '.2f')} | "
+                  f"{r['prefill_tokens_per_s']:.0f} | {fmt(step_ms, '.2f', ' ms')} | {r['ttft_p50_s'] * 1e3:.0f} ms | {fmt(r.get('host_ms_per_step'), '.2f')} | "
                   f"{fmt(mem / 2**30 if mem else None, '.1f', ' GiB')} |")
         print()
     gguf = sorted(glob.glob(os.path.join(out, "gguf-bench-*.log")), key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[0]))

@@ -113,6 +113,13 @@ pub struct SynthModelArgs {
     /// The context length, instead of the shape's (`tiny` has 1,024 positions; long prompts on a small model).
     #[arg(long)]
     pub context: Option<usize>,
+    /// Fewer layers than the shape's (its attention, norms and vocabulary kept): a check of a family's kernels
+    /// that needs no multi-gigabyte model.
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// A shorter sliding window than the shape's, for a shape that has one: windowed attention at short prompts.
+    #[arg(long)]
+    pub window: Option<usize>,
     /// The GGUF's tokenizer from this GGUF file (a model's, or one of llama.cpp's `ggml-vocab-*.gguf`), with its
     /// size as the embedding's rows: a real vocabulary both nightshift and llama.cpp load (Qwen2's, SentencePiece's,
     /// ...). The directory's tokenizer.json stays the byte-level one.
@@ -150,6 +157,19 @@ impl SynthModelArgs {
                 return Err(crate::error::Error::Usage("--context must be at least 1".into()));
             }
             shape.context = context;
+        }
+        if let Some(layers) = self.layers {
+            if layers == 0 || layers > shape.layers {
+                return Err(crate::error::Error::Usage(format!("--layers must be 1 to the shape's {}, got {layers}", shape.layers)));
+            }
+            shape.layers = layers;
+        }
+        if let Some(window) = self.window {
+            match shape.sliding_window {
+                Some(_) if window > 0 => shape.sliding_window = Some(window),
+                Some(_) => return Err(crate::error::Error::Usage("--window must be at least 1".into())),
+                None => return Err(crate::error::Error::Usage(format!("--window: the shape {} has no sliding window", self.shape))),
+            }
         }
         if let Some(tokenizer) = self.tokenizer()? {
             shape.vocab = tokenizer.size();
@@ -528,7 +548,8 @@ pub struct JobArgs {
 #[derive(Clone, Debug, Default, Args)]
 pub struct EngineArgs {
     /// Which attention a decoder runs; overrides `runtime.attention`: `auto`, `host` (f32 on the CPU),
-    /// `paged-tiled` (the paged backend's tiles, any device: on the CPU, what an accelerator runs) or `paged-flash`.
+    /// `paged-tiled` (the paged backend's tiles, any device: on the CPU, what an accelerator runs), `paged-decode`
+    /// (CUDA: decodes by nightshift's kernel, prefills in tiles) or `paged-flash`.
     #[arg(long, env = "NIGHTSHIFT_ATTENTION", value_parser = crate::job::AttentionChoice::parse)]
     pub attention: Option<crate::job::AttentionChoice>,
     /// The dtype a Hugging Face decoder computes in; overrides `runtime.dtype`: `auto` (f32 on the CPU, bf16 on an

@@ -111,13 +111,13 @@ pub struct DecoderSetup {
 }
 
 /// A decoder engine for a loaded model on the attention `setup` names: the host backend, or the paged pool (sized
-/// to `setup.config.kv_blocks`) with its tiles or flash-attention.
+/// to `setup.config.kv_blocks`) with the kernel `setup.attention` names.
 pub fn decoder_engine<M: DecoderModel>(model: M, setup: DecoderSetup) -> Result<Box<dyn Engine>, EngineError> {
     let setting_up = |source| EngineError::Device { what: "setting up the attention backend", source };
     Ok(match setup.attention.backend {
         Backend::Host => Box::new(BatchEngine::new(HostAttention::new(&model, setup.kv_dtype).map_err(setting_up)?, model, setup)),
         Backend::Paged => {
-            let attention = PagedAttention::with_kernel(&model, setup.config.kv_blocks, setup.attention.flash).map_err(setting_up)?;
+            let attention = PagedAttention::with_kernel(&model, setup.config.kv_blocks, setup.attention.kernel).map_err(setting_up)?;
             Box::new(BatchEngine::new(attention, model, setup))
         }
     })

@@ -146,15 +146,19 @@ pub enum AttentionChoice {
     Host,
     /// The paged backend with its tiled kernel, on any device: on the CPU, the code an accelerator runs.
     PagedTiled,
+    /// The paged backend with nightshift's decode kernel for decodes (prefills in tiles): on CUDA the kernel, on the
+    /// CPU its reference in Rust.
+    PagedDecode,
     /// The paged backend with flash-attention's kernel: builds with `flash-attn`, CUDA, f16 or bf16.
     PagedFlash,
 }
 
 impl AttentionChoice {
-    const NAMES: [(&'static str, AttentionChoice); 4] = [
+    const NAMES: [(&'static str, AttentionChoice); 5] = [
         ("auto", AttentionChoice::Auto),
         ("host", AttentionChoice::Host),
         ("paged-tiled", AttentionChoice::PagedTiled),
+        ("paged-decode", AttentionChoice::PagedDecode),
         ("paged-flash", AttentionChoice::PagedFlash),
     ];
 
@@ -499,6 +503,7 @@ mod tests {
             ("attention = \"host\"\ndevice = \"cuda:1\"", "runtime.device is a GPU"),
             ("attention = \"paged-flash\"", if cfg!(feature = "flash-attn") { "" } else { "no `flash-attn`" }),
             ("attention = \"paged-flash\"\ndevice = \"cpu\"", if cfg!(feature = "flash-attn") { "the CPU" } else { "no `flash-attn`" }),
+            ("attention = \"paged-decode\"\ndevice = \"cpu\"", ""),
         ] {
             let text = format!("{MINIMAL}\n[runtime]\n{runtime}");
             if why.is_empty() {

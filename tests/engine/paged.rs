@@ -6,6 +6,7 @@
 use std::path::Path;
 
 use candle_core::{DType, Device};
+use nightshift::engine::attention::PagedKernel;
 use nightshift::engine::{Attention, Backend, HostAttention, KvCache, Model, PagedAttention, Segment, StepLogits};
 
 use super::hf_variants;
@@ -160,15 +161,26 @@ fn paged_path_tracks_the_cpu_path_on_quantized_smollm2() {
     assert!(rel <= 0.2, "the paged path's logits differ by {rel} of the largest logit");
 }
 
-/// Measured: at most 5.6e-7 of the largest logit (f32 sums in another order).
+/// Both paged kernels: the tiles, and the decode kernel's reference (the CUDA kernel's step plan: its block
+/// tables, lengths and the decodes' rows placed before the prefills' in the mixed step). Measured: at most 5.6e-7
+/// of the largest logit (f32 sums in another order).
 #[test]
 fn paged_path_equals_the_cpu_path_on_every_hf_variant() {
     for (variant, dir) in hf_variants("paged") {
         let (cpu, paged) = load_pair(&dir);
         let rel = paged_against_cpu(&cpu, &paged, 12);
-        eprintln!("{variant}: paged vs cpu path, largest difference {rel:e} of the largest logit");
+        eprintln!("{variant}: paged (tiles) vs cpu path, largest difference {rel:e} of the largest logit");
         assert!(rel <= 1e-5, "{variant}: the paged path's logits differ by {rel} of the largest logit");
+        let decode = with_decode_kernel(paged.model);
+        let rel = paged_against_cpu(&cpu, &decode, 12);
+        eprintln!("{variant}: paged (decode kernel) vs cpu path, largest difference {rel:e} of the largest logit");
+        assert!(rel <= 1e-5, "{variant}: the decode kernel's logits differ by {rel} of the largest logit");
     }
+}
+
+/// The paged backend with the decode kernel for decodes (on the CPU, its reference).
+fn with_decode_kernel(model: Model) -> Paged {
+    WithBackend { attention: PagedAttention::with_kernel(&model, POOL_BLOCKS, PagedKernel::Decode).unwrap(), model }
 }
 
 /// Gemma 2 and 3 (post-norms, GeGLU, soft-caps, sliding windows of 16 positions crossed by the longer prompt's
@@ -183,8 +195,11 @@ fn paged_path_equals_the_cpu_path_on_gemma_and_experts() {
         nightshift::synth::write_gguf(&path, &spec, candle_core::quantized::GgmlDType::F32).unwrap();
         let (cpu, paged) = load_pair(&path);
         let rel = paged_against_cpu(&cpu, &paged, 12);
-        eprintln!("{family:?}: paged vs cpu path, largest difference {rel:e} of the largest logit");
+        eprintln!("{family:?}: paged (tiles) vs cpu path, largest difference {rel:e} of the largest logit");
         assert!(rel <= 1e-5, "{family:?}: the paged path's logits differ by {rel} of the largest logit");
+        let rel = paged_against_cpu(&cpu, &with_decode_kernel(paged.model), 12);
+        eprintln!("{family:?}: paged (decode kernel) vs cpu path, largest difference {rel:e} of the largest logit");
+        assert!(rel <= 1e-5, "{family:?}: the decode kernel's logits differ by {rel} of the largest logit");
     }
 }
 

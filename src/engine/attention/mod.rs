@@ -5,11 +5,13 @@
 //!   Rust, parallel over (segment, kv head, tile of new tokens), computing each block in place.
 //! - [`PagedAttention`] ([`paged`]): every accelerator's (and the CPU's when asked, `runtime.attention =
 //!   "paged-tiled"`, which is how the CPU tests run the loop GPUs run). A device pool of blocks in the activations'
-//!   dtype, attention in candle tensor ops or flash-attention's paged kernel.
+//!   dtype, attention in candle tensor ops (the tiles), nightshift's CUDA decode kernel for the decodes
+//!   ([`decode`], `paged-decode`) or flash-attention's paged kernel (`paged-flash`).
 //!
 //! A backend sees a model only through [`AttentionModel`]: its [`AttentionShape`], device and dtype.
 //! [`AttentionPlan::choose`] picks the backend for a loaded model and the job's `runtime.attention`.
 
+pub mod decode;
 pub mod host;
 pub mod paged;
 mod tile;
@@ -204,26 +206,45 @@ pub trait Attention {
     fn device_argmax(&self) -> bool;
 }
 
-/// The attention a loaded model runs: its backend and, on the paged one, whether flash-attention's kernel
-/// attends (otherwise the tiles).
+/// The attention a loaded model runs: its backend and, on the paged one, its kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionPlan {
     pub backend: Backend,
-    pub flash: bool,
+    pub kernel: PagedKernel,
+}
+
+/// How the paged backend attends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PagedKernel {
+    /// Every segment in tiles of candle tensor ops (any device).
+    Tiles,
+    /// Decodes by nightshift's decode kernel, straight from the pool; prefills in tiles. On CUDA the kernel, on
+    /// the CPU its reference in Rust (what the tests check the step plan with).
+    Decode,
+    /// Every segment by flash-attention's varlen paged kernel (`flash-attn` builds, CUDA, f16 or bf16).
+    Flash,
 }
 
 impl AttentionPlan {
     /// What `runtime.attention` asks for, for a loaded model: `auto` is [`Backend::for_model`]'s backend with
-    /// flash-attention where it can run; a named one that cannot run here is refused with a message for the
-    /// job's author.
+    /// the fastest paged kernel that runs here (flash-attention, else the CUDA decode kernel, else the tiles); a
+    /// named one that cannot run here is refused with a message for the job's author.
     pub fn choose(model: &impl AttentionModel, asked: AttentionChoice) -> Result<AttentionPlan, String> {
         let flash_here = PagedAttention::flash_available(model.device(), model.dtype());
-        let (backend, flash) = match asked {
+        let decode_here = PagedAttention::decode_available(model);
+        let best = if flash_here {
+            PagedKernel::Flash
+        } else if decode_here && model.device().is_cuda() {
+            PagedKernel::Decode
+        } else {
+            PagedKernel::Tiles
+        };
+        let (backend, kernel) = match asked {
             AttentionChoice::Auto => {
                 let backend = Backend::for_model(model);
-                (backend, backend == Backend::Paged && flash_here)
+                (backend, if backend == Backend::Paged { best } else { PagedKernel::Tiles })
             }
-            AttentionChoice::Host if model.device().is_cpu() && model.dtype() == DType::F32 => (Backend::Host, false),
+            AttentionChoice::Host if model.device().is_cpu() && model.dtype() == DType::F32 => (Backend::Host, PagedKernel::Tiles),
             AttentionChoice::Host => {
                 return Err(format!(
                     "is \"host\", which computes f32 models on the CPU; this model is in {} on {}: use \"auto\" or \"paged-tiled\"",
@@ -231,8 +252,16 @@ impl AttentionPlan {
                     if model.device().is_cpu() { "the CPU" } else { "an accelerator" }
                 ))
             }
-            AttentionChoice::PagedTiled => (Backend::Paged, false),
-            AttentionChoice::PagedFlash if flash_here => (Backend::Paged, true),
+            AttentionChoice::PagedTiled => (Backend::Paged, PagedKernel::Tiles),
+            AttentionChoice::PagedDecode if decode_here => (Backend::Paged, PagedKernel::Decode),
+            AttentionChoice::PagedDecode => {
+                let shape = model.attention_shape();
+                return Err(format!(
+                    "is \"paged-decode\", nightshift's decode kernel, which runs on CUDA (or its reference on the CPU) with heads of an even width up to {}, query heads a multiple of kv heads ({} heads of {}, {} kv heads here): use \"auto\" or \"paged-tiled\"",
+                    MAX_DECODE_HEAD_DIM, shape.heads, shape.head_dim, shape.kv_heads
+                ));
+            }
+            AttentionChoice::PagedFlash if flash_here => (Backend::Paged, PagedKernel::Flash),
             AttentionChoice::PagedFlash => {
                 return Err(format!(
                     "is \"paged-flash\", which needs a build with the `flash-attn` feature, CUDA and an f16 or bf16 model{}: use \"auto\" or \"paged-tiled\"",
@@ -240,18 +269,23 @@ impl AttentionPlan {
                 ))
             }
         };
-        Ok(AttentionPlan { backend, flash })
+        Ok(AttentionPlan { backend, kernel })
     }
 
-    /// `host`, `paged-tiled` or `paged-flash`, as the log, the metrics and the results' numerics name it.
+    /// `host`, `paged-tiled`, `paged-decode` or `paged-flash`, as the log, the metrics and the results' numerics
+    /// name it.
     pub fn name(self) -> &'static str {
-        match (self.backend, self.flash) {
+        match (self.backend, self.kernel) {
             (Backend::Host, _) => "host",
-            (Backend::Paged, false) => "paged-tiled",
-            (Backend::Paged, true) => "paged-flash",
+            (Backend::Paged, PagedKernel::Tiles) => "paged-tiled",
+            (Backend::Paged, PagedKernel::Decode) => "paged-decode",
+            (Backend::Paged, PagedKernel::Flash) => "paged-flash",
         }
     }
 }
+
+/// The widest head the CUDA decode kernel takes.
+pub const MAX_DECODE_HEAD_DIM: usize = 512;
 
 /// Which attention backend a model runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -18,9 +18,11 @@
 //!   of a whole sequence's keys ever exists;
 //! - tiles are ordered longest first, so a key tile past a tile's last visible position is not computed for it.
 //!
-//! With the `flash-attn` feature, on CUDA in f16 or bf16, flash-attention's variable-length paged kernel attends
-//! every segment of the step in one call straight from the pool ([`PagedAttention::flash`]);
-//! `runtime.attention = "paged-tiled"` chooses the tiles instead (the GPU check measures both).
+//! On CUDA the step's decodes (one new token each) are attended by nightshift's decode kernel instead, in one launch
+//! per layer straight from the pool ([`super::decode`]), and only its prefills in tiles. With the
+//! `flash-attn` feature, on CUDA in f16 or bf16, flash-attention's variable-length paged kernel attends every
+//! segment of the step in one call straight from the pool ([`PagedAttention::flash`]). `runtime.attention =
+//! "paged-tiled"` chooses the tiles for everything (the GPU check measures the kernels against them).
 //!
 //! Queries are grouped by kv head, so grouped-query attention needs no copies of keys. RoPE uses candle's
 //! interleaved-pair kernel with each token's own position. Scores and the softmax are in f32 whatever the
@@ -33,7 +35,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::{DType, Device, Tensor};
 
-use super::{Attention, AttentionModel, AttentionShape, Backend, KvCache, Segment, BLOCK};
+use super::{Attention, AttentionModel, AttentionShape, Backend, KvCache, PagedKernel, Segment, BLOCK};
 
 /// The paged backend: the model's shapes, RoPE tables on the device and the KV pool.
 pub struct PagedAttention {
@@ -51,6 +53,8 @@ pub struct PagedAttention {
     /// Whether flash-attention's kernel attends (CUDA, f16 or bf16, and not turned off) instead of the tiles.
     #[cfg(feature = "flash-attn")]
     flash: bool,
+    /// Whether the decode kernel attends the decodes instead of the tiles.
+    decode: bool,
 }
 
 /// Per layer, keys and values of every pool block, allocated at the first write; the free blocks, and how many
@@ -165,6 +169,17 @@ struct Plan {
     /// flash-attention's inputs, when it runs this step.
     #[cfg(feature = "flash-attn")]
     flash: Option<FlashPlan>,
+    /// The decode kernel's inputs, when it attends this step's decodes: their outputs come first, before the
+    /// chunks'.
+    decode: Option<DecodePlan>,
+}
+
+/// The decode kernel's inputs: the decodes' token rows (`None`: every row of the step, in order), their block
+/// tables `[decodes, widest]` (padded with block 0, never read) and the positions each sees (its cache and itself).
+struct DecodePlan {
+    rows: Option<Tensor>,
+    tables: Tensor,
+    lens: Tensor,
 }
 
 /// Tiles attended together: `tiles` tiles of `tq` query rows each (a shorter tile's rows padded with its last),
@@ -351,13 +366,20 @@ impl PagedAttention {
     /// The paged backend for a model, with a pool of `blocks` blocks of [`BLOCK`] positions (allocated on the
     /// device at the first step): the scheduler's budget, which it never books beyond.
     pub fn new(model: &impl AttentionModel, blocks: usize) -> candle_core::Result<PagedAttention> {
-        Self::with_kernel(model, blocks, Self::flash_available(model.device(), model.dtype()))
+        let kernel = if Self::flash_available(model.device(), model.dtype()) {
+            PagedKernel::Flash
+        } else if Self::decode_available(model) && model.device().is_cuda() {
+            PagedKernel::Decode
+        } else {
+            PagedKernel::Tiles
+        };
+        Self::with_kernel(model, blocks, kernel)
     }
 
-    /// [`PagedAttention::new`] with flash-attention's kernel (`flash`: where [`PagedAttention::flash_available`])
-    /// or the tiles.
-    #[cfg_attr(not(feature = "flash-attn"), allow(unused_variables))]
-    pub fn with_kernel(model: &impl AttentionModel, blocks: usize, flash: bool) -> candle_core::Result<PagedAttention> {
+    /// [`PagedAttention::new`] with a kernel: flash-attention's (where [`PagedAttention::flash_available`]), the
+    /// decode kernel (where [`PagedAttention::decode_available`]: on the CPU its reference) or the tiles; one that
+    /// cannot run here falls back to the tiles. ([`PagedAttention::new`] takes the decode kernel on CUDA only.)
+    pub fn with_kernel(model: &impl AttentionModel, blocks: usize, kernel: PagedKernel) -> candle_core::Result<PagedAttention> {
         let config = model.attention_shape().clone();
         let (device, dtype) = (model.device().clone(), model.dtype());
         let half = config.head_dim / 2;
@@ -375,8 +397,10 @@ impl PagedAttention {
             device: device.clone(),
         };
         #[cfg(feature = "flash-attn")]
-        let flash = flash && Self::flash_available(&device, dtype);
+        let flash = kernel == PagedKernel::Flash && Self::flash_available(&device, dtype);
+        let decode = kernel == PagedKernel::Decode && Self::decode_available(model);
         Ok(PagedAttention {
+            decode,
             #[cfg(feature = "flash-attn")]
             flash,
             #[cfg(feature = "flash-attn")]
@@ -456,11 +480,32 @@ impl PagedAttention {
         #[cfg(feature = "flash-attn")]
         if self.flash {
             let flash = Some(self.flash_plan(segments)?);
-            return Ok(Plan { chunks: Vec::new(), order: None, write, flash });
+            return Ok(Plan { chunks: Vec::new(), order: None, write, flash, decode: None });
         }
         let heads = self.config.heads;
         let (mut rows_at, mut place) = (0, vec![0u32; row]);
-        let mut chunks_ = chunks(decodes, 1, heads, &mut rows_at, &mut place, device)?;
+        let mut decode = None;
+        let mut chunks_ = Vec::new();
+        if self.decode && !decodes.is_empty() {
+            // In step order: the kernel's output rows are the decodes', first among the parts.
+            let n = decodes.len();
+            let width = decodes.iter().map(|d| d.cache.ids.len()).max().unwrap_or(1).max(1);
+            let (mut tables, mut lens, mut rows) = (Vec::with_capacity(n * width), Vec::with_capacity(n), Vec::with_capacity(n));
+            for (i, d) in decodes.iter().enumerate() {
+                tables.extend(d.cache.ids.iter().copied().chain(std::iter::repeat(0)).take(width));
+                lens.push(d.visible() as u32);
+                rows.push(d.row as u32);
+                place[d.row] = i as u32;
+            }
+            rows_at = n;
+            decode = Some(DecodePlan {
+                rows: if n == row { None } else { Some(Tensor::from_vec(rows, n, device)?) },
+                tables: Tensor::from_vec(tables, (n, width), device)?,
+                lens: Tensor::from_vec(lens, n, device)?,
+            });
+        } else {
+            chunks_ = chunks(decodes, 1, heads, &mut rows_at, &mut place, device)?;
+        }
         // A prefill's tiles hold QUERY_TILE queries, or the longest prefill's when all are shorter.
         chunks_.extend(chunks(prefills, QUERY_TILE.min(longest_prefill).max(1), heads, &mut rows_at, &mut place, device)?);
         let order = match rows_at == row && place.iter().enumerate().all(|(i, &r)| r as usize == i) {
@@ -473,6 +518,7 @@ impl PagedAttention {
             write,
             #[cfg(feature = "flash-attn")]
             flash: None,
+            decode,
         })
     }
 
@@ -489,6 +535,19 @@ impl PagedAttention {
     /// `flash-attn` feature, CUDA, f16 or bf16.
     pub fn flash_available(device: &Device, dtype: DType) -> bool {
         cfg!(feature = "flash-attn") && device.is_cuda() && matches!(dtype, DType::F16 | DType::BF16)
+    }
+
+    /// Whether the decode kernel can attend a model's decodes: CUDA in a build with the `cuda` feature (or the
+    /// CPU, where its reference runs), heads of an even width up to [`super::MAX_DECODE_HEAD_DIM`], query heads a
+    /// multiple of kv heads (any dtype).
+    pub fn decode_available(model: &impl AttentionModel) -> bool {
+        let s = model.attention_shape();
+        let device = model.device();
+        ((cfg!(feature = "cuda") && device.is_cuda()) || device.is_cpu())
+            && s.head_dim.is_multiple_of(2)
+            && s.head_dim <= super::MAX_DECODE_HEAD_DIM
+            && s.kv_heads > 0
+            && s.heads.is_multiple_of(s.kv_heads)
     }
 
     /// flash-attention's inputs for a step, uploaded ([`flash_tables`]).
@@ -678,7 +737,23 @@ impl Attention for PagedAttention {
             drop(pool);
             return self.padded(attn);
         }
-        let mut parts = Vec::with_capacity(plan.chunks.len());
+        let mut parts = Vec::with_capacity(plan.chunks.len() + 1);
+        if let Some(d) = &plan.decode {
+            let qd = match &d.rows {
+                Some(rows) => q.index_select(rows, 0)?,
+                None => q.clone(),
+            };
+            let shape = super::decode::DecodeShape {
+                heads,
+                kv_heads: kvh,
+                head_dim: hd,
+                block: BLOCK,
+                scale: cfg.scale,
+                softcap: cfg.softcap,
+                window: cfg.window(layer),
+            };
+            parts.push(super::decode::paged_decode(&qd, keys, values, &d.tables, &d.lens, shape)?);
+        }
         for chunk in &plan.chunks {
             parts.push(self.tiled(chunk, layer, &q, keys, values)?);
         }
