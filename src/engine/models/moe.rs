@@ -61,16 +61,18 @@ impl MoeConfig {
 }
 
 /// The router: one row of weights per expert (`[experts, width]`, and a shared expert's gate as one row more), on the
-/// model's device in its dtype.
+/// model's device in f32 whatever the model's dtype: the logits are computed in f32, as llama.cpp computes them (a
+/// bf16 product rounds them to three digits, and with 128 experts of which 8 are chosen the eighth and ninth are
+/// often closer than that: the GPU check saw expert choices flip against the f32 reference).
 pub struct Router {
     weights: Tensor,
 }
 
 impl Router {
-    /// From a `[experts, width]` tensor of any float dtype, held in `dtype` on its device.
-    pub fn new(weights: Tensor, dtype: DType) -> candle_core::Result<Router> {
+    /// From a `[experts, width]` tensor of any float dtype, held in f32 on its device.
+    pub fn new(weights: Tensor) -> candle_core::Result<Router> {
         weights.dims2()?;
-        Ok(Router { weights: weights.to_dtype(dtype)? })
+        Ok(Router { weights: weights.to_dtype(DType::F32)? })
     }
 
     pub fn bytes(&self) -> usize {
@@ -94,9 +96,9 @@ impl Router {
         product(&Matrix::Candle(QMatMul::Tensor(self.weights.clone())), &x)?.flatten_all()?.to_vec1::<f32>()
     }
 
-    /// The logits of `x` `[rows, width]` on its device, read back as f32.
+    /// The logits of `x` `[rows, width]` (any float dtype) on its device, in f32, read back.
     pub fn logits_tensor(&self, x: &Tensor) -> candle_core::Result<Vec<f32>> {
-        x.matmul(&self.weights.t()?)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+        x.to_dtype(DType::F32)?.matmul(&self.weights.t()?)?.flatten_all()?.to_vec1::<f32>()
     }
 }
 
@@ -269,7 +271,7 @@ mod tests {
     #[test]
     fn router_logits_are_dot_products() {
         let w = Tensor::from_vec((0..3 * 20).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<_>>(), (3, 20), &candle_core::Device::Cpu).unwrap();
-        let router = Router::new(w.clone(), DType::F32).unwrap();
+        let router = Router::new(w.clone()).unwrap();
         let x: Vec<f32> = (0..2 * 20).map(|i| (i as f32 * 0.11).cos()).collect();
         let ours = router.logits_host(&x).unwrap();
         let xt = Tensor::from_vec(x, (2, 20), &candle_core::Device::Cpu).unwrap();

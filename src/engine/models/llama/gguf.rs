@@ -841,7 +841,7 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
                     .dequantize(&Device::Cpu)
                     .and_then(|w| w.pad_with_zeros(1, 0, width - d))
                     .and_then(|w| w.to_device(device))
-                    .and_then(|w| Router::new(w, embedding.dtype()))
+                    .and_then(Router::new)
                     .map_err(fmt)?;
                 let experts = Experts::new(router, experts, m);
                 match m.shared {

@@ -820,7 +820,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
                     })
                     .collect::<Result<_, ModelError>>()?;
                 let name = p(names.router());
-                let router = Router::new(shards.load(&name, device, DType::F32)?, dtype).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")))?;
+                let router = Router::new(shards.load(&name, device, DType::F32)?).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")))?;
                 let experts = Experts::new(router, experts, moe);
                 match moe.shared {
                     None => Ffn::Experts(Box::new(experts)),

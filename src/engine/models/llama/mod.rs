@@ -543,9 +543,11 @@ impl Model {
             true => product(&self.lm_head, &Tensor::cat(&[&x, &x.zeros_like()?], 0)?)?.narrow(0, 0, 1)?,
             false => product(&self.lm_head, &x)?,
         };
-        // Gemma's final soft-capping, as llama.cpp computes it: scaled by 1 / cap, tanh, scaled by cap.
+        // Gemma's final soft-capping, as llama.cpp computes it: scaled by 1 / cap, tanh, scaled by cap, in f32 (in
+        // bf16 every logit past about twice the cap rounds to the cap itself, 30.0, and the argmax becomes the first
+        // of the tied: the GPU check's Gemma 2 picked another token than the f32 reference at every position).
         match cfg.gemma.as_ref().and_then(|g| g.final_softcap) {
-            Some(cap) => (logits * (1.0 / f64::from(cap)))?.tanh()? * f64::from(cap),
+            Some(cap) => (logits.to_dtype(DType::F32)? * (1.0 / f64::from(cap)))?.tanh()? * f64::from(cap),
             None => Ok(logits),
         }
     }
