@@ -139,9 +139,14 @@ impl PagedDecode {
             b.arg(&scale);
             b.arg(&softcap);
             b.arg(&window);
+            // Key rows read 16 bytes at a time: every row a whole number of 16 bytes from a 16-byte aligned start
+            // (the pool's allocation is; its offset must keep it so).
+            let size = std::mem::size_of::<T>();
+            let vec16 = i32::from((s.head_dim * size).is_multiple_of(16) && (k_l.start_offset() * size).is_multiple_of(16));
+            b.arg(&vec16);
             let cfg = LaunchConfig { grid_dim: (s.heads as u32, n as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: the arguments match the kernel's signature in paged_decode.cu (three T pointers, two u32
-            // pointers, the T output, five ints, two floats, an int); the shapes were checked above: q holds
+            // pointers, the T output, five ints, two floats, two ints); the shapes were checked above: q holds
             // `n x heads x head_dim` elements, the pools whole blocks of `kv_heads x head_dim`, the tables `n x
             // width` ids. The block ids and lengths come from the backend's own block tables, whose ids are pool
             // blocks and whose lengths are covered by their blocks (PagedAttention::book).

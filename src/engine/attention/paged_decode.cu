@@ -4,13 +4,15 @@
 // src/engine/attention/decode_cuda.rs, which documents the arguments.
 //
 // One thread block per (sequence, head), THREADS threads. The keys are walked CHUNK positions at a time:
-//   1. scores: each warp takes every WARPS-th key of the chunk; its lanes read the key row two elements each per
-//      load (coalesced) and reduce the dot product with shuffles; scale and soft-cap applied, stored in shared memory
-//      with the key's pool slot;
+//   1. scores: each thread scores one key of the chunk, reading its row 16 bytes at a time (all of them issued
+//      before the first is used: the first version, a warp per key reduced with shuffles, kept one row in flight
+//      per warp and spent 50 us a layer at batch 1 waiting on memory); scale and soft-cap applied, stored in shared
+//      memory with the key's pool slot;
 //   2. the chunk's maximum (block reduction); the running maximum m is raised to it, and the running sum and the
 //      weighted values are rescaled by exp(m_old - m_new) (flash attention's online softmax);
 //   3. values: each thread owns one (or, for heads wider than THREADS, several) of the head's dimensions for one
-//      group of keys (key j goes to group j % groups), and accumulates p_j * v_j[d] and p_j in f32 registers;
+//      group of keys (key j goes to group j % groups), and accumulates p_j * v_j[d] and p_j in f32 registers, four
+//      keys' loads in flight at a time;
 // at the end the groups' sums are added in shared memory and each dimension is divided by the sum of p.
 // Everything is f32 whatever the storage type; positions before a sliding window's start are never read.
 
@@ -38,15 +40,44 @@ __device__ __forceinline__ void store1(float *p, float x) { *p = x; }
 __device__ __forceinline__ void store1(__nv_bfloat16 *p, float x) { *p = __float2bfloat16(x); }
 __device__ __forceinline__ void store1(__half *p, float x) { *p = __float2half(x); }
 
+// The dot product of 16 bytes of a key row with the matching query values.
+__device__ __forceinline__ float dot16(uint4 u, const float *q, float dot, float) {
+  const float *f = reinterpret_cast<const float *>(&u);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) dot = fmaf(q[k], f[k], dot);
+  return dot;
+}
+__device__ __forceinline__ float dot16(uint4 u, const float *q, float dot, __nv_bfloat16) {
+  const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 f = __bfloat1622float2(h[k]);
+    dot = fmaf(q[2 * k], f.x, dot);
+    dot = fmaf(q[2 * k + 1], f.y, dot);
+  }
+  return dot;
+}
+__device__ __forceinline__ float dot16(uint4 u, const float *q, float dot, __half) {
+  const __half2 *h = reinterpret_cast<const __half2 *>(&u);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 f = __half22float2(h[k]);
+    dot = fmaf(q[2 * k], f.x, dot);
+    dot = fmaf(q[2 * k + 1], f.y, dot);
+  }
+  return dot;
+}
+
 // q: [sequences, heads, head_dim]; keys, values: [slots, kv_heads, head_dim] (slot = block id x block + offset);
 // tables: [sequences, width] block ids; lens: [sequences] positions visible to the query (the cache and the new
 // one); out: [sequences, heads, head_dim]. head_dim even and at most MAX_HEAD_DIM; heads a multiple of kv_heads.
-// softcap 0: none; window 0: none (else the query sees its own position and the window - 1 before it).
+// softcap 0: none; window 0: none (else the query sees its own position and the window - 1 before it). vec16: every
+// key row starts 16-byte aligned and is a whole number of 16 bytes (else rows are read 4 bytes at a time).
 template <typename T>
 __device__ void paged_decode(const T *__restrict__ q, const T *__restrict__ keys, const T *__restrict__ values,
                              const uint32_t *__restrict__ tables, const uint32_t *__restrict__ lens, T *__restrict__ out,
                              int heads, int kv_heads, int head_dim, int width, int block, float scale, float softcap,
-                             int window) {
+                             int window, int vec16) {
   __shared__ float qs[MAX_HEAD_DIM];
   __shared__ float scores[CHUNK];
   __shared__ uint32_t slots[CHUNK];
@@ -82,27 +113,32 @@ __device__ void paged_decode(const T *__restrict__ q, const T *__restrict__ keys
   __syncthreads();
 
   const int pairs = head_dim / 2;
+  constexpr int PER_VEC = 16 / sizeof(T);
+  const int vecs = head_dim / PER_VEC;
   for (int start = first; start < len; start += CHUNK) {
     const int n = min(CHUNK, len - start);
     // 1. scores.
-    for (int j = warp; j < n; j += WARPS) {
+    for (int j = tid; j < n; j += THREADS) {
       const int pos = start + j;
       const uint32_t slot = table[pos / block] * (uint32_t)block + (uint32_t)(pos % block);
       const T *krow = k_base + (size_t)slot * row_stride;
       float dot = 0.f;
-      for (int i = lane; i < pairs; i += 32) {
-        const float2 k2 = load2(krow + 2 * i);
-        dot = fmaf(qs[2 * i], k2.x, dot);
-        dot = fmaf(qs[2 * i + 1], k2.y, dot);
+      if (vec16) {
+        const uint4 *k16 = reinterpret_cast<const uint4 *>(krow);
+#pragma unroll 8
+        for (int i = 0; i < vecs; ++i) dot = dot16(k16[i], qs + i * PER_VEC, dot, T());
+      } else {
+#pragma unroll 8
+        for (int i = 0; i < pairs; ++i) {
+          const float2 k2 = load2(krow + 2 * i);
+          dot = fmaf(qs[2 * i], k2.x, dot);
+          dot = fmaf(qs[2 * i + 1], k2.y, dot);
+        }
       }
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      if (lane == 0) {
-        float s = dot * scale;
-        if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
-        scores[j] = s;
-        slots[j] = slot;
-      }
+      float s = dot * scale;
+      if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
+      scores[j] = s;
+      slots[j] = slot;
     }
     __syncthreads();
     // 2. the chunk's maximum, and the running state rescaled to it.
@@ -125,7 +161,31 @@ __device__ void paged_decode(const T *__restrict__ q, const T *__restrict__ keys
     __syncthreads();
     // 3. values.
     if (owner) {
-      for (int j = group; j < n; j += groups) {
+      int j = group;
+      // Four keys at a time: their loads issued together.
+      for (; j + 3 * groups < n; j += 4 * groups) {
+        float p[4];
+        const T *vrow[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          p[u] = scores[j + u * groups];
+          vrow[u] = v_base + (size_t)slots[j + u * groups] * row_stride;
+        }
+#pragma unroll
+        for (int i = 0; i < MAX_DIMS_PER_THREAD; ++i) {
+          const int d = dim0 + i * THREADS;
+          if (d < head_dim) {
+            float v[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) v[u] = load1(vrow[u] + d);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) acc[i] = fmaf(p[u], v[u], acc[i]);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) sum += p[u];
+      }
+      for (; j < n; j += groups) {
         const float p = scores[j];
         const T *vrow = v_base + (size_t)slots[j] * row_stride;
         sum += p;
@@ -166,9 +226,9 @@ __device__ void paged_decode(const T *__restrict__ q, const T *__restrict__ keys
 #define PAGED_DECODE(NAME, T)                                                                                         \
   extern "C" __global__ void __launch_bounds__(THREADS)                                                               \
       NAME(const T *q, const T *keys, const T *values, const uint32_t *tables, const uint32_t *lens, T *out, int heads, \
-           int kv_heads, int head_dim, int width, int block, float scale, float softcap, int window) {                  \
+           int kv_heads, int head_dim, int width, int block, float scale, float softcap, int window, int vec16) {       \
     paged_decode<T>(q, keys, values, tables, lens, out, heads, kv_heads, head_dim, width, block, scale, softcap,       \
-                    window);                                                                                          \
+                    window, vec16);                                                                                   \
   }
 
 PAGED_DECODE(paged_decode_f32, float)
