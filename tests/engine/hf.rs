@@ -380,3 +380,24 @@ fn every_end_token_a_directory_names_stops_generation() {
         assert!(stop.end_tokens.contains(&id), "{id} does not stop generation");
     }
 }
+
+/// `synth-model --layers` keeps a shape's attention in fewer layers; `--layers` past the shape's and `--window` on a
+/// shape without a sliding window are refused with exit 2, naming the flag.
+#[test]
+fn synth_model_takes_fewer_layers_and_refuses_what_the_shape_lacks() {
+    let dir = crate::support::scratch("synth-layers");
+    let one = dir.join("one");
+    crate::support::nightshift(&["synth-model", one.to_str().unwrap(), "--shape", "tiny", "--layers", "1"], &[]).assert_ok();
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(one.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["num_hidden_layers"], 1, "{config}");
+    nightshift::engine::Model::load(&one, &candle_core::Device::Cpu).unwrap();
+    for (args, says) in [(&["--layers", "3"][..], "--layers"), (&["--layers", "0"][..], "--layers"), (&["--window", "8"][..], "no sliding window")] {
+        let out = dir.join("refused");
+        let mut all = vec!["synth-model", out.to_str().unwrap(), "--shape", "tiny"];
+        all.extend_from_slice(args);
+        let run = crate::support::nightshift(&all, &[]);
+        assert_eq!(run.code, 2, "{args:?}: {}", run.stderr);
+        assert!(run.stderr.contains(says), "{args:?}: {}", run.stderr);
+        assert!(!out.join("config.json").exists(), "{args:?} wrote a model");
+    }
+}

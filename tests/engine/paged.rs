@@ -457,6 +457,15 @@ fn jobs_on_both_paths(variant: crate::support::HfVariant) {
     ] {
         let cpu = run(&format!("{name}-cpu"), generation, false);
         let paged = run(&format!("{name}-paged"), generation, true);
+        if name == "greedy" {
+            // The decode kernel's plan (its reference on the CPU) under preemption and continuous batching: decodes
+            // beside prefills in most steps.
+            let decode = run_input("in.parquet", "greedy-decode", generation, "attention = \"paged-decode\"", false);
+            for (id, row) in &cpu {
+                assert_eq!((&row["text"], &row["completion_tokens"]), (&decode[id]["text"], &decode[id]["completion_tokens"]), "{id}: host and decode kernel");
+            }
+            assert!(read_metrics(&dir.join("greedy-decode"))["preemptions"].unwrap() > 0.0);
+        }
         let metrics = read_metrics(&dir.join(format!("{name}-paged")));
         if name == "greedy" {
             assert!(metrics["preemptions"].unwrap() > 0.0, "the budget should force preemption: {metrics:?}");
@@ -504,15 +513,18 @@ fn jobs_on_both_paths(variant: crate::support::HfVariant) {
     let paged = run_input("shared.parquet", "shared-paged", greedy, "attention = \"paged-tiled\"", false);
     let paged_metrics = read_metrics(&dir.join("shared-paged"));
     let off = run_input("shared.parquet", "shared-paged-off", greedy, "prefix_cache = false", true);
+    let decode = run_input("shared.parquet", "shared-decode", greedy, "attention = \"paged-decode\"", false);
     assert!(paged_metrics["cached_prompt_tokens"].unwrap() > 0.0, "{paged_metrics:?}");
     for (id, row) in &host {
         assert_eq!(row["status"], "succeeded", "{row}");
         assert_eq!(row["text"], paged[id]["text"], "{id}: host and paged");
         assert_eq!(row["text"], off[id]["text"], "{id}: paged with and without the cache");
+        assert_eq!(row["text"], decode[id]["text"], "{id}: host and the decode kernel on cached prefixes");
     }
     // The attention that ran is in the numerics, so reuse never serves the one to the other.
     let numerics = |out: &str| crate::support::kv_metadata_of(crate::support::OutputStore::local(&dir.join(out)).first_results_file())["nightshift.numerics"].clone();
     assert!(!numerics("shared-cpu").contains("attention="), "{}", numerics("shared-cpu"));
     assert!(numerics("shared-paged").contains(";attention=paged-tiled"), "{}", numerics("shared-paged"));
     assert!(numerics("shared-paged-off").contains(";attention=paged-tiled"), "{}", numerics("shared-paged-off"));
+    assert!(numerics("shared-decode").contains(";attention=paged-decode"), "{}", numerics("shared-decode"));
 }
