@@ -218,22 +218,55 @@ macro_rules! kernels {
             /// Float weights (F16, or BF16 when `BF`): lane `l` accumulates columns `l, l + 8, ...`.
             #[inline]
             #[target_feature(enable = $features)]
-            fn tile_float<const R: usize, const BF: bool>(bits: &[u16], n: usize, x: &Acts, r0: usize, out: Out) {
+            fn tile_float<const N: usize, const R: usize, const BF: bool>(bits: &[u16], n0: usize, x: &Acts, r0: usize, out: Out) {
                 let k = x.k;
-                let row = &bits[n * k..(n + 1) * k];
+                let rows: [&[u16]; N] = std::array::from_fn(|j| &bits[(n0 + j) * k..(n0 + j + 1) * k]);
                 let xs: [&[f32]; R] = std::array::from_fn(|i| &x.f32[(r0 + i) * k..(r0 + i + 1) * k]);
-                let mut acc = [_mm256_setzero_ps(); R];
+                let mut acc = [[_mm256_setzero_ps(); R]; N];
                 for c in 0..k / 8 {
-                    // SAFETY: `row` and each `xs[i]` hold `k` values and `8 * c + 8 <= k`.
-                    let raw = unsafe { _mm_loadu_si128(row.as_ptr().add(8 * c).cast()) };
-                    let wv = if BF { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(raw))) } else { _mm256_cvtph_ps(raw) };
+                    // SAFETY: each of `rows` and `xs` holds `k` values and `8 * c + 8 <= k`.
+                    let wv: [__m256; N] = std::array::from_fn(|j| {
+                        let raw = unsafe { _mm_loadu_si128(rows[j].as_ptr().add(8 * c).cast()) };
+                        if BF { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(raw))) } else { _mm256_cvtph_ps(raw) }
+                    });
                     for i in 0..R {
                         let xv = unsafe { _mm256_loadu_ps(xs[i].as_ptr().add(8 * c)) };
-                        acc[i] = _mm256_fmadd_ps(wv, xv, acc[i]);
+                        for j in 0..N {
+                            acc[j][i] = _mm256_fmadd_ps(wv[j], xv, acc[j][i]);
+                        }
                     }
                 }
-                for i in 0..R {
-                    out.write(r0 + i, n, hsum(acc[i]));
+                for j in 0..N {
+                    for i in 0..R {
+                        out.write(r0 + i, n0 + j, hsum(acc[j][i]));
+                    }
+                }
+            }
+
+            /// Float weight rows `rows` times activation rows `r..r + R`: several weight rows a tile, so that each
+            /// activation load serves them all and the tile has `N x R` independent chains of multiply-adds (a lone
+            /// decode row had one chain, latency-bound). Each output's own chain is the same whatever the tile.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn float_rows<const R: usize, const BF: bool>(bits: &[u16], rows: Range<usize>, x: &Acts, r: usize, out: Out) {
+                let mut n = rows.start;
+                // At most 13 of the 16 vector registers: N x R accumulators, N weight vectors, one activation.
+                match R {
+                    4 => while n + 2 <= rows.end {
+                        tile_float::<2, R, BF>(bits, n, x, r, out);
+                        n += 2;
+                    },
+                    3 => while n + 3 <= rows.end {
+                        tile_float::<3, R, BF>(bits, n, x, r, out);
+                        n += 3;
+                    },
+                    _ => while n + 4 <= rows.end {
+                        tile_float::<4, R, BF>(bits, n, x, r, out);
+                        n += 4;
+                    },
+                }
+                for n in n..rows.end {
+                    tile_float::<1, R, BF>(bits, n, x, r, out);
                 }
             }
 
@@ -242,16 +275,14 @@ macro_rules! kernels {
             #[target_feature(enable = $features)]
             fn float_panel<const BF: bool>(bits: &[u16], rows: Range<usize>, x: &Acts, r0: usize, count: usize, out: Out) {
                 let full = r0 + count / 4 * 4;
-                for n in rows {
-                    for r in (r0..full).step_by(4) {
-                        tile_float::<4, BF>(bits, n, x, r, out);
-                    }
-                    match r0 + count - full {
-                        3 => tile_float::<3, BF>(bits, n, x, full, out),
-                        2 => tile_float::<2, BF>(bits, n, x, full, out),
-                        1 => tile_float::<1, BF>(bits, n, x, full, out),
-                        _ => {}
-                    }
+                for r in (r0..full).step_by(4) {
+                    float_rows::<4, BF>(bits, rows.clone(), x, r, out);
+                }
+                match r0 + count - full {
+                    3 => float_rows::<3, BF>(bits, rows, x, full, out),
+                    2 => float_rows::<2, BF>(bits, rows, x, full, out),
+                    1 => float_rows::<1, BF>(bits, rows, x, full, out),
+                    _ => {}
                 }
             }
 
