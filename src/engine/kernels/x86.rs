@@ -250,8 +250,13 @@ macro_rules! kernels {
             #[target_feature(enable = $features)]
             fn float_rows<const R: usize, const BF: bool>(bits: &[u16], rows: Range<usize>, x: &Acts, r: usize, out: Out) {
                 let mut n = rows.start;
-                // At most 13 of the 16 vector registers: N x R accumulators, N weight vectors, one activation.
+                // At most 13 of the 16 vector registers (21 of AVX-512's 32): N x R accumulators, N weight vectors,
+                // one activation.
                 match R {
+                    4 if $wide => while n + 4 <= rows.end {
+                        tile_float::<4, R, BF>(bits, n, x, r, out);
+                        n += 4;
+                    },
                     4 => while n + 2 <= rows.end {
                         tile_float::<2, R, BF>(bits, n, x, r, out);
                         n += 2;
