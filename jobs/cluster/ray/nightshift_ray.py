@@ -35,8 +35,8 @@ import ray
 RETRIED = {75, 1}
 
 
-class Resumable(Exception):
-    """A shard's nightshift exited 75 or 1: worth running again (it resumes from its committed units)."""
+class ShardExit(Exception):
+    """A shard's nightshift exited with a failing code."""
 
     def __init__(self, shard, code):
         super().__init__(shard, code)  # both in `args`, so that Ray can pickle it back to the driver
@@ -46,15 +46,12 @@ class Resumable(Exception):
         return f"shard {self.shard} exited {self.code}"
 
 
-class Permanent(Exception):
-    """A shard's nightshift exited with a code a retry cannot change (2 to 5)."""
+class Resumable(ShardExit):
+    """Exit 75 or 1: worth running again (it resumes from its committed units)."""
 
-    def __init__(self, shard, code):
-        super().__init__(shard, code)  # both in `args`, so that Ray can pickle it back to the driver
-        self.shard, self.code = shard, code
 
-    def __str__(self):
-        return f"shard {self.shard} exited {self.code}"
+class Permanent(ShardExit):
+    """A code a retry cannot change (2 to 5)."""
 
 
 def _die_with_parent():
@@ -112,7 +109,7 @@ def main():
         try:
             ray.get(done[0])
             print(f"nightshift-ray: shard {shard}/{options.shards} done", flush=True)
-        except (Permanent, Resumable, ray.exceptions.RayError) as e:
+        except (ShardExit, ray.exceptions.RayError) as e:
             # Ray raises a task's exception wrapped, with the original as `cause`; a lost worker or node has no code.
             cause = getattr(e, "cause", None) or e
             code = getattr(cause, "code", 75)

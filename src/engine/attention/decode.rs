@@ -26,6 +26,15 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/paged_decode.ptx"));
 #[cfg(feature = "cuda")]
 const THREADS: u32 = 128;
 
+/// The widest head the kernel takes (`MAX_HEAD_DIM` in paged_decode.cu).
+pub const MAX_HEAD_DIM: usize = 512;
+
+/// Whether the kernel takes heads of this shape: an even width (rows are read two elements at a time) up to
+/// [`MAX_HEAD_DIM`], query heads a whole number of groups per kv head.
+pub fn takes_heads(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
+    head_dim.is_multiple_of(2) && head_dim <= MAX_HEAD_DIM && kv_heads > 0 && heads.is_multiple_of(kv_heads)
+}
+
 /// What every launch of a layer shares.
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeShape {
@@ -50,14 +59,14 @@ pub fn paged_decode(q: &Tensor, keys: &Tensor, values: &Tensor, tables: &Tensor,
 }
 
 /// The shapes the kernel takes: queries `[n, heads x head_dim]`, pools of whole blocks of `[kv_heads, head_dim]`
-/// starting at an even element (the CUDA kernel reads rows two elements at a time), heads of an even width up to
-/// [`super::MAX_DECODE_HEAD_DIM`] (`MAX_HEAD_DIM` in paged_decode.cu), query heads a multiple of kv heads.
+/// starting at an even element (the CUDA kernel reads rows two elements at a time), heads it takes
+/// ([`takes_heads`]).
 fn check(s: &DecodeShape, n: usize, q_l: &Layout, k_l: &Layout, v_l: &Layout) -> candle_core::Result<()> {
     let q_dims = q_l.shape().dims();
     if q_dims != [n, s.heads * s.head_dim] {
         candle_core::bail!("paged decode: queries {q_dims:?} for {n} sequences of {} heads of {}", s.heads, s.head_dim);
     }
-    if !s.head_dim.is_multiple_of(2) || s.head_dim > super::MAX_DECODE_HEAD_DIM || s.kv_heads == 0 || !s.heads.is_multiple_of(s.kv_heads) {
+    if !takes_heads(s.heads, s.kv_heads, s.head_dim) {
         candle_core::bail!("paged decode: heads {} / kv heads {} of {} are not supported", s.heads, s.kv_heads, s.head_dim);
     }
     for (l, what) in [(k_l, "keys"), (v_l, "values")] {

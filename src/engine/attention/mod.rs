@@ -225,6 +225,20 @@ pub enum PagedKernel {
     Flash,
 }
 
+impl PagedKernel {
+    /// The fastest kernel that runs for a model here: flash-attention, else (on CUDA) the decode kernel, else the
+    /// tiles. The decode kernel's CPU reference is never chosen on its own: it is for the tests.
+    pub fn best(model: &impl AttentionModel) -> PagedKernel {
+        if PagedAttention::flash_available(model.device(), model.dtype()) {
+            PagedKernel::Flash
+        } else if model.device().is_cuda() && PagedAttention::decode_available(model) {
+            PagedKernel::Decode
+        } else {
+            PagedKernel::Tiles
+        }
+    }
+}
+
 impl AttentionPlan {
     /// What `runtime.attention` asks for, for a loaded model: `auto` is [`Backend::for_model`]'s backend with
     /// the fastest paged kernel that runs here (flash-attention, else the CUDA decode kernel, else the tiles); a
@@ -232,17 +246,10 @@ impl AttentionPlan {
     pub fn choose(model: &impl AttentionModel, asked: AttentionChoice) -> Result<AttentionPlan, String> {
         let flash_here = PagedAttention::flash_available(model.device(), model.dtype());
         let decode_here = PagedAttention::decode_available(model);
-        let best = if flash_here {
-            PagedKernel::Flash
-        } else if decode_here && model.device().is_cuda() {
-            PagedKernel::Decode
-        } else {
-            PagedKernel::Tiles
-        };
         let (backend, kernel) = match asked {
             AttentionChoice::Auto => {
                 let backend = Backend::for_model(model);
-                (backend, if backend == Backend::Paged { best } else { PagedKernel::Tiles })
+                (backend, if backend == Backend::Paged { PagedKernel::best(model) } else { PagedKernel::Tiles })
             }
             AttentionChoice::Host if model.device().is_cpu() && model.dtype() == DType::F32 => (Backend::Host, PagedKernel::Tiles),
             AttentionChoice::Host => {
@@ -258,7 +265,7 @@ impl AttentionPlan {
                 let shape = model.attention_shape();
                 return Err(format!(
                     "is \"paged-decode\", nightshift's decode kernel, which runs on CUDA (or its reference on the CPU) with heads of an even width up to {}, query heads a multiple of kv heads ({} heads of {}, {} kv heads here): use \"auto\" or \"paged-tiled\"",
-                    MAX_DECODE_HEAD_DIM, shape.heads, shape.head_dim, shape.kv_heads
+                    decode::MAX_HEAD_DIM, shape.heads, shape.head_dim, shape.kv_heads
                 ));
             }
             AttentionChoice::PagedFlash if flash_here => (Backend::Paged, PagedKernel::Flash),
@@ -283,9 +290,6 @@ impl AttentionPlan {
         }
     }
 }
-
-/// The widest head the CUDA decode kernel takes.
-pub const MAX_DECODE_HEAD_DIM: usize = 512;
 
 /// Which attention backend a model runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

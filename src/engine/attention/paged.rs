@@ -228,16 +228,22 @@ struct FlashTables {
 /// the new positions booked already).
 #[cfg_attr(not(feature = "flash-attn"), allow(dead_code))]
 fn flash_tables<'a>(segments: impl Iterator<Item = (usize, usize, &'a [u32])> + Clone) -> FlashTables {
-    let width = segments.clone().map(|s| s.2.len()).max().unwrap_or(1).max(1);
-    let mut t = FlashTables { seqlens_q: vec![0], seqlens_k: vec![0], block_table: Vec::new(), width, max_q: 0, max_k: 0 };
-    for (len, new, ids) in segments {
+    let (block_table, width) = block_tables(segments.clone().map(|s| s.2));
+    let mut t = FlashTables { seqlens_q: vec![0], seqlens_k: vec![0], block_table, width, max_q: 0, max_k: 0 };
+    for (len, new, _) in segments {
         let total = len + new;
         t.seqlens_q.push(t.seqlens_q.last().copied().unwrap_or(0) + new as u32);
         t.seqlens_k.push(t.seqlens_k.last().copied().unwrap_or(0) + total as u32);
         (t.max_q, t.max_k) = (t.max_q.max(new), t.max_k.max(total));
-        t.block_table.extend(ids.iter().copied().chain(std::iter::repeat(0)).take(width));
     }
     t
+}
+
+/// Sequences' block tables as one `[sequences, width]` table, each padded with block 0 (never read: past its
+/// sequence) to the widest; and that width (at least 1).
+fn block_tables<'a>(tables: impl Iterator<Item = &'a [u32]> + Clone) -> (Vec<u32>, usize) {
+    let width = tables.clone().map(<[u32]>::len).max().unwrap_or(1).max(1);
+    (tables.flat_map(|ids| ids.iter().copied().chain(std::iter::repeat(0)).take(width)).collect(), width)
 }
 
 /// One query tile while a step is planned: its first token row, its query count, the position of its first query
@@ -366,14 +372,7 @@ impl PagedAttention {
     /// The paged backend for a model, with a pool of `blocks` blocks of [`BLOCK`] positions (allocated on the
     /// device at the first step): the scheduler's budget, which it never books beyond.
     pub fn new(model: &impl AttentionModel, blocks: usize) -> candle_core::Result<PagedAttention> {
-        let kernel = if Self::flash_available(model.device(), model.dtype()) {
-            PagedKernel::Flash
-        } else if Self::decode_available(model) && model.device().is_cuda() {
-            PagedKernel::Decode
-        } else {
-            PagedKernel::Tiles
-        };
-        Self::with_kernel(model, blocks, kernel)
+        Self::with_kernel(model, blocks, PagedKernel::best(model))
     }
 
     /// [`PagedAttention::new`] with a kernel: flash-attention's (where [`PagedAttention::flash_available`]), the
@@ -489,10 +488,9 @@ impl PagedAttention {
         if self.decode && !decodes.is_empty() {
             // In step order: the kernel's output rows are the decodes', first among the parts.
             let n = decodes.len();
-            let width = decodes.iter().map(|d| d.cache.ids.len()).max().unwrap_or(1).max(1);
-            let (mut tables, mut lens, mut rows) = (Vec::with_capacity(n * width), Vec::with_capacity(n), Vec::with_capacity(n));
+            let (tables, width) = block_tables(decodes.iter().map(|d| &d.cache.ids[..]));
+            let (mut lens, mut rows) = (Vec::with_capacity(n), Vec::with_capacity(n));
             for (i, d) in decodes.iter().enumerate() {
-                tables.extend(d.cache.ids.iter().copied().chain(std::iter::repeat(0)).take(width));
                 lens.push(d.visible() as u32);
                 rows.push(d.row as u32);
                 place[d.row] = i as u32;
@@ -538,16 +536,11 @@ impl PagedAttention {
     }
 
     /// Whether the decode kernel can attend a model's decodes: CUDA in a build with the `cuda` feature (or the
-    /// CPU, where its reference runs), heads of an even width up to [`super::MAX_DECODE_HEAD_DIM`], query heads a
-    /// multiple of kv heads (any dtype).
+    /// CPU, where its reference runs), heads it takes ([`super::decode::takes_heads`]), any dtype.
     pub fn decode_available(model: &impl AttentionModel) -> bool {
         let s = model.attention_shape();
         let device = model.device();
-        ((cfg!(feature = "cuda") && device.is_cuda()) || device.is_cpu())
-            && s.head_dim.is_multiple_of(2)
-            && s.head_dim <= super::MAX_DECODE_HEAD_DIM
-            && s.kv_heads > 0
-            && s.heads.is_multiple_of(s.kv_heads)
+        ((cfg!(feature = "cuda") && device.is_cuda()) || device.is_cpu()) && super::decode::takes_heads(s.heads, s.kv_heads, s.head_dim)
     }
 
     /// flash-attention's inputs for a step, uploaded ([`flash_tables`]).

@@ -40,28 +40,13 @@ __device__ __forceinline__ void store1(float *p, float x) { *p = x; }
 __device__ __forceinline__ void store1(__nv_bfloat16 *p, float x) { *p = __float2bfloat16(x); }
 __device__ __forceinline__ void store1(__half *p, float x) { *p = __float2half(x); }
 
-// The dot product of 16 bytes of a key row with the matching query values.
-__device__ __forceinline__ float dot16(uint4 u, const float *q, float dot, float) {
-  const float *f = reinterpret_cast<const float *>(&u);
+// The dot product of 16 bytes of a key row with the matching query values, a pair of elements at a time.
+template <typename T>
+__device__ __forceinline__ float dot16(uint4 u, const float *q, float dot) {
+  const T *e = reinterpret_cast<const T *>(&u);
 #pragma unroll
-  for (int k = 0; k < 4; ++k) dot = fmaf(q[k], f[k], dot);
-  return dot;
-}
-__device__ __forceinline__ float dot16(uint4 u, const float *q, float dot, __nv_bfloat16) {
-  const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float2 f = __bfloat1622float2(h[k]);
-    dot = fmaf(q[2 * k], f.x, dot);
-    dot = fmaf(q[2 * k + 1], f.y, dot);
-  }
-  return dot;
-}
-__device__ __forceinline__ float dot16(uint4 u, const float *q, float dot, __half) {
-  const __half2 *h = reinterpret_cast<const __half2 *>(&u);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float2 f = __half22float2(h[k]);
+  for (int k = 0; k < 8 / (int)sizeof(T); ++k) {
+    const float2 f = load2(e + 2 * k);
     dot = fmaf(q[2 * k], f.x, dot);
     dot = fmaf(q[2 * k + 1], f.y, dot);
   }
@@ -126,7 +111,7 @@ __device__ void paged_decode(const T *__restrict__ q, const T *__restrict__ keys
       if (vec16) {
         const uint4 *k16 = reinterpret_cast<const uint4 *>(krow);
 #pragma unroll 8
-        for (int i = 0; i < vecs; ++i) dot = dot16(k16[i], qs + i * PER_VEC, dot, T());
+        for (int i = 0; i < vecs; ++i) dot = dot16<T>(k16[i], qs + i * PER_VEC, dot);
       } else {
 #pragma unroll 8
         for (int i = 0; i < pairs; ++i) {

@@ -249,30 +249,27 @@ macro_rules! kernels {
             #[inline]
             #[target_feature(enable = $features)]
             fn float_rows<const R: usize, const BF: bool>(bits: &[u16], rows: Range<usize>, x: &Acts, r: usize, out: Out) {
-                let mut n = rows.start;
                 // At most 13 of the 16 vector registers (21 of AVX-512's 32): N x R accumulators, N weight vectors,
                 // one activation.
-                match R {
-                    4 if $wide => while n + 4 <= rows.end {
-                        tile_float::<4, R, BF>(bits, n, x, r, out);
-                        n += 4;
-                    },
-                    4 => while n + 2 <= rows.end {
-                        tile_float::<2, R, BF>(bits, n, x, r, out);
-                        n += 2;
-                    },
-                    3 => while n + 3 <= rows.end {
-                        tile_float::<3, R, BF>(bits, n, x, r, out);
-                        n += 3;
-                    },
-                    _ => while n + 4 <= rows.end {
-                        tile_float::<4, R, BF>(bits, n, x, r, out);
-                        n += 4;
-                    },
+                let n = match R {
+                    4 if $wide => float_tiles::<4, R, BF>(bits, rows.clone(), x, r, out),
+                    4 => float_tiles::<2, R, BF>(bits, rows.clone(), x, r, out),
+                    3 => float_tiles::<3, R, BF>(bits, rows.clone(), x, r, out),
+                    _ => float_tiles::<4, R, BF>(bits, rows.clone(), x, r, out),
+                };
+                float_tiles::<1, R, BF>(bits, n..rows.end, x, r, out);
+            }
+
+            /// Tiles of `N` weight rows from `rows.start` while whole ones fit; returns the first row left over.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn float_tiles<const N: usize, const R: usize, const BF: bool>(bits: &[u16], rows: Range<usize>, x: &Acts, r: usize, out: Out) -> usize {
+                let mut n = rows.start;
+                while n + N <= rows.end {
+                    tile_float::<N, R, BF>(bits, n, x, r, out);
+                    n += N;
                 }
-                for n in n..rows.end {
-                    tile_float::<1, R, BF>(bits, n, x, r, out);
-                }
+                n
             }
 
             /// Float weight rows `rows` times activation rows `r0..r0 + count`, four activation rows at a time.
