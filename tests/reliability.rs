@@ -1186,6 +1186,43 @@ fn proc_list(dir: &Path, file: &str) -> Option<Vec<Vec<u8>>> {
     Some(std::fs::read(dir.join(file)).ok()?.split(|&b| b == 0).map(<[u8]>::to_vec).collect())
 }
 
+/// Stops each task's nightshift (SIGSTOP) as soon as its shard has committed a unit, so that it is still mid-run
+/// when the test acts on it, however fast it goes; their pids, in `tasks`' order.
+fn freeze_at_first_commit(output: &OutputStore, array: &str, tasks: &[usize]) -> Vec<u32> {
+    let mut frozen: Vec<Option<u32>> = vec![None; tasks.len()];
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while frozen.iter().any(Option::is_none) {
+        for (slot, &task) in frozen.iter_mut().zip(tasks) {
+            if slot.is_none() && !output.list(&format!("_commits/shard={task}")).is_empty() {
+                let pid = nightshift_of_task(array, task).unwrap_or_else(|| panic!("task {task}'s nightshift ended at its first commit"));
+                assert!(Command::new("kill").args(["-STOP", &pid.to_string()]).status().unwrap().success());
+                *slot = Some(pid);
+            }
+        }
+        assert!(Instant::now() < deadline, "tasks {tasks:?} committed nothing within 180 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    frozen.into_iter().flatten().collect()
+}
+
+/// Lets a frozen process go on (SIGCONT) once a SIGTERM waits for it (its shared pending set in
+/// /proc/PID/status), or once something else has continued it (`scancel` sends SIGCONT itself).
+fn continue_when_signalled(pid: u32) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).map(str::trim).unwrap_or_default().to_string();
+        let pending = u64::from_str_radix(&field("ShdPnd:"), 16).unwrap_or(0);
+        if pending & (1 << (15 - 1)) != 0 || !field("State:").starts_with('T') {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no SIGTERM reached process {pid}: {status}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // It may have ended meanwhile: the status is not asserted.
+    let _ = Command::new("kill").args(["-CONT", &pid.to_string()]).stderr(Stdio::null()).status();
+}
+
 /// The pid of the `nightshift` process an array task runs, found by the task's id in its environment.
 fn nightshift_of_task(array: &str, task: usize) -> Option<u32> {
     let ids = [format!("SLURM_ARRAY_JOB_ID={array}").into_bytes(), format!("SLURM_ARRAY_TASK_ID={task}").into_bytes()];
@@ -1200,7 +1237,8 @@ fn nightshift_of_task(array: &str, task: usize) -> Option<u32> {
 
 /// `jobs/cluster/slurm-shards.sbatch` on a real Slurm cluster (scripts/local-cluster.sh: Debian's slurmctld and
 /// slurmd on this machine), submitted as the docs show: an array of 4 tasks, and the finalize job chained with
-/// `--dependency=afterany`. Mid-run, one task gets the time-limit signal through Slurm (`scancel --signal=USR1
+/// `--dependency=afterany`. Mid-run (each task's nightshift frozen at its first commit until the test acts on it, so
+/// that none finishes first), one task gets the time-limit signal through Slurm (`scancel --signal=USR1
 /// --batch`, what `--signal=B:USR1@N` sends): nightshift drains, exits 75 and the script requeues the task; one
 /// task's nightshift is killed -9: the task fails (exit 137) and is requeued with `scontrol requeue`; one task is
 /// cancelled (`scancel`: nightshift drains and the script leaves it cancelled) and requeued by hand. Requeued tasks
@@ -1237,13 +1275,15 @@ fn slurm_cluster_runs_the_array_with_tasks_signalled_killed_and_cancelled() {
     let output_url = world.output_url("out");
     let finalize = submit(&[&format!("--dependency=afterany:{array}"), finalizer.to_str().unwrap(), &output_url]);
 
-    // Task 0: the time-limit signal to its batch shell; nightshift drains, exits 75 and the task requeues itself.
-    wait_for_commit(&output, "_commits/shard=0", Duration::from_secs(120));
+    // Tasks 0 and 1 run together: each is frozen at its first commit, so that it is still mid-run when the test
+    // acts on it whichever gets ahead (task 1 once finished while the test waited on task 0).
+    let frozen = freeze_at_first_commit(&output, &array, &[0, 1]);
+    // Task 0: the time-limit signal to its batch shell, which passes SIGTERM on; once that is pending, it goes on:
+    // nightshift drains, exits 75 and the task requeues itself.
     let _scancel = slurm.time_limit_signal(&format!("{array}_0"));
+    continue_when_signalled(frozen[0]);
     // Task 1: its nightshift killed -9; the task fails, and is requeued by hand.
-    wait_for_commit(&output, "_commits/shard=1", Duration::from_secs(120));
-    let pid = nightshift_of_task(&array, 1).expect("task 1's nightshift is running");
-    assert!(Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap().success());
+    assert!(Command::new("kill").args(["-KILL", &frozen[1].to_string()]).status().unwrap().success());
     let deadline = Instant::now() + Duration::from_secs(60);
     while slurm.state(&format!("{array}_1")).0 != "FAILED" {
         assert!(Instant::now() < deadline, "task 1 did not fail: {:?}", slurm.state(&format!("{array}_1")));
@@ -1252,8 +1292,9 @@ fn slurm_cluster_runs_the_array_with_tasks_signalled_killed_and_cancelled() {
     assert_eq!(slurm.state(&format!("{array}_1")).1, "137:0", "the batch script passes on its nightshift's status");
     slurm.command("scontrol", &["requeue", &format!("{array}_1")]);
     // Task 2: cancelled outright once it has committed a unit, then requeued by hand.
-    wait_for_commit(&output, "_commits/shard=2", Duration::from_secs(120));
+    let frozen = freeze_at_first_commit(&output, &array, &[2]);
     slurm.command("scancel", &[&format!("{array}_2")]);
+    continue_when_signalled(frozen[0]);
     let log2 = logs.join(format!("nightshift-{array}_2.log"));
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
