@@ -8,6 +8,7 @@ use crate::support::model_path;
 mod hf;
 mod llama_cpp;
 mod paged;
+mod parallel;
 
 /// A tiny random-weight Hugging Face model of every variant, named by variant.
 fn hf_variants(name: &str) -> Vec<(String, std::path::PathBuf)> {

@@ -7,7 +7,8 @@ use tracing::{info, warn};
 
 use crate::engine::models::bert::{self, Encoder, EncoderInfo};
 use crate::engine::attention::AttentionPlan;
-use crate::engine::models::llama::{self, Model, ModelConfig, ModelInfo};
+use crate::engine::models::llama::{self, ModelConfig, ModelInfo};
+use crate::engine::parallel::Decoder;
 use crate::engine::models::t5::{T5Config, T5};
 use crate::engine::seq2seq::{Seq2SeqEngine, MAX_SOURCE_TOKENS};
 use crate::engine::{self, BatchConfig, DecoderSetup, Engine, ModelError, StopRules};
@@ -134,8 +135,10 @@ fn check_model_dir(job: &Job) -> Result<String, ModelError> {
 pub struct DecoderPlan {
     pub model: ModelConfig,
     pub batch: BatchConfig,
-    /// KV cache bytes of one block on the engine's backend.
+    /// KV cache bytes of one block on the engine's backend (every tensor-parallel rank's together).
     pub block_bytes: usize,
+    /// Each tensor-parallel rank's heads, weights and KV block (one entry for a whole model).
+    pub ranks: Vec<engine::parallel::RankMemory>,
 }
 
 /// A job's model, loaded into its engine.
@@ -158,6 +161,8 @@ pub struct Loaded {
     pub queue: usize,
     /// A decoder's configuration; `None` for the other kinds.
     pub decoder: Option<DecoderPlan>,
+    /// Ranks the decoder is split over (`runtime.tensor_parallel`; 1 for a whole model and the other kinds).
+    pub tensor_parallel: usize,
 }
 
 /// Checks the job's model ([`check_model`]) and loads it onto `device`.
@@ -177,7 +182,7 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
             let weights_bytes = model.weight_bytes();
             let engine = Seq2SeqEngine::new(model, tokenizer, job.generation.clone(), job.runtime.max_seqs);
             let queue = job.runtime.max_seqs * 2;
-            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "f32", attention: "none", compute_dtype: None, layout: ResultsLayout::Generate, queue, decoder: None })
+            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "f32", attention: "none", compute_dtype: None, layout: ResultsLayout::Generate, queue, decoder: None, tensor_parallel: 1 })
         }
         JobKind::Embed => {
             let encoder = Encoder::load(&job.model.path, device).map_err(|e| e.at(&job.model.path))?;
@@ -188,29 +193,51 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
             let (layout, weights_bytes) = (ResultsLayout::Embed { dimensions: info.dimensions }, encoder.weight_bytes());
             let engine = engine::embed::EmbedEngine::new(encoder, job.runtime.max_seqs, job.runtime.max_batch_tokens);
             let queue = engine::embed::WINDOW;
-            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "none", attention: "none", compute_dtype: None, layout, queue, decoder: None })
+            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "none", attention: "none", compute_dtype: None, layout, queue, decoder: None, tensor_parallel: 1 })
         }
     }
 }
 
 fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> Result<Loaded, Error> {
-    let (model, info) = Model::load_as(&job.model.path, device, job.runtime.cpu_weights, job.runtime.dtype).map_err(|e| e.at(&job.model.path))?;
+    let ranks = job.runtime.tensor_parallel;
+    let (decoder, info) = Decoder::load(&job.model.path, device, job.runtime.cpu_weights, job.runtime.dtype, ranks).map_err(|e| e.at(&job.model.path))?;
+    let model = decoder.first();
     let cfg = &info.config;
     let invalid = |key: &'static str, problem: String| crate::job::JobError::Invalid { path: job.file.clone(), key, problem };
-    let plan = AttentionPlan::choose(&model, job.runtime.attention).map_err(|problem| invalid("runtime.attention", problem))?;
+    let plan = AttentionPlan::choose(model, job.runtime.attention).map_err(|problem| invalid("runtime.attention", problem))?;
     let backend = plan.backend;
     let kv_dtype = backend
-        .kv_dtype(&model, job.runtime.kv_cache_dtype)
+        .kv_dtype(model, job.runtime.kv_cache_dtype)
         .map_err(|problem| invalid("runtime.kv_cache_dtype", problem))?;
-    let block_bytes = backend.block_bytes(&model, kv_dtype);
+    let block_bytes = decoder.block_bytes(backend, kv_dtype);
+    let step_tokens = job.runtime.max_batch_tokens.max(job.runtime.max_seqs);
+    let rank_memory = decoder.memory(backend, kv_dtype, step_tokens, job.runtime.max_seqs);
+    for r in rank_memory.iter().filter(|_| ranks > 1) {
+        info!(rank = r.rank, heads = r.heads, kv_heads = r.kv_heads, ffn_columns = r.ffn_columns, weights_mib = r.weights_bytes >> 20,
+            activations_mib = r.activations_bytes >> 20, kv_bytes_per_token = r.block_bytes / engine::KV_BLOCK_TOKENS, "tensor-parallel rank");
+    }
     let attention = plan.name();
     let compute_dtype = (job.model.path.is_dir() && model.dtype() != llama::hf::compute_dtype(device, ComputeDtype::Auto)).then(|| model.dtype().as_str());
     let weights_layout = model.layout().name();
     info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
         dtype = ?model.dtype(), weights = weights_layout, cpu_weights = %job.runtime.cpu_weights.name(),
-        cpu_kernels = (device.is_cpu() && model.layout() == engine::Layout::AsStored).then(|| engine::kernels::Level::active().name()), attention,
+        cpu_kernels = (device.is_cpu() && model.layout() == engine::Layout::AsStored).then(|| engine::kernels::Level::active().name()), attention, tensor_parallel = ranks,
         kv_cache_dtype = kv_dtype.as_str(), kv_bytes_per_token = block_bytes / engine::KV_BLOCK_TOKENS, "decoder");
     let kv_bytes = engine::kv_cache_bytes(job.runtime.kv_cache_memory, device);
+    // The ranks share this process's memory: their activations and one sequence's KV blocks must fit beside the
+    // weights they loaded.
+    if ranks > 1 {
+        let activations: usize = rank_memory.iter().map(|r| r.activations_bytes).sum();
+        let one_sequence = cfg.context_length.min(job.runtime.max_batch_tokens).div_ceil(engine::KV_BLOCK_TOKENS) * block_bytes;
+        let available = engine::device_memory_available(device).unwrap_or(u64::MAX);
+        if (activations + one_sequence) as u64 > available {
+            let per_rank: Vec<String> = rank_memory.iter().map(|r| format!("rank {}: weights {} MiB, activations {} MiB", r.rank, r.weights_bytes >> 20, r.activations_bytes >> 20)).collect();
+            return Err(Error::Job(invalid(
+                "runtime.tensor_parallel",
+                format!("is {ranks}, whose ranks need {} MiB of activations and {} MiB for one sequence's KV cache beside their weights, and {} MiB is available ({})", activations >> 20, one_sequence >> 20, available >> 20, per_rank.join("; ")),
+            )));
+        }
+    }
     let mut batch = BatchConfig::new(job.runtime.max_seqs, job.runtime.max_batch_tokens, kv_bytes, block_bytes);
     batch.prefix_cache = job.runtime.prefix_cache;
     let longest = batch.max_sequence_tokens(cfg.context_length);
@@ -227,11 +254,12 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
     // Prompts are checked against the longest sequence the engine can run, so one that can never fit is an error
     // row at tokenization, not a stall.
     let preprocessor = Preprocessor::new(&info.vocab, &job.model.chat_template, &job.input, longest, job.generation.max_new_tokens)?;
-    let weights_bytes = model.weight_bytes();
-    let decoder = DecoderPlan { model: cfg.clone(), batch: batch.clone(), block_bytes };
+    let weights_bytes = decoder.weight_bytes();
+    let plan_report = DecoderPlan { model: cfg.clone(), batch: batch.clone(), block_bytes, ranks: rank_memory };
     let setup = DecoderSetup { tokenizer: preprocessor.tokenizer().clone(), params: job.generation.clone(), stop: StopRules::new(&info.vocab), config: batch, kv_dtype, attention: plan };
-    let engine = engine::decoder_engine(model, setup).map_err(Error::Engine)?;
+    let engine = decoder.engine(setup).map_err(Error::Engine)?;
+    let decoder = plan_report;
     let queue = job.runtime.max_seqs * 2;
     let kv_cache_dtype = kv_dtype.as_str();
-    Ok(Loaded { engine, prepare: Box::new(preprocessor), check, weights_bytes, weights_layout, kv_cache_dtype, attention, compute_dtype, layout: ResultsLayout::Generate, queue, decoder: Some(decoder) })
+    Ok(Loaded { engine, prepare: Box::new(preprocessor), check, weights_bytes, weights_layout, kv_cache_dtype, attention, compute_dtype, layout: ResultsLayout::Generate, queue, decoder: Some(decoder), tensor_parallel: ranks })
 }

@@ -199,7 +199,7 @@ fn fingerprint(job: &Job, model_sha256: &str, template: Option<&str>, input: &In
 /// The arithmetic a job's rows are computed with ([`crate::reuse::numerics`]).
 fn run_numerics(job: &Job, device: &candle_core::Device, loaded: &load::Loaded) -> String {
     let prefix_cache = job.kind == JobKind::Generate && job.runtime.prefix_cache;
-    crate::reuse::numerics(!device.is_cpu(), loaded.weights_layout, loaded.kv_cache_dtype, prefix_cache, loaded.attention, loaded.compute_dtype)
+    crate::reuse::numerics(!device.is_cpu(), loaded.weights_layout, loaded.kv_cache_dtype, prefix_cache, loaded.attention, loaded.compute_dtype, loaded.tensor_parallel)
 }
 
 /// `nightshift run`: the job's uncommitted units (of this process's shard) through the stages, committed a unit at

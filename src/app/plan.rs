@@ -51,6 +51,8 @@ pub struct JobPlanReport {
     pub weights_bytes: usize,
     /// How the weights are computed ([`Layout::name`](crate::engine::Layout::name)).
     pub weights_layout: &'static str,
+    /// Each tensor-parallel rank's share (`runtime.tensor_parallel`; empty for a whole model).
+    pub tensor_parallel: Vec<RankPlan>,
     /// Rows a reuse source (`reuse.from`, `--reuse`) serves and rows that repeat an earlier row's request: the
     /// run copies these instead of computing them, and the figures above and below count only the rest.
     pub reuse: Option<ReusePlan>,
@@ -58,6 +60,14 @@ pub struct JobPlanReport {
     pub simulation: crate::plan::report::Simulation,
     pub calibration: Option<crate::plan::report::Calibration>,
     pub estimated_seconds: Option<f64>,
+}
+
+/// One tensor-parallel rank in the plan: its heads, weights, activations and KV cache.
+#[derive(Debug, serde::Serialize)]
+pub struct RankPlan {
+    #[serde(flatten)]
+    pub memory: crate::engine::parallel::RankMemory,
+    pub kv_cache_bytes: u64,
 }
 
 /// What the job's reuse sources would serve.
@@ -112,7 +122,11 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
     let loaded = load::load(&job, &device)?;
     let numerics = super::run_numerics(&job, &device, &loaded);
     let load::Loaded { mut engine, prepare, weights_bytes, weights_layout, decoder, check, .. } = loaded;
-    let load::DecoderPlan { model, batch, block_bytes } = decoder.expect("a generate job loads a decoder");
+    let load::DecoderPlan { model, batch, block_bytes, ranks } = decoder.expect("a generate job loads a decoder");
+    let tensor_parallel = match ranks.len() > 1 {
+        true => ranks.into_iter().map(|r| RankPlan { kv_cache_bytes: (batch.kv_blocks * r.block_bytes) as u64, memory: r }).collect(),
+        false => Vec::new(),
+    };
     let longest = batch.max_sequence_tokens(model.context_length);
     let keys = KeyContext::new(&check.sha256, job.kind, &numerics, &job.generation);
     let sources = match job.reuse.from.is_empty() {
@@ -165,6 +179,7 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
         sequences_fit: batch.kv_tokens() / mean_sequence,
         weights_bytes,
         weights_layout,
+        tensor_parallel,
         simulation,
         calibration,
         estimated_seconds,

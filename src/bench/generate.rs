@@ -16,7 +16,8 @@ use serde::Serialize;
 
 use super::WORDS;
 use crate::app::drive::{drive, Ready};
-use crate::engine::{self, BatchConfig, DecoderSetup, Engine, EngineError, Model, Request, StopRules};
+use crate::engine::parallel::Decoder;
+use crate::engine::{self, BatchConfig, DecoderSetup, Engine, EngineError, Request, StopRules};
 use crate::error::Error;
 use crate::job::{ChatTemplateChoice, GenerationParams, InputSpec, ParameterColumns, PromptColumn, Truncate};
 use crate::metrics::percentile;
@@ -65,6 +66,8 @@ pub struct GenerateBenchOptions {
     pub attention: crate::job::AttentionChoice,
     pub dtype: crate::job::ComputeDtype,
     pub cpu_kernels: crate::job::CpuKernels,
+    /// Tensor-parallel ranks (`--tensor-parallel`; 1: the whole model on one).
+    pub tensor_parallel: usize,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -175,7 +178,8 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
     if device.is_cpu() {
         crate::engine::kernels::Level::choose(options.cpu_kernels);
     }
-    let (model, info) = Model::load_as(&options.model, &device, options.cpu_weights, options.dtype)?;
+    let (decoder, info) = Decoder::load(&options.model, &device, options.cpu_weights, options.dtype, options.tensor_parallel)?;
+    let model = decoder.first();
     let context = model.config.context_length;
     let input = InputSpec {
         url: String::new(),
@@ -205,16 +209,16 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         ignore_eos: options.workload == Workload::Fixed,
         ..GenerationParams::default()
     };
-    let (weights_bytes, model_layout) = (model.weight_bytes(), model.layout().name());
-    let plan = engine::AttentionPlan::choose(&model, options.attention).map_err(|m| Error::Usage(format!("--attention {m}")))?;
+    let (weights_bytes, model_layout) = (decoder.weight_bytes(), model.layout().name());
+    let plan = engine::AttentionPlan::choose(model, options.attention).map_err(|m| Error::Usage(format!("--attention {m}")))?;
     let (backend, attention) = (plan.backend, plan.name());
     let kv_bytes = crate::engine::kv_cache_bytes(options.kv_cache_memory, &device);
-    let kv_dtype = backend.kv_dtype(&model, options.kv_cache_dtype).map_err(|m| Error::Usage(format!("--kv-cache-dtype: {m}")))?;
-    let mut config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, backend.block_bytes(&model, kv_dtype));
+    let kv_dtype = backend.kv_dtype(model, options.kv_cache_dtype).map_err(|m| Error::Usage(format!("--kv-cache-dtype: {m}")))?;
+    let mut config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, decoder.block_bytes(backend, kv_dtype));
     config.prefix_cache = options.prefix_cache;
     let (device_name, dtype) = (engine::device_name(&device), format!("{:?}", model.dtype()).to_lowercase());
     let setup = DecoderSetup { tokenizer: pre.tokenizer().clone(), params, stop: StopRules::new(&info.vocab), config, kv_dtype, attention: plan };
-    let mut engine = engine::decoder_engine(model, setup).map_err(Error::Engine)?;
+    let mut engine = decoder.engine(setup).map_err(Error::Engine)?;
     if options.warmup_rows > 0 {
         let warmup: Vec<(Vec<u32>, u32)> = rows.iter().take(options.warmup_rows).map(|(p, _)| (p.clone(), 8)).collect();
         run_rows(engine.as_mut(), &warmup)?;

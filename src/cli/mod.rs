@@ -409,6 +409,7 @@ impl GenerateBenchArgs {
             attention: self.engine.attention.unwrap_or_default(),
             dtype: self.engine.dtype.unwrap_or_default(),
             cpu_kernels: self.engine.cpu_kernels.unwrap_or_default(),
+            tensor_parallel: self.engine.tensor_parallel.unwrap_or(1) as usize,
         }
     }
 }
@@ -560,6 +561,10 @@ pub struct EngineArgs {
     /// `amx` (the same results at every level).
     #[arg(long, env = "NIGHTSHIFT_CPU_KERNELS", value_parser = crate::job::CpuKernels::parse)]
     pub cpu_kernels: Option<crate::job::CpuKernels>,
+    /// Ranks a decoder's layers are split over (attention heads and feed-forward columns, Megatron style);
+    /// overrides `runtime.tensor_parallel`. On the CPU, threads of this process.
+    #[arg(long, env = "NIGHTSHIFT_TENSOR_PARALLEL", value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub tensor_parallel: Option<u32>,
 }
 
 impl JobArgs {
@@ -575,6 +580,7 @@ impl JobArgs {
             attention: self.engine.attention,
             dtype: self.engine.dtype,
             cpu_kernels: self.engine.cpu_kernels,
+            tensor_parallel: self.engine.tensor_parallel.map(|n| n as usize),
         }
     }
 }

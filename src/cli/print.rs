@@ -242,6 +242,13 @@ pub fn print_plan(r: &crate::app::JobPlanReport, json: bool) {
         r.weights_bytes >> 20,
         r.weights_layout
     );
+    for t in &r.tensor_parallel {
+        let m = &t.memory;
+        out!(
+            "tensor-parallel rank {}: {} heads, {} kv heads, {} feed-forward columns; weights {} MiB, kv cache {} MiB, activations {} MiB (estimate, one step of max_batch_tokens)",
+            m.rank, m.heads, m.kv_heads, m.ffn_columns, m.weights_bytes >> 20, t.kv_cache_bytes >> 20, m.activations_bytes >> 20
+        );
+    }
     let s = &r.simulation;
     out!(
         "schedule (every row generating max_new_tokens): {} steps, {} with prefills (max_batch_tokens {}), {:.1} sequences decoding per step, peak {} KV blocks, {} preemptions ({} tokens recomputed)",

@@ -17,7 +17,9 @@ use crate::tokenize::Tokenizer;
 use super::choice::{self, token_logprob, ChoiceState, RowTiming, Rules, StopRules};
 use super::constraint::{self, Grammar};
 use super::attention::{Attention, AttentionPlan, Backend, HostAttention, KvCache, PagedAttention, Segment, KV_BLOCK_TOKENS};
-use super::models::{DecoderModel, StepLogits};
+use super::models::{StepLogits, StepModel};
+use super::attention::AttentionModel;
+use super::parallel::{TpAttention, TpModel};
 use super::{Engine, EngineError, EngineStats, Request};
 use crate::job::GenerationParams;
 use crate::outcome::{Choice, Outcome, RowFailure, TokenLogprob};
@@ -112,13 +114,35 @@ pub struct DecoderSetup {
 
 /// A decoder engine for a loaded model on the attention `setup` names: the host backend, or the paged pool (sized
 /// to `setup.config.kv_blocks`) with the kernel `setup.attention` names.
-pub fn decoder_engine<M: DecoderModel>(model: M, setup: DecoderSetup) -> Result<Box<dyn Engine>, EngineError> {
+pub fn decoder_engine<M>(model: M, setup: DecoderSetup) -> Result<Box<dyn Engine>, EngineError>
+where
+    M: AttentionModel + StepModel<HostAttention> + StepModel<PagedAttention>,
+{
     let setting_up = |source| EngineError::Device { what: "setting up the attention backend", source };
     Ok(match setup.attention.backend {
         Backend::Host => Box::new(BatchEngine::new(HostAttention::new(&model, setup.kv_dtype).map_err(setting_up)?, model, setup)),
         Backend::Paged => {
             let attention = PagedAttention::with_kernel(&model, setup.config.kv_blocks, setup.attention.kernel).map_err(setting_up)?;
             Box::new(BatchEngine::new(attention, model, setup))
+        }
+    })
+}
+
+/// A decoder engine for a tensor-parallel model ([`crate::engine::parallel`]): each rank's attention backend over
+/// its own heads (every rank's paged pool sized to `setup.config.kv_blocks`), driven together.
+pub fn tp_decoder_engine<M>(model: TpModel<M>, setup: DecoderSetup) -> Result<Box<dyn Engine>, EngineError>
+where
+    M: AttentionModel + StepModel<HostAttention> + StepModel<PagedAttention> + Sync,
+{
+    let setting_up = |source| EngineError::Device { what: "setting up the attention backend", source };
+    Ok(match setup.attention.backend {
+        Backend::Host => {
+            let ranks = model.ranks().iter().map(|m| HostAttention::new(m, setup.kv_dtype)).collect::<candle_core::Result<_>>().map_err(setting_up)?;
+            Box::new(BatchEngine::new(TpAttention::new(ranks), model, setup))
+        }
+        Backend::Paged => {
+            let ranks = model.ranks().iter().map(|m| PagedAttention::with_kernel(m, setup.config.kv_blocks, setup.attention.kernel)).collect::<candle_core::Result<_>>().map_err(setting_up)?;
+            Box::new(BatchEngine::new(TpAttention::new(ranks), model, setup))
         }
     })
 }
@@ -152,7 +176,7 @@ struct Group {
     cached_tokens: u32,
 }
 
-pub struct BatchEngine<A: Attention, M: DecoderModel> {
+pub struct BatchEngine<A: Attention, M: StepModel<A>> {
     model: M,
     attention: A,
     tokenizer: Tokenizer,
@@ -180,7 +204,7 @@ enum Settled {
     Failed(SeqId, String),
 }
 
-impl<A: Attention, M: DecoderModel> BatchEngine<A, M> {
+impl<A: Attention, M: StepModel<A>> BatchEngine<A, M> {
     /// An engine over a loaded model and its attention backend (a paged backend's pool sized to
     /// `setup.config.kv_blocks`, the scheduler's budget).
     pub fn new(attention: A, model: M, setup: DecoderSetup) -> Self {
@@ -448,7 +472,7 @@ impl<A: Attention, M: DecoderModel> BatchEngine<A, M> {
     }
 }
 
-impl<A: Attention, M: DecoderModel> Engine for BatchEngine<A, M>
+impl<A: Attention, M: StepModel<A>> Engine for BatchEngine<A, M>
 where
     A: Send,
     A::Cache: Send,

@@ -19,6 +19,7 @@ pub mod device;
 pub mod embed;
 pub mod kernels;
 pub mod models;
+pub mod parallel;
 pub mod sampling;
 pub mod seq2seq;
 
@@ -32,7 +33,7 @@ pub use decoder::{check_params, decoder_engine, grammars, BatchConfig, BatchEngi
 pub use device::{device_memory_available, device_memory_in_use, device_name, kv_cache_bytes, select_device};
 pub use attention::{Attention, AttentionModel, AttentionPlan, AttentionShape, Backend, HostAttention, KvCache, PagedAttention, Segment, KV_BLOCK_TOKENS};
 pub use models::llama::{Layout, Model, ModelConfig, ModelInfo};
-pub use models::{DecoderModel, StepLogits};
+pub use models::{DecoderModel, StepLogits, StepModel};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {

@@ -50,6 +50,8 @@ pub struct Overrides {
     pub attention: Option<AttentionChoice>,
     pub dtype: Option<ComputeDtype>,
     pub cpu_kernels: Option<CpuKernels>,
+    /// Overrides `runtime.tensor_parallel`.
+    pub tensor_parallel: Option<usize>,
 }
 
 /// Makes the error for a key of the job file at hand.

@@ -20,6 +20,7 @@ pub(super) struct RuntimeSection {
     attention: Option<String>,
     dtype: Option<String>,
     cpu_kernels: Option<String>,
+    tensor_parallel: Option<i64>,
 }
 
 /// A size in a job file: bytes as an integer, or a string such as `"4GiB"`, `"512MB"` or `"40%"`.
@@ -257,6 +258,8 @@ pub struct RuntimeSpec {
     pub dtype: ComputeDtype,
     /// The CPU kernels' instruction set.
     pub cpu_kernels: CpuKernels,
+    /// Ranks a decoder's layers are split over ([`crate::engine::parallel`]); 1: no split.
+    pub tensor_parallel: usize,
 }
 
 /// `$XDG_CACHE_HOME/nightshift`, or `~/.cache/nightshift`.
@@ -336,6 +339,7 @@ impl Default for RuntimeSpec {
             attention: AttentionChoice::Auto,
             dtype: ComputeDtype::Auto,
             cpu_kernels: CpuKernels::Auto,
+            tensor_parallel: 1,
         }
     }
 }
@@ -402,6 +406,12 @@ impl RuntimeSpec {
                 (None, None) => defaults.cpu_kernels,
                 (None, Some(t)) => CpuKernels::parse(t).map_err(|m| invalid("runtime.cpu_kernels", m))?,
             },
+            tensor_parallel: match (overrides.tensor_parallel, r.tensor_parallel) {
+                (Some(n), _) => n,
+                (None, None) => defaults.tensor_parallel,
+                (None, Some(n)) if (1..=64).contains(&n) => n as usize,
+                (None, Some(n)) => return Err(invalid("runtime.tensor_parallel", format!("must be in 1..=64, got {n}"))),
+            },
         }
         .checked(invalid)
     }
@@ -421,10 +431,16 @@ impl RuntimeSpec {
             }
             _ => None,
         };
-        match problem {
-            Some(problem) => Err(invalid("runtime.attention", format!("{problem}: use \"auto\" or \"paged-tiled\""))),
-            None => Ok(self),
+        if let Some(problem) = problem {
+            return Err(invalid("runtime.attention", format!("{problem}: use \"auto\" or \"paged-tiled\"")));
         }
+        if self.tensor_parallel > 1 && matches!(self.device, DeviceChoice::Cuda(_)) {
+            return Err(invalid(
+                "runtime.tensor_parallel",
+                format!("is {}, and runtime.device is a GPU: this build splits a model over CPU threads only (NCCL ranks are planned: BENCHMARKS.md); on GPUs use --data-parallel, or runtime.device = \"cpu\"", self.tensor_parallel),
+            ));
+        }
+        Ok(self)
     }
 }
 

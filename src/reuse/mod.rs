@@ -33,7 +33,7 @@ pub const NUMERICS_VERSION: u32 = 1;
 /// named unless it is the CPU's own (`host`), so that a row computed by another kernel (`runtime.attention`) never
 /// serves a run of this one, and the CPU's default strings stay as they were. `dtype`: the dtype a Hugging Face
 /// decoder computes in, where the job named one other than the device's default (`runtime.dtype`).
-pub fn numerics(accelerator: bool, weights_layout: &str, kv_cache_dtype: &str, prefix_cache: bool, attention: &str, dtype: Option<&str>) -> String {
+pub fn numerics(accelerator: bool, weights_layout: &str, kv_cache_dtype: &str, prefix_cache: bool, attention: &str, dtype: Option<&str>, tensor_parallel: usize) -> String {
     let device = if accelerator { "accelerator" } else { "cpu" };
     let mut out = format!("v{NUMERICS_VERSION};device={device};weights={weights_layout};kv={kv_cache_dtype}");
     if accelerator {
@@ -44,6 +44,10 @@ pub fn numerics(accelerator: bool, weights_layout: &str, kv_cache_dtype: &str, p
     }
     if let Some(dtype) = dtype {
         out.push_str(&format!(";dtype={dtype}"));
+    }
+    // Ranks sum their partial products in another order than one model does: the same greedy tokens, other bits.
+    if tensor_parallel > 1 {
+        out.push_str(&format!(";tensor_parallel={tensor_parallel}"));
     }
     out
 }
@@ -162,7 +166,7 @@ mod tests {
     use super::*;
 
     fn context(generation: &GenerationParams) -> KeyContext {
-        KeyContext::new("abc", JobKind::Generate, &numerics(false, "as-stored", "f32", true, "host", None), generation)
+        KeyContext::new("abc", JobKind::Generate, &numerics(false, "as-stored", "f32", true, "host", None, 1), generation)
     }
 
     #[test]
@@ -182,23 +186,25 @@ mod tests {
         let longer = RowParams { max_new_tokens: Some(9), ..RowParams::default() };
         assert_ne!(c.key("a", &longer, &[1, 2, 3], None), Some(k));
         let others = [
-            KeyContext::new("abd", JobKind::Generate, &numerics(false, "as-stored", "f32", true, "host", None), &greedy),
-            KeyContext::new("abc", JobKind::Seq2seq, &numerics(false, "as-stored", "f32", true, "host", None), &greedy),
-            KeyContext::new("abc", JobKind::Generate, &numerics(false, "as-stored", "f16", true, "host", None), &greedy),
-            KeyContext::new("abc", JobKind::Generate, &numerics(false, "q8_0", "f32", true, "host", None), &greedy),
-            KeyContext::new("abc", JobKind::Generate, &numerics(true, "as-stored", "f32", true, "host", None), &greedy),
+            KeyContext::new("abd", JobKind::Generate, &numerics(false, "as-stored", "f32", true, "host", None, 1), &greedy),
+            KeyContext::new("abc", JobKind::Seq2seq, &numerics(false, "as-stored", "f32", true, "host", None, 1), &greedy),
+            KeyContext::new("abc", JobKind::Generate, &numerics(false, "as-stored", "f16", true, "host", None, 1), &greedy),
+            KeyContext::new("abc", JobKind::Generate, &numerics(false, "q8_0", "f32", true, "host", None, 1), &greedy),
+            KeyContext::new("abc", JobKind::Generate, &numerics(true, "as-stored", "f32", true, "host", None, 1), &greedy),
         ];
         for other in others {
             assert_ne!(other.key("a", &none, &[1, 2, 3], None), Some(k));
         }
         // The prefix cache is exact on the CPU, and named on an accelerator.
-        assert_eq!(numerics(false, "as-stored", "f32", false, "host", None), numerics(false, "as-stored", "f32", true, "host", None));
+        assert_eq!(numerics(false, "as-stored", "f32", false, "host", None, 1), numerics(false, "as-stored", "f32", true, "host", None, 1));
         // The CPU's own attention is not named (the strings of earlier runs stay valid); another kernel is.
-        assert_eq!(numerics(false, "as-stored", "f32", true, "host", None), format!("v{NUMERICS_VERSION};device=cpu;weights=as-stored;kv=f32"));
-        assert_ne!(numerics(false, "as-stored", "f32", true, "host", None), numerics(false, "as-stored", "f32", true, "paged-tiled", None));
-        assert_ne!(numerics(true, "as-stored", "bf16", true, "paged-tiled", None), numerics(true, "as-stored", "bf16", true, "paged-tiled", Some("f16")));
-        assert_ne!(numerics(true, "as-stored", "f16", true, "paged-tiled", None), numerics(true, "as-stored", "f16", true, "paged-flash", None));
-        assert_ne!(numerics(true, "as-stored", "f32", false, "host", None), numerics(true, "as-stored", "f32", true, "host", None));
+        assert_eq!(numerics(false, "as-stored", "f32", true, "host", None, 1), format!("v{NUMERICS_VERSION};device=cpu;weights=as-stored;kv=f32"));
+        assert_ne!(numerics(false, "as-stored", "f32", true, "host", None, 1), numerics(false, "as-stored", "f32", true, "paged-tiled", None, 1));
+        assert_ne!(numerics(true, "as-stored", "bf16", true, "paged-tiled", None, 1), numerics(true, "as-stored", "bf16", true, "paged-tiled", Some("f16"), 1));
+        // Tensor parallelism is named where it ran.
+        assert_eq!(numerics(false, "as-stored", "f32", true, "host", None, 2), format!("v{NUMERICS_VERSION};device=cpu;weights=as-stored;kv=f32;tensor_parallel=2"));
+        assert_ne!(numerics(true, "as-stored", "f16", true, "paged-tiled", None, 1), numerics(true, "as-stored", "f16", true, "paged-flash", None, 1));
+        assert_ne!(numerics(true, "as-stored", "f32", false, "host", None, 1), numerics(true, "as-stored", "f32", true, "host", None, 1));
         // Invalid parameters: no key.
         let invalid = RowParams { min_new_tokens: Some(100), ..RowParams::default() };
         assert_eq!(c.key("a", &invalid, &[1], None), None);

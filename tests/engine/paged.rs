@@ -7,17 +7,17 @@ use std::path::Path;
 
 use candle_core::{DType, Device};
 use nightshift::engine::attention::PagedKernel;
-use nightshift::engine::{Attention, Backend, HostAttention, KvCache, Model, PagedAttention, Segment, StepLogits};
+use nightshift::engine::{Attention, Backend, HostAttention, KvCache, Model, PagedAttention, Segment, StepLogits, StepModel};
 
 use super::hf_variants;
 use crate::support::*;
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
-fn largest(a: &[f32]) -> f32 {
+pub(super) fn largest(a: &[f32]) -> f32 {
     a.iter().fold(0f32, |m, x| m.max(x.abs()))
 }
 
@@ -26,20 +26,33 @@ fn argmax(v: &[f32]) -> u32 {
 }
 
 /// Prompts of different lengths (ids valid in every test model's vocabulary), one crossing a KV block boundary.
-const PROMPTS: [&[u32]; 3] = [
+pub(super) const PROMPTS: [&[u32]; 3] = [
     &[104, 101, 108, 108, 111],
     &[72, 105, 33, 32, 116, 104, 101, 32, 101, 110, 100, 32, 111, 102, 32, 116, 104, 101, 32, 108, 105, 110, 101],
     &[87, 104, 121, 63],
 ];
 
+/// The logits after the last token of each segment, through any decoder's forward pass (a whole model's, a
+/// tensor-parallel one's).
+pub(super) fn forward<A: Attention, M: StepModel<A>>(model: &M, attention: &A, segments: &mut [Segment<'_, A::Cache>]) -> Vec<Vec<f32>> {
+    let outputs = vec![1; segments.len()];
+    let (rows, _) = model.forward_step_timed(attention, segments, &outputs, &[]).unwrap();
+    rows.into_iter()
+        .map(|mut r| match r.remove(0) {
+            StepLogits::Full(l) => l,
+            StepLogits::Argmax(_) => unreachable!("no greedy rows were asked for"),
+        })
+        .collect()
+}
+
 /// Runs the three prompts through `model`: the first prefilled alone, then the other two prefilled in one pass
 /// beside the first's first decode step, then `steps` greedy decode steps of all three together. Returns the logits
 /// of every sequence at every step, in order, and the caches. `tokens`: the tokens to feed (from a reference run);
 /// `None` feeds this run's own argmax.
-fn scenario<A: Attention>((model, attention): (&Model, &A), steps: usize, tokens: Option<&[Vec<u32>]>) -> (Vec<Vec<Vec<f32>>>, Vec<A::Cache>) {
+pub(super) fn scenario<A: Attention, M: StepModel<A>>((model, attention): (&M, &A), steps: usize, tokens: Option<&[Vec<u32>]>) -> (Vec<Vec<Vec<f32>>>, Vec<A::Cache>) {
     let mut caches: Vec<A::Cache> = (0..3).map(|_| attention.new_cache(8)).collect();
     let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); 3];
-    let first = model.forward(attention, &mut [Segment { tokens: PROMPTS[0], cache: &mut caches[0] }]).unwrap().remove(0);
+    let first = forward(model, attention, &mut [Segment { tokens: PROMPTS[0], cache: &mut caches[0] }]).remove(0);
     logits[0].push(first);
     let pick = |logits: &[Vec<Vec<f32>>], i: usize| -> u32 {
         let k = logits[i].len() - 1;
@@ -52,13 +65,11 @@ fn scenario<A: Attention>((model, attention): (&Model, &A), steps: usize, tokens
     {
         let (c0, rest) = caches.split_at_mut(1);
         let (c1, c2) = rest.split_at_mut(1);
-        let out = model
-            .forward(attention, &mut [
-                Segment { tokens: &next0, cache: &mut c0[0] },
-                Segment { tokens: PROMPTS[1], cache: &mut c1[0] },
-                Segment { tokens: PROMPTS[2], cache: &mut c2[0] },
-            ])
-            .unwrap();
+        let out = forward(model, attention, &mut [
+            Segment { tokens: &next0, cache: &mut c0[0] },
+            Segment { tokens: PROMPTS[1], cache: &mut c1[0] },
+            Segment { tokens: PROMPTS[2], cache: &mut c2[0] },
+        ]);
         for (i, l) in out.into_iter().enumerate() {
             logits[i].push(l);
         }
@@ -66,7 +77,7 @@ fn scenario<A: Attention>((model, attention): (&Model, &A), steps: usize, tokens
     for _ in 0..steps {
         let next: Vec<[u32; 1]> = (0..3).map(|i| [pick(&logits, i)]).collect();
         let mut segments: Vec<Segment<'_, A::Cache>> = next.iter().zip(&mut caches).map(|(t, cache)| Segment { tokens: t, cache }).collect();
-        for (i, l) in model.forward(attention, &mut segments).unwrap().into_iter().enumerate() {
+        for (i, l) in forward(model, attention, &mut segments).into_iter().enumerate() {
             logits[i].push(l);
         }
     }
@@ -74,7 +85,7 @@ fn scenario<A: Attention>((model, attention): (&Model, &A), steps: usize, tokens
 }
 
 /// The tokens a run fed: each step's argmax.
-fn fed(logits: &[Vec<Vec<f32>>]) -> Vec<Vec<u32>> {
+pub(super) fn fed(logits: &[Vec<Vec<f32>>]) -> Vec<Vec<u32>> {
     logits.iter().map(|steps| steps.iter().map(|l| argmax(l)).collect()).collect()
 }
 

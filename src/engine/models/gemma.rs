@@ -144,7 +144,7 @@ pub(crate) fn run<L: Lane, A: Attention>(
         let out = attention_block(lane, layer, li, attention, step, segments, &x, (eps, head_eps))?;
         x = lane.add(x, &lane.rms_norm(&out, &post.attn, eps)?)?;
         let h = lane.rms_norm(&x, &layer.ffn_norm, eps)?;
-        let y = layer.ffn.run(lane, &h, Activation::GeluTanh)?;
+        let y = lane.reduce(layer.ffn.run(lane, &h, Activation::GeluTanh)?)?;
         x = lane.add(x, &lane.rms_norm(&y, &post.ffn, eps)?)?;
     }
     Ok(x)

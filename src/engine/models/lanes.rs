@@ -18,6 +18,7 @@ use crate::engine::attention::{Attention, Segment};
 pub use crate::engine::kernels::elementwise::Activation;
 use crate::engine::kernels::Matrix;
 use crate::engine::models::moe::Router;
+use crate::engine::parallel::Rank;
 
 /// A vector of weights (a norm's, a bias): the tensor, and its values in host memory where a host lane reads it
 /// ([`Vector::keep_host`]).
@@ -87,6 +88,10 @@ pub trait Lane {
     /// `acc[rows[j]] += weights[j] * y[j]` for each row `j` of `y` (`rows` distinct): an expert's outputs added
     /// into the layer's.
     fn scatter_add(&self, acc: Self::X, y: &Self::X, rows: &[u32], weights: &[f32]) -> candle_core::Result<Self::X>;
+
+    /// A row-split product's partial sums (the attention output's and the feed-forward network's) summed over a
+    /// tensor-parallel model's ranks ([`crate::engine::parallel`]); `x` itself on one rank.
+    fn reduce(&self, x: Self::X) -> candle_core::Result<Self::X>;
 }
 
 /// `acc[rows[j]] += weights[j] * y[j]` on host rows `width` wide: the product rounded to f32, then the sum.
@@ -115,10 +120,12 @@ fn on_host(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32
 }
 
-/// Activations as candle tensors: any device, any dtype.
-pub struct TensorLane;
+/// Activations as candle tensors: any device, any dtype; `tp`, the rank of a tensor-parallel model.
+pub struct TensorLane<'a> {
+    pub tp: Option<&'a Rank>,
+}
 
-impl Lane for TensorLane {
+impl Lane for TensorLane<'_> {
     type X = Tensor;
 
     fn rms_norm(&self, x: &Tensor, weight: &Vector, eps: f32) -> candle_core::Result<Tensor> {
@@ -191,19 +198,27 @@ impl Lane for TensorLane {
         let w = Tensor::from_slice(weights, (weights.len(), 1), y.device())?.to_dtype(y.dtype())?;
         acc.index_add(&Tensor::from_slice(rows, rows.len(), y.device())?, &y.broadcast_mul(&w)?, 0)
     }
+    fn reduce(&self, x: Tensor) -> candle_core::Result<Tensor> {
+        match self.tp {
+            Some(rank) => rank.all_reduce_tensor(x),
+            None => Ok(x),
+        }
+    }
 }
 
 /// Activations as host vectors, `rows` rows, row-major: an f32 model on the CPU whose matrices are all the
-/// kernels' and whose vectors are kept in host memory, and a backend that attends on host vectors.
-pub struct HostLane {
+/// kernels' and whose vectors are kept in host memory, and a backend that attends on host vectors; `tp`, the rank
+/// of a tensor-parallel model.
+pub struct HostLane<'a> {
     pub rows: usize,
+    pub tp: Option<&'a Rank>,
 }
 
 fn not_packed(what: &str) -> candle_core::Error {
     candle_core::Error::Msg(format!("{what} of the host lane is not on the kernels (a bug)"))
 }
 
-impl Lane for HostLane {
+impl Lane for HostLane<'_> {
     type X = Vec<f32>;
 
     fn rms_norm(&self, x: &Vec<f32>, weight: &Vector, eps: f32) -> candle_core::Result<Vec<f32>> {
@@ -256,6 +271,12 @@ impl Lane for HostLane {
         let width = acc.len() / self.rows.max(1);
         scatter_add_host(&mut acc, y, rows, weights, width)?;
         Ok(acc)
+    }
+    fn reduce(&self, mut x: Vec<f32>) -> candle_core::Result<Vec<f32>> {
+        if let Some(rank) = self.tp {
+            rank.all_reduce(&mut x)?;
+        }
+        Ok(x)
     }
 }
 

@@ -8,29 +8,15 @@ pub mod llama;
 pub mod moe;
 pub mod t5;
 
-use crate::engine::attention::{Attention, AttentionModel, Segment};
+use crate::engine::attention::{Attention, Segment};
 
-/// A decoder family's model as the batch engine drives it ([`crate::engine::BatchEngine`]): a forward pass per
-/// step over new tokens of several sequences, each layer's attention the backend's (which sees the model through
-/// [`AttentionModel`]). A family implements it once; the engine, the scheduler, sampling and the attention
-/// backends are shared.
-pub trait DecoderModel: AttentionModel + Send + 'static {
+/// A decoder family's model as the batch engine drives it ([`crate::engine::BatchEngine`]): what the engine asks
+/// of any model, whatever attention backend runs it. The forward pass itself is [`StepModel`]'s, per backend.
+pub trait DecoderModel: Send + 'static {
     fn vocab_size(&self) -> usize;
 
     /// The most positions a sequence may hold.
     fn context_length(&self) -> usize;
-
-    /// Runs every segment's new tokens through the model, appending their keys and values to each segment's
-    /// cache; returns the outputs of the last `outputs[i]` positions of segment `i` (where `greedy[i]`, given, says
-    /// segment `i` needs only its argmax, which a backend that chooses on the device returns as
-    /// [`StepLogits::Argmax`]), and how long building the step's inputs took on the host.
-    fn forward_step_timed<A: Attention>(
-        &self,
-        attention: &A,
-        segments: &mut [Segment<'_, A::Cache>],
-        outputs: &[usize],
-        greedy: &[bool],
-    ) -> candle_core::Result<(Vec<Vec<StepLogits>>, std::time::Duration)>;
 
     /// Makes the model's device context current on the calling thread (the engine thread, before its first step);
     /// a no-op on the CPU.
@@ -41,6 +27,26 @@ pub trait DecoderModel: AttentionModel + Send + 'static {
     fn take_routing(&self) -> Option<(Vec<u64>, f64)> {
         None
     }
+}
+
+/// A decoder's forward pass per step over new tokens of several sequences, on the attention backend `A`, each
+/// layer's attention the backend's (which sees the model through
+/// [`AttentionModel`](crate::engine::attention::AttentionModel)). A family's model runs on
+/// every single-device backend; a tensor-parallel model ([`crate::engine::parallel::TpModel`]) on its ranks'
+/// backends together ([`crate::engine::parallel::TpAttention`]). The engine, the scheduler, sampling and the
+/// backends are shared.
+pub trait StepModel<A: Attention>: DecoderModel {
+    /// Runs every segment's new tokens through the model, appending their keys and values to each segment's
+    /// cache; returns the outputs of the last `outputs[i]` positions of segment `i` (where `greedy[i]`, given, says
+    /// segment `i` needs only its argmax, which a backend that chooses on the device returns as
+    /// [`StepLogits::Argmax`]), and how long building the step's inputs took on the host.
+    fn forward_step_timed(
+        &self,
+        attention: &A,
+        segments: &mut [Segment<'_, A::Cache>],
+        outputs: &[usize],
+        greedy: &[bool],
+    ) -> candle_core::Result<(Vec<Vec<StepLogits>>, std::time::Duration)>;
 }
 
 /// A decoder's sliding-window layers (Gemma 2 and 3, Phi-3): the window (positions a query sees, its own

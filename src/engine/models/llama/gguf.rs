@@ -2,6 +2,7 @@
 //! device's matmul kernels ([`Layout`]).
 
 use std::fs::File;
+use std::ops::Range;
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::{Content, Value};
@@ -15,6 +16,7 @@ use super::{Layer, Model, ModelConfig, ModelInfo, Weights, MAX_CONTEXT};
 use crate::engine::models::gemma::{GemmaConfig, PostNorms};
 use crate::engine::models::lanes::Vector;
 use crate::engine::kernels::Matrix;
+use crate::engine::parallel::RankSlice;
 use crate::engine::ModelError;
 use crate::job::CpuWeights;
 use crate::tokenize::VocabMetadata;
@@ -717,11 +719,18 @@ fn check_tensors(content: &Content, config: &ModelConfig) -> Result<(), ModelErr
 }
 
 /// Loads a GGUF llama-family model in the weight layout `layout` picks for its configuration.
-pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfig) -> Layout) -> Result<(Model, ModelInfo), ModelError> {
+/// Loads the model, or a tensor-parallel rank's slice of it (`slice`).
+pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfig) -> Layout, slice: Option<&RankSlice>) -> Result<(Model, ModelInfo), ModelError> {
     let (mut file, content) = read_content(path)?;
     let info = info_of(&content)?;
     check_tensors(&content, &info.config)?;
     let layout = layout(&info.config);
+    let whole = RankSlice::whole(info.config.heads, info.config.kv_heads);
+    let slice = slice.unwrap_or(&whole);
+    let tp = slice.ranks > 1;
+    if tp && matches!(layout, Layout::Padded(..)) {
+        return Err(ModelError::Metadata(format!("tensor parallelism splits the weights as stored: runtime.cpu_weights = \"{}\" pads and requantizes them (use \"as-stored\")", layout.name())));
+    }
     let mut config = info.config.clone();
     let fmt = |e: candle_core::Error| ModelError::Format { path: path.into(), message: crate::engine::first_line(&e) };
     let file = std::cell::RefCell::new(&mut file);
@@ -746,10 +755,31 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
     }
     let arch = Architecture::of(&config.architecture);
     let halves = arch.halves;
-    let qtensor = |name: &str| read(name, device);
+    // A tensor-parallel rank's tensors are read on the host, sliced there, then moved.
+    let on = if tp { Device::Cpu } else { device.clone() };
+    let qtensor = |name: &str| read(name, &on);
     // Every tensor's presence and shape were checked by `check_tensors` above.
     let (d, hd) = (config.hidden_size, config.head_dim);
-    let (width, attn_width, ffn_width) = (layout.pad(d), layout.pad(config.heads * hd), layout.pad(config.ffn_size));
+    let (width, attn_width, ffn_width) = (layout.pad(d), layout.pad(slice.heads.len() * hd), layout.pad(config.ffn_size));
+    // This rank's part of a matrix (all of it on one rank): q rows by query heads, k and v rows by kv heads, the
+    // output projection's columns by query heads; gate and up rows and down columns by feed-forward columns (of an
+    // expert's width where the layer has experts).
+    let (heads, kv_heads) = (slice.heads.start * hd..slice.heads.end * hd, slice.kv_heads.start * hd..slice.kv_heads.end * hd);
+    let shard = |suffix: &str, t: QTensor, ffn: usize| -> candle_core::Result<QTensor> {
+        if !tp {
+            return Ok(t);
+        }
+        let t = match suffix.trim_end_matches("_exps").trim_end_matches("_shexp") {
+            "attn_q" => RankSlice::rows_q(&t, heads.clone()),
+            "attn_k" | "attn_v" => RankSlice::rows_q(&t, kv_heads.clone()),
+            "attn_output" => RankSlice::columns_q(&t, heads.clone()),
+            "ffn_gate" | "ffn_up" => RankSlice::rows_q(&t, slice.ffn(ffn)),
+            "ffn_down" => RankSlice::columns_q(&t, slice.ffn(ffn)),
+            _ => Ok(t),
+        }
+        .map_err(|e| candle_core::Error::Msg(format!("`{suffix}`: {e}")))?;
+        to_device(t, device)
+    };
     let embedding_q = qtensor("token_embd.weight")?;
     let embedding = embedding_q.dequantize(device).and_then(|e| e.pad_with_zeros(1, 0, width - d)).map_err(fmt)?;
     // Every layer's matrices are read first, then laid out (requantized) in parallel: it is most of load time.
@@ -791,8 +821,9 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
             let name = format!("blk.{i}.{suffix}.weight");
             if moe.is_some() && suffix.starts_with("ffn_") {
                 let stack = read(&format!("blk.{i}.{suffix}_exps.weight"), &Device::Cpu)?;
-                let experts = split_experts(stack, device).map_err(fmt)?;
-                raw.extend(experts.into_iter().map(|t| (t, pad)));
+                for t in split_experts(stack, &on).map_err(fmt)? {
+                    raw.push((shard(suffix, t, config.ffn_size).map_err(fmt)?, pad));
+                }
                 continue;
             }
             let part = match suffix {
@@ -805,17 +836,17 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
             };
             // Pairs `(i, i + head_dim / 2)` become adjacent ones: the rows are read on the host and reordered.
             let t = match (part, halves && (suffix == "attn_q" || suffix == "attn_k")) {
-                (Some(t), true) => interleave_rows(t, hd, config.rotary_dim, device).map_err(fmt)?,
-                (Some(t), false) => to_device(t, device).map_err(fmt)?,
-                (None, true) => interleave_rows(read(&name, &Device::Cpu)?, hd, config.rotary_dim, device).map_err(fmt)?,
+                (Some(t), true) => interleave_rows(t, hd, config.rotary_dim, &on).map_err(fmt)?,
+                (Some(t), false) => to_device(t, &on).map_err(fmt)?,
+                (None, true) => interleave_rows(read(&name, &Device::Cpu)?, hd, config.rotary_dim, &on).map_err(fmt)?,
                 (None, false) => qtensor(&name)?,
             };
-            raw.push((t, pad));
+            raw.push((shard(suffix, t, config.ffn_size).map_err(fmt)?, pad));
         }
         // Qwen2-MoE's shared expert: gate, up and down, after the routed experts'.
         if let Some(s) = moe.as_ref().and_then(|m| m.shared) {
             for (suffix, pad) in [("ffn_gate_shexp", [s, width]), ("ffn_up_shexp", [s, width]), ("ffn_down_shexp", [width, s])] {
-                raw.push((qtensor(&format!("blk.{i}.{suffix}.weight"))?, pad));
+                raw.push((shard(suffix, qtensor(&format!("blk.{i}.{suffix}.weight"))?, s).map_err(fmt)?, pad));
             }
         }
     }
@@ -863,6 +894,8 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
             let t = qtensor(&name)?;
             t.dequantize(device).and_then(|w| padded_norm(w, width)).map_err(fmt)
         };
+        // A bias of this rank's heads.
+        let heads_of = |t: Tensor, rows: &Range<usize>| if tp { RankSlice::rows_t(&t, rows.clone()).map_err(fmt) } else { Ok(t) };
         let attn_norm = norm("attn_norm")?;
         let ffn_norm = norm("ffn_norm")?;
         if config.gemma.is_some() {
@@ -881,7 +914,7 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         let has = |suffix: &str| content.tensor_infos.contains_key(&format!("blk.{i}.{suffix}"));
         // Qwen2's q, k and v biases (required, as llama.cpp requires them); a llama file's, where it has them.
         let qkv_bias = match arch.qkv_bias || has("attn_q.bias") {
-            true => Some([vector("attn_q.bias", true)?, vector("attn_k.bias", true)?, vector("attn_v.bias", false)?]),
+            true => Some([heads_of(vector("attn_q.bias", true)?, &heads)?, heads_of(vector("attn_k.bias", true)?, &kv_heads)?, heads_of(vector("attn_v.bias", false)?, &kv_heads)?]),
             false => None,
         };
         let wo_bias = match has("attn_output.bias") {
@@ -912,7 +945,15 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         true => qtensor("output.weight")?,
         false => embedding_q,
     };
-    let lm_head = lay_out(lm_head, config.vocab_size, width, layout.for_output(), device).and_then(|t| matrix(t, layout, device)).map_err(fmt)?;
+    // A tensor-parallel model's logits are its first rank's alone.
+    let lm_head = match slice.rank == 0 {
+        true => Some(lay_out(if tp { to_device(lm_head, device).map_err(fmt)? } else { lm_head }, config.vocab_size, width, layout.for_output(), device).and_then(|t| matrix(t, layout, device)).map_err(fmt)?),
+        false => None,
+    };
+    if tp {
+        config.ffn_size = slice.ffn(config.ffn_size).len();
+        (config.heads, config.kv_heads) = (slice.heads.len(), slice.kv_heads.len());
+    }
 
     let weights = Weights { embedding, layers, post_norms, output_norm, lm_head, attn_width, layout };
     Ok((Model::assemble(config, device, weights), info))

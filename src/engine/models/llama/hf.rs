@@ -49,6 +49,7 @@ use candle_core::{DType, Device, Tensor};
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::engine::parallel::RankSlice;
 use super::layers::{vectors, Ffn};
 use crate::engine::models::moe::{Expert, Experts, Router};
 use super::{Layer, Model, ModelConfig, ModelInfo, RopeScaling, Weights, MAX_CONTEXT};
@@ -746,9 +747,12 @@ pub fn compute_dtype(device: &Device, asked: ComputeDtype) -> DType {
 }
 
 /// Loads a Hugging Face directory's decoder onto `device`, weights in `dtype` (`None`: [`compute_dtype`]'s).
-pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model, ModelInfo), ModelError> {
+/// Loads the model, or a tensor-parallel rank's slice of it (`slice`).
+pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, slice: Option<&RankSlice>) -> Result<(Model, ModelInfo), ModelError> {
     let Checkpoint { info, variant, shards } = Checkpoint::open(dir)?;
-    let config = info.config.clone();
+    let mut config = info.config.clone();
+    let whole = RankSlice::whole(info.config.heads, info.config.kv_heads);
+    let slice = slice.unwrap_or(&whole);
     let (hd, rot) = (config.head_dim, config.rotary_dim);
     let dtype = match dtype {
         Some(dtype) => dtype,
@@ -767,12 +771,34 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
     };
     let mut post_norms = Vec::new();
     let dense = |t: Tensor| Matrix::Candle(QMatMul::Tensor(t));
+    // This rank's rows (`Rows`) or columns of a tensor: by query heads, kv heads or feed-forward columns.
+    let tp = slice.ranks > 1;
+    let (heads, kv_heads) = (slice.heads.start * hd..slice.heads.end * hd, slice.kv_heads.start * hd..slice.kv_heads.end * hd);
+    let cut = |t: Tensor, columns: bool, range: std::ops::Range<usize>| -> Result<Tensor, ModelError> {
+        if !tp {
+            return Ok(t);
+        }
+        match columns {
+            true => RankSlice::columns_t(&t, range),
+            false => RankSlice::rows_t(&t, range),
+        }
+        .map_err(|e| ModelError::Metadata(format!("tensor parallelism: {e}")))
+    };
+    // A gated network of `width` columns, this rank's part.
+    let ffn = |gate: Tensor, up: Tensor, down: Tensor, width: usize| -> Result<[Matrix; 3], ModelError> {
+        let part = slice.ffn(width);
+        Ok([dense(cut(gate, false, part.clone())?), dense(cut(up, false, part.clone())?), dense(cut(down, true, part)?)])
+    };
     let embedding = load("model.embed_tokens.weight")?;
     let mut layers = Vec::with_capacity(config.layers);
     for i in 0..config.layers {
         let p = |suffix: &str| format!("model.layers.{i}.{suffix}");
         let qkv_bias = match variant.qkv_bias {
-            true => Some([rotary(&p("self_attn.q_proj.bias"))?, rotary(&p("self_attn.k_proj.bias"))?, load(&p("self_attn.v_proj.bias"))?]),
+            true => Some([
+                cut(rotary(&p("self_attn.q_proj.bias"))?, false, heads.clone())?,
+                cut(rotary(&p("self_attn.k_proj.bias"))?, false, kv_heads.clone())?,
+                cut(load(&p("self_attn.v_proj.bias"))?, false, kv_heads.clone())?,
+            ]),
             false => None,
         };
         let head_norm = |name: &str| norm(name).and_then(|t| interleave_halves(&t, hd, rot).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}"))));
@@ -816,7 +842,8 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
                 let experts = (0..moe.experts)
                     .map(|e| {
                         let [gate, up, down] = names.expert(e).map(|n| p(&n));
-                        Ok(Expert { gate: dense(load(&gate)?), up: dense(load(&up)?), down: dense(load(&down)?) })
+                        let [gate, up, down] = ffn(load(&gate)?, load(&up)?, load(&down)?, config.ffn_size)?;
+                        Ok(Expert { gate, up, down })
                     })
                     .collect::<Result<_, ModelError>>()?;
                 let name = p(names.router());
@@ -824,9 +851,10 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
                 let experts = Experts::new(router, experts, moe);
                 match moe.shared {
                     None => Ffn::Experts(Box::new(experts)),
-                    Some(_) => {
+                    Some(width) => {
                         let [gate, up, down] = ["gate_proj", "up_proj", "down_proj"].map(|w| p(&format!("mlp.shared_expert.{w}.weight")));
-                        let expert = Expert { gate: dense(load(&gate)?), up: dense(load(&up)?), down: dense(load(&down)?) };
+                        let [gate, up, down] = ffn(load(&gate)?, load(&up)?, load(&down)?, width)?;
+                        let expert = Expert { gate, up, down };
                         let name = p("mlp.shared_expert_gate.weight");
                         let experts = experts.with_shared(expert, shards.load(&name, device, DType::F32)?).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")))?;
                         Ffn::Experts(Box::new(experts))
@@ -836,16 +864,20 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
             _ if variant.fused => {
                 let gate_up = p("mlp.gate_up_proj.weight");
                 let [gate, up]: [Tensor; 2] = rows(&gate_up, &[config.ffn_size, config.ffn_size])?.try_into().expect("two parts");
-                Ffn::Dense { gate: dense(gate), up: dense(up), down: dense(load(&p("mlp.down_proj.weight"))?) }
+                let [gate, up, down] = ffn(gate, up, load(&p("mlp.down_proj.weight"))?, config.ffn_size)?;
+                Ffn::Dense { gate, up, down }
             }
-            _ => Ffn::Dense { gate: dense(load(&p("mlp.gate_proj.weight"))?), up: dense(load(&p("mlp.up_proj.weight"))?), down: dense(load(&p("mlp.down_proj.weight"))?) },
+            _ => {
+                let [gate, up, down] = ffn(load(&p("mlp.gate_proj.weight"))?, load(&p("mlp.up_proj.weight"))?, load(&p("mlp.down_proj.weight"))?, config.ffn_size)?;
+                Ffn::Dense { gate, up, down }
+            }
         };
         layers.push(Layer {
             attn_norm: norm(&p("input_layernorm.weight"))?.into(),
-            wq: dense(wq),
-            wk: dense(wk),
-            wv: dense(wv),
-            wo: dense(load(&p("self_attn.o_proj.weight"))?),
+            wq: dense(cut(wq, false, heads.clone())?),
+            wk: dense(cut(wk, false, kv_heads.clone())?),
+            wv: dense(cut(wv, false, kv_heads.clone())?),
+            wo: dense(cut(load(&p("self_attn.o_proj.weight"))?, true, heads.clone())?),
             qkv_bias: vectors(qkv_bias),
             wo_bias: if variant.wo_bias { Some(load(&p("self_attn.o_proj.bias"))?.into()) } else { None },
             qk_norm: vectors(qk_norm),
@@ -854,10 +886,16 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>) -> Result<(Model,
         });
     }
     let output_norm = norm("model.norm.weight")?;
-    let lm_head = match variant.tied {
-        true => dense(embedding.clone()),
-        false => dense(load("lm_head.weight")?),
+    // A tensor-parallel model's logits are its first rank's alone.
+    let lm_head = match (slice.rank == 0, variant.tied) {
+        (false, _) => None,
+        (true, true) => Some(dense(embedding.clone())),
+        (true, false) => Some(dense(load("lm_head.weight")?)),
     };
+    if tp {
+        config.ffn_size = slice.ffn(config.ffn_size).len();
+        (config.heads, config.kv_heads) = (slice.heads.len(), slice.kv_heads.len());
+    }
     let weights = Weights { embedding, layers, post_norms, output_norm, lm_head, attn_width: config.heads * hd, layout: super::Layout::AsStored };
     Ok((Model::assemble(config, device, weights), info))
 }

@@ -97,14 +97,14 @@ pub(crate) fn run<L: Lane, A: Attention>(
         let out = attention_block(lane, layer, li, attention, step, segments, &x, (eps, head_eps))?;
         x = lane.add(x, &out)?;
         let h = lane.rms_norm(&x, &layer.ffn_norm, eps)?;
-        x = lane.add(x, &layer.ffn.run(lane, &h, Activation::Silu)?)?;
+        x = lane.add(x, &lane.reduce(layer.ffn.run(lane, &h, Activation::Silu)?)?)?;
     }
     Ok(x)
 }
 
 /// Layer `li`'s attention over the residual stream `x`, before the residual add (which a family may norm first):
 /// RMSNorm, the q, k and v products, their biases and per-head q/k norms where the layer has them, attention, the
-/// output projection and its bias.
+/// output projection (summed over a tensor-parallel model's ranks) and its bias.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_block<L: Lane, A: Attention>(
     lane: &L,
@@ -125,7 +125,9 @@ pub(crate) fn attention_block<L: Lane, A: Attention>(
         (q, k) = (lane.head_norm(q, q_norm, head_eps)?, lane.head_norm(k, k_norm, head_eps)?);
     }
     let attn = lane.attend(attention, step, li, [q, k, v], segments)?;
-    let [mut out] = lane.products(&attn, [&layer.wo])?;
+    let [out] = lane.products(&attn, [&layer.wo])?;
+    // A tensor-parallel rank's heads give part of the sum; the bias is added once, to the whole.
+    let mut out = lane.reduce(out)?;
     if let Some(b) = &layer.wo_bias {
         out = lane.add_bias(out, b)?;
     }

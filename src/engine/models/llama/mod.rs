@@ -25,8 +25,9 @@ use layers::Layer;
 use super::gemma::{self, GemmaConfig, PostNorms};
 use super::moe::MoeConfig;
 use super::lanes::{product, rms_norm, HostLane, TensorLane};
-use super::{DecoderModel, StepLogits};
+use super::{DecoderModel, StepLogits, StepModel};
 use crate::engine::attention::{Attention, AttentionModel, AttentionShape, KvCache, Segment, SlidingWindow};
+use crate::engine::parallel::{Rank, RankSlice};
 use crate::engine::ModelError;
 use crate::job::{ComputeDtype, CpuWeights};
 use crate::tokenize::VocabMetadata;
@@ -167,9 +168,12 @@ pub struct Model {
     /// Gemma's norms after attention and after the feed-forward network, per layer (empty in other families).
     post_norms: Vec<PostNorms>,
     output_norm: Tensor,
-    lm_head: Matrix,
+    /// The output projection; `None` on a tensor-parallel rank but the first, which computes no logits.
+    lm_head: Option<Matrix>,
     /// How the weights are laid out in memory.
     layout: Layout,
+    /// This model's rank, where it is one slice of a tensor-parallel model ([`crate::engine::parallel`]).
+    rank: Option<Rank>,
     /// Whether the layer loop runs on host vectors ([`HostLane`]): an f32 model on the CPU whose matrices are all
     /// the kernels' (its layers' vectors then kept in host memory too).
     host_loop: bool,
@@ -181,7 +185,7 @@ struct Weights {
     layers: Vec<Layer>,
     post_norms: Vec<PostNorms>,
     output_norm: Tensor,
-    lm_head: Matrix,
+    lm_head: Option<Matrix>,
     /// The attention output's width in memory (the input width of each layer's `wo`).
     attn_width: usize,
     layout: Layout,
@@ -227,7 +231,32 @@ impl DecoderModel for Model {
         self.config.context_length
     }
 
-    fn forward_step_timed<A: Attention>(
+    /// The weights were uploaded from the thread that loaded them; cudarc binds the context on most calls too, and
+    /// this makes the engine thread's ownership explicit.
+    fn bind_to_thread(&self) -> candle_core::Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cuda) = &self.device {
+            cuda.cuda_stream().context().bind_to_thread().map_err(|e| candle_core::Error::Msg(format!("cannot bind the CUDA context: {e}")))?;
+        }
+        Ok(())
+    }
+    /// Every layer's routing counters, taken and summed per expert index.
+    fn take_routing(&self) -> Option<(Vec<u64>, f64)> {
+        let moe = self.config.moe.as_ref()?;
+        let (mut tokens, mut seconds) = (vec![0u64; moe.experts], 0.0);
+        for layer in &self.layers {
+            if let layers::Ffn::Experts(experts) = &layer.ffn {
+                let (t, s) = experts.routing.take();
+                tokens.iter_mut().zip(t).for_each(|(a, b)| *a += b);
+                seconds += s;
+            }
+        }
+        Some((tokens, seconds))
+    }
+}
+
+impl<A: Attention> StepModel<A> for Model {
+    fn forward_step_timed(
         &self,
         attention: &A,
         segments: &mut [Segment<'_, A::Cache>],
@@ -250,37 +279,18 @@ impl DecoderModel for Model {
         x = match self.host_loop && attention.host_vectors() {
             true => {
                 let (rows, width) = x.dims2()?;
-                let x = self.layer_loop(&HostLane { rows }, attention, &step, segments, x.flatten_all()?.to_vec1::<f32>()?, eps)?;
+                let x = self.layer_loop(&HostLane { rows, tp: self.rank.as_ref() }, attention, &step, segments, x.flatten_all()?.to_vec1::<f32>()?, eps)?;
                 Tensor::from_vec(x, (rows, width), &self.device)?
             }
-            false => self.layer_loop(&TensorLane, attention, &step, segments, x, eps)?,
+            false => self.layer_loop(&TensorLane { tp: self.rank.as_ref() }, attention, &step, segments, x, eps)?,
         };
         attention.advance(segments);
+        // A tensor-parallel model's logits are its first rank's.
+        if self.rank.as_ref().is_some_and(|r| !r.heads_output()) {
+            return Ok((Vec::new(), inputs));
+        }
         let logits = self.head(&x, segments, outputs)?;
         Ok((read_back(&logits, outputs, if attention.device_argmax() { greedy } else { &[] })?, inputs))
-    }
-
-    /// The weights were uploaded from the thread that loaded them; cudarc binds the context on most calls too, and
-    /// this makes the engine thread's ownership explicit.
-    fn bind_to_thread(&self) -> candle_core::Result<()> {
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(cuda) = &self.device {
-            cuda.cuda_stream().context().bind_to_thread().map_err(|e| candle_core::Error::Msg(format!("cannot bind the CUDA context: {e}")))?;
-        }
-        Ok(())
-    }
-    /// Every layer's routing counters, taken and summed per expert index.
-    fn take_routing(&self) -> Option<(Vec<u64>, f64)> {
-        let moe = self.config.moe.as_ref()?;
-        let (mut tokens, mut seconds) = (vec![0u64; moe.experts], 0.0);
-        for layer in &self.layers {
-            if let layers::Ffn::Experts(experts) = &layer.ffn {
-                let (t, s) = experts.routing.take();
-                tokens.iter_mut().zip(t).for_each(|(a, b)| *a += b);
-                seconds += s;
-            }
-        }
-        Some((tokens, seconds))
     }
 }
 
@@ -335,24 +345,36 @@ impl Model {
     /// job's check refuses anything but `auto` for one).
     pub fn load_as(path: &Path, device: &Device, weights: CpuWeights, dtype: ComputeDtype) -> Result<(Model, ModelInfo), ModelError> {
         if path.is_dir() {
-            return hf::load(path, device, Some(hf::compute_dtype(device, dtype)));
+            return hf::load(path, device, Some(hf::compute_dtype(device, dtype)), None);
         }
-        gguf::load(path, device, |config| Layout::choose(device, config, weights))
+        gguf::load(path, device, |config| Layout::choose(device, config, weights), None)
     }
 
     /// Loads a Hugging Face directory with its weights and activations in `dtype` (anything but f32 runs on the
     /// paged backend, the only one that computes in other dtypes).
     pub fn load_hf_as(dir: &Path, device: &Device, dtype: DType) -> Result<(Model, ModelInfo), ModelError> {
-        hf::load(dir, device, Some(dtype))
+        hf::load(dir, device, Some(dtype), None)
     }
 
     /// Loads a GGUF llama-family model in exactly the given weight layout, for comparisons. A Hugging Face
     /// directory has one layout, dense weights, and ignores `layout`.
     pub fn load_with(path: &Path, device: &Device, layout: Layout) -> Result<(Model, ModelInfo), ModelError> {
         if path.is_dir() {
-            return hf::load(path, device, None);
+            return hf::load(path, device, None, None);
         }
-        gguf::load(path, device, |_| layout)
+        gguf::load(path, device, |_| layout, None)
+    }
+
+    /// Loads tensor-parallel rank `rank`'s slice of a llama-family model (`slice`, of [`crate::engine::parallel::split_heads`]'s),
+    /// as [`Model::load_as`] loads the whole. The returned [`ModelInfo`] is the whole model's.
+    pub fn load_rank(path: &Path, device: &Device, weights: CpuWeights, dtype: ComputeDtype, slice: &RankSlice, rank: Rank) -> Result<(Model, ModelInfo), ModelError> {
+        let (mut model, info) = match path.is_dir() {
+            true => hf::load(path, device, Some(hf::compute_dtype(device, dtype)), Some(slice))?,
+            false => gguf::load(path, device, |config| Layout::choose(device, config, weights), Some(slice))?,
+        };
+        tracing::info!(architecture = %info.config.architecture, "{}", slice.describe(info.config.head_dim, info.config.ffn_size));
+        model.rank = Some(rank);
+        Ok((model, info))
     }
 
     /// How the weights are laid out in memory: as stored, or requantized for the CPU's kernels.
@@ -396,6 +418,7 @@ impl Model {
             output_norm,
             lm_head,
             layout,
+            rank: None,
         }
     }
 
@@ -439,8 +462,9 @@ impl Model {
     pub fn weight_bytes(&self) -> usize {
         let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let lm_head = match &self.lm_head {
-            Matrix::Candle(QMatMul::Tensor(t)) if t.id() == self.embedding.id() => 0,
-            other => other.bytes(),
+            Some(Matrix::Candle(QMatMul::Tensor(t))) if t.id() == self.embedding.id() => 0,
+            Some(other) => other.bytes(),
+            None => 0,
         };
         dense(&self.embedding)
             + dense(&self.output_norm)
@@ -495,7 +519,7 @@ impl Model {
         outputs: &[usize],
         greedy: &[bool],
     ) -> candle_core::Result<Vec<Vec<StepLogits>>> {
-        Ok(DecoderModel::forward_step_timed(self, attention, segments, outputs, greedy)?.0)
+        Ok(StepModel::forward_step_timed(self, attention, segments, outputs, greedy)?.0)
     }
 
     /// Checks a step's segments (outputs, context, vocabulary); returns every new token's position and id, in
@@ -539,9 +563,10 @@ impl Model {
         // candle's Q6_K takes its fast kernel only for two rows or more, and the two kernels round differently:
         // a lone row gets a zero row beside it, so a sequence's logits never depend on how many share its step.
         let rows = x.dim(0)?;
-        let logits = match rows == 1 && self.device.is_cpu() && matches!(self.lm_head, Matrix::Candle(_)) {
-            true => product(&self.lm_head, &Tensor::cat(&[&x, &x.zeros_like()?], 0)?)?.narrow(0, 0, 1)?,
-            false => product(&self.lm_head, &x)?,
+        let lm_head = self.lm_head.as_ref().ok_or_else(|| candle_core::Error::Msg("a tensor-parallel rank without the output projection computed logits (a bug)".into()))?;
+        let logits = match rows == 1 && self.device.is_cpu() && matches!(lm_head, Matrix::Candle(_)) {
+            true => product(lm_head, &Tensor::cat(&[&x, &x.zeros_like()?], 0)?)?.narrow(0, 0, 1)?,
+            false => product(lm_head, &x)?,
         };
         // Gemma's final soft-capping, as llama.cpp computes it: scaled by 1 / cap, tanh, scaled by cap, in f32 (in
         // bf16 every logit past about twice the cap rounds to the cap itself, 30.0, and the argmax becomes the first
