@@ -27,6 +27,7 @@ pub struct RunFigures {
     pub weights_bytes: u64,
     pub weights_layout: &'static str,
     pub kv_cache_dtype: &'static str,
+    pub tensor_parallel: u64,
 }
 
 impl RunFigures {
@@ -37,6 +38,7 @@ impl RunFigures {
         metrics.weights_bytes = self.weights_bytes;
         metrics.weights_layout = self.weights_layout;
         metrics.kv_cache_dtype = self.kv_cache_dtype;
+        metrics.tensor_parallel = self.tensor_parallel;
         metrics.job_s = self.started.elapsed().as_secs_f64();
         metrics.started_unix_s = self.started_unix_s;
         metrics

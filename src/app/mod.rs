@@ -259,7 +259,7 @@ fn run_job(
     let model_load_s = load_started.elapsed().as_secs_f64();
     info!(path = %job.model.path.display(), weights_mib = loaded.weights_bytes >> 20, seconds = format!("{model_load_s:.2}"), "model loaded");
     let started_unix_s = crate::host::unix_s() - started.elapsed().as_secs_f64();
-    let figures = RunFigures { started, started_unix_s, model_load_s, weights_bytes: loaded.weights_bytes as u64, weights_layout: loaded.weights_layout, kv_cache_dtype: loaded.kv_cache_dtype };
+    let figures = RunFigures { started, started_unix_s, model_load_s, weights_bytes: loaded.weights_bytes as u64, weights_layout: loaded.weights_layout, kv_cache_dtype: loaded.kv_cache_dtype, tensor_parallel: loaded.tensor_parallel as u64 };
 
     // The plan: this job's fingerprint against the one stored at the output, if any.
     let ours = fingerprint(job, &loaded.check.sha256, loaded.check.template.as_deref(), &input);

@@ -11,7 +11,8 @@ use std::path::PathBuf;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::engine::{self, Attention, HostAttention, Model, PagedAttention, Segment};
+use crate::engine::parallel::{Decoder, TpAttention};
+use crate::engine::{self, Attention, HostAttention, Model, PagedAttention, Segment, StepLogits, StepModel};
 use crate::error::Error;
 
 #[derive(Clone, Debug)]
@@ -23,6 +24,8 @@ pub struct ParityOptions {
     pub prompt_lengths: Vec<usize>,
     pub steps: usize,
     pub seed: u64,
+    /// Also the model split over this many tensor-parallel ranks on the CPU, against the reference (1: not).
+    pub tensor_parallel: usize,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -50,21 +53,33 @@ pub struct ParityReport {
     pub pass: bool,
 }
 
+/// The logits after the last token of each segment, through any decoder (whole or tensor-parallel).
+fn forward<A: Attention, M: StepModel<A>>(model: &M, attention: &A, segments: &mut [Segment<'_, A::Cache>]) -> candle_core::Result<Vec<Vec<f32>>> {
+    let outputs = vec![1; segments.len()];
+    let (rows, _) = model.forward_step_timed(attention, segments, &outputs, &[])?;
+    rows.into_iter()
+        .map(|mut r| match r.pop() {
+            Some(StepLogits::Full(l)) => Ok(l),
+            _ => Err(candle_core::Error::Msg("a step returned no logits (a bug)".into())),
+        })
+        .collect()
+}
+
 /// Logits of every sequence at every position: the prefill's last, then one per decode step.
 type Trace = Vec<Vec<Vec<f32>>>;
 
 /// Prefills `prompts` together, then `steps` decode steps of all together, fed `tokens[i][k]` after position k
 /// of sequence i (or its own argmax when `tokens` is `None`).
-fn run_batched<A: Attention>(model: &Model, attention: &A, prompts: &[Vec<u32>], steps: usize, tokens: Option<&[Vec<u32>]>) -> candle_core::Result<Trace> {
+fn run_batched<A: Attention, M: StepModel<A>>(model: &M, attention: &A, prompts: &[Vec<u32>], steps: usize, tokens: Option<&[Vec<u32>]>) -> candle_core::Result<Trace> {
     let mut caches: Vec<A::Cache> = prompts.iter().map(|p| attention.new_cache(p.len() + steps)).collect();
     let mut segments: Vec<Segment<'_, A::Cache>> = prompts.iter().zip(&mut caches).map(|(p, cache)| Segment { tokens: p, cache }).collect();
-    let mut trace: Trace = model.forward(attention, &mut segments)?.into_iter().map(|l| vec![l]).collect();
+    let mut trace: Trace = forward(model, attention, &mut segments)?.into_iter().map(|l| vec![l]).collect();
     for k in 0..steps {
         let next: Vec<[u32; 1]> = (0..prompts.len())
             .map(|i| [tokens.map_or_else(|| crate::engine::sampling::argmax(&trace[i][k]), |t| t[i][k])])
             .collect();
         let mut segments: Vec<Segment<'_, A::Cache>> = next.iter().zip(&mut caches).map(|(t, cache)| Segment { tokens: t, cache }).collect();
-        for (i, l) in model.forward(attention, &mut segments)?.into_iter().enumerate() {
+        for (i, l) in forward(model, attention, &mut segments)?.into_iter().enumerate() {
             trace[i].push(l);
         }
     }
@@ -72,13 +87,13 @@ fn run_batched<A: Attention>(model: &Model, attention: &A, prompts: &[Vec<u32>],
 }
 
 /// Each sequence alone: its prompt, then its tokens one step at a time.
-fn run_alone<A: Attention>(model: &Model, attention: &A, prompts: &[Vec<u32>], steps: usize, tokens: &[Vec<u32>]) -> candle_core::Result<Trace> {
+fn run_alone<A: Attention, M: StepModel<A>>(model: &M, attention: &A, prompts: &[Vec<u32>], steps: usize, tokens: &[Vec<u32>]) -> candle_core::Result<Trace> {
     let mut trace = Vec::with_capacity(prompts.len());
     for (i, prompt) in prompts.iter().enumerate() {
         let mut cache = attention.new_cache(prompt.len() + steps);
-        let mut logits = vec![model.forward(attention, &mut [Segment { tokens: prompt, cache: &mut cache }])?.remove(0)];
+        let mut logits = vec![forward(model, attention, &mut [Segment { tokens: prompt, cache: &mut cache }])?.remove(0)];
         for &token in &tokens[i][..steps] {
-            logits.push(model.forward(attention, &mut [Segment { tokens: &[token], cache: &mut cache }])?.remove(0));
+            logits.push(forward(model, attention, &mut [Segment { tokens: &[token], cache: &mut cache }])?.remove(0));
         }
         trace.push(logits);
     }
@@ -153,10 +168,22 @@ pub fn parity(options: &ParityOptions) -> Result<ParityReport, Error> {
 
     let quantized = !options.model.is_dir();
     let [(device_rel, device_agree), (batch_rel, batch_agree)] = tolerances(candidate.dtype(), quantized);
-    let comparisons = vec![
+    let mut comparisons = vec![
         compare("device (batched) vs cpu f32", &expected, &batched, device_rel, device_agree),
         compare("device alone vs device batched", &batched, &alone, batch_rel, batch_agree),
     ];
+    // Tensor parallelism: the ranks' sums differ from one model's in order only (tests/engine/parallel.rs measured
+    // at most 4.4e-7 on f32 weights); quantized activations turn that into quantization steps, as above.
+    if options.tensor_parallel > 1 {
+        let n = options.tensor_parallel;
+        let Decoder::Split(tp) = Decoder::load(&options.model, &cpu, crate::job::CpuWeights::AsStored, crate::job::ComputeDtype::Auto, n)?.0 else {
+            unreachable!("more than one rank loads a split model")
+        };
+        let ranks = tp.ranks().iter().map(|m| HostAttention::new(m, candle_core::DType::F32)).collect::<candle_core::Result<_>>().map_err(fail("setting up the ranks"))?;
+        let split = run_batched(&tp, &TpAttention::new(ranks), &prompts, options.steps, Some(&tokens)).map_err(fail("the tensor-parallel forward pass"))?;
+        let (rel, agree) = if quantized { (0.2, 0.9) } else { (1e-5, 1.0) };
+        comparisons.push(compare(&format!("tensor parallel {n} (cpu, f32) vs cpu f32"), &expected, &split, rel, agree));
+    }
     Ok(ParityReport {
         model: options.model.display().to_string(),
         device: engine::device_name(&device),

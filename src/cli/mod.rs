@@ -288,6 +288,9 @@ pub struct ParityBenchArgs {
     pub steps: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Also compare the model split over N tensor-parallel ranks (threads on the CPU) with the reference.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub tensor_parallel: u32,
     /// Print the report as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -311,6 +314,7 @@ impl ParityBenchArgs {
             prompt_lengths: self.prompt_lengths.clone(),
             steps: self.steps,
             seed: self.seed,
+            tensor_parallel: self.tensor_parallel as usize,
         }
     }
 }

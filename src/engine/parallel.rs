@@ -139,6 +139,53 @@ impl Communicator for LocalGroup {
     }
 }
 
+/// A group whose rank `rank` fails its `at`-th all-reduce (counting from 1), as a rank whose device failed
+/// would: the tests' fault, and `NIGHTSHIFT_FAILPOINT_TP=RANK:CALL`'s (a failpoint for the job-level tests).
+pub struct FailAt {
+    inner: Arc<dyn Communicator>,
+    rank: usize,
+    at: usize,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl FailAt {
+    pub fn new(inner: Arc<dyn Communicator>, rank: usize, at: usize) -> FailAt {
+        FailAt { inner, rank, at, calls: std::sync::atomic::AtomicUsize::new(0) }
+    }
+
+    /// The failpoint `NIGHTSHIFT_FAILPOINT_TP` names, if set: `RANK:CALL`.
+    fn from_env(inner: Arc<dyn Communicator>) -> Arc<dyn Communicator> {
+        let point = std::env::var("NIGHTSHIFT_FAILPOINT_TP").ok().and_then(|v| {
+            let (rank, at) = v.split_once(':')?;
+            Some((rank.parse().ok()?, at.parse().ok()?))
+        });
+        match point {
+            Some((rank, at)) => {
+                tracing::warn!(rank, at, "NIGHTSHIFT_FAILPOINT_TP is set: a tensor-parallel rank will fail on purpose");
+                Arc::new(FailAt::new(inner, rank, at))
+            }
+            None => inner,
+        }
+    }
+}
+
+impl Communicator for FailAt {
+    fn ranks(&self) -> usize {
+        self.inner.ranks()
+    }
+
+    fn all_reduce_sum(&self, rank: usize, values: &mut [f32]) -> Result<(), String> {
+        if rank == self.rank && self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == self.at {
+            return Err(format!("all-reduce {} failed on purpose (a failpoint)", self.at));
+        }
+        self.inner.all_reduce_sum(rank, values)
+    }
+
+    fn abort(&self, rank: usize, reason: &str) {
+        self.inner.abort(rank, reason)
+    }
+}
+
 /// One rank of a tensor-parallel model: its index and its group's communicator.
 #[derive(Clone)]
 pub struct Rank {
@@ -551,7 +598,7 @@ impl Decoder {
         let whole = crate::engine::models::llama::inspect(path)?;
         let slices = split_heads(whole.config.heads, whole.config.kv_heads, ranks)
             .map_err(|e| ModelError::Metadata(format!("runtime.tensor_parallel = {ranks} cannot split this model: {e}")))?;
-        let group: Arc<dyn Communicator> = LocalGroup::new(ranks);
+        let group = FailAt::from_env(LocalGroup::new(ranks));
         let mut models = Vec::with_capacity(ranks);
         let mut info = None;
         for slice in &slices {

@@ -183,6 +183,9 @@ job_metrics! {
         /// How a decoder's KV cache held keys and values (runtime.kv_cache_dtype resolved): "f32", "f16" or
         /// "bf16"; "none" for embed jobs.
         pub kv_cache_dtype: &'static str,
+        /// Ranks a decoder's layers were split over (runtime.tensor_parallel); 1 for a whole model and for embed
+        /// and seq2seq jobs.
+        pub tensor_parallel: u64,
         /// Peak resident memory of the process (VmHWM).
         pub peak_rss_bytes: u64,
         /// A mixture-of-experts model's tokens per expert, a JSON array indexed by expert (each index summed over

@@ -7,11 +7,10 @@
 //! rank, with its reason, instead of hanging.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use candle_core::Device;
-use nightshift::engine::parallel::{split_heads, Communicator, Decoder, LocalGroup, Rank, TpAttention, TpModel};
+use nightshift::engine::parallel::{split_heads, Communicator, Decoder, FailAt, LocalGroup, Rank, TpAttention, TpModel};
 use nightshift::engine::{Attention, HostAttention, Model, PagedAttention, StepModel};
 use nightshift::job::{ComputeDtype, CpuWeights};
 
@@ -139,31 +138,6 @@ fn tensor_parallel_tracks_one_model_on_quantized_smollm2() {
     }
 }
 
-/// A communicator that fails rank `rank`'s `at`-th all-reduce, as a rank whose device failed would.
-struct FailingRank {
-    inner: Arc<LocalGroup>,
-    rank: usize,
-    at: usize,
-    calls: AtomicUsize,
-}
-
-impl Communicator for FailingRank {
-    fn ranks(&self) -> usize {
-        self.inner.ranks()
-    }
-
-    fn all_reduce_sum(&self, rank: usize, values: &mut [f32]) -> Result<(), String> {
-        if rank == self.rank && self.calls.fetch_add(1, Ordering::SeqCst) + 1 == self.at {
-            return Err("the device lost its context (injected)".into());
-        }
-        self.inner.all_reduce_sum(rank, values)
-    }
-
-    fn abort(&self, rank: usize, reason: &str) {
-        self.inner.abort(rank, reason)
-    }
-}
-
 /// Rank 2 of 3 fails in the middle of the second step: every rank's step ends (none waits for it forever) and the
 /// step fails with rank 2's own reason.
 #[test]
@@ -174,7 +148,7 @@ fn a_rank_that_fails_mid_step_fails_the_step_on_every_rank() {
     let slices = split_heads(info.config.heads, info.config.kv_heads, 3).unwrap();
     // Two all-reduces a layer: the second step's third.
     let at = 2 * info.config.layers + 3;
-    let comm: Arc<dyn Communicator> = Arc::new(FailingRank { inner: LocalGroup::new(3), rank: 2, at, calls: AtomicUsize::new(0) });
+    let comm: Arc<dyn Communicator> = Arc::new(FailAt::new(LocalGroup::new(3), 2, at));
     let models: Vec<Model> = slices
         .iter()
         .map(|s| Model::load_rank(&dir, &Device::Cpu, CpuWeights::AsStored, ComputeDtype::Auto, s, Rank::new(s.rank, comm.clone())).unwrap().0)
@@ -188,9 +162,97 @@ fn a_rank_that_fails_mid_step_fails_the_step_on_every_rank() {
     let outputs = [1];
     let started = std::time::Instant::now();
     let err = tp.forward_step_timed(&attention, &mut [nightshift::engine::Segment { tokens: &next, cache: &mut cache }], &outputs, &[]).unwrap_err().to_string();
-    assert!(err.contains("the device lost its context (injected)"), "{err}");
+    assert!(err.contains(&format!("all-reduce {at} failed on purpose")), "{err}");
     assert!(started.elapsed() < std::time::Duration::from_secs(30));
     // The group stays failed: the next step fails at once.
     let again = tp.forward_step_timed(&attention, &mut [nightshift::engine::Segment { tokens: &next, cache: &mut cache }], &outputs, &[]);
     assert!(again.unwrap_err().to_string().contains("tensor-parallel rank 2 failed"));
+}
+
+fn write_split_job(dir: &Path, model: &Path, out: &str, ranks: usize) -> std::path::PathBuf {
+    let job = dir.join(format!("job-{out}.toml"));
+    std::fs::write(
+        &job,
+        format!(
+            "[input]\nurl = {:?}\nid_column = \"id\"\n[model]\npath = {:?}\n[generation]\nmax_new_tokens = 12\nlogprobs = 1\n[output]\nurl = {:?}\nunit_rows = 8\n[runtime]\nmax_seqs = 4\ntensor_parallel = {ranks}\n",
+            dir.join("in.parquet").to_string_lossy(),
+            model.to_string_lossy(),
+            dir.join(out).to_string_lossy()
+        ),
+    )
+    .unwrap();
+    job
+}
+
+/// A generate job split over 2 and 3 ranks through the binary: every row's greedy text and tokens as the whole
+/// model's, each token's log-probability within 1e-4; the results' numerics and the metrics name the split; `plan`
+/// prints each rank's share; more ranks than heads is refused with exit 4 naming the key. A rank failing mid-job
+/// (the failpoint) ends the run with exit 1 and no `_SUCCESS`, leaving only whole units committed; a rerun resumes
+/// and finishes with every row once, as the whole model computes it.
+#[test]
+fn a_generate_job_runs_split_over_ranks_and_resumes_after_a_rank_fails() {
+    let dir = scratch("tp-job");
+    let model = dir.join("llama3");
+    write_tiny_hf_model(&model, HfVariant::Llama3);
+    let ids: Vec<String> = (0..40).map(|i| format!("r{i:02}")).collect();
+    let texts: Vec<String> = (0..40).map(|i| format!("the tea {i} at the hall of {}", 40 - i)).collect();
+    let text_refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    write_parquet(&dir.join("in.parquet"), prompts(&ids, &text_refs));
+
+    let tokens = |row: &serde_json::Value| -> Vec<(String, f64)> {
+        row["logprobs"].as_array().unwrap().iter().map(|t| (t["token"].as_str().unwrap().to_string(), t["logprob"].as_f64().unwrap())).collect()
+    };
+    nightshift(&["run", write_split_job(&dir, &model, "one", 1).to_str().unwrap()], &[]).assert_ok();
+    let whole = read_results_json(&dir.join("one"));
+    assert_eq!(whole.len(), 40);
+    let same_as_whole = |out: &str| {
+        let split = read_results_json(&dir.join(out));
+        assert_eq!(split.len(), 40, "{out}");
+        let mut worst = 0f64;
+        for (id, row) in &whole {
+            let other = &split[id];
+            assert_eq!((&row["text"], &row["finish_reason"]), (&other["text"], &other["finish_reason"]), "{out}: {id}");
+            for ((a, la), (b, lb)) in tokens(row).into_iter().zip(tokens(other)) {
+                assert_eq!(a, b, "{out}: {id}");
+                worst = worst.max((la - lb).abs());
+            }
+        }
+        eprintln!("{out}: every greedy text the same, log-probabilities within {worst:e}");
+        assert!(worst <= 1e-4, "{out}: a log-probability differs by {worst}");
+    };
+    for ranks in [2, 3] {
+        let out = format!("split{ranks}");
+        let job = write_split_job(&dir, &model, &out, ranks);
+        nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+        same_as_whole(&out);
+        let store = OutputStore::local(&dir.join(&out));
+        let numerics = kv_metadata_of(store.first_results_file())["nightshift.numerics"].clone();
+        assert!(numerics.ends_with(&format!(";tensor_parallel={ranks}")), "{numerics}");
+        assert!(store.metrics().iter().all(|m| m["tensor_parallel"] == Some(ranks as f64)), "the metrics name the split");
+    }
+    let plan = nightshift(&["plan", write_split_job(&dir, &model, "planned", 3).to_str().unwrap()], &[]);
+    plan.assert_ok();
+    for rank in 0..3 {
+        assert!(plan.stdout.contains(&format!("tensor-parallel rank {rank}: ")), "{}", plan.stdout);
+    }
+    // The tiny shape's 4 heads over 3 ranks: 2, then 1 and 1 sharing a copy of the second kv head.
+    assert!(plan.stdout.contains("rank 0: 2 heads, 1 kv heads") && plan.stdout.contains("rank 2: 1 heads, 1 kv heads"), "{}", plan.stdout);
+    let refused = nightshift(&["run", write_split_job(&dir, &model, "refused", 5).to_str().unwrap()], &[]);
+    assert_eq!(refused.code, 4, "{}", refused.stderr);
+    assert!(refused.stderr.contains("runtime.tensor_parallel = 5") && refused.stderr.contains("4 attention heads"), "{}", refused.stderr);
+
+    // Rank 1 of 2 fails in its 200th all-reduce: 2 layers, two a layer, so in the 50th step of about 130 (4
+    // sequences at a time), after the first units.
+    let job = write_split_job(&dir, &model, "failed", 2);
+    let failed = nightshift(&["run", job.to_str().unwrap()], &[("NIGHTSHIFT_FAILPOINT_TP", "1:200")]);
+    assert_eq!(failed.code, 1, "{}", failed.stderr);
+    assert!(failed.stderr.contains("all-reduce 200 failed on purpose"), "{}", failed.stderr);
+    let store = OutputStore::local(&dir.join("failed"));
+    assert!(!store.exists("_SUCCESS"), "a failed run looks complete");
+    let committed = store.list("_commits").len();
+    eprintln!("the failed run committed {committed} of 5 units");
+    assert!((1..5).contains(&committed), "{committed} units committed before the rank failed");
+    nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+    assert!(store.exists("_SUCCESS"));
+    same_as_whole("failed");
 }
