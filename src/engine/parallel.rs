@@ -602,7 +602,8 @@ impl Decoder {
         let mut models = Vec::with_capacity(ranks);
         let mut info = None;
         for slice in &slices {
-            let (model, i) = Model::load_rank(path, device, weights, dtype, slice, Rank::new(slice.rank, group.clone()))?;
+            // Ranks on one device keep one embedding table (the first rank's).
+            let (model, i) = Model::load_rank(path, device, weights, dtype, slice, Rank::new(slice.rank, group.clone()), models.first())?;
             models.push(model);
             info.get_or_insert(i);
         }

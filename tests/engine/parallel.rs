@@ -151,7 +151,7 @@ fn a_rank_that_fails_mid_step_fails_the_step_on_every_rank() {
     let comm: Arc<dyn Communicator> = Arc::new(FailAt::new(LocalGroup::new(3), 2, at));
     let models: Vec<Model> = slices
         .iter()
-        .map(|s| Model::load_rank(&dir, &Device::Cpu, CpuWeights::AsStored, ComputeDtype::Auto, s, Rank::new(s.rank, comm.clone())).unwrap().0)
+        .map(|s| Model::load_rank(&dir, &Device::Cpu, CpuWeights::AsStored, ComputeDtype::Auto, s, Rank::new(s.rank, comm.clone()), None).unwrap().0)
         .collect();
     let tp = TpModel::new(models, comm);
     let attention = host_ranks(&tp);

@@ -719,8 +719,9 @@ fn check_tensors(content: &Content, config: &ModelConfig) -> Result<(), ModelErr
 }
 
 /// Loads a GGUF llama-family model in the weight layout `layout` picks for its configuration.
-/// Loads the model, or a tensor-parallel rank's slice of it (`slice`).
-pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfig) -> Layout, slice: Option<&RankSlice>) -> Result<(Model, ModelInfo), ModelError> {
+/// Loads the model, or a tensor-parallel rank's slice of it (`slice`), with another rank's embedding table where
+/// one is given (`shared`: then neither read nor held twice).
+pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfig) -> Layout, slice: Option<&RankSlice>, shared: Option<&Tensor>) -> Result<(Model, ModelInfo), ModelError> {
     let (mut file, content) = read_content(path)?;
     let info = info_of(&content)?;
     check_tensors(&content, &info.config)?;
@@ -780,8 +781,14 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         .map_err(|e| candle_core::Error::Msg(format!("`{suffix}`: {e}")))?;
         to_device(t, device)
     };
-    let embedding_q = qtensor("token_embd.weight")?;
-    let embedding = embedding_q.dequantize(device).and_then(|e| e.pad_with_zeros(1, 0, width - d)).map_err(fmt)?;
+    // The table (dequantized) and, for a tied output projection on the rank that computes the logits, as stored.
+    let (embedding, embedding_q) = match shared {
+        Some(table) if slice.rank > 0 => (table.clone(), None),
+        _ => {
+            let q = qtensor("token_embd.weight")?;
+            (q.dequantize(device).and_then(|e| e.pad_with_zeros(1, 0, width - d)).map_err(fmt)?, Some(q))
+        }
+    };
     // Every layer's matrices are read first, then laid out (requantized) in parallel: it is most of load time.
     let (q, kv) = (config.heads * hd, config.kv_heads * hd);
     // (name, laid-out [rows, columns]), in the order `Layer` takes them.
@@ -940,15 +947,16 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
     }
     let output_norm = qtensor("output_norm.weight")?;
     let output_norm = output_norm.dequantize(device).and_then(|w| padded_norm(w, width)).map_err(fmt)?;
-    // Tied embeddings: without `output.weight`, the embedding matrix is the output projection.
-    let lm_head = match content.tensor_infos.contains_key("output.weight") {
-        true => qtensor("output.weight")?,
-        false => embedding_q,
+    // Tied embeddings: without `output.weight`, the embedding matrix is the output projection. A tensor-parallel
+    // model's logits are its first rank's alone.
+    let lm_head = match (slice.rank == 0, content.tensor_infos.contains_key("output.weight")) {
+        (false, _) => None,
+        (true, true) => Some(qtensor("output.weight")?),
+        (true, false) => Some(embedding_q.ok_or_else(|| ModelError::Metadata("the first rank's embedding table was not read (a bug)".into()))?),
     };
-    // A tensor-parallel model's logits are its first rank's alone.
-    let lm_head = match slice.rank == 0 {
-        true => Some(lay_out(if tp { to_device(lm_head, device).map_err(fmt)? } else { lm_head }, config.vocab_size, width, layout.for_output(), device).and_then(|t| matrix(t, layout, device)).map_err(fmt)?),
-        false => None,
+    let lm_head = match lm_head {
+        Some(t) => Some(lay_out(if tp { to_device(t, device).map_err(fmt)? } else { t }, config.vocab_size, width, layout.for_output(), device).and_then(|t| matrix(t, layout, device)).map_err(fmt)?),
+        None => None,
     };
     if tp {
         config.ffn_size = slice.ffn(config.ffn_size).len();

@@ -747,8 +747,9 @@ pub fn compute_dtype(device: &Device, asked: ComputeDtype) -> DType {
 }
 
 /// Loads a Hugging Face directory's decoder onto `device`, weights in `dtype` (`None`: [`compute_dtype`]'s).
-/// Loads the model, or a tensor-parallel rank's slice of it (`slice`).
-pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, slice: Option<&RankSlice>) -> Result<(Model, ModelInfo), ModelError> {
+/// Loads the model, or a tensor-parallel rank's slice of it (`slice`), with another rank's embedding table where
+/// one is given (`shared`: then neither read nor held twice).
+pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, slice: Option<&RankSlice>, shared: Option<&Tensor>) -> Result<(Model, ModelInfo), ModelError> {
     let Checkpoint { info, variant, shards } = Checkpoint::open(dir)?;
     let mut config = info.config.clone();
     let whole = RankSlice::whole(info.config.heads, info.config.kv_heads);
@@ -789,7 +790,10 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, slice: Option<&Ra
         let part = slice.ffn(width);
         Ok([dense(cut(gate, false, part.clone())?), dense(cut(up, false, part.clone())?), dense(cut(down, true, part)?)])
     };
-    let embedding = load("model.embed_tokens.weight")?;
+    let embedding = match shared {
+        Some(table) if slice.rank > 0 => table.clone(),
+        _ => load("model.embed_tokens.weight")?,
+    };
     let mut layers = Vec::with_capacity(config.layers);
     for i in 0..config.layers {
         let p = |suffix: &str| format!("model.layers.{i}.{suffix}");

@@ -174,6 +174,8 @@ pub struct Model {
     layout: Layout,
     /// This model's rank, where it is one slice of a tensor-parallel model ([`crate::engine::parallel`]).
     rank: Option<Rank>,
+    /// Whether the embedding table is another rank's ([`Model::share_embedding`]), counted there.
+    embedding_shared: bool,
     /// Whether the layer loop runs on host vectors ([`HostLane`]): an f32 model on the CPU whose matrices are all
     /// the kernels' (its layers' vectors then kept in host memory too).
     host_loop: bool,
@@ -345,33 +347,39 @@ impl Model {
     /// job's check refuses anything but `auto` for one).
     pub fn load_as(path: &Path, device: &Device, weights: CpuWeights, dtype: ComputeDtype) -> Result<(Model, ModelInfo), ModelError> {
         if path.is_dir() {
-            return hf::load(path, device, Some(hf::compute_dtype(device, dtype)), None);
+            return hf::load(path, device, Some(hf::compute_dtype(device, dtype)), None, None);
         }
-        gguf::load(path, device, |config| Layout::choose(device, config, weights), None)
+        gguf::load(path, device, |config| Layout::choose(device, config, weights), None, None)
     }
 
     /// Loads a Hugging Face directory with its weights and activations in `dtype` (anything but f32 runs on the
     /// paged backend, the only one that computes in other dtypes).
     pub fn load_hf_as(dir: &Path, device: &Device, dtype: DType) -> Result<(Model, ModelInfo), ModelError> {
-        hf::load(dir, device, Some(dtype), None)
+        hf::load(dir, device, Some(dtype), None, None)
     }
 
     /// Loads a GGUF llama-family model in exactly the given weight layout, for comparisons. A Hugging Face
     /// directory has one layout, dense weights, and ignores `layout`.
     pub fn load_with(path: &Path, device: &Device, layout: Layout) -> Result<(Model, ModelInfo), ModelError> {
         if path.is_dir() {
-            return hf::load(path, device, None, None);
+            return hf::load(path, device, None, None, None);
         }
-        gguf::load(path, device, |_| layout, None)
+        gguf::load(path, device, |_| layout, None, None)
     }
 
     /// Loads tensor-parallel rank `rank`'s slice of a llama-family model (`slice`, of [`crate::engine::parallel::split_heads`]'s),
     /// as [`Model::load_as`] loads the whole. The returned [`ModelInfo`] is the whole model's.
-    pub fn load_rank(path: &Path, device: &Device, weights: CpuWeights, dtype: ComputeDtype, slice: &RankSlice, rank: Rank) -> Result<(Model, ModelInfo), ModelError> {
+    /// `first`: the first rank's model, on the same device, whose embedding table this rank shares
+    /// ([`Model::share_embedding`]) instead of reading its own.
+    pub fn load_rank(path: &Path, device: &Device, weights: CpuWeights, dtype: ComputeDtype, slice: &RankSlice, rank: Rank, first: Option<&Model>) -> Result<(Model, ModelInfo), ModelError> {
+        let shared = first.filter(|f| f.device.same_device(device)).map(|f| &f.embedding);
         let (mut model, info) = match path.is_dir() {
-            true => hf::load(path, device, Some(hf::compute_dtype(device, dtype)), Some(slice))?,
-            false => gguf::load(path, device, |config| Layout::choose(device, config, weights), Some(slice))?,
+            true => hf::load(path, device, Some(hf::compute_dtype(device, dtype)), Some(slice), shared)?,
+            false => gguf::load(path, device, |config| Layout::choose(device, config, weights), Some(slice), shared)?,
         };
+        if let Some(first) = first.filter(|_| shared.is_some()) {
+            model.share_embedding(first).map_err(|e| ModelError::Metadata(e.to_string()))?;
+        }
         tracing::info!(architecture = %info.config.architecture, "{}", slice.describe(info.config.head_dim, info.config.ffn_size));
         model.rank = Some(rank);
         Ok((model, info))
@@ -419,6 +427,7 @@ impl Model {
             lm_head,
             layout,
             rank: None,
+            embedding_shared: false,
         }
     }
 
@@ -458,9 +467,21 @@ impl Model {
         &self.device
     }
 
-    /// Bytes of weights held on the device (quantized sizes as stored; a tied output projection once).
+    /// Takes `other`'s embedding table in place of its own, the same values (tensor-parallel ranks in one process:
+    /// the table is replicated, and one copy serves them all). Err when the tables differ in shape or place.
+    pub fn share_embedding(&mut self, other: &Model) -> candle_core::Result<()> {
+        if self.embedding.shape() != other.embedding.shape() || self.embedding.dtype() != other.embedding.dtype() || !self.device.same_device(&other.device) {
+            candle_core::bail!("the ranks' embedding tables differ (a bug)");
+        }
+        self.embedding = other.embedding.clone();
+        self.embedding_shared = true;
+        Ok(())
+    }
+
+    /// Bytes of weights held on the device (quantized sizes as stored; a tied output projection once; an embedding
+    /// table shared with another rank not at all).
     pub fn weight_bytes(&self) -> usize {
-        let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let dense = |t: &Tensor| if self.embedding_shared && t.id() == self.embedding.id() { 0 } else { t.elem_count() * t.dtype().size_in_bytes() };
         let lm_head = match &self.lm_head {
             Some(Matrix::Candle(QMatMul::Tensor(t))) if t.id() == self.embedding.id() => 0,
             Some(other) => other.bytes(),
