@@ -142,7 +142,7 @@ pub fn parity(options: &ParityOptions) -> Result<ParityReport, Error> {
     }
     let fail = |what: &'static str| move |source: candle_core::Error| Error::Engine(engine::EngineError::Device { what, source });
     let cpu = candle_core::Device::Cpu;
-    let (reference, _) = Model::load(&options.model, &cpu)?;
+    let (reference, info) = Model::load(&options.model, &cpu)?;
     // The reference runs the host backend in f32 (which refuses any other dtype), its cache in f32 too.
     let host = HostAttention::new(&reference, candle_core::DType::F32).map_err(fail("setting up the reference"))?;
     let device = engine::select_device(&options.device)?;
@@ -173,7 +173,11 @@ pub fn parity(options: &ParityOptions) -> Result<ParityReport, Error> {
         compare("device alone vs device batched", &batched, &alone, batch_rel, batch_agree),
     ];
     // Tensor parallelism: the ranks' sums differ from one model's in order only (tests/engine/parallel.rs measured
-    // at most 4.4e-7 on f32 weights); quantized activations turn that into quantization steps, as above.
+    // at most 1.3e-6 of the largest logit on f32 weights, 1.4e-6 on SmolLM2's weights in F16, every argmax the
+    // same). Quantized matrices quantize their inputs to 8 bits, which turns that order into quantization steps:
+    // on SmolLM2's Q4_1 at 2 and 3 ranks, 61-66 of 68 argmaxes over seeds 0-2, where the paged backend against the
+    // host one agrees at 64-66 (BENCHMARKS.md).
+    let quantized_matrices = info.tensor_types.iter().any(|(t, _)| t.starts_with('q') || t.starts_with("iq"));
     if options.tensor_parallel > 1 {
         let n = options.tensor_parallel;
         let Decoder::Split(tp) = Decoder::load(&options.model, &cpu, crate::job::CpuWeights::AsStored, crate::job::ComputeDtype::Auto, n)?.0 else {
@@ -181,7 +185,7 @@ pub fn parity(options: &ParityOptions) -> Result<ParityReport, Error> {
         };
         let ranks = tp.ranks().iter().map(|m| HostAttention::new(m, candle_core::DType::F32)).collect::<candle_core::Result<_>>().map_err(fail("setting up the ranks"))?;
         let split = run_batched(&tp, &TpAttention::new(ranks), &prompts, options.steps, Some(&tokens)).map_err(fail("the tensor-parallel forward pass"))?;
-        let (rel, agree) = if quantized { (0.2, 0.9) } else { (1e-5, 1.0) };
+        let (rel, agree) = if quantized_matrices { (0.2, 0.85) } else { (1e-5, 1.0) };
         comparisons.push(compare(&format!("tensor parallel {n} (cpu, f32) vs cpu f32"), &expected, &split, rel, agree));
     }
     Ok(ParityReport {

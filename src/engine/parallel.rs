@@ -9,8 +9,9 @@
 //!
 //! - **Heads** ([`split_heads`]): with no more ranks than kv heads, each rank takes whole groups of query heads
 //!   with their kv head (grouped-query attention stays grouped); the ranks differ by at most one group where the
-//!   count does not divide (SmolLM2's 3 kv heads over 2 ranks: 2 and 1, with 6 and 3 query heads). Nothing is
-//!   padded and nothing is computed twice, at the price of an unequal share. With more ranks than kv heads, each
+//!   count does not divide (SmolLM2's 3 kv heads over 2 ranks: 1 and 2, with 3 and 6 query heads; the first rank,
+//!   which also computes the logits, takes the smaller share). Nothing is padded and nothing is computed twice, at
+//!   the price of an unequal share. With more ranks than kv heads, each
 //!   rank takes part of one group's query heads and a copy of that group's kv head: kv heads are replicated, as
 //!   vLLM does, and the KV cache holds each copy once per rank.
 //! - **Feed-forward columns** ([`RankSlice::ffn`]): split as evenly as the weights' quantization blocks allow

@@ -3,7 +3,7 @@
 //! logits up to f32 summation order, and the same greedy tokens when each runs on its own. On every Hugging Face
 //! variant (N = 2: whole kv groups per rank; N = 3 and 4: more ranks than the tiny shape's 2 kv heads, so kv heads
 //! are replicated), on Gemma 2/3 and the mixtures from GGUF, on the real SmolLM2 (9 heads, 3 kv heads: N = 2
-//! splits its groups 2 and 1), on both attention backends; and a rank that fails mid-step fails the step on every
+//! splits its groups 1 and 2), on both attention backends; and a rank that fails mid-step fails the step on every
 //! rank, with its reason, instead of hanging.
 
 use std::path::Path;
@@ -115,7 +115,7 @@ fn tensor_parallel_equals_one_model_on_gemma_and_experts() {
     }
 }
 
-/// The real SmolLM2 in Q4_1, its heads split 6 + 3 at N = 2 and 3 + 3 + 3 at N = 3 and its 1,536 feed-forward
+/// The real SmolLM2 in Q4_1, its heads split 3 + 6 at N = 2 and 3 + 3 + 3 at N = 3 and its 1,536 feed-forward
 /// columns in whole blocks. The kernels quantize each product's input per block of 32, and the ranks' splits fall
 /// on those blocks, so every block's integer products are the same; only the f32 sums of blocks differ in order,
 /// and an ulp can still move an outlier-laden hidden state across a quantization step in the next layer (see
