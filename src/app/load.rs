@@ -200,6 +200,13 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
 
 fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> Result<Loaded, Error> {
     let ranks = job.runtime.tensor_parallel;
+    if ranks > 1 && !device.is_cpu() {
+        return Err(Error::Job(JobError::Invalid {
+            path: job.file.clone(),
+            key: "runtime.tensor_parallel",
+            problem: format!("is {ranks}, and the job runs on a GPU: this build splits a model over CPU threads only (NCCL ranks are planned); on GPUs use --data-parallel, or runtime.device = \"cpu\""),
+        }));
+    }
     let (decoder, info) = Decoder::load(&job.model.path, device, job.runtime.cpu_weights, job.runtime.dtype, ranks).map_err(|e| e.at(&job.model.path))?;
     let model = decoder.first();
     let cfg = &info.config;

@@ -596,6 +596,9 @@ impl Decoder {
             let (model, info) = Model::load_as(path, device, weights, dtype)?;
             return Ok((Decoder::Whole(model), info));
         }
+        if !device.is_cpu() {
+            return Err(ModelError::Metadata(format!("runtime.tensor_parallel = {ranks} splits a model over CPU threads only in this build (NCCL ranks on GPUs are planned); on GPUs use --data-parallel")));
+        }
         let whole = crate::engine::models::llama::inspect(path)?;
         let slices = split_heads(whole.config.heads, whole.config.kv_heads, ranks)
             .map_err(|e| ModelError::Metadata(format!("runtime.tensor_parallel = {ranks} cannot split this model: {e}")))?;

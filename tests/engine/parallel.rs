@@ -256,3 +256,42 @@ fn a_generate_job_runs_split_over_ranks_and_resumes_after_a_rank_fails() {
     assert!(store.exists("_SUCCESS"));
     same_as_whole("failed");
 }
+
+/// Sampled choices (`n = 3`, a fork of every row's cache after its prefill, on every rank) and a long shared
+/// system prompt (the prefix cache's blocks, shared on every rank) give at 2 ranks what they give whole.
+#[test]
+fn forks_and_cached_prefixes_run_split_as_whole() {
+    let dir = scratch("tp-forks");
+    let model = dir.join("qwen3");
+    write_tiny_hf_model(&model, HfVariant::Qwen3);
+    let ids: Vec<String> = (0..12).map(|i| format!("s{i:02}")).collect();
+    let texts: Vec<String> = (0..12).map(|i| format!("a hat {i} at the tea")).collect();
+    let text_refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    write_parquet(&dir.join("in.parquet"), prompts(&ids, &text_refs));
+    let system = "the heat at the theatre that the athlete ate at the hearth then the tea that the hatter had ".repeat(2);
+    let job = |out: &str, ranks: usize| {
+        let path = dir.join(format!("{out}.toml"));
+        std::fs::write(
+            &path,
+            format!(
+                "[input]\nurl = {:?}\nid_column = \"id\"\nsystem_prompt = {system:?}\n[model]\npath = {:?}\n[generation]\nmax_new_tokens = 10\nn = 3\ntemperature = 0.8\nseed = 5\n[output]\nurl = {:?}\n[runtime]\nmax_seqs = 6\ntensor_parallel = {ranks}\n",
+                dir.join("in.parquet").to_string_lossy(),
+                model.to_string_lossy(),
+                dir.join(out).to_string_lossy()
+            ),
+        )
+        .unwrap();
+        nightshift(&["run", path.to_str().unwrap()], &[]).assert_ok();
+        read_results_json(&dir.join(out))
+    };
+    let whole = job("whole", 1);
+    let split = job("split", 2);
+    let cached: u64 = whole.values().map(|r| r["cached_tokens"].as_u64().unwrap()).sum();
+    assert!(cached >= 11 * 16, "the rows after the first take their shared prefix from the cache ({cached} tokens)");
+    for (id, row) in &whole {
+        let other = &split[id];
+        assert_eq!(row["choices"], other["choices"], "{id}");
+        assert_eq!(row["cached_tokens"], other["cached_tokens"], "{id}");
+        assert_eq!(row["choices"].as_array().map(Vec::len), Some(3));
+    }
+}
