@@ -186,6 +186,7 @@ fn runtime_dtype_and_attention_apply_where_they_can() {
         ("attention = \"host\"\ndtype = \"bf16\"", "runtime.attention", "runtime.dtype is \"bf16\""),
         ("attention = \"paged-flash\"", "runtime.attention", "flash-attn"),
         ("attention = \"host\"\ndevice = \"cuda\"", "runtime.attention", "GPU"),
+        ("cpu_weights = \"f32\"", "runtime.cpu_weights", "Hugging Face"),
     ] {
         let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 4", &format!("[runtime]\n{runtime}"));
         for command in ["validate", "run"] {
@@ -221,6 +222,17 @@ fn runtime_dtype_and_attention_apply_where_they_can() {
     nightshift(&["run", hf_job("f32", "").to_str().unwrap()], &[]).assert_ok();
     nightshift(&["run", hf_job("bf16", "dtype = \"bf16\"").to_str().unwrap()], &[]).assert_ok();
     nightshift(&["run", hf_job("bf16-flag", "").to_str().unwrap(), "--dtype", "bf16"], &[]).assert_ok();
+    // The bf16 checkpoint's matrices in 16 bits on the CPU kernels (the default) or widened at load: the same
+    // greedy tokens, half the weight bytes, and numerics that say which ran.
+    nightshift(&["run", hf_job("f32-widened", "cpu_weights = \"f32\"").to_str().unwrap()], &[]).assert_ok();
+    let texts = |name: &str| read_results_json(&dir.join(name)).into_iter().map(|(id, row)| (id, row["text"].clone())).collect::<BTreeMap<_, _>>();
+    assert_eq!(texts("f32"), texts("f32-widened"));
+    assert!(numerics("f32").contains("bf16 as stored, on the CPU kernels"), "{}", numerics("f32"));
+    assert_ne!(numerics("f32"), numerics("f32-widened"));
+    assert_eq!(read_metrics_text(&dir.join("f32"))["weights_layout"], "bf16 as stored, on the CPU kernels");
+    assert_eq!(read_metrics_text(&dir.join("f32-widened"))["weights_layout"], "as-stored");
+    let bytes = |name: &str| read_metrics(&dir.join(name))["weights_bytes"].unwrap();
+    assert!(bytes("f32") < 0.75 * bytes("f32-widened"), "{} vs {}", bytes("f32"), bytes("f32-widened"));
     assert!(!numerics("f32").contains("dtype="), "{}", numerics("f32"));
     assert!(numerics("bf16").ends_with(";attention=paged-tiled;dtype=bf16"), "{}", numerics("bf16"));
     assert_eq!(numerics("bf16"), numerics("bf16-flag"));

@@ -85,6 +85,9 @@ fn check_runtime(job: &Job) -> Result<(), JobError> {
         };
         return Err(invalid("runtime.dtype", format!("is \"{}\", which applies to Hugging Face decoders; {model}: remove it or set \"auto\"", runtime.dtype.name())));
     }
+    if runtime.cpu_weights == crate::job::CpuWeights::F32 && !(decoder && job.model.path.is_dir()) {
+        return Err(invalid("runtime.cpu_weights", "is \"f32\", which widens a Hugging Face decoder's 16-bit matrices; a GGUF file's are \"as-stored\", \"fast\" or \"q8_0\"".into()));
+    }
     if runtime.attention != AttentionChoice::Auto && !decoder {
         return Err(invalid("runtime.attention", format!("is \"{}\", which applies to decoders (kind = \"generate\"): remove it or set \"auto\"", runtime.attention.name())));
     }
@@ -228,7 +231,7 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
     let weights_layout = model.layout().name();
     info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
         dtype = ?model.dtype(), weights = weights_layout, cpu_weights = %job.runtime.cpu_weights.name(),
-        cpu_kernels = (device.is_cpu() && model.layout() == engine::Layout::AsStored).then(|| engine::kernels::Level::active().name()), attention, tensor_parallel = ranks,
+        cpu_kernels = (device.is_cpu() && model.layout().on_kernels()).then(|| engine::kernels::Level::active().name()), attention, tensor_parallel = ranks,
         kv_cache_dtype = kv_dtype.as_str(), kv_bytes_per_token = block_bytes / engine::KV_BLOCK_TOKENS, "decoder");
     let kv_bytes = engine::kv_cache_bytes(job.runtime.kv_cache_memory, device);
     // The ranks share this process's memory: their activations and one sequence's KV blocks must fit beside the

@@ -53,11 +53,14 @@ impl DeviceChoice {
     }
 }
 
-/// How a GGUF decoder's weights are laid out on the CPU (`runtime.cpu_weights`). Other devices, Hugging Face
-/// directories and encoders always compute the weights as stored.
+/// How a decoder's weights are laid out on the CPU (`runtime.cpu_weights`): a GGUF file's, and a Hugging Face
+/// checkpoint's 16-bit matrices (`AsStored` or `F32`; `Fast` and `Q8_0` are a GGUF file's only). Other devices and
+/// encoders always compute the weights as stored.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CpuWeights {
-    /// Every matrix as the file stores it: the model the user chose. The default.
+    /// Every matrix as the file stores it: the model the user chose. The default. A Hugging Face checkpoint's bf16
+    /// or f16 matrices stay in 16 bits on nightshift's kernels, each weight widened exactly as it is read, the
+    /// activations in f32 (in f32 compute, `runtime.dtype = "auto"` on the CPU).
     #[default]
     AsStored,
     /// Requantized for candle's fast CPU kernels: widths zero-padded to a multiple of 256, the layers in Q4_K and
@@ -66,6 +69,9 @@ pub enum CpuWeights {
     Fast,
     /// Padded like `Fast`, every matrix requantized to Q8_0: closer to the stored weights, slower.
     Q8_0,
+    /// A Hugging Face decoder's bf16 or f16 matrices widened to f32 at load, for candle's f32 products: twice the
+    /// memory of `AsStored`, which keeps them in 16 bits on nightshift's kernels (the same weights either way).
+    F32,
 }
 
 impl CpuWeights {
@@ -74,7 +80,8 @@ impl CpuWeights {
             "as-stored" => Ok(CpuWeights::AsStored),
             "fast" => Ok(CpuWeights::Fast),
             "q8_0" => Ok(CpuWeights::Q8_0),
-            other => Err(format!("must be \"as-stored\", \"fast\" or \"q8_0\", got {other:?}")),
+            "f32" => Ok(CpuWeights::F32),
+            other => Err(format!("must be \"as-stored\", \"fast\", \"q8_0\" or \"f32\", got {other:?}")),
         }
     }
 
@@ -83,6 +90,7 @@ impl CpuWeights {
             CpuWeights::AsStored => "as-stored",
             CpuWeights::Fast => "fast",
             CpuWeights::Q8_0 => "q8_0",
+            CpuWeights::F32 => "f32",
         }
     }
 }
@@ -243,7 +251,7 @@ pub struct RuntimeSpec {
     pub drain_grace: std::time::Duration,
     /// Memory for the KV cache: it bounds how many tokens all running sequences hold together.
     pub kv_cache_memory: MemoryBudget,
-    /// How a GGUF decoder's weights are laid out on the CPU.
+    /// How a decoder's weights are laid out on the CPU (a GGUF file's, or a Hugging Face checkpoint's 16-bit ones).
     pub cpu_weights: CpuWeights,
     /// How a decoder's KV cache holds keys and values.
     pub kv_cache_dtype: KvCacheDtype,

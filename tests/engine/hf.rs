@@ -91,8 +91,9 @@ impl Reference {
 const PROMPT: &[u32] = &[260, 85, 115, 101, 114, 198, 72, 105, 33, 261, 198];
 
 /// Logits of a prefill and eight greedy decode steps, against candle-transformers on the same weights, within 1e-4.
-/// Measured largest differences (and largest |logit|): llama3 3.3e-6 (7.9), smollm 1.5e-5 (64.6), mistral 3.3e-6
-/// (9.5), qwen2 1.9e-5 (61.4), qwen3 2.3e-5 (64.4).
+/// Measured largest differences (and largest |logit|): llama3 4.3e-6 (7.9), smollm 1.5e-5 (64.6), mistral 2.4e-6
+/// (9.5), qwen2 2.3e-5 (61.4), qwen3 1.1e-5 (64.4), phi-4-mini 4.6e-5 (72.3); the bf16 and f16 ones (smollm,
+/// mistral, qwen3, qwen3-moe) with their matrices in 16 bits on nightshift's kernels, candle-transformers' widened.
 fn parity_with_candle_transformers(variant: HfVariant) {
     let dir = tiny("parity", variant);
     let (model, info) = Model::load(&dir, &Device::Cpu).unwrap();
@@ -164,11 +165,54 @@ fn mixtral_and_qwen3_moe_experts_equal_candle_transformers() {
     parity_with_candle_transformers(HfVariant::Qwen2Moe);
 }
 
+/// A 16-bit checkpoint's matrices stay in 16 bits on the CPU kernels (the default, `cpu_weights = "as-stored"`):
+/// the same weights as widened to f32 at load (`"f32"`), each product's sums in another order. Logits of a prefill
+/// and eight greedy steps within 1e-4 of the widened model's (the same bound as candle-transformers', which widens),
+/// the same greedy tokens, and the matrices in about half the bytes.
+fn sixteen_bits_equal_widened(variant: HfVariant) {
+    use nightshift::job::{ComputeDtype, CpuWeights};
+    let dir = tiny("sixteen", variant);
+    let (packed, _) = Model::load_as(&dir, &Device::Cpu, CpuWeights::AsStored, ComputeDtype::Auto).unwrap();
+    let (widened, _) = Model::load_as(&dir, &Device::Cpu, CpuWeights::F32, ComputeDtype::Auto).unwrap();
+    assert!(packed.layout().name().contains("as stored, on the CPU kernels"), "{variant:?}: {}", packed.layout().name());
+    assert_eq!(widened.layout().name(), "as-stored");
+    assert_eq!(packed.dtype(), DType::F32, "activations stay f32");
+    let (a, b) = (HostAttention::new(&packed, DType::F32).unwrap(), HostAttention::new(&widened, DType::F32).unwrap());
+    let (mut ca, mut cb) = (a.new_cache(32), b.new_cache(32));
+    let mut ours = packed.forward(&a, &mut [Segment { tokens: PROMPT, cache: &mut ca }]).unwrap().remove(0);
+    let mut theirs = widened.forward(&b, &mut [Segment { tokens: PROMPT, cache: &mut cb }]).unwrap().remove(0);
+    let mut worst = max_abs_diff(&ours, &theirs);
+    for _ in 0..8 {
+        assert_eq!(argmax(&ours), argmax(&theirs), "{variant:?}: greedy tokens differ at position {}", ca.len());
+        let next = [argmax(&ours)];
+        ours = packed.forward(&a, &mut [Segment { tokens: &next, cache: &mut ca }]).unwrap().remove(0);
+        theirs = widened.forward(&b, &mut [Segment { tokens: &next, cache: &mut cb }]).unwrap().remove(0);
+        worst = worst.max(max_abs_diff(&ours, &theirs));
+    }
+    let (small, large) = (packed.weight_bytes(), widened.weight_bytes());
+    eprintln!("{variant:?}: 16-bit vs widened: largest logit difference {worst:e}, weights {small} vs {large} bytes");
+    assert!(worst <= 1e-4, "{variant:?}: 16-bit and widened logits differ by {worst}");
+    // The embedding table stays f32 for the lookups; every matrix halves.
+    assert!(small * 10 < large * 7, "{variant:?}: {small} bytes in 16 bits vs {large} widened");
+}
+
+#[test]
+fn sixteen_bit_matrices_on_the_kernels_equal_them_widened() {
+    // bf16 tied (the lm_head from the stored table), f16 with a wide head, bf16 experts.
+    for variant in [HfVariant::SmolLm, HfVariant::Mistral, HfVariant::Qwen3Moe] {
+        sixteen_bits_equal_widened(variant);
+    }
+    // An f32 checkpoint has nothing to keep in 16 bits.
+    let (model, _) = Model::load_as(&tiny("sixteen", HfVariant::Llama3), &Device::Cpu, Default::default(), Default::default()).unwrap();
+    assert_eq!(model.layout().name(), "as-stored");
+}
+
 /// Three prompts of different lengths packed into one pass, then ten greedy steps of all three together, against
 /// each sequence alone: the same tokens, logits within 1e-5. And a prompt prefilled in one pass equals it fed
-/// token by token, within 1e-4. Measured: bit-identical in both, for every variant (f32 products run at least
-/// eight rows, see `DENSE_MIN_ROWS`) but Qwen2-MoE batched, 2.9e-6 (not traced: not its shared expert's gate, which
-/// is now a row of the router's product); the tolerances leave room for CPUs whose gemm kernels block differently.
+/// token by token, within 1e-4. Measured: bit-identical in both for every dense variant (f32 products run at least
+/// eight rows, see `DENSE_MIN_ROWS`); the mixtures of experts, whose experts see other rows batched, differ
+/// batched by 2.4e-6 (Mixtral), 1.4e-6 (Qwen3-MoE, also prefilled vs token by token) and 2.6e-6 (Qwen2-MoE); the
+/// tolerances leave room for CPUs whose gemm kernels block differently.
 fn batched_equals_one_at_a_time(variant: HfVariant) {
     let dir = tiny("batched", variant);
     let (model, _) = Model::load(&dir, &Device::Cpu).unwrap();

@@ -510,6 +510,23 @@ impl Matrix {
         Ok(Matrix::Candle(QMatMul::from_qtensor(t)?))
     }
 
+    /// A dense bf16 or f16 matrix on the CPU (a Hugging Face checkpoint's, as stored) packed for the kernels'
+    /// 16-bit path, which widens each weight exactly and takes the activations in f32; `None` for another dtype or a
+    /// width the kernels do not take.
+    pub fn packed_16bit(t: &Tensor) -> candle_core::Result<Option<Matrix>> {
+        if !t.device().is_cpu() {
+            return Ok(None);
+        }
+        let (n, k) = t.dims2()?;
+        let (dtype, bits): (GgmlDType, Vec<u16>) = match t.dtype() {
+            candle_core::DType::BF16 => (GgmlDType::BF16, t.flatten_all()?.to_vec1::<half::bf16>()?.into_iter().map(half::bf16::to_bits).collect()),
+            candle_core::DType::F16 => (GgmlDType::F16, t.flatten_all()?.to_vec1::<half::f16>()?.into_iter().map(half::f16::to_bits).collect()),
+            _ => return Ok(None),
+        };
+        let bytes: Vec<u8> = bits.into_iter().flat_map(u16::to_le_bytes).collect();
+        Ok(pack::pack(dtype, &bytes, n, k).map_err(candle_core::Error::Msg)?.map(Matrix::Packed))
+    }
+
     /// The matrix's columns, the width of the rows it multiplies.
     pub fn columns(&self) -> usize {
         match self {

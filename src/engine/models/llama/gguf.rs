@@ -501,6 +501,10 @@ pub enum Layout {
     /// Padded to multiples of 256; the layers' matrices requantized to the first type, the output projection to
     /// the second.
     Padded(candle_core::quantized::GgmlDType, candle_core::quantized::GgmlDType),
+    /// A Hugging Face checkpoint's 16-bit matrices (bf16 or f16, this one) as stored, on the CPU's kernels, which
+    /// widen each weight exactly and take the activations in f32 (`runtime.cpu_weights = "as-stored"` on the CPU;
+    /// `"f32"` widens them at load for candle's f32 products instead, [`Layout::AsStored`]).
+    Stored16(candle_core::quantized::GgmlDType),
 }
 
 impl Layout {
@@ -512,7 +516,7 @@ impl Layout {
         use candle_core::quantized::GgmlDType;
         let (layers, output) = match weights {
             _ if !device.is_cpu() => return Layout::AsStored,
-            CpuWeights::AsStored => return Layout::AsStored,
+            CpuWeights::AsStored | CpuWeights::F32 => return Layout::AsStored,
             CpuWeights::Fast => (GgmlDType::Q4K, GgmlDType::Q6K),
             CpuWeights::Q8_0 => (GgmlDType::Q8_0, GgmlDType::Q8_0),
         };
@@ -534,12 +538,19 @@ impl Layout {
             Layout::Padded(GgmlDType::Q4K, GgmlDType::Q6K) => "requantized to q4_k, output q6_k, padded",
             Layout::Padded(GgmlDType::Q8_0, GgmlDType::Q8_0) => "requantized to q8_0, padded",
             Layout::Padded(..) => "requantized, padded",
+            Layout::Stored16(GgmlDType::F16) => "f16 as stored, on the CPU kernels",
+            Layout::Stored16(_) => "bf16 as stored, on the CPU kernels",
         }
+    }
+
+    /// Whether the matrices are on nightshift's CPU kernels (on the CPU): as stored, GGUF or 16-bit.
+    pub fn on_kernels(self) -> bool {
+        matches!(self, Layout::AsStored | Layout::Stored16(_))
     }
 
     fn pad(self, width: usize) -> usize {
         match self {
-            Layout::AsStored | Layout::Q8 => width,
+            Layout::AsStored | Layout::Q8 | Layout::Stored16(_) => width,
             Layout::Padded(..) => width.div_ceil(256) * 256,
         }
     }
@@ -557,7 +568,7 @@ impl Layout {
 /// ([`Matrix::new`]); requantized layouts are made for candle's kernels and stay with them.
 fn matrix(t: QTensor, layout: Layout, device: &Device) -> candle_core::Result<Matrix> {
     match layout {
-        Layout::AsStored => Matrix::new(t, device),
+        Layout::AsStored | Layout::Stored16(_) => Matrix::new(t, device),
         _ => QMatMul::from_qtensor(t).map(Matrix::Candle),
     }
 }
@@ -566,7 +577,7 @@ fn matrix(t: QTensor, layout: Layout, device: &Device) -> candle_core::Result<Ma
 fn lay_out(t: QTensor, n_pad: usize, k_pad: usize, layout: Layout, device: &Device) -> candle_core::Result<QTensor> {
     use candle_core::quantized::GgmlDType;
     let dtype = match layout {
-        Layout::AsStored => return Ok(t),
+        Layout::AsStored | Layout::Stored16(_) => return Ok(t),
         Layout::Q8 if matches!(t.dtype(), GgmlDType::Q4_0 | GgmlDType::Q4_1) && t.shape().dims().last().is_some_and(|k| k % 32 == 0) => {
             return QTensor::quantize(&t.dequantize(device)?, GgmlDType::Q8_0);
         }

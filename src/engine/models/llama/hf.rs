@@ -55,7 +55,7 @@ use crate::engine::models::moe::{Expert, Experts, Router};
 use super::{Layer, Model, ModelConfig, ModelInfo, RopeScaling, Weights, MAX_CONTEXT};
 use crate::engine::models::gemma::{GemmaConfig, PostNorms};
 use crate::engine::models::Sliding;
-use crate::job::ComputeDtype;
+use crate::job::{ComputeDtype, CpuWeights};
 use crate::engine::ModelError;
 use crate::tokenize::vocab::{VocabMetadata, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED};
 
@@ -606,6 +606,13 @@ impl Shards {
         Ok(Shards { files, routing })
     }
 
+    /// The dtype a tensor is stored in, as candle names it; `None` for a missing tensor or a dtype candle lacks.
+    fn stored_dtype(&self, name: &str) -> Option<DType> {
+        let &index = self.routing.get(name)?;
+        let view = self.files[index].1.get(name).ok()?;
+        DType::try_from(view.dtype()).ok()
+    }
+
     /// Shape and dtype of a tensor, without reading its data.
     fn describe(&self, name: &str) -> Option<(Vec<usize>, String)> {
         let &index = self.routing.get(name)?;
@@ -749,7 +756,11 @@ pub fn compute_dtype(device: &Device, asked: ComputeDtype) -> DType {
 /// Loads a Hugging Face directory's decoder onto `device`, weights in `dtype` (`None`: [`compute_dtype`]'s).
 /// Loads the model, or a tensor-parallel rank's slice of it (`slice`), with another rank's embedding table where
 /// one is given (`shared`: then neither read nor held twice).
-pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, slice: Option<&RankSlice>, shared: Option<&Tensor>) -> Result<(Model, ModelInfo), ModelError> {
+///
+/// On the CPU in f32 (the default there), the 16-bit matrices of a bf16 or f16 checkpoint stay in 16 bits on
+/// nightshift's kernels unless `weights` is [`CpuWeights::F32`] ([`Layout::Stored16`](super::Layout::Stored16)):
+/// the same weights as widened to f32, in half the memory, each product's sums in the kernels' order.
+pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, weights: CpuWeights, slice: Option<&RankSlice>, shared: Option<&Tensor>) -> Result<(Model, ModelInfo), ModelError> {
     let Checkpoint { info, variant, shards } = Checkpoint::open(dir)?;
     let mut config = info.config.clone();
     let whole = RankSlice::whole(info.config.heads, info.config.kv_heads);
@@ -760,7 +771,14 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, slice: Option<&Ra
         None => compute_dtype(device, ComputeDtype::Auto),
     };
     let load = |name: &str| shards.load(name, device, dtype);
+    // A matrix's tensor: in its stored 16-bit dtype where it goes to the CPU kernels as stored, in `dtype` otherwise.
+    let sixteen = device.is_cpu() && dtype == DType::F32 && weights != CpuWeights::F32;
+    let load_matrix = |name: &str| match shards.stored_dtype(name) {
+        Some(stored @ (DType::BF16 | DType::F16)) if sixteen => shards.load(name, device, stored),
+        _ => load(name),
+    };
     let rotary = |name: &str| load(name).and_then(|t| interleave_halves(&t, hd, rot).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}"))));
+    let rotary_matrix = |name: &str| load_matrix(name).and_then(|t| interleave_halves(&t, hd, rot).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}"))));
     // A norm weight: Gemma's `w` as `1 + w`, added in f32 before the compute dtype, as Hugging Face computes it.
     let norm = |name: &str| -> Result<Tensor, ModelError> {
         match variant.post_norms {
@@ -771,7 +789,19 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, slice: Option<&Ra
         }
     };
     let mut post_norms = Vec::new();
-    let dense = |t: Tensor| Matrix::Candle(QMatMul::Tensor(t));
+    // The matrix of a tensor: a 16-bit one packed for the kernels, in `dtype` for candle otherwise (a 16-bit tensor
+    // the kernels cannot take, widened).
+    let stored16 = std::cell::Cell::new(None);
+    let dense = |t: Tensor| -> Result<Matrix, ModelError> {
+        let fail = |e: candle_core::Error| ModelError::Metadata(format!("a matrix of shape {:?}: {e}", t.dims()));
+        if t.dtype() != dtype {
+            if let Some(m) = Matrix::packed_16bit(&t).map_err(fail)? {
+                stored16.set(Some(t.dtype()));
+                return Ok(m);
+            }
+        }
+        Ok(Matrix::Candle(QMatMul::Tensor(t.to_dtype(dtype).map_err(fail)?)))
+    };
     // This rank's rows (`Rows`) or columns of a tensor: by query heads, kv heads or feed-forward columns.
     let tp = slice.ranks > 1;
     let (heads, kv_heads) = (slice.heads.start * hd..slice.heads.end * hd, slice.kv_heads.start * hd..slice.kv_heads.end * hd);
@@ -788,7 +818,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, slice: Option<&Ra
     // A gated network of `width` columns, this rank's part.
     let ffn = |gate: Tensor, up: Tensor, down: Tensor, width: usize| -> Result<[Matrix; 3], ModelError> {
         let part = slice.ffn(width);
-        Ok([dense(cut(gate, false, part.clone())?), dense(cut(up, false, part.clone())?), dense(cut(down, true, part)?)])
+        Ok([dense(cut(gate, false, part.clone())?)?, dense(cut(up, false, part.clone())?)?, dense(cut(down, true, part)?)?])
     };
     let embedding = match shared {
         Some(table) if slice.rank > 0 => table.clone(),
@@ -821,7 +851,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, slice: Option<&Ra
         };
         // Phi-3's fused matrices, split by rows (q, k, v; gate, up).
         let rows = |name: &str, parts: &[usize]| -> Result<Vec<Tensor>, ModelError> {
-            let t = load(name)?;
+            let t = load_matrix(name)?;
             let mut at = 0;
             parts
                 .iter()
@@ -839,14 +869,14 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, slice: Option<&Ra
                 let [q, k, v]: [Tensor; 3] = rows(&qkv, &[q_rows, kv_rows, kv_rows])?.try_into().expect("three parts");
                 (halves(q, &qkv)?, halves(k, &qkv)?, v)
             }
-            false => (rotary(&p("self_attn.q_proj.weight"))?, rotary(&p("self_attn.k_proj.weight"))?, load(&p("self_attn.v_proj.weight"))?),
+            false => (rotary_matrix(&p("self_attn.q_proj.weight"))?, rotary_matrix(&p("self_attn.k_proj.weight"))?, load_matrix(&p("self_attn.v_proj.weight"))?),
         };
         let ffn = match (variant.experts, &config.moe) {
             (Some(names), Some(moe)) => {
                 let experts = (0..moe.experts)
                     .map(|e| {
                         let [gate, up, down] = names.expert(e).map(|n| p(&n));
-                        let [gate, up, down] = ffn(load(&gate)?, load(&up)?, load(&down)?, config.ffn_size)?;
+                        let [gate, up, down] = ffn(load_matrix(&gate)?, load_matrix(&up)?, load_matrix(&down)?, config.ffn_size)?;
                         Ok(Expert { gate, up, down })
                     })
                     .collect::<Result<_, ModelError>>()?;
@@ -857,7 +887,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, slice: Option<&Ra
                     None => Ffn::Experts(Box::new(experts)),
                     Some(width) => {
                         let [gate, up, down] = ["gate_proj", "up_proj", "down_proj"].map(|w| p(&format!("mlp.shared_expert.{w}.weight")));
-                        let [gate, up, down] = ffn(load(&gate)?, load(&up)?, load(&down)?, width)?;
+                        let [gate, up, down] = ffn(load_matrix(&gate)?, load_matrix(&up)?, load_matrix(&down)?, width)?;
                         let expert = Expert { gate, up, down };
                         let name = p("mlp.shared_expert_gate.weight");
                         let experts = experts.with_shared(expert, shards.load(&name, device, DType::F32)?).map_err(|e| ModelError::Metadata(format!("tensor `{name}`: {e}")))?;
@@ -868,20 +898,20 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, slice: Option<&Ra
             _ if variant.fused => {
                 let gate_up = p("mlp.gate_up_proj.weight");
                 let [gate, up]: [Tensor; 2] = rows(&gate_up, &[config.ffn_size, config.ffn_size])?.try_into().expect("two parts");
-                let [gate, up, down] = ffn(gate, up, load(&p("mlp.down_proj.weight"))?, config.ffn_size)?;
+                let [gate, up, down] = ffn(gate, up, load_matrix(&p("mlp.down_proj.weight"))?, config.ffn_size)?;
                 Ffn::Dense { gate, up, down }
             }
             _ => {
-                let [gate, up, down] = ffn(load(&p("mlp.gate_proj.weight"))?, load(&p("mlp.up_proj.weight"))?, load(&p("mlp.down_proj.weight"))?, config.ffn_size)?;
+                let [gate, up, down] = ffn(load_matrix(&p("mlp.gate_proj.weight"))?, load_matrix(&p("mlp.up_proj.weight"))?, load_matrix(&p("mlp.down_proj.weight"))?, config.ffn_size)?;
                 Ffn::Dense { gate, up, down }
             }
         };
         layers.push(Layer {
             attn_norm: norm(&p("input_layernorm.weight"))?.into(),
-            wq: dense(cut(wq, false, heads.clone())?),
-            wk: dense(cut(wk, false, kv_heads.clone())?),
-            wv: dense(cut(wv, false, kv_heads.clone())?),
-            wo: dense(cut(load(&p("self_attn.o_proj.weight"))?, true, heads.clone())?),
+            wq: dense(cut(wq, false, heads.clone())?)?,
+            wk: dense(cut(wk, false, kv_heads.clone())?)?,
+            wv: dense(cut(wv, false, kv_heads.clone())?)?,
+            wo: dense(cut(load_matrix(&p("self_attn.o_proj.weight"))?, true, heads.clone())?)?,
             qkv_bias: vectors(qkv_bias),
             wo_bias: if variant.wo_bias { Some(load(&p("self_attn.o_proj.bias"))?.into()) } else { None },
             qk_norm: vectors(qk_norm),
@@ -893,14 +923,21 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, slice: Option<&Ra
     // A tensor-parallel model's logits are its first rank's alone.
     let lm_head = match (slice.rank == 0, variant.tied) {
         (false, _) => None,
-        (true, true) => Some(dense(embedding.clone())),
-        (true, false) => Some(dense(load("lm_head.weight")?)),
+        // Tied: the embedding's stored tensor, as the other matrices are held.
+        (true, true) if sixteen => Some(dense(load_matrix("model.embed_tokens.weight")?)?),
+        (true, true) => Some(dense(embedding.clone())?),
+        (true, false) => Some(dense(load_matrix("lm_head.weight")?)?),
     };
     if tp {
         config.ffn_size = slice.ffn(config.ffn_size).len();
         (config.heads, config.kv_heads) = (slice.heads.len(), slice.kv_heads.len());
     }
-    let weights = Weights { embedding, layers, post_norms, output_norm, lm_head, attn_width: config.heads * hd, layout: super::Layout::AsStored };
+    let layout = match stored16.get() {
+        Some(DType::F16) => super::Layout::Stored16(candle_core::quantized::GgmlDType::F16),
+        Some(_) => super::Layout::Stored16(candle_core::quantized::GgmlDType::BF16),
+        None => super::Layout::AsStored,
+    };
+    let weights = Weights { embedding, layers, post_norms, output_norm, lm_head, attn_width: config.heads * hd, layout };
     Ok((Model::assemble(config, device, weights), info))
 }
 

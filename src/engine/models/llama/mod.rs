@@ -347,7 +347,7 @@ impl Model {
     /// job's check refuses anything but `auto` for one).
     pub fn load_as(path: &Path, device: &Device, weights: CpuWeights, dtype: ComputeDtype) -> Result<(Model, ModelInfo), ModelError> {
         if path.is_dir() {
-            return hf::load(path, device, Some(hf::compute_dtype(device, dtype)), None, None);
+            return hf::load(path, device, Some(hf::compute_dtype(device, dtype)), weights, None, None);
         }
         gguf::load(path, device, |config| Layout::choose(device, config, weights), None, None)
     }
@@ -355,14 +355,14 @@ impl Model {
     /// Loads a Hugging Face directory with its weights and activations in `dtype` (anything but f32 runs on the
     /// paged backend, the only one that computes in other dtypes).
     pub fn load_hf_as(dir: &Path, device: &Device, dtype: DType) -> Result<(Model, ModelInfo), ModelError> {
-        hf::load(dir, device, Some(dtype), None, None)
+        hf::load(dir, device, Some(dtype), CpuWeights::default(), None, None)
     }
 
     /// Loads a GGUF llama-family model in exactly the given weight layout, for comparisons. A Hugging Face
     /// directory has one layout, dense weights, and ignores `layout`.
     pub fn load_with(path: &Path, device: &Device, layout: Layout) -> Result<(Model, ModelInfo), ModelError> {
         if path.is_dir() {
-            return hf::load(path, device, None, None, None);
+            return hf::load(path, device, None, CpuWeights::F32, None, None);
         }
         gguf::load(path, device, |_| layout, None, None)
     }
@@ -374,7 +374,7 @@ impl Model {
     pub fn load_rank(path: &Path, device: &Device, weights: CpuWeights, dtype: ComputeDtype, slice: &RankSlice, rank: Rank, first: Option<&Model>) -> Result<(Model, ModelInfo), ModelError> {
         let shared = first.filter(|f| f.device.same_device(device)).map(|f| &f.embedding);
         let (mut model, info) = match path.is_dir() {
-            true => hf::load(path, device, Some(hf::compute_dtype(device, dtype)), Some(slice), shared)?,
+            true => hf::load(path, device, Some(hf::compute_dtype(device, dtype)), weights, Some(slice), shared)?,
             false => gguf::load(path, device, |config| Layout::choose(device, config, weights), Some(slice), shared)?,
         };
         if let Some(first) = first.filter(|_| shared.is_some()) {
