@@ -233,6 +233,18 @@ fn runtime_dtype_and_attention_apply_where_they_can() {
     assert_eq!(read_metrics_text(&dir.join("f32-widened"))["weights_layout"], "as-stored");
     let bytes = |name: &str| read_metrics(&dir.join(name))["weights_bytes"].unwrap();
     assert!(bytes("f32") < 0.75 * bytes("f32-widened"), "{} vs {}", bytes("f32"), bytes("f32-widened"));
+    // At the AMX level (where the CPU has AMX-BF16 tiles) the bf16 matrices' products round their activations to
+    // bf16: the metrics and the numerics say so, and the default run's results serve nothing to it.
+    use nightshift::engine::kernels::Level;
+    if Level::available().contains(&Level::Amx) {
+        nightshift(&["run", hf_job("amx", "cpu_kernels = \"amx\"").to_str().unwrap(), "--reuse", dir.join("f32").to_str().unwrap()], &[]).assert_ok();
+        assert_eq!(read_metrics_text(&dir.join("amx"))["weights_layout"], "bf16 as stored, on AMX bf16 tiles (activations rounded to bf16)");
+        assert_ne!(numerics("amx"), numerics("f32"));
+        assert_eq!(read_metrics(&dir.join("amx"))["reused_rows"], Some(0.0));
+        assert_eq!(read_results_json(&dir.join("amx")).len(), 2);
+    } else {
+        eprintln!("this CPU has no AMX level: the bf16 tiles' job check is skipped here");
+    }
     assert!(!numerics("f32").contains("dtype="), "{}", numerics("f32"));
     assert!(numerics("bf16").ends_with(";attention=paged-tiled;dtype=bf16"), "{}", numerics("bf16"));
     assert_eq!(numerics("bf16"), numerics("bf16-flag"));

@@ -228,7 +228,7 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
     }
     let attention = plan.name();
     let compute_dtype = (job.model.path.is_dir() && model.dtype() != llama::hf::compute_dtype(device, ComputeDtype::Auto)).then(|| model.dtype().as_str());
-    let weights_layout = model.layout().name();
+    let weights_layout = model.weights_name();
     info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
         dtype = ?model.dtype(), weights = weights_layout, cpu_weights = %job.runtime.cpu_weights.name(),
         cpu_kernels = (device.is_cpu() && model.layout().on_kernels()).then(|| engine::kernels::Level::active().name()), attention, tensor_parallel = ranks,

@@ -209,7 +209,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
         ignore_eos: options.workload == Workload::Fixed,
         ..GenerationParams::default()
     };
-    let (weights_bytes, model_layout) = (decoder.weight_bytes(), model.layout().name());
+    let (weights_bytes, model_layout) = (decoder.weight_bytes(), model.weights_name());
     let plan = engine::AttentionPlan::choose(model, options.attention).map_err(|m| Error::Usage(format!("--attention {m}")))?;
     let (backend, attention) = (plan.backend, plan.name());
     let kv_bytes = crate::engine::kv_cache_bytes(options.kv_cache_memory, &device);

@@ -26,6 +26,15 @@
 //! the VNNI kernels at 128 rows and more, two threads about as fast (BENCHMARKS.md). [`super::Level::preferred`] therefore stops
 //! at VNNI; `NIGHTSHIFT_CPU_KERNELS=amx` runs this level.
 //!
+//! bf16 weights take the tile unit's bf16 products (`tdpbf16ps`, AMX-BF16): there the integer detour is gone,
+//! each output's sum stays in the tiles across the whole row, and a tile product does 16 times the work of the
+//! int8 one per block of 32. They multiply bf16 by bf16, so the activations are rounded to bf16 first: the one
+//! product whose results differ from the other levels' ([`super::rounds_bf16_activations`]; the model's
+//! `weights_name` says so). Each task lays its weight rows out as tiles (pairs of columns to a 32-bit lane) before
+//! the activation tiles pass over them, which costs about what 32 rows of VNNI products do: fewer rows take the
+//! VNNI kernels on the same rounded activations. On the 2-core Sapphire Rapids VM, 2.0-2.6x VNNI's GFLOP/s at
+//! 128 rows and 1.6-4.3x at 512 (BENCHMARKS.md). F16 weights have no tile products before AMX-FP16.
+//!
 //! Linux hands a process the tiles' 8 KiB register state only when asked (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
 //! until then the first tile instruction is `SIGILL`. [`granted`] asks once and the level exists only if Linux
 //! says yes.
@@ -61,6 +70,14 @@ pub(super) fn granted() -> bool {
             }
         }
     })
+}
+
+/// Whether the tile unit's bf16 products run here too: the AMX level ([`granted`]) on a CPU with AMX-BF16 (CPUID
+/// leaf 7, sub-leaf 0, EDX bit 22; every CPU with AMX-INT8 so far).
+pub(super) fn bf16_granted() -> bool {
+    // Asked once: `cpuid` leaves a virtual machine for its host, tens of microseconds.
+    static BF16: OnceLock<bool> = OnceLock::new();
+    *BF16.get_or_init(|| granted() && __cpuid_count(7, 0).edx & (1 << 22) != 0)
 }
 
 fn cpu_has_amx() -> bool {
@@ -287,8 +304,115 @@ unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
         Data::Q4 { .. } => run_tiles::<Q4>(w, rows, x, out),
         Data::U8 { .. } => run_tiles::<U8>(w, rows, x, out),
         Data::S8 { .. } => run_tiles::<S8>(w, rows, x, out),
+        Data::Bf16(ref bits) if !x.bf16.is_empty() => run_bf16(bits, w, rows, x, out),
+        // F16 (the tile unit has no f16 products before AMX-FP16), and bf16 products of fewer than
+        // `BF16_TILE_ROWS` rows (their activations rounded to bf16 all the same, see `matmul_many`).
         Data::F16(_) | Data::Bf16(_) => super::x86::avx512_vnni::run(w, rows, x, out),
     }
+}
+
+/// Weight rows `n0..n0 + 16` of a bf16 matrix (those below `end`; zero past it and past column `k`) as the tile
+/// unit's weight tiles, one per step of 32 columns: line `r` of step `s` holds, for each of the 16 rows, its
+/// columns `32 s + 2 r` and `32 s + 2 r + 1`, lower first.
+fn bf16_pair(bits: &[u16], k: usize, n0: usize, end: usize, lines: &mut [Line]) {
+    let rows = 16.min(end.saturating_sub(n0));
+    if rows < 16 || !k.is_multiple_of(32) {
+        lines.fill(Line([0; 64]));
+    }
+    for c in 0..rows {
+        let row = &bits[(n0 + c) * k..(n0 + c + 1) * k];
+        // Each pair of columns as one 32-bit lane, the lower column in the low half.
+        for (p, pair) in row.chunks(2).enumerate() {
+            let lane = u32::from(pair[0]) | pair.get(1).map_or(0, |&v| u32::from(v) << 16);
+            let line = &mut lines[p / 16 * 16 + p % 16];
+            line.0[4 * c..4 * c + 4].copy_from_slice(&lane.to_le_bytes());
+        }
+    }
+}
+
+/// 2 x 2 bf16 tile products over `steps` steps of 32 columns, summed in the tiles: `C[2a + b] = Σ_s A[a]_s · B[b]_s`
+/// for activation tiles from `x[a]` and weight tiles from `w[b]` (1 KiB each, the next step's 1 KiB further on),
+/// stored to `c[0..4]`. Tiles: sums `tmm0..tmm3`, activations `tmm4`, `tmm5`, weights `tmm6`, `tmm7`.
+///
+/// Safety: the tiles are configured for 16 rows of 64 bytes (`Config::new(64)`), `steps >= 1`, and `x[a]`, `w[b]`
+/// each point at `steps` KiB.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn bf16_products(x: [*const u16; 2], w: [*const Line; 2], steps: usize, c: &mut [Tile<f32>; 4]) {
+    let c = c.as_mut_ptr();
+    // SAFETY: the caller's contract for the loads; the stores write tiles `c[0..4]`, 1 KiB each, 4 KiB in all.
+    unsafe {
+        asm!(
+            "tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3",
+            "2:",
+            "tileloadd tmm4, [{x0} + {line}*1]",
+            "tileloadd tmm6, [{w0} + {line}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tileloadd tmm7, [{w1} + {line}*1]",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tileloadd tmm5, [{x1} + {line}*1]",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {x0}, 1024", "add {x1}, 1024", "add {w0}, 1024", "add {w1}, 1024",
+            "dec {n}",
+            "jnz 2b",
+            "tilestored [{c} + {line}*1], tmm0",
+            "tilestored [{c} + {line}*1 + 1024], tmm1",
+            "tilestored [{c} + {line}*1 + 2048], tmm2",
+            "tilestored [{c} + {line}*1 + 3072], tmm3",
+            x0 = inout(reg) x[0] => _, x1 = inout(reg) x[1] => _, w0 = inout(reg) w[0] => _, w1 = inout(reg) w[1] => _,
+            n = inout(reg) steps => _, line = in(reg) 64usize, c = in(reg) c, options(nostack),
+        );
+    }
+}
+
+/// [`run`] for bf16 weights and at least [`super::BF16_TILE_ROWS`] activation rows: the tile unit's bf16
+/// products (`tdpbf16ps`: pairs of bf16 products, exact in f32, added to f32 sums) of the rounded activations
+/// ([`Acts::bf16`]) by the weights as stored, 32 activation rows by 32 weight rows at a time, each output's sum
+/// kept in the tiles over every column. The edges (a last tile of rows, the last weight rows) run in padded
+/// tiles: zeros that add nothing.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn run_bf16(bits: &[u16], w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
+    let (m, k) = (x.rows(), w.k);
+    let (steps, tiles) = (k.div_ceil(32), m.div_ceil(ROWS));
+    assert!(x.bf16.len() == tiles * steps * 512 && bits.len() == w.n * k && rows.end <= w.n, "bf16 tile layout (a bug)");
+    let config = Config::new(64);
+    // SAFETY: `config` is a valid palette-1 configuration (every tile 16 rows of 64 bytes), 64 bytes.
+    unsafe { asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly)) };
+    let mut pairs = [vec![Line([0; 64]); 16 * steps], vec![Line([0; 64]); 16 * steps]];
+    let mut c = [Tile([[0f32; COLS]; ROWS]); 4];
+    let groups = (rows.end - rows.start).div_ceil(COLS);
+    for q in (0..groups).step_by(2) {
+        let nb = (groups - q).min(2);
+        let n0 = [0, 1].map(|j| rows.start + COLS * (q + j.min(nb - 1)));
+        for (j, pair) in pairs.iter_mut().enumerate().take(nb) {
+            bf16_pair(bits, k, n0[j], rows.end, pair);
+        }
+        for t in (0..tiles).step_by(2) {
+            let na = (tiles - t).min(2);
+            let xs = [0, 1].map(|a| x.bf16[(t + a.min(na - 1)) * steps * 512..].as_ptr());
+            let ws = [0, 1].map(|j| pairs[j.min(nb - 1)].as_ptr());
+            // SAFETY: configured above for 16 rows of 64 bytes; `steps >= 1` (k > 0); each activation pointer is
+            // tile `t + a < tiles`'s `steps` KiB of `x.bf16` (asserted length), each weight pointer a pair's
+            // `16 steps` lines.
+            unsafe { bf16_products(xs, ws, steps, &mut c) };
+            for a in 0..na {
+                for j in 0..nb {
+                    for i in 0..ROWS.min(m - ROWS * (t + a)) {
+                        for half in 0..2 {
+                            let col = n0[j] + PANEL * half;
+                            if col < rows.end {
+                                let lanes: &[f32; PANEL] = c[2 * a + j].0[i][PANEL * half..PANEL * half + PANEL].try_into().expect("eight lanes");
+                                out.write_lanes(ROWS * (t + a) + i, col, lanes);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // SAFETY: no operands; the tiles return to their initial state.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
 
 /// [`run`] for quantized weights of kind `T`, at least one whole tile of activation rows and one pair of panels.

@@ -89,6 +89,14 @@ impl Level {
     /// Settles the level for the process from the job's `runtime.cpu_kernels` and returns it: the level asked
     /// for if the CPU has it; otherwise (or for `auto`) [`Level::preferred`], with a warning when a level was named.
     pub fn choose(asked: CpuKernels) -> Level {
+        let level = Level::resolve(asked);
+        let index = Level::ALL.iter().position(|&l| l == level).expect("every level is in ALL");
+        CHOSEN.store(index as u8 + 1, Ordering::Relaxed);
+        level
+    }
+
+    /// The level [`Level::choose`] would settle for `asked`, without settling it.
+    fn resolve(asked: CpuKernels) -> Level {
         let named = match asked {
             CpuKernels::Auto => None,
             CpuKernels::Portable => Some(Level::Portable),
@@ -105,8 +113,6 @@ impl Level {
             }
             None => Level::preferred(),
         };
-        let index = Level::ALL.iter().position(|&l| l == level).expect("every level is in ALL");
-        CHOSEN.store(index as u8 + 1, Ordering::Relaxed);
         level
     }
 
@@ -264,6 +270,10 @@ struct Acts<'a> {
     sums: Vec<i32>,
     /// For the AMX level, the same activations in the tile unit's order (empty at the other levels).
     tiles: TileOrder,
+    /// For the AMX level's bf16 tiles, the activations (already rounded to bf16, `f32` holds their values) as bf16
+    /// bits in the tile unit's order: `[⌈m / 16⌉, ⌈k / 32⌉, 16, 32]`, zero past the last row and column. Empty
+    /// unless every matrix of the product is bf16 and it has at least [`BF16_TILE_ROWS`] rows.
+    bf16: Vec<u16>,
 }
 
 /// The activations as the AMX kernels read them, arranged once per product: the codes per 16 rows and block, the
@@ -306,7 +316,7 @@ impl TileOrder {
 
 impl<'a> Acts<'a> {
     fn new(level: Level, x: &'a [f32], k: usize, quantize: bool) -> Acts<'a> {
-        let mut acts = Acts { k, f32: x, qs: Vec::new(), d: Vec::new(), s32: Vec::new(), s16: Vec::new(), sums: Vec::new(), tiles: TileOrder::default() };
+        let mut acts = Acts { k, f32: x, qs: Vec::new(), d: Vec::new(), s32: Vec::new(), s16: Vec::new(), sums: Vec::new(), tiles: TileOrder::default(), bf16: Vec::new() };
         if quantize {
             debug_assert_eq!(k % 32, 0);
             let blocks = x.len() / 32;
@@ -442,7 +452,26 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
     assert!(weights.iter().all(|w| w.k == k && w.quantized() == weights[0].quantized()), "matmul_many over matrices of different widths or kinds (a bug)");
     assert_eq!(x.len(), m * k, "activations are not [m, k] (a bug)");
     let level = level.min(Level::detected());
-    let acts = Acts::new(level, x, k, weights[0].quantized());
+    // The AMX level's bf16 tiles multiply bf16 by bf16: every row of a product of bf16 matrices takes its
+    // activations rounded to bf16 (as llama.cpp's CPU products do for bf16 weights), whichever kernel computes it.
+    #[cfg(target_arch = "x86_64")]
+    let bf16_tiles = level == Level::Amx && weights.iter().all(|w| matches!(w.data, Data::Bf16(_))) && amx::bf16_granted();
+    #[cfg(not(target_arch = "x86_64"))]
+    let bf16_tiles = false;
+    let rounded: Vec<f32>;
+    let x = if bf16_tiles {
+        let round = |v: &f32| f32::from_bits(u32::from(round_bf16(*v)) << 16);
+        // In parallel for many rows (prefill); a few rows are quicker on the calling thread, which hands a
+        // parallel job to the pool and waits for it.
+        rounded = if x.len() < PARALLEL_VALUES { x.iter().map(round).collect() } else { x.par_iter().with_min_len(PARALLEL_VALUES / 4).map(round).collect() };
+        &rounded[..]
+    } else {
+        x
+    };
+    let mut acts = Acts::new(level, x, k, weights[0].quantized());
+    if bf16_tiles && m >= BF16_TILE_ROWS {
+        acts.bf16 = bf16_tile_order(x, m, k);
+    }
     let mut outs: Vec<Vec<f32>> = weights.iter().map(|w| vec![0f32; m * w.n]).collect();
     let views: Vec<Out> = outs.iter_mut().zip(weights).map(|(o, w)| Out { ptr: o.as_mut_ptr(), n: w.n, len: o.len() }).collect();
     // About eight tasks per thread over all the matrices' rows (two for a few activation rows, where each task is
@@ -461,6 +490,56 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
         tasks.par_iter().for_each(run);
     }
     outs
+}
+
+/// `v` rounded to bf16, to nearest with ties to even (a NaN stays a NaN): what the tile unit's bf16 products take.
+fn round_bf16(v: f32) -> u16 {
+    let u = v.to_bits();
+    if v.is_nan() {
+        return (u >> 16) as u16 | 0x40;
+    }
+    (u.wrapping_add(0x7FFF + ((u >> 16) & 1)) >> 16) as u16
+}
+
+/// Whether the kernels' products of bf16 matrices round their activations to bf16: at the AMX level, where the
+/// CPU has AMX-BF16 ([`Level::active`]'s, so after [`Level::choose`]). Every other product computes the same bits
+/// at every level.
+pub fn rounds_bf16_activations() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return Level::active() == Level::Amx && amx::bf16_granted();
+    #[allow(unreachable_code)]
+    false
+}
+
+/// The fewest activation rows a product of bf16 matrices takes the AMX level's tiles for: each task lays its
+/// weights out for the tiles first, which costs about what the VNNI kernels take for 32 rows (`bench kernels`,
+/// BENCHMARKS.md); fewer rows take the VNNI kernels, on the same rounded activations.
+const BF16_TILE_ROWS: usize = 32;
+
+/// Activations at which the bf16 steps before a product (rounding, the tiles' order) go parallel.
+const PARALLEL_VALUES: usize = 1 << 16;
+
+/// Activations `[m, k]` (bf16 values) as bf16 bits in the tile unit's order, [`Acts::bf16`]'s.
+fn bf16_tile_order(x: &[f32], m: usize, k: usize) -> Vec<u16> {
+    let steps = k.div_ceil(32);
+    let mut out = vec![0u16; m.div_ceil(16) * steps * 512];
+    let order = |(tile, rows): (&mut [u16], &[f32])| {
+        for (i, row) in rows.chunks_exact(k).enumerate() {
+            for (s, values) in row.chunks(32).enumerate() {
+                let at = s * 512 + i * 32;
+                for (o, &v) in tile[at..at + values.len()].iter_mut().zip(values) {
+                    // Exact: `v` is a bf16 value.
+                    *o = (v.to_bits() >> 16) as u16;
+                }
+            }
+        }
+    };
+    if x.len() < PARALLEL_VALUES {
+        out.chunks_mut(steps * 512).zip(x.chunks(16 * k)).for_each(order);
+    } else {
+        out.par_chunks_mut(steps * 512).zip(x.par_chunks(16 * k)).for_each(order);
+    }
+    out
 }
 
 /// Weight rows (whole panels) per slice of a task: about 256 KiB of weights, which stay in the L2 cache while

@@ -390,6 +390,21 @@ impl Model {
         self.layout
     }
 
+    /// What the weights compute, as the log, the metrics' `weights_layout` and the results' numerics name it: the
+    /// layout's name, or, where the AMX level's bf16 tiles take this model's bf16 matrices (which round the
+    /// activations of their products to bf16), a name that says so.
+    pub fn weights_name(&self) -> &'static str {
+        let bf16 = |m: &Matrix| matches!(m, Matrix::Packed(p) if p.stored_dtype() == candle_core::quantized::GgmlDType::BF16);
+        let tiles = self.device.is_cpu()
+            && crate::engine::kernels::rounds_bf16_activations()
+            && (self.lm_head.iter().any(bf16) || self.layers.iter().any(|l| l.matrices().into_iter().any(bf16)));
+        match (tiles, self.layout) {
+            (false, layout) => layout.name(),
+            (true, Layout::Stored16(_)) => "bf16 as stored, on AMX bf16 tiles (activations rounded to bf16)",
+            (true, _) => "as-stored, bf16 matrices on AMX bf16 tiles (activations rounded to bf16)",
+        }
+    }
+
     /// A model from its weights. `weights.embedding`'s width is the hidden state's width in memory.
     fn assemble(config: ModelConfig, device: &Device, weights: Weights) -> Model {
         let Weights { embedding, layers, mut post_norms, output_norm, lm_head, attn_width, layout } = weights;
