@@ -30,10 +30,11 @@
 //! each output's sum stays in the tiles across the whole row, and a tile product does 16 times the work of the
 //! int8 one per block of 32. They multiply bf16 by bf16, so the activations are rounded to bf16 first: the one
 //! product whose results differ from the other levels' ([`super::rounds_bf16_activations`]; the model's
-//! `weights_name` says so). Each task lays its weight rows out as tiles (pairs of columns to a 32-bit lane) before
-//! the activation tiles pass over them, which costs about what 32 rows of VNNI products do: fewer rows take the
-//! VNNI kernels on the same rounded activations. On the 2-core Sapphire Rapids VM, 2.0-2.6x VNNI's GFLOP/s at
-//! 128 rows and 1.6-4.3x at 512 (BENCHMARKS.md). F16 weights have no tile products before AMX-FP16.
+//! `weights_name` says so). Each task lays its weight rows out as tiles (pairs of columns to a 32-bit lane, a
+//! 16 x 16 transpose per tile) before the activation tiles pass over them; below 8 rows that costs more than the
+//! VNNI kernels' products, which take those rows on the same rounded activations. On the 2-core Sapphire Rapids
+//! VM, 3.1-5.6x VNNI's speed at 128 rows, 1.8-2.6x at 16 (BENCHMARKS.md). F16 weights have no tile products
+//! before AMX-FP16.
 //!
 //! Linux hands a process the tiles' 8 KiB register state only when asked (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
 //! until then the first tile instruction is `SIGILL`. [`granted`] asks once and the level exists only if Linux
@@ -300,11 +301,12 @@ pub(super) fn run_checked(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
 unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     let (tiles, pairs) = (x.rows() / ROWS, (rows.end.div_ceil(PANEL) - rows.start / PANEL) / 2);
     match w.data {
+        // Padded tiles: any rows and weight rows.
+        Data::Bf16(ref bits) if !x.bf16.is_empty() => run_bf16(bits, w, rows, x, out),
         _ if tiles == 0 || pairs == 0 => super::x86::avx512_vnni::run(w, rows, x, out),
         Data::Q4 { .. } => run_tiles::<Q4>(w, rows, x, out),
         Data::U8 { .. } => run_tiles::<U8>(w, rows, x, out),
         Data::S8 { .. } => run_tiles::<S8>(w, rows, x, out),
-        Data::Bf16(ref bits) if !x.bf16.is_empty() => run_bf16(bits, w, rows, x, out),
         // F16 (the tile unit has no f16 products before AMX-FP16), and bf16 products of fewer than
         // `BF16_TILE_ROWS` rows (their activations rounded to bf16 all the same, see `matmul_many`).
         Data::F16(_) | Data::Bf16(_) => super::x86::avx512_vnni::run(w, rows, x, out),
@@ -314,8 +316,18 @@ unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
 /// Weight rows `n0..n0 + 16` of a bf16 matrix (those below `end`; zero past it and past column `k`) as the tile
 /// unit's weight tiles, one per step of 32 columns: line `r` of step `s` holds, for each of the 16 rows, its
 /// columns `32 s + 2 r` and `32 s + 2 r + 1`, lower first.
+#[target_feature(enable = "avx512f")]
 fn bf16_pair(bits: &[u16], k: usize, n0: usize, end: usize, lines: &mut [Line]) {
     let rows = 16.min(end.saturating_sub(n0));
+    if rows == 16 && k.is_multiple_of(32) {
+        assert!((n0 + 16) * k <= bits.len() && lines.len() == k / 2, "bf16 weight tiles out of range (a bug)");
+        for s in 0..k / 32 {
+            // SAFETY: this function has AVX-512 F; rows `n0..n0 + 16`, columns `32 s..32 s + 32` lie in `bits` and
+            // lines `16 s..16 s + 16` in `lines` (asserted above).
+            unsafe { transpose16(bits.as_ptr().add(n0 * k + 32 * s), k, lines.as_mut_ptr().add(16 * s)) };
+        }
+        return;
+    }
     if rows < 16 || !k.is_multiple_of(32) {
         lines.fill(Line([0; 64]));
     }
@@ -326,6 +338,43 @@ fn bf16_pair(bits: &[u16], k: usize, n0: usize, end: usize, lines: &mut [Line]) 
             let lane = u32::from(pair[0]) | pair.get(1).map_or(0, |&v| u32::from(v) << 16);
             let line = &mut lines[p / 16 * 16 + p % 16];
             line.0[4 * c..4 * c + 4].copy_from_slice(&lane.to_le_bytes());
+        }
+    }
+}
+
+/// The 16 x 16 transpose of 32-bit lanes that lays out one weight tile: row `c` (at `c * k` values of 16 bits
+/// from `w`) holds 16 lanes of two columns each; line `j` of `out` gets lane `j` of every row, row `c`'s at lane
+/// `c`. Three rounds of shuffles: 32-bit and 64-bit interleaves within each 128-bit lane (four rows' lanes `4L +
+/// e` side by side), then 128-bit lanes across registers.
+///
+/// Safety: the CPU has AVX-512 F; 16 rows of 64 bytes at `w + c k` (16-bit units) and 16 lines at `out` are valid.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose16(w: *const u16, k: usize, out: *mut Line) {
+    // SAFETY (the loads and stores): the caller's contract.
+    let r: [__m512i; 16] = std::array::from_fn(|c| unsafe { _mm512_loadu_si512(w.add(c * k).cast()) });
+    // Per 128-bit lane L: t[4g] = [a0 b0 a1 b1], t[4g + 1] = [a2 b2 a3 b3], t[4g + 2] = [c0 d0 c1 d1], t[4g + 3] =
+    // [c2 d2 c3 d3] for rows a..d = 4g..4g + 4 (element e standing for the row's lane 4L + e).
+    let t: [__m512i; 16] = std::array::from_fn(|i| {
+        let (g, q) = (i / 4, i % 4);
+        let (a, b) = (r[4 * g + 2 * (q / 2)], r[4 * g + 2 * (q / 2) + 1]);
+        if q % 2 == 0 { _mm512_unpacklo_epi32(a, b) } else { _mm512_unpackhi_epi32(a, b) }
+    });
+    // u[4g + e] = [a_e b_e c_e d_e] per lane.
+    let u: [__m512i; 16] = std::array::from_fn(|i| {
+        let (g, e) = (i / 4, i % 4);
+        let (x, y) = (t[4 * g + e / 2], t[4 * g + e / 2 + 2]);
+        if e % 2 == 0 { _mm512_unpacklo_epi64(x, y) } else { _mm512_unpackhi_epi64(x, y) }
+    });
+    for e in 0..4 {
+        let v0 = _mm512_shuffle_i32x4::<0x44>(u[e], u[4 + e]);
+        let v1 = _mm512_shuffle_i32x4::<0xEE>(u[e], u[4 + e]);
+        let v2 = _mm512_shuffle_i32x4::<0x44>(u[8 + e], u[12 + e]);
+        let v3 = _mm512_shuffle_i32x4::<0xEE>(u[8 + e], u[12 + e]);
+        let lanes = [_mm512_shuffle_i32x4::<0x88>(v0, v2), _mm512_shuffle_i32x4::<0xDD>(v0, v2), _mm512_shuffle_i32x4::<0x88>(v1, v3), _mm512_shuffle_i32x4::<0xDD>(v1, v3)];
+        for (l, v) in lanes.into_iter().enumerate() {
+            // SAFETY: line `4 l + e` < 16 (the caller's contract).
+            unsafe { _mm512_storeu_si512(out.add(4 * l + e).cast(), v) };
         }
     }
 }

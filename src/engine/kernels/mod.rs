@@ -511,10 +511,10 @@ pub fn rounds_bf16_activations() -> bool {
     false
 }
 
-/// The fewest activation rows a product of bf16 matrices takes the AMX level's tiles for: each task lays its
-/// weights out for the tiles first, which costs about what the VNNI kernels take for 32 rows (`bench kernels`,
-/// BENCHMARKS.md); fewer rows take the VNNI kernels, on the same rounded activations.
-const BF16_TILE_ROWS: usize = 32;
+/// The fewest activation rows a product of bf16 matrices takes the AMX level's tiles for (padded to 16): each task
+/// lays its weights out as tiles first, and below 8 rows that costs more than the VNNI kernels' products
+/// (`bench kernels`, BENCHMARKS.md); fewer rows take the VNNI kernels, on the same rounded activations.
+const BF16_TILE_ROWS: usize = 8;
 
 /// Activations at which the bf16 steps before a product (rounding, the tiles' order) go parallel.
 const PARALLEL_VALUES: usize = 1 << 16;

@@ -101,7 +101,7 @@ fn amx_bf16_tiles_compute_the_rounded_activations_times_the_stored_weights() {
         let q = matrix(GgmlDType::BF16, n, k, 21);
         let packed = Packed::from_qtensor(&q).unwrap().unwrap();
         let w = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        for m in [1, 5, 16, 35, 50, 275] {
+        for m in [1, 5, 8, 16, 35, 50, 275] {
             let x = activations(m, k, 22 + m as u64);
             let y = packed.matmul_at(Level::Amx, &x, m);
             let portable = packed.matmul_at(Level::Portable, &x, m);
@@ -124,7 +124,7 @@ fn amx_bf16_tiles_compute_the_rounded_activations_times_the_stored_weights() {
                 }
             }
             assert!(differs * 4 > m * n, "n={n} k={k} m={m}: only {differs} outputs differ from f32 activations' (is the rounding done?)");
-            if m >= 2 * BF16_TILE_ROWS {
+            if m >= 16 + BF16_TILE_ROWS {
                 let alone = packed.matmul_at(Level::Amx, &x[16 * k..(16 + BF16_TILE_ROWS) * k], BF16_TILE_ROWS);
                 let rows = &y[16 * n..(16 + BF16_TILE_ROWS) * n];
                 assert!(alone.iter().zip(rows).all(|(a, b)| a.to_bits() == b.to_bits()), "n={n} k={k} m={m}: rows 16.. alone");
