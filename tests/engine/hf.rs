@@ -353,18 +353,8 @@ fn sharded_weights_equal_a_single_file() {
 }
 
 fn write_job(dir: &Path, model: &Path, out: &str) -> PathBuf {
-    let job = dir.join("job.toml");
-    std::fs::write(
-        &job,
-        format!(
-            "[input]\nurl = {:?}\nid_column = \"id\"\n[model]\npath = {:?}\n[generation]\nmax_new_tokens = 12\n[output]\nurl = {:?}\n",
-            dir.join("in.parquet").to_string_lossy(),
-            model.to_string_lossy(),
-            dir.join(out).to_string_lossy()
-        ),
-    )
-    .unwrap();
-    job
+    let (input, output) = (dir.join("in.parquet"), dir.join(out));
+    job_file_for(&dir.join("job.toml"), model, input.to_str().unwrap(), output.to_str().unwrap(), "max_new_tokens = 12", "")
 }
 
 /// A generate job whose `model.path` is a Hugging Face directory runs through the binary: every row gets a

@@ -170,18 +170,9 @@ fn a_rank_that_fails_mid_step_fails_the_step_on_every_rank() {
 }
 
 fn write_split_job(dir: &Path, model: &Path, out: &str, ranks: usize) -> std::path::PathBuf {
-    let job = dir.join(format!("job-{out}.toml"));
-    std::fs::write(
-        &job,
-        format!(
-            "[input]\nurl = {:?}\nid_column = \"id\"\n[model]\npath = {:?}\n[generation]\nmax_new_tokens = 12\nlogprobs = 1\n[output]\nurl = {:?}\nunit_rows = 8\n[runtime]\nmax_seqs = 4\ntensor_parallel = {ranks}\n",
-            dir.join("in.parquet").to_string_lossy(),
-            model.to_string_lossy(),
-            dir.join(out).to_string_lossy()
-        ),
-    )
-    .unwrap();
-    job
+    let (input, output) = (dir.join("in.parquet"), dir.join(out));
+    let extra = format!("unit_rows = 8\n[runtime]\nmax_seqs = 4\ntensor_parallel = {ranks}");
+    job_file_for(&dir.join(format!("job-{out}.toml")), model, input.to_str().unwrap(), output.to_str().unwrap(), "max_new_tokens = 12\nlogprobs = 1", &extra)
 }
 
 /// A generate job split over 2 and 3 ranks through the binary: every row's greedy text and tokens as the whole

@@ -92,13 +92,18 @@ pub fn nightshift(args: &[&str], envs: &[(&str, &str)]) -> Run {
     }
 }
 
-/// Writes a job file; `extra_generation` and `extra` are appended to the [generation] section and the end.
+/// Writes `dir/job.toml` over the sample model; `generation` is the [generation] section's lines, `extra` follows
+/// the [output] section's `url` (more of its keys, then other sections).
 pub fn job_file(dir: &Path, input: &str, output: &str, generation: &str, extra: &str) -> PathBuf {
-    let path = dir.join("job.toml");
+    job_file_for(&dir.join("job.toml"), &model_path(), input, output, generation, extra)
+}
+
+/// [`job_file`] at `path` over the model at `model`.
+pub fn job_file_for(path: &Path, model: &Path, input: &str, output: &str, generation: &str, extra: &str) -> PathBuf {
     let text = format!(
         "[input]\nurl = {input:?}\nid_column = \"id\"\n\n[model]\npath = {:?}\n\n[generation]\n{generation}\n\n[output]\nurl = {output:?}\n\n{extra}\n",
-        model_path().to_string_lossy()
+        model.to_string_lossy()
     );
-    std::fs::write(&path, text).unwrap();
-    path
+    std::fs::write(path, text).unwrap();
+    path.to_path_buf()
 }
