@@ -29,12 +29,18 @@
 //! bf16 weights take the tile unit's bf16 products (`tdpbf16ps`, AMX-BF16): there the integer detour is gone,
 //! each output's sum stays in the tiles across the whole row, and a tile product does 16 times the work of the
 //! int8 one per block of 32. They multiply bf16 by bf16, so the activations are rounded to bf16 first: the one
-//! product whose results differ from the other levels' ([`super::rounds_bf16_activations`]; the model's
+//! product whose results differ from the other levels' ([`super::amx_bf16_tiles`]; the model's
 //! `weights_name` says so). Each task lays its weight rows out as tiles (pairs of columns to a 32-bit lane, a
 //! 16 x 16 transpose per tile) before the activation tiles pass over them; below 8 rows that costs more than the
 //! VNNI kernels' products, which take those rows on the same rounded activations. On the 2-core Sapphire Rapids
-//! VM, 3.1-5.6x VNNI's speed at 128 rows, 1.8-2.6x at 16 (BENCHMARKS.md). F16 weights have no tile products
-//! before AMX-FP16.
+//! VM, 3.1-5.6x VNNI's speed at 128 rows, 1.8-2.6x at 16 (BENCHMARKS.md).
+//!
+//! F16 weights have no tile products of their own before AMX-FP16, and bf16 holds 8 of an f16's 11 significant
+//! bits, so they take the bf16 products in parts: each weight is exactly `hi + lo`, two bf16 values (the top 8
+//! bits, and the rest, at most 3 bits), each activation about `hi + lo` (to nearest twice: about 16 bits), and the
+//! tiles sum `hi·hi + hi·lo + lo·hi` (`lo·lo`, at most 2^-16 of a product, left out): within about 2^-16 of the
+//! exact products, which the other levels compute, where rounding the activations to bf16 is 2^-9 off. Three
+//! products and two weight layouts per tile: it pays from 16 rows; fewer take the VNNI kernels' exact products.
 //!
 //! Linux hands a process the tiles' 8 KiB register state only when asked (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
 //! until then the first tile instruction is `SIGILL`. [`granted`] asks once and the level exists only if Linux
@@ -302,13 +308,14 @@ unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     let (tiles, pairs) = (x.rows() / ROWS, (rows.end.div_ceil(PANEL) - rows.start / PANEL) / 2);
     match w.data {
         // Padded tiles: any rows and weight rows.
-        Data::Bf16(ref bits) if !x.bf16.is_empty() => run_bf16(bits, w, rows, x, out),
+        Data::Bf16(ref bits) if !x.bf16.is_empty() => run_float::<false>(bits, w, rows, x, out),
+        Data::F16(ref bits) if !x.bf16.is_empty() => run_float::<true>(bits, w, rows, x, out),
         _ if tiles == 0 || pairs == 0 => super::x86::avx512_vnni::run(w, rows, x, out),
         Data::Q4 { .. } => run_tiles::<Q4>(w, rows, x, out),
         Data::U8 { .. } => run_tiles::<U8>(w, rows, x, out),
         Data::S8 { .. } => run_tiles::<S8>(w, rows, x, out),
-        // F16 (the tile unit has no f16 products before AMX-FP16), and bf16 products of fewer than
-        // `BF16_TILE_ROWS` rows (their activations rounded to bf16 all the same, see `matmul_many`).
+        // bf16 products of fewer than `BF16_TILE_ROWS` rows (their activations rounded to bf16 all the same, see
+        // `matmul_many`), and F16 products of fewer than `F16_TILE_ROWS` (exact, as at the other levels).
         Data::F16(_) | Data::Bf16(_) => super::x86::avx512_vnni::run(w, rows, x, out),
     }
 }
@@ -379,72 +386,199 @@ unsafe fn transpose16(w: *const u16, k: usize, out: *mut Line) {
     }
 }
 
-/// 2 x 2 bf16 tile products over `steps` steps of 32 columns, summed in the tiles: `C[2a + b] = Σ_s A[a]_s · B[b]_s`
-/// for activation tiles from `x[a]` and weight tiles from `w[b]` (1 KiB each, the next step's 1 KiB further on),
-/// stored to `c[0..4]`. Tiles: sums `tmm0..tmm3`, activations `tmm4`, `tmm5`, weights `tmm6`, `tmm7`.
+/// 2 x 2 bf16 tile products over `steps` steps of 32 columns per segment, summed in the tiles over every segment:
+/// `C[2a + b] = Σ_segments Σ_s A[a]_s · B[b]_s` for activation tiles from a segment's `x[a]` and weight tiles from
+/// its `w[b]` (1 KiB each, the next step's 1 KiB further on), stored to `c[0..4]`. Tiles: sums `tmm0..tmm3`,
+/// activations `tmm4`, `tmm5`, weights `tmm6`, `tmm7`. (The tile registers keep their values from one `asm!` to the
+/// next: nothing else in this program touches them.)
 ///
-/// Safety: the tiles are configured for 16 rows of 64 bytes (`Config::new(64)`), `steps >= 1`, and `x[a]`, `w[b]`
-/// each point at `steps` KiB.
+/// Safety: the tiles are configured for 16 rows of 64 bytes (`Config::new(64)`), `steps >= 1`, and each segment's
+/// `x[a]`, `w[b]` each point at `steps` KiB.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn bf16_products(x: [*const u16; 2], w: [*const Line; 2], steps: usize, c: &mut [Tile<f32>; 4]) {
+unsafe fn bf16_products(segments: &[([*const u16; 2], [*const Line; 2])], steps: usize, c: &mut [Tile<f32>; 4]) {
+    // SAFETY: no memory operands.
+    unsafe { asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem)) };
+    for &(x, w) in segments {
+        // SAFETY: the caller's contract for the loads.
+        unsafe {
+            asm!(
+                "2:",
+                "tileloadd tmm4, [{x0} + {line}*1]",
+                "tileloadd tmm6, [{w0} + {line}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tileloadd tmm7, [{w1} + {line}*1]",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tileloadd tmm5, [{x1} + {line}*1]",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "add {x0}, 1024", "add {x1}, 1024", "add {w0}, 1024", "add {w1}, 1024",
+                "dec {n}",
+                "jnz 2b",
+                x0 = inout(reg) x[0] => _, x1 = inout(reg) x[1] => _, w0 = inout(reg) w[0] => _, w1 = inout(reg) w[1] => _,
+                n = inout(reg) steps => _, line = in(reg) 64usize, options(nostack, readonly),
+            );
+        }
+    }
     let c = c.as_mut_ptr();
-    // SAFETY: the caller's contract for the loads; the stores write tiles `c[0..4]`, 1 KiB each, 4 KiB in all.
+    // SAFETY: the stores write tiles `c[0..4]`, 1 KiB each, 4 KiB in all.
     unsafe {
         asm!(
-            "tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3",
-            "2:",
-            "tileloadd tmm4, [{x0} + {line}*1]",
-            "tileloadd tmm6, [{w0} + {line}*1]",
-            "tdpbf16ps tmm0, tmm4, tmm6",
-            "tileloadd tmm7, [{w1} + {line}*1]",
-            "tdpbf16ps tmm1, tmm4, tmm7",
-            "tileloadd tmm5, [{x1} + {line}*1]",
-            "tdpbf16ps tmm2, tmm5, tmm6",
-            "tdpbf16ps tmm3, tmm5, tmm7",
-            "add {x0}, 1024", "add {x1}, 1024", "add {w0}, 1024", "add {w1}, 1024",
-            "dec {n}",
-            "jnz 2b",
             "tilestored [{c} + {line}*1], tmm0",
             "tilestored [{c} + {line}*1 + 1024], tmm1",
             "tilestored [{c} + {line}*1 + 2048], tmm2",
             "tilestored [{c} + {line}*1 + 3072], tmm3",
-            x0 = inout(reg) x[0] => _, x1 = inout(reg) x[1] => _, w0 = inout(reg) w[0] => _, w1 = inout(reg) w[1] => _,
-            n = inout(reg) steps => _, line = in(reg) 64usize, c = in(reg) c, options(nostack),
+            line = in(reg) 64usize, c = in(reg) c, options(nostack),
         );
     }
 }
 
-/// [`run`] for bf16 weights and at least [`super::BF16_TILE_ROWS`] activation rows: the tile unit's bf16
-/// products (`tdpbf16ps`: pairs of bf16 products, exact in f32, added to f32 sums) of the rounded activations
-/// ([`Acts::bf16`]) by the weights as stored, 32 activation rows by 32 weight rows at a time, each output's sum
-/// kept in the tiles over every column. The edges (a last tile of rows, the last weight rows) run in padded
-/// tiles: zeros that add nothing.
+/// Weight rows `n0..n0 + 16` of an F16 matrix (those below `end`; zero past it and past column `k`) as two sets of
+/// bf16 weight tiles, [`bf16_pair`]'s layout: `lines[..k / 2]` (rounded up to whole steps) the high parts, the rest
+/// the low parts. Each weight `w` splits exactly: `hi` its top 8 significant bits (truncated), `lo = w - hi`, at
+/// most 3 significant bits (f16 has 11), so `hi + lo = w` (a non-finite weight's `lo` is zero).
+#[target_feature(enable = "avx512f,avx512bw")]
+fn f16_pair(bits: &[u16], k: usize, n0: usize, end: usize, lines: &mut [Line]) {
+    let (rows, steps) = (16.min(end.saturating_sub(n0)), k.div_ceil(32));
+    assert!(lines.len() == 32 * steps && (n0 + rows) * k <= bits.len(), "F16 weight tiles out of range (a bug)");
+    let (hi_lines, lo_lines) = lines.split_at_mut(16 * steps);
+    let mut hi = [0u16; 16 * 32];
+    let mut lo = [0u16; 16 * 32];
+    for s in 0..steps {
+        let width = 32.min(k - 32 * s);
+        if rows < 16 || width < 32 {
+            hi.fill(0);
+            lo.fill(0);
+        }
+        for c in 0..rows {
+            let row = &bits[(n0 + c) * k + 32 * s..][..width];
+            split_f16(row, &mut hi[32 * c..32 * c + width], &mut lo[32 * c..32 * c + width]);
+        }
+        // SAFETY: this function has AVX-512 F; `hi` and `lo` are 16 rows of 32 values (`k` = 32 for the transpose),
+        // and lines `16 s..16 s + 16` lie in each half of `lines` (asserted above).
+        unsafe {
+            transpose16(hi.as_ptr(), 32, hi_lines.as_mut_ptr().add(16 * s));
+            transpose16(lo.as_ptr(), 32, lo_lines.as_mut_ptr().add(16 * s));
+        }
+    }
+}
+
+/// F16 weights (bits) split into bf16 high and low parts, [`f16_pair`]'s split: 32 at a time in AVX-512 (widened
+/// by `vcvtph2ps`, exact), the rest one by one.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) fn split_f16(row: &[u16], hi: &mut [u16], lo: &mut [u16]) {
+    assert!(hi.len() == row.len() && lo.len() == row.len(), "F16 split lengths (a bug)");
+    let whole = row.len() / 32 * 32;
+    // Lane `i` of the result: 16-bit element `2 i + 1` of (a, b), the high half of 32-bit lane `i` of a then b.
+    let odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    let top = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+    for j in (0..whole).step_by(32) {
+        // SAFETY: 32 values (64 bytes) at `j` of `row`, `hi` and `lo` (`j + 32 <= whole <= len`, equal lengths).
+        unsafe {
+            let v = _mm512_loadu_si512(row.as_ptr().add(j).cast());
+            let f = [_mm512_cvtph_ps(_mm512_castsi512_si256(v)), _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(v))];
+            let h = f.map(|f| _mm512_and_si512(_mm512_castps_si512(f), top));
+            let l = [0, 1].map(|i| {
+                let rest = _mm512_sub_ps(f[i], _mm512_castsi512_ps(h[i]));
+                // inf - inf: a NaN whose weight's high part is already non-finite; zero instead.
+                _mm512_castps_si512(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(rest, rest), rest))
+            });
+            _mm512_storeu_si512(hi.as_mut_ptr().add(j).cast(), _mm512_permutex2var_epi16(h[0], odd, h[1]));
+            _mm512_storeu_si512(lo.as_mut_ptr().add(j).cast(), _mm512_permutex2var_epi16(l[0], odd, l[1]));
+        }
+    }
+    for j in whole..row.len() {
+        (hi[j], lo[j]) = split_f16_one(row[j]);
+    }
+}
+
+/// Activations (f32) split into bf16 high and low parts, [`super::split_bf16`]'s split (the same bits), 16 at a time
+/// in AVX-512, the rest one by one.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) fn split_acts(values: &[f32], hi: &mut [u16], lo: &mut [u16]) {
+    assert!(hi.len() == values.len() && lo.len() == values.len(), "activation split lengths (a bug)");
+    let whole = values.len() / 32 * 32;
+    let odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    let (top, half, one, quiet) = (_mm512_set1_epi32(0xFFFF_0000u32 as i32), _mm512_set1_epi32(0x7FFF), _mm512_set1_epi32(1), _mm512_set1_epi32(0x0040_0000));
+    // To nearest, ties to even, as `round_bf16`: `u + 0x7FFF + (bit 16 of u)`, its top half; a NaN kept a NaN
+    // (quieted: bit 22 set).
+    let round = |f: __m512| {
+        let u = _mm512_castps_si512(f);
+        let up = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32::<16>(u), one)));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(f, f);
+        _mm512_and_si512(_mm512_mask_mov_epi32(up, nan, _mm512_or_si512(u, quiet)), top)
+    };
+    for j in (0..whole).step_by(32) {
+        // SAFETY: 32 values at `j` of `values` (128 bytes), `hi` and `lo` (64 bytes each): `j + 32 <= whole <= len`.
+        unsafe {
+            let f = [_mm512_loadu_ps(values.as_ptr().add(j)), _mm512_loadu_ps(values.as_ptr().add(j + 16))];
+            let h = f.map(round);
+            let l = [0, 1].map(|i| {
+                let rest = _mm512_sub_ps(f[i], _mm512_castsi512_ps(h[i]));
+                // A non-finite value's rest (inf - inf, NaN) is zero, as `split_bf16` has it.
+                let finite = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(_mm512_sub_ps(rest, rest), _mm512_sub_ps(rest, rest));
+                _mm512_maskz_mov_epi32(finite, round(rest))
+            });
+            _mm512_storeu_si512(hi.as_mut_ptr().add(j).cast(), _mm512_permutex2var_epi16(h[0], odd, h[1]));
+            _mm512_storeu_si512(lo.as_mut_ptr().add(j).cast(), _mm512_permutex2var_epi16(l[0], odd, l[1]));
+        }
+    }
+    for j in whole..values.len() {
+        (hi[j], lo[j]) = super::split_bf16(values[j]);
+    }
+}
+
+/// One F16 weight's split ([`f16_pair`]).
+pub(super) fn split_f16_one(bits: u16) -> (u16, u16) {
+    let f = half::f16::from_bits(bits).to_f32();
+    let hi = (f.to_bits() >> 16) as u16;
+    let rest = f - f32::from_bits(u32::from(hi) << 16);
+    (hi, if rest.is_nan() { 0 } else { (rest.to_bits() >> 16) as u16 })
+}
+
+/// [`run`] for bf16 weights and at least [`super::BF16_TILE_ROWS`] activation rows (`SPLIT` false), or F16 weights
+/// and at least [`super::F16_TILE_ROWS`] (`SPLIT`): the tile unit's bf16 products (`tdpbf16ps`: pairs of bf16
+/// products, exact in f32, added to f32 sums), 32 activation rows by 32 weight rows at a time, each output's sum
+/// kept in the tiles over every column. bf16: the rounded activations ([`Acts::bf16`]) by the weights as stored.
+/// F16: each weight is exactly the sum of two bf16 values ([`f16_pair`]) and each activation about the sum of two
+/// ([`super::split_tile_order`]), and the products are high by high, high by low and low by high (low by low, at
+/// most 2^-16 of a product, is left out): within about 2^-16 of each exact product, where a bf16 rounding of the
+/// activations alone is 2^-9. The edges (a last tile of rows, the last weight rows) run in padded tiles: zeros
+/// that add nothing.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn run_bf16(bits: &[u16], w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
+fn run_float<const SPLIT: bool>(bits: &[u16], w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     let (m, k) = (x.rows(), w.k);
     let (steps, tiles) = (k.div_ceil(32), m.div_ceil(ROWS));
-    assert!(x.bf16.len() == tiles * steps * 512 && bits.len() == w.n * k && rows.end <= w.n, "bf16 tile layout (a bug)");
+    // Per tile of activation rows, and per 16 weight rows, the high parts' steps and (split) the low parts'.
+    let parts = if SPLIT { 2 } else { 1 };
+    assert!(x.bf16.len() == tiles * parts * steps * 512 && bits.len() == w.n * k && rows.end <= w.n, "bf16 tile layout (a bug)");
     let config = Config::new(64);
     // SAFETY: `config` is a valid palette-1 configuration (every tile 16 rows of 64 bytes), 64 bytes.
     unsafe { asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly)) };
-    let mut pairs = [vec![Line([0; 64]); 16 * steps], vec![Line([0; 64]); 16 * steps]];
+    let mut pairs = [vec![Line([0; 64]); parts * 16 * steps], vec![Line([0; 64]); parts * 16 * steps]];
     let mut c = [Tile([[0f32; COLS]; ROWS]); 4];
     let groups = (rows.end - rows.start).div_ceil(COLS);
     for q in (0..groups).step_by(2) {
         let nb = (groups - q).min(2);
         let n0 = [0, 1].map(|j| rows.start + COLS * (q + j.min(nb - 1)));
         for (j, pair) in pairs.iter_mut().enumerate().take(nb) {
-            bf16_pair(bits, k, n0[j], rows.end, pair);
+            match SPLIT {
+                true => f16_pair(bits, k, n0[j], rows.end, pair),
+                false => bf16_pair(bits, k, n0[j], rows.end, pair),
+            }
         }
         for t in (0..tiles).step_by(2) {
             let na = (tiles - t).min(2);
-            let xs = [0, 1].map(|a| x.bf16[(t + a.min(na - 1)) * steps * 512..].as_ptr());
+            let xs = [0, 1].map(|a| x.bf16[(t + a.min(na - 1)) * parts * steps * 512..].as_ptr());
             let ws = [0, 1].map(|j| pairs[j.min(nb - 1)].as_ptr());
+            // The low parts, a set of steps further on.
+            let low = |p: [*const u16; 2]| p.map(|p| p.wrapping_add(steps * 512));
+            let low_w = |p: [*const Line; 2]| p.map(|p| p.wrapping_add(16 * steps));
+            let segments = [(xs, ws), (xs, low_w(ws)), (low(xs), ws)];
             // SAFETY: configured above for 16 rows of 64 bytes; `steps >= 1` (k > 0); each activation pointer is
-            // tile `t + a < tiles`'s `steps` KiB of `x.bf16` (asserted length), each weight pointer a pair's
-            // `16 steps` lines.
-            unsafe { bf16_products(xs, ws, steps, &mut c) };
+            // tile `t + a < tiles`'s `parts x steps` KiB of `x.bf16` (asserted length) and each weight pointer a
+            // pair's `parts x 16 steps` lines, the low parts (split only) `steps` KiB into each.
+            unsafe { bf16_products(&segments[..if SPLIT { 3 } else { 1 }], steps, &mut c) };
             for a in 0..na {
                 for j in 0..nb {
                     for i in 0..ROWS.min(m - ROWS * (t + a)) {

@@ -272,7 +272,8 @@ struct Acts<'a> {
     tiles: TileOrder,
     /// For the AMX level's bf16 tiles, the activations (already rounded to bf16, `f32` holds their values) as bf16
     /// bits in the tile unit's order: `[⌈m / 16⌉, ⌈k / 32⌉, 16, 32]`, zero past the last row and column. Empty
-    /// unless every matrix of the product is bf16 and it has at least [`BF16_TILE_ROWS`] rows.
+    /// unless every matrix of the product is bf16 and it has at least [`BF16_TILE_ROWS`] rows. For the F16 tiles
+    /// ([`F16_TILE_ROWS`] rows or more of F16 matrices), the f32 activations split in two, [`split_tile_order`]'s.
     bf16: Vec<u16>,
 }
 
@@ -468,16 +469,26 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
     } else {
         x
     };
+    // F16 weights on the same tiles: each weight split exactly into two bf16 parts and each activation into two
+    // (about 16 bits of it), three products (see `amx`). Fewer rows take the VNNI kernels' exact products.
+    #[cfg(target_arch = "x86_64")]
+    let f16_tiles = level == Level::Amx && m >= F16_TILE_ROWS && weights.iter().all(|w| matches!(w.data, Data::F16(_))) && amx::bf16_granted();
+    #[cfg(not(target_arch = "x86_64"))]
+    let f16_tiles = false;
     let mut acts = Acts::new(level, x, k, weights[0].quantized());
     if bf16_tiles && m >= BF16_TILE_ROWS {
         acts.bf16 = bf16_tile_order(x, m, k);
+    } else if f16_tiles {
+        acts.bf16 = split_tile_order(x, m, k);
     }
     let mut outs: Vec<Vec<f32>> = weights.iter().map(|w| vec![0f32; m * w.n]).collect();
     let views: Vec<Out> = outs.iter_mut().zip(weights).map(|(o, w)| Out { ptr: o.as_mut_ptr(), n: w.n, len: o.len() }).collect();
     // About eight tasks per thread over all the matrices' rows (two for a few activation rows, where each task is
-    // short and hand-offs dominate), in multiples of 16 rows (whole panels).
+    // short and hand-offs dominate), in multiples of 16 rows (whole panels); of 32 for the bf16 tiles, whose
+    // products take 32 weight rows at a time.
     let total: usize = weights.iter().map(|w| w.n).sum();
-    let per_task = total.div_ceil(rayon::current_num_threads() * if m <= 4 { 2 } else { 8 }).next_multiple_of(16).max(16);
+    let unit = if acts.bf16.is_empty() { 16 } else { 32 };
+    let per_task = total.div_ceil(rayon::current_num_threads() * if m <= 4 { 2 } else { 8 }).next_multiple_of(unit).max(unit);
     let tasks: Vec<Task> = weights
         .iter()
         .enumerate()
@@ -501,10 +512,11 @@ fn round_bf16(v: f32) -> u16 {
     (u.wrapping_add(0x7FFF + ((u >> 16) & 1)) >> 16) as u16
 }
 
-/// Whether the kernels' products of bf16 matrices round their activations to bf16: at the AMX level, where the
-/// CPU has AMX-BF16 ([`Level::active`]'s, so after [`Level::choose`]). Every other product computes the same bits
-/// at every level.
-pub fn rounds_bf16_activations() -> bool {
+/// Whether the kernels run the AMX level's bf16 tiles: at the AMX level, where the CPU has AMX-BF16
+/// ([`Level::active`]'s, so after [`Level::choose`]). There products of bf16 matrices round their activations to
+/// bf16, and products of F16 matrices (of [`F16_TILE_ROWS`] rows or more) split weights and activations into bf16
+/// parts. Every other product computes the same bits at every level.
+pub fn amx_bf16_tiles() -> bool {
     #[cfg(target_arch = "x86_64")]
     return Level::active() == Level::Amx && amx::bf16_granted();
     #[allow(unreachable_code)]
@@ -515,6 +527,52 @@ pub fn rounds_bf16_activations() -> bool {
 /// lays its weights out as tiles first, and below 8 rows that costs more than the VNNI kernels' products
 /// (`bench kernels`, BENCHMARKS.md); fewer rows take the VNNI kernels, on the same rounded activations.
 const BF16_TILE_ROWS: usize = 8;
+
+/// The fewest activation rows a product of F16 matrices takes the AMX level's tiles for (padded to 16): it lays out
+/// two bf16 weight tiles per step and runs three products where bf16 runs one, so it pays from more rows than
+/// bf16's [`BF16_TILE_ROWS`] (`bench kernels`, BENCHMARKS.md); fewer rows take the VNNI kernels' exact products.
+const F16_TILE_ROWS: usize = 24;
+
+/// `v` as two bf16 values, `hi` to nearest (ties to even) and `lo` the rest to nearest: `hi + lo` is `v` within
+/// 2^-17 of it (bf16's unit roundoff squared, about), where `hi` alone is within 2^-9. A non-finite `v`'s `lo` is
+/// zero.
+fn split_bf16(v: f32) -> (u16, u16) {
+    let hi = round_bf16(v);
+    let rest = v - f32::from_bits(u32::from(hi) << 16);
+    (hi, if rest.is_finite() { round_bf16(rest) } else { 0 })
+}
+
+/// Activations `[m, k]` (f32) in the tile unit's order for the AMX level's F16 products, each value split in two
+/// ([`split_bf16`]): per tile of 16 rows, the high parts' `⌈k / 32⌉` steps of `[16, 32]`, then the low parts'.
+fn split_tile_order(x: &[f32], m: usize, k: usize) -> Vec<u16> {
+    let steps = k.div_ceil(32);
+    let mut out = vec![0u16; m.div_ceil(16) * 2 * steps * 512];
+    let order = |(tile, rows): (&mut [u16], &[f32])| {
+        let (hi, lo) = tile.split_at_mut(steps * 512);
+        for (i, row) in rows.chunks_exact(k).enumerate() {
+            for (s, values) in row.chunks(32).enumerate() {
+                let at = s * 512 + i * 32;
+                let (hi, lo) = (&mut hi[at..at + values.len()], &mut lo[at..at + values.len()]);
+                // SAFETY: the tiles run only where the CPU has AVX-512 F and BW (`amx::granted`), and this order is
+                // made only for them.
+                #[cfg(target_arch = "x86_64")]
+                unsafe {
+                    amx::split_acts(values, hi, lo)
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                for (j, &v) in values.iter().enumerate() {
+                    (hi[j], lo[j]) = split_bf16(v);
+                }
+            }
+        }
+    };
+    if x.len() < PARALLEL_VALUES {
+        out.chunks_mut(2 * steps * 512).zip(x.chunks(16 * k)).for_each(order);
+    } else {
+        out.par_chunks_mut(2 * steps * 512).zip(x.par_chunks(16 * k)).for_each(order);
+    }
+    out
+}
 
 /// Activations at which the bf16 steps before a product (rounding, the tiles' order) go parallel.
 const PARALLEL_VALUES: usize = 1 << 16;

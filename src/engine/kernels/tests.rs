@@ -76,9 +76,121 @@ fn the_kernels_refuse_what_they_cannot_compute_faithfully() {
 }
 
 /// Whether a level computes a type's products with the portable kernels' bits: every level every type, but the AMX
-/// level's bf16 products, which round the activations to bf16 (`amx_bf16_tiles_...`).
+/// level's bf16 products, which round the activations to bf16 (`amx_bf16_tiles_...`), and its F16 products of 16
+/// rows or more, which split weights and activations into bf16 parts (`amx_f16_tiles_...`).
 fn same_bits(level: Level, dtype: GgmlDType) -> bool {
-    !(level == Level::Amx && dtype == GgmlDType::BF16)
+    !(level == Level::Amx && matches!(dtype, GgmlDType::BF16 | GgmlDType::F16))
+}
+
+/// Every finite F16 weight is exactly the sum of its two bf16 parts, in AVX-512 as one by one; an infinite one's
+/// low part is zero (not `inf - inf`).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn f16_weights_split_exactly_into_two_bf16_parts() {
+    let all: Vec<u16> = (0..=u16::MAX).collect();
+    let (mut hi, mut lo) = (vec![0u16; all.len()], vec![0u16; all.len()]);
+    let avx512 = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw");
+    if avx512 {
+        // SAFETY: the CPU has AVX-512 F and BW (checked above).
+        unsafe { amx::split_f16(&all[..65_535], &mut hi[..65_535], &mut lo[..65_535]) };
+        (hi[65_535], lo[65_535]) = amx::split_f16_one(65_535);
+    } else {
+        eprintln!("no AVX-512 here: the F16 split is checked one by one only");
+    }
+    for &bits in &all {
+        let (h, l) = amx::split_f16_one(bits);
+        let w = half::f16::from_bits(bits).to_f32();
+        let (hf, lf) = (half::bf16::from_bits(h).to_f32(), half::bf16::from_bits(l).to_f32());
+        if w.is_finite() {
+            assert_eq!(hf + lf, w, "{bits:#06x}: {hf} + {lf}");
+            assert!(lf.abs() <= w.abs() / 128.0, "{bits:#06x}: low part {lf} of {w}");
+        } else if w.is_infinite() {
+            assert_eq!((hf, lf), (w, 0.0), "{bits:#06x}");
+        } else {
+            assert!(hf.is_nan() || hf.is_infinite(), "{bits:#06x}");
+        }
+        if avx512 {
+            assert_eq!((hi[bits as usize], lo[bits as usize]), (h, l), "{bits:#06x}: AVX-512 and one by one differ");
+        }
+    }
+}
+
+/// The activations' split for the F16 tiles: in AVX-512 the same bits as one by one, over ordinary values, ties,
+/// subnormals, the largest finite values (whose high part rounds to infinity), infinities and NaNs; `hi + lo`
+/// within 2^-16 of each finite value whose high part is finite.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn activations_split_into_two_bf16_parts_alike_in_avx512() {
+    if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")) {
+        eprintln!("no AVX-512 here: the activations' AVX-512 split is not checked");
+        return;
+    }
+    let mut values = activations(9, 200, 5);
+    let specials = [0.0, -0.0, 1.0, f32::from_bits(0x3F80_8000), f32::from_bits(0x3F81_8000), f32::from_bits(0x3F80_8001), 1e-40, -3e-39, f32::MAX, -f32::MAX, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::from_bits(0x7F80_0001), 65504.0, 1e-30];
+    values.extend(specials);
+    values.extend((0..1000u32).map(|i| f32::from_bits(i.wrapping_mul(0x9E37_79B9))));
+    let (mut hi, mut lo) = (vec![0u16; values.len()], vec![0u16; values.len()]);
+    // SAFETY: the CPU has AVX-512 F and BW (checked above).
+    unsafe { amx::split_acts(&values, &mut hi, &mut lo) };
+    for (i, &v) in values.iter().enumerate() {
+        assert_eq!((hi[i], lo[i]), split_bf16(v), "{v:e} ({:#010x})", v.to_bits());
+        let (h, l) = (half::bf16::from_bits(hi[i]).to_f64(), half::bf16::from_bits(lo[i]).to_f64());
+        if v.is_finite() && h.is_finite() {
+            assert!((h + l - v as f64).abs() <= (v as f64).abs() / 65536.0 + 1e-39, "{v:e}: {h} + {l}");
+        }
+    }
+}
+
+/// The AMX level's F16 products of at least `F16_TILE_ROWS` rows: three bf16 tile products of the weights' exact
+/// parts and the activations' two parts. Against an f64 sum of the exact products (f32 activations times the stored
+/// weights), within 2e-5 of the products' magnitude (the split's 2^-16 and f32 accumulation), where activations
+/// rounded to bf16 are 2^-9 off; most outputs at least 16 times closer than those rounded activations' (the low
+/// parts are there); at every shape the tiles take, with rows' results independent of their neighbours in tiles;
+/// below `F16_TILE_ROWS` rows, the portable kernels' bits.
+#[test]
+fn amx_f16_tiles_compute_the_stored_weights_to_16_bits_of_the_activations() {
+    #[cfg(target_arch = "x86_64")]
+    if !amx::bf16_granted() {
+        eprintln!("this CPU (or Linux) gives no AMX-BF16 tiles: the F16 tile test is skipped here");
+        return;
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    return;
+    for (n, k) in [(64, 576), (30, 200), (100, 72), (16, 1536)] {
+        let q = matrix(GgmlDType::F16, n, k, 31);
+        let packed = Packed::from_qtensor(&q).unwrap().unwrap();
+        let w = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for m in [5, 16, 23, 24, 35, 50, 275] {
+            let x = activations(m, k, 32 + m as u64);
+            let y = packed.matmul_at(Level::Amx, &x, m);
+            let portable = packed.matmul_at(Level::Portable, &x, m);
+            if m < F16_TILE_ROWS {
+                assert!(y.iter().zip(&portable).all(|(a, b)| a.to_bits() == b.to_bits()), "n={n} k={k} m={m}: not the exact products");
+                continue;
+            }
+            let mut closer = 0;
+            for r in 0..m {
+                for c in 0..n {
+                    let (mut sum, mut rounded, mut magnitude) = (0f64, 0f64, 0f64);
+                    for i in 0..k {
+                        let (wi, xi) = (w[c * k + i] as f64, x[r * k + i]);
+                        sum += wi * xi as f64;
+                        rounded += wi * half::bf16::from_f32(xi).to_f64();
+                        magnitude += (wi * xi as f64).abs();
+                    }
+                    let (got, at) = (y[r * n + c] as f64, r * n + c);
+                    assert!((got - sum).abs() <= 2e-5 * magnitude + 1e-6, "n={n} k={k} m={m} output {at}: {got} vs {sum}");
+                    closer += usize::from((got - sum).abs() * 16.0 <= (rounded - sum).abs());
+                }
+            }
+            assert!(closer * 4 > m * n * 3, "n={n} k={k} m={m}: only {closer} outputs beat bf16-rounded activations by 16x (are the low parts used?)");
+            if m >= 48 {
+                let alone = packed.matmul_at(Level::Amx, &x[16 * k..48 * k], 32);
+                let rows = &y[16 * n..48 * n];
+                assert!(alone.iter().zip(rows).all(|(a, b)| a.to_bits() == b.to_bits()), "n={n} k={k} m={m}: rows 16..48 alone");
+            }
+        }
+    }
 }
 
 /// The AMX level's bf16 products: the activations rounded to bf16 (to nearest, ties to even), each output's sum

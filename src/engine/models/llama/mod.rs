@@ -392,16 +392,22 @@ impl Model {
 
     /// What the weights compute, as the log, the metrics' `weights_layout` and the results' numerics name it: the
     /// layout's name, or, where the AMX level's bf16 tiles take this model's bf16 matrices (which round the
-    /// activations of their products to bf16), a name that says so.
+    /// activations of their products to bf16) or F16 matrices (which split weights and activations into bf16
+    /// parts), a name that says so.
     pub fn weights_name(&self) -> &'static str {
-        let bf16 = |m: &Matrix| matches!(m, Matrix::Packed(p) if p.stored_dtype() == candle_core::quantized::GgmlDType::BF16);
-        let tiles = self.device.is_cpu()
-            && crate::engine::kernels::rounds_bf16_activations()
-            && (self.lm_head.iter().any(bf16) || self.layers.iter().any(|l| l.matrices().into_iter().any(bf16)));
-        match (tiles, self.layout) {
-            (false, layout) => layout.name(),
-            (true, Layout::Stored16(_)) => "bf16 as stored, on AMX bf16 tiles (activations rounded to bf16)",
-            (true, _) => "as-stored, bf16 matrices on AMX bf16 tiles (activations rounded to bf16)",
+        use candle_core::quantized::GgmlDType;
+        let tiles = self.device.is_cpu() && crate::engine::kernels::amx_bf16_tiles();
+        let any = |dtype: GgmlDType| {
+            let stored = |m: &Matrix| matches!(m, Matrix::Packed(p) if p.stored_dtype() == dtype);
+            tiles && (self.lm_head.iter().any(stored) || self.layers.iter().any(|l| l.matrices().into_iter().any(stored)))
+        };
+        match (any(GgmlDType::BF16), any(GgmlDType::F16), self.layout) {
+            (false, false, layout) => layout.name(),
+            (true, false, Layout::Stored16(_)) => "bf16 as stored, on AMX bf16 tiles (activations rounded to bf16)",
+            (false, true, Layout::Stored16(_)) => "f16 as stored, on AMX bf16 tiles (weights and activations as two bf16 parts each)",
+            (true, false, _) => "as-stored, bf16 matrices on AMX bf16 tiles (activations rounded to bf16)",
+            (false, true, _) => "as-stored, F16 matrices on AMX bf16 tiles (weights and activations as two bf16 parts each)",
+            (true, true, _) => "as-stored, bf16 and F16 matrices on AMX bf16 tiles (bf16's activations rounded to bf16, F16's weights and activations as two bf16 parts each)",
         }
     }
 
