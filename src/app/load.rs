@@ -237,16 +237,9 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
     // The ranks share this process's memory: their activations and one sequence's KV blocks must fit beside the
     // weights they loaded.
     if ranks > 1 {
-        let activations: usize = rank_memory.iter().map(|r| r.activations_bytes).sum();
         let one_sequence = cfg.context_length.min(job.runtime.max_batch_tokens).div_ceil(engine::KV_BLOCK_TOKENS) * block_bytes;
         let available = engine::device_memory_available(device).unwrap_or(u64::MAX);
-        if (activations + one_sequence) as u64 > available {
-            let per_rank: Vec<String> = rank_memory.iter().map(|r| format!("rank {}: weights {} MiB, activations {} MiB", r.rank, r.weights_bytes >> 20, r.activations_bytes >> 20)).collect();
-            return Err(Error::Job(invalid(
-                "runtime.tensor_parallel",
-                format!("is {ranks}, whose ranks need {} MiB of activations and {} MiB for one sequence's KV cache beside their weights, and {} MiB is available ({})", activations >> 20, one_sequence >> 20, available >> 20, per_rank.join("; ")),
-            )));
-        }
+        engine::parallel::check_fits(&rank_memory, one_sequence, available).map_err(|problem| Error::Job(invalid("runtime.tensor_parallel", problem)))?;
     }
     let mut batch = BatchConfig::new(job.runtime.max_seqs, job.runtime.max_batch_tokens, kv_bytes, block_bytes);
     batch.prefix_cache = job.runtime.prefix_cache;

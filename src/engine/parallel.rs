@@ -577,6 +577,25 @@ pub struct RankMemory {
     pub activations_bytes: usize,
 }
 
+/// Whether a split's ranks, whose weights are loaded, can run in `available` bytes (the process's memory: the
+/// ranks share it): their activations and one sequence's KV blocks (`one_sequence` bytes, every rank's). Err: what
+/// `runtime.tensor_parallel`'s refusal says, with the numbers, per rank.
+pub fn check_fits(ranks: &[RankMemory], one_sequence: usize, available: u64) -> Result<(), String> {
+    let activations: usize = ranks.iter().map(|r| r.activations_bytes).sum();
+    if (activations.saturating_add(one_sequence)) as u64 <= available {
+        return Ok(());
+    }
+    let per_rank: Vec<String> = ranks.iter().map(|r| format!("rank {}: weights {} MiB, activations {} MiB", r.rank, r.weights_bytes >> 20, r.activations_bytes >> 20)).collect();
+    Err(format!(
+        "is {}, whose ranks need {} MiB of activations and {} MiB for one sequence's KV cache beside their weights, and {} MiB is available ({})",
+        ranks.len(),
+        activations >> 20,
+        one_sequence >> 20,
+        available >> 20,
+        per_rank.join("; ")
+    ))
+}
+
 /// An estimate of the activations one layer of a step of `tokens` tokens holds at once on a rank of this shape
 /// (layers run one after another, so one layer's worth), and its logits (`logit_rows` rows, rank 0 only): the
 /// residual stream, its norm, q, k and v, the attention output, the partial sum and its all-reduce copy, gate, up
@@ -676,6 +695,21 @@ impl Decoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A split fits when every rank's activations and one sequence's KV blocks fit the memory left; otherwise the
+    /// refusal names the split, the totals, the memory available and each rank's weights and activations.
+    #[test]
+    fn a_split_that_does_not_fit_is_refused_with_the_numbers() {
+        let rank = |rank: usize, weights: usize, activations: usize| RankMemory { rank, heads: 2, kv_heads: 1, ffn_columns: 64, weights_bytes: weights << 20, block_bytes: 4096, activations_bytes: activations << 20 };
+        let ranks = [rank(0, 300, 40), rank(1, 250, 24)];
+        assert_eq!(check_fits(&ranks, 16 << 20, 80 << 20), Ok(()));
+        let problem = check_fits(&ranks, 16 << 20, (80 << 20) - 1).unwrap_err();
+        assert_eq!(
+            problem,
+            "is 2, whose ranks need 64 MiB of activations and 16 MiB for one sequence's KV cache beside their weights, and 79 MiB is available (rank 0: weights 300 MiB, activations 40 MiB; rank 1: weights 250 MiB, activations 24 MiB)"
+        );
+        assert!(check_fits(&ranks, usize::MAX, u64::MAX - 1).is_err(), "no overflow past the largest sizes");
+    }
 
     #[test]
     fn heads_split_by_groups_or_replicate_kv_heads() {

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use super::layers::{vectors, Ffn};
 use crate::engine::models::moe::{Expert, Experts, Router};
-use super::{Layer, Model, ModelConfig, ModelInfo, Weights, MAX_CONTEXT};
+use super::{Embedding, Layer, Model, ModelConfig, ModelInfo, Weights, MAX_CONTEXT};
 use crate::engine::models::gemma::{GemmaConfig, PostNorms};
 use crate::engine::models::lanes::Vector;
 use crate::engine::kernels::Matrix;
@@ -732,7 +732,7 @@ fn check_tensors(content: &Content, config: &ModelConfig) -> Result<(), ModelErr
 /// Loads a GGUF llama-family model in the weight layout `layout` picks for its configuration.
 /// Loads the model, or a tensor-parallel rank's slice of it (`slice`), with another rank's embedding table where
 /// one is given (`shared`: then neither read nor held twice).
-pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfig) -> Layout, slice: Option<&RankSlice>, shared: Option<&Tensor>) -> Result<(Model, ModelInfo), ModelError> {
+pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfig) -> Layout, slice: Option<&RankSlice>, shared: Option<&Embedding>) -> Result<(Model, ModelInfo), ModelError> {
     let (mut file, content) = read_content(path)?;
     let info = info_of(&content)?;
     check_tensors(&content, &info.config)?;
@@ -792,12 +792,18 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         .map_err(|e| candle_core::Error::Msg(format!("`{suffix}`: {e}")))?;
         to_device(t, device)
     };
-    // The table (dequantized) and, for a tied output projection on the rank that computes the logits, as stored.
+    // The table (on the CPU as stored, its rows dequantized when looked up; dequantized whole elsewhere) and, for a
+    // tied output projection on the rank that computes the logits, as stored.
+    let tied = slice.rank == 0 && !content.tensor_infos.contains_key("output.weight");
     let (embedding, embedding_q) = match shared {
         Some(table) if slice.rank > 0 => (table.clone(), None),
+        _ if device.is_cpu() => {
+            let table = Embedding::Stored { table: std::sync::Arc::new(qtensor("token_embd.weight")?), width };
+            (table, if tied { Some(qtensor("token_embd.weight")?) } else { None })
+        }
         _ => {
             let q = qtensor("token_embd.weight")?;
-            (q.dequantize(device).and_then(|e| e.pad_with_zeros(1, 0, width - d)).map_err(fmt)?, Some(q))
+            (Embedding::Dense(q.dequantize(device).and_then(|e| e.pad_with_zeros(1, 0, width - d)).map_err(fmt)?), Some(q))
         }
     };
     // Every layer's matrices are read first, then laid out (requantized) in parallel: it is most of load time.

@@ -52,7 +52,7 @@ use serde_json::Value;
 use crate::engine::parallel::RankSlice;
 use super::layers::{vectors, Ffn};
 use crate::engine::models::moe::{Expert, Experts, Router};
-use super::{Layer, Model, ModelConfig, ModelInfo, RopeScaling, Weights, MAX_CONTEXT};
+use super::{Embedding, Layer, Model, ModelConfig, ModelInfo, RopeScaling, Weights, MAX_CONTEXT};
 use crate::engine::models::gemma::{GemmaConfig, PostNorms};
 use crate::engine::models::Sliding;
 use crate::job::{ComputeDtype, CpuWeights};
@@ -620,10 +620,21 @@ impl Shards {
         Some((view.shape().to_vec(), format!("{:?}", view.dtype()).to_lowercase()))
     }
 
+    /// A tensor, copied out of its file's mapping (in `dtype`, on `device`). The mapping's pages it was read from
+    /// are then handed back ([`crate::host::release_pages`]): read once, they would otherwise count in the
+    /// process's memory until every shard is closed, beside the copies (a bf16 checkpoint's peak was about twice
+    /// its weights).
     fn load(&self, name: &str, device: &Device, dtype: DType) -> Result<Tensor, ModelError> {
         let index = *self.routing.get(name).ok_or_else(|| ModelError::Metadata(format!("tensor `{name}` is missing")))?;
         let (path, mapped) = &self.files[index];
-        mapped.load(name, device).and_then(|t| t.to_dtype(dtype)).map_err(|e| unreadable(path, e))
+        let tensor = mapped.load(name, device).and_then(|t| t.to_dtype(dtype)).map_err(|e| unreadable(path, e))?;
+        if let Ok(view) = mapped.get(name) {
+            // SAFETY: a view's data lies in candle's read-only mapping of the shard (`MmapedSafetensors` keeps each
+            // file's `memmap2::Mmap` and borrows the views from it), which nothing writes; the file is not changed
+            // while a job reads it, as mapping it already assumed (`Shards::open`).
+            unsafe { crate::host::release_pages(view.data()) };
+        }
+        Ok(tensor)
     }
 
     /// Tensor dtypes and how many tensors have each.
@@ -760,7 +771,7 @@ pub fn compute_dtype(device: &Device, asked: ComputeDtype) -> DType {
 /// On the CPU in f32 (the default there), the 16-bit matrices of a bf16 or f16 checkpoint stay in 16 bits on
 /// nightshift's kernels unless `weights` is [`CpuWeights::F32`] ([`Layout::Stored16`](super::Layout::Stored16)):
 /// the same weights as widened to f32, in half the memory, each product's sums in the kernels' order.
-pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, weights: CpuWeights, slice: Option<&RankSlice>, shared: Option<&Tensor>) -> Result<(Model, ModelInfo), ModelError> {
+pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, weights: CpuWeights, slice: Option<&RankSlice>, shared: Option<&Embedding>) -> Result<(Model, ModelInfo), ModelError> {
     let Checkpoint { info, variant, shards } = Checkpoint::open(dir)?;
     let mut config = info.config.clone();
     let whole = RankSlice::whole(info.config.heads, info.config.kv_heads);
@@ -820,9 +831,13 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, weights: CpuWeigh
         let part = slice.ffn(width);
         Ok([dense(cut(gate, false, part.clone())?)?, dense(cut(up, false, part.clone())?)?, dense(cut(down, true, part)?)?])
     };
+    // On the CPU a 16-bit table stays in 16 bits, its rows widened when looked up ([`Embedding`]).
     let embedding = match shared {
         Some(table) if slice.rank > 0 => table.clone(),
-        _ => load("model.embed_tokens.weight")?,
+        _ => match load_matrix("model.embed_tokens.weight")? {
+            t if t.dtype() != dtype => Embedding::Sixteen(t),
+            t => Embedding::Dense(t),
+        },
     };
     let mut layers = Vec::with_capacity(config.layers);
     for i in 0..config.layers {
@@ -925,7 +940,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, weights: CpuWeigh
         (false, _) => None,
         // Tied: the embedding's stored tensor, as the other matrices are held.
         (true, true) if sixteen => Some(dense(load_matrix("model.embed_tokens.weight")?)?),
-        (true, true) => Some(dense(embedding.clone())?),
+        (true, true) => Some(dense(embedding.dense().cloned().ok_or_else(|| ModelError::Metadata("a tied embedding table not held dense (a bug)".into()))?)?),
         (true, false) => Some(dense(load_matrix("lm_head.weight")?)?),
     };
     if tp {

@@ -10,6 +10,7 @@
 //! and each layer's attention is an [`Attention`] backend's (`engine::attention`: the CPU's host backend or the
 //! paged pool), which sees the model through [`AttentionModel`].
 
+mod embedding;
 pub mod gguf;
 pub mod hf;
 pub(crate) mod layers;
@@ -21,6 +22,7 @@ use candle_core::quantized::QMatMul;
 use crate::engine::kernels::Matrix;
 use candle_core::{DType, Device, Tensor, D};
 
+use embedding::Embedding;
 use layers::Layer;
 use super::gemma::{self, GemmaConfig, PostNorms};
 use super::moe::MoeConfig;
@@ -163,7 +165,7 @@ pub struct Model {
     width: usize,
     /// The attention as its backends see it (its output `attn_width` wide).
     attention: AttentionShape,
-    embedding: Tensor,
+    embedding: Embedding,
     layers: Vec<Layer>,
     /// Gemma's norms after attention and after the feed-forward network, per layer (empty in other families).
     post_norms: Vec<PostNorms>,
@@ -183,7 +185,7 @@ pub struct Model {
 
 /// The weights of a [`Model`], as a loader hands them over.
 struct Weights {
-    embedding: Tensor,
+    embedding: Embedding,
     layers: Vec<Layer>,
     post_norms: Vec<PostNorms>,
     output_norm: Tensor,
@@ -272,7 +274,7 @@ impl<A: Attention> StepModel<A> for Model {
         let inputs = started.elapsed();
         let n = tokens.len();
         let ids = Tensor::from_vec(tokens, n, &self.device)?;
-        let mut x = self.embedding.index_select(&ids, 0)?;
+        let mut x = self.embedding.lookup(&ids)?;
         if cfg.gemma.is_some() {
             x = (x * f64::from(GemmaConfig::embedding_scale(cfg.hidden_size)))?;
         }
@@ -414,6 +416,7 @@ impl Model {
     /// A model from its weights. `weights.embedding`'s width is the hidden state's width in memory.
     fn assemble(config: ModelConfig, device: &Device, weights: Weights) -> Model {
         let Weights { embedding, layers, mut post_norms, output_norm, lm_head, attn_width, layout } = weights;
+        tracing::info!(architecture = %config.architecture, embedding = %embedding.describe(), "token embedding table");
         if let Some(gemma) = &config.gemma {
             tracing::info!(architecture = %config.architecture, "{}", gemma.describe());
         }
@@ -437,7 +440,7 @@ impl Model {
             && post_norms.iter_mut().flat_map(PostNorms::vectors_mut).try_for_each(super::lanes::Vector::keep_host).is_ok();
         Model {
             host_loop,
-            width: embedding.dims().last().copied().unwrap_or(config.hidden_size),
+            width: embedding.width().unwrap_or(config.hidden_size),
             attention: config.attention_shape(attn_width),
             config,
             device: device.clone(),
@@ -491,7 +494,7 @@ impl Model {
     /// Takes `other`'s embedding table in place of its own, the same values (tensor-parallel ranks in one process:
     /// the table is replicated, and one copy serves them all). Err when the tables differ in shape or place.
     pub fn share_embedding(&mut self, other: &Model) -> candle_core::Result<()> {
-        if self.embedding.shape() != other.embedding.shape() || self.embedding.dtype() != other.embedding.dtype() || !self.device.same_device(&other.device) {
+        if !self.embedding.alike(&other.embedding) || !self.device.same_device(&other.device) {
             candle_core::bail!("the ranks' embedding tables differ (a bug)");
         }
         self.embedding = other.embedding.clone();
@@ -502,13 +505,13 @@ impl Model {
     /// Bytes of weights held on the device (quantized sizes as stored; a tied output projection once; an embedding
     /// table shared with another rank not at all).
     pub fn weight_bytes(&self) -> usize {
-        let dense = |t: &Tensor| if self.embedding_shared && t.id() == self.embedding.id() { 0 } else { t.elem_count() * t.dtype().size_in_bytes() };
+        let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let lm_head = match &self.lm_head {
-            Some(Matrix::Candle(QMatMul::Tensor(t))) if t.id() == self.embedding.id() => 0,
+            Some(Matrix::Candle(QMatMul::Tensor(t))) if self.embedding.is(t) => 0,
             Some(other) => other.bytes(),
             None => 0,
         };
-        dense(&self.embedding)
+        (if self.embedding_shared { 0 } else { self.embedding.bytes() })
             + dense(&self.output_norm)
             + self.post_norms.iter().map(PostNorms::bytes).sum::<usize>()
             + lm_head
