@@ -242,21 +242,14 @@ fn runtime_dtype_and_attention_apply_where_they_can() {
         assert_ne!(numerics("amx"), numerics("f32"));
         assert_eq!(read_metrics(&dir.join("amx"))["reused_rows"], Some(0.0));
         assert_eq!(read_results_json(&dir.join("amx")).len(), 2);
-        // An f16 checkpoint (the tiny Mistral) at the AMX level: its products of 16 rows and more split weights and
+        // An f16 checkpoint (the tiny Mistral) at the AMX level: its products of 24 rows and more split weights and
         // activations into bf16 parts, within about 2^-16 of the exact products. The metrics say so, and the
         // greedy texts are the VNNI level's.
         let model = dir.join("hf-f16");
         support::write_tiny_hf_model(&model, support::HfVariant::Mistral);
         let f16_job = |name: &str, level: &str| {
-            let path = dir.join(format!("{name}.toml"));
-            let text = format!(
-                "[input]\nurl = {:?}\nid_column = \"id\"\n[model]\npath = {:?}\n[generation]\nmax_new_tokens = 8\n[output]\nurl = {:?}\n[runtime]\ncpu_kernels = \"{level}\"\n",
-                input.to_string_lossy(),
-                model.to_string_lossy(),
-                dir.join(name).to_string_lossy()
-            );
-            std::fs::write(&path, text).unwrap();
-            path
+            let output = dir.join(name);
+            support::job_file_for(&dir.join(format!("{name}.toml")), &model, input.to_str().unwrap(), output.to_str().unwrap(), "max_new_tokens = 8", &format!("[runtime]\ncpu_kernels = \"{level}\""))
         };
         for (name, level) in [("f16-vnni", "vnni"), ("f16-amx", "amx")] {
             nightshift(&["run", f16_job(name, level).to_str().unwrap()], &[]).assert_ok();
