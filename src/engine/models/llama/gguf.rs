@@ -806,7 +806,6 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
             (Embedding::Dense(q.dequantize(device).and_then(|e| e.pad_with_zeros(1, 0, width - d)).map_err(fmt)?), Some(q))
         }
     };
-    // Every layer's matrices are read first, then laid out (requantized) in parallel: it is most of load time.
     let (q, kv) = (config.heads * hd, config.kv_heads * hd);
     // (name, laid-out [rows, columns]), in the order `Layer` takes them.
     let shapes: [(&str, [usize; 2]); 7] = [
@@ -825,7 +824,13 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         Some(m) => 4 + 3 * m.experts + if m.shared.is_some() { 3 } else { 0 },
         None => shapes.len(),
     };
-    let mut raw = Vec::with_capacity(config.layers * per_layer);
+    // The layers' matrices as read, an eighth of the layers at a time, each eighth laid out (requantized) in parallel
+    // before the next is read: the file's copy of an eighth of the layers at a time beside the laid-out ones
+    // (reading them all first made load peak at the file's size plus the weights'; a layer at a time left one of two
+    // cores idle for most of a layer's matrices).
+    let group = config.layers.div_ceil(8).max(1);
+    let mut raw = Vec::with_capacity(group * per_layer);
+    let mut laid_out: Vec<Matrix> = Vec::with_capacity(config.layers * per_layer);
     let fused = Fused::of(&content, &config);
     for i in 0..config.layers {
         // Phi-3's fused q/k/v and gate/up projections, split by rows (each row's blocks are its own: the parts are
@@ -873,12 +878,16 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
                 raw.push((shard(suffix, qtensor(&format!("blk.{i}.{suffix}.weight"))?, s).map_err(fmt)?, pad));
             }
         }
+        if !(i + 1).is_multiple_of(group) && i + 1 < config.layers {
+            continue;
+        }
+        let layer: Vec<Matrix> = std::mem::take(&mut raw)
+            .into_par_iter()
+            .map(|(t, pad)| lay_out(t, pad[0], pad[1], layout, device).and_then(|t| matrix(t, layout, device)))
+            .collect::<candle_core::Result<_>>()
+            .map_err(fmt)?;
+        laid_out.extend(layer);
     }
-    let laid_out: Vec<Matrix> = raw
-        .into_par_iter()
-        .map(|(t, pad)| lay_out(t, pad[0], pad[1], layout, device).and_then(|t| matrix(t, layout, device)))
-        .collect::<candle_core::Result<_>>()
-        .map_err(fmt)?;
     let mut matrices = laid_out.into_iter();
     let mut layers = Vec::with_capacity(config.layers);
     let mut post_norms = Vec::new();
