@@ -243,7 +243,7 @@ fn runtime_dtype_and_attention_apply_where_they_can() {
         assert_eq!(read_metrics(&dir.join("amx"))["reused_rows"], Some(0.0));
         assert_eq!(read_results_json(&dir.join("amx")).len(), 2);
         // An f16 checkpoint (the tiny Mistral) at the AMX level: its products of 24 rows and more split weights and
-        // activations into bf16 parts, within about 2^-16 of the exact products. The metrics say so, and the
+        // activations into bf16 parts, each product within 2^-15 + 2^-16 of the exact one. The metrics say so, and the
         // greedy texts are the VNNI level's.
         let model = dir.join("hf-f16");
         support::write_tiny_hf_model(&model, support::HfVariant::Mistral);

@@ -38,8 +38,9 @@
 //! F16 weights have no tile products of their own before AMX-FP16, and bf16 holds 8 of an f16's 11 significant
 //! bits, so they take the bf16 products in parts: each weight is exactly `hi + lo`, two bf16 values (the top 8
 //! bits, and the rest, at most 3 bits), each activation about `hi + lo` (to nearest twice: about 16 bits), and the
-//! tiles sum `hi·hi + hi·lo + lo·hi` (`lo·lo`, at most 2^-16 of a product, left out): within about 2^-16 of the
-//! exact products, which the other levels compute, where rounding the activations to bf16 is 2^-9 off. Three
+//! tiles sum `hi·hi + hi·lo + lo·hi` (`lo·lo`, under 2^-15 of a product, left out): each product within 2^-15 +
+//! 2^-16 of the exact one (at worst; the other levels compute it exactly), where rounding the activations to bf16
+//! is up to 2^-8 off and llama.cpp's rounding them to f16 up to 2^-11. Three
 //! products and two weight layouts per tile: it pays from 16 rows; fewer take the VNNI kernels' exact products.
 //!
 //! Linux hands a process the tiles' 8 KiB register state only when asked (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
@@ -540,11 +541,11 @@ pub(super) fn split_f16_one(bits: u16) -> (u16, u16) {
 /// and at least [`super::F16_TILE_ROWS`] (`SPLIT`): the tile unit's bf16 products (`tdpbf16ps`: pairs of bf16
 /// products, exact in f32, added to f32 sums), 32 activation rows by 32 weight rows at a time, each output's sum
 /// kept in the tiles over every column. bf16: the rounded activations ([`Acts::bf16`]) by the weights as stored.
-/// F16: each weight is exactly the sum of two bf16 values ([`f16_pair`]) and each activation about the sum of two
-/// ([`super::split_tile_order`]), and the products are high by high, high by low and low by high (low by low, at
-/// most 2^-16 of a product, is left out): within about 2^-16 of each exact product, where a bf16 rounding of the
-/// activations alone is 2^-9. The edges (a last tile of rows, the last weight rows) run in padded tiles: zeros
-/// that add nothing.
+/// F16: each weight is exactly the sum of two bf16 values ([`f16_pair`]) and each activation within 2^-16 of the sum
+/// of two ([`super::split_tile_order`]), and the products are high by high, high by low and low by high (low by low,
+/// under 2^-15 of a product, is left out): each within 2^-15 + 2^-16 of the exact product at worst, where a bf16
+/// rounding of the activations alone is up to 2^-8 off. The edges (a last tile of rows, the last weight rows) run in
+/// padded tiles: zeros that add nothing.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn run_float<const SPLIT: bool>(bits: &[u16], w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     let (m, k) = (x.rows(), w.k);

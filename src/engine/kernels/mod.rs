@@ -533,9 +533,8 @@ const BF16_TILE_ROWS: usize = 8;
 /// bf16's [`BF16_TILE_ROWS`] (`bench kernels`, BENCHMARKS.md); fewer rows take the VNNI kernels' exact products.
 const F16_TILE_ROWS: usize = 24;
 
-/// `v` as two bf16 values, `hi` to nearest (ties to even) and `lo` the rest to nearest: `hi + lo` is `v` within
-/// 2^-17 of it (bf16's unit roundoff squared, about), where `hi` alone is within 2^-9. A non-finite `v`'s `lo` is
-/// zero.
+/// `v` as two bf16 values, `hi` to nearest (ties to even) and `lo` the rest to nearest: `hi + lo` is within 2^-16
+/// of `v` (bf16's unit roundoff squared), where `hi` alone is within 2^-8. A non-finite `v`'s `lo` is zero.
 fn split_bf16(v: f32) -> (u16, u16) {
     let hi = round_bf16(v);
     let rest = v - f32::from_bits(u32::from(hi) << 16);

@@ -143,8 +143,9 @@ fn activations_split_into_two_bf16_parts_alike_in_avx512() {
 
 /// The AMX level's F16 products of at least `F16_TILE_ROWS` rows: three bf16 tile products of the weights' exact
 /// parts and the activations' two parts. Against an f64 sum of the exact products (f32 activations times the stored
-/// weights), within 2e-5 of the products' magnitude (the split's 2^-16 and f32 accumulation), where activations
-/// rounded to bf16 are 2^-9 off; most outputs at least 16 times closer than those rounded activations' (the low
+/// weights), within 5e-5 of the products' magnitude (the split's 2^-15 + 2^-16 at worst, and f32 accumulation),
+/// where activations rounded to bf16 are up to 2^-8 off; most outputs at least 16 times closer than those rounded
+/// activations' (the low
 /// parts are there); at every shape the tiles take, with rows' results independent of their neighbours in tiles;
 /// below `F16_TILE_ROWS` rows, the portable kernels' bits.
 #[test]
@@ -179,7 +180,7 @@ fn amx_f16_tiles_compute_the_stored_weights_to_16_bits_of_the_activations() {
                         magnitude += (wi * xi as f64).abs();
                     }
                     let (got, at) = (y[r * n + c] as f64, r * n + c);
-                    assert!((got - sum).abs() <= 2e-5 * magnitude + 1e-6, "n={n} k={k} m={m} output {at}: {got} vs {sum}");
+                    assert!((got - sum).abs() <= 5e-5 * magnitude + 1e-6, "n={n} k={k} m={m} output {at}: {got} vs {sum}");
                     closer += usize::from((got - sum).abs() * 16.0 <= (rounded - sum).abs());
                 }
             }
