@@ -125,39 +125,62 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
     if expected != Some(bytes.len()) {
         return Err(format!("{dtype:?} matrix [{n}, {k}] should have {expected:?} bytes, has {}", bytes.len()));
     }
+    // Panel by panel (`PANEL` rows: a contiguous part of every output), so that only the packed matrix and one
+    // panel's decoded codes are held at once (decoding the whole matrix first held three times its codes: for a
+    // Llama 3 output projection in Q6_K, 0.75 GiB for a moment).
+    let row_bytes = k / block_len * block_bytes;
+    let panels = bytes.chunks(PANEL * row_bytes).map(|panel| (panel, panel.len() / row_bytes));
     let data = match dtype {
         GgmlDType::F16 | GgmlDType::BF16 => {
             let w: Vec<u16> = bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
             if dtype == GgmlDType::F16 { Data::F16(w) } else { Data::Bf16(w) }
         }
         GgmlDType::Q8_0 => {
-            let (mut codes, mut d) = (Vec::with_capacity(n * k), Vec::with_capacity(n * k / 32));
-            for b in bytes.chunks_exact(34) {
-                d.push(half_at(b, 0));
-                codes.extend(b[2..].iter().copied());
+            let (mut qs, mut ds) = (Vec::with_capacity(n.div_ceil(PANEL) * PANEL * k), Vec::with_capacity(n.div_ceil(PANEL) * PANEL * k / 32));
+            let (mut codes, mut d) = (Vec::with_capacity(PANEL * k), Vec::with_capacity(PANEL * k / 32));
+            for (panel, rows) in panels {
+                (codes.clear(), d.clear());
+                for b in panel.chunks_exact(34) {
+                    d.push(half_at(b, 0));
+                    codes.extend(b[2..].iter().copied());
+                }
+                if codes.contains(&0x80) {
+                    return Ok(None);
+                }
+                qs.extend(chunks(rows, k, &codes, false).into_iter().map(|c| c ^ 0x80));
+                ds.extend(lanes(rows, k / 32, &d));
             }
-            if codes.contains(&0x80) {
-                return Ok(None);
-            }
-            Data::S8 { qs: chunks(n, k, &codes, false).into_iter().map(|c| c ^ 0x80).collect(), d: lanes(n, k / 32, &d) }
+            Data::S8 { qs, d: ds }
         }
         _ => {
-            // Row-major codes and a scale and offset per 16, then the panels.
-            let (mut codes, mut d, mut m) = (Vec::with_capacity(n * k), Vec::with_capacity(n * k / 16), Vec::with_capacity(n * k / 16));
-            for b in bytes.chunks_exact(block_bytes) {
-                decode_block(dtype, b, &mut |group, dg, mg| {
-                    codes.extend_from_slice(group);
-                    d.push(dg);
-                    m.push(mg);
-                });
+            // Per panel: row-major codes and a scale and offset per 16, then the panel's layout.
+            let halves = matches!(dtype, GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K);
+            let (panels_n, per_row) = (n.div_ceil(PANEL), if halves { k / 32 } else { k / 16 });
+            let mut qs = Vec::with_capacity(panels_n * PANEL * if halves { k / 2 } else { k });
+            let (mut ds, mut ms) = (Vec::with_capacity(panels_n * PANEL * per_row), Vec::with_capacity(panels_n * PANEL * per_row));
+            let (mut codes, mut d, mut m) = (Vec::with_capacity(PANEL * k), Vec::with_capacity(PANEL * k / 16), Vec::with_capacity(PANEL * k / 16));
+            for (panel, rows) in panels {
+                (codes.clear(), d.clear(), m.clear());
+                for b in panel.chunks_exact(block_bytes) {
+                    decode_block(dtype, b, &mut |group, dg, mg| {
+                        codes.extend_from_slice(group);
+                        d.push(dg);
+                        m.push(mg);
+                    });
+                }
+                if halves {
+                    // The two halves of a block of 32 share a scale and an offset (`decode_block` emits them twice).
+                    let (d, m): (Vec<f32>, Vec<f32>) = (d.iter().step_by(2).copied().collect(), m.iter().step_by(2).copied().collect());
+                    qs.extend(chunks(rows, k, &codes, true));
+                    ds.extend(lanes(rows, k / 32, &d));
+                    ms.extend(lanes(rows, k / 32, &m));
+                } else {
+                    qs.extend(chunks(rows, k, &codes, false));
+                    ds.extend(lanes(rows, k / 16, &d));
+                    ms.extend(lanes(rows, k / 16, &m));
+                }
             }
-            if matches!(dtype, GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K) {
-                // The two halves of a block of 32 share a scale and an offset (`decode_block` emits them twice).
-                let (d, m): (Vec<f32>, Vec<f32>) = (d.iter().step_by(2).copied().collect(), m.iter().step_by(2).copied().collect());
-                Data::Q4 { qs: chunks(n, k, &codes, true), d: lanes(n, k / 32, &d), m: lanes(n, k / 32, &m) }
-            } else {
-                Data::U8 { qs: chunks(n, k, &codes, false), d: lanes(n, k / 16, &d), m: lanes(n, k / 16, &m) }
-            }
+            if halves { Data::Q4 { qs, d: ds, m: ms } } else { Data::U8 { qs, d: ds, m: ms } }
         }
     };
     Ok(Some(Packed { n, k, stored: dtype, data }))
