@@ -66,11 +66,11 @@ impl Embedding {
         }
     }
 
-    /// The dense table, if it is one.
-    pub(super) fn dense(&self) -> Option<&Tensor> {
+    /// The table as a tensor (dense, or 16-bit as stored), if it is one.
+    pub(super) fn tensor(&self) -> Option<&Tensor> {
         match self {
-            Embedding::Dense(t) => Some(t),
-            _ => None,
+            Embedding::Dense(t) | Embedding::Sixteen(t) => Some(t),
+            Embedding::Stored { .. } => None,
         }
     }
 

@@ -938,9 +938,8 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, weights: CpuWeigh
     // A tensor-parallel model's logits are its first rank's alone.
     let lm_head = match (slice.rank == 0, variant.tied) {
         (false, _) => None,
-        // Tied: the embedding's stored tensor, as the other matrices are held.
-        (true, true) if sixteen => Some(dense(load_matrix("model.embed_tokens.weight")?)?),
-        (true, true) => Some(dense(embedding.dense().cloned().ok_or_else(|| ModelError::Metadata("a tied embedding table not held dense (a bug)".into()))?)?),
+        // Tied: the embedding's tensor (16-bit as stored on the CPU), packed as the other matrices are held.
+        (true, true) => Some(dense(embedding.tensor().cloned().ok_or_else(|| ModelError::Metadata("a tied embedding table not held as a tensor (a bug)".into()))?)?),
         (true, false) => Some(dense(load_matrix("lm_head.weight")?)?),
     };
     if tp {
