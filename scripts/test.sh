@@ -12,14 +12,16 @@ python3 -m pip install --quiet --disable-pip-version-check 'moto[server]>=5.1,<6
 scripts/build-peer.sh
 export NIGHTSHIFT_LLAMA_PEER="$PWD/target/peer/llama-peer"
 # Debian's Pushgateway, which the Prometheus tests start on 127.0.0.1, and Chromium, which renders the job reports
-# headless, and Debian's Slurm (slurmctld, slurmd, clients), which a test starts as a single-node cluster
-# (scripts/local-cluster.sh) to run the Slurm example for real.
+# headless, and Debian's Slurm (slurmctld, slurmd, clients, slurmdbd) with MariaDB for its accounting, which a test
+# starts as a single-node cluster (scripts/local-cluster.sh) to run the Slurm example for real and read `sacct`.
 missing=()
 command -v prometheus-pushgateway >/dev/null || missing+=(prometheus-pushgateway)
 command -v chromium >/dev/null || missing+=(chromium)
 command -v slurmctld >/dev/null || missing+=(slurmctld)
 command -v slurmd >/dev/null || missing+=(slurmd)
 command -v sbatch >/dev/null || missing+=(slurm-client)
+command -v slurmdbd >/dev/null || missing+=(slurmdbd)
+command -v mariadbd >/dev/null || missing+=(mariadb-server)
 if [ "${#missing[@]}" -gt 0 ]; then
     sudo=$([ "$(id -u)" = 0 ] || echo sudo)
     $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
@@ -36,8 +38,8 @@ fi
 # slurmd starts jobs as their submitter, so the Slurm cluster needs root.
 if [ "$(id -u)" != 0 ]; then
     export NIGHTSHIFT_SLURM="skip: the single-node Slurm cluster needs root (slurmd)"
-elif ! command -v slurmd >/dev/null; then
-    export NIGHTSHIFT_SLURM="skip: Debian's slurmd could not be installed"
+elif ! command -v slurmd >/dev/null || ! command -v slurmdbd >/dev/null || ! command -v mariadbd >/dev/null; then
+    export NIGHTSHIFT_SLURM="skip: Debian's slurmd, slurmdbd or mariadb-server could not be installed"
 else
     export NIGHTSHIFT_SLURM=1
 fi
