@@ -55,7 +55,7 @@ def prompts_of(args):
 def llama_answers(args, prompts):
     """llama-server's answer to each prompt: (text, token ids, log-probability of each chosen token, its most likely
     token at each position)."""
-    with serve(args.server, args.model, args.threads, args.slots, args.slots * 2048, args.port, ["--jinja"]) as base:
+    with serve(args.server, args.model, args.threads, args.slots, args.slots * 2048, args.port, ["--jinja", *args.server_arg]) as base:
         def one(prompt):
             chat = post(base + "/apply-template", {"messages": [{"role": "user", "content": prompt}]})["prompt"]
             sampling = {"temperature": 0.0, "top_k": 1} if args.temperature == 0 else {"temperature": args.temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
@@ -124,7 +124,7 @@ def llama_scores(args, prompts, answers):
     itself scores it, each position by a request whose prompt is the chat prompt and the answer's tokens before it
     (not cached, so the whole prefix is one prompt-processing pass)."""
     scores = {}
-    with serve(args.server, args.model, args.threads, 1, 4096, args.port, ["--jinja"]) as base:
+    with serve(args.server, args.model, args.threads, 1, 4096, args.port, ["--jinja", *args.server_arg]) as base:
         for i, (prompt, (text, ids, _, _, _)) in enumerate(zip(prompts, answers)):
             if not ids:
                 continue
@@ -197,6 +197,8 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0, help="sample llama.cpp's answers (0: greedy)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llama-baseline", action="store_true", help="also have llama-server score its own answers (slow)")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="one more llama-server argument (repeat it; --server-arg=--cache-type-k --server-arg=f32)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 

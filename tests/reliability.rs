@@ -1211,7 +1211,8 @@ fn freeze_at_first_commit(output: &OutputStore, array: &str, tasks: &[usize]) ->
 /// Lets a frozen process go on (SIGCONT) once a SIGTERM waits for it (its shared pending set in
 /// /proc/PID/status), or once something else has continued it (`scancel` sends SIGCONT itself).
 fn continue_when_signalled(pid: u32) {
-    let deadline = Instant::now() + Duration::from_secs(60);
+    // Slurm's time-limit signal comes at the controller's next periodic check (within a minute; 23 s measured).
+    let deadline = Instant::now() + Duration::from_secs(180);
     loop {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
         let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).map(str::trim).unwrap_or_default().to_string();
