@@ -14,8 +14,7 @@
 # tracking `linuxproc` and no task plugin (no cgroups: containers often lack them). Accounting as on a production
 # cluster: slurmdbd over a MariaDB server of its own (data directory DIR/mariadb, a user for slurmdbd alone with a
 # password made at start-up, kept in the mode-600 DIR/slurmdbd.conf), so `sacct` answers with every run of every job
-# and its exit code; job completions are also written to DIR/jobcomp.txt. Daemons run as the calling user, which
-# must be root (slurmd starts jobs as their submitter).
+# and its exit code. Daemons run as the calling user, which must be root (slurmd starts jobs as their submitter).
 set -euo pipefail
 
 engine=${1:-}
@@ -69,7 +68,8 @@ up)
     done
     sql -e 'SELECT 1' >/dev/null || { echo "$0: MariaDB did not start within 20 s; log: $dir/mariadb.log" >&2; exit 1; }
     password=$(head -c 18 /dev/urandom | base64 | tr -d '/+=')
-    sql -e "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$password'; GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
+    # On standard input, not the command line, where other processes could read the password.
+    sql <<<"CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$password'; GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
     dbd_port=$(free_port)
     # slurmdbd reads slurmdbd.conf beside $SLURM_CONF; it holds the password, so only its owner may read it.
     (umask 077 && cat >"$dir/slurmdbd.conf" <<EOF
@@ -116,8 +116,6 @@ SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 ReturnToService=2
-JobCompType=jobcomp/filetxt
-JobCompLoc=$dir/jobcomp.txt
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 AccountingStoragePort=$dbd_port
