@@ -19,9 +19,12 @@
 //   /detokenize)
 // A first line before them: the vocabulary's size, its BOS, EOS and EOT ids, and its end-of-generation ids.
 // With `--logits`, a line `!` and space-separated token ids is one sequence, evaluated in one batch from position
-// 0: out comes the last position's logits, space-separated (%.9g), in a fresh context each time.
+// 0: out comes the last position's logits, space-separated (%.9g), in a fresh context each time. For an
+// encoder-decoder (T5), the line is `!` source ids `|` decoder ids: the source is encoded (llama_encode), then the
+// decoder ids (the start token first) decoded in one batch, and out come the last decoder position's logits.
 #include "llama.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -107,16 +110,24 @@ static std::vector<llama_token> parse_ids(const std::string & line) {
     return ids;
 }
 
-static bool logits(llama_model * model, const std::vector<llama_token> & ids) {
+static bool logits(llama_model * model, const std::vector<llama_token> & source, const std::vector<llama_token> & ids) {
+    const size_t longest = std::max(source.size(), ids.size());
     llama_context_params cparams = llama_context_default_params();
-    cparams.n_ctx = ids.size() + 16;
-    cparams.n_batch = ids.size() + 16;
-    cparams.n_ubatch = ids.size() + 16;
+    cparams.n_ctx = longest + 16;
+    cparams.n_batch = longest + 16;
+    cparams.n_ubatch = longest + 16;
     cparams.n_threads = 1;
     cparams.n_threads_batch = 1;
     llama_context * ctx = llama_init_from_model(model, cparams);
     if (!ctx) {
         return false;
+    }
+    if (llama_model_has_encoder(model)) {
+        std::vector<llama_token> source_ids = source;
+        if (source_ids.empty() || llama_encode(ctx, llama_batch_get_one(source_ids.data(), (int32_t) source_ids.size())) != 0) {
+            llama_free(ctx);
+            return false;
+        }
     }
     std::vector<llama_token> batch_ids = ids;
     if (llama_decode(ctx, llama_batch_get_one(batch_ids.data(), (int32_t) batch_ids.size())) != 0) {
@@ -160,7 +171,10 @@ int main(int argc, char ** argv) {
     std::string line;
     while (std::getline(std::cin, line)) {
         if (full && !line.empty() && line[0] == '!') {
-            if (!logits(model, parse_ids(line))) {
+            const size_t bar = line.find('|');
+            const std::vector<llama_token> source = bar == std::string::npos ? std::vector<llama_token>() : parse_ids(line.substr(0, bar));
+            const std::vector<llama_token> ids = parse_ids(bar == std::string::npos ? line : "!" + line.substr(bar + 1));
+            if (!logits(model, source, ids)) {
                 fprintf(stderr, "llama_decode failed\n");
                 return 1;
             }

@@ -83,6 +83,10 @@ fn main() -> ExitCode {
         }
         Command::Tokenize(args) => cli::tokenize(args),
         Command::SynthModel(args) => args.gguf_type().and_then(|quant| {
+            if let Some(report) = args.run_t5(quant)? {
+                println!("wrote {} ({}): {} parameters, {:.1} MiB of f32 weights", args.dir.display(), report.shape.name, report.parameters, report.bytes as f64 / (1 << 20) as f64);
+                return Ok(());
+            }
             let report = args.run()?;
             cli::print_synth(&report, &args.dir);
             if let Some(quant) = quant {

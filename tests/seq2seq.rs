@@ -289,3 +289,147 @@ fn the_sample_seq2seq_job_runs_on_a_t5_directory() {
     assert_eq!(rows.len(), 12);
     assert!(rows.values().all(|r| r.status == "succeeded" && r.completion_tokens >= 1), "{rows:?}");
 }
+
+/// A T5 small enough for the tests, of either layout, as `synth-model` writes the published ones.
+fn tiny_shape(gated: bool) -> nightshift::synth::t5::T5Shape {
+    nightshift::synth::t5::T5Shape { name: "tiny", vocab: 300, d_model: 64, d_kv: 16, heads: 4, d_ff: 128, layers: 2, decoder_layers: 2, gated, buckets: 32 }
+}
+
+/// nightshift's logits at every decoder position, teacher-forced: `source` encoded, `decoder` (the start token
+/// first) fed a token at a time.
+fn teacher_forced(model: &T5, source: &[u32], decoder: &[u32]) -> Vec<Vec<f32>> {
+    let encoded = model.encode(&[source]).unwrap().remove(0);
+    let mut state = model.start(&encoded).unwrap();
+    decoder.iter().map(|&t| model.decode_step(&[t], &mut [&mut state]).unwrap().remove(0)).collect()
+}
+
+/// llama.cpp's logits (scripts/llama-peer.cpp) after each prefix of `decoder`, `source` encoded.
+fn llama_cpp_teacher_forced(peer: &Path, gguf: &Path, source: &[u32], decoder: &[u32]) -> Vec<Vec<f32>> {
+    use std::io::Write;
+    let join = |ids: &[u32]| ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
+    let input: String = (1..=decoder.len()).map(|n| format!("!{}|{}\n", join(source), join(&decoder[..n]))).collect();
+    let mut child = std::process::Command::new(peer)
+        .args(["--logits", gguf.to_str().unwrap()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "llama.cpp on {}: {}", gguf.display(), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().lines().skip(1).map(|l| l.split(' ').map(|x| x.parse().unwrap()).collect()).collect()
+}
+
+/// The largest difference over the position's largest logit, over every position; and the positions whose top
+/// tokens differ.
+fn relative_gap(a: &[Vec<f32>], b: &[Vec<f32>]) -> (f32, usize) {
+    assert_eq!(a.len(), b.len());
+    let mut worst = 0f32;
+    let mut flips = 0;
+    for (x, y) in a.iter().zip(b) {
+        let scale = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        worst = worst.max(max_abs_diff(x, y) / scale);
+        flips += usize::from(argmax(x) != argmax(y));
+    }
+    (worst, flips)
+}
+
+#[test]
+fn t5_gguf_files_compute_what_llama_cpp_and_their_safetensors_copies_compute() {
+    use candle_core::quantized::GgmlDType;
+    use nightshift::synth::t5::{t5_gguf, write_t5};
+    // A 40-token source (past the 8 exact distances of each direction's buckets), 24 decoder positions.
+    let source: Vec<u32> = (0..39).map(|i| 3 + (i * 53 % 297) as u32).chain([1]).collect();
+    let peer = crate::tokenizer::llama_peer();
+    for (gated, quant) in [(true, GgmlDType::F32), (true, GgmlDType::F16), (true, GgmlDType::Q8_0), (false, GgmlDType::F32)] {
+        let dir = scratch(&format!("t5-gguf-{gated}-{quant:?}")).join("t5");
+        let shape = tiny_shape(gated);
+        write_t5(&dir, &shape, 11, true).unwrap();
+        let (gguf, _) = t5_gguf(&dir, quant, None).unwrap();
+        let from_gguf = T5::load(&gguf, &Device::Cpu).unwrap();
+        let from_dir = T5::load(&dir, &Device::Cpu).unwrap();
+        assert_eq!((from_gguf.config.feed_forward_proj.as_str(), from_gguf.config.tie_word_embeddings), (if gated { "gated-gelu" } else { "relu" }, !gated));
+        // The decoder's input: the start token, then varied tokens (a random model's greedy output repeats a token,
+        // and then the decoder's position bias has nothing to tell apart).
+        let decoder: Vec<u32> = std::iter::once(0).chain((0..23).map(|i| 3 + (i * 89 % 297) as u32)).collect();
+        let ours = teacher_forced(&from_gguf, &source, &decoder);
+        let copy = teacher_forced(&from_dir, &source, &decoder);
+        let (copy_gap, copy_flips) = relative_gap(&copy, &ours);
+        eprintln!("gated {gated}, {quant:?}: GGUF against its safetensors copy {copy_gap:e}, {copy_flips} of {} top tokens differ", ours.len());
+        if quant == GgmlDType::F32 {
+            assert_eq!(copy_gap, 0.0, "an F32 GGUF computes exactly its safetensors copy");
+        }
+        assert!(copy_gap < 0.05 && copy_flips <= 1, "{quant:?}: {copy_gap}, {copy_flips}");
+        let Some(peer) = &peer else { continue };
+        let mut theirs = llama_cpp_teacher_forced(peer, &gguf, &source, &decoder);
+        if !gated {
+            // Tied embeddings: Hugging Face's T5 (and nightshift) scales the decoder's output by d_model^-0.5 before
+            // the output projection; llama.cpp does not, so its logits are sqrt(d_model) times larger.
+            let scale = (shape.d_model as f32).powf(-0.5);
+            theirs.iter_mut().flatten().for_each(|x| *x *= scale);
+        }
+        let (gap, flips) = relative_gap(&ours, &theirs);
+        eprintln!("gated {gated}, {quant:?}: against llama.cpp {gap:e} of the largest logit, {flips} of {} top tokens differ", ours.len());
+        // Within the float types' rounding (llama.cpp keeps the decoder's keys and values in f16, computes GELU from
+        // an f16 table); Q8_0 also within its activations' quantization, which llama.cpp adds (8 bits per value
+        // per block of 32, as large as the weights'), so a near-tie may go the other way.
+        let (tolerance, near_ties) = if quant == GgmlDType::Q8_0 { (3e-2, 1) } else { (5e-3, 0) };
+        assert!(gap < tolerance && flips <= near_ties, "{quant:?}: {gap}, {flips}");
+        if gated && quant == GgmlDType::F32 {
+            // The check catches a model computed wrong: the same file without the decoder's relative-position bias.
+            let broken = scratch("t5-gguf-broken").join("t5");
+            write_t5(&broken, &shape, 11, true).unwrap();
+            let mut tensors = candle_core::safetensors::load(broken.join("model.safetensors"), &Device::Cpu).unwrap();
+            let bias = "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight";
+            let zeros = tensors[bias].zeros_like().unwrap();
+            tensors.insert(bias.into(), zeros);
+            candle_core::safetensors::save(&tensors, broken.join("model.safetensors")).unwrap();
+            let wrong = teacher_forced(&T5::load(&broken, &Device::Cpu).unwrap(), &source, &decoder);
+            let (gap, flips) = relative_gap(&wrong, &theirs);
+            eprintln!("without the decoder's position bias: {gap:e}, {flips} top tokens differ");
+            assert!(gap > 0.05, "{gap}");
+        }
+    }
+}
+
+#[test]
+fn a_seq2seq_job_on_a_t5_gguf_file_writes_what_its_directory_writes() {
+    use nightshift::synth::t5::{t5_gguf, write_t5};
+    let dir = scratch("t5-gguf-job");
+    let model = dir.join("t5");
+    write_t5(&model, &tiny_shape(true), 5, true).unwrap();
+    let (gguf, _) = t5_gguf(&model, candle_core::quantized::GgmlDType::F32, None).unwrap();
+    let ids: Vec<String> = (0..10).map(|i| format!("r{i}")).collect();
+    // Pieces `▁w0` ...: words the vocabulary has, and one it has not (`<unk>`).
+    let texts: Vec<String> = (0..10).map(|i| format!("w{} w{} w{} zebra w{}", i, i * 7 % 297, i * 13 % 297, 296 - i)).collect();
+    write_parquet(&dir.join("in.parquet"), vec![("id", strings(&ids.iter().map(|s| Some(s.as_str())).collect::<Vec<_>>())), ("prompt", strings(&texts.iter().map(|t| Some(t.as_str())).collect::<Vec<_>>()))]);
+    let run = |model: &Path, out: &str| {
+        let job = dir.join(format!("{out}.toml"));
+        std::fs::write(
+            &job,
+            format!(
+                "kind = \"seq2seq\"\n[input]\nurl = {:?}\nid_column = \"id\"\n[model]\npath = {:?}\n[generation]\nmax_new_tokens = 12\n[output]\nurl = {:?}\n",
+                dir.join("in.parquet").to_string_lossy(),
+                model.to_string_lossy(),
+                dir.join(out).to_string_lossy()
+            ),
+        )
+        .unwrap();
+        nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
+        let validate = nightshift(&["validate", job.to_str().unwrap()], &[]);
+        validate.assert_ok();
+        assert!(validate.stdout.contains("encoder-decoder (t5)"), "{}", validate.stdout);
+        read_results(&dir.join(out))
+    };
+    let (from_dir, from_gguf) = (run(&model, "out-dir"), run(&gguf, "out-gguf"));
+    assert_eq!(from_gguf.len(), 10);
+    for (id, row) in &from_dir {
+        let other = &from_gguf[id];
+        assert_eq!(row.status, "succeeded", "{row:?}");
+        // The same tokens in (the words, `<unk>`, `</s>`), the same tokens and text out.
+        assert_eq!(row.prompt_tokens, Some(6), "{row:?}");
+        assert_eq!((&row.text, row.completion_tokens, row.prompt_tokens), (&other.text, other.completion_tokens, other.prompt_tokens), "{id}");
+    }
+    assert!(from_gguf.values().any(|r| r.text.as_deref().is_some_and(|t| t.contains('w'))), "{from_gguf:?}");
+}

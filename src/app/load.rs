@@ -58,8 +58,8 @@ pub fn check_model(job: &Job) -> Result<ModelCheck, Error> {
         }
         JobKind::Seq2seq => {
             let config = T5::inspect(path).map_err(|e| e.at(path))?;
-            let sha256 = check_model_dir(job)?;
-            EncoderPreprocessor::new(bert::tokenizer(path)?, MAX_SOURCE_TOKENS, job.input.truncate)?;
+            let sha256 = if path.is_dir() { check_model_dir(job)? } else { check_model_file(job)? };
+            seq2seq_tokenizer(job)?;
             ModelCheck { summary: ModelSummary::Seq2seq(config), sha256, template: None }
         }
         JobKind::Embed => {
@@ -168,6 +168,24 @@ pub struct Loaded {
     pub tensor_parallel: usize,
 }
 
+/// A seq2seq model's tokenizer (a directory's `tokenizer.json`, a GGUF file's vocabulary) and the rows' preprocessor.
+fn seq2seq_tokenizer(job: &Job) -> Result<(crate::tokenize::Tokenizer, Box<EncoderPreprocessor>), Error> {
+    let path = &job.model.path;
+    if path.is_dir() {
+        let tokenizer = bert::tokenizer(path)?;
+        let prepare = EncoderPreprocessor::new(tokenizer.clone(), MAX_SOURCE_TOKENS, job.input.truncate)?;
+        return Ok((crate::tokenize::Tokenizer::Hf(std::sync::Arc::new(tokenizer)), Box::new(prepare)));
+    }
+    let vocab = llama::gguf::vocabulary(path).map_err(|e| e.at(path))?;
+    let tokenizer = crate::tokenize::vocab::build(&vocab)?;
+    let crate::tokenize::Tokenizer::Gguf(gguf) = &tokenizer else {
+        return Err(crate::tokenize::TokenizerError::Invalid("a GGUF file without its vocabulary".into()).into());
+    };
+    let gguf = std::sync::Arc::clone(gguf);
+    let prepare = EncoderPreprocessor::gguf(gguf, MAX_SOURCE_TOKENS, job.input.truncate)?;
+    Ok((tokenizer, Box::new(prepare)))
+}
+
 /// Checks the job's model ([`check_model`]) and loads it onto `device`.
 pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
     let check = check_model(job)?;
@@ -180,12 +198,14 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
             let model = T5::load(&job.model.path, device).map_err(|e| e.at(&job.model.path))?;
             let c = &model.config;
             info!(layers = c.num_layers, decoder_layers = c.decoder_layers(), d_model = c.d_model, heads = c.num_heads, "encoder-decoder");
-            let tokenizer = bert::tokenizer(&job.model.path)?;
-            let prepare = EncoderPreprocessor::new(tokenizer.clone(), MAX_SOURCE_TOKENS, job.input.truncate)?;
+            if job.model.path.is_file() {
+                info!("T5 from GGUF: weights dequantized to f32, the precision the encoder-decoder computes in");
+            }
+            let (tokenizer, prepare) = seq2seq_tokenizer(job)?;
             let weights_bytes = model.weight_bytes();
             let engine = Seq2SeqEngine::new(model, tokenizer, job.generation.clone(), job.runtime.max_seqs);
             let queue = job.runtime.max_seqs * 2;
-            Ok(Loaded { engine: Box::new(engine), prepare: Box::new(prepare), check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "f32", attention: "none", compute_dtype: None, layout: ResultsLayout::Generate, queue, decoder: None, tensor_parallel: 1 })
+            Ok(Loaded { engine: Box::new(engine), prepare, check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "f32", attention: "none", compute_dtype: None, layout: ResultsLayout::Generate, queue, decoder: None, tensor_parallel: 1 })
         }
         JobKind::Embed => {
             let encoder = Encoder::load(&job.model.path, device).map_err(|e| e.at(&job.model.path))?;

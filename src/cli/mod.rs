@@ -98,7 +98,8 @@ pub struct SynthModelArgs {
     /// The directory to write (created if needed).
     pub dir: PathBuf,
     /// The shape: `llama-3.2-1b`, `smollm2-135m`, `qwen2.5-0.5b`, `qwen3-0.6b`, `gemma-3-1b`, `gemma-2-2b`, `phi-3-mini`,
-    /// `phi-4-mini`, `qwen3-moe-reduced`, `mixtral-reduced`, `qwen2-moe-reduced` or `tiny`.
+    /// `phi-4-mini`, `qwen3-moe-reduced`, `mixtral-reduced`, `qwen2-moe-reduced` or `tiny`; or an encoder-decoder:
+    /// `t5-small`, `flan-t5-small`, `flan-t5-base`.
     #[arg(long, default_value = "llama-3.2-1b")]
     pub shape: String,
     /// Weight type: `bf16`, `f16` or `f32`.
@@ -181,6 +182,33 @@ impl SynthModelArgs {
             other => return Err(crate::error::Error::Usage(format!("--init must be hf, peaked or fidelity, got {other:?}"))),
         };
         crate::synth::synth_model(&self.dir, &shape, dtype, self.seed, init)
+    }
+
+    /// A T5 shape (`t5-small`, `flan-t5-small`, `flan-t5-base`): writes it (and its GGUF with `--gguf`) and returns
+    /// what was written; `None` for a decoder's shape. `--vocab` gives the GGUF its vocabulary (a `t5` one) and the
+    /// model its size; `--layers` cuts the encoder's and the decoder's layers alike. T5's weights are always drawn
+    /// peaked (crate::synth::t5).
+    pub fn run_t5(&self, quant: Option<candle_core::quantized::GgmlDType>) -> Result<Option<crate::synth::t5::T5Report>, crate::error::Error> {
+        let Some(mut shape) = crate::synth::t5::T5Shape::named(&self.shape) else { return Ok(None) };
+        if self.dtype != "f32" && self.dtype != "bf16" || self.context.is_some() || self.window.is_some() || !matches!(self.init.as_str(), "hf" | "peaked" | "fidelity") {
+            return Err(crate::error::Error::Usage(format!("{}: a T5 is written in f32, peaked, at its own context; --dtype, --context, --window and --init do not apply", self.shape)));
+        }
+        if let Some(layers) = self.layers {
+            if layers == 0 || layers > shape.layers {
+                return Err(crate::error::Error::Usage(format!("--layers must be 1 to the shape's {}, got {layers}", shape.layers)));
+            }
+            (shape.layers, shape.decoder_layers) = (layers, layers);
+        }
+        let tokenizer = self.tokenizer()?;
+        if let Some(t) = &tokenizer {
+            shape.vocab = t.size();
+        }
+        let report = crate::synth::t5::write_t5(&self.dir, &shape, self.seed, tokenizer.is_none())?;
+        if let Some(quant) = quant {
+            let (path, bytes) = crate::synth::t5::t5_gguf(&self.dir, quant, tokenizer.as_ref())?;
+            crate::cli::print_written(&path, bytes);
+        }
+        Ok(Some(report))
     }
 
     /// The GGUF's tokenizer `--vocab` names, if any.

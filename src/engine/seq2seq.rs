@@ -46,8 +46,7 @@ pub struct Seq2SeqEngine {
 }
 
 impl Seq2SeqEngine {
-    pub fn new(model: T5, tokenizer: tokenizers::Tokenizer, params: GenerationParams, max_seqs: usize) -> Self {
-        let tokenizer = Tokenizer::Hf(std::sync::Arc::new(tokenizer));
+    pub fn new(model: T5, tokenizer: Tokenizer, params: GenerationParams, max_seqs: usize) -> Self {
         let end_tokens = HashSet::from([model.config.eos_token_id as u32]);
         Seq2SeqEngine { model, tokenizer, params, end_tokens, max_seqs, waiting: Vec::new(), running: Vec::new(), stats: EngineStats::default() }
     }

@@ -350,13 +350,20 @@ impl Prepare for Preprocessor {
 /// Rows -> token ids for an encoder: the text as it is (no chat template), with the model's special tokens
 /// (`[CLS] ... [SEP]`), checked against the model's maximum length.
 pub struct EncoderPreprocessor {
-    tokenizer: tokenizers::Tokenizer,
-    /// The same tokenizer, cutting rows to `max_tokens` from the side `input.truncate` names.
-    truncating: Option<tokenizers::Tokenizer>,
+    tokenizer: EncoderTokenizer,
     max_tokens: usize,
     truncate: Truncate,
     /// [`prompt_byte_limit`] of this vocabulary and `max_tokens`.
     max_bytes: usize,
+}
+
+enum EncoderTokenizer {
+    /// A `tokenizer.json`, and the same tokenizer cutting rows to `max_tokens` from the side `input.truncate`
+    /// names.
+    Hf { tokenizer: tokenizers::Tokenizer, truncating: Option<tokenizers::Tokenizer> },
+    /// A GGUF file's vocabulary (a T5 file's): special tokens added as llama.cpp adds them (T5's `</s>` at the end),
+    /// and kept when a row is cut.
+    Gguf(std::sync::Arc<gguf::Vocab>),
 }
 
 impl EncoderPreprocessor {
@@ -373,7 +380,40 @@ impl EncoderPreprocessor {
             }
         };
         let max_bytes = prompt_byte_limit(max_tokens, longest_token(tokenizer.get_vocab(true).keys().map(String::as_str)), hf_bytes_only(&tokenizer));
-        Ok(EncoderPreprocessor { tokenizer, truncating, max_tokens, truncate, max_bytes })
+        Ok(EncoderPreprocessor { tokenizer: EncoderTokenizer::Hf { tokenizer, truncating }, max_tokens, truncate, max_bytes })
+    }
+
+    /// Rows tokenized by a GGUF file's vocabulary. Only the memory cap bounds a row's bytes before tokenizing: an
+    /// unknown token may stand for any run of text.
+    pub fn gguf(vocab: std::sync::Arc<gguf::Vocab>, max_tokens: usize, truncate: Truncate) -> Result<Self, TokenizerError> {
+        let specials = usize::from(vocab.add_bos) + usize::from(vocab.add_eos);
+        if max_tokens <= specials {
+            return Err(TokenizerError::Invalid(format!("{max_tokens} tokens leave no room for text beside the vocabulary's special tokens")));
+        }
+        Ok(EncoderPreprocessor { tokenizer: EncoderTokenizer::Gguf(vocab), max_tokens, truncate, max_bytes: MAX_PROMPT_BYTES })
+    }
+
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, RowError> {
+        let failed = |e: &dyn std::fmt::Display| RowError::new(ErrorCode::TemplateError, format!("tokenization failed: {e}"));
+        match &self.tokenizer {
+            EncoderTokenizer::Hf { tokenizer, truncating } => {
+                let tokenizer = truncating.as_ref().unwrap_or(tokenizer);
+                tokenizer.encode_fast(text, true).map(|e| e.get_ids().to_vec()).map_err(|e| failed(&e))
+            }
+            EncoderTokenizer::Gguf(vocab) => {
+                // Control tokens' texts (T5's sentinels, `<extra_id_0>`) are those tokens, as a tokenizer.json
+                // parses its added tokens.
+                let ids = vocab.tokenize(text.as_bytes(), true, true).map_err(|e| failed(&e))?;
+                if ids.len() <= self.max_tokens || self.truncate == Truncate::None {
+                    return Ok(ids);
+                }
+                let (front, back) = (usize::from(vocab.add_bos), usize::from(vocab.add_eos));
+                let keep = self.max_tokens - front - back;
+                let body = &ids[front..ids.len() - back];
+                let body = if self.truncate == Truncate::Left { &body[body.len() - keep..] } else { &body[..keep] };
+                Ok([&ids[..front], body, &ids[ids.len() - back..]].concat())
+            }
+        }
     }
 }
 
@@ -383,11 +423,7 @@ impl Prepare for EncoderPreprocessor {
             let Prompt::Text(text) = within_bytes(prompt, 0, self.max_bytes, self.truncate)? else {
                 return Err(RowError::new(ErrorCode::InvalidMessages, "an embedding row is a text, not a conversation"));
             };
-            let tokenizer = self.truncating.as_ref().unwrap_or(&self.tokenizer);
-            let encoding = tokenizer
-                .encode_fast(text.as_str(), true)
-                .map_err(|e| RowError::new(ErrorCode::TemplateError, format!("tokenization failed: {e}")))?;
-            let ids = encoding.get_ids();
+            let ids = self.tokenize(&text)?;
             if ids.len() > self.max_tokens {
                 return Err(RowError::new(
                     ErrorCode::PromptTooLong,
@@ -398,7 +434,7 @@ impl Prepare for EncoderPreprocessor {
                     ),
                 ));
             }
-            Ok(ids.to_vec())
+            Ok(ids)
         });
         PreparedRow { id: row.id, tag: row.tag, params: row.params, tokens, completion: None }
     }

@@ -219,11 +219,32 @@ fn attend(q: &[f32], keys: &[f32], values: &[f32], heads: usize, d_kv: usize, bi
     }
 }
 
+/// The shape checks every T5 passes before its weights are read, whatever its file.
+fn check(c: &T5Config) -> Result<(), ModelError> {
+    if c.num_heads == 0 || c.d_kv == 0 || c.d_model == 0 || c.d_ff == 0 || c.vocab_size == 0 || c.num_layers == 0 || c.num_layers > 256 || c.decoder_layers() == 0 || c.decoder_layers() > 256 || c.relative_attention_num_buckets < 4
+        || c.relative_attention_max_distance <= c.relative_attention_num_buckets / 2
+        || c.relative_attention_max_distance > 1 << 16
+    {
+        return Err(ModelError::Metadata(format!(
+            "inconsistent T5 shape: {} heads, d_kv {}, {} layers, {} position buckets up to distance {}",
+            c.num_heads, c.d_kv, c.num_layers, c.relative_attention_num_buckets, c.relative_attention_max_distance
+        )));
+    }
+    if !matches!(c.feed_forward_proj.as_str(), "relu" | "gated-gelu") {
+        return Err(ModelError::Metadata(format!("feed_forward_proj `{}` is not supported (relu, gated-gelu)", c.feed_forward_proj)));
+    }
+    Ok(())
+}
+
 impl T5 {
     /// Reads and checks `config.json` without loading weights: the architecture, the shapes and the feed-forward
     /// type, as [`T5::load`] checks them (`validate` and `run` accept the same models).
-    pub fn inspect(dir: &Path) -> Result<T5Config, ModelError> {
-        let config_path = dir.join("config.json");
+    pub fn inspect(path: &Path) -> Result<T5Config, ModelError> {
+        if path.is_file() {
+            let (_, content) = crate::engine::models::llama::gguf::read_content(path)?;
+            return gguf::config(&content);
+        }
+        let config_path = path.join("config.json");
         let config: T5Config = match std::fs::read(&config_path) {
             Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| ModelError::File { path: config_path.clone(), message: e.to_string() })?,
             Err(source) => return Err(ModelError::Open { path: config_path, source }),
@@ -231,31 +252,40 @@ impl T5 {
         if let Some(kind) = config.model_type.as_deref().filter(|k| *k != "t5") {
             return Err(ModelError::Architecture { name: kind.to_string(), supported: "t5 for seq2seq jobs" });
         }
-        let c = &config;
-        if c.num_heads == 0 || c.d_kv == 0 || c.num_layers == 0 || c.num_layers > 256 || c.decoder_layers() == 0 || c.decoder_layers() > 256 || c.relative_attention_num_buckets < 4
-            || c.relative_attention_max_distance <= c.relative_attention_num_buckets / 2
-            || c.relative_attention_max_distance > 1 << 16
-        {
-            return Err(ModelError::Metadata(format!(
-                "inconsistent T5 shape: {} heads, d_kv {}, {} layers, {} position buckets up to distance {}",
-                c.num_heads, c.d_kv, c.num_layers, c.relative_attention_num_buckets, c.relative_attention_max_distance
-            )));
-        }
-        if !matches!(c.feed_forward_proj.as_str(), "relu" | "gated-gelu") {
-            return Err(ModelError::Metadata(format!("feed_forward_proj `{}` is not supported (relu, gated-gelu)", c.feed_forward_proj)));
-        }
+        check(&config)?;
         Ok(config)
     }
 
-    pub fn load(dir: &Path, device: &Device) -> Result<T5, ModelError> {
-        let config = T5::inspect(dir)?;
-        let c = &config;
-        let path = dir.join("model.safetensors");
-        let fmt = |e: candle_core::Error| ModelError::File { path: path.clone(), message: crate::engine::first_line(&e) };
-        let mut tensors: HashMap<String, Tensor> = candle_core::safetensors::load(&path, device).map_err(|e| match path.exists() {
+    /// Loads a Hugging Face directory (`config.json`, `model.safetensors`) or a GGUF file ([`T5::load_gguf`]).
+    pub fn load(path: &Path, device: &Device) -> Result<T5, ModelError> {
+        if path.is_file() {
+            return T5::load_gguf(path, device);
+        }
+        let config = T5::inspect(path)?;
+        let file = path.join("model.safetensors");
+        let fmt = |e: candle_core::Error| ModelError::File { path: file.clone(), message: crate::engine::first_line(&e) };
+        let tensors: HashMap<String, Tensor> = candle_core::safetensors::load(&file, device).map_err(|e| match file.exists() {
             true => fmt(e),
-            false => ModelError::Open { path: path.clone(), source: std::io::ErrorKind::NotFound.into() },
+            false => ModelError::Open { path: file.clone(), source: std::io::ErrorKind::NotFound.into() },
         })?;
+        T5::from_tensors(config, tensors, device)
+    }
+
+    /// Loads a GGUF file of llama.cpp's `t5` architecture (as its converter writes T5, T5 v1.1 and FLAN-T5): its
+    /// tensors renamed to Hugging Face's and dequantized to f32, the precision this engine computes T5 in (widened,
+    /// never narrowed). A file without `output.weight` ties the head to the embeddings, and its logits are scaled by
+    /// `d_model^-0.5` as Hugging Face's T5 scales them (llama.cpp does not).
+    pub fn load_gguf(path: &Path, device: &Device) -> Result<T5, ModelError> {
+        let (mut file, content) = crate::engine::models::llama::gguf::read_content(path)?;
+        let config = gguf::config(&content)?;
+        let tensors = gguf::tensors(&mut file, &content, &config, device)
+            .map_err(|e| ModelError::File { path: path.into(), message: crate::engine::first_line(&e) })??;
+        T5::from_tensors(config, tensors, device)
+    }
+
+    /// The model from its tensors under Hugging Face's names, in any float type (computed in f32).
+    fn from_tensors(config: T5Config, mut tensors: HashMap<String, Tensor>, device: &Device) -> Result<T5, ModelError> {
+        let c = &config;
         let mut take = |name: &str, dims: &[usize]| -> Result<Tensor, ModelError> {
             let t = tensors.remove(name).ok_or_else(|| ModelError::Metadata(format!("tensor `{name}` is missing")))?;
             if t.dims() != dims {
@@ -456,6 +486,148 @@ impl T5 {
         };
         let blocks = |bs: &[Block]| -> usize { bs.iter().map(|b| attn(&b.self_attention) + b.cross.as_ref().map_or(0, |(a, _)| attn(a)) + ff(&b.ff)).sum() };
         t(&self.shared) + blocks(&self.encoder) + blocks(&self.decoder) + if self.config.tie_word_embeddings { 0 } else { t(&self.lm_head) }
+    }
+}
+
+/// llama.cpp's T5 files (`general.architecture = "t5"`): the configuration from their keys, the tensors under
+/// Hugging Face's names.
+mod gguf {
+    use std::collections::HashMap;
+    use std::fs::File;
+
+    use candle_core::quantized::gguf_file::Content;
+    use candle_core::{Device, Tensor};
+
+    use super::T5Config;
+    use crate::engine::models::llama::gguf::{meta, meta_f32, meta_u32, meta_usize};
+    use crate::engine::ModelError;
+
+    /// llama.cpp computes relative positions up to this distance, a constant there (Hugging Face's default).
+    const MAX_DISTANCE: usize = 128;
+
+    pub(super) fn config(content: &Content) -> Result<T5Config, ModelError> {
+        let architecture = meta(content, "general.architecture")?.to_string().map_err(|_| ModelError::Metadata("`general.architecture` is not a string".into()))?;
+        if *architecture != "t5" {
+            return Err(ModelError::Architecture { name: architecture.clone(), supported: "t5 for seq2seq jobs (llama.cpp's t5 architecture, or a Hugging Face directory)" });
+        }
+        let key = |k: &str| format!("t5.{k}");
+        let embedding = content.tensor_infos.get("token_embd.weight").ok_or_else(|| ModelError::Metadata("tensor `token_embd.weight` is missing".into()))?;
+        let d_model = meta_usize(content, &key("embedding_length"))?;
+        let vocab_size = match embedding.shape.dims() {
+            &[v, d] if d == d_model => v,
+            dims => return Err(ModelError::Metadata(format!("tensor `token_embd.weight` has shape {dims:?}, expected [vocabulary, {d_model}]"))),
+        };
+        let num_layers = meta_usize(content, &key("block_count"))?;
+        let (d_kv, value) = (meta_usize(content, &key("attention.key_length"))?, meta_usize(content, &key("attention.value_length"))?);
+        if d_kv != value {
+            return Err(ModelError::Metadata(format!("keys of {d_kv} values and values of {value}: T5's are the same size")));
+        }
+        // UMT5 has a relative-position bias in every layer; T5 has it in the first, shared by the others.
+        if let Some(name) = ["enc", "dec"].iter().map(|s| format!("{s}.blk.1.attn_rel_b.weight")).find(|n| content.tensor_infos.contains_key(n)) {
+            return Err(ModelError::Metadata(format!("tensor `{name}`: a relative-position bias per layer (UMT5) is not supported; T5 shares the first layer's")));
+        }
+        let eps = meta_f32(content, &key("attention.layer_norm_rms_epsilon")).or_else(|| meta_f32(content, &key("attention.layer_norm_epsilon")));
+        let gated = content.tensor_infos.contains_key("enc.blk.0.ffn_gate.weight");
+        Ok(T5Config {
+            vocab_size,
+            d_model,
+            d_kv,
+            d_ff: meta_usize(content, &key("feed_forward_length"))?,
+            num_layers,
+            num_decoder_layers: Some(meta_u32(content, &key("decoder_block_count")).map_or(num_layers, |n| n as usize)),
+            num_heads: meta_usize(content, &key("attention.head_count"))?,
+            relative_attention_num_buckets: meta_usize(content, &key("attention.relative_buckets_count"))?,
+            relative_attention_max_distance: MAX_DISTANCE,
+            layer_norm_epsilon: eps.map_or(1e-6, f64::from),
+            feed_forward_proj: if gated { "gated-gelu" } else { "relu" }.into(),
+            tie_word_embeddings: !content.tensor_infos.contains_key("output.weight"),
+            pad_token_id: meta_u32(content, "tokenizer.ggml.padding_token_id").unwrap_or(0) as usize,
+            eos_token_id: meta_u32(content, "tokenizer.ggml.eos_token_id").unwrap_or(1) as usize,
+            decoder_start_token_id: meta_u32(content, &key("decoder_start_token_id")).map(|id| id as usize),
+            model_type: Some("t5".into()),
+        })
+        .and_then(|c| super::check(&c).map(|_| c))
+    }
+
+    /// Hugging Face's name of a tensor of llama.cpp's T5 (its converter's map, read backwards), or `None` for one
+    /// the model does not use (the cross-attention's relative bias, which llama.cpp loads and never reads).
+    fn hf_name(name: &str, gated: bool) -> Result<Option<String>, ModelError> {
+        let fixed = match name {
+            "token_embd.weight" => Some("shared.weight"),
+            "output.weight" => Some("lm_head.weight"),
+            "enc.output_norm.weight" => Some("encoder.final_layer_norm.weight"),
+            "dec.output_norm.weight" => Some("decoder.final_layer_norm.weight"),
+            _ => None,
+        };
+        if let Some(hf) = fixed {
+            return Ok(Some(hf.into()));
+        }
+        let unknown = || ModelError::Metadata(format!("tensor `{name}` is not one of T5's"));
+        let (stack, rest) = match name.split_once(".blk.") {
+            Some(("enc", rest)) => ("encoder", rest),
+            Some(("dec", rest)) => ("decoder", rest),
+            _ => return Err(unknown()),
+        };
+        let (layer, part) = rest.split_once('.').ok_or_else(unknown)?;
+        let layer: usize = layer.parse().map_err(|_| unknown())?;
+        let ffn = if stack == "decoder" { 2 } else { 1 };
+        let p = format!("{stack}.block.{layer}.layer");
+        let hf = match part {
+            "attn_norm.weight" => format!("{p}.0.layer_norm.weight"),
+            "attn_q.weight" | "attn_k.weight" | "attn_v.weight" | "attn_o.weight" => format!("{p}.0.SelfAttention.{}.weight", &part[5..6]),
+            "attn_rel_b.weight" => format!("{p}.0.SelfAttention.relative_attention_bias.weight"),
+            "cross_attn_norm.weight" if stack == "decoder" => format!("{p}.1.layer_norm.weight"),
+            "cross_attn_q.weight" | "cross_attn_k.weight" | "cross_attn_v.weight" | "cross_attn_o.weight" if stack == "decoder" => {
+                format!("{p}.1.EncDecAttention.{}.weight", &part[11..12])
+            }
+            "cross_attn_rel_b.weight" if stack == "decoder" => return Ok(None),
+            "ffn_norm.weight" => format!("{p}.{ffn}.layer_norm.weight"),
+            "ffn_gate.weight" if gated => format!("{p}.{ffn}.DenseReluDense.wi_0.weight"),
+            "ffn_up.weight" => format!("{p}.{ffn}.DenseReluDense.{}.weight", if gated { "wi_1" } else { "wi" }),
+            "ffn_down.weight" => format!("{p}.{ffn}.DenseReluDense.wo.weight"),
+            _ => return Err(unknown()),
+        };
+        Ok(Some(hf))
+    }
+
+    /// Every tensor of the file, dequantized to f32, under Hugging Face's name. The outer error is the file's
+    /// (a read that fails), the inner the model's (a tensor T5 does not have).
+    pub(super) fn tensors(file: &mut File, content: &Content, config: &T5Config, device: &Device) -> candle_core::Result<Result<HashMap<String, Tensor>, ModelError>> {
+        let gated = config.feed_forward_proj == "gated-gelu";
+        let mut out = HashMap::with_capacity(content.tensor_infos.len());
+        let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+        names.sort();
+        for name in names {
+            let hf = match hf_name(name, gated) {
+                Ok(Some(hf)) => hf,
+                Ok(None) => continue,
+                Err(e) => return Ok(Err(e)),
+            };
+            let tensor = content.tensor(file, name, device)?.dequantize(device)?;
+            out.insert(hf, tensor);
+        }
+        Ok(Ok(out))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::hf_name;
+
+        #[test]
+        fn llama_cpp_names_map_to_hugging_face_names() {
+            let hf = |n: &str, gated| hf_name(n, gated).unwrap().unwrap();
+            assert_eq!(hf("enc.blk.3.attn_o.weight", false), "encoder.block.3.layer.0.SelfAttention.o.weight");
+            assert_eq!(hf("dec.blk.0.cross_attn_k.weight", false), "decoder.block.0.layer.1.EncDecAttention.k.weight");
+            assert_eq!(hf("dec.blk.2.ffn_norm.weight", true), "decoder.block.2.layer.2.layer_norm.weight");
+            assert_eq!(hf("enc.blk.1.ffn_norm.weight", true), "encoder.block.1.layer.1.layer_norm.weight");
+            assert_eq!(hf("enc.blk.1.ffn_up.weight", true), "encoder.block.1.layer.1.DenseReluDense.wi_1.weight");
+            assert_eq!(hf("enc.blk.1.ffn_up.weight", false), "encoder.block.1.layer.1.DenseReluDense.wi.weight");
+            assert_eq!(hf("dec.blk.1.ffn_gate.weight", true), "decoder.block.1.layer.2.DenseReluDense.wi_0.weight");
+            assert_eq!(hf_name("dec.blk.0.cross_attn_rel_b.weight", false).unwrap(), None);
+            for bad in ["enc.blk.0.cross_attn_q.weight", "enc.blk.x.attn_q.weight", "blk.0.attn_q.weight", "dec.blk.0.ffn_gate.weight"] {
+                assert!(hf_name(bad, false).is_err(), "{bad}");
+            }
+        }
     }
 }
 

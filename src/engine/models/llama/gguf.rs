@@ -21,11 +21,11 @@ use crate::engine::ModelError;
 use crate::job::CpuWeights;
 use crate::tokenize::VocabMetadata;
 
-fn meta<'a>(content: &'a Content, key: &str) -> Result<&'a Value, ModelError> {
+pub(crate) fn meta<'a>(content: &'a Content, key: &str) -> Result<&'a Value, ModelError> {
     content.metadata.get(key).ok_or_else(|| ModelError::Metadata(format!("missing `{key}`")))
 }
 
-fn meta_usize(content: &Content, key: &str) -> Result<usize, ModelError> {
+pub(crate) fn meta_usize(content: &Content, key: &str) -> Result<usize, ModelError> {
     let v = meta(content, key)?;
     v.to_u64()
         .map(|v| v as usize)
@@ -34,12 +34,12 @@ fn meta_usize(content: &Content, key: &str) -> Result<usize, ModelError> {
         .map_err(|_| ModelError::Metadata(format!("`{key}` is not an integer")))
 }
 
-fn meta_f32(content: &Content, key: &str) -> Option<f32> {
+pub(crate) fn meta_f32(content: &Content, key: &str) -> Option<f32> {
     let v = content.metadata.get(key)?;
     v.to_f32().ok().or_else(|| v.to_f64().ok().map(|v| v as f32))
 }
 
-fn meta_u32(content: &Content, key: &str) -> Option<u32> {
+pub(crate) fn meta_u32(content: &Content, key: &str) -> Option<u32> {
     let v = content.metadata.get(key)?;
     v.to_u32().ok().or_else(|| v.to_i32().ok().map(|v| v as u32)).or_else(|| v.to_u64().ok().map(|v| v as u32))
 }
@@ -56,7 +56,7 @@ fn meta_strings(content: &Content, key: &str) -> Result<Vec<String>, ModelError>
     }
 }
 
-fn read_content(path: &Path) -> Result<(File, Content), ModelError> {
+pub(crate) fn read_content(path: &Path) -> Result<(File, Content), ModelError> {
     let open = |source| ModelError::Open { path: path.into(), source };
     let mut file = crate::source::model::open_regular(path)?;
     let content = Content::read(&mut file).map_err(|e| ModelError::Format { path: path.into(), message: crate::engine::first_line(&e) })?;
@@ -230,7 +230,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         .map_err(|_| ModelError::Metadata("`general.architecture` is not a string".into()))?
         .clone();
     if !ARCHITECTURES.iter().any(|a| a.name == architecture) {
-        return Err(ModelError::Architecture { name: architecture, supported: "llama (Llama 2 and 3, Mistral, Mixtral, SmolLM, ...), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 and phi3 in GGUF files" });
+        return Err(ModelError::Architecture { name: architecture, supported: "llama (Llama 2 and 3, Mistral, Mixtral, SmolLM, ...), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 and phi3 in GGUF files; t5 in seq2seq jobs" });
     }
     let a = |k: &str| format!("{architecture}.{k}");
     let hidden_size = meta_usize(content, &a("embedding_length"))?;

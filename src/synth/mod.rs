@@ -19,6 +19,8 @@
 //! of them shows in the logits ([`Init::Peaked`]), written as a directory ([`write_hf`]) or one GGUF file
 //! ([`write_gguf`]).
 
+pub mod t5;
+
 use std::collections::HashMap;
 use std::path::Path;
 
