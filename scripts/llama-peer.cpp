@@ -22,9 +22,12 @@
 // 0: out comes the last position's logits, space-separated (%.9g), in a fresh context each time. For an
 // encoder-decoder (T5), the line is `!` source ids `|` decoder ids: the source is encoded (llama_encode), then the
 // decoder ids (the start token first) decoded in one batch, and out come the last decoder position's logits.
+//   llama-peer --greedy N MODEL.gguf < lines (an encoder-decoder: `!` and source ids per line; out, its greedy
+//   continuation of at most N tokens and their log-probabilities, tab-separated)
 #include "llama.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -144,17 +147,69 @@ static bool logits(llama_model * model, const std::vector<llama_token> & source,
     return true;
 }
 
+// An encoder-decoder's greedy continuation of `start` (the decoder start token) for `source`, at most `n` tokens,
+// ending at an end-of-generation token: the tokens, tab, and each one's log-probability (log-softmax of the logits
+// it was chosen from), space-separated.
+static bool greedy(llama_model * model, const std::vector<llama_token> & source, llama_token start, int n) {
+    llama_context_params cparams = llama_context_default_params();
+    cparams.n_ctx = std::max<size_t>(source.size(), n + 1) + 16;
+    cparams.n_batch = cparams.n_ctx;
+    cparams.n_ubatch = cparams.n_ctx;
+    cparams.n_threads = 1;
+    cparams.n_threads_batch = 1;
+    llama_context * ctx = llama_init_from_model(model, cparams);
+    if (!ctx) {
+        return false;
+    }
+    std::vector<llama_token> source_ids = source;
+    if (source_ids.empty() || llama_encode(ctx, llama_batch_get_one(source_ids.data(), (int32_t) source_ids.size())) != 0) {
+        llama_free(ctx);
+        return false;
+    }
+    const llama_vocab * vocab = llama_model_get_vocab(model);
+    const int n_vocab = llama_vocab_n_tokens(vocab);
+    std::string ids, logprobs;
+    llama_token next = start;
+    for (int i = 0; i < n; ++i) {
+        if (llama_decode(ctx, llama_batch_get_one(&next, 1)) != 0) {
+            llama_free(ctx);
+            return false;
+        }
+        const float * out = llama_get_logits_ith(ctx, -1);
+        int best = 0;
+        for (int t = 1; t < n_vocab; ++t) {
+            if (out[t] > out[best]) {
+                best = t;
+            }
+        }
+        double sum = 0.0;
+        for (int t = 0; t < n_vocab; ++t) {
+            sum += std::exp((double) out[t] - out[best]);
+        }
+        ids += (i ? " " : "") + std::to_string(best);
+        logprobs += (i ? " " : "") + std::to_string(-std::log(sum));
+        next = best;
+        if (llama_vocab_is_eog(vocab, best)) {
+            break;
+        }
+    }
+    printf("%s\t%s\n", ids.c_str(), logprobs.c_str());
+    llama_free(ctx);
+    return true;
+}
+
 int main(int argc, char ** argv) {
     const bool full = argc == 3 && std::string(argv[1]) == "--logits";
-    if (argc != 2 && !full) {
-        fprintf(stderr, "usage: %s [--logits] MODEL.gguf < lines\n", argv[0]);
+    const bool seq2seq_greedy = argc == 4 && std::string(argv[1]) == "--greedy";
+    if (argc != 2 && !full && !seq2seq_greedy) {
+        fprintf(stderr, "usage: %s [--logits | --greedy N] MODEL.gguf < lines\n", argv[0]);
         return 2;
     }
     const char * path = argv[argc - 1];
     llama_log_set([](ggml_log_level, const char *, void *) {}, nullptr);
     llama_backend_init();
     llama_model_params params = llama_model_default_params();
-    params.vocab_only = !full;
+    params.vocab_only = !full && !seq2seq_greedy;
     llama_model * model = llama_model_load_from_file(path, params);
     if (!model) {
         fprintf(stderr, "cannot load %s\n", path);
@@ -176,6 +231,13 @@ int main(int argc, char ** argv) {
             const std::vector<llama_token> ids = parse_ids(bar == std::string::npos ? line : "!" + line.substr(bar + 1));
             if (!logits(model, source, ids)) {
                 fprintf(stderr, "llama_decode failed\n");
+                return 1;
+            }
+            continue;
+        }
+        if (seq2seq_greedy && !line.empty() && line[0] == '!') {
+            if (!greedy(model, parse_ids(line), llama_model_decoder_start_token(model), std::stoi(argv[2]))) {
+                fprintf(stderr, "llama_encode or llama_decode failed\n");
                 return 1;
             }
             continue;

@@ -433,3 +433,81 @@ fn a_seq2seq_job_on_a_t5_gguf_file_writes_what_its_directory_writes() {
     }
     assert!(from_gguf.values().any(|r| r.text.as_deref().is_some_and(|t| t.contains('w'))), "{from_gguf:?}");
 }
+
+/// Teacher-forced fidelity of a T5 GGUF file against llama.cpp, on llama.cpp's own greedy continuations (what
+/// `BENCHMARKS.md` reports): `NIGHTSHIFT_COMPARE_T5=FILE.gguf` (`NIGHTSHIFT_COMPARE_ROWS`, default 32 sources of
+/// 16 to 63 random tokens and `</s>`; `NIGHTSHIFT_COMPARE_NEW`, default 32 tokens each), with the llama.cpp peer.
+/// Prints the share of positions where nightshift's top token is llama.cpp's greedy one and the mean absolute
+/// difference of that token's log-probability; and, where `model.safetensors` lies beside the file, the same for
+/// the GGUF against that copy. `NIGHTSHIFT_COMPARE_T5_NIGHTSHIFT=OTHER.gguf`: nightshift scores with another file.
+#[test]
+#[ignore = "a measurement: NIGHTSHIFT_COMPARE_T5=FILE.gguf NIGHTSHIFT_LLAMA_PEER=... cargo test -- --ignored compare_a_t5_file --nocapture"]
+fn compare_a_t5_file() {
+    use std::io::Write;
+    let (Some(path), Some(peer)) = (std::env::var_os("NIGHTSHIFT_COMPARE_T5").map(PathBuf::from), crate::tokenizer::llama_peer()) else {
+        panic!("set NIGHTSHIFT_COMPARE_T5 and NIGHTSHIFT_LLAMA_PEER");
+    };
+    let env = |k: &str, default: usize| std::env::var(k).ok().map_or(default, |v| v.parse().unwrap());
+    let (rows, new) = (env("NIGHTSHIFT_COMPARE_ROWS", 32), env("NIGHTSHIFT_COMPARE_NEW", 32));
+    // A broken copy for nightshift to score with (scripts/break-gguf.py), llama.cpp answering with the good file.
+    let ours_path = std::env::var_os("NIGHTSHIFT_COMPARE_T5_NIGHTSHIFT").map_or(path.clone(), PathBuf::from);
+    let model = T5::load(&ours_path, &Device::Cpu).unwrap();
+    let vocab = model.config.vocab_size as u64;
+    let mut state = 0x9e3779b97f4a7c15u64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let sources: Vec<Vec<u32>> = (0..rows).map(|_| {
+        let n = 16 + next() % 48;
+        (0..n).map(|_| (3 + next() % (vocab - 3)) as u32).chain([model.config.eos_token_id as u32]).collect()
+    }).collect();
+    let input: String = sources.iter().map(|s| format!("!{}\n", s.iter().map(u32::to_string).collect::<Vec<_>>().join(" "))).collect();
+    let mut child = std::process::Command::new(&peer)
+        .args(["--greedy", &new.to_string(), path.to_str().unwrap()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let continuations: Vec<(Vec<u32>, Vec<f64>)> = text
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let (ids, lps) = l.split_once('\t').unwrap();
+            (ids.split(' ').map(|x| x.parse().unwrap()).collect(), lps.split(' ').map(|x| x.parse().unwrap()).collect())
+        })
+        .collect();
+    let log_softmax = |x: &[f32], t: u32| -> f64 {
+        let max = x.iter().fold(f32::MIN, |m, &v| m.max(v)) as f64;
+        let sum: f64 = x.iter().map(|&v| (v as f64 - max).exp()).sum();
+        x[t as usize] as f64 - max - sum.ln()
+    };
+    let copy = path.parent().map(|d| d.join("model.safetensors")).filter(|p| p.is_file()).map(|p| T5::load(p.parent().unwrap(), &Device::Cpu).unwrap());
+    let (mut positions, mut agree, mut diff, mut copy_agree, mut copy_diff) = (0usize, 0usize, 0f64, 0usize, 0f64);
+    for (source, (tokens, logprobs)) in sources.iter().zip(&continuations) {
+        let decoder: Vec<u32> = std::iter::once(model.config.decoder_start() as u32).chain(tokens[..tokens.len() - 1].iter().copied()).collect();
+        let ours = teacher_forced(&model, source, &decoder);
+        let theirs = copy.as_ref().map(|c| teacher_forced(c, source, &decoder));
+        for (i, (&token, &lp)) in tokens.iter().zip(logprobs).enumerate() {
+            positions += 1;
+            agree += usize::from(argmax(&ours[i]) == token);
+            diff += (log_softmax(&ours[i], token) - lp).abs();
+            if let Some(theirs) = &theirs {
+                copy_agree += usize::from(argmax(&ours[i]) == argmax(&theirs[i]));
+                copy_diff += (log_softmax(&ours[i], token) - log_softmax(&theirs[i], token)).abs();
+            }
+        }
+    }
+    let pct = |n: usize| 100.0 * n as f64 / positions as f64;
+    println!("{} (nightshift: {}): {rows} sources, {positions} positions of llama.cpp's greedy continuations", path.display(), ours_path.display());
+    println!("  against llama.cpp: top-1 agreement {:.1} %, mean |log-prob difference| {:.4}", pct(agree), diff / positions as f64);
+    if copy.is_some() {
+        println!("  against its safetensors copy: top-1 agreement {:.1} %, mean |log-prob difference| {:.4}", pct(copy_agree), copy_diff / positions as f64);
+    }
+}
