@@ -360,7 +360,7 @@ pub struct EncoderPreprocessor {
 enum EncoderTokenizer {
     /// A `tokenizer.json`, and the same tokenizer cutting rows to `max_tokens` from the side `input.truncate`
     /// names.
-    Hf { tokenizer: tokenizers::Tokenizer, truncating: Option<tokenizers::Tokenizer> },
+    Hf { tokenizer: Box<tokenizers::Tokenizer>, truncating: Option<Box<tokenizers::Tokenizer>> },
     /// A GGUF file's vocabulary (a T5 file's): special tokens added as llama.cpp adds them (T5's `</s>` at the end),
     /// and kept when a row is cut.
     Gguf(std::sync::Arc<gguf::Vocab>),
@@ -376,11 +376,11 @@ impl EncoderPreprocessor {
                 let direction = if side == Truncate::Left { TruncationDirection::Left } else { TruncationDirection::Right };
                 t.with_truncation(Some(TruncationParams { max_length: max_tokens, direction, strategy: TruncationStrategy::LongestFirst, stride: 0 }))
                     .map_err(|e| TokenizerError::Invalid(e.to_string()))?;
-                Some(t)
+                Some(Box::new(t))
             }
         };
         let max_bytes = prompt_byte_limit(max_tokens, longest_token(tokenizer.get_vocab(true).keys().map(String::as_str)), hf_bytes_only(&tokenizer));
-        Ok(EncoderPreprocessor { tokenizer: EncoderTokenizer::Hf { tokenizer, truncating }, max_tokens, truncate, max_bytes })
+        Ok(EncoderPreprocessor { tokenizer: EncoderTokenizer::Hf { tokenizer: Box::new(tokenizer), truncating }, max_tokens, truncate, max_bytes })
     }
 
     /// Rows tokenized by a GGUF file's vocabulary. Only the memory cap bounds a row's bytes before tokenizing: an
@@ -397,7 +397,7 @@ impl EncoderPreprocessor {
         let failed = |e: &dyn std::fmt::Display| RowError::new(ErrorCode::TemplateError, format!("tokenization failed: {e}"));
         match &self.tokenizer {
             EncoderTokenizer::Hf { tokenizer, truncating } => {
-                let tokenizer = truncating.as_ref().unwrap_or(tokenizer);
+                let tokenizer = truncating.as_deref().unwrap_or(tokenizer);
                 tokenizer.encode_fast(text, true).map(|e| e.get_ids().to_vec()).map_err(|e| failed(&e))
             }
             EncoderTokenizer::Gguf(vocab) => {
