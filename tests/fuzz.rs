@@ -153,6 +153,25 @@ fn gguf_files() {
 }
 
 #[test]
+fn t5_gguf_files() {
+    use nightshift::engine::models::t5::T5;
+    let dir = scratch("fuzz-t5-gguf");
+    let model = dir.join("t5");
+    let shape = nightshift::synth::t5::T5Shape { name: "tiny", vocab: 40, d_model: 32, d_kv: 8, heads: 2, d_ff: 32, layers: 1, decoder_layers: 1, gated: true, buckets: 8 };
+    nightshift::synth::t5::write_t5(&model, &shape, 3, false).unwrap();
+    let (pristine, _) = nightshift::synth::t5::t5_gguf(&model, candle_core::quantized::GgmlDType::F32, None).unwrap();
+    let base = std::fs::read(&pristine).unwrap();
+    let header = gguf_header_len(&pristine);
+    let path = dir.join("case.gguf");
+    // As a seq2seq job reads it: the shape, the vocabulary, then the weights.
+    let tally = fuzz("t5-gguf", 2, 600, &base, 0..header, |bytes| {
+        std::fs::write(&path, bytes).unwrap();
+        T5::inspect(&path).is_ok() && llama::gguf::vocabulary(&path).is_ok() && T5::load(&path, &Device::Cpu).is_ok()
+    });
+    assert!(tally.refused > tally.cases / 4 && tally.accepted > 0, "{tally:?}");
+}
+
+#[test]
 fn hugging_face_directories() {
     let dir = scratch("fuzz-hf");
     let model = dir.join("model");

@@ -230,6 +230,14 @@ fn check(c: &T5Config) -> Result<(), ModelError> {
             c.num_heads, c.d_kv, c.num_layers, c.relative_attention_num_buckets, c.relative_attention_max_distance
         )));
     }
+    // Bounds far above any published T5 (11B: d_model 1,024, d_ff 65,536, 128 heads, 32,128 tokens), so that
+    // shapes read from a file multiply without overflow.
+    if c.num_heads > 1024 || c.d_kv > 1 << 16 || c.d_model > 1 << 20 || c.d_ff > 1 << 24 || c.vocab_size > 1 << 24 {
+        return Err(ModelError::Metadata(format!(
+            "implausible T5 shape: d_model {}, {} heads of {}, d_ff {}, vocabulary {}",
+            c.d_model, c.num_heads, c.d_kv, c.d_ff, c.vocab_size
+        )));
+    }
     if !matches!(c.feed_forward_proj.as_str(), "relu" | "gated-gelu") {
         return Err(ModelError::Metadata(format!("feed_forward_proj `{}` is not supported (relu, gated-gelu)", c.feed_forward_proj)));
     }
