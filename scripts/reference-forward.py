@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A float64 forward pass of a GGUF decoder (llama and Mixtral, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3), written from the architectures' definitions in
+"""A float64 forward pass of a GGUF decoder (llama and Mixtral, qwen2, qwen3, qwen2moe, qwen3moe, olmoe, gemma2, gemma3, phi3), written from the architectures' definitions in
 numpy: the arbiter when nightshift and llama.cpp disagree, and the tight check of nightshift's arithmetic (llama.cpp,
 with an f16 KV cache and other rounding, is 5e-5 to 2e-4 of the largest logit from it on one F32 layer).
 
@@ -21,7 +21,7 @@ def main():
     reader = GGUFReader(sys.argv[1])
     fields = reader.fields
     arch = bytes(fields["general.architecture"].parts[-1]).decode()
-    if arch not in ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3"):
+    if arch not in ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe", "gemma2", "gemma3", "phi3"):
         sys.exit(f"error: architecture {arch} is not computed here")
 
     def meta(key, default=None):
@@ -95,7 +95,7 @@ def main():
     # expert's SwiGLU weighted by its probability; Qwen2-MoE adds a shared expert's SwiGLU on every token, weighted by
     # the sigmoid of its gate's logit.
     used = meta("expert_used_count")
-    normalize = meta("expert_weights_norm", arch != "qwen2moe")
+    normalize = meta("expert_weights_norm", arch not in ("qwen2moe", "olmoe"))
 
     def experts(h, w):
         logits = h @ w("ffn_gate_inp.weight").T
@@ -130,8 +130,12 @@ def main():
         else:
             q, k, v = (h @ w(f"attn_{p}.weight").T + (0 if w(f"attn_{p}.bias") is None else w(f"attn_{p}.bias")) for p in "qkv")
         dim = k.shape[1] // kv_heads
+        # OLMoE's q/k norms take the whole q and k rows (weights as wide as they are), before the heads are split.
+        rows_norm = w("attn_q_norm.weight") is not None and w("attn_q_norm.weight").shape[-1] == q.shape[1] != dim
+        if rows_norm:
+            q, k = rms(q, w("attn_q_norm.weight")), rms(k, w("attn_k_norm.weight"))
         q, k, v = q.reshape(n, heads, dim), k.reshape(n, kv_heads, dim), v.reshape(n, kv_heads, dim)
-        if w("attn_q_norm.weight") is not None:
+        if w("attn_q_norm.weight") is not None and not rows_norm:
             q, k = rms(q, w("attn_q_norm.weight")), rms(k, w("attn_k_norm.weight"))
         q, k = rope(q, local), rope(k, local)
         attended = np.empty((n, heads, dim))

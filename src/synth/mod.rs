@@ -59,6 +59,9 @@ pub enum Family {
     /// Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's layers (q, k and v biases) with a mixture of experts,
     /// `norm_topk_prob` off, and a shared expert every token computes, gated by a sigmoid (`mlp.shared_expert`).
     Qwen2Moe,
+    /// OLMoE (allenai/OLMoE-1B-7B): RMSNorms of the whole q and k rows (not per head) before RoPE, and a mixture of
+    /// experts as Qwen3-MoE's with `norm_topk_prob` off.
+    Olmoe,
 }
 
 impl Family {
@@ -74,6 +77,7 @@ impl Family {
             Family::Mixtral => "mixtral",
             Family::Qwen3Moe => "qwen3_moe",
             Family::Qwen2Moe => "qwen2_moe",
+            Family::Olmoe => "olmoe",
         }
     }
 
@@ -87,9 +91,14 @@ impl Family {
         matches!(self, Family::Qwen2 | Family::Qwen2Moe)
     }
 
-    /// Whether the family has per-head q/k norms.
+    /// Whether the family has q/k norms (per head, or over the whole row: [`Family::qk_norm_rows`]).
     fn qk_norm(self) -> bool {
-        matches!(self, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3)
+        matches!(self, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3 | Family::Olmoe)
+    }
+
+    /// Whether its q/k norms take the whole q and k rows (OLMoE's), not each head.
+    pub fn qk_norm_rows(self) -> bool {
+        self == Family::Olmoe
     }
 
     fn class(self) -> &'static str {
@@ -104,6 +113,7 @@ impl Family {
             Family::Mixtral => "MixtralForCausalLM",
             Family::Qwen3Moe => "Qwen3MoeForCausalLM",
             Family::Qwen2Moe => "Qwen2MoeForCausalLM",
+            Family::Olmoe => "OlmoeForCausalLM",
         }
     }
 }
@@ -393,6 +403,27 @@ pub const SHAPES: &[Shape] = &[
         moe: Some(MoeShape { experts: 60, used: 4, intermediate: 704, shared: Some(2816) }),
         rotary_dim: None,
     },
+    // allenai/OLMoE-1B-7B-0924's experts (64, 8 per token, 1,024 wide) and heads (16 of 128, a key/value head per
+    // query head) at half its width (hidden 1,024, 8 heads) and 4 of its 16 layers: 0.65 B parameters (0.1 B of them
+    // the embeddings and output projection of its 50,304-token vocabulary).
+    Shape {
+        name: "olmoe-reduced",
+        family: Family::Olmoe,
+        hidden: 1024,
+        layers: 4,
+        heads: 8,
+        kv_heads: 8,
+        head_dim: 128,
+        intermediate: 1024,
+        vocab: 50304,
+        context: 4096,
+        rope_theta: 10000,
+        rope_scaling: None,
+        tied: false,
+        sliding_window: None,
+        moe: Some(MoeShape { experts: 64, used: 8, intermediate: 1024, shared: None }),
+        rotary_dim: None,
+    },
 ];
 
 impl Shape {
@@ -407,7 +438,11 @@ impl Shape {
     pub fn parameters(&self) -> usize {
         let (d, q, kv) = (self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim);
         let biases = if self.family.qkv_bias() { q + 2 * kv } else { 0 };
-        let qk_norms = if self.family.qk_norm() { 2 * self.head_dim } else { 0 };
+        let qk_norms = match (self.family.qk_norm(), self.family.qk_norm_rows()) {
+            (true, true) => q + kv,
+            (true, false) => 2 * self.head_dim,
+            (false, _) => 0,
+        };
         let post_norms = if self.family.is_gemma() { 2 * d } else { 0 };
         let ffn = match self.moe {
             Some(m) => m.experts * (3 * d * m.intermediate + d) + m.shared.map_or(0, |s| 3 * d * s + d),
@@ -662,8 +697,10 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
             tensors.insert(format!("{p}.self_attn.v_proj.bias"), draw.bias(kv)?);
         }
         if shape.family.qk_norm() {
-            tensors.insert(format!("{p}.self_attn.q_norm.weight"), norm(&mut draw, hd, 0.5)?);
-            tensors.insert(format!("{p}.self_attn.k_norm.weight"), norm(&mut draw, hd, 0.5)?);
+            // Per head, or (OLMoE) over the whole q and k rows.
+            let (qn, kn) = if shape.family.qk_norm_rows() { (q, kv) } else { (hd, hd) };
+            tensors.insert(format!("{p}.self_attn.q_norm.weight"), norm(&mut draw, qn, 0.5)?);
+            tensors.insert(format!("{p}.self_attn.k_norm.weight"), norm(&mut draw, kn, 0.5)?);
         }
         match shape.moe {
             // Peaked: the router's logits a few units apart, so that bf16 rounding seldom swaps the chosen experts
@@ -771,6 +808,7 @@ pub fn synth_gguf(dir: &Path, quant: GgmlDType, tokenizer: Option<&GgufTokenizer
         Some("mixtral") => Family::Mixtral,
         Some("qwen3_moe") => Family::Qwen3Moe,
         Some("qwen2_moe") => Family::Qwen2Moe,
+        Some("olmoe") => Family::Olmoe,
         _ => Family::Llama,
     };
     let moe = match (get("num_local_experts").or_else(|_| get("num_experts")), get("num_experts_per_tok")) {
@@ -850,6 +888,7 @@ fn gguf_architecture(family: Family) -> &'static str {
         Family::Mixtral => "llama",
         Family::Qwen3Moe => "qwen3moe",
         Family::Qwen2Moe => "qwen2moe",
+        Family::Olmoe => "olmoe",
     }
 }
 
@@ -1052,9 +1091,9 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
         (a("context_length"), u32_of(shape.context)),
         (a("embedding_length"), u32_of(shape.hidden)),
         (a("block_count"), u32_of(shape.layers)),
-        // Mixtral's is its experts' width (it has no dense network).
+        // Mixtral's and OLMoE's is their experts' width (they have no dense network).
         (a("feed_forward_length"), u32_of(match (shape.family, shape.moe) {
-            (Family::Mixtral, Some(moe)) => moe.intermediate,
+            (Family::Mixtral | Family::Olmoe, Some(moe)) => moe.intermediate,
             _ => shape.intermediate,
         })),
         (a("attention.head_count"), u32_of(shape.heads)),
@@ -1168,6 +1207,7 @@ pub fn write_hf(dir: &Path, spec: &Spec) -> Result<u64, Error> {
             config["max_window_layers"] = shape.layers.into();
         }
         Family::Mixtral => config["sliding_window"] = serde_json::Value::Null,
+        Family::Olmoe => config["clip_qkv"] = serde_json::Value::Null,
         Family::Phi3 => {
             config["sliding_window"] = shape.sliding_window.unwrap_or(shape.context).into();
         }
@@ -1188,8 +1228,11 @@ pub fn write_hf(dir: &Path, spec: &Spec) -> Result<u64, Error> {
     }
     if let Some(moe) = shape.moe {
         let key = if shape.family == Family::Mixtral { "num_local_experts" } else { "num_experts" };
-        if shape.family == Family::Mixtral {
+        if matches!(shape.family, Family::Mixtral | Family::Olmoe) {
             config["intermediate_size"] = moe.intermediate.into();
+        }
+        if shape.family == Family::Olmoe {
+            config["norm_topk_prob"] = false.into();
         }
         config[key] = moe.experts.into();
         config["num_experts_per_tok"] = moe.used.into();

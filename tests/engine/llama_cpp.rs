@@ -89,7 +89,7 @@ fn choice_gap(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 
 /// The families nightshift reads from GGUF, as the tests write them: (family, head size, tied embeddings). qwen3's
 /// and gemma3's heads are wider than hidden / heads.
-pub(super) const FAMILIES: [(Family, usize, bool); 9] = [
+pub(super) const FAMILIES: [(Family, usize, bool); 10] = [
     (Family::Llama, 16, false),
     (Family::Qwen2, 16, true),
     (Family::Qwen3, 24, true),
@@ -99,6 +99,7 @@ pub(super) const FAMILIES: [(Family, usize, bool); 9] = [
     (Family::Mixtral, 16, false),
     (Family::Qwen3Moe, 24, false),
     (Family::Qwen2Moe, 16, false),
+    (Family::Olmoe, 16, false),
 ];
 
 /// The global RoPE base the tests' models have: Gemma 3's local layers have their own, 10,000.
@@ -116,7 +117,8 @@ pub(super) fn spec(family: Family, head_dim: usize, tied: bool, rope_theta: u32)
         hidden: 64,
         layers: if family == Family::Gemma3 { 6 } else { 2 },
         heads: 4,
-        kv_heads: 2,
+        // OLMoE's k norm spans the whole k row, as wide as q's in its files (llama.cpp's takes `n_embd` values).
+        kv_heads: if family == Family::Olmoe { 4 } else { 2 },
         head_dim,
         intermediate: 128,
         vocab: VOCABULARY.size,
@@ -131,6 +133,8 @@ pub(super) fn spec(family: Family, head_dim: usize, tied: bool, rope_theta: u32)
             Family::Qwen3Moe => Some(MoeShape { experts: 16, used: 4, intermediate: 64, shared: None }),
             // Qwen2-MoE's 60 experts and 4 per token in small, and a shared expert four times an expert's width.
             Family::Qwen2Moe => Some(MoeShape { experts: 12, used: 4, intermediate: 32, shared: Some(128) }),
+            // OLMoE's 64 experts and 8 per token in small.
+            Family::Olmoe => Some(MoeShape { experts: 16, used: 4, intermediate: 32, shared: None }),
             _ => None,
         },
         rotary_dim: None,
@@ -180,7 +184,7 @@ fn gguf_families_compute_what_llama_cpp_computes() {
             // The argmax agrees; for Gemma, whose tiny Gemma 3 Q8_0 has a near-tie (1.6 % of the largest logit), a
             // choice within the tolerance of llama.cpp's top logit passes too; for the mixtures of experts (the tiny
             // Mixtral Q8_0 has one at 0.23 %), a choice closer to llama.cpp's than the largest difference measured.
-            let moe = matches!(family, Family::Mixtral | Family::Qwen3Moe | Family::Qwen2Moe);
+            let moe = matches!(family, Family::Mixtral | Family::Qwen3Moe | Family::Qwen2Moe | Family::Olmoe);
             let agrees = same || (family.is_gemma() && gap <= tolerance) || (moe && gap <= diff);
             assert!(diff <= tolerance && agrees, "{family:?} {quant:?}: largest difference {diff} of the largest logit, argmax agrees: {same} (else within {gap})");
         }
@@ -265,13 +269,15 @@ fn a_mixture_of_experts_computed_wrongly_is_caught() {
     let Some(peer) = llama_peer() else { return };
     let dir = crate::support::scratch("moe-broken-variants");
     let seqs = sequences();
-    let cases: [(Family, &str, Value); 5] = [
+    let cases: [(Family, &str, Value); 6] = [
         (Family::Mixtral, "llama.expert_weights_norm", Value::Bool(false)),
         (Family::Mixtral, "llama.expert_used_count", Value::U32(3)),
         (Family::Qwen3Moe, "qwen3moe.expert_weights_norm", Value::Bool(false)),
         (Family::Qwen3Moe, "qwen3moe.expert_used_count", Value::U32(5)),
         // Qwen2-MoE's weights renormalized, which its family does not do.
         (Family::Qwen2Moe, "qwen2moe.expert_weights_norm", Value::Bool(true)),
+        // OLMoE's likewise.
+        (Family::Olmoe, "olmoe.expert_weights_norm", Value::Bool(true)),
     ];
     for (family, key, off) in cases {
         let head_dim = if family == Family::Qwen3Moe { 24 } else { 16 };
@@ -405,7 +411,7 @@ fn partial_rotary_computes_what_llama_cpp_computes() {
 fn gemma_phi3_and_moe_safetensors_and_gguf_copies_agree() {
     let dir = crate::support::scratch("gemma-hf-gguf");
     let seqs = sequences();
-    for (family, head_dim, tied) in FAMILIES.into_iter().filter(|f| f.0.is_gemma() || matches!(f.0, Family::Phi3 | Family::Mixtral | Family::Qwen3Moe | Family::Qwen2Moe)) {
+    for (family, head_dim, tied) in FAMILIES.into_iter().filter(|f| f.0.is_gemma() || matches!(f.0, Family::Phi3 | Family::Mixtral | Family::Qwen3Moe | Family::Qwen2Moe | Family::Olmoe)) {
         for dtype in [DType::F32, DType::BF16] {
             let mut spec = Spec { dtype, ..spec(family, head_dim, tied, rope_theta(family)) };
             if family == Family::Phi3 {

@@ -199,7 +199,7 @@ fn with_decode_kernel(model: Model) -> Paged {
 #[test]
 fn paged_path_equals_the_cpu_path_on_gemma_and_experts() {
     let dir = scratch("paged-gemma");
-    let moe = |f: nightshift::synth::Family| matches!(f, nightshift::synth::Family::Mixtral | nightshift::synth::Family::Qwen3Moe | nightshift::synth::Family::Qwen2Moe);
+    let moe = |f: nightshift::synth::Family| matches!(f, nightshift::synth::Family::Mixtral | nightshift::synth::Family::Qwen3Moe | nightshift::synth::Family::Qwen2Moe | nightshift::synth::Family::Olmoe);
     for (family, head_dim, tied) in super::llama_cpp::FAMILIES.into_iter().filter(|f| f.0.is_gemma() || moe(f.0)) {
         let path = dir.join(format!("{family:?}.gguf"));
         let spec = super::llama_cpp::spec(family, head_dim, tied, super::llama_cpp::rope_theta(family));

@@ -286,3 +286,23 @@ fn forks_and_cached_prefixes_run_split_as_whole() {
         assert_eq!(row["choices"].as_array().map(Vec::len), Some(3));
     }
 }
+
+/// OLMoE's q/k norms take whole q and k rows, which a rank holds only part of: a split is refused with the reason,
+/// from GGUF and from safetensors.
+#[test]
+fn olmoe_is_not_split_over_ranks() {
+    let dir = scratch("tp-olmoe");
+    let spec = super::llama_cpp::spec(nightshift::synth::Family::Olmoe, 16, false, 10000);
+    let gguf = dir.join("olmoe.gguf");
+    nightshift::synth::write_gguf(&gguf, &spec, candle_core::quantized::GgmlDType::F32).unwrap();
+    let hf = dir.join("olmoe");
+    nightshift::synth::write_hf(&hf, &spec).unwrap();
+    for path in [&gguf, &hf] {
+        let err = Decoder::load(path, &Device::Cpu, CpuWeights::AsStored, ComputeDtype::Auto, 2).err().expect("refused");
+        assert!(err.to_string().contains("whole q and k rows"), "{err}");
+        Decoder::load(path, &Device::Cpu, CpuWeights::AsStored, ComputeDtype::Auto, 1).unwrap();
+    }
+    // This model is too narrow for the padded layouts (they would more than add a third): `q8_0` requantizes it
+    // unpadded, which full-row norms take.
+    Decoder::load(&gguf, &Device::Cpu, CpuWeights::Q8_0, ComputeDtype::Auto, 1).unwrap();
+}

@@ -184,8 +184,14 @@ struct Architecture {
     halves: bool,
     /// q, k and v biases, required (Qwen2; other files' are read where present).
     qkv_bias: bool,
-    /// Per-head RMSNorms of queries and keys (Qwen3, Gemma 3).
+    /// RMSNorms of queries and keys: per head (Qwen3, Gemma 3), or over the whole q and k rows (`qk_norm_rows`).
     qk_norm: bool,
+    /// OLMoE's q/k norms, over the whole q and k rows before they are split into heads (weights of `q` and `kv`
+    /// values, where per-head norms have `head_dim`).
+    qk_norm_rows: bool,
+    /// The chosen experts' weights renormalized to sum to 1 (Mixtral, Qwen3-MoE; llama.cpp hard-codes it per
+    /// architecture), unless the file says otherwise in `expert_weights_norm`.
+    renormalize: bool,
     /// Gemma's version ([`crate::engine::models::gemma`]).
     gemma: Option<u8>,
     /// Phi-3's fused q/k/v and gate/up matrices, and its window over every layer.
@@ -203,7 +209,7 @@ struct Architecture {
 }
 
 const LLAMA: Architecture =
-    Architecture { name: "llama", halves: false, qkv_bias: false, qk_norm: false, gemma: None, phi3: false, experts: false, partial_rotary: false, shared_experts: false };
+    Architecture { name: "llama", halves: false, qkv_bias: false, qk_norm: false, qk_norm_rows: false, renormalize: true, gemma: None, phi3: false, experts: false, partial_rotary: false, shared_experts: false };
 
 /// The GGUF architectures nightshift computes.
 const ARCHITECTURES: &[Architecture] = &[
@@ -214,7 +220,8 @@ const ARCHITECTURES: &[Architecture] = &[
     Architecture { name: "gemma3", halves: true, qk_norm: true, gemma: Some(3), partial_rotary: true, ..LLAMA },
     Architecture { name: "phi3", halves: true, phi3: true, partial_rotary: true, ..LLAMA },
     Architecture { name: "qwen3moe", halves: true, qk_norm: true, experts: true, ..LLAMA },
-    Architecture { name: "qwen2moe", halves: true, qkv_bias: true, experts: true, shared_experts: true, ..LLAMA },
+    Architecture { name: "qwen2moe", halves: true, qkv_bias: true, experts: true, shared_experts: true, renormalize: false, ..LLAMA },
+    Architecture { name: "olmoe", halves: true, qk_norm: true, qk_norm_rows: true, experts: true, renormalize: false, ..LLAMA },
 ];
 
 impl Architecture {
@@ -230,7 +237,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         .map_err(|_| ModelError::Metadata("`general.architecture` is not a string".into()))?
         .clone();
     if !ARCHITECTURES.iter().any(|a| a.name == architecture) {
-        return Err(ModelError::Architecture { name: architecture, supported: "llama (Llama 2 and 3, Mistral, Mixtral, SmolLM, ...), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 and phi3 in GGUF files; t5 in seq2seq jobs" });
+        return Err(ModelError::Architecture { name: architecture, supported: "llama (Llama 2 and 3, Mistral, Mixtral, SmolLM, ...), qwen2, qwen3, qwen2moe, qwen3moe, olmoe, gemma2, gemma3 and phi3 in GGUF files; t5 in seq2seq jobs" });
     }
     let a = |k: &str| format!("{architecture}.{k}");
     let hidden_size = meta_usize(content, &a("embedding_length"))?;
@@ -350,7 +357,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
         None => None,
         Some(experts) => {
             let used = meta_usize(content, &a("expert_used_count"))?;
-            let normalize = meta_bool(content, &a("expert_weights_norm")).unwrap_or(!arch.shared_experts);
+            let normalize = meta_bool(content, &a("expert_weights_norm")).unwrap_or(arch.renormalize);
             let moe = crate::engine::models::moe::MoeConfig::new(experts, used, normalize)?;
             // Qwen2-MoE's shared expert, `expert_shared_feed_forward_length` wide (llama.cpp's default: the
             // dense width).
@@ -363,7 +370,8 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
     // (Qwen3-MoE without `expert_feed_forward_length`: `feed_forward_length / expert_used_count`, as llama.cpp.)
     let ffn_size = match (&moe, content.metadata.contains_key(&a("expert_feed_forward_length"))) {
         (Some(_), true) => meta_usize(content, &a("expert_feed_forward_length"))?,
-        (Some(m), false) if arch.experts => meta_usize(content, &a("feed_forward_length"))? / m.used,
+        // (OLMoE's experts are `feed_forward_length` wide, as Mixtral's.)
+        (Some(m), false) if arch.experts && arch.name != "olmoe" => meta_usize(content, &a("feed_forward_length"))? / m.used,
         _ => meta_usize(content, &a("feed_forward_length"))?,
     };
     let config = ModelConfig {
@@ -704,8 +712,9 @@ fn expected_tensors(content: &Content, config: &ModelConfig) -> Vec<(String, Vec
         }
         need("attn_output.bias", vec![d], false);
         let qk_norm = arch.qk_norm;
-        need("attn_q_norm.weight", vec![hd], qk_norm);
-        need("attn_k_norm.weight", vec![hd], qk_norm);
+        let (qn, kn) = if arch.qk_norm_rows { (q, kv) } else { (hd, hd) };
+        need("attn_q_norm.weight", vec![qn], qk_norm);
+        need("attn_k_norm.weight", vec![kn], qk_norm);
         let gemma = config.gemma.is_some();
         need("post_attention_norm.weight", vec![d], gemma);
         need("post_ffw_norm.weight", vec![d], gemma);
@@ -740,6 +749,12 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
     let whole = RankSlice::whole(info.config.heads, info.config.kv_heads);
     let slice = slice.unwrap_or(&whole);
     let tp = slice.ranks > 1;
+    if Architecture::of(&info.config.architecture).qk_norm_rows && (tp || matches!(layout, Layout::Padded(..))) {
+        return Err(ModelError::Metadata(format!(
+            "{}'s q/k norms take whole q and k rows: neither split over ranks nor padded (runtime.tensor_parallel = 1, runtime.cpu_weights = \"as-stored\")",
+            info.config.architecture
+        )));
+    }
     if tp && matches!(layout, Layout::Padded(..)) {
         return Err(ModelError::Metadata(format!("tensor parallelism splits the weights as stored: runtime.cpu_weights = \"{}\" pads and requantizes them (use \"as-stored\")", layout.name())));
     }

@@ -131,6 +131,9 @@ struct HfConfig {
     moe_intermediate_size: Option<usize>,
     #[serde(default)]
     norm_topk_prob: Option<bool>,
+    /// OLMoE's clamp of q, k and v (null in the published models): refused where set.
+    #[serde(default)]
+    clip_qkv: Option<f64>,
     shared_expert_intermediate_size: Option<usize>,
     #[serde(default)]
     decoder_sparse_step: Option<usize>,
@@ -150,6 +153,7 @@ enum Family {
     Mixtral,
     Qwen3Moe,
     Qwen2Moe,
+    Olmoe,
 }
 
 impl Family {
@@ -165,6 +169,7 @@ impl Family {
             Family::Mixtral => "mixtral",
             Family::Qwen3Moe => "qwen3_moe",
             Family::Qwen2Moe => "qwen2_moe",
+            Family::Olmoe => "olmoe",
         }
     }
 
@@ -188,6 +193,7 @@ impl Family {
             "mixtral" => Some(Family::Mixtral),
             "qwen3_moe" => Some(Family::Qwen3Moe),
             "qwen2_moe" => Some(Family::Qwen2Moe),
+            "olmoe" => Some(Family::Olmoe),
             _ => None,
         };
         let by_class = |c: &str| match c {
@@ -201,6 +207,7 @@ impl Family {
             "MixtralForCausalLM" => Some(Family::Mixtral),
             "Qwen3MoeForCausalLM" => Some(Family::Qwen3Moe),
             "Qwen2MoeForCausalLM" => Some(Family::Qwen2Moe),
+            "OlmoeForCausalLM" => Some(Family::Olmoe),
             _ => None,
         };
         let class = config.architectures.as_ref().and_then(|a| a.first());
@@ -209,7 +216,7 @@ impl Family {
             (None, Some(c)) => by_class(c).ok_or_else(|| c.clone()),
             (None, None) => Err("none given".to_string()),
         };
-        found.map_err(|name| ModelError::Architecture { name, supported: "llama, mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe, gemma2, gemma3_text and phi3 in Hugging Face directories" })
+        found.map_err(|name| ModelError::Architecture { name, supported: "llama, mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe, olmoe, gemma2, gemma3_text and phi3 in Hugging Face directories" })
     }
 }
 
@@ -219,6 +226,8 @@ struct Variant {
     qkv_bias: bool,
     wo_bias: bool,
     qk_norm: bool,
+    /// OLMoE's q/k norms over the whole q and k rows, not per head.
+    qk_norm_rows: bool,
     tied: bool,
     /// Gemma's norms after attention and the feed-forward network (and its norm weights stored as `w` for `1 + w`).
     post_norms: bool,
@@ -262,6 +271,8 @@ impl ExpertNames {
 fn moe_config(c: &HfConfig, family: Family) -> Result<Option<(crate::engine::models::moe::MoeConfig, usize)>, ModelError> {
     let (experts, size, normalize) = match family {
         Family::Mixtral => (c.num_local_experts, c.intermediate_size, true),
+        // OLMoE's experts are `intermediate_size` wide; Hugging Face's OLMoE renormalizes where `norm_topk_prob`.
+        Family::Olmoe => (c.num_experts, c.intermediate_size, c.norm_topk_prob.unwrap_or(false)),
         Family::Qwen3Moe | Family::Qwen2Moe => {
             if c.mlp_only_layers.as_ref().is_some_and(|l| !l.is_empty()) || c.decoder_sparse_step.is_some_and(|s| s != 1) {
                 return Err(invalid("dense layers among the experts' (`mlp_only_layers`, `decoder_sparse_step`) are not supported".into()));
@@ -433,6 +444,9 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         Some(f) if f.is_finite() && f > 0.0 && f <= 1.0 && ((head_dim as f64 * f) as usize).is_multiple_of(2) && (head_dim as f64 * f) as usize >= 2 => (head_dim as f64 * f) as usize,
         Some(f) => return Err(invalid(format!("`partial_rotary_factor` {f} must rotate an even number of a head's {head_dim} values, at least 2"))),
     };
+    if let Some(clip) = c.clip_qkv {
+        return Err(invalid(format!("`clip_qkv` {clip} is not supported (null: no clamp)")));
+    }
     if c.mlp_bias == Some(true) {
         return Err(invalid("`mlp_bias` is not supported".into()));
     }
@@ -455,7 +469,7 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
     let window = match family {
         Family::Mistral | Family::Mixtral => c.sliding_window,
         Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::Qwen2Moe => c.sliding_window.filter(|_| c.use_sliding_window == Some(true)),
-        Family::Llama | Family::Gemma2 | Family::Gemma3 | Family::Phi3 => None,
+        Family::Llama | Family::Gemma2 | Family::Gemma3 | Family::Phi3 | Family::Olmoe => None,
     };
     let mut context_length = c.max_position_embeddings;
     if let Some(w) = window.filter(|&w| w < context_length) {
@@ -473,14 +487,15 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
     let variant = Variant {
         qkv_bias: matches!(family, Family::Qwen2 | Family::Qwen2Moe) || (attention_bias && family != Family::Mistral),
         wo_bias: attention_bias && matches!(family, Family::Llama | Family::Qwen3 | Family::Qwen3Moe),
-        qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3),
+        qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3 | Family::Olmoe),
+        qk_norm_rows: family == Family::Olmoe,
         // Gemma's configuration classes tie by default.
         tied: c.tie_word_embeddings.unwrap_or(family.gemma().is_some()),
         post_norms: family.gemma().is_some(),
         fused: family == Family::Phi3,
         experts: match family {
             Family::Mixtral => Some(ExpertNames::Mixtral),
-            Family::Qwen3Moe | Family::Qwen2Moe => Some(ExpertNames::Qwen3Moe),
+            Family::Qwen3Moe | Family::Qwen2Moe | Family::Olmoe => Some(ExpertNames::Qwen3Moe),
             _ => None,
         },
     };
@@ -682,8 +697,9 @@ fn expected_tensors(c: &ModelConfig, v: Variant) -> Vec<(String, Vec<usize>)> {
             add("self_attn.o_proj.bias", vec![d]);
         }
         if v.qk_norm {
-            add("self_attn.q_norm.weight", vec![hd]);
-            add("self_attn.k_norm.weight", vec![hd]);
+            let (qn, kn) = if v.qk_norm_rows { (q, kv) } else { (hd, hd) };
+            add("self_attn.q_norm.weight", vec![qn]);
+            add("self_attn.k_norm.weight", vec![kn]);
         }
         match (v.experts, &c.moe) {
             (Some(names), Some(moe)) => {
@@ -776,6 +792,9 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, weights: CpuWeigh
     let mut config = info.config.clone();
     let whole = RankSlice::whole(info.config.heads, info.config.kv_heads);
     let slice = slice.unwrap_or(&whole);
+    if variant.qk_norm_rows && slice.ranks > 1 {
+        return Err(ModelError::Metadata(format!("{}'s q/k norms take whole q and k rows: they are not split over ranks (runtime.tensor_parallel = 1)", config.architecture)));
+    }
     let (hd, rot) = (config.head_dim, config.rotary_dim);
     let dtype = match dtype {
         Some(dtype) => dtype,
