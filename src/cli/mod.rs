@@ -98,7 +98,8 @@ pub struct SynthModelArgs {
     /// The directory to write (created if needed).
     pub dir: PathBuf,
     /// The shape: `llama-3.2-1b`, `smollm2-135m`, `qwen2.5-0.5b`, `qwen3-0.6b`, `gemma-3-1b`, `gemma-2-2b`, `phi-3-mini`,
-    /// `phi-4-mini`, `qwen3-moe-reduced`, `mixtral-reduced`, `qwen2-moe-reduced` or `tiny`; or an encoder-decoder:
+    /// `phi-4-mini`, `qwen3-moe-reduced`, `mixtral-reduced`, `qwen2-moe-reduced`, `olmoe-reduced` or `tiny`; or an
+    /// encoder-decoder:
     /// `t5-small`, `flan-t5-small`, `flan-t5-base`.
     #[arg(long, default_value = "llama-3.2-1b")]
     pub shape: String,
