@@ -77,27 +77,10 @@ pub fn write_tiny_t5(dir: &Path, gated: bool) {
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
 
     // A SentencePiece-style tokenizer as T5's: a Unigram model over "▁word" pieces, Metaspace splitting and
-    // decoding, `</s>` appended by the post-processor.
-    let mut pieces = vec![serde_json::json!(["<pad>", 0.0]), serde_json::json!(["</s>", 0.0]), serde_json::json!(["<unk>", 0.0])];
-    pieces.extend(WORDS.iter().enumerate().map(|(i, w)| serde_json::json!([format!("\u{2581}{w}"), -1.0 - i as f64 / 100.0])));
-    let special = |id: usize, content: &str| {
-        serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true})
-    };
-    let metaspace = serde_json::json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "always", "split": true});
-    let tokenizer = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null,
-        "added_tokens": [special(0, "<pad>"), special(1, "</s>"), special(2, "<unk>")],
-        "normalizer": {"type": "Lowercase"},
-        "pre_tokenizer": metaspace,
-        "post_processor": {
-            "type": "TemplateProcessing",
-            "single": [{"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": "</s>", "type_id": 0}}],
-            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}, {"SpecialToken": {"id": "</s>", "type_id": 1}}],
-            "special_tokens": {"</s>": {"id": "</s>", "ids": [1], "tokens": ["</s>"]}}
-        },
-        "decoder": metaspace,
-        "model": {"type": "Unigram", "unk_id": 2, "vocab": pieces, "byte_fallback": false}
-    });
+    // decoding, `</s>` appended by the post-processor, text lowercased.
+    let mut pieces = vec![("<pad>".to_string(), 0.0), ("</s>".to_string(), 0.0), ("<unk>".to_string(), 0.0)];
+    pieces.extend(WORDS.iter().enumerate().map(|(i, w)| (format!("\u{2581}{w}"), -1.0 - i as f64 / 100.0)));
+    let tokenizer = nightshift::synth::t5::unigram_tokenizer_json(&pieces, true);
     std::fs::write(dir.join("tokenizer.json"), serde_json::to_string(&tokenizer).unwrap()).unwrap();
 }
 
@@ -432,6 +415,12 @@ fn a_seq2seq_job_on_a_t5_gguf_file_writes_what_its_directory_writes() {
         assert_eq!((&row.text, row.completion_tokens, row.prompt_tokens), (&other.text, other.completion_tokens, other.prompt_tokens), "{id}");
     }
     assert!(from_gguf.values().any(|r| r.text.as_deref().is_some_and(|t| t.contains('w'))), "{from_gguf:?}");
+    // The metrics say what was computed: F32 as stored; an F16 file's weights widened to f32.
+    assert_eq!(read_metrics_text(&dir.join("out-gguf"))["weights_layout"], "as-stored");
+    let (f16, _) = t5_gguf(&model, candle_core::quantized::GgmlDType::F16, None).unwrap();
+    let rows = run(&f16, "out-f16");
+    assert!(rows.values().all(|r| r.status == "succeeded"), "{rows:?}");
+    assert_eq!(read_metrics_text(&dir.join("out-f16"))["weights_layout"], "widened to f32");
 }
 
 /// Teacher-forced fidelity of a T5 GGUF file against llama.cpp, on llama.cpp's own greedy continuations (what

@@ -198,14 +198,15 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
             let model = T5::load(&job.model.path, device).map_err(|e| e.at(&job.model.path))?;
             let c = &model.config;
             info!(layers = c.num_layers, decoder_layers = c.decoder_layers(), d_model = c.d_model, heads = c.num_heads, "encoder-decoder");
-            if job.model.path.is_file() {
-                info!("T5 from GGUF: weights dequantized to f32, the precision the encoder-decoder computes in");
+            if model.weights_layout() != llama::Layout::AsStored.name() {
+                info!(weights = model.weights_layout(), "the encoder-decoder computes in f32: its stored weights widened to f32 at load");
             }
             let (tokenizer, prepare) = seq2seq_tokenizer(job)?;
             let weights_bytes = model.weight_bytes();
             let engine = Seq2SeqEngine::new(model, tokenizer, job.generation.clone(), job.runtime.max_seqs);
             let queue = job.runtime.max_seqs * 2;
-            Ok(Loaded { engine: Box::new(engine), prepare, check, weights_bytes, weights_layout: llama::Layout::AsStored.name(), kv_cache_dtype: "f32", attention: "none", compute_dtype: None, layout: ResultsLayout::Generate, queue, decoder: None, tensor_parallel: 1 })
+            let weights_layout = engine.model().weights_layout();
+            Ok(Loaded { engine: Box::new(engine), prepare, check, weights_bytes, weights_layout, kv_cache_dtype: "f32", attention: "none", compute_dtype: None, layout: ResultsLayout::Generate, queue, decoder: None, tensor_parallel: 1 })
         }
         JobKind::Embed => {
             let encoder = Encoder::load(&job.model.path, device).map_err(|e| e.at(&job.model.path))?;

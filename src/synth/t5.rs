@@ -69,21 +69,22 @@ pub struct T5Report {
 
 /// A SentencePiece Unigram vocabulary of `size` pieces laid out as T5's (`<pad>` 0, `</s>` 1, `<unk>` 2), its
 /// pieces `▁w0`, `▁w1`, ... for tests and shapes that need no real text: the same vocabulary as a `tokenizer.json`
-/// ([`tokenizer_json`]) and as GGUF keys ([`gguf_vocabulary`]).
+/// ([`unigram_tokenizer_json`]) and as GGUF keys ([`gguf_vocabulary`]).
 fn pieces(size: usize) -> Vec<(String, f64)> {
     let mut out = vec![("<pad>".to_string(), 0.0), ("</s>".to_string(), 0.0), ("<unk>".to_string(), 0.0)];
     out.extend((3..size).map(|i| (format!("\u{2581}w{}", i - 3), -1.0 - (i - 3) as f64 / size as f64)));
     out
 }
 
-/// [`pieces`] as a `tokenizer.json` as T5's: Unigram, Metaspace splitting and decoding, `</s>` appended.
-fn tokenizer_json(size: usize) -> serde_json::Value {
+/// A Unigram vocabulary of `pieces` and their scores, laid out as T5's (`<pad>` 0, `</s>` 1, `<unk>` 2 first), as a
+/// `tokenizer.json` as T5's: Metaspace splitting and decoding, `</s>` appended, text lowercased first where asked.
+pub fn unigram_tokenizer_json(pieces: &[(String, f64)], lowercase: bool) -> serde_json::Value {
     let special = |id: usize, content: &str| json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
     let metaspace = json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "always", "split": true});
     json!({
         "version": "1.0", "truncation": null, "padding": null,
         "added_tokens": [special(0, "<pad>"), special(1, "</s>"), special(2, "<unk>")],
-        "normalizer": null,
+        "normalizer": if lowercase { json!({"type": "Lowercase"}) } else { serde_json::Value::Null },
         "pre_tokenizer": metaspace,
         "post_processor": {
             "type": "TemplateProcessing",
@@ -92,7 +93,7 @@ fn tokenizer_json(size: usize) -> serde_json::Value {
             "special_tokens": {"</s>": {"id": "</s>", "ids": [1], "tokens": ["</s>"]}}
         },
         "decoder": metaspace,
-        "model": {"type": "Unigram", "unk_id": 2, "vocab": pieces(size).iter().map(|(p, s)| json!([p, s])).collect::<Vec<_>>(), "byte_fallback": false}
+        "model": {"type": "Unigram", "unk_id": 2, "vocab": pieces.iter().map(|(p, s)| json!([p, s])).collect::<Vec<_>>(), "byte_fallback": false}
     })
 }
 
@@ -179,7 +180,7 @@ pub fn write_t5(dir: &Path, shape: &T5Shape, seed: u64, with_tokenizer: bool) ->
     let weights = dir.join("model.safetensors");
     candle_core::safetensors::save(&tensors, &weights).map_err(|e| fail(&e))?;
     if with_tokenizer {
-        std::fs::write(dir.join("tokenizer.json"), tokenizer_json(shape.vocab).to_string()).map_err(|e| fail(&e))?;
+        std::fs::write(dir.join("tokenizer.json"), unigram_tokenizer_json(&pieces(shape.vocab), false).to_string()).map_err(|e| fail(&e))?;
     }
     let bytes = std::fs::metadata(&weights).map_err(|e| fail(&e))?.len();
     Ok(T5Report { shape: *shape, parameters: shape.parameters(), bytes })

@@ -155,6 +155,9 @@ pub struct T5 {
     decoder_buckets: Vec<usize>,
     lm_head: Tensor,
     logit_scale: f64,
+    /// Whether the stored weights were in another type than f32 (16-bit safetensors, a quantized or F16 GGUF),
+    /// widened to f32 at load: the metrics' `weights_layout` says so.
+    widened: bool,
 }
 
 /// What a sequence keeps between decoder steps: per layer, its self-attention keys and values so far, and the
@@ -276,7 +279,8 @@ impl T5 {
             true => fmt(e),
             false => ModelError::Open { path: file.clone(), source: std::io::ErrorKind::NotFound.into() },
         })?;
-        T5::from_tensors(config, tensors, device)
+        let widened = tensors.values().any(|t| t.dtype() != DType::F32);
+        T5::from_tensors(config, tensors, device, widened)
     }
 
     /// Loads a GGUF file of llama.cpp's `t5` architecture (as its converter writes T5, T5 v1.1 and FLAN-T5): its
@@ -288,11 +292,12 @@ impl T5 {
         let config = gguf::config(&content)?;
         let tensors = gguf::tensors(&mut file, &content, &config, device)
             .map_err(|e| ModelError::File { path: path.into(), message: crate::engine::first_line(&e) })??;
-        T5::from_tensors(config, tensors, device)
+        let widened = content.tensor_infos.values().any(|t| t.ggml_dtype != candle_core::quantized::GgmlDType::F32);
+        T5::from_tensors(config, tensors, device, widened)
     }
 
     /// The model from its tensors under Hugging Face's names, in any float type (computed in f32).
-    fn from_tensors(config: T5Config, mut tensors: HashMap<String, Tensor>, device: &Device) -> Result<T5, ModelError> {
+    fn from_tensors(config: T5Config, mut tensors: HashMap<String, Tensor>, device: &Device, widened: bool) -> Result<T5, ModelError> {
         let c = &config;
         let mut take = |name: &str, dims: &[usize]| -> Result<Tensor, ModelError> {
             let t = tensors.remove(name).ok_or_else(|| ModelError::Metadata(format!("tensor `{name}` is missing")))?;
@@ -367,6 +372,7 @@ impl T5 {
             decoder_buckets,
             lm_head,
             logit_scale,
+            widened,
             config,
         })
     }
@@ -483,6 +489,11 @@ impl T5 {
         }
         let x = (rms_norm(&x, &self.decoder_norm, c.layer_norm_epsilon)? * self.logit_scale)?;
         x.matmul(&self.lm_head.t()?)?.to_vec2::<f32>()
+    }
+
+    /// What the weights were computed as, for the log and the metrics' `weights_layout`.
+    pub fn weights_layout(&self) -> &'static str {
+        if self.widened { "widened to f32" } else { "as-stored" }
     }
 
     pub fn weight_bytes(&self) -> usize {
