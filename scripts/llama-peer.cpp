@@ -113,24 +113,30 @@ static std::vector<llama_token> parse_ids(const std::string & line) {
     return ids;
 }
 
-static bool logits(llama_model * model, const std::vector<llama_token> & source, const std::vector<llama_token> & ids) {
-    const size_t longest = std::max(source.size(), ids.size());
+// A fresh context on 1 thread taking `size` positions in one batch, with `source` encoded first where the model has
+// an encoder (T5); null where that fails.
+static llama_context * context_for(llama_model * model, size_t size, const std::vector<llama_token> & source) {
     llama_context_params cparams = llama_context_default_params();
-    cparams.n_ctx = longest + 16;
-    cparams.n_batch = longest + 16;
-    cparams.n_ubatch = longest + 16;
+    cparams.n_ctx = std::max(size, source.size()) + 16;
+    cparams.n_batch = cparams.n_ctx;
+    cparams.n_ubatch = cparams.n_ctx;
     cparams.n_threads = 1;
     cparams.n_threads_batch = 1;
     llama_context * ctx = llama_init_from_model(model, cparams);
-    if (!ctx) {
-        return false;
-    }
-    if (llama_model_has_encoder(model)) {
+    if (ctx && llama_model_has_encoder(model)) {
         std::vector<llama_token> source_ids = source;
         if (source_ids.empty() || llama_encode(ctx, llama_batch_get_one(source_ids.data(), (int32_t) source_ids.size())) != 0) {
             llama_free(ctx);
-            return false;
+            return nullptr;
         }
+    }
+    return ctx;
+}
+
+static bool logits(llama_model * model, const std::vector<llama_token> & source, const std::vector<llama_token> & ids) {
+    llama_context * ctx = context_for(model, ids.size(), source);
+    if (!ctx) {
+        return false;
     }
     std::vector<llama_token> batch_ids = ids;
     if (llama_decode(ctx, llama_batch_get_one(batch_ids.data(), (int32_t) batch_ids.size())) != 0) {
@@ -151,19 +157,8 @@ static bool logits(llama_model * model, const std::vector<llama_token> & source,
 // ending at an end-of-generation token: the tokens, tab, and each one's log-probability (log-softmax of the logits
 // it was chosen from), space-separated.
 static bool greedy(llama_model * model, const std::vector<llama_token> & source, llama_token start, int n) {
-    llama_context_params cparams = llama_context_default_params();
-    cparams.n_ctx = std::max<size_t>(source.size(), n + 1) + 16;
-    cparams.n_batch = cparams.n_ctx;
-    cparams.n_ubatch = cparams.n_ctx;
-    cparams.n_threads = 1;
-    cparams.n_threads_batch = 1;
-    llama_context * ctx = llama_init_from_model(model, cparams);
+    llama_context * ctx = context_for(model, n + 1, source);
     if (!ctx) {
-        return false;
-    }
-    std::vector<llama_token> source_ids = source;
-    if (source_ids.empty() || llama_encode(ctx, llama_batch_get_one(source_ids.data(), (int32_t) source_ids.size())) != 0) {
-        llama_free(ctx);
         return false;
     }
     const llama_vocab * vocab = llama_model_get_vocab(model);

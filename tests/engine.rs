@@ -6,7 +6,7 @@ use nightshift::engine::{Attention, HostAttention, KvCache, Model, Segment};
 use crate::support::model_path;
 
 mod hf;
-mod llama_cpp;
+pub(crate) mod llama_cpp;
 mod paged;
 mod parallel;
 

@@ -288,20 +288,13 @@ fn teacher_forced(model: &T5, source: &[u32], decoder: &[u32]) -> Vec<Vec<f32>> 
 
 /// llama.cpp's logits (scripts/llama-peer.cpp) after each prefix of `decoder`, `source` encoded.
 fn llama_cpp_teacher_forced(peer: &Path, gguf: &Path, source: &[u32], decoder: &[u32]) -> Vec<Vec<f32>> {
-    use std::io::Write;
     let join = |ids: &[u32]| ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
     let input: String = (1..=decoder.len()).map(|n| format!("!{}|{}\n", join(source), join(&decoder[..n]))).collect();
-    let mut child = std::process::Command::new(peer)
-        .args(["--logits", gguf.to_str().unwrap()])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "llama.cpp on {}: {}", gguf.display(), String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap().lines().skip(1).map(|l| l.split(' ').map(|x| x.parse().unwrap()).collect()).collect()
+    let mut command = std::process::Command::new(peer);
+    command.args(["--logits", gguf.to_str().unwrap()]);
+    // The first line is the vocabulary's; then one line of logits per prefix.
+    let out = crate::engine::llama_cpp::output_of(command, &input, &format!("llama.cpp on {}", gguf.display()));
+    out.lines().skip(1).map(|l| l.split(' ').map(|x| x.parse().unwrap()).collect()).collect()
 }
 
 /// The largest difference over the position's largest logit, over every position; and the positions whose top
@@ -432,7 +425,6 @@ fn a_seq2seq_job_on_a_t5_gguf_file_writes_what_its_directory_writes() {
 #[test]
 #[ignore = "a measurement: NIGHTSHIFT_COMPARE_T5=FILE.gguf NIGHTSHIFT_LLAMA_PEER=... cargo test -- --ignored compare_a_t5_file --nocapture"]
 fn compare_a_t5_file() {
-    use std::io::Write;
     let (Some(path), Some(peer)) = (std::env::var_os("NIGHTSHIFT_COMPARE_T5").map(PathBuf::from), crate::tokenizer::llama_peer()) else {
         panic!("set NIGHTSHIFT_COMPARE_T5 and NIGHTSHIFT_LLAMA_PEER");
     };
@@ -454,16 +446,9 @@ fn compare_a_t5_file() {
         (0..n).map(|_| (3 + next() % (vocab - 3)) as u32).chain([model.config.eos_token_id as u32]).collect()
     }).collect();
     let input: String = sources.iter().map(|s| format!("!{}\n", s.iter().map(u32::to_string).collect::<Vec<_>>().join(" "))).collect();
-    let mut child = std::process::Command::new(&peer)
-        .args(["--greedy", &new.to_string(), path.to_str().unwrap()])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success());
-    let text = String::from_utf8(out.stdout).unwrap();
+    let mut command = std::process::Command::new(&peer);
+    command.args(["--greedy", &new.to_string(), path.to_str().unwrap()]);
+    let text = crate::engine::llama_cpp::output_of(command, &input, &format!("llama.cpp on {}", path.display()));
     let continuations: Vec<(Vec<u32>, Vec<f64>)> = text
         .lines()
         .skip(1)

@@ -177,13 +177,9 @@ fn seq2seq_tokenizer(job: &Job) -> Result<(crate::tokenize::Tokenizer, Box<Encod
         return Ok((crate::tokenize::Tokenizer::Hf(std::sync::Arc::new(tokenizer)), Box::new(prepare)));
     }
     let vocab = llama::gguf::vocabulary(path).map_err(|e| e.at(path))?;
-    let tokenizer = crate::tokenize::vocab::build(&vocab)?;
-    let crate::tokenize::Tokenizer::Gguf(gguf) = &tokenizer else {
-        return Err(crate::tokenize::TokenizerError::Invalid("a GGUF file without its vocabulary".into()).into());
-    };
-    let gguf = std::sync::Arc::clone(gguf);
-    let prepare = EncoderPreprocessor::gguf(gguf, MAX_SOURCE_TOKENS, job.input.truncate)?;
-    Ok((tokenizer, Box::new(prepare)))
+    let gguf = vocab.gguf.ok_or_else(|| crate::tokenize::TokenizerError::Invalid("a GGUF file without its vocabulary".into()))?;
+    let prepare = EncoderPreprocessor::gguf(std::sync::Arc::clone(&gguf), MAX_SOURCE_TOKENS, job.input.truncate)?;
+    Ok((crate::tokenize::Tokenizer::Gguf(gguf), Box::new(prepare)))
 }
 
 /// Checks the job's model ([`check_model`]) and loads it onto `device`.
@@ -197,10 +193,8 @@ pub fn load(job: &Job, device: &candle_core::Device) -> Result<Loaded, Error> {
         JobKind::Seq2seq => {
             let model = T5::load(&job.model.path, device).map_err(|e| e.at(&job.model.path))?;
             let c = &model.config;
-            info!(layers = c.num_layers, decoder_layers = c.decoder_layers(), d_model = c.d_model, heads = c.num_heads, "encoder-decoder");
-            if model.weights_layout() != llama::Layout::AsStored.name() {
-                info!(weights = model.weights_layout(), "the encoder-decoder computes in f32: its stored weights widened to f32 at load");
-            }
+            // It computes in f32: `weights` says whether the stored weights were widened to it.
+            info!(layers = c.num_layers, decoder_layers = c.decoder_layers(), d_model = c.d_model, heads = c.num_heads, weights = model.weights_layout(), "encoder-decoder");
             let (tokenizer, prepare) = seq2seq_tokenizer(job)?;
             let weights_bytes = model.weight_bytes();
             let engine = Seq2SeqEngine::new(model, tokenizer, job.generation.clone(), job.runtime.max_seqs);

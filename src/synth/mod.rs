@@ -981,8 +981,6 @@ fn type_empty_string_arrays(path: &Path, keys: &[&str]) -> std::io::Result<()> {
 /// llama.cpp rotates halves for them). Returns the file's size.
 fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Tensor>, quant: GgmlDType) -> Result<u64, Error> {
     use candle_core::quantized::gguf_file::Value;
-    use candle_core::quantized::QTensor;
-    use rayon::prelude::*;
     let fail = |e: &dyn std::fmt::Display| Error::Internal(e.to_string());
     let shape = model.shape;
     let hd = shape.head_dim;
@@ -1078,11 +1076,6 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
             }
         }
     }
-    let quantized: Vec<(String, QTensor)> = dense
-        .into_par_iter()
-        .map(|(name, t, q)| QTensor::quantize(&t, q).map(|t| (name, t)))
-        .collect::<candle_core::Result<_>>()
-        .map_err(|e| fail(&e))?;
     let u32_of = |v: usize| Value::U32(v as u32);
     let a = |k: &str| format!("{arch}.{k}");
     let mut metadata: Vec<(String, Value)> = vec![
@@ -1132,10 +1125,22 @@ fn write_gguf_file(path: &Path, model: &GgufModel, weights: &HashMap<String, Ten
         _ => {}
     }
     metadata.extend(tokenizer_keys(&model.tokenizer)?);
+    write_gguf_tensors(path, &metadata, dense)
+}
+
+/// Writes a GGUF file of `metadata` and `tensors`, each quantized to its type (in parallel) and written in the
+/// order given; an empty `tokenizer.ggml.merges` typed as llama.cpp reads it. Returns the file's size.
+fn write_gguf_tensors(path: &Path, metadata: &[(String, candle_core::quantized::gguf_file::Value)], tensors: Vec<(String, Tensor, GgmlDType)>) -> Result<u64, Error> {
+    use candle_core::quantized::gguf_file::Value;
+    use candle_core::quantized::QTensor;
+    use rayon::prelude::*;
+    let fail = |e: &dyn std::fmt::Display| Error::Internal(format!("cannot write `{}`: {e}", path.display()));
+    let quantized: Vec<(String, QTensor)> =
+        tensors.into_par_iter().map(|(name, t, q)| QTensor::quantize(&t, q).map(|t| (name, t))).collect::<candle_core::Result<_>>().map_err(|e| fail(&e))?;
     let mut file = std::io::BufWriter::new(std::fs::File::create(path).map_err(|e| fail(&e))?);
     let meta: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let tensors: Vec<(&str, &QTensor)> = quantized.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    candle_core::quantized::gguf_file::write(&mut file, &meta, &tensors).map_err(|e| fail(&e))?;
+    let refs: Vec<(&str, &QTensor)> = quantized.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    candle_core::quantized::gguf_file::write(&mut file, &meta, &refs).map_err(|e| fail(&e))?;
     std::io::Write::flush(&mut file).map_err(|e| fail(&e))?;
     drop(file);
     type_empty_string_arrays(path, &["tokenizer.ggml.merges"]).map_err(|e| fail(&e))?;

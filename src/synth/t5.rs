@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::Value;
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
 use serde_json::json;
 
@@ -125,8 +125,8 @@ pub fn gguf_vocabulary(size: usize) -> GgufTokenizer {
 }
 
 /// Writes a random-weight T5 of `shape` into `dir` (created if needed): `config.json`, `model.safetensors` (f32)
-/// and the [`pieces`] vocabulary's `tokenizer.json` (left out when `tokenizer_json` is false: a GGUF vocabulary's
-/// size with no `tokenizer.json` of it).
+/// and, `with_tokenizer`, the [`pieces`] vocabulary's `tokenizer.json` (left out for a shape sized to a GGUF
+/// vocabulary, which has no `tokenizer.json`).
 pub fn write_t5(dir: &Path, shape: &T5Shape, seed: u64, with_tokenizer: bool) -> Result<T5Report, Error> {
     let fail = |e: &dyn std::fmt::Display| Error::Internal(format!("cannot write a T5 into `{}`: {e}", dir.display()));
     std::fs::create_dir_all(dir).map_err(|e| fail(&e))?;
@@ -236,7 +236,6 @@ fn gguf_name(name: &str) -> Option<String> {
 /// (the embeddings too) in `quant`, norms and relative-position biases in f32, and `tokenizer`'s keys (by default
 /// [`gguf_vocabulary`] of the model's size). Returns the file's path and size.
 pub fn t5_gguf(dir: &Path, quant: GgmlDType, tokenizer: Option<&GgufTokenizer>) -> Result<(PathBuf, u64), Error> {
-    use rayon::prelude::*;
     let fail = |e: &dyn std::fmt::Display| Error::Internal(format!("cannot write a GGUF of `{}`: {e}", dir.display()));
     let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).map_err(|e| fail(&e))?).map_err(|e| fail(&e))?;
     let get = |key: &str| config[key].as_u64().map(|v| v as u32).ok_or_else(|| fail(&format!("config.json has no `{key}`")));
@@ -254,8 +253,6 @@ pub fn t5_gguf(dir: &Path, quant: GgmlDType, tokenizer: Option<&GgufTokenizer>) 
         dense.push((gguf, t, if matrix { quant } else { GgmlDType::F32 }));
     }
     dense.sort_by(|a, b| a.0.cmp(&b.0));
-    let quantized: Vec<(String, QTensor)> =
-        dense.into_par_iter().map(|(name, t, q)| QTensor::quantize(&t, q).map(|t| (name, t))).collect::<candle_core::Result<_>>().map_err(|e| fail(&e))?;
     let eps = config["layer_norm_epsilon"].as_f64().unwrap_or(1e-6) as f32;
     let mut metadata: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String("t5".into())),
@@ -275,15 +272,8 @@ pub fn t5_gguf(dir: &Path, quant: GgmlDType, tokenizer: Option<&GgufTokenizer>) 
     ];
     // No chat template: a seq2seq model reads its source as it is.
     metadata.extend(tokenizer_keys(&tokenizer)?.into_iter().filter(|(k, _)| k != "tokenizer.chat_template"));
-    let type_name = format!("{quant:?}").to_lowercase();
-    let path = dir.join(format!("model-{type_name}.gguf"));
-    let mut file = std::io::BufWriter::new(std::fs::File::create(&path).map_err(|e| fail(&e))?);
-    let meta: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let refs: Vec<(&str, &QTensor)> = quantized.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    candle_core::quantized::gguf_file::write(&mut file, &meta, &refs).map_err(|e| fail(&e))?;
-    std::io::Write::flush(&mut file).map_err(|e| fail(&e))?;
-    drop(file);
-    let bytes = std::fs::metadata(&path).map_err(|e| fail(&e))?.len();
+    let path = dir.join(format!("model-{}.gguf", format!("{quant:?}").to_lowercase()));
+    let bytes = super::write_gguf_tensors(&path, &metadata, dense)?;
     Ok((path, bytes))
 }
 

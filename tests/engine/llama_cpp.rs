@@ -21,21 +21,25 @@ fn sequences() -> Vec<Vec<u32>> {
     vec![vec![72], vec![259, 72, 101, 108, 108, 111], (0..23).map(|i| (i * 37 % 256) as u32).collect(), (0..61).map(|i| (i * 101 % 262) as u32).collect()]
 }
 
-/// The logits a program prints for each sequence (a line `!` and its ids in, a line of logits out), after its
-/// first `skip` lines.
-fn logits_from(mut command: std::process::Command, skip: usize, seqs: &[Vec<u32>], what: &str) -> Vec<Vec<f32>> {
+/// What a program (the peer, the reference) prints for `input` on its standard input; a failure names `what`.
+pub(crate) fn output_of(mut command: std::process::Command, input: &str, what: &str) -> String {
     let mut child = command
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
-    let input: String = seqs.iter().map(|s| format!("!{}\n", s.iter().map(u32::to_string).collect::<Vec<_>>().join(" "))).collect();
     child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{what} failed: {}", String::from_utf8_lossy(&out.stderr));
-    let text = String::from_utf8(out.stdout).unwrap();
-    text.lines().skip(skip).map(|l| l.split(' ').map(|x| x.parse().unwrap()).collect()).collect()
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The logits a program prints for each sequence (a line `!` and its ids in, a line of logits out), after its
+/// first `skip` lines.
+fn logits_from(command: std::process::Command, skip: usize, seqs: &[Vec<u32>], what: &str) -> Vec<Vec<f32>> {
+    let input: String = seqs.iter().map(|s| format!("!{}\n", s.iter().map(u32::to_string).collect::<Vec<_>>().join(" "))).collect();
+    output_of(command, &input, what).lines().skip(skip).map(|l| l.split(' ').map(|x| x.parse().unwrap()).collect()).collect()
 }
 
 /// llama.cpp's logits at the last position of each sequence.

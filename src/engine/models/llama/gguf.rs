@@ -192,6 +192,9 @@ struct Architecture {
     /// The chosen experts' weights renormalized to sum to 1 (Mixtral, Qwen3-MoE; llama.cpp hard-codes it per
     /// architecture), unless the file says otherwise in `expert_weights_norm`.
     renormalize: bool,
+    /// Without `expert_feed_forward_length`, each expert is `feed_forward_length / expert_used_count` wide
+    /// (llama.cpp's qwen3moe and qwen2moe); otherwise `feed_forward_length` wide (OLMoE, Mixtral's `llama`).
+    experts_split_ffn: bool,
     /// Gemma's version ([`crate::engine::models::gemma`]).
     gemma: Option<u8>,
     /// Phi-3's fused q/k/v and gate/up matrices, and its window over every layer.
@@ -209,7 +212,7 @@ struct Architecture {
 }
 
 const LLAMA: Architecture =
-    Architecture { name: "llama", halves: false, qkv_bias: false, qk_norm: false, qk_norm_rows: false, renormalize: true, gemma: None, phi3: false, experts: false, partial_rotary: false, shared_experts: false };
+    Architecture { name: "llama", halves: false, qkv_bias: false, qk_norm: false, qk_norm_rows: false, renormalize: true, experts_split_ffn: false, gemma: None, phi3: false, experts: false, partial_rotary: false, shared_experts: false };
 
 /// The GGUF architectures nightshift computes.
 const ARCHITECTURES: &[Architecture] = &[
@@ -219,8 +222,8 @@ const ARCHITECTURES: &[Architecture] = &[
     Architecture { name: "gemma2", halves: true, gemma: Some(2), partial_rotary: true, ..LLAMA },
     Architecture { name: "gemma3", halves: true, qk_norm: true, gemma: Some(3), partial_rotary: true, ..LLAMA },
     Architecture { name: "phi3", halves: true, phi3: true, partial_rotary: true, ..LLAMA },
-    Architecture { name: "qwen3moe", halves: true, qk_norm: true, experts: true, ..LLAMA },
-    Architecture { name: "qwen2moe", halves: true, qkv_bias: true, experts: true, shared_experts: true, renormalize: false, ..LLAMA },
+    Architecture { name: "qwen3moe", halves: true, qk_norm: true, experts: true, experts_split_ffn: true, ..LLAMA },
+    Architecture { name: "qwen2moe", halves: true, qkv_bias: true, experts: true, experts_split_ffn: true, shared_experts: true, renormalize: false, ..LLAMA },
     Architecture { name: "olmoe", halves: true, qk_norm: true, qk_norm_rows: true, experts: true, renormalize: false, ..LLAMA },
 ];
 
@@ -370,8 +373,7 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
     // (Qwen3-MoE without `expert_feed_forward_length`: `feed_forward_length / expert_used_count`, as llama.cpp.)
     let ffn_size = match (&moe, content.metadata.contains_key(&a("expert_feed_forward_length"))) {
         (Some(_), true) => meta_usize(content, &a("expert_feed_forward_length"))?,
-        // (OLMoE's experts are `feed_forward_length` wide, as Mixtral's.)
-        (Some(m), false) if arch.experts && arch.name != "olmoe" => meta_usize(content, &a("feed_forward_length"))? / m.used,
+        (Some(m), false) if arch.experts_split_ffn => meta_usize(content, &a("feed_forward_length"))? / m.used,
         _ => meta_usize(content, &a("feed_forward_length"))?,
     };
     let config = ModelConfig {
