@@ -258,6 +258,7 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
     }
     let mut batch = BatchConfig::new(job.runtime.max_seqs, job.runtime.max_batch_tokens, kv_bytes, block_bytes);
     batch.prefix_cache = job.runtime.prefix_cache;
+    batch.window = engine::attention::AttentionModel::attention_shape(model).window_of_every_layer();
     let longest = batch.max_sequence_tokens(cfg.context_length);
     info!(
         max_seqs = batch.max_seqs, max_batch_tokens = batch.max_batch_tokens, prefix_cache = batch.prefix_cache,

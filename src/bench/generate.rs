@@ -216,6 +216,7 @@ pub fn generate(options: &GenerateBenchOptions) -> Result<GenerateBenchReport, E
     let kv_dtype = backend.kv_dtype(model, options.kv_cache_dtype).map_err(|m| Error::Usage(format!("--kv-cache-dtype: {m}")))?;
     let mut config = BatchConfig::new(options.max_seqs, options.max_batch_tokens, kv_bytes, decoder.block_bytes(backend, kv_dtype));
     config.prefix_cache = options.prefix_cache;
+    config.window = crate::engine::attention::AttentionModel::attention_shape(model).window_of_every_layer();
     let (device_name, dtype) = (engine::device_name(&device), format!("{:?}", model.dtype()).to_lowercase());
     let setup = DecoderSetup { tokenizer: pre.tokenizer().clone(), params, stop: StopRules::new(&info.vocab), config, kv_dtype, attention: plan };
     let mut engine = decoder.engine(setup).map_err(Error::Engine)?;

@@ -36,13 +36,17 @@ pub struct BatchConfig {
     pub kv_blocks: usize,
     /// Keep prefilled blocks and serve them to later prompts with the same beginning (`runtime.prefix_cache`).
     pub prefix_cache: bool,
+    /// The window every layer of the model slides over, where every layer's does
+    /// ([`AttentionShape::window_of_every_layer`](crate::engine::attention::AttentionShape::window_of_every_layer)):
+    /// a running sequence's blocks before it are given back.
+    pub window: Option<usize>,
 }
 
 impl BatchConfig {
     /// The configuration for a KV cache budget of `kv_bytes`, in blocks of `block_bytes` ([`Attention::block_bytes`], [`Backend::block_bytes`]).
     pub fn new(max_seqs: usize, max_batch_tokens: usize, kv_bytes: u64, block_bytes: usize) -> BatchConfig {
         let kv_blocks = (kv_bytes / block_bytes.max(1) as u64).min(u32::MAX as u64) as usize;
-        BatchConfig { max_seqs, max_batch_tokens, kv_blocks: kv_blocks.max(1), prefix_cache: true }
+        BatchConfig { max_seqs, max_batch_tokens, kv_blocks: kv_blocks.max(1), prefix_cache: true, window: None }
     }
 
     /// Tokens the KV cache budget holds, all sequences together.
@@ -68,6 +72,7 @@ impl BatchConfig {
             min_prefill_places: 1,
             max_decode_steps_between_prefills: 8,
             prefix_cache: self.prefix_cache,
+            window: self.window,
         }
     }
 }
@@ -466,6 +471,7 @@ impl<A: Attention, M: StepModel<A>> BatchEngine<A, M> {
         self.stats.recomputed_tokens = s.recomputed_tokens;
         self.stats.cached_prompt_tokens = s.cached_tokens;
         self.stats.prefix_evictions = s.evictions;
+        self.stats.released_kv_blocks = s.released_blocks;
         self.stats.peak_kv_blocks = s.peak_blocks;
         self.stats.peak_kv_bytes = s.peak_blocks * self.attention.block_bytes();
         self.stats.mean_kv_blocks = s.block_steps as f64 / s.steps.max(1) as f64;
@@ -547,6 +553,10 @@ where
         let plan = self.scheduler.next_step();
         for key in &plan.evicted {
             self.prefix_blocks.remove(key);
+        }
+        for &(id, blocks) in &plan.released {
+            let seq = self.seqs.get_mut(&id).expect("a running sequence exists");
+            self.attention.release_before(&mut seq.cache, blocks);
         }
         for id in &plan.preempted {
             // Dropped, to be prefilled again with its prompt and everything it generated (the last sampled token

@@ -162,6 +162,8 @@ pub struct EngineStats {
     /// Prefilled tokens served from the prefix cache (not computed), and cached blocks evicted to make room.
     pub cached_prompt_tokens: u64,
     pub prefix_evictions: u64,
+    /// KV cache blocks given back by running sequences as every layer's sliding window passed them.
+    pub released_kv_blocks: u64,
     /// KV cache blocks in the budget, the most in use at once, and the mean in use per step.
     pub kv_blocks: usize,
     pub peak_kv_blocks: usize,

@@ -423,6 +423,12 @@ impl<B: Attention> Attention for TpAttention<B> {
         TpCache { ranks: self.ranks.iter().zip(per_rank).map(|(a, b)| a.cache_from_blocks(b, capacity_tokens)).collect() }
     }
 
+    fn release_before(&self, cache: &mut Self::Cache, blocks: usize) {
+        for (a, c) in self.ranks.iter().zip(&mut cache.ranks) {
+            a.release_before(c, blocks);
+        }
+    }
+
     /// Every rank's bytes of a block together: what a block costs the process.
     fn block_bytes(&self) -> usize {
         self.ranks.iter().map(Attention::block_bytes).sum()

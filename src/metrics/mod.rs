@@ -175,6 +175,9 @@ job_metrics! {
         pub cached_prompt_tokens: u64,
         /// Cached prefix blocks dropped to make room for others.
         pub prefix_cache_evictions: u64,
+        /// KV cache blocks running sequences gave back as every layer's sliding window passed them (models whose
+        /// every layer slides: Mistral v0.1, Phi-3); 0 for other models.
+        pub kv_blocks_released: u64,
         /// Bytes of model weights held in memory.
         pub weights_bytes: u64,
         /// How the weights were computed: "as-stored", or how a GGUF decoder's were requantized for the CPU
@@ -238,6 +241,7 @@ impl JobMetrics {
             recomputed_tokens: engine.recomputed_tokens,
             cached_prompt_tokens: engine.cached_prompt_tokens,
             prefix_cache_evictions: engine.prefix_evictions,
+            kv_blocks_released: engine.released_kv_blocks,
             peak_rss_bytes: crate::host::peak_rss_bytes().unwrap_or(0),
             expert_tokens: match engine.expert_tokens.is_empty() {
                 true => String::new(),

@@ -293,7 +293,7 @@ mod tests {
     }
 
     fn config(kv_blocks: usize) -> Config {
-        Config { max_seqs: 4, max_batch_tokens: 64, block_tokens: 16, kv_blocks, min_prefill_places: 1, max_decode_steps_between_prefills: 8, prefix_cache: false }
+        Config { max_seqs: 4, max_batch_tokens: 64, block_tokens: 16, kv_blocks, min_prefill_places: 1, max_decode_steps_between_prefills: 8, prefix_cache: false, window: None }
     }
 
     #[test]

@@ -34,6 +34,14 @@
 //!   step is about to write waits for the next step, to find it cached (the first row of a group is prefilled
 //!   before its siblings). The choices of a row share its prompt's cached blocks, and each books only the blocks
 //!   it writes. With the cache off, sequences are queued without keys, so nothing is looked up or kept.
+//! - **Sliding windows** ([`Config::window`]). When every layer of the model attends only to the last `window`
+//!   positions (Mistral v0.1, Phi-3), a running sequence gives back each block that has fallen wholly before the
+//!   window of the position it writes next ([`Step::released`]): its own blocks are freed, and its references to
+//!   cached blocks are let go (they stay cached, idle, for later prompts that begin the same way). A long sequence
+//!   then holds about `window` positions' blocks however far it runs. Its prefill still books every prompt block
+//!   (the step writes them all), and a preempted sequence is recomputed from its whole prompt and output, so the
+//!   limit a sequence is admitted under (prompt plus output within the budget) stays. A cached block let go this
+//!   way can be evicted before the blocks after it, which then serve no prompt until they are evicted in turn.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
@@ -69,6 +77,9 @@ pub struct Config {
     pub max_decode_steps_between_prefills: usize,
     /// Keep prefilled blocks under their keys and serve them to later sequences.
     pub prefix_cache: bool,
+    /// The window every layer's attention slides over, where every layer's does: a query sees its own position
+    /// and the `window - 1` before it, so blocks before that are given back.
+    pub window: Option<usize>,
 }
 
 impl Config {
@@ -98,6 +109,9 @@ pub struct Step {
     pub registered: Vec<(SeqId, usize, BlockKey)>,
     /// Cached blocks dropped before this step, to make room.
     pub evicted: Vec<BlockKey>,
+    /// Sequences that give back their leading blocks before this step, every layer's window having passed them
+    /// ([`Config::window`]): (sequence, how many of its first blocks it has given back in all).
+    pub released: Vec<(SeqId, usize)>,
 }
 
 impl Step {
@@ -140,6 +154,8 @@ struct Running {
     len: usize,
     /// Blocks it holds alone (cached blocks it shares are in `shared`).
     blocks: usize,
+    /// Its first blocks, given back once outside every layer's window ([`Config::window`]): held no longer.
+    dropped: usize,
     max_tokens: usize,
     /// Blocks booked at admission for the copies [`Scheduler::fork`] makes, not yet handed to them.
     fork_blocks: usize,
@@ -171,6 +187,8 @@ pub struct Stats {
     pub cached_tokens: u64,
     /// Cached blocks evicted to make room.
     pub evictions: u64,
+    /// Blocks given back by running sequences as every layer's sliding window passed them.
+    pub released_blocks: u64,
 }
 
 #[derive(Debug)]
@@ -374,9 +392,9 @@ impl Scheduler {
 
     /// Books one more position for every running sequence, preempting the newest ones while blocks run short.
     fn make_room_for_decode(&mut self, step: &mut Step) {
+        self.release_outside_window(step);
         loop {
-            let short: usize =
-                self.running.iter().filter(|r| self.config.blocks_for(r.len + 1) > r.blocks + r.shared.len()).count();
+            let short: usize = self.running.iter().filter(|r| self.config.blocks_for(r.len + 1) > r.dropped + r.blocks + r.shared.len()).count();
             if short <= self.free_blocks + self.idle.len() {
                 break;
             }
@@ -393,11 +411,48 @@ impl Scheduler {
         }
         for i in 0..self.running.len() {
             let r = &self.running[i];
-            let need = self.config.blocks_for(r.len + 1).saturating_sub(r.blocks + r.shared.len());
+            let need = self.config.blocks_for(r.len + 1).saturating_sub(r.dropped + r.blocks + r.shared.len());
             if need > 0 {
                 self.take_free(need, step);
                 self.running[i].blocks += need;
             }
+        }
+    }
+
+    /// Gives back every running sequence's blocks that lie wholly before the window of the position it writes next
+    /// ([`Config::window`]): its own are freed; its references to cached blocks are let go, and a cached block no
+    /// sequence holds any more joins the idle ones (still served to later prompts until evicted).
+    fn release_outside_window(&mut self, step: &mut Step) {
+        let Some(window) = self.config.window else {
+            return;
+        };
+        for r in &mut self.running {
+            // The next position written is `len`; its query sees `len + 1 - window..=len`, in every layer.
+            let before = (r.len + 1).saturating_sub(window) / self.config.block_tokens;
+            if before <= r.dropped {
+                continue;
+            }
+            for index in r.dropped..before {
+                match r.prefix.keys.get(index).copied().filter(|k| r.shared.contains(k)) {
+                    Some(key) => {
+                        r.shared.retain(|&k| k != key);
+                        let c = self.cache.get_mut(&key).expect("a shared block is cached");
+                        c.refs -= 1;
+                        if c.refs == 0 {
+                            self.clock += 1;
+                            c.released = self.clock;
+                            self.idle.insert((self.clock, key));
+                        }
+                    }
+                    None => {
+                        r.blocks -= 1;
+                        self.free_blocks += 1;
+                    }
+                }
+            }
+            self.stats.released_blocks += (before - r.dropped) as u64;
+            r.dropped = before;
+            step.released.push((r.id, before));
         }
     }
 
@@ -481,7 +536,12 @@ impl Scheduler {
                 step.reused.push((w.id, hit));
             }
             let own = c.blocks_for(w.tokens) - shared.len();
-            let r = Running { id: w.id, order, len: w.tokens, blocks: own, max_tokens: w.max_tokens, fork_blocks: (w.width - 1) * own, shared, prefix: w.prefix };
+            // Booked above: every choice's own blocks. A cached block of the prompt that making room evicted (one
+            // past the prefix served, so not a hit) was registered again instead, and the choices share it: what
+            // the group does not need goes back. (Such a block outlives its parent only once a sliding window
+            // has let go of the parent first.)
+            self.free_blocks += blocks - (shared.len() - hit + w.width * own);
+            let r = Running { id: w.id, order, len: w.tokens, blocks: own, dropped: 0, max_tokens: w.max_tokens, fork_blocks: (w.width - 1) * own, shared, prefix: w.prefix };
             self.running.push(r);
             step.prefill.push((w.id, computed));
         }
@@ -494,7 +554,7 @@ mod tests {
     use std::collections::{HashMap, HashSet};
 
     fn config(max_seqs: usize, max_batch_tokens: usize, kv_blocks: usize) -> Config {
-        Config { max_seqs, max_batch_tokens, block_tokens: 4, kv_blocks, min_prefill_places: 1, max_decode_steps_between_prefills: 4, prefix_cache: true }
+        Config { max_seqs, max_batch_tokens, block_tokens: 4, kv_blocks, min_prefill_places: 1, max_decode_steps_between_prefills: 4, prefix_cache: true, window: None }
     }
 
     #[test]
@@ -723,6 +783,56 @@ mod tests {
         assert_eq!((off.used_blocks(), off.prefix_blocks()), (9, (0, 0)));
     }
 
+    #[test]
+    fn past_every_layers_window_a_sequence_gives_back_its_first_blocks() {
+        // Blocks of 4 and a window of 6: the query at position p sees p - 5..=p. 12 blocks.
+        let windowed = Config { window: Some(6), ..config(2, 100, 12) };
+        let mut s = Scheduler::new(windowed.clone());
+        // A 10-token prompt whose two full blocks join the cache, then 30 new tokens: 40 positions, 10 blocks.
+        s.push_group(0, 10, 30, 1, prefix(1, 2, 0, 0)).unwrap();
+        let step = s.next_step();
+        assert_eq!((step.prefill, step.released), (vec![(0, 10)], vec![]));
+        // The first decode writes position 10, which sees 5..=10: block 0 is given back. A cached block: idle now.
+        let step = s.next_step();
+        assert_eq!(step.released, vec![(0, 1)]);
+        assert_eq!((s.sequence_blocks(), s.prefix_blocks()), (2, (2, 1)));
+        // Every later decode: the blocks before its window given back as it passes them, never more.
+        for p in 11..39 {
+            let step = s.next_step();
+            let before = (p + 1 - 6) / 4;
+            let gives = (p + 1 - 6) % 4 == 0;
+            assert_eq!(step.released, if gives { vec![(0, before)] } else { vec![] }, "at position {p}");
+            assert_eq!(s.sequence_blocks(), (p + 1usize).div_ceil(4) - before, "at position {p}");
+            assert!(s.sequence_blocks() <= 3);
+        }
+        assert_eq!(s.stats().released_blocks, 8);
+        // The cached blocks it let go still serve a prompt that begins the same way.
+        s.finish(0);
+        s.push_group(1, 10, 2, 1, prefix(1, 2, 1, 0)).unwrap();
+        assert_eq!(s.next_step().reused, vec![(1, 2)]);
+        // Two such sequences at once: 20 blocks without the window, preempting each other in 12; 6 with it.
+        let run = |config: Config| {
+            let mut s = Scheduler::new(config);
+            s.push(0, 10, 30).unwrap();
+            s.push(1, 10, 30).unwrap();
+            let mut left = HashMap::from([(0, 31), (1, 31)]);
+            while s.running() + s.waiting() > 0 {
+                let step = s.next_step();
+                for id in step.decode.iter().chain(step.prefill.iter().map(|p| &p.0)) {
+                    let n = left.get_mut(id).unwrap();
+                    *n -= 1;
+                    if *n == 0 {
+                        s.finish(*id);
+                    }
+                }
+            }
+            (s.stats().preemptions, s.stats().peak_blocks)
+        };
+        let (preemptions, _) = run(Config { window: None, ..windowed.clone() });
+        assert!(preemptions > 0);
+        assert_eq!(run(windowed), (0, 6));
+    }
+
     /// A small deterministic generator for the randomized tests (the engine's sampling RNG).
     struct Gen(crate::engine::sampling::Rng);
 
@@ -734,7 +844,7 @@ mod tests {
 
     /// Runs a random workload through a random configuration, checking the invariants at every step; returns the
     /// number of preemptions. Every failure message carries the seed.
-    fn simulate(seed: u64) -> (u64, u64, u64) {
+    fn simulate(seed: u64) -> (u64, u64, u64, u64) {
         let mut g = Gen(crate::engine::sampling::Rng::new(seed));
         let block_tokens = [1, 4, 16][g.below(3)];
         let config = Config {
@@ -745,6 +855,8 @@ mod tests {
             min_prefill_places: 1 + g.below(4),
             max_decode_steps_between_prefills: g.below(6),
             prefix_cache: g.below(2) == 0,
+            // Half the workloads on a model whose every layer slides, from less than a block to the budget.
+            window: (g.below(2) == 0).then(|| 1 + g.below(block_tokens * 40)),
         };
         let capacity = config.capacity_tokens();
         // Prompts start with one of a few shared instructions (or none): a block's key is its family and index
@@ -798,6 +910,9 @@ mod tests {
         // The engine's side of the prefix cache: the keys it holds blocks for.
         let mut engine_cache: HashSet<BlockKey> = HashSet::new();
         let mut reused_tokens = 0;
+        // Blocks each running sequence has given back, as the steps said.
+        let mut dropped: HashMap<SeqId, usize> = HashMap::new();
+        let mut released = 0;
         for step_no in 0.. {
             assert!(step_no < 100_000, "seed {seed}: no progress");
             if finished.len() == total {
@@ -817,7 +932,21 @@ mod tests {
             let held: usize = s.running.iter().map(|r| r.blocks + r.fork_blocks).sum();
             assert_eq!(held + s.cache.len() + s.free_blocks(), config.kv_blocks, "seed {seed}: blocks leaked");
             for r in &s.running {
-                assert!(config.blocks_for(r.len) <= r.blocks + r.shared.len(), "seed {seed}: sequence {} overflows its blocks", r.id);
+                assert!(config.blocks_for(r.len) <= r.dropped + r.blocks + r.shared.len(), "seed {seed}: sequence {} overflows its blocks", r.id);
+                // Given back only what every query from here on is past: the last position written sees
+                // `len - window..len`.
+                let visible_from = config.window.map_or(0, |w| r.len.saturating_sub(w));
+                assert!(r.dropped * block_tokens <= visible_from, "seed {seed}: sequence {} gave back {} blocks at {}", r.id, r.dropped, r.len);
+                // And a decoding sequence has given back all it could.
+                if step.decode.contains(&r.id) {
+                    assert_eq!(r.dropped, visible_from / block_tokens, "seed {seed}: sequence {} holds blocks outside the window", r.id);
+                }
+            }
+            // The engine's side of giving back: counts only grow, from a sequence's last prefill.
+            for &(id, blocks) in &step.released {
+                let was = dropped.insert(id, blocks).unwrap_or(0);
+                assert!(blocks > was, "seed {seed}: {id} gave back {blocks} blocks after {was}");
+                released += (blocks - was) as u64;
             }
             // Reference counts: a cached block is held by exactly the running sequences that list it, and is idle
             // (evictable) exactly when none does.
@@ -869,6 +998,7 @@ mod tests {
             for id in &step.preempted {
                 preemptions += 1;
                 cached.remove(id);
+                dropped.remove(id);
             }
             for &(id, tokens) in &step.prefill {
                 let expected = plan[&id].0 + generated.get(&id).copied().unwrap_or(0);
@@ -901,7 +1031,7 @@ mod tests {
             let held: usize = s.running.iter().map(|r| r.blocks).sum();
             assert_eq!(held + s.cache.len() + s.free_blocks(), config.kv_blocks, "seed {seed}: blocks leaked by forks");
             for r in &s.running {
-                assert!(config.blocks_for(r.len) <= r.blocks + r.shared.len(), "seed {seed}: sequence {} overflows its blocks", r.id);
+                assert!(config.blocks_for(r.len) <= r.dropped + r.blocks + r.shared.len(), "seed {seed}: sequence {} overflows its blocks", r.id);
             }
             // Each scheduled sequence samples a token; some finish.
             let mut done = Vec::new();
@@ -924,7 +1054,8 @@ mod tests {
         assert_eq!(s.idle.len(), s.cache.len(), "seed {seed}: a block held at the end");
         assert_eq!(s.stats().cached_tokens, reused_tokens as u64, "seed {seed}");
         assert_eq!(s.stats().preemptions, preemptions, "seed {seed}");
-        (preemptions, s.stats().cached_tokens, s.stats().evictions)
+        assert_eq!(s.stats().released_blocks, released, "seed {seed}");
+        (preemptions, s.stats().cached_tokens, s.stats().evictions, released)
     }
 
     #[test]
@@ -939,13 +1070,14 @@ mod tests {
                 (0..500).chain([clock]).collect()
             }
         };
-        let (mut preemptions, mut cached, mut evictions) = (0, 0, 0);
+        let (mut preemptions, mut cached, mut evictions, mut released) = (0, 0, 0, 0);
         for seed in seeds.iter().copied() {
-            let (p, c, e) = simulate(seed);
-            (preemptions, cached, evictions) = (preemptions + p, cached + c, evictions + e);
+            let (p, c, e, r) = simulate(seed);
+            (preemptions, cached, evictions, released) = (preemptions + p, cached + c, evictions + e, released + r);
         }
         assert!(seeds.len() == 1 || preemptions > 0, "no workload exercised preemption");
         assert!(seeds.len() == 1 || cached > 0, "no workload reused a cached prefix");
         assert!(seeds.len() == 1 || evictions > 0, "no workload evicted a cached block");
+        assert!(seeds.len() == 1 || released > 0, "no workload gave back blocks outside a window");
     }
 }

@@ -392,6 +392,90 @@ fn a_cached_prefix_on_the_paged_pool_gives_a_full_prefills_logits() {
     assert_eq!(big.blocks(), 8);
 }
 
+/// A tiny Phi-3 whose every layer slides over `window` positions (Hugging Face safetensors, f32).
+fn write_windowed_phi3(dir: &Path, window: usize) {
+    write_tiny_hf_model(dir, crate::support::HfVariant::Phi3);
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["sliding_window"] = window.into();
+    std::fs::write(&path, config.to_string()).unwrap();
+}
+
+/// The three prompts prefilled together, then `steps` decode steps of all three, each sequence giving back the
+/// blocks wholly before its next query's window first when `window` is given (as the engine does when the scheduler
+/// says so): every step's logits, and the most blocks the caches held at once. `tokens`: what to feed (else each
+/// step's argmax).
+fn run_releasing<A: Attention, M: StepModel<A>>((model, attention): (&M, &A), steps: usize, window: Option<usize>, tokens: Option<&[Vec<u32>]>) -> candle_core::Result<(Vec<Vec<Vec<f32>>>, usize)> {
+    let block = nightshift::engine::KV_BLOCK_TOKENS;
+    let mut caches: Vec<A::Cache> = (0..3).map(|_| attention.new_cache(8)).collect();
+    let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); 3];
+    let mut peak = 0;
+    for step in 0..=steps {
+        let next: Vec<Vec<u32>> = match step {
+            0 => PROMPTS.iter().map(|p| p.to_vec()).collect(),
+            _ => (0..3).map(|i| vec![tokens.map_or_else(|| argmax(logits[i].last().unwrap()), |t| t[i][step - 1])]).collect(),
+        };
+        if let Some(window) = window {
+            for cache in &mut caches {
+                // The next position is `len`: its query sees `len + 1 - window..`.
+                attention.release_before(cache, (cache.len() + 1).saturating_sub(window) / block);
+            }
+        }
+        let mut segments: Vec<Segment<'_, A::Cache>> = next.iter().zip(&mut caches).map(|(t, cache)| Segment { tokens: t, cache }).collect();
+        let outputs = vec![1; 3];
+        let (rows, _) = model.forward_step_timed(attention, &mut segments, &outputs, &[])?;
+        for (i, mut r) in rows.into_iter().enumerate() {
+            match r.remove(0) {
+                StepLogits::Full(l) => logits[i].push(l),
+                StepLogits::Argmax(_) => unreachable!("no greedy rows were asked for"),
+            }
+        }
+        peak = peak.max(caches.iter().map(|c| c.blocks()).sum::<usize>());
+    }
+    Ok((logits, peak))
+}
+
+/// Past every layer's window (a Phi-3 whose layers all slide over 16 positions), a sequence's first blocks are given
+/// back as it runs ([`Attention::release_before`]): on both backends the logits are bit for bit those of a run that
+/// keeps every block, the caches count only the blocks inside the window, and the paged pool gets the blocks back:
+/// 8 blocks run three sequences to 54-73 positions (13 blocks kept), where keeping every block fails for want of
+/// one. Measured: 6 blocks held at most, against 13.
+#[test]
+fn blocks_behind_every_layers_window_are_given_back_and_change_nothing() {
+    let dir = scratch("window-release").join("model");
+    let window = 16;
+    write_windowed_phi3(&dir, window);
+    let steps = 50;
+    let (host_model, _) = Model::load(&dir, &Device::Cpu).unwrap();
+    assert_eq!(nightshift::engine::attention::AttentionModel::attention_shape(&host_model).window_of_every_layer(), Some(window));
+    let host = host(host_model);
+    let (kept, kept_peak) = run_releasing(host.pair(), steps, None, None).unwrap();
+    let tokens = fed(&kept);
+    let (released, released_peak) = run_releasing(host.pair(), steps, Some(window), Some(&tokens)).unwrap();
+    assert_eq!(released, kept, "giving back blocks outside the window changed the host backend's logits");
+    assert_eq!(kept_peak, 13);
+    // Each sequence holds the block of its next position and those its window reaches back into: 2 of 16 here.
+    assert!(released_peak <= 6, "{released_peak} blocks held");
+    // The paged pool: every block kept needs 13; given back, 8 are enough.
+    let (model, _) = Model::load(&dir, &Device::Cpu).unwrap();
+    let big = paged(model, POOL_BLOCKS);
+    let (paged_kept, _) = run_releasing(big.pair(), steps, None, Some(&tokens)).unwrap();
+    let (model, _) = Model::load(&dir, &Device::Cpu).unwrap();
+    let small = paged(model, 8);
+    let (paged_released, paged_peak) = run_releasing(small.pair(), steps, Some(window), Some(&tokens)).unwrap();
+    assert_eq!(paged_released, paged_kept, "giving back blocks outside the window changed the paged backend's logits");
+    assert!(paged_peak <= 6, "{paged_peak} blocks held");
+    let err = run_releasing(small.pair(), steps, None, Some(&tokens)).unwrap_err().to_string();
+    assert!(err.contains("free blocks"), "{err}");
+    // And the paged backend computes the host backend's function.
+    let (mut worst, mut scale) = (0f32, 0f32);
+    for (a, b) in kept.iter().flatten().zip(paged_released.iter().flatten()) {
+        worst = worst.max(max_abs_diff(a, b));
+        scale = scale.max(largest(a));
+    }
+    assert!(worst <= 1e-5 * scale, "paged against host: {worst} of {scale}");
+}
+
 /// The host backend computes only what its kernels compute, f32 on the CPU: a bf16 model is refused (it runs the
 /// paged backend, which [`Backend::for_model`] picks for it).
 #[test]
@@ -429,16 +513,22 @@ fn bf16_paged_path_stays_close_to_f32() {
 #[test]
 fn jobs_on_the_paged_path_give_the_cpu_paths_results() {
     for variant in [crate::support::HfVariant::Qwen3, crate::support::HfVariant::Gemma3, crate::support::HfVariant::Qwen3Moe] {
-        jobs_on_both_paths(variant);
+        jobs_on_both_paths(variant, None);
     }
+    // Every layer sliding: the blocks behind the window given back under preemption, forks and the prefix cache.
+    jobs_on_both_paths(crate::support::HfVariant::Phi3, Some(16));
 }
 
 /// [`jobs_on_the_paged_path_give_the_cpu_paths_results`] on one variant: Qwen3, and Gemma 3, whose prompts (40 to 80
-/// tokens) are longer than its window of 16.
-fn jobs_on_both_paths(variant: crate::support::HfVariant) {
+/// tokens) are longer than its window of 16; with `window`, every layer slides over it (Phi-3), and the running
+/// sequences give back the blocks behind it (the metrics' `kv_blocks_released`).
+fn jobs_on_both_paths(variant: crate::support::HfVariant, window: Option<usize>) {
     let dir = scratch(&format!("paged-job-{variant:?}"));
     let model = dir.join("model");
-    write_tiny_hf_model(&model, variant);
+    match window {
+        Some(window) => write_windowed_phi3(&model, window),
+        None => write_tiny_hf_model(&model, variant),
+    }
     // A KV budget of about 20 blocks: a few sequences at once. (Gemma 3's 6 layers take three times the bytes.)
     let budget = if variant == crate::support::HfVariant::Gemma3 { "1200KiB" } else { "400KiB" };
     let ids: Vec<String> = (0..12).map(|i| format!("p{i:02}")).collect();
@@ -475,11 +565,16 @@ fn jobs_on_both_paths(variant: crate::support::HfVariant) {
             for (id, row) in &cpu {
                 assert_eq!((&row["text"], &row["completion_tokens"]), (&decode[id]["text"], &decode[id]["completion_tokens"]), "{id}: host and decode kernel");
             }
-            assert!(read_metrics(&dir.join("greedy-decode"))["preemptions"].unwrap() > 0.0);
+            // (Every layer sliding, the same budget runs the rows without preempting any: each holds its window.)
+            assert_eq!(read_metrics(&dir.join("greedy-decode"))["preemptions"].unwrap() > 0.0, window.is_none());
         }
         let metrics = read_metrics(&dir.join(format!("{name}-paged")));
+        for out in [format!("{name}-cpu"), format!("{name}-paged")] {
+            let released = read_metrics(&dir.join(&out))["kv_blocks_released"].unwrap();
+            assert_eq!(released > 0.0, window.is_some(), "{out}: {released} blocks given back");
+        }
         if name == "greedy" {
-            assert!(metrics["preemptions"].unwrap() > 0.0, "the budget should force preemption: {metrics:?}");
+            assert_eq!(metrics["preemptions"].unwrap() > 0.0, window.is_none(), "the budget should force preemption: {metrics:?}");
         }
         // A mixture of experts' routing in the metrics: every token through the model (prefilled again after a
         // preemption too) routed to 4 experts in each of its 2 layers.

@@ -103,7 +103,9 @@ pub struct HostBlock {
 /// time without copying what it holds, and holds exactly the blocks the scheduler booked for it.
 #[derive(Clone, Debug)]
 pub struct HostCache {
+    /// Every block from position 0; the first `released` are [`HostCache::released_block`]s, held no longer.
     blocks: Vec<Arc<HostBlock>>,
+    released: usize,
     dtype: DType,
     layers: usize,
     kv_heads: usize,
@@ -117,11 +119,18 @@ impl KvCache for HostCache {
     }
 
     fn blocks(&self) -> usize {
-        self.blocks.len()
+        self.blocks.len() - self.released
     }
 }
 
 impl HostCache {
+    /// What stands in for a block let go ([`Attention::release_before`]): no keys or values, so a read of one (a
+    /// bug: the attention reads only blocks inside a window) fails on the bounds check instead of reading stale
+    /// values.
+    fn released_block() -> Arc<HostBlock> {
+        Arc::new(HostBlock { keys: Vec::new(), values: Vec::new() })
+    }
+
     fn block_floats(&self) -> usize {
         self.kv_heads * self.head_dim * BLOCK
     }
@@ -434,7 +443,7 @@ impl Attention for HostAttention {
     fn new_cache(&self, capacity_tokens: usize) -> HostCache {
         let cfg = &self.shape;
         let blocks = Vec::with_capacity(capacity_tokens.div_ceil(BLOCK));
-        HostCache { blocks, dtype: self.kv_dtype, layers: cfg.layers, kv_heads: cfg.kv_heads, head_dim: cfg.head_dim, len: 0 }
+        HostCache { blocks, released: 0, dtype: self.kv_dtype, layers: cfg.layers, kv_heads: cfg.kv_heads, head_dim: cfg.head_dim, len: 0 }
     }
 
     /// The same blocks, shared: the first of the two to write into a shared block copies it.
@@ -443,7 +452,7 @@ impl Attention for HostAttention {
     }
 
     fn share_block(&self, cache: &HostCache, index: usize) -> Option<Arc<HostBlock>> {
-        cache.blocks.get(index).cloned()
+        cache.blocks.get(index).filter(|_| index >= cache.released).cloned()
     }
 
     fn cache_from_blocks(&self, blocks: Vec<Arc<HostBlock>>, capacity_tokens: usize) -> HostCache {
@@ -451,6 +460,15 @@ impl Attention for HostAttention {
         cache.len = blocks.len() * BLOCK;
         cache.blocks.extend(blocks);
         cache
+    }
+
+    fn release_before(&self, cache: &mut HostCache, blocks: usize) {
+        let end = blocks.min(cache.blocks.len());
+        if end > cache.released {
+            let gone = HostCache::released_block();
+            cache.blocks[cache.released..end].fill(gone);
+            cache.released = end;
+        }
     }
 
     fn block_bytes(&self) -> usize {

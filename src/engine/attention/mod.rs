@@ -74,6 +74,13 @@ impl AttentionShape {
         1.0 / (head_dim as f32).sqrt()
     }
 
+    /// The window every layer's attention slides over, where every layer's does (Mistral v0.1, Phi-3): no query
+    /// reads a position that far behind it, so a sequence's KV blocks before it can be given back
+    /// ([`Attention::release_before`]). `None` where any layer attends to every position (Gemma's global layers).
+    pub fn window_of_every_layer(&self) -> Option<usize> {
+        self.sliding.as_ref().filter(|s| s.layers.len() == self.layers && s.layers.iter().all(|&l| l)).map(|s| s.window)
+    }
+
     /// The window of layer `layer`'s attention, if it is a sliding-window layer.
     pub fn window(&self, layer: usize) -> Option<usize> {
         self.sliding.as_ref().filter(|s| s.layers.get(layer) == Some(&true)).map(|s| s.window)
@@ -175,6 +182,11 @@ pub trait Attention {
 
     /// KV cache bytes of one block of [`KV_BLOCK_TOKENS`] positions, all layers.
     fn block_bytes(&self) -> usize;
+
+    /// Lets go of a cache's first `blocks` blocks (each freed when no other cache or the prefix cache holds it),
+    /// every layer's window having passed them ([`AttentionShape::window_of_every_layer`]): no later query reads
+    /// them, and [`KvCache::blocks`] no longer counts them. Blocks already let go are skipped.
+    fn release_before(&self, cache: &mut Self::Cache, blocks: usize);
 
     /// Makes room for the step's new positions (`positions`: every new token's, in step order) and builds the
     /// tables every layer uses. Fails, leaving every cache as it was, when the room is not there.

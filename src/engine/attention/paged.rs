@@ -324,14 +324,18 @@ fn chunks(mut tiles: Vec<Tile<'_>>, tq: usize, heads: usize, rows_at: &mut usize
 /// write into it (copy on write: only a partly filled block is ever written again). Its holds on the blocks are
 /// let go when it is dropped.
 pub struct PagedCache {
+    /// Every block from position 0; the first `released` are let go ([`Attention::release_before`]): not held,
+    /// never written, and read only where masked (the tiled path gathers whole key tiles), so whatever the pool
+    /// holds there now does not count.
     ids: Vec<u32>,
+    released: usize,
     len: usize,
     pool: Arc<Mutex<Pool>>,
 }
 
 impl std::fmt::Debug for PagedCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PagedCache").field("ids", &self.ids).field("len", &self.len).finish()
+        f.debug_struct("PagedCache").field("ids", &self.ids).field("released", &self.released).field("len", &self.len).finish()
     }
 }
 
@@ -341,7 +345,7 @@ impl KvCache for PagedCache {
     }
 
     fn blocks(&self) -> usize {
-        self.ids.len()
+        self.ids.len() - self.released
     }
 }
 
@@ -355,7 +359,7 @@ impl PagedCache {
 impl Drop for PagedCache {
     fn drop(&mut self) {
         let mut pool = lock(&self.pool);
-        for &id in &self.ids {
+        for &id in &self.ids[self.released..] {
             pool.release(id);
         }
     }
@@ -664,20 +668,20 @@ impl Attention for PagedAttention {
     type Block = PagedBlock;
 
     fn new_cache(&self, _capacity_tokens: usize) -> PagedCache {
-        PagedCache { ids: Vec::new(), len: 0, pool: self.pool.clone() }
+        PagedCache { ids: Vec::new(), released: 0, len: 0, pool: self.pool.clone() }
     }
 
     /// The same blocks, shared: the first of the two to write into a shared block copies it.
     fn fork(&self, source: &PagedCache) -> candle_core::Result<PagedCache> {
         let mut pool = lock(&self.pool);
-        for &id in &source.ids {
+        for &id in &source.ids[source.released..] {
             pool.hold(id);
         }
-        Ok(PagedCache { ids: source.ids.clone(), len: source.len, pool: self.pool.clone() })
+        Ok(PagedCache { ids: source.ids.clone(), released: source.released, len: source.len, pool: self.pool.clone() })
     }
 
     fn share_block(&self, cache: &PagedCache, index: usize) -> Option<PagedBlock> {
-        let id = *cache.ids.get(index)?;
+        let id = *cache.ids.get(index).filter(|_| index >= cache.released)?;
         lock(&self.pool).hold(id);
         Some(PagedBlock { id, pool: self.pool.clone() })
     }
@@ -691,7 +695,18 @@ impl Attention for PagedAttention {
         drop(pool);
         // The handles let go after the cache holds the blocks.
         drop(blocks);
-        PagedCache { len: ids.len() * BLOCK, ids, pool: self.pool.clone() }
+        PagedCache { len: ids.len() * BLOCK, ids, released: 0, pool: self.pool.clone() }
+    }
+
+    fn release_before(&self, cache: &mut PagedCache, blocks: usize) {
+        let end = blocks.min(cache.ids.len());
+        if end > cache.released {
+            let mut pool = lock(&self.pool);
+            for &id in &cache.ids[cache.released..end] {
+                pool.release(id);
+            }
+            cache.released = end;
+        }
     }
 
     fn block_bytes(&self) -> usize {

@@ -68,7 +68,8 @@ impl Sliding {
     /// One line for `validate` and the load log.
     pub fn describe(&self) -> String {
         let n = self.layers.iter().filter(|&&l| l).count();
-        format!("sliding window of {} positions in {n} of {} layers (RoPE base {})", self.window, self.layers.len(), self.rope_base)
+        let given_back = if n == self.layers.len() { "; each sequence's KV blocks behind it are given back" } else { "" };
+        format!("sliding window of {} positions in {n} of {} layers (RoPE base {}){given_back}", self.window, self.layers.len(), self.rope_base)
     }
 }
 

@@ -34,9 +34,10 @@
 //! to put row `i + head_dim / 2` next to row `i` ([`interleave_halves`]). Attention scores are dot products of
 //! a query and a key permuted alike, so they are unchanged; values are not touched.
 //!
-//! Sliding-window attention of every layer (Mistral v0.1's `sliding_window`, Qwen's `use_sliding_window`) caps the
-//! context at the window instead, where full attention computes the same function; Gemma's layers slide in the
-//! attention backends.
+//! Sliding-window attention of every layer (Mistral v0.1's and Mixtral's `sliding_window`, Phi-3's) slides in the
+//! attention backends, as Gemma's sliding layers do, over the model's whole context; the KV blocks a sequence has
+//! left behind its window are given back as it runs. Qwen's `use_sliding_window` (whose `max_window_layers` picks
+//! the layers) caps the context at the window instead, where full attention computes the same function.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -465,11 +466,10 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
         _ => None,
     };
     let rope_scaling = if linear.is_some() || long_rope.is_some() { None } else { rope_scaling(c.rope_scaling.as_ref())? };
-    // Sliding-window attention equals full attention over a context no longer than the window.
+    // Qwen's sliding window: full attention over a context no longer than the window computes the same function.
     let window = match family {
-        Family::Mistral | Family::Mixtral => c.sliding_window,
         Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::Qwen2Moe => c.sliding_window.filter(|_| c.use_sliding_window == Some(true)),
-        Family::Llama | Family::Gemma2 | Family::Gemma3 | Family::Phi3 | Family::Olmoe => None,
+        Family::Llama | Family::Mistral | Family::Mixtral | Family::Gemma2 | Family::Gemma3 | Family::Phi3 | Family::Olmoe => None,
     };
     let mut context_length = c.max_position_embeddings;
     if let Some(w) = window.filter(|&w| w < context_length) {
@@ -504,8 +504,13 @@ fn model_config(c: &HfConfig, dir: &Path) -> Result<(ModelConfig, Variant), Mode
             let (gemma, sliding) = gemma_config(c, version, head_dim, rope_base as f32)?;
             (Some(gemma), sliding)
         }
-        // Phi-3's window over every layer slides in the attention backends.
-        None if family == Family::Phi3 => (None, c.sliding_window.filter(|&w| w > 0 && w < c.max_position_embeddings).map(|w| Sliding::every_layer(w, c.num_hidden_layers, rope_base as f32))),
+        // Phi-3's, Mistral's and Mixtral's window over every layer slides in the attention backends.
+        None if matches!(family, Family::Phi3 | Family::Mistral | Family::Mixtral) => {
+            if c.sliding_window == Some(0) {
+                return Err(invalid("`sliding_window` is 0".into()));
+            }
+            (None, c.sliding_window.filter(|&w| w < c.max_position_embeddings).map(|w| Sliding::every_layer(w, c.num_hidden_layers, rope_base as f32)))
+        }
         None => (None, None),
     };
     let name = c.name_or_path.clone().filter(|n| !n.is_empty()).or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()));
@@ -1235,8 +1240,15 @@ mod tests {
         classes.as_object_mut().unwrap().remove("model_type");
         classes["architectures"] = serde_json::json!(["MistralForCausalLM"]);
         classes["sliding_window"] = 128.into();
+        let (c, _) = config(classes.clone()).unwrap();
+        assert_eq!((c.architecture.as_str(), c.context_length), ("mistral", base()["max_position_embeddings"].as_u64().unwrap() as usize), "the whole context");
+        let sliding = c.sliding.expect("Mistral's window slides in every layer");
+        assert_eq!((sliding.window, sliding.layers.len(), sliding.layers.iter().all(|&l| l)), (128, c.layers, true));
+        // Qwen's window (only where `use_sliding_window` says) caps the context.
+        classes["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
+        classes["use_sliding_window"] = true.into();
         let (c, _) = config(classes).unwrap();
-        assert_eq!((c.architecture.as_str(), c.context_length), ("mistral", 128), "the context is capped at the window");
+        assert_eq!((c.architecture.as_str(), c.context_length, c.sliding.is_none()), ("qwen2", 128, true), "the context is capped at the window");
     }
 
     #[test]
