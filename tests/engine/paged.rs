@@ -393,7 +393,7 @@ fn a_cached_prefix_on_the_paged_pool_gives_a_full_prefills_logits() {
 }
 
 /// A tiny Phi-3 whose every layer slides over `window` positions (Hugging Face safetensors, f32).
-fn write_windowed_phi3(dir: &Path, window: usize) {
+pub(super) fn write_windowed_phi3(dir: &Path, window: usize) {
     write_tiny_hf_model(dir, crate::support::HfVariant::Phi3);
     let path = dir.join("config.json");
     let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();

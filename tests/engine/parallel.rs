@@ -15,7 +15,7 @@ use nightshift::engine::{Attention, HostAttention, Model, PagedAttention, StepMo
 use nightshift::job::{ComputeDtype, CpuWeights};
 
 use super::hf_variants;
-use super::paged::{fed, forward, largest, max_abs_diff, scenario, PROMPTS};
+use super::paged::{fed, forward, largest, max_abs_diff, scenario, write_windowed_phi3, PROMPTS};
 use crate::support::*;
 
 fn argmax(v: &[f32]) -> u32 {
@@ -249,12 +249,18 @@ fn a_generate_job_runs_split_over_ranks_and_resumes_after_a_rank_fails() {
 }
 
 /// Sampled choices (`n = 3`, a fork of every row's cache after its prefill, on every rank) and a long shared
-/// system prompt (the prefix cache's blocks, shared on every rank) give at 2 ranks what they give whole.
+/// system prompt (the prefix cache's blocks, shared on every rank) give at 2 ranks what they give whole; and so
+/// on a Phi-3 whose every layer slides over 16 positions, every rank giving back the blocks behind the window.
 #[test]
 fn forks_and_cached_prefixes_run_split_as_whole() {
-    let dir = scratch("tp-forks");
-    let model = dir.join("qwen3");
-    write_tiny_hf_model(&model, HfVariant::Qwen3);
+    forks_and_cached_prefixes_on("qwen3", |model| write_tiny_hf_model(model, HfVariant::Qwen3), false);
+    forks_and_cached_prefixes_on("phi3-window", |model| write_windowed_phi3(model, 16), true);
+}
+
+fn forks_and_cached_prefixes_on(name: &str, write: impl Fn(&Path), windowed: bool) {
+    let dir = scratch(&format!("tp-forks-{name}"));
+    let model = dir.join(name);
+    write(&model);
     let ids: Vec<String> = (0..12).map(|i| format!("s{i:02}")).collect();
     let texts: Vec<String> = (0..12).map(|i| format!("a hat {i} at the tea")).collect();
     let text_refs: Vec<&str> = texts.iter().map(String::as_str).collect();
@@ -277,6 +283,10 @@ fn forks_and_cached_prefixes_run_split_as_whole() {
     };
     let whole = job("whole", 1);
     let split = job("split", 2);
+    for out in ["whole", "split"] {
+        let released = read_metrics(&dir.join(out))["kv_blocks_released"].unwrap();
+        assert_eq!(released > 0.0, windowed, "{name} {out}: {released} blocks given back");
+    }
     let cached: u64 = whole.values().map(|r| r["cached_tokens"].as_u64().unwrap()).sum();
     assert!(cached >= 11 * 16, "the rows after the first take their shared prefix from the cache ({cached} tokens)");
     for (id, row) in &whole {
