@@ -319,13 +319,18 @@ impl Scheduler {
     fn release(&mut self, r: &Running) {
         self.free_blocks += r.blocks + r.fork_blocks;
         for &key in r.shared.iter().rev() {
-            let c = self.cache.get_mut(&key).expect("a shared block is cached");
-            c.refs -= 1;
-            if c.refs == 0 {
-                self.clock += 1;
-                c.released = self.clock;
-                self.idle.insert((self.clock, key));
-            }
+            self.let_go(key);
+        }
+    }
+
+    /// One reference to a cached block let go: with none left, it is idle (evictable, least recently let go first).
+    fn let_go(&mut self, key: BlockKey) {
+        let c = self.cache.get_mut(&key).expect("a shared block is cached");
+        c.refs -= 1;
+        if c.refs == 0 {
+            self.clock += 1;
+            c.released = self.clock;
+            self.idle.insert((self.clock, key));
         }
     }
 
@@ -426,33 +431,31 @@ impl Scheduler {
         let Some(window) = self.config.window else {
             return;
         };
-        for r in &mut self.running {
+        for i in 0..self.running.len() {
+            let r = &mut self.running[i];
             // The next position written is `len`; its query sees `len + 1 - window..=len`, in every layer.
             let before = (r.len + 1).saturating_sub(window) / self.config.block_tokens;
             if before <= r.dropped {
                 continue;
             }
+            let mut cached = Vec::new();
             for index in r.dropped..before {
                 match r.prefix.keys.get(index).copied().filter(|k| r.shared.contains(k)) {
                     Some(key) => {
                         r.shared.retain(|&k| k != key);
-                        let c = self.cache.get_mut(&key).expect("a shared block is cached");
-                        c.refs -= 1;
-                        if c.refs == 0 {
-                            self.clock += 1;
-                            c.released = self.clock;
-                            self.idle.insert((self.clock, key));
-                        }
+                        cached.push(key);
                     }
-                    None => {
-                        r.blocks -= 1;
-                        self.free_blocks += 1;
-                    }
+                    None => r.blocks -= 1,
                 }
             }
-            self.stats.released_blocks += (before - r.dropped) as u64;
+            let given = before - r.dropped;
             r.dropped = before;
             step.released.push((r.id, before));
+            self.free_blocks += given - cached.len();
+            self.stats.released_blocks += given as u64;
+            for key in cached {
+                self.let_go(key);
+            }
         }
     }
 
