@@ -364,7 +364,9 @@ fn t5_gguf_files_compute_what_llama_cpp_and_their_safetensors_copies_compute() {
             let wrong = teacher_forced(&T5::load(&broken, &Device::Cpu).unwrap(), &source, &decoder);
             let (gap, flips) = relative_gap(&wrong, &theirs);
             eprintln!("without the decoder's position bias: {gap:e}, {flips} top tokens differ");
-            assert!(gap > 0.05, "{gap}");
+            // Measured: 5.9e-2, 500 times the file's own 1.2e-4 (synth's T5 draws its sublayers' outputs a quarter
+            // wide, so each layer weighs less in the logits than it once did: 0.23).
+            assert!(gap > 0.02, "{gap}");
         }
     }
 }
