@@ -164,6 +164,13 @@ struct Running {
     prefix: Prefix,
 }
 
+impl Running {
+    /// Blocks its table covers from position 0: those given back to the window and those it holds.
+    fn covered(&self) -> usize {
+        self.dropped + self.blocks + self.shared.len()
+    }
+}
+
 /// A block in the prefix cache.
 #[derive(Clone, Copy, Debug)]
 struct Cached {
@@ -399,7 +406,7 @@ impl Scheduler {
     fn make_room_for_decode(&mut self, step: &mut Step) {
         self.release_outside_window(step);
         loop {
-            let short: usize = self.running.iter().filter(|r| self.config.blocks_for(r.len + 1) > r.dropped + r.blocks + r.shared.len()).count();
+            let short: usize = self.running.iter().filter(|r| self.config.blocks_for(r.len + 1) > r.covered()).count();
             if short <= self.free_blocks + self.idle.len() {
                 break;
             }
@@ -416,7 +423,7 @@ impl Scheduler {
         }
         for i in 0..self.running.len() {
             let r = &self.running[i];
-            let need = self.config.blocks_for(r.len + 1).saturating_sub(r.dropped + r.blocks + r.shared.len());
+            let need = self.config.blocks_for(r.len + 1).saturating_sub(r.covered());
             if need > 0 {
                 self.take_free(need, step);
                 self.running[i].blocks += need;
@@ -935,7 +942,7 @@ mod tests {
             let held: usize = s.running.iter().map(|r| r.blocks + r.fork_blocks).sum();
             assert_eq!(held + s.cache.len() + s.free_blocks(), config.kv_blocks, "seed {seed}: blocks leaked");
             for r in &s.running {
-                assert!(config.blocks_for(r.len) <= r.dropped + r.blocks + r.shared.len(), "seed {seed}: sequence {} overflows its blocks", r.id);
+                assert!(config.blocks_for(r.len) <= r.covered(), "seed {seed}: sequence {} overflows its blocks", r.id);
                 // Given back only what every query from here on is past: the last position written sees
                 // `len - window..len`.
                 let visible_from = config.window.map_or(0, |w| r.len.saturating_sub(w));
@@ -1034,7 +1041,7 @@ mod tests {
             let held: usize = s.running.iter().map(|r| r.blocks).sum();
             assert_eq!(held + s.cache.len() + s.free_blocks(), config.kv_blocks, "seed {seed}: blocks leaked by forks");
             for r in &s.running {
-                assert!(config.blocks_for(r.len) <= r.dropped + r.blocks + r.shared.len(), "seed {seed}: sequence {} overflows its blocks", r.id);
+                assert!(config.blocks_for(r.len) <= r.covered(), "seed {seed}: sequence {} overflows its blocks", r.id);
             }
             // Each scheduled sequence samples a token; some finish.
             let mut done = Vec::new();

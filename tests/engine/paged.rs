@@ -515,7 +515,8 @@ fn jobs_on_the_paged_path_give_the_cpu_paths_results() {
     for variant in [crate::support::HfVariant::Qwen3, crate::support::HfVariant::Gemma3, crate::support::HfVariant::Qwen3Moe] {
         jobs_on_both_paths(variant, None);
     }
-    // Every layer sliding: the blocks behind the window given back under preemption, forks and the prefix cache.
+    // Every layer sliding: the blocks behind the window given back with forks and the prefix cache. (The budget
+    // that preempts the others preempts none here: each sequence holds only its window's blocks.)
     jobs_on_both_paths(crate::support::HfVariant::Phi3, Some(16));
 }
 
