@@ -8,7 +8,8 @@ computed wrongly: llama.cpp answers with the good file, nightshift scores with t
 
 `--rope-base` replaces `<arch>.rope.freq_base`; `--zero SUFFIX` writes zeros for the tensors whose names end with
 SUFFIX (a dropped bias or norm); `--set KEY=NUMBER` sets a numeric key (added as a float32 if the file lacks it;
-a soft-cap of 1e9 is none, a window as long as the context is full attention). Everything else is copied as it is.
+a soft-cap of 1e9 is none, a window as long as the context is full attention), `--set KEY=false` (or `true`) a
+boolean one (`llama.expert_weights_norm=false`: the chosen experts' weights not renormalized). Everything else is copied as it is.
 """
 import argparse
 
@@ -22,9 +23,13 @@ def main():
     ap.add_argument("output")
     ap.add_argument("--rope-base", type=float)
     ap.add_argument("--zero", action="append", default=[])
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=NUMBER")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=NUMBER|true|false")
     args = ap.parse_args()
-    sets = {k: float(v) for k, v in (item.split("=", 1) for item in args.set)}
+    # `true` and `false` set a boolean key (a flag such as `expert_weights_norm`), anything else a number.
+    def value_of(text):
+        return {"true": True, "false": False}[text] if text in ("true", "false") else float(text)
+
+    sets = {k: value_of(v) for k, v in (item.split("=", 1) for item in args.set)}
 
     reader = GGUFReader(args.input)
     arch = reader.fields["general.architecture"].contents()
@@ -44,7 +49,7 @@ def main():
         else:
             writer.add_key_value(key, value, vtype)
     for key, value in sets.items():
-        writer.add_key_value(key, value, GGUFValueType.FLOAT32)
+        writer.add_key_value(key, value, GGUFValueType.BOOL if isinstance(value, bool) else GGUFValueType.FLOAT32)
     for tensor in reader.tensors:
         data = tensor.data
         if any(tensor.name.endswith(suffix) for suffix in args.zero):

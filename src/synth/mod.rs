@@ -524,10 +524,13 @@ pub enum Init {
     Peaked,
     /// [`Init::Peaked`], with the q and k projections [`FIDELITY_QK_GAIN`] times wider ([`FIDELITY_QK_GAIN_LLAMA`]
     /// for the llama family; attention picks positions, so the context and RoPE show in the logits) and the output
-    /// projection [`FIDELITY_OUTPUT_GAIN`] / sqrt(width) (a tied embedding too): for fidelity against llama.cpp on a
-    /// published shape (`synth-model --init fidelity`, scripts/fidelity-llama.py). Measured on a Qwen2.5-0.5B-shaped model with Qwen2's vocabulary: llama.cpp's top
-    /// token leads the next by 9 nats at the median position, so rounding does not flip it (top-1 agreement 100 % in
-    /// F16), while a wrong RoPE base or dropped biases do (96.5 % and 52 %: BENCHMARKS.md).
+    /// projection [`FIDELITY_OUTPUT_GAIN`] / sqrt(width) (a tied embedding too), and for Phi-3 and Mixtral the
+    /// sublayers' output projections narrower and Mixtral's router less wide
+    /// ([`fidelity_sublayer_and_router_gains`]): for fidelity against llama.cpp on a published shape (`synth-model
+    /// --init fidelity`, scripts/fidelity-llama.py). Measured on a Qwen2.5-0.5B-shaped model with Qwen2's
+    /// vocabulary: llama.cpp's top token leads the next by 9 nats at the median position, so rounding does not flip
+    /// it (top-1 agreement 100 % in F16), while a wrong RoPE base or dropped biases do (96.5 % and 52 %:
+    /// BENCHMARKS.md).
     Fidelity,
 }
 
@@ -637,6 +640,25 @@ pub const FIDELITY_QK_GAIN_LLAMA: f32 = 3.0;
 /// chosen ones' last changes places with the next under rounding (llama.cpp's f16 activations against nightshift's
 /// f32); a wide router makes such an expert's weight small, so that the swap hardly shows in the logits.
 pub const FIDELITY_ROUTER_GAIN: f32 = 16.0;
+/// [`Init::Fidelity`]'s attention and feed-forward output projections (each expert's too), over 1/sqrt(width), and
+/// its router gain, per family. Phi-3 and Mixtral (untied output projections; no biases, q/k norms or post-norms to
+/// steady them) draw their sublayers' output projections at a quarter: each layer adds a quarter as much to the
+/// residual stream, so a quantized file's rounding, summed over the layers, moves the logits a quarter as far, and
+/// every layer still shows in them (T5's [`t5::SUBLAYER_OUTPUT_GAIN`], the same measure). Swapping the chosen
+/// experts under rounding then hardly shows either, so Mixtral's router is drawn at 4 rather than
+/// [`FIDELITY_ROUTER_GAIN`]: its second expert weighs enough that the renormalization of the two shows. Measured with
+/// `scripts/fidelity-llama.py` against llama.cpp (BENCHMARKS.md), top-1 agreement on F16 / Q8_0 / Q4_K_M:
+/// Phi-3-mini's shape in 8 layers from 98.3 / 93.3 / 90.9 % to 99.4 / 98.0 / 97.5 %, the reduced Mixtral from 99.6 /
+/// 96.8 / 95.5 % to 100.0 / 98.9 / 98.3 %, and a copy of it computed without renormalizing the chosen experts' weights
+/// at 96.9 % (at router gain 16, 98.6 %: not caught). Not the others: at a quarter, Qwen2-MoE fell to 92.5 % (F16),
+/// and Gemma's post-norms, a quarter, left the tied embedding's copy of each token 12 nats ahead of the rest.
+fn fidelity_sublayer_and_router_gains(family: Family) -> (f32, f32) {
+    match family {
+        Family::Phi3 => (0.25, FIDELITY_ROUTER_GAIN),
+        Family::Mixtral => (0.25, 4.0),
+        _ => (1.0, FIDELITY_ROUTER_GAIN),
+    }
+}
 /// [`Init::Fidelity`]'s output projection, over 1/sqrt(width). At 4 the top token leads the next by a third of a nat
 /// at the median, and rounding flips a few percent of positions.
 pub const FIDELITY_OUTPUT_GAIN: f32 = 8.0;
@@ -655,6 +677,8 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
         (true, _) => (FIDELITY_QK_GAIN, FIDELITY_OUTPUT_GAIN),
         (false, _) => (1.0, 4.0),
     };
+    let (sublayer_gain, fidelity_router_gain) = fidelity_sublayer_and_router_gains(shape.family);
+    let sublayer_gain = if fidelity { sublayer_gain } else { 1.0 };
     // Tied, the embedding is the output projection too: for fidelity it is drawn at the output projection's scale,
     // so that the logits are nats apart rather than hundreds (the first layer's RMSNorm undoes its scale). Gemma
     // multiplies its embeddings by sqrt(hidden): drawn that wide, each position's own token would lead the logits by
@@ -690,7 +714,7 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
         tensors.insert(format!("{p}.self_attn.q_proj.weight"), draw.matrix(q, d, qk_gain)?);
         tensors.insert(format!("{p}.self_attn.k_proj.weight"), draw.matrix(kv, d, qk_gain)?);
         tensors.insert(format!("{p}.self_attn.v_proj.weight"), draw.matrix(kv, d, 1.0)?);
-        tensors.insert(format!("{p}.self_attn.o_proj.weight"), draw.matrix(d, q, 1.0)?);
+        tensors.insert(format!("{p}.self_attn.o_proj.weight"), draw.matrix(d, q, sublayer_gain)?);
         if shape.family.qkv_bias() {
             tensors.insert(format!("{p}.self_attn.q_proj.bias"), draw.bias(q)?);
             tensors.insert(format!("{p}.self_attn.k_proj.bias"), draw.bias(kv)?);
@@ -708,7 +732,7 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
             // expert still weighs in.
             Some(moe) => {
                 let router_gain = match spec.init {
-                    Init::Fidelity => FIDELITY_ROUTER_GAIN,
+                    Init::Fidelity => fidelity_router_gain,
                     Init::Peaked => 4.0,
                     Init::Hf => 1.0,
                 };
@@ -721,20 +745,20 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
                     let [gate, up, down] = expert(e);
                     tensors.insert(format!("{p}.{gate}"), draw.matrix(moe.intermediate, d, 1.0)?);
                     tensors.insert(format!("{p}.{up}"), draw.matrix(moe.intermediate, d, 1.0)?);
-                    tensors.insert(format!("{p}.{down}"), draw.matrix(d, moe.intermediate, 1.0)?);
+                    tensors.insert(format!("{p}.{down}"), draw.matrix(d, moe.intermediate, sublayer_gain)?);
                 }
                 // Qwen2-MoE's shared expert and its gate (one row: a logit whose sigmoid weighs the expert).
                 if let Some(width) = moe.shared {
                     tensors.insert(format!("{p}.mlp.shared_expert.gate_proj.weight"), draw.matrix(width, d, 1.0)?);
                     tensors.insert(format!("{p}.mlp.shared_expert.up_proj.weight"), draw.matrix(width, d, 1.0)?);
-                    tensors.insert(format!("{p}.mlp.shared_expert.down_proj.weight"), draw.matrix(d, width, 1.0)?);
+                    tensors.insert(format!("{p}.mlp.shared_expert.down_proj.weight"), draw.matrix(d, width, sublayer_gain)?);
                     tensors.insert(format!("{p}.mlp.shared_expert_gate.weight"), draw.matrix(1, d, 1.0)?);
                 }
             }
             None => {
                 tensors.insert(format!("{p}.mlp.gate_proj.weight"), draw.matrix(ff, d, 1.0)?);
                 tensors.insert(format!("{p}.mlp.up_proj.weight"), draw.matrix(ff, d, 1.0)?);
-                tensors.insert(format!("{p}.mlp.down_proj.weight"), draw.matrix(d, ff, 1.0)?);
+                tensors.insert(format!("{p}.mlp.down_proj.weight"), draw.matrix(d, ff, sublayer_gain)?);
             }
         }
     }
