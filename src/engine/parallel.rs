@@ -242,7 +242,7 @@ pub struct RankSlice {
 /// where there are at least as many kv heads as ranks, parts of one group's query heads with a copy of its kv
 /// head otherwise. Err: why `ranks` cannot split these heads.
 pub fn split_heads(heads: usize, kv_heads: usize, ranks: usize) -> Result<Vec<RankSlice>, String> {
-    if ranks == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+    if ranks == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
         return Err(format!("{ranks} ranks over {heads} heads and {kv_heads} kv heads"));
     }
     if ranks > heads {
@@ -285,7 +285,7 @@ impl RankSlice {
     /// `align` (the quantization block of the matrices split along it) where the width allows one per rank, of 32
     /// otherwise.
     pub fn ffn(&self, width: usize) -> Range<usize> {
-        let align = [256, 32, 1].into_iter().find(|&a| width % a == 0 && width / a >= self.ranks).unwrap_or(1);
+        let align = [256, 32, 1].into_iter().find(|&a| width.is_multiple_of(a) && width / a >= self.ranks).unwrap_or(1);
         let units = width / align;
         units * self.rank / self.ranks * align..units * (self.rank + 1) / self.ranks * align
     }
@@ -312,7 +312,7 @@ impl RankSlice {
         if columns.end > k || columns.is_empty() {
             candle_core::bail!("columns {columns:?} of a matrix of {k}");
         }
-        if columns.start % block != 0 || columns.end % block != 0 {
+        if !columns.start.is_multiple_of(block) || !columns.end.is_multiple_of(block) {
             candle_core::bail!(
                 "tensor parallelism would split its {k} columns at {} and {}, inside the {} blocks of {block} (choose a runtime.tensor_parallel whose split falls on whole blocks)",
                 columns.start,

@@ -139,7 +139,8 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
             let (mut qs, mut ds) = (Vec::with_capacity(n.div_ceil(PANEL) * PANEL * k), Vec::with_capacity(n.div_ceil(PANEL) * PANEL * k / 32));
             let (mut codes, mut d) = (Vec::with_capacity(PANEL * k), Vec::with_capacity(PANEL * k / 32));
             for (panel, rows) in panels {
-                (codes.clear(), d.clear());
+                codes.clear();
+                d.clear();
                 for b in panel.chunks_exact(34) {
                     d.push(half_at(b, 0));
                     codes.extend(b[2..].iter().copied());
@@ -160,7 +161,9 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
             let (mut ds, mut ms) = (Vec::with_capacity(panels_n * PANEL * per_row), Vec::with_capacity(panels_n * PANEL * per_row));
             let (mut codes, mut d, mut m) = (Vec::with_capacity(PANEL * k), Vec::with_capacity(PANEL * k / 16), Vec::with_capacity(PANEL * k / 16));
             for (panel, rows) in panels {
-                (codes.clear(), d.clear(), m.clear());
+                codes.clear();
+                d.clear();
+                m.clear();
                 for b in panel.chunks_exact(block_bytes) {
                     decode_block(dtype, b, &mut |group, dg, mg| {
                         codes.extend_from_slice(group);
