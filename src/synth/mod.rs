@@ -524,10 +524,9 @@ pub enum Init {
     Peaked,
     /// [`Init::Peaked`], with the q and k projections [`FIDELITY_QK_GAIN`] times wider ([`FIDELITY_QK_GAIN_LLAMA`]
     /// for the llama family; attention picks positions, so the context and RoPE show in the logits) and the output
-    /// projection [`FIDELITY_OUTPUT_GAIN`] / sqrt(width) (a tied embedding too), and for Phi-3 and Mixtral the
-    /// sublayers' output projections narrower and Mixtral's router less wide
-    /// ([`fidelity_sublayer_and_router_gains`]): for fidelity against llama.cpp on a published shape (`synth-model
-    /// --init fidelity`, scripts/fidelity-llama.py). Measured on a Qwen2.5-0.5B-shaped model with Qwen2's
+    /// projection [`FIDELITY_OUTPUT_GAIN`] / sqrt(width) (a tied embedding too), and for Phi-3, Mixtral and Gemma 2
+    /// the sublayers' outputs smaller and Mixtral's router less wide ([`fidelity_sublayer_and_router_gains`]): for
+    /// fidelity against llama.cpp on a published shape (`synth-model --init fidelity`, scripts/fidelity-llama.py). Measured on a Qwen2.5-0.5B-shaped model with Qwen2's
     /// vocabulary: llama.cpp's top token leads the next by 9 nats at the median position, so rounding does not flip
     /// it (top-1 agreement 100 % in F16), while a wrong RoPE base or dropped biases do (96.5 % and 52 %:
     /// BENCHMARKS.md).
@@ -640,20 +639,25 @@ pub const FIDELITY_QK_GAIN_LLAMA: f32 = 3.0;
 /// chosen ones' last changes places with the next under rounding (llama.cpp's f16 activations against nightshift's
 /// f32); a wide router makes such an expert's weight small, so that the swap hardly shows in the logits.
 pub const FIDELITY_ROUTER_GAIN: f32 = 16.0;
-/// [`Init::Fidelity`]'s attention and feed-forward output projections (each expert's too), over 1/sqrt(width), and
-/// its router gain, per family. Phi-3 and Mixtral (untied output projections; no biases, q/k norms or post-norms to
-/// steady them) draw their sublayers' output projections at a quarter: each layer adds a quarter as much to the
-/// residual stream, so a quantized file's rounding, summed over the layers, moves the logits a quarter as far, and
-/// every layer still shows in them (T5's [`t5::SUBLAYER_OUTPUT_GAIN`], the same measure). Swapping the chosen
-/// experts under rounding then hardly shows either, so Mixtral's router is drawn at 4 rather than
-/// [`FIDELITY_ROUTER_GAIN`]: its second expert weighs enough that the renormalization of the two shows. Measured with
+/// How much [`Init::Fidelity`]'s sublayers add to the residual stream, and its router gain, per family: the gain
+/// of the attention and feed-forward output projections (each expert's too) over 1/sqrt(width), or for Gemma, whose
+/// post-norms normalize those projections' results, of the post-norms' weights. Measured with
 /// `scripts/fidelity-llama.py` against llama.cpp (BENCHMARKS.md), top-1 agreement on F16 / Q8_0 / Q4_K_M:
-/// Phi-3-mini's shape in 8 layers from 98.3 / 93.3 / 90.9 % to 99.4 / 98.0 / 97.5 %, the reduced Mixtral from 99.6 /
-/// 96.8 / 95.5 % to 100.0 / 98.9 / 98.3 %, and a copy of it computed without renormalizing the chosen experts' weights
-/// at 96.9 % (at router gain 16, 98.6 %: not caught). Not the others: at a quarter, Qwen2-MoE fell to 92.5 % (F16),
-/// and Gemma's post-norms, a quarter, left the tied embedding's copy of each token 12 nats ahead of the rest.
+/// - Phi-3 and Mixtral (untied output projections; no biases, q/k norms or post-norms to steady them) at a quarter:
+///   each layer's rounding in a quantized file moves the logits a quarter as far, and every layer still shows in
+///   them (T5's [`t5::SUBLAYER_OUTPUT_GAIN`], the same measure). Phi-3-mini's shape in 8 layers went from 98.3 /
+///   93.3 / 90.9 % to 99.4 / 98.0 / 97.5 %, the reduced Mixtral from 99.6 / 96.8 / 95.5 % to 100.0 / 98.9 / 98.3 %.
+///   A swap of the chosen experts under rounding then hardly shows either, so Mixtral's router is drawn at 4 rather
+///   than [`FIDELITY_ROUTER_GAIN`]: its second expert weighs enough for a copy that does not renormalize the two to
+///   show (96.9 %; at 16, 98.6 %, not caught).
+/// - Gemma 2 at 0.7, between two failures of its tied embedding: at 1, 26 post-normed layers' rounding moved the
+///   Q8_0 logits by 16 % of the largest (89.6 %); at 0.5, the embedding's copy of the current token led by 7 nats
+///   wherever it stood, and a copy with RoPE broken still agreed on 100 % of top tokens. At 0.7: 99.9 / 99.4 /
+///   98.4 %, RoPE broken 96.4 %.
+/// - The others as they were: Gemma 3 meets every target, and at a quarter Qwen2-MoE fell to 92.5 % (F16).
 fn fidelity_sublayer_and_router_gains(family: Family) -> (f32, f32) {
     match family {
+        Family::Gemma2 => (0.7, FIDELITY_ROUTER_GAIN),
         Family::Phi3 => (0.25, FIDELITY_ROUTER_GAIN),
         Family::Mixtral => (0.25, 4.0),
         _ => (1.0, FIDELITY_ROUTER_GAIN),
@@ -679,6 +683,8 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
     };
     let (sublayer_gain, fidelity_router_gain) = fidelity_sublayer_and_router_gains(shape.family);
     let sublayer_gain = if fidelity { sublayer_gain } else { 1.0 };
+    // Gemma's post-norms normalize its sublayers' outputs: their weights, not the projections, set the size.
+    let (projection_gain, post_norm_gain) = if shape.family.is_gemma() { (1.0, sublayer_gain) } else { (sublayer_gain, 1.0) };
     // Tied, the embedding is the output projection too: for fidelity it is drawn at the output projection's scale,
     // so that the logits are nats apart rather than hundreds (the first layer's RMSNorm undoes its scale). Gemma
     // multiplies its embeddings by sqrt(hidden): drawn that wide, each position's own token would lead the logits by
@@ -706,15 +712,15 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
         let p = format!("model.layers.{i}");
         tensors.insert(format!("{p}.input_layernorm.weight"), norm(&mut draw, d, 0.2)?);
         // Llama's norm before the feed-forward network; Gemma's after attention, with its two more.
-        tensors.insert(format!("{p}.post_attention_layernorm.weight"), norm(&mut draw, d, 0.2)?);
+        tensors.insert(format!("{p}.post_attention_layernorm.weight"), norm_times(&mut draw, d, 0.2, post_norm_gain)?);
         if gemma {
             tensors.insert(format!("{p}.pre_feedforward_layernorm.weight"), norm(&mut draw, d, 0.2)?);
-            tensors.insert(format!("{p}.post_feedforward_layernorm.weight"), norm(&mut draw, d, 0.2)?);
+            tensors.insert(format!("{p}.post_feedforward_layernorm.weight"), norm_times(&mut draw, d, 0.2, post_norm_gain)?);
         }
         tensors.insert(format!("{p}.self_attn.q_proj.weight"), draw.matrix(q, d, qk_gain)?);
         tensors.insert(format!("{p}.self_attn.k_proj.weight"), draw.matrix(kv, d, qk_gain)?);
         tensors.insert(format!("{p}.self_attn.v_proj.weight"), draw.matrix(kv, d, 1.0)?);
-        tensors.insert(format!("{p}.self_attn.o_proj.weight"), draw.matrix(d, q, sublayer_gain)?);
+        tensors.insert(format!("{p}.self_attn.o_proj.weight"), draw.matrix(d, q, projection_gain)?);
         if shape.family.qkv_bias() {
             tensors.insert(format!("{p}.self_attn.q_proj.bias"), draw.bias(q)?);
             tensors.insert(format!("{p}.self_attn.k_proj.bias"), draw.bias(kv)?);
@@ -745,20 +751,20 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
                     let [gate, up, down] = expert(e);
                     tensors.insert(format!("{p}.{gate}"), draw.matrix(moe.intermediate, d, 1.0)?);
                     tensors.insert(format!("{p}.{up}"), draw.matrix(moe.intermediate, d, 1.0)?);
-                    tensors.insert(format!("{p}.{down}"), draw.matrix(d, moe.intermediate, sublayer_gain)?);
+                    tensors.insert(format!("{p}.{down}"), draw.matrix(d, moe.intermediate, projection_gain)?);
                 }
                 // Qwen2-MoE's shared expert and its gate (one row: a logit whose sigmoid weighs the expert).
                 if let Some(width) = moe.shared {
                     tensors.insert(format!("{p}.mlp.shared_expert.gate_proj.weight"), draw.matrix(width, d, 1.0)?);
                     tensors.insert(format!("{p}.mlp.shared_expert.up_proj.weight"), draw.matrix(width, d, 1.0)?);
-                    tensors.insert(format!("{p}.mlp.shared_expert.down_proj.weight"), draw.matrix(d, width, sublayer_gain)?);
+                    tensors.insert(format!("{p}.mlp.shared_expert.down_proj.weight"), draw.matrix(d, width, projection_gain)?);
                     tensors.insert(format!("{p}.mlp.shared_expert_gate.weight"), draw.matrix(1, d, 1.0)?);
                 }
             }
             None => {
                 tensors.insert(format!("{p}.mlp.gate_proj.weight"), draw.matrix(ff, d, 1.0)?);
                 tensors.insert(format!("{p}.mlp.up_proj.weight"), draw.matrix(ff, d, 1.0)?);
-                tensors.insert(format!("{p}.mlp.down_proj.weight"), draw.matrix(d, ff, sublayer_gain)?);
+                tensors.insert(format!("{p}.mlp.down_proj.weight"), draw.matrix(d, ff, projection_gain)?);
             }
         }
     }
