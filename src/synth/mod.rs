@@ -526,10 +526,10 @@ pub enum Init {
     /// for the llama family; attention picks positions, so the context and RoPE show in the logits) and the output
     /// projection [`FIDELITY_OUTPUT_GAIN`] / sqrt(width) (a tied embedding too), and for Phi-3, Mixtral and Gemma 2
     /// the sublayers' outputs smaller and Mixtral's router less wide ([`fidelity_sublayer_and_router_gains`]): for
-    /// fidelity against llama.cpp on a published shape (`synth-model --init fidelity`, scripts/fidelity-llama.py). Measured on a Qwen2.5-0.5B-shaped model with Qwen2's
-    /// vocabulary: llama.cpp's top token leads the next by 9 nats at the median position, so rounding does not flip
-    /// it (top-1 agreement 100 % in F16), while a wrong RoPE base or dropped biases do (96.5 % and 52 %:
-    /// BENCHMARKS.md).
+    /// fidelity against llama.cpp on a published shape (`synth-model --init fidelity`, scripts/fidelity-llama.py).
+    /// Measured on a Qwen2.5-0.5B-shaped model with Qwen2's vocabulary: llama.cpp's top token leads the next by 9
+    /// nats at the median position, so rounding does not flip it (top-1 agreement 100 % in F16), while a wrong RoPE
+    /// base or dropped biases do (96.5 % and 52 %: BENCHMARKS.md).
     Fidelity,
 }
 
@@ -647,7 +647,8 @@ pub const FIDELITY_ROUTER_GAIN: f32 = 16.0;
 ///   each layer's rounding in a quantized file moves the logits a quarter as far, and every layer still shows in
 ///   them (T5's [`t5::SUBLAYER_OUTPUT_GAIN`], the same measure). Phi-3-mini's shape in 8 layers went from 98.3 /
 ///   93.3 / 90.9 % to 99.4 / 98.0 / 97.5 % (at all 32 layers 98.7 / 97.4 / 94.6 %: rounding sums over more layers,
-///   and a gain shrinking with depth, as GPT-2's 1/sqrt(2 x layers), is untried), the reduced Mixtral from 99.6 / 96.8 / 95.5 % to 100.0 / 98.9 / 98.3 %.
+///   and a gain shrinking with depth, as GPT-2's 1/sqrt(2 x layers), is untried), the reduced Mixtral from 99.6 /
+///   96.8 / 95.5 % to 100.0 / 98.9 / 98.3 %.
 ///   A swap of the chosen experts under rounding then hardly shows either, so Mixtral's router is drawn at 4 rather
 ///   than [`FIDELITY_ROUTER_GAIN`]: its second expert weighs enough for a copy that does not renormalize the two to
 ///   show (96.9 %; at 16, 98.6 %, not caught).
