@@ -9,7 +9,8 @@ computed wrongly: llama.cpp answers with the good file, nightshift scores with t
 `--rope-base` replaces `<arch>.rope.freq_base`; `--zero SUFFIX` writes zeros for the tensors whose names end with
 SUFFIX (a dropped bias or norm); `--set KEY=NUMBER` sets a numeric key (added as a float32 if the file lacks it;
 a soft-cap of 1e9 is none, a window as long as the context is full attention), `--set KEY=false` (or `true`) a
-boolean one (`llama.expert_weights_norm=false`: the chosen experts' weights not renormalized). Everything else is copied as it is.
+boolean one (`llama.expert_weights_norm=false`: the chosen experts' weights not renormalized). Everything else is
+copied as it is.
 """
 import argparse
 
