@@ -646,9 +646,10 @@ pub const FIDELITY_ROUTER_GAIN: f32 = 16.0;
 /// - Phi-3 and Mixtral (untied output projections; no biases, q/k norms or post-norms to steady them) at a quarter:
 ///   each layer's rounding in a quantized file moves the logits a quarter as far, and every layer still shows in
 ///   them (T5's [`t5::SUBLAYER_OUTPUT_GAIN`], the same measure). Phi-3-mini's shape in 8 layers went from 98.3 /
-///   93.3 / 90.9 % to 99.4 / 98.0 / 97.5 % (at all 32 layers 98.7 / 97.4 / 94.6 %: rounding sums over more layers,
-///   and a gain shrinking with depth, as GPT-2's 1/sqrt(2 x layers), is untried), the reduced Mixtral from 99.6 /
-///   96.8 / 95.5 % to 100.0 / 98.9 / 98.3 %.
+///   93.3 / 90.9 % to 99.4 / 98.0 / 97.5 %, the reduced Mixtral from 99.6 / 96.8 / 95.5 % to 100.0 / 98.9 / 98.3 %.
+///   Deeper, rounding sums over more layers (Phi-3 at all 32 layers and a quarter: 98.7 / 97.4 / 94.6 %), so
+///   Phi-3's gain shrinks with depth past 8 layers as GPT-2's residual projections do, 1/sqrt(2 x layers): an eighth
+///   at 32 layers, 99.9 / 97.9 / 97.5 % (seed 4), a copy with RoPE broken at 47.1 %.
 ///   A swap of the chosen experts under rounding then hardly shows either, so Mixtral's router is drawn at 4 rather
 ///   than [`FIDELITY_ROUTER_GAIN`]: its second expert weighs enough for a copy that does not renormalize the two to
 ///   show (96.9 %; at 16, 98.6 %, not caught).
@@ -657,10 +658,11 @@ pub const FIDELITY_ROUTER_GAIN: f32 = 16.0;
 ///   wherever it stood, and a copy with RoPE broken still agreed on 100 % of top tokens. At 0.7: 99.9 / 99.4 /
 ///   98.4 %, RoPE broken 96.4 %.
 /// - The others as they were: Gemma 3 meets every target, and at a quarter Qwen2-MoE fell to 92.5 % (F16).
-fn fidelity_sublayer_and_router_gains(family: Family) -> (f32, f32) {
+fn fidelity_sublayer_and_router_gains(family: Family, layers: usize) -> (f32, f32) {
     match family {
         Family::Gemma2 => (0.7, FIDELITY_ROUTER_GAIN),
-        Family::Phi3 => (0.25, FIDELITY_ROUTER_GAIN),
+        // A quarter up to 8 layers, then GPT-2's 1 / sqrt(2 x layers): 0.125 at 32.
+        Family::Phi3 => (0.25f32.min(1.0 / (2.0 * layers.max(1) as f32).sqrt()), FIDELITY_ROUTER_GAIN),
         Family::Mixtral => (0.25, 4.0),
         _ => (1.0, FIDELITY_ROUTER_GAIN),
     }
@@ -683,7 +685,7 @@ fn weights(spec: &Spec) -> Result<HashMap<String, Tensor>, Error> {
         (true, _) => (FIDELITY_QK_GAIN, FIDELITY_OUTPUT_GAIN),
         (false, _) => (1.0, 4.0),
     };
-    let (sublayer_gain, fidelity_router_gain) = fidelity_sublayer_and_router_gains(shape.family);
+    let (sublayer_gain, fidelity_router_gain) = fidelity_sublayer_and_router_gains(shape.family, shape.layers);
     let sublayer_gain = if fidelity { sublayer_gain } else { 1.0 };
     // Gemma's post-norms normalize its sublayers' outputs: their weights, not the projections, set the size.
     let (projection_gain, post_norm_gain) = if shape.family.is_gemma() { (1.0, sublayer_gain) } else { (sublayer_gain, 1.0) };
@@ -1375,6 +1377,18 @@ mod tests {
                 assert_eq!(written, shape.parameters(), "{family:?}, {init:?}");
             }
         }
+    }
+
+    #[test]
+    fn phi3_fidelity_sublayers_shrink_with_depth_past_eight_layers() {
+        // The measured 8-layer files keep their quarter; all 32 layers of Phi-3-mini take an eighth.
+        for (layers, gain) in [(4, 0.25), (8, 0.25), (18, 1.0 / 6.0), (32, 0.125)] {
+            let (g, router) = fidelity_sublayer_and_router_gains(Family::Phi3, layers);
+            assert!((g - gain).abs() < 1e-7, "{layers} layers: {g}");
+            assert_eq!(router, FIDELITY_ROUTER_GAIN);
+        }
+        // Mixtral's quarter does not depend on depth.
+        assert_eq!(fidelity_sublayer_and_router_gains(Family::Mixtral, 32), (0.25, 4.0));
     }
 
     #[test]
