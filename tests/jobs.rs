@@ -1163,3 +1163,53 @@ fn plan_leaves_a_refused_calibration_row_out_of_the_estimate() {
     nightshift(&["run", job.to_str().unwrap()], &[]).assert_ok();
     assert_eq!(read_results(&dir.join("out"))["a"].error_code.as_deref(), Some("invalid_parameters"));
 }
+
+/// `validate`, `plan` and `run` know a decoder's memory: a mixture's routed experts' weights and the KV cache's
+/// bytes a token in the job's dtype. A KV budget that cannot hold one row's first token and its `max_new_tokens`,
+/// or that is larger than the memory left beside the weights, is refused by all three with the numbers (exit 2),
+/// before anything is written.
+#[test]
+fn a_decoders_memory_is_reported_and_a_kv_budget_that_cannot_serve_is_refused_with_the_numbers() {
+    use nightshift::synth::{self, Family};
+    let dir = scratch("memory");
+    let input = dir.join("in.parquet");
+    write_parquet(&input, prompts(&ids("m", 2), &["one", "two"]));
+    let out = dir.join("out");
+    // A tiny Mixtral: 2 layers of 8 experts, each three Q8_0 matrices of 128 x 64 (8,192 values in 256 blocks of
+    // 34 bytes: 8,704 bytes), so the routed experts take 2 x 8 x 3 x 8,704 = 417,792 bytes = 408 KiB; 2 kv heads of
+    // 16, so a token's keys and values take 2 layers x 2 x 2 x 16 x 4 = 512 bytes in f32 and 256 in f16.
+    let gguf = dir.join("mixtral.gguf");
+    synth::write_gguf(&gguf, &crate::engine::llama_cpp::spec(Family::Mixtral, 16, false, 10000), candle_core::quantized::GgmlDType::Q8_0).unwrap();
+    let job = |max_new: u32, runtime: &str| {
+        job_file_for(&dir.join("job.toml"), &gguf, input.to_str().unwrap(), out.to_str().unwrap(), &format!("max_new_tokens = {max_new}"), &format!("[runtime]\ndevice = \"cpu\"\n{runtime}"))
+    };
+
+    let checked = nightshift(&["validate", job(8, "").to_str().unwrap()], &[]);
+    checked.assert_ok();
+    assert!(checked.stdout.contains("(routed experts 408 KiB)"), "{}", checked.stdout);
+    assert!(checked.stdout.contains("KV cache 512 bytes a token (f32 keys and values, 2 layers x 2 kv heads x 16)"), "{}", checked.stdout);
+    let checked = nightshift(&["validate", job(8, "kv_cache_dtype = \"f16\"\nkv_cache_memory = \"64KiB\"").to_str().unwrap()], &[]);
+    checked.assert_ok();
+    assert!(checked.stdout.contains("KV cache 256 bytes a token (f16 keys and values"), "{}", checked.stdout);
+    assert!(checked.stdout.contains("budget 64 KiB = 256 tokens"), "{}", checked.stdout);
+    let planned = nightshift(&["plan", job(8, "kv_cache_memory = \"64KiB\"").to_str().unwrap(), "--calibration-rows", "0"], &[]);
+    planned.assert_ok();
+    assert!(planned.stdout.contains("= 128 tokens at 512 bytes a token (f32)"), "{}", planned.stdout);
+    assert!(planned.stdout.contains("routed experts 408 KiB as stored"), "{}", planned.stdout);
+
+    // 8 KiB is one block of 16 positions in f32: a row of 15 new tokens fits beside its first prompt token, one of 16
+    // does not.
+    let fits = job(15, "kv_cache_memory = \"8KiB\"");
+    nightshift(&["validate", fits.to_str().unwrap()], &[]).assert_ok();
+    let tight = job(16, "kv_cache_memory = \"8KiB\"");
+    for verb in ["validate", "plan", "run"] {
+        let refused = nightshift(&[verb, tight.to_str().unwrap()], &[]);
+        assert_fails(&refused, 2, &["runtime.kv_cache_memory", "16 tokens at 512 bytes a token", "max_new_tokens (16)"], &out);
+    }
+    // More than any machine has left beside the weights.
+    let huge = job(8, "kv_cache_memory = \"1000000GiB\"");
+    for verb in ["validate", "plan", "run"] {
+        let refused = nightshift(&[verb, huge.to_str().unwrap()], &[]);
+        assert_fails(&refused, 2, &["runtime.kv_cache_memory", "is 1000000.0 GiB, more than the", "left for the KV cache beside the model's weights"], &out);
+    }
+}

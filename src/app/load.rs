@@ -18,6 +18,93 @@ use crate::source::model::sha256_file;
 use crate::sink::ResultsLayout;
 use crate::tokenize::{EncoderPreprocessor, Prepare, Preprocessor, TokenizerError};
 
+/// A decoder job's memory against the memory available, as `validate` reports it before any weight is read and
+/// `run` and `plan` check it: the weights as stored (the routed experts' share named), the KV cache's bytes per
+/// token for the job's `kv_cache_dtype` and the budget `runtime.kv_cache_memory` gives it, and how many tokens
+/// that holds.
+#[derive(Clone, Debug)]
+pub struct MemoryFit {
+    pub weights: llama::StoredWeights,
+    /// Memory available on the device when checked (before the weights are read).
+    pub available: u64,
+    pub kv_dtype: &'static str,
+    pub kv_bytes_per_token: u64,
+    pub kv_budget: u64,
+    pub kv_tokens: u64,
+    /// The window every layer slides over, where every layer slides: a running sequence gives back its KV blocks
+    /// behind it.
+    pub window: Option<usize>,
+}
+
+impl MemoryFit {
+    /// One line for `validate`.
+    pub fn describe(&self, cfg: &ModelConfig) -> String {
+        let experts = match self.weights.experts {
+            0 => String::new(),
+            e => format!(" (routed experts {})", bytes_text(e)),
+        };
+        let window = match self.window {
+            Some(w) => format!("; every layer slides over {w} positions, so a sequence holds at most {} tokens' blocks", (w.div_ceil(engine::KV_BLOCK_TOKENS) + 1) * engine::KV_BLOCK_TOKENS),
+            None => String::new(),
+        };
+        format!(
+            "memory: weights {} as stored{experts}; KV cache {} bytes a token ({} keys and values, {} layers x {} kv heads x {}), budget {} = {} tokens{window}; {} available",
+            bytes_text(self.weights.bytes), self.kv_bytes_per_token, self.kv_dtype, cfg.layers, cfg.kv_heads, cfg.head_dim,
+            bytes_text(self.kv_budget), self.kv_tokens, bytes_text(self.available)
+        )
+    }
+}
+
+/// `n` bytes in KiB below 1 MiB, MiB, or GiB from 10 GiB on, for messages.
+pub fn bytes_text(n: u64) -> String {
+    match n {
+        n if n >= 10 << 30 => format!("{:.1} GiB", n as f64 / (1u64 << 30) as f64),
+        n if n >= 1 << 20 => format!("{} MiB", n >> 20),
+        n => format!("{} KiB", n >> 10),
+    }
+}
+
+/// Refuses a model whose weights, as stored, exceed the memory `available` on its device (exit 4): loading it
+/// would end in the kernel's out-of-memory kill, not a message. The stored size is a lower bound of what loading
+/// holds (the CPU kernels keep 4-bit types at about 6 bits a weight), so nothing that fits is refused.
+pub fn check_weights_fit(path: &std::path::Path, weights: llama::StoredWeights, available: u64) -> Result<(), ModelError> {
+    if weights.bytes <= available {
+        return Ok(());
+    }
+    let experts = match weights.experts {
+        0 => String::new(),
+        e => format!(", of which the routed experts {}", bytes_text(e)),
+    };
+    Err(ModelError::DoesNotFit {
+        path: path.into(),
+        message: format!("its weights take {} as stored{experts}, more than the {} of memory available", bytes_text(weights.bytes), bytes_text(available)),
+    })
+}
+
+/// The KV cache budget `runtime.kv_cache_memory` gives a decoder job, with `available` bytes left for it (the
+/// weights already counted; `None` where the device does not say, a fraction then taken of 4 GiB), checked: a
+/// size larger than what is left, or a budget that holds fewer tokens than a row's first token and its
+/// `max_new_tokens`, is refused with the numbers (exit 2). Returns the budget in bytes and in tokens.
+pub fn check_kv_budget(job: &Job, cfg: &ModelConfig, kv_dtype: candle_core::DType, block_bytes: u64, available: Option<u64>) -> Result<(u64, u64), JobError> {
+    let invalid = |problem: String| JobError::Invalid { path: job.file.clone(), key: "runtime.kv_cache_memory", problem };
+    let per_token = block_bytes / engine::KV_BLOCK_TOKENS as u64;
+    let budget = match (job.runtime.kv_cache_memory, available) {
+        (crate::job::MemoryBudget::Bytes(b), Some(available)) if b > available => {
+            return Err(invalid(format!("is {}, more than the {} of memory left for the KV cache beside the model's weights", bytes_text(b), bytes_text(available))));
+        }
+        (budget, available) => budget.resolve(available.unwrap_or(4 << 30)),
+    };
+    let tokens = budget / block_bytes.max(1) * engine::KV_BLOCK_TOKENS as u64;
+    let need = (1 + u64::from(job.generation.max_new_tokens)).min(cfg.context_length as u64);
+    if tokens < need {
+        return Err(invalid(format!(
+            "gives the KV cache {} = {tokens} tokens at {per_token} bytes a token ({} keys and values of {} layers x {} kv heads x {}), fewer than a row's first token and its generation.max_new_tokens ({}): raise it, or lower max_new_tokens",
+            bytes_text(budget), kv_dtype.as_str(), cfg.layers, cfg.kv_heads, cfg.head_dim, job.generation.max_new_tokens
+        )));
+    }
+    Ok((budget, tokens))
+}
+
 /// The model as `validate` reports it.
 #[derive(Debug)]
 #[allow(clippy::large_enum_variant)] // one per job
@@ -225,6 +312,11 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
             problem: format!("is {ranks}, and the job runs on a GPU: this build splits a model over CPU threads only (NCCL ranks are planned); on GPUs use --data-parallel, or runtime.device = \"cpu\""),
         }));
     }
+    // On the CPU, before any weight is read: there what loading holds is at least what the files store. (A GPU
+    // may hold an f32 checkpoint in bf16; running out there is CUDA's error, not the kernel's kill.)
+    if let (ModelSummary::Decoder(info), true) = (&check.summary, device.is_cpu()) {
+        check_weights_fit(&job.model.path, info.weights, crate::host::available_memory_bytes().unwrap_or(u64::MAX))?;
+    }
     let (decoder, info) = Decoder::load(&job.model.path, device, job.runtime.cpu_weights, job.runtime.dtype, ranks).map_err(|e| e.at(&job.model.path))?;
     let model = decoder.first();
     let cfg = &info.config;
@@ -248,7 +340,8 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
         dtype = ?model.dtype(), weights = weights_layout, cpu_weights = %job.runtime.cpu_weights.name(),
         cpu_kernels = (device.is_cpu() && model.layout().on_kernels()).then(|| engine::kernels::Level::active().name()), attention, tensor_parallel = ranks,
         kv_cache_dtype = kv_dtype.as_str(), kv_bytes_per_token = block_bytes / engine::KV_BLOCK_TOKENS, "decoder");
-    let kv_bytes = engine::kv_cache_bytes(job.runtime.kv_cache_memory, device);
+    // The budget from what is left now that the weights are in memory.
+    let (kv_bytes, _) = check_kv_budget(job, cfg, kv_dtype, block_bytes as u64, engine::device_memory_available(device))?;
     // The ranks share this process's memory: their activations and one sequence's KV blocks must fit beside the
     // weights they loaded.
     if ranks > 1 {
@@ -281,4 +374,42 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
     let queue = job.runtime.max_seqs * 2;
     let kv_cache_dtype = kv_dtype.as_str();
     Ok(Loaded { engine, prepare: Box::new(preprocessor), check, weights_bytes, weights_layout, kv_cache_dtype, attention, compute_dtype, layout: ResultsLayout::Generate, queue, decoder: Some(decoder), tensor_parallel: ranks })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weights_larger_than_the_memory_available_are_refused_with_the_numbers() {
+        let path = std::path::Path::new("models/big.gguf");
+        let weights = llama::StoredWeights { bytes: 47 << 30, experts: 44 << 30 };
+        let refused = check_weights_fit(path, weights, 31 << 30).unwrap_err();
+        assert!(matches!(refused, ModelError::DoesNotFit { .. }));
+        assert_eq!(
+            refused.to_string(),
+            "`models/big.gguf` does not fit in memory: its weights take 47.0 GiB as stored, of which the routed experts 44.0 GiB, more than the 31.0 GiB of memory available"
+        );
+        assert!(check_weights_fit(path, weights, 47 << 30).is_ok(), "exactly as much as available fits");
+        let dense = llama::StoredWeights { bytes: 700 << 20, experts: 0 };
+        assert_eq!(
+            check_weights_fit(path, dense, 512 << 20).unwrap_err().to_string(),
+            "`models/big.gguf` does not fit in memory: its weights take 700 MiB as stored, more than the 512 MiB of memory available"
+        );
+    }
+
+    #[test]
+    fn stored_weights_count_routed_experts_by_their_names_in_both_formats() {
+        let mut w = llama::StoredWeights::default();
+        for (name, bytes) in [
+            ("blk.0.ffn_gate_exps.weight", 10),
+            ("blk.0.ffn_gate_shexp.weight", 100),
+            ("blk.0.ffn_gate_inp.weight", 1000),
+            ("model.layers.0.block_sparse_moe.experts.3.w1.weight", 10_000),
+            ("model.layers.0.mlp.shared_expert.gate_proj.weight", 100_000),
+        ] {
+            w.add(name, bytes);
+        }
+        assert_eq!(w, llama::StoredWeights { bytes: 111_110, experts: 10_010 });
+    }
 }

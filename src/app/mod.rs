@@ -55,7 +55,7 @@ use crate::reuse::sources::Sources;
 use crate::reuse::KeyContext;
 use crate::tokenize::Prepare;
 use collect::{Collect, Collected, RunFigures};
-pub use load::{check_model, ModelCheck, ModelSummary};
+pub use load::{bytes_text, check_model, ModelCheck, ModelSummary};
 pub use plan::{plan_job, JobPlanReport};
 pub use signals::Drain;
 pub use validate::{validate, ValidateReport};

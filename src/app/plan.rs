@@ -45,10 +45,17 @@ pub struct JobPlanReport {
     pub max_batch_tokens: usize,
     pub kv_cache_bytes: u64,
     pub kv_tokens: usize,
+    /// KV cache bytes a token holds (every layer's keys and values, every rank's) in `kv_cache_dtype`.
+    pub kv_bytes_per_token: usize,
+    pub kv_cache_dtype: &'static str,
+    /// The window every layer slides over, where every layer slides: a sequence then holds at most its blocks.
+    pub sliding_window: Option<usize>,
     pub longest_sequence: usize,
     /// Sequences of the job's mean length (prompt and all its output) the KV cache holds at once.
     pub sequences_fit: usize,
     pub weights_bytes: usize,
+    /// The routed experts' bytes as the file stores them (0 for a dense model).
+    pub expert_weights_stored_bytes: u64,
     /// How the weights are computed ([`Layout::name`](crate::engine::Layout::name)).
     pub weights_layout: &'static str,
     /// Each tensor-parallel rank's share (`runtime.tensor_parallel`; empty for a whole model).
@@ -121,7 +128,11 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
     let device = crate::engine::select_device(&job.runtime.device)?;
     let loaded = load::load(&job, &device)?;
     let numerics = super::run_numerics(&job, &device, &loaded);
-    let load::Loaded { mut engine, prepare, weights_bytes, weights_layout, decoder, check, .. } = loaded;
+    let load::Loaded { mut engine, prepare, weights_bytes, weights_layout, decoder, check, kv_cache_dtype, .. } = loaded;
+    let expert_weights_stored_bytes = match &check.summary {
+        load::ModelSummary::Decoder(info) => info.weights.experts,
+        _ => 0,
+    };
     let load::DecoderPlan { model, batch, block_bytes, ranks } = decoder.expect("a generate job loads a decoder");
     let tensor_parallel = match ranks.len() > 1 {
         true => ranks.into_iter().map(|r| RankPlan { kv_cache_bytes: (batch.kv_blocks * r.block_bytes) as u64, memory: r }).collect(),
@@ -175,9 +186,13 @@ pub fn plan_job(job_path: &Path, overrides: &Overrides, calibration_rows: usize)
         max_batch_tokens: batch.max_batch_tokens,
         kv_cache_bytes: (batch.kv_blocks * block_bytes) as u64,
         kv_tokens: batch.kv_tokens(),
+        kv_bytes_per_token: block_bytes / crate::engine::KV_BLOCK_TOKENS,
+        kv_cache_dtype,
+        sliding_window: batch.window,
         longest_sequence: longest,
         sequences_fit: batch.kv_tokens() / mean_sequence,
         weights_bytes,
+        expert_weights_stored_bytes,
         weights_layout,
         tensor_parallel,
         simulation,

@@ -3,10 +3,11 @@
 
 use std::path::Path;
 
-use super::load::{check_model, ModelSummary};
+use super::load::{check_kv_budget, check_model, check_weights_fit, MemoryFit, ModelSummary};
 use super::{fingerprint, runtime};
 use crate::error::Error;
-use crate::job::{Job, Overrides};
+use crate::engine::models::llama::ModelInfo;
+use crate::job::{DeviceChoice, Job, KvCacheDtype, Overrides};
 use crate::sink::Output;
 use crate::source::Input;
 
@@ -19,6 +20,41 @@ pub struct ValidateReport {
     pub output_url: String,
     /// `new`, resumable (how far), or complete; a different job's output is an error instead.
     pub output_state: String,
+    /// A decoder's memory against the host's, where the job runs on the CPU ([`memory`]).
+    pub memory: Option<MemoryFit>,
+}
+
+/// A decoder job's memory where it runs on the CPU (`runtime.device = "cpu"`, or `"auto"` in a build without
+/// CUDA), checked as a run checks it before reading weights: the weights as stored against the memory available
+/// now, then the KV cache budget against what is left (a run takes its budget once the weights are in, from the
+/// same remainder). `None` on a GPU, whose memory a run checks once the device is open.
+fn memory(job: &Job, info: &ModelInfo) -> Result<Option<MemoryFit>, Error> {
+    let cpu = match job.runtime.device {
+        DeviceChoice::Cpu => true,
+        DeviceChoice::Auto => !cfg!(feature = "cuda"),
+        DeviceChoice::Cuda(_) => false,
+    };
+    let Some(available) = crate::host::available_memory_bytes().filter(|_| cpu) else { return Ok(None) };
+    check_weights_fit(&job.model.path, info.weights, available)?;
+    let cfg = &info.config;
+    // The CPU's host backend holds f32 unless the job asks for 16 bits (the paged backend there computes in f32).
+    let kv_dtype = match job.runtime.kv_cache_dtype {
+        KvCacheDtype::F16 => candle_core::DType::F16,
+        KvCacheDtype::Bf16 => candle_core::DType::BF16,
+        KvCacheDtype::Auto | KvCacheDtype::F32 => candle_core::DType::F32,
+    };
+    let block_bytes = crate::engine::attention::kv_block_bytes(cfg.layers, cfg.kv_heads, cfg.head_dim, kv_dtype) as u64;
+    let (kv_budget, kv_tokens) = check_kv_budget(job, cfg, kv_dtype, block_bytes, Some(available - info.weights.bytes))?;
+    let window = cfg.sliding.as_ref().filter(|s| s.layers.len() == cfg.layers && s.layers.iter().all(|&l| l)).map(|s| s.window);
+    Ok(Some(MemoryFit {
+        weights: info.weights,
+        available,
+        kv_dtype: kv_dtype.as_str(),
+        kv_bytes_per_token: block_bytes / crate::engine::KV_BLOCK_TOKENS as u64,
+        kv_budget,
+        kv_tokens,
+        window,
+    }))
 }
 
 /// Checks the job file, the input's files and columns, the model's metadata, tokenizer and chat template and the
@@ -33,6 +69,10 @@ pub fn validate(job_path: &Path, overrides: &Overrides) -> Result<ValidateReport
     rt.block_on(input.check_whole())?;
     let output = Output::resolve(&job.output.url)?;
     let check = check_model(&job)?;
+    let memory = match &check.summary {
+        ModelSummary::Decoder(info) => memory(&job, info)?,
+        _ => None,
+    };
     // What a run would do with the output: start it, resume it, find it complete, or refuse it.
     let ours = fingerprint(&job, &check.sha256, check.template.as_deref(), &input);
     let output_state = rt.block_on(async {
@@ -45,5 +85,5 @@ pub fn validate(job_path: &Path, overrides: &Overrides) -> Result<ValidateReport
         let shards = if plan.shards > 1 { format!(", in {} shards", plan.shards) } else { String::new() };
         Ok(format!("a run resumes it: {committed} of {} units committed{shards}", plan.units.len()))
     })?;
-    Ok(ValidateReport { input_files: input.file_urls(), rows: input.total_rows(), model: check.summary, output_url: job.output.url, output_state })
+    Ok(ValidateReport { input_files: input.file_urls(), rows: input.total_rows(), model: check.summary, output_url: job.output.url, output_state, memory })
 }

@@ -233,10 +233,20 @@ pub fn print_plan(r: &crate::app::JobPlanReport, json: bool) {
     for (code, n) in &r.other_errors {
         out!("other errors: {n} rows {code}");
     }
+    let window = match r.sliding_window {
+        Some(w) => format!(", every layer sliding over {w} positions (a sequence's blocks behind it given back)"),
+        None => String::new(),
+    };
+    let experts = match r.expert_weights_stored_bytes {
+        0 => String::new(),
+        e => format!("; routed experts {} as stored", crate::app::bytes_text(e)),
+    };
     out!(
-        "kv cache: {} MiB = {} tokens; {} sequences of the mean length fit at once (max_seqs {}); weights {} MiB ({})",
+        "kv cache: {} MiB = {} tokens at {} bytes a token ({}){window}; {} sequences of the mean length fit at once (max_seqs {}); weights {} MiB ({}{experts})",
         r.kv_cache_bytes >> 20,
         r.kv_tokens,
+        r.kv_bytes_per_token,
+        r.kv_cache_dtype,
         r.sequences_fit,
         r.max_seqs,
         r.weights_bytes >> 20,
@@ -415,6 +425,9 @@ pub fn print_validate(report: &ValidateReport) {
             }
             let types: Vec<String> = model.tensor_types.iter().map(|(t, n)| format!("{t} x{n}")).collect();
             out!("tensors: {}", types.join(", "));
+            if let Some(memory) = &report.memory {
+                out!("{}", memory.describe(c));
+            }
             out!(
                 "tokenizer: {} / {}, chat template: {}",
                 model.vocab.kind,

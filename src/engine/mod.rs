@@ -67,6 +67,9 @@ pub enum ModelError {
     Unreachable { url: String, message: String },
     #[error("model file `{path}` has sha256 {actual}, but the job expects {expected}")]
     Checksum { path: PathBuf, expected: String, actual: String },
+    /// The model's weights, as stored, need more memory than the device has available (exit 4).
+    #[error("`{path}` does not fit in memory: {message}")]
+    DoesNotFit { path: PathBuf, message: String },
     #[error("device `{0}` is not available: this nightshift was built without CUDA support")]
     NoCuda(String),
     /// The build has CUDA, but the device did not open (no driver, no such GPU, a stub library). `message` is

@@ -114,7 +114,7 @@ pub(super) fn rope_theta(family: Family) -> u32 {
 /// A tiny model of a family. Gemma's slide over 16 positions (less than the longer sequences): Gemma 2 in layer 0
 /// of 2, Gemma 3 in layers 0 to 4 of 6, whose local layers rotate with a base of 10,000 when the global one is
 /// `rope_theta`.
-pub(super) fn spec(family: Family, head_dim: usize, tied: bool, rope_theta: u32) -> Spec {
+pub(crate) fn spec(family: Family, head_dim: usize, tied: bool, rope_theta: u32) -> Spec {
     let shape = Shape {
         name: "tiny-family",
         family,

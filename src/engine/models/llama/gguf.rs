@@ -406,10 +406,14 @@ fn info_of(content: &Content) -> Result<ModelInfo, ModelError> {
     }
     super::check_vocab(&vocab, config.vocab_size)?;
     let mut counts = std::collections::BTreeMap::new();
-    for info in content.tensor_infos.values() {
+    let mut weights = super::StoredWeights::default();
+    for (name, info) in &content.tensor_infos {
         *counts.entry(format!("{:?}", info.ggml_dtype).to_lowercase()).or_insert(0) += 1;
+        // Whole blocks (checked when the file was read); saturating, as a count for messages only.
+        let elements = info.shape.dims().iter().fold(1u64, |n, &d| n.saturating_mul(d as u64));
+        weights.add(name, (elements / info.ggml_dtype.block_size() as u64).saturating_mul(info.ggml_dtype.type_size() as u64));
     }
-    Ok(ModelInfo { config, vocab, tensor_types: counts.into_iter().collect() })
+    Ok(ModelInfo { config, vocab, tensor_types: counts.into_iter().collect(), weights })
 }
 
 /// A q or k projection `[heads x head_dim, k]` with each head's rows reordered from pairs `(i, i + rotary_dim / 2)`

@@ -657,6 +657,17 @@ impl Shards {
         Ok(tensor)
     }
 
+    /// Every tensor's bytes as stored.
+    fn stored_weights(&self) -> super::StoredWeights {
+        let mut weights = super::StoredWeights::default();
+        for (_, mapped) in &self.files {
+            for (name, view) in mapped.tensors() {
+                weights.add(&name, view.data().len() as u64);
+            }
+        }
+        weights
+    }
+
     /// Tensor dtypes and how many tensors have each.
     fn dtype_counts(&self) -> Vec<(String, usize)> {
         let mut counts = BTreeMap::new();
@@ -761,7 +772,7 @@ impl Checkpoint {
         }
         let vocab = vocab(dir, &hf, config.vocab_size)?;
         super::check_vocab(&vocab, config.vocab_size)?;
-        let info = ModelInfo { config, vocab, tensor_types: shards.dtype_counts() };
+        let info = ModelInfo { config, vocab, tensor_types: shards.dtype_counts(), weights: shards.stored_weights() };
         Ok(Checkpoint { info, variant, shards })
     }
 }

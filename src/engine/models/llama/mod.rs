@@ -155,6 +155,27 @@ pub struct ModelInfo {
     pub vocab: VocabMetadata,
     /// Tensor dtypes and how many tensors have each, e.g. `q4_1: 211`.
     pub tensor_types: Vec<(String, usize)>,
+    /// The weights' bytes as the file stores them.
+    pub weights: StoredWeights,
+}
+
+/// A model's weights as its files store them: every tensor's bytes, and the routed experts' share (a mixture's
+/// `ffn_*_exps` in GGUF, `*.experts.*` in Hugging Face names; a shared expert, which every token computes, is not
+/// counted there). What `validate` and `run` hold against the memory available before any weight is read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoredWeights {
+    pub bytes: u64,
+    pub experts: u64,
+}
+
+impl StoredWeights {
+    /// Counts tensor `name` of `bytes` bytes.
+    pub fn add(&mut self, name: &str, bytes: u64) {
+        self.bytes = self.bytes.saturating_add(bytes);
+        if name.contains("_exps.") || name.contains(".experts.") {
+            self.experts = self.experts.saturating_add(bytes);
+        }
+    }
 }
 
 pub struct Model {
