@@ -1,30 +1,33 @@
 //! The AMX level: the quantized products on Intel's tile unit (Sapphire Rapids and later), the same bits as every
 //! other level.
 //!
-//! A tile product `tdpbsud` multiplies 16 activation rows of signed 8-bit codes (a tile `A`, row-major, read
-//! straight from the activations) by 16 weight rows of unsigned codes (a tile `B`, four codes of each weight row to
-//! a 32-bit lane: two of the packer's eight-row panels side by side) and adds the exact 32-bit integer sums into a
-//! 16 x 16 tile `C`. One product covers one block of 32 (Q4_0, Q4_1, Q4_K, Q8_0) or one group of 16 (the `U8`
+//! A tile product multiplies 16 activation rows of signed 8-bit codes (a tile `A`, row-major, read straight from
+//! the activations) by 16 weight rows of codes (a tile `B`, four codes of each weight row to a 32-bit lane: two of
+//! the packer's eight-row panels side by side) and adds the exact 32-bit integer sums into a 16 x 16 tile `C`:
+//! `tdpbsud` for the unsigned codes of Q4_0, Q4_1, Q4_K and the `U8` types, `tdpbssd` for Q8_0's signed ones (the
+//! packer stores them offset by 128 for VNNI's unsigned-by-signed products; the pair flips them back, so the sums
+//! need no correction). One product covers one block of 32 (Q4_0, Q4_1, Q4_K, Q8_0) or one group of 16 (the `U8`
 //! types), so `C` holds exactly the integer sums the VNNI kernels compute; the float steps after them
 //! (`acc = fma(sum, d_w * d_x, acc)`, then the offset's `fma`) run in AVX-512 registers in the same order, so the
-//! results are bit-identical to the other levels'. Q8_0's codes are stored offset by 128 as unsigned bytes; its sums
-//! take `128 x` the activations' code sums back off, as the VNNI kernel's do.
+//! results are bit-identical to the other levels'.
 //!
 //! Only whole tiles go through the tile unit: activation rows in sixteens and weight panels in pairs. The rows and
 //! the panel left over (and float weights, and products of fewer than 16 rows) take the VNNI kernels, whose results
 //! are the same bits.
 //!
 //! Per step (block, or group), up to 2 x 2 tile products (32 activation rows by 32 weight rows: each tile load
-//! serves two products) go to the tile unit while the vector units finish the step before from memory. The
-//! activations come in the tile unit's order, arranged once per product (`Acts::tiles`: 512 contiguous bytes per
-//! tile and block, the scales by block then row), and a task's weight panels are interleaved in pairs as it reaches
-//! them ([`Pair::fill`]).
+//! serves two products), each followed by the float steps of the same product one step before, so that the tile
+//! unit works while the vector units finish ([`macro_tile`]). The activations come in the tile unit's order,
+//! arranged once per product (`Acts::tiles`: 512 contiguous bytes per tile and block, the scales by block then
+//! row), and a task's weight panels are interleaved in pairs as it reaches them ([`Pair::fill`]).
 //!
 //! Speed: the tile unit's sums must leave it once per block of 32 (the per-block scales forbid accumulating
-//! across blocks in integers), one 1 KiB store per 16 x 16 products, and the float steps after it cost as much as
-//! VNNI's whole product: on a 2-core Sapphire Rapids VM, one thread runs a Q4_1 layer matrix 1.2-1.5x faster than
-//! the VNNI kernels at 128 rows and more, two threads about as fast (BENCHMARKS.md). [`super::Level::preferred`] therefore stops
-//! at VNNI; `NIGHTSHIFT_CPU_KERNELS=amx` runs this level.
+//! across blocks in integers), one 1 KiB store per 16 x 16 products, and the float steps after it and their
+//! accumulators' loads and stores cost about what VNNI's whole product costs (perf: most of the kernel's samples
+//! wait on the tiles' stores). On a 2-core Sapphire Rapids VM, 2 threads: 1.1-1.4x VNNI on the feed-forward and
+//! output matrices from 32 rows, 0.6-0.9x on the narrow k and v projections and below 32 rows; a prefill-heavy job
+//! 1.06-1.10x (BENCHMARKS.md). [`super::Level::preferred`] therefore stops at VNNI; `NIGHTSHIFT_CPU_KERNELS=amx`
+//! (or `runtime.cpu_kernels`) runs this level.
 //!
 //! bf16 weights take the tile unit's bf16 products (`tdpbf16ps`, AMX-BF16): there the integer detour is gone,
 //! each output's sum stays in the tiles across the whole row, and a tile product does 16 times the work of the
@@ -157,7 +160,8 @@ struct Line([u8; 64]);
 /// the sixteen weight rows' scales and offsets.
 struct Pair {
     /// `[block, 8 lines]`: line `j` of block `b` holds, for each of the 16 weight rows, its four codes
-    /// `4j..4j + 4` of the block (of the group `j / 4` for `U8`, whose tiles are lines `0..4` and `4..8`).
+    /// `4j..4j + 4` of the block (of the group `j / 4` for `U8`, whose tiles are lines `0..4` and `4..8`; signed
+    /// for `S8`, unsigned otherwise).
     codes: Vec<Line>,
     /// `[block, group, 16]`: scales and offsets (groups: 1 per block, 2 for `U8`).
     d: Vec<f32>,
@@ -210,6 +214,13 @@ impl Pair {
                         halves(&mut self.codes[8 * b + g], &qs[at[0] + 32 * g..at[0] + 32 * g + 32], &qs[at[1] + 32 * g..at[1] + 32 * g + 32]);
                     }
                 }
+                if let Data::S8 { .. } = &w.data {
+                    // The signed codes back (stored offset by 128 for VNNI's unsigned-by-signed products): the tiles
+                    // multiply signed by signed (`tdpbssd`), and the sums need no correction.
+                    for line in &mut self.codes {
+                        line.0.iter_mut().for_each(|c| *c ^= 0x80);
+                    }
+                }
                 match &w.data {
                     Data::U8 { d, m, .. } => {
                         for bh in 0..2 * blocks {
@@ -237,52 +248,52 @@ impl Pair {
 #[repr(C, align(64))]
 struct Tile<T: Copy>([[T; COLS]; ROWS]);
 
-/// Up to 2 x 2 tile products of one step (a block of 32, or a group of 16 for `U8`): sums `C[2a + b] = A[a] · B[b]`
-/// for activation tiles `A[a]` (`a < NA`, 16 rows of codes at `stride` from `x[a]`) and weight tiles `B[b]` (`b <
-/// NB`, lines of 64 bytes from `w[b]`), each stored to `c[2a + b]`. Tiles: sums `tmm0..tmm3`, activations `tmm4`,
-/// `tmm5`, weights `tmm6`, `tmm7`; the edges (fewer than 2 x 2) one product at a time.
+/// Loads tile register `tmm{R}` (4, 5: activations; 6, 7: weights) with rows at `stride` bytes from `p`.
 ///
-/// Safety: the tiles are configured ([`Config`]); the tiles read lie inside their buffers (16 rows of the
-/// configured width at `stride` from each `x[a]`, the configured lines from each `w[b]`).
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn products<const NA: usize, const NB: usize>(x: [*const i8; 2], stride: usize, w: [*const Line; 2], c: &mut [Tile<i32>; 4]) {
-    let c = c.as_mut_ptr();
-    // SAFETY: the caller's contract for the loads; the stores write tiles `c[0..4]`, 1 KiB each, 4 KiB in all.
+/// Safety: the tiles are configured ([`Config`]); the configured rows of tile `R` at `stride` from `p` lie inside
+/// one buffer.
+#[inline(always)]
+unsafe fn load<const R: u8>(p: *const u8, stride: usize) {
+    // SAFETY: the caller's contract. (The tile registers keep their values from one `asm!` to the next: nothing else
+    // in this program touches them.)
     unsafe {
-        match (NA, NB) {
-            (2, 2) => asm!(
-                "tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3",
-                "tileloadd tmm4, [{x0} + {stride}*1]",
-                "tileloadd tmm6, [{w0} + {line}*1]",
-                "tdpbsud tmm0, tmm4, tmm6",
-                "tileloadd tmm7, [{w1} + {line}*1]",
-                "tdpbsud tmm1, tmm4, tmm7",
-                "tileloadd tmm5, [{x1} + {stride}*1]",
-                "tdpbsud tmm2, tmm5, tmm6",
-                "tdpbsud tmm3, tmm5, tmm7",
-                "tilestored [{c} + {line}*1], tmm0",
-                "tilestored [{c} + {line}*1 + 1024], tmm1",
-                "tilestored [{c} + {line}*1 + 2048], tmm2",
-                "tilestored [{c} + {line}*1 + 3072], tmm3",
-                x0 = in(reg) x[0], x1 = in(reg) x[1], stride = in(reg) stride, w0 = in(reg) w[0], w1 = in(reg) w[1],
-                line = in(reg) 64usize, c = in(reg) c, options(nostack),
-            ),
-            _ => {
-                for (a, &x) in x.iter().enumerate().take(NA) {
-                    for (j, &w) in w.iter().enumerate().take(NB) {
-                        asm!(
-                            "tilezero tmm0",
-                            "tileloadd tmm4, [{x0} + {stride}*1]",
-                            "tileloadd tmm6, [{w0} + {line}*1]",
-                            "tdpbsud tmm0, tmm4, tmm6",
-                            "tilestored [{c} + {line}*1], tmm0",
-                            x0 = in(reg) x, stride = in(reg) stride, w0 = in(reg) w,
-                            line = in(reg) 64usize, c = in(reg) c.add(2 * a + j), options(nostack),
-                        );
-                    }
-                }
-            }
+        match R {
+            4 => asm!("tileloadd tmm4, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly)),
+            5 => asm!("tileloadd tmm5, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly)),
+            6 => asm!("tileloadd tmm6, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly)),
+            _ => asm!("tileloadd tmm7, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly)),
+        }
+    }
+}
+
+/// One tile product of a step: `C[c] = A[c / 2] · B[c % 2]` (activations `tmm4`/`tmm5`, weights `tmm6`/`tmm7`, as
+/// loaded by [`load`]) into sums `tmm{c}`, stored to `out` (1 KiB). `signed`: signed weight codes (`tdpbssd`),
+/// else unsigned (`tdpbsud`); the activation codes are signed. (Callers pass a constant: the branch folds away.)
+///
+/// Safety: the tiles are configured and `tmm4 + c / 2`, `tmm6 + c % 2` loaded; `out` is valid for 1 KiB.
+#[inline(always)]
+unsafe fn product<const C: u8>(signed: bool, out: *mut Tile<i32>) {
+    macro_rules! one {
+        ($c:literal, $op:literal, $a:literal, $b:literal) => {
+            asm!(
+                concat!("tilezero tmm", $c),
+                concat!($op, " tmm", $c, ", tmm", $a, ", tmm", $b),
+                concat!("tilestored [{o} + {l}*1], tmm", $c),
+                o = in(reg) out, l = in(reg) 64usize, options(nostack),
+            )
+        };
+    }
+    // SAFETY: the caller's contract; the store writes the 1 KiB at `out`.
+    unsafe {
+        match (C, signed) {
+            (0, false) => one!("0", "tdpbsud", "4", "6"),
+            (1, false) => one!("1", "tdpbsud", "4", "7"),
+            (2, false) => one!("2", "tdpbsud", "5", "6"),
+            (3, false) => one!("3", "tdpbsud", "5", "7"),
+            (0, true) => one!("0", "tdpbssd", "4", "6"),
+            (1, true) => one!("1", "tdpbssd", "4", "7"),
+            (2, true) => one!("2", "tdpbssd", "5", "6"),
+            _ => one!("3", "tdpbssd", "5", "7"),
         }
     }
 }
@@ -644,45 +655,39 @@ fn run_tiles<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     }
 }
 
-/// The float steps of step `s` (block `s / groups`, half `s % groups`) from its sums `c`, for `NA` activation tiles
-/// from row `r0` and `NB` pairs: per output, `acc = fma(sum - taken, d_w * d_x, acc)`, then `acc = fma(m_w, s_x,
-/// acc)` where the type has offsets.
+/// The float steps of step `s` (block `s / groups`, half `s % groups`) for one tile product's sums `c`: activation
+/// rows `r0..r0 + 16` by the 16 weight rows of `pair`, per output `acc = fma(sum, d_w * d_x, acc)`, then `acc =
+/// fma(m_w, s_x, acc)` where the type has offsets.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn finish<const NA: usize, const NB: usize, const T: u8>(acc: &mut [Tile<f32>; 4], c: &[Tile<i32>; 4], s: usize, pair: &[Pair; 2], x: &Acts, r0: usize) {
+fn finish<const T: u8>(acc: &mut Tile<f32>, c: &Tile<i32>, s: usize, pair: &Pair, x: &Acts, r0: usize) {
     let b = if T == U8 { s / 2 } else { s };
     let (m, order) = (x.rows(), &x.tiles);
     let sums = if T == U8 { &order.s16 } else { &order.s32 };
-    assert!(r0 + NA * ROWS <= m && (b + 1) * m <= order.d.len() && (b + 1) * m <= order.taken.len() && (s + 1) * m <= sums.len(), "scales out of range (a bug)");
-    assert!((0..NB).all(|j| 16 * (s + 1) <= pair[j].d.len() && pair[j].m.len() == pair[j].d.len()), "pair scales out of range (a bug)");
-    // SAFETY (these pointers): rows `r0..r0 + 16 NA` of block `b` (step `s`) are in range (asserted above).
-    let (xd, xs, taken) = unsafe { (order.d.as_ptr().add(b * m + r0), sums.as_ptr().add(s * m + r0), order.taken.as_ptr().add(b * m + r0)) };
-    for j in 0..NB {
-        // SAFETY: 16 scales and offsets at `16 s` (asserted above).
-        let (dw, mw) = unsafe { (_mm512_loadu_ps(pair[j].d.as_ptr().add(16 * s)), _mm512_loadu_ps(pair[j].m.as_ptr().add(16 * s))) };
-        for a in 0..NA {
-            let (tile, acc) = (&c[2 * a + j], &mut acc[2 * a + j]);
-            for i in 0..ROWS {
-                let row = ROWS * a + i;
-                // SAFETY: row `i` of the tiles holds 16 values, 64-byte aligned; `row < 16 NA` (see above).
-                let mut sum = unsafe { _mm512_load_si512(tile.0[i].as_ptr().cast()) };
-                if T == S8 {
-                    sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(unsafe { *taken.add(row) }));
-                }
-                let mut v = unsafe { _mm512_load_ps(acc.0[i].as_ptr()) };
-                v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(unsafe { *xd.add(row) })), v);
-                if T != S8 {
-                    v = _mm512_fmadd_ps(mw, _mm512_set1_ps(unsafe { *xs.add(row) }), v);
-                }
-                unsafe { _mm512_store_ps(acc.0[i].as_mut_ptr(), v) };
+    assert!(r0 + ROWS <= m && (b + 1) * m <= order.d.len() && (s + 1) * m <= sums.len(), "scales out of range (a bug)");
+    assert!(16 * (s + 1) <= pair.d.len() && pair.m.len() == pair.d.len(), "pair scales out of range (a bug)");
+    // SAFETY (these pointers, and every use below): rows `r0..r0 + 16` of block `b` (step `s`) and the pair's 16
+    // scales and offsets at `16 s` are in range (asserted above); the CPU has AVX-512 F (the callers' features).
+    unsafe {
+        let (xd, xs) = (order.d.as_ptr().add(b * m + r0), sums.as_ptr().add(s * m + r0));
+        let (dw, mw) = (_mm512_loadu_ps(pair.d.as_ptr().add(16 * s)), _mm512_loadu_ps(pair.m.as_ptr().add(16 * s)));
+        for i in 0..ROWS {
+            // Row `i` of the tiles holds 16 values, 64-byte aligned.
+            let sum = _mm512_load_si512(c.0[i].as_ptr().cast());
+            let mut v = _mm512_load_ps(acc.0[i].as_ptr());
+            v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(*xd.add(i))), v);
+            if T != S8 {
+                v = _mm512_fmadd_ps(mw, _mm512_set1_ps(*xs.add(i)), v);
             }
+            _mm512_store_ps(acc.0[i].as_mut_ptr(), v);
         }
     }
 }
 
 /// `NB` pairs of panels (`pair[j]` holds panels `p[j]`, `p[j] + 1`) times `NA` tiles of 16 activation rows from
-/// row `r0`: per step (block, or group for `U8`), the tile products, and the float
-/// steps of the step before: the tile unit computes one step while the vector units finish the last.
+/// row `r0`. Per step (block, or group for `U8`), up to 2 x 2 tile products, each tile load serving two of them;
+/// each product is followed by the float steps of the same tile product one step before, so that the tile unit
+/// computes a step while the vector units finish the last (the sums alternate between two sets of buffers).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &[Pair; 2], p: [usize; 2], x: &Acts, r0: usize, sums: &mut [[Tile<i32>; 4]; 2], out: Out) {
@@ -693,18 +698,45 @@ fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &
     let mut acc = [Tile([[0f32; COLS]; ROWS]); 4];
     let steps = groups * blocks;
     for s in 0..=steps {
-        if s < steps {
-            let (b, h) = (s / groups, s % groups);
-            let xs = [0, 1].map(|a| x.tiles.codes[((r0 / ROWS + a.min(NA - 1)) * blocks + b) * ROWS * 32 + 16 * h..].as_ptr());
-            let ws = [0, 1].map(|j| pair[j.min(NB - 1)].codes[8 * b + 4 * h..].as_ptr());
-            // SAFETY: the tiles are configured (`run_tiles`, width `32 / groups`): each activation tile reads 16
-            // rows of that many codes at stride 32 from tile `r0 / 16 + a` (`< x.rows() / 16`), block `b`, offset
-            // `16h`: inside that block's 512 bytes of `x.tiles.codes`; each weight tile `8 / groups` lines from line
-            // `8b + 4h` of a pair's `8 * blocks`.
-            unsafe { products::<NA, NB>(xs, 32, ws, &mut sums[s % 2]) };
-        }
-        if s > 0 {
-            finish::<NA, NB, T>(&mut acc, &sums[(s - 1) % 2], s - 1, pair, x, r0);
+        let (now, before) = sums.split_at_mut(1);
+        let (now, before) = if s % 2 == 0 { (&mut now[0], &before[0]) } else { (&mut before[0], &now[0]) };
+        let (b, h) = (s.min(steps - 1) / groups, s % groups);
+        let xs = |a: usize| x.tiles.codes[((r0 / ROWS + a) * blocks + b) * ROWS * 32 + 16 * h..].as_ptr().cast::<u8>();
+        let ws = |j: usize| pair[j].codes[8 * b + 4 * h..].as_ptr().cast::<u8>();
+        for c in 0..4 {
+            let (a, j) = (c / 2, c % 2);
+            if a >= NA || j >= NB {
+                continue;
+            }
+            if s < steps {
+                // SAFETY: the tiles are configured (`run_tiles`, width `32 / groups`): an activation tile reads 16
+                // rows of that many codes at stride 32 from tile `r0 / 16 + a` (`< x.rows() / 16`), block `b`,
+                // offset `16 h`: inside that block's 512 bytes of `x.tiles.codes`; a weight tile `8 / groups` lines
+                // from line `8 b + 4 h` of a pair's `8 * blocks`. Each product's operands are loaded before it (the
+                // first product of a step loads A[0] and B[0], the second B[1], the third A[1]), and writes its 1
+                // KiB of `now`.
+                unsafe {
+                    match c {
+                        0 => {
+                            load::<4>(xs(0), 32);
+                            load::<6>(ws(0), 64);
+                            product::<0>(T == S8, &mut now[0]);
+                        }
+                        1 => {
+                            load::<7>(ws(1), 64);
+                            product::<1>(T == S8, &mut now[1]);
+                        }
+                        2 => {
+                            load::<5>(xs(1), 32);
+                            product::<2>(T == S8, &mut now[2]);
+                        }
+                        _ => product::<3>(T == S8, &mut now[3]),
+                    }
+                }
+            }
+            if s > 0 {
+                finish::<T>(&mut acc[c], &before[c], s - 1, &pair[j], x, r0 + ROWS * a);
+            }
         }
     }
     for a in 0..NA {

@@ -280,15 +280,13 @@ struct Acts<'a> {
 /// The activations as the AMX kernels read them, arranged once per product: the codes per 16 rows and block, the
 /// 16 rows' 32 codes side by side (`[m / 16, k / 32, 16, 32]`; whole tiles of rows only), so that a tile loads 512
 /// contiguous bytes; and the scales and sums by block (or group of 16), then row (`[k / 32, m]`, `s16` `[k / 16,
-/// m]`), so that the float steps broadcast a row's value straight from memory. `taken` is `128 x` the code sums
-/// (what Q8_0's offset codes add).
+/// m]`), so that the float steps broadcast a row's value straight from memory.
 #[derive(Default)]
 struct TileOrder {
     codes: Vec<i8>,
     d: Vec<f32>,
     s32: Vec<f32>,
     s16: Vec<f32>,
-    taken: Vec<i32>,
 }
 
 impl TileOrder {
@@ -310,7 +308,6 @@ impl TileOrder {
             d: by_block(&acts.d, blocks),
             s32: by_block(&acts.s32, blocks),
             s16: by_block(&acts.s16, 2 * blocks),
-            taken: (0..blocks * m).map(|i| 128 * acts.sums[(i % m) * blocks + i / m]).collect(),
         }
     }
 }

@@ -297,13 +297,17 @@ fn every_level_gives_the_same_bits_at_any_row_count() {
     }
 }
 
-/// Weight rows in whole pairs of panels, a pair whose second panel is partly padding (30 rows), and a panel left
-/// alone (40 rows): the tile unit's shapes and the VNNI kernels' share of them give the portable kernels' bits.
+/// Weight rows in whole pairs of panels, a pair whose second panel is partly padding (30 rows), a panel left alone
+/// (40 rows), and tasks of several pairs (the widest): the tile unit's shapes and the VNNI kernels' share of them
+/// give the portable kernels' bits.
 #[test]
 fn tiles_of_every_shape_give_the_same_bits() {
     say_missing_levels();
+    // Tasks take at least 16 weight rows, more where a matrix has more than 128 per thread: the widest here gives
+    // tasks of 48 rows (2 x 2 tile products and 2 x 1) and a last one of 24 (a pair and a panel left alone).
+    let wide = 256 * rayon::current_num_threads() + 40;
     for (dtype, k) in TYPES {
-        for n in [30, 40, 64] {
+        for n in [30, 40, 64, wide] {
             let packed = Packed::from_qtensor(&matrix(dtype, n, k, 12)).unwrap().unwrap();
             let m = 35;
             let x = activations(m, k, 13);
