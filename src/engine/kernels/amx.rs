@@ -208,17 +208,15 @@ impl Pair {
                 }
             }
             Data::U8 { qs, .. } | Data::S8 { qs, .. } => {
+                // S8: the signed codes back as they are copied (stored offset by 128 for VNNI's unsigned-by-signed
+                // products): the tiles multiply signed by signed (`tdpbssd`), and the sums need no correction.
+                let flip = if matches!(w.data, Data::S8 { .. }) { 0x80 } else { 0 };
                 for b in 0..blocks {
                     let at = [(p * blocks + b) * 256, ((p + 1) * blocks + b) * 256];
                     for g in 0..8 {
-                        halves(&mut self.codes[8 * b + g], &qs[at[0] + 32 * g..at[0] + 32 * g + 32], &qs[at[1] + 32 * g..at[1] + 32 * g + 32]);
-                    }
-                }
-                if let Data::S8 { .. } = &w.data {
-                    // The signed codes back (stored offset by 128 for VNNI's unsigned-by-signed products): the tiles
-                    // multiply signed by signed (`tdpbssd`), and the sums need no correction.
-                    for line in &mut self.codes {
-                        line.0.iter_mut().for_each(|c| *c ^= 0x80);
+                        let line = &mut self.codes[8 * b + g];
+                        halves(line, &qs[at[0] + 32 * g..at[0] + 32 * g + 32], &qs[at[1] + 32 * g..at[1] + 32 * g + 32]);
+                        line.0.iter_mut().for_each(|c| *c ^= flip);
                     }
                 }
                 match &w.data {
