@@ -27,16 +27,36 @@ pub enum Next {
 /// How long an idle engine waits for input before it looks at the drain flag again.
 const IDLE_WAIT: Duration = Duration::from_millis(100);
 
-impl Requests for mpsc::Receiver<Request> {
+/// Requests handed over a chunk at a time (the rows the tokenizer prepared together) and admitted one at a time, so
+/// that the rows of a chunk reach the engine together: its first step sees all of them, whatever the threads'
+/// timing, instead of as many as the tokenizer sent before the engine woke up.
+pub struct Chunks {
+    chunks: mpsc::Receiver<Vec<Request>>,
+    taken: std::collections::VecDeque<Request>,
+}
+
+impl Chunks {
+    pub fn new(chunks: mpsc::Receiver<Vec<Request>>) -> Self {
+        Chunks { chunks, taken: std::collections::VecDeque::new() }
+    }
+}
+
+impl Requests for Chunks {
     fn next(&mut self, wait: bool) -> Next {
-        let received = match wait {
-            true => self.recv_timeout(IDLE_WAIT).map_err(|e| e == mpsc::RecvTimeoutError::Disconnected),
-            false => self.try_recv().map_err(|e| e == mpsc::TryRecvError::Disconnected),
-        };
-        match received {
-            Ok(request) => Next::Request(request),
-            Err(false) => Next::Empty,
-            Err(true) => Next::Closed,
+        loop {
+            if let Some(request) = self.taken.pop_front() {
+                return Next::Request(request);
+            }
+            let received = match wait {
+                true => self.chunks.recv_timeout(IDLE_WAIT).map_err(|e| e == mpsc::RecvTimeoutError::Disconnected),
+                false => self.chunks.try_recv().map_err(|e| e == mpsc::TryRecvError::Disconnected),
+            };
+            match received {
+                // (An empty chunk is never sent; were one, the loop would look again.)
+                Ok(chunk) => self.taken.extend(chunk),
+                Err(false) => return Next::Empty,
+                Err(true) => return Next::Closed,
+            }
         }
     }
 }

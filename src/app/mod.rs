@@ -455,7 +455,8 @@ impl Stages<'_> {
         let fail = |e: Error| (e, 0);
         // Channels: source -> tokenize -> engine -> sink, and tokenize -> sink for rows that fail before the engine.
         let (source_tx, source_rx) = mpsc::channel::<Vec<SourceRow>>(SOURCE_DEPTH);
-        let (request_tx, mut request_rx) = std_mpsc::sync_channel::<Request>(loaded.queue);
+        // The engine's queue in chunks of prepared rows (`loaded.queue` requests, give or take a chunk).
+        let (request_tx, request_rx) = std_mpsc::sync_channel::<Vec<Request>>(loaded.queue.div_ceil(PREPARE_CHUNK));
         let (sink_tx, sink_rx) = mpsc::channel::<Outcome>(job.runtime.max_seqs * 4);
         let engine_stats = Arc::new(Mutex::new(EngineStats::default()));
 
@@ -468,7 +469,7 @@ impl Stages<'_> {
         let mut engine = loaded.engine;
         let engine_thread = std::thread::Builder::new()
             .name("nightshift-engine".into())
-            .spawn(move || drive::drive(engine.as_mut(), &mut request_rx, &mut to_sink, Some(&engine_drain)))
+            .spawn(move || drive::drive(engine.as_mut(), &mut drive::Chunks::new(request_rx), &mut to_sink, Some(&engine_drain)))
             .map_err(|e| fail(Error::Internal(format!("cannot start the engine thread: {e}"))))?;
 
         let collect = Collect {
@@ -576,7 +577,7 @@ fn spawn_tokenizer(
     prepare: Box<dyn Prepare>,
     keyed: KeyedRows,
     mut rows: mpsc::Receiver<Vec<SourceRow>>,
-    requests: std_mpsc::SyncSender<Request>,
+    requests: std_mpsc::SyncSender<Vec<Request>>,
     failed: mpsc::Sender<Outcome>,
     drain: Arc<Drain>,
 ) -> Result<std::thread::JoinHandle<()>, Error> {
@@ -595,19 +596,27 @@ fn spawn_tokenizer(
                     if chunk.is_empty() {
                         break;
                     }
+                    // The chunk's requests go to the engine together (`drive::Chunks`).
+                    let mut ready = Vec::with_capacity(chunk.len());
                     for row in prepare.prepare_all(chunk) {
                         let route = match Request::ready(row) {
                             Ok(request) => keyed.route(request),
                             Err(failure) => Route::Sink(Outcome::Failed(failure)),
                         };
                         let sent = match route {
-                            Route::Engine(request) => requests.send(request).is_ok(),
+                            Route::Engine(request) => {
+                                ready.push(request);
+                                true
+                            }
                             Route::Wait => true,
                             Route::Sink(outcome) => failed.blocking_send(outcome).is_ok(),
                         };
                         if !sent {
                             return;
                         }
+                    }
+                    if !ready.is_empty() && requests.send(ready).is_err() {
+                        return;
                     }
                 }
             }
