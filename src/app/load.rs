@@ -338,7 +338,7 @@ fn load_decoder(job: &Job, device: &candle_core::Device, check: ModelCheck) -> R
     let weights_layout = model.weights_name();
     info!(architecture = %cfg.architecture, layers = cfg.layers, hidden = cfg.hidden_size, context = cfg.context_length,
         dtype = ?model.dtype(), weights = weights_layout, cpu_weights = %job.runtime.cpu_weights.name(),
-        cpu_kernels = (device.is_cpu() && model.layout().on_kernels()).then(|| engine::kernels::Level::active().name()), attention, tensor_parallel = ranks,
+        cpu_kernels = (device.is_cpu() && model.layout().on_kernels()).then(engine::kernels::Level::active_name), attention, tensor_parallel = ranks,
         kv_cache_dtype = kv_dtype.as_str(), kv_bytes_per_token = block_bytes / engine::KV_BLOCK_TOKENS, "decoder");
     // The budget from what is left now that the weights are in memory.
     let (kv_bytes, _) = check_kv_budget(job, cfg, kv_dtype, block_bytes as u64, engine::device_memory_available(device))?;

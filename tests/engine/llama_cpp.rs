@@ -577,10 +577,11 @@ fn compare_a_file_with_llama_cpp_and_the_reference() {
 /// The AMX level's tile products of quantized weights compute the other levels' bits (src/engine/kernels/amx.rs)
 /// whichever family calls them: each GGUF family's Q8_0 and Q4_1 file (the signed and the 4-bit layouts), with
 /// prompts of 40-odd tokens so that products take whole tiles of 16 rows (the mixtures' experts some of theirs too),
-/// writes at `runtime.cpu_kernels = "amx"` the results, log-probabilities included, that it writes at "vnni". Skipped,
-/// saying so, where the CPU or Linux gives no AMX.
+/// writes at `runtime.cpu_kernels = "amx"` the results, log-probabilities included, that it writes at "vnni"; and so
+/// at "auto", which there takes the int8 tiles for products of 32 rows or more (its load log says
+/// `vnni+amx-int8`). Skipped, saying so, where the CPU or Linux gives no AMX.
 #[test]
-fn every_gguf_familys_quantized_files_write_the_same_results_at_the_amx_level() {
+fn every_gguf_familys_quantized_files_write_the_same_results_at_the_amx_level_and_auto() {
     use crate::support::*;
     use nightshift::engine::kernels::Level;
     if !Level::available().contains(&Level::Amx) {
@@ -596,7 +597,7 @@ fn every_gguf_familys_quantized_files_write_the_same_results_at_the_amx_level() 
         for quant in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
             let model = dir.join(format!("{family:?}-{quant:?}.gguf"));
             synth::write_gguf(&model, &spec(family, head_dim, tied, rope_theta(family)), quant).unwrap();
-            let results: Vec<_> = ["vnni", "amx"]
+            let results: Vec<_> = ["vnni", "amx", "auto"]
                 .into_iter()
                 .map(|level| {
                     let out = dir.join(format!("{family:?}-{quant:?}-{level}"));
@@ -604,7 +605,8 @@ fn every_gguf_familys_quantized_files_write_the_same_results_at_the_amx_level() 
                     let job = job_file_for(&dir.join("job.toml"), &model, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 6\nlogprobs = 2", &runtime);
                     let run = nightshift(&["run", job.to_str().unwrap()], &[("RUST_LOG", "info")]);
                     run.assert_ok();
-                    assert!(run.stderr.contains(&format!("cpu_kernels=\"{level}\"")), "{}", run.stderr);
+                    let named = if level == "auto" { "vnni+amx-int8" } else { level };
+                    assert!(run.stderr.contains(&format!("cpu_kernels=\"{named}\"")), "{}", run.stderr);
                     let mut rows = read_results_json(&out);
                     for row in rows.values_mut() {
                         let row = row.as_object_mut().expect("a result row is an object");
@@ -617,6 +619,7 @@ fn every_gguf_familys_quantized_files_write_the_same_results_at_the_amx_level() 
                 .collect();
             assert_eq!(results[0].len(), 3, "{family:?} {quant:?}");
             assert_eq!(results[0], results[1], "{family:?} {quant:?}: the AMX level's results differ from VNNI's");
+            assert_eq!(results[0], results[2], "{family:?} {quant:?}: auto's results (int8 tiles from 32 rows) differ from VNNI's");
         }
     }
 }

@@ -26,8 +26,9 @@
 //! accumulators' loads and stores cost about what VNNI's whole product costs (perf: most of the kernel's samples
 //! wait on the tiles' stores). On a 2-core Sapphire Rapids VM, 2 threads: 1.1-1.4x VNNI on the feed-forward and
 //! output matrices from 32 rows, 0.6-0.9x on the narrow k and v projections and below 32 rows; a prefill-heavy job
-//! 1.06-1.10x (BENCHMARKS.md). [`super::Level::preferred`] therefore stops at VNNI; `NIGHTSHIFT_CPU_KERNELS=amx`
-//! (or `runtime.cpu_kernels`) runs this level.
+//! 1.06-1.10x (BENCHMARKS.md). So `auto` settles at VNNI and hands only a model's quantized products of 32 rows or
+//! more in the 4-bit and signed layouts to these tiles (`super::model_level`: the same bits, 2-7 % faster whole
+//! jobs); `runtime.cpu_kernels = "amx"` runs this whole level.
 //!
 //! bf16 weights take the tile unit's bf16 products (`tdpbf16ps`, AMX-BF16): there the integer detour is gone,
 //! each output's sum stays in the tiles across the whole row, and a tile product does 16 times the work of the

@@ -30,7 +30,7 @@ mod portable;
 mod x86;
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use crate::job::CpuKernels;
 
@@ -72,8 +72,9 @@ impl Level {
     }
 
     /// The level the kernels run at unless the job names another (`runtime.cpu_kernels`): the best this CPU runs, short of AMX.
-    /// The AMX kernels give the same bits but, measured on a 2-core Sapphire Rapids VM, no more speed than VNNI's
-    /// with both cores busy (and less for products of a few rows; BENCHMARKS.md): they run only when asked for.
+    /// The AMX level's int8 tiles give the same bits, but are slower than VNNI's for products of a few rows and on
+    /// some layouts, and its bf16 and F16 products differ: `auto` takes the int8 tiles only where they are faster
+    /// (a model's products: [`model_level`]), and the whole level only when asked for.
     pub fn preferred() -> Level {
         Level::detected().min(Level::Vnni)
     }
@@ -92,7 +93,17 @@ impl Level {
         let level = Level::resolve(asked);
         let index = Level::ALL.iter().position(|&l| l == level).expect("every level is in ALL");
         CHOSEN.store(index as u8 + 1, Ordering::Relaxed);
+        AUTO_TILES.store(asked == CpuKernels::Auto && level == Level::Vnni && Level::detected() == Level::Amx, Ordering::Relaxed);
         level
+    }
+
+    /// The kernels a model's products run with, as the load log names them: the active level's name, and where
+    /// `auto` takes the tile unit's int8 products for large quantized products ([`model_level`]), `vnni+amx-int8`.
+    pub fn active_name() -> &'static str {
+        match Level::active() {
+            Level::Vnni if AUTO_TILES.load(Ordering::Relaxed) => "vnni+amx-int8",
+            level => level.name(),
+        }
     }
 
     /// The level [`Level::choose`] would settle for `asked`, without settling it.
@@ -148,6 +159,29 @@ impl Level {
 /// off the threads' paths).
 pub fn prepare() {
     let _ = Level::detected();
+}
+
+/// Whether [`Level::choose`] settled `auto` at VNNI on a CPU whose tile unit Linux grants: then the model's large
+/// quantized products in the 4-bit and signed 8-bit layouts take the AMX level's int8 tiles ([`model_level`]).
+static AUTO_TILES: AtomicBool = AtomicBool::new(false);
+
+/// The fewest activation rows at which `auto` hands a quantized product to the int8 tiles ([`model_level`]).
+const INT8_TILE_ROWS: usize = 32;
+
+/// The level a model's product of `m` rows by `weights` runs at: [`Level::active`], except where the job left the
+/// kernels to `auto` on a CPU with AMX ([`AUTO_TILES`]). There products of at least [`INT8_TILE_ROWS`] rows by
+/// matrices in the 4-bit (Q4_0, Q4_1, Q4_K) or signed 8-bit (Q8_0) layouts take the AMX level's int8 tiles,
+/// whose results are the VNNI kernels' bits: measured faster there, slower on fewer rows (decode steps) and on the
+/// `U8` layout (BENCHMARKS.md, 2026-12-05, late). bf16 and F16 products, whose AMX results differ, stay at VNNI
+/// unless the job names `amx`.
+fn model_level(weights: &[&Packed], m: usize) -> Level {
+    let level = Level::active();
+    let tiles = level == Level::Vnni && m >= INT8_TILE_ROWS && AUTO_TILES.load(Ordering::Relaxed);
+    if tiles && weights.iter().all(|w| matches!(w.data, Data::Q4 { .. } | Data::S8 { .. })) {
+        Level::Amx
+    } else {
+        level
+    }
 }
 
 /// The level [`Level::choose`] settled, as its index in [`Level::ALL`] plus one; 0 until then. Every level
@@ -703,7 +737,7 @@ impl Matrix {
         if x.len() != m * packed[0].k {
             candle_core::bail!("{} activations are not {m} rows for a matrix of width {}", x.len(), packed[0].k);
         }
-        Ok(Some(matmul_grouped(Level::active(), &packed, x, m)))
+        Ok(Some(matmul_grouped(model_level(&packed, m), &packed, x, m)))
     }
 
     /// The gated feed-forward network `down · (act(gate · x) * (up · x))` for `x` `[rows, k]` f32 on the CPU, gate
@@ -730,10 +764,9 @@ impl Matrix {
         if x.len() != m * g.k {
             candle_core::bail!("{} activations are not {m} rows for a matrix of width {}", x.len(), g.k);
         }
-        let level = Level::active();
-        let [mut gated, up_out]: [Vec<f32>; 2] = matmul_grouped(level, &[g, u], x, m).try_into().expect("two outputs");
+        let [mut gated, up_out]: [Vec<f32>; 2] = matmul_grouped(model_level(&[g, u], m), &[g, u], x, m).try_into().expect("two outputs");
         elementwise::gated(act, &mut gated, &up_out);
-        Ok(Some(matmul_many(level, &[d], &gated, m).pop().expect("one output")))
+        Ok(Some(matmul_many(model_level(&[d], m), &[d], &gated, m).pop().expect("one output")))
     }
 }
 
