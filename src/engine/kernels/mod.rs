@@ -512,8 +512,14 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
     } else if f16_tiles {
         acts.bf16 = split_tile_order(x, m, k);
     }
-    let mut outs: Vec<Vec<f32>> = weights.iter().map(|w| vec![0f32; m * w.n]).collect();
-    let views: Vec<Out> = outs.iter_mut().zip(weights).map(|(o, w)| Out { ptr: o.as_mut_ptr(), n: w.n, len: o.len() }).collect();
+    // The outputs are written before they are read, so not zeroed first (zeroing them was 4 % of a prefill): the
+    // kernels write into each buffer's capacity, and its length is set once all have run (below). Debug builds (the
+    // tests) fill the capacity with `UNWRITTEN` first and check none is left.
+    let mut outs: Vec<Vec<f32>> = weights.iter().map(|w| Vec::with_capacity(m * w.n)).collect();
+    if cfg!(debug_assertions) {
+        outs.iter_mut().for_each(|o| o.spare_capacity_mut().iter_mut().for_each(|v| _ = v.write(f32::from_bits(UNWRITTEN))));
+    }
+    let views: Vec<Out> = outs.iter_mut().zip(weights).map(|(o, w)| Out { ptr: o.as_mut_ptr(), n: w.n, len: m * w.n }).collect();
     // About eight tasks per thread over all the matrices' rows (two for a few activation rows, where each task is
     // short and hand-offs dominate), in multiples of 16 rows (whole panels); of 32 for the bf16 tiles, whose
     // products take 32 weight rows at a time.
@@ -531,8 +537,22 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
     } else {
         tasks.par_iter().for_each(run);
     }
+    for (o, w) in outs.iter_mut().zip(weights) {
+        // SAFETY: the capacity is `m * w.n` (allocated above), and every element of it is initialised: the tasks'
+        // weight rows cover `0..w.n` (consecutive ranges from 0 to `w.n`, above), and `run_rows` writes every
+        // output of its rows for every activation row (its contract: each level loops over all `m` activation rows,
+        // and over every panel of the rows, writing each output once through `Out`). Every task has returned here (a
+        // panic in one unwinds past this line, and the buffers are dropped with length 0). Debug builds check it.
+        unsafe { o.set_len(m * w.n) };
+        debug_assert!(o.iter().all(|v| v.to_bits() != UNWRITTEN), "a kernel left outputs unwritten (a bug)");
+    }
     outs
 }
+
+/// What debug builds fill the kernels' output buffers with before the kernels run ([`matmul_many`]): a signalling
+/// NaN, which no arithmetic produces (operations on NaNs give quiet ones), so an output still holding it was never
+/// written.
+const UNWRITTEN: u32 = 0x7f80_5a5a;
 
 /// `v` rounded to bf16, to nearest with ties to even (a NaN stays a NaN): what the tile unit's bf16 products take.
 fn round_bf16(v: f32) -> u16 {
@@ -638,6 +658,9 @@ fn l2_rows(w: &Packed) -> usize {
 }
 
 /// Weight rows `rows` times every activation row.
+///
+/// Every level writes each output of `rows` for every activation row, once: [`matmul_many`] leaves its buffers
+/// unzeroed and relies on it.
 fn run_rows(level: Level, w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     assert!(rows.end <= w.n && x.k == w.k && rows.start.is_multiple_of(PANEL), "kernel rows out of range (a bug)");
     match level {
