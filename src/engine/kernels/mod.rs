@@ -327,15 +327,32 @@ impl TileOrder {
     fn new(acts: &Acts) -> TileOrder {
         let (k, m) = (acts.k, acts.rows());
         let blocks = k / 32;
-        let mut codes = vec![0i8; m / 16 * 16 * k];
-        for (t, rows) in codes.chunks_exact_mut(16 * k).enumerate() {
+        // Tiles of rows in parallel (a prefill's are megabytes: on one thread, and zeroed first, they took 2 % of
+        // it), written straight into the buffer's capacity.
+        let len = m / 16 * 16 * k;
+        assert!(acts.qs.len() >= len && k.is_multiple_of(32), "activation codes (a bug)");
+        let mut codes: Vec<i8> = Vec::with_capacity(len);
+        let arrange = |(t, rows): (usize, &mut [std::mem::MaybeUninit<i8>])| {
             for (b, block) in rows.chunks_exact_mut(16 * 32).enumerate() {
                 for (i, codes) in block.chunks_exact_mut(32).enumerate() {
                     let at = (16 * t + i) * k + 32 * b;
-                    codes.copy_from_slice(&acts.qs[at..at + 32]);
+                    let from = &acts.qs[at..at + 32];
+                    // SAFETY: `codes` is 32 elements of the buffer's capacity and `from` 32 initialised codes of
+                    // another buffer; `MaybeUninit<i8>` has `i8`'s layout.
+                    unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), codes.as_mut_ptr().cast::<i8>(), 32) };
                 }
             }
+        };
+        let spare = &mut codes.spare_capacity_mut()[..len];
+        if m >= 64 {
+            spare.par_chunks_exact_mut(16 * k).enumerate().for_each(arrange);
+        } else {
+            spare.chunks_exact_mut(16 * k).enumerate().for_each(arrange);
         }
+        // SAFETY: the capacity is at least `len`, and every element below it was written above: its chunks of
+        // `16 k` are the `m / 16` tiles, each tile's chunks of 512 its `k / 32` blocks (`k` a multiple of 32), and
+        // each block's chunks of 32 its 16 rows, every one copied.
+        unsafe { codes.set_len(len) };
         let by_block = |v: &[f32], per_row: usize| (0..per_row * m).map(|i| v[(i % m) * per_row + i / m]).collect();
         TileOrder {
             codes,

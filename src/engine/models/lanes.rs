@@ -295,7 +295,9 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> candle_core::Re
 }
 
 /// RMSNorm of each row of `x` (rows as wide as `weight`) as llama.cpp computes it (`ggml_compute_forward_rms_norm`
-/// and the weight's multiply): each square rounded to f32 and summed in f64, the mean rounded to f32, then
+/// and the weight's multiply): each square rounded to f32 and summed in f64 (llama.cpp in order, here over eight
+/// lanes: the f64 sums differ by a few of their ulps, 1e-16 relative, which the mean's rounding to f32 hides but
+/// at a tie), the mean rounded to f32, then
 /// `x * (1 / sqrt(mean + eps)) * weight`. Summing in f64 is the more exact of the two; candle's f32 sum and divide
 /// agreed with llama.cpp's greedy choices at 96.9 % of the Q4_1 file's positions, this at 97.2 %
 /// (`scripts/fidelity-llama.py`, BENCHMARKS.md). Rows in parallel past 32.
@@ -303,7 +305,20 @@ pub(crate) fn rms_norm_host(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     let width = weight.len();
     let mut out = vec![0f32; x.len()];
     let row = |(src, dst): (&[f32], &mut [f32])| {
-        let sum2 = src.iter().map(|&v| f64::from(v * v)).sum::<f64>();
+        // The squares summed in f64 over eight lanes (columns `l, l + 8, ...`), added pairwise at the end: one
+        // sequential sum was a chain of dependent additions, 2 % of a prefill.
+        let mut lanes = [0f64; 8];
+        let columns = src.chunks_exact(8);
+        let rest = columns.remainder();
+        for c in columns {
+            for l in 0..8 {
+                lanes[l] += f64::from(c[l] * c[l]);
+            }
+        }
+        let mut sum2 = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+        for &v in rest {
+            sum2 += f64::from(v * v);
+        }
         let mean = (sum2 / width as f64) as f32;
         let scale = 1.0f32 / (mean + eps).sqrt();
         for ((d, &s), &w) in dst.iter_mut().zip(src).zip(weight) {
