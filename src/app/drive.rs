@@ -130,3 +130,62 @@ pub fn drive(engine: &mut dyn Engine, requests: &mut dyn Requests, outcomes: &mu
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::row::RowTag;
+
+    /// Records what each step had admitted; every admitted request finishes in the step after it.
+    #[derive(Default)]
+    struct Recorder {
+        running: Vec<String>,
+        steps: Vec<Vec<String>>,
+        stats: EngineStats,
+    }
+
+    impl Engine for Recorder {
+        fn free_places(&self) -> usize {
+            8 - self.running.len()
+        }
+        fn admit(&mut self, request: Request) -> Result<(), crate::outcome::RowFailure> {
+            self.running.push(request.id);
+            Ok(())
+        }
+        fn has_work(&self) -> bool {
+            !self.running.is_empty()
+        }
+        fn step(&mut self) -> Result<Vec<Outcome>, EngineError> {
+            self.steps.push(std::mem::take(&mut self.running));
+            Ok(Vec::new())
+        }
+        fn stats(&self) -> &EngineStats {
+            &self.stats
+        }
+        fn reset_stats(&mut self) {}
+    }
+
+    fn request(id: &str) -> Request {
+        let tag = RowTag { unit: 0, offset: 0 };
+        Request { id: id.into(), tag, params: Default::default(), tokens: vec![1], completion: None, arrival: std::time::Instant::now() }
+    }
+
+    /// A chunk's requests are admitted together before the step that follows, in order, however late the tokenizer
+    /// sends them; every request is admitted once, and the loop ends once the channel closes. (The second chunk
+    /// usually runs in a step of its own; a thread held up long enough may see it beside the first.)
+    #[test]
+    fn a_chunks_requests_reach_the_engine_together() {
+        let (tx, rx) = mpsc::sync_channel::<Vec<Request>>(1);
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            tx.send(["a", "b", "c"].map(request).into()).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            tx.send(vec![request("d")]).unwrap();
+        });
+        let mut engine = Recorder::default();
+        drive(&mut engine, &mut Chunks::new(rx), &mut Vec::new(), None).unwrap();
+        sender.join().unwrap();
+        assert!(engine.steps[0].starts_with(&["a", "b", "c"].map(String::from)), "the first step: {:?}", engine.steps);
+        assert_eq!(engine.steps.concat(), ["a", "b", "c", "d"]);
+    }
+}
