@@ -217,7 +217,9 @@ impl Pair {
                     for g in 0..8 {
                         let line = &mut self.codes[8 * b + g];
                         halves(line, &qs[at[0] + 32 * g..at[0] + 32 * g + 32], &qs[at[1] + 32 * g..at[1] + 32 * g + 32]);
-                        line.0.iter_mut().for_each(|c| *c ^= flip);
+                        if flip != 0 {
+                            line.0.iter_mut().for_each(|c| *c ^= flip);
+                        }
                     }
                 }
                 match &w.data {
