@@ -4,10 +4,10 @@
 //! A tile product multiplies 16 activation rows of signed 8-bit codes (a tile `A`, row-major, read straight from
 //! the activations) by 16 weight rows of codes (a tile `B`, four codes of each weight row to a 32-bit lane: two of
 //! the packer's eight-row panels side by side) and adds the exact 32-bit integer sums into a 16 x 16 tile `C`:
-//! `tdpbsud` for the unsigned codes of Q4_0, Q4_1, Q4_K and the `U8` types, `tdpbssd` for Q8_0's signed ones (the
-//! packer stores them offset by 128 for VNNI's unsigned-by-signed products; the pair flips them back, so the sums
-//! need no correction). One product covers one block of 32 (Q4_0, Q4_1, Q4_K, Q8_0) or one group of 16 (the `U8`
-//! types), so `C` holds exactly the integer sums the VNNI kernels compute; the float steps after them
+//! `tdpbsud` for the unsigned codes of Q4_0, Q4_1, Q4_K and the `U8` types, `tdpbssd` for the signed ones of Q8_0
+//! and Q5_0 (the packer stores them offset by 128 for VNNI's unsigned-by-signed products; the pair flips them back,
+//! so the sums need no correction). One product covers one block of 32 (Q4_0, Q4_1, Q4_K, Q8_0, Q5_0) or one group
+//! of 16 (the `U8` types), so `C` holds exactly the integer sums the VNNI kernels compute; the float steps after them
 //! (`acc = fma(sum, d_w * d_x, acc)`, then the offset's `fma`) run in AVX-512 registers in the same order, so the
 //! results are bit-identical to the other levels'.
 //!

@@ -7,9 +7,9 @@
 //! is fast on every x86-64 CPU.
 //!
 //! The weights are repacked at load ([`pack`]) into three layouts that keep every stored value: 4-bit codes with
-//! a scale and offset per 32 (Q4_0, Q4_1, Q4_K), 8-bit codes with a scale and offset per 16 (Q5_0, Q5_1, Q5_K,
-//! Q6_K), and signed 8-bit codes with a scale per 32 (Q8_0), each interleaved in panels of eight weight rows
-//! ([`PANEL`]) so that one register holds four weights of each of eight rows: one 8-bit product instruction then
+//! a scale and offset per 32 (Q4_0, Q4_1, Q4_K), 8-bit codes with a scale and offset per 16 (Q5_1, Q5_K, Q6_K),
+//! and signed 8-bit codes with a scale per 32 (Q8_0, and Q5_0 as `q - 16`), each interleaved in panels of eight
+//! weight rows ([`PANEL`]) so that one register holds four weights of each of eight rows: one 8-bit product instruction then
 //! serves eight outputs, and each output's integer block sum lands in its own 32-bit lane, ready for its scale.
 //! Activations are quantized per row to signed 8-bit codes with a scale per 32 values, rounded as llama.cpp
 //! rounds them for the same types ([`store_scales`]); F16 and BF16 weights stay row-major and take the
@@ -170,7 +170,7 @@ const INT8_TILE_ROWS: usize = 32;
 
 /// The level a model's product of `m` rows by `weights` runs at: [`Level::active`], except where the job left the
 /// kernels to `auto` on a CPU with AMX ([`AUTO_TILES`]). There products of at least [`INT8_TILE_ROWS`] rows by
-/// matrices in the 4-bit (Q4_0, Q4_1, Q4_K) or signed 8-bit (Q8_0) layouts take the AMX level's int8 tiles,
+/// matrices in the 4-bit (Q4_0, Q4_1, Q4_K) or signed 8-bit (Q8_0, Q5_0) layouts take the AMX level's int8 tiles,
 /// whose results are the VNNI kernels' bits: measured faster there, slower on fewer rows (decode steps) and on the
 /// `U8` layout (BENCHMARKS.md, 2026-12-05, late). bf16 and F16 products, whose AMX results differ, stay at VNNI
 /// unless the job names `amx`.

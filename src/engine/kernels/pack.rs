@@ -3,8 +3,10 @@
 //! Every quantized type the kernels take stores, per group of 16 or 32 weights, small unsigned integers `q` and
 //! a scale and an offset such that the weight is `d * q + m` (types with a signed code, `d * (q - c)`, have
 //! `m = -c * d`; the k-quants' sub-block scales `d * sc` and mins `dmin * mn` are products of an f16 and an
-//! integer of at most 8 bits, which f32 holds exactly). Only Q8_0 is kept signed. The codes are copied, the
-//! scales widened from f16 to f32: every weight the kernels compute with is the one the file stores.
+//! integer of at most 8 bits, which f32 holds exactly). Q8_0 and Q5_0 are kept signed, `d * code` (Q5_0's code is
+//! `q - 16`): the layout with the cheapest products, one scale per 32, which `auto` hands to AMX's int8 tiles. The
+//! codes are copied, the scales widened from f16 to f32: every weight the kernels compute with is the one the file
+//! stores.
 
 use candle_core::quantized::GgmlDType;
 use half::f16;
@@ -135,15 +137,23 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
             let w: Vec<u16> = bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
             if dtype == GgmlDType::F16 { Data::F16(w) } else { Data::Bf16(w) }
         }
-        GgmlDType::Q8_0 => {
+        GgmlDType::Q8_0 | GgmlDType::Q5_0 => {
+            // Signed codes with one scale per 32: Q8_0's as stored; Q5_0's 5-bit code `q` stands for `d * (q - 16)`,
+            // so its signed code is `q - 16` (-16..=15), and `d * (q - 16)` is the weight exactly (an f16 times an
+            // integer of 5 bits).
             let (mut qs, mut ds) = (Vec::with_capacity(n.div_ceil(PANEL) * PANEL * k), Vec::with_capacity(n.div_ceil(PANEL) * PANEL * k / 32));
             let (mut codes, mut d) = (Vec::with_capacity(PANEL * k), Vec::with_capacity(PANEL * k / 32));
             for (panel, rows) in panels {
                 codes.clear();
                 d.clear();
-                for b in panel.chunks_exact(34) {
+                for b in panel.chunks_exact(block_bytes) {
                     d.push(half_at(b, 0));
-                    codes.extend(b[2..].iter().copied());
+                    if dtype == GgmlDType::Q8_0 {
+                        codes.extend(b[2..].iter().copied());
+                    } else {
+                        // Both halves of the block carry its one scale; only the codes are taken.
+                        decode_block(dtype, b, &mut |group, _, _| codes.extend(group.iter().map(|&q| (q as i8 - 16) as u8)));
+                    }
                 }
                 if codes.contains(&0x80) {
                     return Ok(None);
