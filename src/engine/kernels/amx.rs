@@ -4,9 +4,10 @@
 //! A tile product multiplies 16 activation rows of signed 8-bit codes (a tile `A`, row-major, read straight from
 //! the activations) by 16 weight rows of codes (a tile `B`, four codes of each weight row to a 32-bit lane: two of
 //! the packer's eight-row panels side by side) and adds the exact 32-bit integer sums into a 16 x 16 tile `C`:
-//! `tdpbsud` for the unsigned codes of Q4_0, Q4_1, Q4_K and the `U8` types, `tdpbssd` for the signed ones of Q8_0
-//! and Q5_0 (the packer stores them offset by 128 for VNNI's unsigned-by-signed products; the pair flips them back,
-//! so the sums need no correction). One product covers one block of 32 (Q4_0, Q4_1, Q4_K, Q8_0, Q5_0) or one group
+//! `tdpbsud` for the unsigned codes of Q4_1, Q4_K and the `U8` types, `tdpbssd` for the signed ones of Q8_0 and
+//! Q5_0 (the packer stores them offset by 128 for VNNI's unsigned-by-signed products; the pair flips them back,
+//! so the sums need no correction) and of Q4_0 (the pair takes 8 off its codes, which the VNNI kernels take off
+//! their sums as `8 x` the activations' code sum). One product covers one block of 32 (Q4_0, Q4_1, Q4_K, Q8_0, Q5_0) or one group
 //! of 16 (the `U8` types), so `C` holds exactly the integer sums the VNNI kernels compute; the float steps after them
 //! (`acc = fma(sum, d_w * d_x, acc)`, then the offset's `fma`) run in AVX-512 registers in the same order, so the
 //! results are bit-identical to the other levels'.
@@ -188,6 +189,8 @@ impl Pair {
         };
         match &w.data {
             Data::Q4 { qs, d, m } => {
+                // Q4_0 (no offsets): the codes less 8, signed, for `tdpbssd`.
+                let less = _mm256_set1_epi8(if m.is_empty() { 8 } else { 0 });
                 for b in 0..blocks {
                     let lines = &mut self.codes[8 * b..8 * b + 8];
                     let mask = _mm256_set1_epi8(0x0F);
@@ -198,14 +201,17 @@ impl Pair {
                             // 64.
                             unsafe {
                                 let raw = _mm256_loadu_si256(panel.as_ptr().add(32 * t).cast());
-                                _mm256_storeu_si256(lines[t].0.as_mut_ptr().add(32 * s).cast(), _mm256_and_si256(raw, mask));
-                                _mm256_storeu_si256(lines[4 + t].0.as_mut_ptr().add(32 * s).cast(), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
+                                let (lo, hi) = (_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
+                                _mm256_storeu_si256(lines[t].0.as_mut_ptr().add(32 * s).cast(), _mm256_sub_epi8(lo, less));
+                                _mm256_storeu_si256(lines[4 + t].0.as_mut_ptr().add(32 * s).cast(), _mm256_sub_epi8(hi, less));
                             }
                         }
                     }
                     let at = [(p * blocks + b) * PANEL, ((p + 1) * blocks + b) * PANEL];
                     two(&mut self.d[16 * b..16 * b + 16], d, at);
-                    two(&mut self.m[16 * b..16 * b + 16], m, at);
+                    if !m.is_empty() {
+                        two(&mut self.m[16 * b..16 * b + 16], m, at);
+                    }
                 }
             }
             Data::U8 { qs, .. } | Data::S8 { qs, .. } => {
@@ -300,10 +306,17 @@ unsafe fn product<const C: u8>(signed: bool, out: *mut Tile<i32>) {
 }
 
 /// The layouts' kinds, as the tile functions' const parameter: 4-bit codes with offsets (per 32), 8-bit codes
-/// with offsets (per 16), signed 8-bit codes stored offset by 128 (per 32).
+/// with offsets (per 16), signed 8-bit codes stored offset by 128 (per 32), 4-bit codes standing for `code - 8`
+/// (Q4_0, per 32; paired signed, as `S8`'s are).
 const Q4: u8 = 0;
 const U8: u8 = 1;
 const S8: u8 = 2;
+const Q4S: u8 = 3;
+
+/// Whether kind `T`'s tiles hold signed codes (`tdpbssd`) and its float steps have no offset.
+const fn signed(t: u8) -> bool {
+    t == S8 || t == Q4S
+}
 
 /// The AMX level's kernels, for weight rows `rows` (whole panels) times every activation row: [`run`], once
 /// [`granted`] says it may.
@@ -324,6 +337,7 @@ unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
         Data::Bf16(ref bits) if !x.bf16.is_empty() => run_float::<false>(bits, w, rows, x, out),
         Data::F16(ref bits) if !x.bf16.is_empty() => run_float::<true>(bits, w, rows, x, out),
         _ if tiles == 0 || pairs == 0 => super::x86::avx512_vnni::run(w, rows, x, out),
+        Data::Q4 { .. } if w.signed4() => run_tiles::<Q4S>(w, rows, x, out),
         Data::Q4 { .. } => run_tiles::<Q4>(w, rows, x, out),
         Data::U8 { .. } => run_tiles::<U8>(w, rows, x, out),
         Data::S8 { .. } => run_tiles::<S8>(w, rows, x, out),
@@ -681,7 +695,7 @@ fn finish<const T: u8>(acc: &mut Tile<f32>, c: &Tile<i32>, s: usize, pair: &Pair
             let sum = _mm512_load_si512(c.0[i].as_ptr().cast());
             let mut v = if first { _mm512_setzero_ps() } else { _mm512_load_ps(acc.0[i].as_ptr()) };
             v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(*xd.add(i))), v);
-            if T != S8 {
+            if !signed(T) {
                 v = _mm512_fmadd_ps(mw, _mm512_set1_ps(*xs.add(i)), v);
             }
             _mm512_store_ps(acc.0[i].as_mut_ptr(), v);
@@ -724,17 +738,17 @@ fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &
                         0 => {
                             load::<4>(xs(0), 32);
                             load::<6>(ws(0), 64);
-                            product::<0>(T == S8, &mut now[0]);
+                            product::<0>(signed(T), &mut now[0]);
                         }
                         1 => {
                             load::<7>(ws(1), 64);
-                            product::<1>(T == S8, &mut now[1]);
+                            product::<1>(signed(T), &mut now[1]);
                         }
                         2 => {
                             load::<5>(xs(1), 32);
-                            product::<2>(T == S8, &mut now[2]);
+                            product::<2>(signed(T), &mut now[2]);
                         }
-                        _ => product::<3>(T == S8, &mut now[3]),
+                        _ => product::<3>(signed(T), &mut now[3]),
                     }
                 }
             }

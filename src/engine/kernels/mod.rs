@@ -7,10 +7,11 @@
 //! is fast on every x86-64 CPU.
 //!
 //! The weights are repacked at load ([`pack`]) into three layouts that keep every stored value: 4-bit codes with
-//! a scale and offset per 32 (Q4_0, Q4_1, Q4_K), 8-bit codes with a scale and offset per 16 (Q5_1, Q5_K, Q6_K),
-//! and signed 8-bit codes with a scale per 32 (Q8_0, and Q5_0 as `q - 16`), each interleaved in panels of eight
-//! weight rows ([`PANEL`]) so that one register holds four weights of each of eight rows: one 8-bit product instruction then
-//! serves eight outputs, and each output's integer block sum lands in its own 32-bit lane, ready for its scale.
+//! a scale and offset per 32 (Q4_1, Q4_K; Q4_0 with its scale alone, its codes standing for `q - 8`), 8-bit codes
+//! with a scale and offset per 16 (Q5_1, Q5_K, Q6_K), and signed 8-bit codes with a scale per 32 (Q8_0, and Q5_0
+//! as `q - 16`), each interleaved in panels of eight weight rows ([`PANEL`]) so that one register holds four
+//! weights of each of eight rows: one 8-bit product instruction then serves eight outputs, and each output's
+//! integer block sum lands in its own 32-bit lane, ready for its scale.
 //! Activations are quantized per row to signed 8-bit codes with a scale per 32 values, rounded as llama.cpp
 //! rounds them for the same types ([`store_scales`]); F16 and BF16 weights stay row-major and take the
 //! activations in f32.
@@ -205,7 +206,9 @@ pub struct Packed {
 /// their scales and offsets side by side (`[panel, block (or group), 8]`).
 enum Data {
     /// 4-bit codes, 128 bytes per panel and block: chunk `t` of 32 bytes holds, in lane `l`, row `l`'s weights
-    /// `4t..4t + 4` (low nibbles) and `16 + 4t..20 + 4t` (high nibbles); weight = `d * code + m` per block of 32.
+    /// `4t..4t + 4` (low nibbles) and `16 + 4t..20 + 4t` (high nibbles); weight = `d * code + m` per block of 32,
+    /// or with `m` empty (Q4_0: [`Packed::signed4`]) `d * (code - 8)`, the products' integer sums taking `8 x` the
+    /// activations' code sum off, with no offset step.
     Q4 { qs: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
     /// Codes of up to 6 bits, one byte each, 256 bytes per panel and block: chunk `g` of 32 bytes holds, in lane
     /// `l`, row `l`'s weights `4g..4g + 4`; weight = `d * code + m` per group of 16.
@@ -259,7 +262,10 @@ impl Packed {
                 Data::Q4 { qs, d, m } => {
                     let byte = qs[pb * 128 + 32 * (i % 16 / 4) + 4 * l + i % 4];
                     let code = if i < 16 { byte & 0xF } else { byte >> 4 };
-                    d[pb * PANEL + l] * code as f32 + m[pb * PANEL + l]
+                    match m.get(pb * PANEL + l) {
+                        Some(m) => d[pb * PANEL + l] * code as f32 + m,
+                        None => d[pb * PANEL + l] * (code as i32 - 8) as f32,
+                    }
                 }
                 Data::U8 { qs, d, m } => {
                     let at = (2 * pb + i / 16) * PANEL + l;
@@ -272,6 +278,11 @@ impl Packed {
         };
         let weight = &weight;
         (0..self.n).flat_map(|row| (0..self.k).map(move |col| weight(row, col))).collect()
+    }
+
+    /// 4-bit codes standing for `d * (code - 8)` (`Data::Q4` without offsets).
+    fn signed4(&self) -> bool {
+        matches!(&self.data, Data::Q4 { m, .. } if m.is_empty())
     }
 
     fn quantized(&self) -> bool {

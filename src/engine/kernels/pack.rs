@@ -4,9 +4,9 @@
 //! a scale and an offset such that the weight is `d * q + m` (types with a signed code, `d * (q - c)`, have
 //! `m = -c * d`; the k-quants' sub-block scales `d * sc` and mins `dmin * mn` are products of an f16 and an
 //! integer of at most 8 bits, which f32 holds exactly). Q8_0 and Q5_0 are kept signed, `d * code` (Q5_0's code is
-//! `q - 16`): the layout with the cheapest products, one scale per 32, which `auto` hands to AMX's int8 tiles. The
-//! codes are copied, the scales widened from f16 to f32: every weight the kernels compute with is the one the file
-//! stores.
+//! `q - 16`): the layout with the cheapest products, one scale per 32, which `auto` hands to AMX's int8 tiles. Q4_0
+//! keeps its 4-bit codes with no offsets stored: they stand for `d * (q - 8)`. The codes are copied, the scales
+//! widened from f16 to f32: every weight the kernels compute with is the one the file stores.
 
 use candle_core::quantized::GgmlDType;
 use half::f16;
@@ -186,7 +186,10 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
                     let (d, m): (Vec<f32>, Vec<f32>) = (d.iter().step_by(2).copied().collect(), m.iter().step_by(2).copied().collect());
                     qs.extend(chunks(rows, k, &codes, true));
                     ds.extend(lanes(rows, k / 32, &d));
-                    ms.extend(lanes(rows, k / 32, &m));
+                    // Q4_0's offset is always `-8 d`: kept as the codes' meaning, `d * (code - 8)`, not stored.
+                    if dtype != GgmlDType::Q4_0 {
+                        ms.extend(lanes(rows, k / 32, &m));
+                    }
                 } else {
                     qs.extend(chunks(rows, k, &codes, false));
                     ds.extend(lanes(rows, k / 16, &d));

@@ -80,7 +80,11 @@ macro_rules! kernels {
                 let s16 = |i: usize, b: usize, h: usize| unsafe { _mm256_broadcast_ss(&*x.s16.as_ptr().add((r0 + i) * 2 * blocks + 2 * b + h)) };
                 match &w.data {
                     Data::Q4 { qs, d, m } => {
-                        assert!(qs.len() == panels * blocks * 128 && d.len() == panels * blocks * PANEL && m.len() == d.len(), "Q4 layout (a bug)");
+                        let signed = m.is_empty();
+                        assert!(qs.len() == panels * blocks * 128 && d.len() == panels * blocks * PANEL && (signed || m.len() == d.len()), "Q4 layout (a bug)");
+                        assert!(x.sums.len() == x.d.len(), "activation code sums (a bug)");
+                        // SAFETY: activation row `r0 + i < r0 + R` exists and `b < blocks` (as for `xd`).
+                        let xsum = |i: usize, b: usize| unsafe { *x.sums.as_ptr().add((r0 + i) * blocks + b) };
                         // SAFETY (these closures): panel `p < panels` and block `b < blocks` (the loops' bounds) are
                         // within the lengths asserted above: 128 code bytes and 8 scales and offsets each.
                         let chunk = |p: usize, b: usize, t: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * 128 + 32 * t).cast()) };
@@ -111,6 +115,17 @@ macro_rules! kernels {
                                 for i in 0..R {
                                     sums[j][i] = if $vnni { _mm256_add_epi32(sums[j][i], part[j][i]) } else { _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)) };
                                 }
+                            }
+                            if signed {
+                                // Q4_0: sum((code - 8) x) = sum(code x) - 8 sum(x), exact; no offset step.
+                                for j in 0..P {
+                                    let dw = lanes(d, p0 + j, b);
+                                    for i in 0..R {
+                                        let sum = _mm256_sub_epi32(sums[j][i], _mm256_set1_epi32(8 * xsum(i, b)));
+                                        acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, xd(i, b)), acc[j][i]);
+                                    }
+                                }
+                                continue;
                             }
                             for j in 0..P {
                                 let (dw, mw) = (lanes(d, p0 + j, b), lanes(m, p0 + j, b));
