@@ -17,47 +17,13 @@
 //! per level) changes nothing. Positions a row does not see weigh exactly 0 in its sum (`fma(0, v, o)` is `o`).
 
 use super::BLOCK;
+pub use crate::engine::kernels::Ahead;
 use crate::engine::kernels::elementwise::exp;
 
 /// Blocks per softmax update.
 pub const CHUNK_BLOCKS: usize = if BLOCK >= 64 { 1 } else { 64 / BLOCK };
 /// Positions per softmax update: the unit of a tile's scores and weights.
 pub const CHUNK: usize = CHUNK_BLOCKS * BLOCK;
-
-/// Memory attention will read next, asked for a cache line at a time ([`Ahead::line`]): a hint to the CPU that
-/// changes no result. It borrows the bytes it points into.
-#[derive(Clone, Copy)]
-pub struct Ahead<'a> {
-    bytes: &'a [u8],
-}
-
-impl<'a> Ahead<'a> {
-    pub const NONE: Ahead<'static> = Ahead { bytes: &[] };
-
-    pub fn new(bytes: &'a [u8]) -> Ahead<'a> {
-        Ahead { bytes }
-    }
-
-    /// Lines of 64 bytes it covers (the last perhaps partial).
-    #[cfg(test)]
-    pub fn lines(self) -> usize {
-        self.bytes.len().div_ceil(64)
-    }
-
-    /// Asks for line `i` (bytes `64 i..`) to be brought into the L1 cache; nothing past the last line.
-    #[inline(always)]
-    pub fn line(self, i: usize) {
-        #[cfg(target_arch = "x86_64")]
-        if let Some(byte) = self.bytes.get(64 * i) {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            // SAFETY: the address is that of a byte of a borrowed slice (`get` checked it); a prefetch only hints
-            // the cache, reads nothing into the program and writes nothing.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(byte).cast::<i8>()) };
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = i;
-    }
-}
 
 /// `N` values reduced pairwise, halves first (a fixed order that vectorizes).
 #[inline(always)]

@@ -185,6 +185,49 @@ fn model_level(weights: &[&Packed], m: usize) -> Level {
     }
 }
 
+/// Memory a kernel will read next (attention's cache blocks, a decode step's weight panels), asked for a cache line
+/// at a time ([`Ahead::line`]): a hint to the CPU that changes no result. It borrows the bytes it points into.
+#[derive(Clone, Copy)]
+pub struct Ahead<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Ahead<'a> {
+    pub const NONE: Ahead<'static> = Ahead { bytes: &[] };
+
+    pub fn new(bytes: &'a [u8]) -> Ahead<'a> {
+        Ahead { bytes }
+    }
+
+    /// Lines of 64 bytes it covers (the last perhaps partial).
+    #[cfg(test)]
+    pub fn lines(self) -> usize {
+        self.bytes.len().div_ceil(64)
+    }
+
+    /// Asks for line `i` (bytes `64 i..`) to be brought into the L1 cache; nothing past the last line.
+    #[inline(always)]
+    pub fn line(self, i: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(byte) = self.bytes.get(64 * i) {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            // SAFETY: the address is that of a byte of a borrowed slice (`get` checked it); a prefetch only hints
+            // the cache, reads nothing into the program and writes nothing.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(byte).cast::<i8>()) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = i;
+    }
+
+    /// Asks for every line.
+    #[inline(always)]
+    pub fn all(self) {
+        for i in 0..self.bytes.len().div_ceil(64) {
+            self.line(i);
+        }
+    }
+}
+
 /// The level [`Level::choose`] settled, as its index in [`Level::ALL`] plus one; 0 until then. Every level
 /// computes the same bits, so a kernel reading it while another thread settles it gives the same result either way.
 static CHOSEN: AtomicU8 = AtomicU8::new(0);
@@ -262,9 +305,10 @@ impl Packed {
                 Data::Q4 { qs, d, m } => {
                     let byte = qs[pb * 128 + 32 * (i % 16 / 4) + 4 * l + i % 4];
                     let code = if i < 16 { byte & 0xF } else { byte >> 4 };
-                    match m.get(pb * PANEL + l) {
-                        Some(m) => d[pb * PANEL + l] * code as f32 + m,
-                        None => d[pb * PANEL + l] * (code as i32 - 8) as f32,
+                    if m.is_empty() {
+                        d[pb * PANEL + l] * (code as i32 - 8) as f32
+                    } else {
+                        d[pb * PANEL + l] * code as f32 + m[pb * PANEL + l]
                     }
                 }
                 Data::U8 { qs, d, m } => {

@@ -47,13 +47,12 @@ pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                                     sum += (byte & 0xF) as i32 * xb[4 * t + j] as i32 + (byte >> 4) as i32 * xb[16 + 4 * t + j] as i32;
                                 }
                             }
-                            match m.get(pb * PANEL + l) {
-                                Some(m) => {
-                                    *acc = (sum as f32).mul_add(d[pb * PANEL + l] * xd[b], *acc);
-                                    *acc = m.mul_add(s32[b], *acc);
-                                }
+                            if m.is_empty() {
                                 // Q4_0: the codes stand for `code - 8`.
-                                None => *acc = ((sum - 8 * x.sums[r * blocks + b]) as f32).mul_add(d[pb * PANEL + l] * xd[b], *acc),
+                                *acc = ((sum - 8 * x.sums[r * blocks + b]) as f32).mul_add(d[pb * PANEL + l] * xd[b], *acc);
+                            } else {
+                                *acc = (sum as f32).mul_add(d[pb * PANEL + l] * xd[b], *acc);
+                                *acc = m[pb * PANEL + l].mul_add(s32[b], *acc);
                             }
                         }
                     }

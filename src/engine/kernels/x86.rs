@@ -28,7 +28,7 @@ macro_rules! kernels {
             use std::arch::x86_64::*;
             use std::ops::Range;
 
-            use super::super::{Acts, Data, Out, Packed, PANEL};
+            use super::super::{Acts, Ahead, Data, Out, Packed, PANEL};
 
             /// `acc` plus, per 32-bit lane, the four products of unsigned codes `w` and signed codes `x`.
             #[inline]
@@ -309,17 +309,10 @@ macro_rules! kernels {
             #[target_feature(enable = $features)]
             fn ahead(w: &Packed, next: Range<usize>) {
                 let blocks = w.k / 32;
-                let ask = |bytes: &[u8]| {
-                    for line in (0..bytes.len()).step_by(64) {
-                        // SAFETY: a prefetch only hints the cache, reads nothing into the program and writes nothing;
-                        // the address is within `bytes`.
-                        unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(line).cast()) };
-                    }
-                };
                 let floats = |v: &[f32], per: usize| {
                     let (from, to) = (next.start * blocks * per, (next.end * blocks * per).min(v.len()));
                     if from < to {
-                        ask(bytemuck::cast_slice(&v[from..to]));
+                        Ahead::new(bytemuck::cast_slice(&v[from..to])).all();
                     }
                 };
                 let (codes, per) = match &w.data {
@@ -341,7 +334,7 @@ macro_rules! kernels {
                 };
                 let (from, to) = (next.start * blocks * per, (next.end * blocks * per).min(codes.len()));
                 if from < to {
-                    ask(&codes[from..to]);
+                    Ahead::new(&codes[from..to]).all();
                 }
             }
 
