@@ -244,7 +244,7 @@ impl Pair {
                     _ => unreachable!(),
                 }
             }
-            Data::F16(_) | Data::Bf16(_) => unreachable!("float weights do not take the tile unit"),
+            Data::Q6 { .. } | Data::F16(_) | Data::Bf16(_) => unreachable!("Q6_K and float weights do not take the int8 tiles"),
         }
     }
 }
@@ -341,6 +341,9 @@ unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
         Data::Q4 { .. } => run_tiles::<Q4>(w, rows, x, out),
         Data::U8 { .. } => run_tiles::<U8>(w, rows, x, out),
         Data::S8 { .. } => run_tiles::<S8>(w, rows, x, out),
+        // Q6_K's per-16 scales multiply integer sums per group of 16: no tile products of their own yet; the VNNI
+        // kernels compute them (the same bits).
+        Data::Q6 { .. } => super::x86::avx512_vnni::run(w, rows, x, out),
         // bf16 products of fewer than `BF16_TILE_ROWS` rows (their activations rounded to bf16 all the same, see
         // `matmul_many`), and F16 products of fewer than `F16_TILE_ROWS` (exact, as at the other levels).
         Data::F16(_) | Data::Bf16(_) => super::x86::avx512_vnni::run(w, rows, x, out),

@@ -169,15 +169,27 @@ static AUTO_TILES: AtomicBool = AtomicBool::new(false);
 /// The fewest activation rows at which `auto` hands a quantized product to the int8 tiles ([`model_level`]).
 const INT8_TILE_ROWS: usize = 32;
 
+/// The fewest activation rows at which `auto` hands a product of at least [`LARGE_PRODUCT`] weights to the int8
+/// tiles: one tile of rows (a decode step of 16 sequences). `bench kernels` at 16 rows on the 2-core Sapphire
+/// Rapids VM (BENCHMARKS.md, 2026-12-06, item 5): the tiles take 0.75x VNNI's time on Llama-3.2-1B's 8192 x 2048
+/// feed-forward matrices and SmolLM2's 32,000 x 576 output projection, 1.0-2.2x on matrices of 4 M weights or
+/// fewer, where a task's tile set-up and weight layout is not paid back.
+const LARGE_TILE_ROWS: usize = 16;
+
+/// Weights in a product's matrices from which 16 rows take the tiles ([`LARGE_TILE_ROWS`]).
+const LARGE_PRODUCT: usize = 8 << 20;
+
 /// The level a model's product of `m` rows by `weights` runs at: [`Level::active`], except where the job left the
-/// kernels to `auto` on a CPU with AMX ([`AUTO_TILES`]). There products of at least [`INT8_TILE_ROWS`] rows by
+/// kernels to `auto` on a CPU with AMX ([`AUTO_TILES`]). There products of at least [`INT8_TILE_ROWS`] rows (of
+/// [`LARGE_TILE_ROWS`] for matrices of [`LARGE_PRODUCT`] weights or more) by
 /// matrices in the 4-bit (Q4_0, Q4_1, Q4_K) or signed 8-bit (Q8_0, Q5_0) layouts take the AMX level's int8 tiles,
 /// whose results are the VNNI kernels' bits: measured faster there, slower on fewer rows (decode steps) and on the
 /// `U8` layout (BENCHMARKS.md, 2026-12-05, late). bf16 and F16 products, whose AMX results differ, stay at VNNI
 /// unless the job names `amx`.
 fn model_level(weights: &[&Packed], m: usize) -> Level {
     let level = Level::active();
-    let tiles = level == Level::Vnni && m >= INT8_TILE_ROWS && AUTO_TILES.load(Ordering::Relaxed);
+    let rows = if weights.iter().map(|w| w.n * w.k).sum::<usize>() >= LARGE_PRODUCT { LARGE_TILE_ROWS } else { INT8_TILE_ROWS };
+    let tiles = level == Level::Vnni && m >= rows && AUTO_TILES.load(Ordering::Relaxed);
     if tiles && weights.iter().all(|w| matches!(w.data, Data::Q4 { .. } | Data::S8 { .. })) {
         Level::Amx
     } else {
@@ -260,6 +272,12 @@ enum Data {
     /// VNNI multiplies them as unsigned and takes `128 x` the activations' code sum back off; AVX2 flips the bit
     /// back); weight = `d * code` per block of 32.
     S8 { qs: Vec<u8>, d: Vec<f32> },
+    /// Q6_K as stored: 6-bit codes `q` one per byte, chunked as `U8`; a signed scale `sc` per 16 weights
+    /// (`[panel, block, half, 8]`, 16 bytes per panel and block) and `d` per 256 (`[panel, k / 256, 8]`); weight =
+    /// `d * sc * (q - 32)`. The products take, per block of 32, the exact integer `sc_0 * sum((q - 32) x) + sc_1 *
+    /// sum(...)` over its two halves (at most 2 x 128 x 16 x 32 x 127 < 2^24 in magnitude, so exact in f32 too), then
+    /// one float step, `acc = fma(sum, d_w * d_x, acc)`, with no offset: 8.6 bits a weight, where `U8` took 12.
+    Q6 { qs: Vec<u8>, sc: Vec<i8>, d: Vec<f32> },
     /// IEEE half-precision bits.
     F16(Vec<u16>),
     /// bfloat16 bits.
@@ -291,6 +309,7 @@ impl Packed {
         match &self.data {
             Data::Q4 { qs, d, m } | Data::U8 { qs, d, m } => qs.len() + 4 * (d.len() + m.len()),
             Data::S8 { qs, d } => qs.len() + 4 * d.len(),
+            Data::Q6 { qs, sc, d } => qs.len() + sc.len() + 4 * d.len(),
             Data::F16(w) | Data::Bf16(w) => 2 * w.len(),
         }
     }
@@ -316,6 +335,11 @@ impl Packed {
                     d[at] * qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] as f32 + m[at]
                 }
                 Data::S8 { qs, d } => d[pb * PANEL + l] * (qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] ^ 0x80) as i8 as f32,
+                Data::Q6 { qs, sc, d } => {
+                    let q = qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] as i32 - 32;
+                    // `sc * (q - 32)` has at most 12 significant bits and `d` 11: the product is exact in f32.
+                    d[(p * (blocks / 8) + b / 8) * PANEL + l] * (sc[(2 * pb + i / 16) * PANEL + l] as i32 * q) as f32
+                }
                 Data::F16(w) => half::f16::from_bits(w[row * self.k + col]).to_f32(),
                 Data::Bf16(w) => half::bf16::from_bits(w[row * self.k + col]).to_f32(),
             }
@@ -355,8 +379,9 @@ struct Acts<'a> {
     /// `d * (sum of the codes)` per block of 32 (`[m, k / 32]`) and per group of 16 (`[m, k / 16]`).
     s32: Vec<f32>,
     s16: Vec<f32>,
-    /// The sum of the codes per block of 32, exact (`[m, k / 32]`).
+    /// The sum of the codes per block of 32 and per group of 16, exact (`[m, k / 32]`, `[m, k / 16]`).
     sums: Vec<i32>,
+    sums16: Vec<i32>,
     /// For the AMX level, the same activations in the tile unit's order (empty at the other levels).
     tiles: TileOrder,
     /// For the AMX level's bf16 tiles, the activations (already rounded to bf16, `f32` holds their values) as bf16
@@ -420,7 +445,7 @@ impl TileOrder {
 
 impl<'a> Acts<'a> {
     fn new(level: Level, x: &'a [f32], k: usize, quantize: bool) -> Acts<'a> {
-        let mut acts = Acts { k, f32: x, qs: Vec::new(), d: Vec::new(), s32: Vec::new(), s16: Vec::new(), sums: Vec::new(), tiles: TileOrder::default(), bf16: Vec::new() };
+        let mut acts = Acts { k, f32: x, qs: Vec::new(), d: Vec::new(), s32: Vec::new(), s16: Vec::new(), sums: Vec::new(), sums16: Vec::new(), tiles: TileOrder::default(), bf16: Vec::new() };
         if quantize {
             debug_assert_eq!(k % 32, 0);
             let blocks = x.len() / 32;
@@ -429,14 +454,15 @@ impl<'a> Acts<'a> {
             acts.s32 = vec![0.0; blocks];
             acts.s16 = vec![0.0; 2 * blocks];
             acts.sums = vec![0; blocks];
+            acts.sums16 = vec![0; 2 * blocks];
             // In parallel for many rows (prefill); a few rows are quicker on the calling thread.
             const CHUNK: usize = 512;
             if blocks <= CHUNK {
-                quantize_blocks(level, x, &mut acts.qs, &mut acts.d, &mut acts.s32, &mut acts.s16, &mut acts.sums);
+                quantize_blocks(level, x, &mut acts.qs, &mut acts.d, &mut acts.s32, &mut acts.s16, &mut acts.sums, &mut acts.sums16);
             } else {
-                let sums = acts.s32.par_chunks_mut(CHUNK).zip(acts.s16.par_chunks_mut(2 * CHUNK)).zip(acts.sums.par_chunks_mut(CHUNK));
+                let sums = acts.s32.par_chunks_mut(CHUNK).zip(acts.s16.par_chunks_mut(2 * CHUNK)).zip(acts.sums.par_chunks_mut(CHUNK)).zip(acts.sums16.par_chunks_mut(2 * CHUNK));
                 let codes = x.par_chunks(32 * CHUNK).zip(acts.qs.par_chunks_mut(32 * CHUNK)).zip(acts.d.par_chunks_mut(CHUNK));
-                codes.zip(sums).for_each(|(((x, qs), d), ((s32, s16), sums))| quantize_blocks(level, x, qs, d, s32, s16, sums));
+                codes.zip(sums).for_each(|(((x, qs), d), (((s32, s16), sums), sums16))| quantize_blocks(level, x, qs, d, s32, s16, sums, sums16));
             }
             if level == Level::Amx {
                 acts.tiles = TileOrder::new(&acts);
@@ -454,8 +480,9 @@ impl<'a> Acts<'a> {
 /// `block_q8_1`): the codes are rounded with the exact scale, the scale kept to f16 precision, the sums (per 32
 /// and per 16) computed with the exact scale and kept to f16 precision. The products then see the activations
 /// llama.cpp's do, and a model's outputs agree with llama.cpp's as closely as its weights allow.
-fn store_scales(scale: f32, sums: [i32; 2], d: &mut f32, s32: &mut f32, s16: &mut [f32], sum: &mut i32) {
+fn store_scales(scale: f32, sums: [i32; 2], d: &mut f32, s32: &mut f32, s16: &mut [f32], sum: &mut i32, sum16: &mut [i32]) {
     *sum = sums[0] + sums[1];
+    sum16.copy_from_slice(&sums);
     let f16 = |v: f32| half::f16::from_f32(v).to_f32();
     *d = f16(scale);
     *s32 = f16(scale * (sums[0] + sums[1]) as f32);
@@ -463,11 +490,12 @@ fn store_scales(scale: f32, sums: [i32; 2], d: &mut f32, s32: &mut f32, s16: &mu
     s16[1] = f16(scale * sums[1] as f32);
 }
 
-fn quantize_blocks(level: Level, x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums: &mut [i32]) {
+#[allow(clippy::too_many_arguments)]
+fn quantize_blocks(level: Level, x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums: &mut [i32], sums16: &mut [i32]) {
     #[cfg(target_arch = "x86_64")]
-    return x86::quantize_blocks(level, x, qs, d, s32, s16, sums);
+    return x86::quantize_blocks(level, x, qs, d, s32, s16, sums, sums16);
     #[allow(unreachable_code)]
-    portable::quantize_blocks(x, qs, d, s32, s16, sums)
+    portable::quantize_blocks(x, qs, d, s32, s16, sums, sums16)
 }
 
 /// Where the kernels write: `[m, n]` row-major f32.

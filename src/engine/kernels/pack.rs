@@ -5,8 +5,10 @@
 //! `m = -c * d`; the k-quants' sub-block scales `d * sc` and mins `dmin * mn` are products of an f16 and an
 //! integer of at most 8 bits, which f32 holds exactly). Q8_0 and Q5_0 are kept signed, `d * code` (Q5_0's code is
 //! `q - 16`): the layout with the cheapest products, one scale per 32, which `auto` hands to AMX's int8 tiles. Q4_0
-//! keeps its 4-bit codes with no offsets stored: they stand for `d * (q - 8)`. The codes are copied, the scales
-//! widened from f16 to f32: every weight the kernels compute with is the one the file stores.
+//! keeps its 4-bit codes with no offsets stored: they stand for `d * (q - 8)`. Q6_K keeps its own scales, one
+//! signed 8-bit `sc` per 16 and an f16 `d` per 256 (`d * sc * (q - 32)`): the kernels multiply them in as
+//! integers. The codes are copied, the scales widened from f16 to f32: every weight the kernels compute with is the
+//! one the file stores.
 
 use candle_core::quantized::GgmlDType;
 use half::f16;
@@ -72,7 +74,6 @@ fn decode_block(dtype: GgmlDType, b: &[u8], group: &mut impl FnMut(&[u8; 16], f3
             }
             emit32(&codes, d, m, group);
         }
-        GgmlDType::Q8_0 => unreachable!("Q8_0 is kept signed, not decoded to codes"),
         GgmlDType::Q4K | GgmlDType::Q5K => {
             let (d, dmin, scales) = (half_at(b, 0), half_at(b, 2), &b[4..16]);
             let (qh, qs) = if dtype == GgmlDType::Q5K { (Some(&b[16..48]), &b[48..176]) } else { (None, &b[16..144]) };
@@ -91,27 +92,27 @@ fn decode_block(dtype: GgmlDType, b: &[u8], group: &mut impl FnMut(&[u8; 16], f3
                 }
             }
         }
-        GgmlDType::Q6K => {
-            let (ql, qh, scales, d) = (&b[0..128], &b[128..192], &b[192..208], half_at(b, 208));
-            // Two halves of 128 weights; in each, 64 bytes of low nibbles and 32 of two-bit high parts; one signed
-            // 8-bit scale per 16 weights. Codes are stored offset by 32.
-            let mut all = [0u8; 256];
-            for h in 0..2 {
-                let (ql, qh, y) = (&ql[64 * h..], &qh[32 * h..], &mut all[128 * h..]);
-                for l in 0..32 {
-                    y[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
-                    y[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
-                    y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
-                    y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
-                }
-            }
-            for (g, codes) in all.chunks_exact(16).enumerate() {
-                let dg = d * scales[g] as i8 as f32;
-                group(codes.try_into().expect("16"), dg, -32.0 * dg);
-            }
-        }
+        GgmlDType::Q8_0 | GgmlDType::Q6K => unreachable!("{dtype:?} is not decoded to unsigned codes"),
         _ => unreachable!("decode_block for a type block_size refuses"),
     }
+}
+
+/// A Q6_K block's 256 codes `q` (0..=63, in order), its 16 signed scales (one per 16 weights) and its f16 scale
+/// `d`: weight `i` is `d * sc[i / 16] * (q[i] - 32)`.
+fn q6k_block(b: &[u8]) -> ([u8; 256], [i8; 16], f32) {
+    let (ql, qh, scales, d) = (&b[0..128], &b[128..192], &b[192..208], half_at(b, 208));
+    // Two halves of 128 weights; in each, 64 bytes of low nibbles and 32 of two-bit high parts.
+    let mut codes = [0u8; 256];
+    for h in 0..2 {
+        let (ql, qh, y) = (&ql[64 * h..], &qh[32 * h..], &mut codes[128 * h..]);
+        for l in 0..32 {
+            y[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+            y[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+            y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+    (codes, std::array::from_fn(|g| scales[g] as i8), d)
 }
 
 /// A GGUF matrix `[n, k]` of `dtype` (its raw bytes as stored) in the kernels' layout, or `None` when the kernels
@@ -162,6 +163,26 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
                 ds.extend(lanes(rows, k / 32, &d));
             }
             Data::S8 { qs, d: ds }
+        }
+        GgmlDType::Q6K => {
+            // The 6-bit codes one per byte, as `U8`; the signed scales per 16 as they are; `d` per 256 widened.
+            let (mut qs, mut sc, mut ds) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut codes, mut scales, mut d) = (Vec::with_capacity(PANEL * k), Vec::with_capacity(PANEL * k / 16), Vec::with_capacity(PANEL * k / 256));
+            for (panel, rows) in panels {
+                codes.clear();
+                scales.clear();
+                d.clear();
+                for b in panel.chunks_exact(block_bytes) {
+                    let (c, s, db) = q6k_block(b);
+                    codes.extend_from_slice(&c);
+                    scales.extend_from_slice(&s);
+                    d.push(db);
+                }
+                qs.extend(chunks(rows, k, &codes, false));
+                sc.extend(lanes(rows, k / 16, &scales));
+                ds.extend(lanes(rows, k / 256, &d));
+            }
+            Data::Q6 { qs, sc, d: ds }
         }
         _ => {
             // Per panel: row-major codes and a scale and offset per 16, then the panel's layout.
@@ -225,8 +246,8 @@ fn chunks(n: usize, k: usize, codes: &[u8], nibbles: bool) -> Vec<u8> {
 
 /// Per-row values `[n, per_row]` in panels: `[panel, per_row, PANEL]`, a panel's eight rows side by side (the last
 /// panel's missing rows zero).
-fn lanes(n: usize, per_row: usize, v: &[f32]) -> Vec<f32> {
-    let mut out = vec![0f32; n.div_ceil(PANEL) * per_row * PANEL];
+fn lanes<T: Copy + Default>(n: usize, per_row: usize, v: &[T]) -> Vec<T> {
+    let mut out = vec![T::default(); n.div_ceil(PANEL) * per_row * PANEL];
     for (row, values) in v.chunks_exact(per_row).enumerate() {
         let (p, l) = (row / PANEL, row % PANEL);
         for (c, &value) in values.iter().enumerate() {

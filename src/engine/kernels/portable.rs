@@ -8,7 +8,7 @@ use super::{hsum8, Acts, Data, Out, Packed, PANEL};
 
 /// Activations to codes, per block of 32: scale `max |x| / 127`, codes rounded to nearest (ties to even), and the
 /// scaled sums of the codes per 32 and per 16.
-pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums_out: &mut [i32]) {
+pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums_out: &mut [i32], sums16: &mut [i32]) {
     for (b, (x, qs)) in x.chunks_exact(32).zip(qs.chunks_exact_mut(32)).enumerate() {
         let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
         let scale = amax / 127.0;
@@ -20,13 +20,14 @@ pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut
             *q = (v * inverse).round_ties_even().clamp(-127.0, 127.0) as i8;
             sums[j / 16] += *q as i32;
         }
-        super::store_scales(scale, sums, &mut d[b], &mut s32[b], &mut s16[2 * b..2 * b + 2], &mut sums_out[b]);
+        super::store_scales(scale, sums, &mut d[b], &mut s32[b], &mut s16[2 * b..2 * b + 2], &mut sums_out[b], &mut sums16[2 * b..2 * b + 2]);
     }
 }
 
 /// Weight rows `rows` (whole panels, the last possibly padded) times every activation row: for each output, per
-/// block of 32 (per group of 16 for `U8`) the exact integer sum of code products, then
-/// `acc = fma(sum, d_w * d_x, acc)` and, for types with an offset, `acc = fma(m_w, s_x, acc)`, in block order.
+/// block of 32 (per group of 16 for `U8`) the exact integer sum of code products (for `Q6`, the two halves' sums
+/// times their scales), then `acc = fma(sum, d_w * d_x, acc)` and, for types with an offset,
+/// `acc = fma(m_w, s_x, acc)`, in block order.
 pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     let (k, blocks) = (w.k, w.k / 32);
     for p in rows.start / PANEL..rows.end.div_ceil(PANEL) {
@@ -72,6 +73,19 @@ pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                         for (l, acc) in acc.iter_mut().enumerate() {
                             let sum: i32 = (0..8).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| (codes[32 * g + 4 * l + j] ^ 0x80) as i8 as i32 * xb[4 * g + j] as i32).sum();
                             *acc = (sum as f32).mul_add(d[pb * PANEL + l] * xd[b], *acc);
+                        }
+                    }
+                    Data::Q6 { qs, sc, d } => {
+                        let codes = &qs[pb * 256..(pb + 1) * 256];
+                        for (l, acc) in acc.iter_mut().enumerate() {
+                            // Per half: sum((q - 32) x) = sum(q x) - 32 sum(x), times its scale, all exact in i32.
+                            let sum: i32 = (0..2)
+                                .map(|h| {
+                                    let dot: i32 = (4 * h..4 * h + 4).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| codes[32 * g + 4 * l + j] as i32 * xb[4 * g + j] as i32).sum();
+                                    sc[(2 * pb + h) * PANEL + l] as i32 * (dot - 32 * x.sums16[r * 2 * blocks + 2 * b + h])
+                                })
+                                .sum();
+                            *acc = (sum as f32).mul_add(d[(p * (blocks / 8) + b / 8) * PANEL + l] * xd[b], *acc);
                         }
                     }
                     Data::F16(_) | Data::Bf16(_) => unreachable!("float weights take the float loop"),

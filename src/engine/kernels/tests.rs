@@ -75,6 +75,66 @@ fn the_kernels_refuse_what_they_cannot_compute_faithfully() {
     assert!(pack::pack(GgmlDType::Q4_1, &[0; 80], 2, 64).is_ok());
 }
 
+/// Q6_K's products take each block's `sc_0 * sum((q - 32) x) + sc_1 * sum(...)` as an exact integer, converted to
+/// f32 without rounding: at the extremes (codes 0 and 63, scales -128 and 127, activations of full scale, sums
+/// near 2^24) every level gives the bits of that integer's float step, computed here in i64.
+#[test]
+fn q6k_block_sums_are_exact_at_the_extremes() {
+    let (n, k, m) = (16, 512, 5);
+    let mut bytes = Vec::with_capacity(n * k / 256 * 210);
+    for row in 0..n {
+        for block in 0..k / 256 {
+            // Rows of codes 0 (q - 32 = -32) with scale -128, codes 63 with 127, then mixed codes and scales.
+            let (q, sc): (Box<dyn Fn(usize) -> u8>, Box<dyn Fn(usize) -> i8>) = match row % 4 {
+                0 => (Box::new(|_| 0), Box::new(|_| -128)),
+                1 => (Box::new(|_| 63), Box::new(|_| 127)),
+                2 => (Box::new(|_| 0), Box::new(|g| if g % 2 == 0 { 127 } else { -128 })),
+                _ => (Box::new(move |i| ((i * 7 + row + block) % 64) as u8), Box::new(move |g| (g as i32 * 37 - 128 + row as i32) as i8)),
+            };
+            // ggml's Q6_K layout: per half of 128, low nibbles of `l` and `l + 64` in `ql[l]`, of `l + 32` and
+            // `l + 96` in `ql[l + 32]`; the two-bit high parts of `l`, `l + 32`, `l + 64`, `l + 96` in `qh[l]`.
+            let (mut ql, mut qh) = ([0u8; 128], [0u8; 64]);
+            for h in 0..2 {
+                for l in 0..32 {
+                    let c = |j: usize| q(128 * h + l + j);
+                    ql[64 * h + l] = (c(0) & 0xF) | ((c(64) & 0xF) << 4);
+                    ql[64 * h + l + 32] = (c(32) & 0xF) | ((c(96) & 0xF) << 4);
+                    qh[32 * h + l] = (c(0) >> 4) | ((c(32) >> 4) << 2) | ((c(64) >> 4) << 4) | ((c(96) >> 4) << 6);
+                }
+            }
+            bytes.extend_from_slice(&ql);
+            bytes.extend_from_slice(&qh);
+            bytes.extend((0..16).map(|g| sc(g) as u8));
+            bytes.extend_from_slice(&half::f16::from_f32(0.001 * (1 + row) as f32).to_le_bytes());
+        }
+    }
+    let packed = pack::pack(GgmlDType::Q6K, &bytes, n, k).unwrap().unwrap();
+    // Full-scale activations of both signs.
+    let x: Vec<f32> = (0..m * k).map(|i| if (i / 16 + i / k) % 3 == 0 { -1.5 } else { 1.5 }).collect();
+    let acts = Acts::new(Level::Portable, &x, k, true);
+    let weights = packed.dequantize();
+    let mut largest = 0i64;
+    let mut want = vec![0f32; m * n];
+    for r in 0..m {
+        for c in 0..n {
+            let mut acc = 0f32;
+            for b in 0..k / 32 {
+                let (at, dw) = (c * k + 32 * b, half::f16::from_f32(0.001 * (1 + c) as f32).to_f32());
+                // The weight is `dw * sc * (q - 32)` exactly (`packing_keeps_...`): `sc * (q - 32)` back from it.
+                let sum: i64 = (0..32).map(|i| (weights[at + i] / dw).round() as i64 * acts.qs[r * k + 32 * b + i] as i64).sum();
+                largest = largest.max(sum.abs());
+                acc = (sum as f32).mul_add(dw * acts.d[r * k / 32 + b], acc);
+            }
+            want[r * n + c] = acc;
+        }
+    }
+    assert!(largest > 16_000_000 && largest < 1 << 24, "the extremes reach {largest}");
+    for level in Level::available() {
+        let y = packed.matmul_at(level, &x, m);
+        assert!(y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{level:?}: {:?} vs {:?}", &y[..4], &want[..4]);
+    }
+}
+
 /// Whether a level computes a type's products with the portable kernels' bits: every level every type, but the AMX
 /// level's bf16 products, which round the activations to bf16 (`amx_bf16_tiles_...`), and its F16 products of 16
 /// rows or more, which split weights and activations into bf16 parts (`amx_f16_tiles_...`).

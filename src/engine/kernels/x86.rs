@@ -214,6 +214,46 @@ macro_rules! kernels {
                             }
                         }
                     }
+                    Data::Q6 { qs, sc, d } => {
+                        let supers = blocks / 8;
+                        assert!(blocks.is_multiple_of(8) && qs.len() == panels * blocks * 256 && sc.len() == panels * blocks * 2 * PANEL && d.len() == panels * supers * PANEL, "Q6 layout (a bug)");
+                        assert!(x.sums16.len() == 2 * x.d.len(), "activation code sums (a bug)");
+                        // SAFETY (these closures): as for U8, with 16 scale bytes per panel and block and 8 scales
+                        // per panel and 8 blocks (`b / 8 < supers`).
+                        let chunk = |p: usize, b: usize, g: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * 256 + 32 * g).cast()) };
+                        let scales = |p: usize, b: usize| unsafe { _mm_loadu_si128(sc.as_ptr().add((p * blocks + b) * 2 * PANEL).cast()) };
+                        let lanes = |p: usize, b: usize| unsafe { _mm256_loadu_ps(d.as_ptr().add((p * supers + b / 8) * PANEL)) };
+                        // SAFETY: activation row `r0 + i < r0 + R` exists, `b < blocks` and `h < 2` (as for `s16`).
+                        let less = |i: usize, b: usize, h: usize| unsafe { _mm256_set1_epi32(32 * *x.sums16.as_ptr().add((r0 + i) * 2 * blocks + 2 * b + h)) };
+                        for b in 0..blocks {
+                            // Both halves' chains side by side: `sums[h]` is sum(q x) over half `h`.
+                            let mut sums = [[[_mm256_setzero_si256(); R]; P]; 2];
+                            for g in (0..4).step_by(2) {
+                                for j in 0..P {
+                                    for (h, sums) in sums.iter_mut().enumerate() {
+                                        let (w0, w1) = (chunk(p0 + j, b, 4 * h + g), chunk(p0 + j, b, 4 * h + g + 1));
+                                        for i in 0..R {
+                                            sums[j][i] = dot2(sums[j][i], w0, xg(i, b, 4 * h + g), w1, xg(i, b, 4 * h + g + 1));
+                                        }
+                                    }
+                                }
+                            }
+                            for j in 0..P {
+                                let s = scales(p0 + j, b);
+                                let (s0, s1) = (_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(s))));
+                                let dw = lanes(p0 + j, b);
+                                for i in 0..R {
+                                    // `sc_0 * (sum(q x) - 32 sum(x)) + sc_1 * (...)`, the integer of `Data::Q6`, in
+                                    // floats: each half's sum is below 2^16 and its scale 2^8 in magnitude, so the
+                                    // product is exact, and so is the sum of the two (below 2^24): the same bits as
+                                    // the integer arithmetic, in cheaper instructions than 32-bit multiplies.
+                                    let (h0, h1) = (_mm256_sub_epi32(sums[0][j][i], less(i, b, 0)), _mm256_sub_epi32(sums[1][j][i], less(i, b, 1)));
+                                    let sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h1), s1, _mm256_mul_ps(_mm256_cvtepi32_ps(h0), s0));
+                                    acc[j][i] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dw, xd(i, b)), acc[j][i]);
+                                }
+                            }
+                        }
+                    }
                     Data::F16(_) | Data::Bf16(_) => unreachable!("float weights take the float tile"),
                 }
                 // SAFETY: `store_tile` hands each output's eight floats, this task's to write.
@@ -330,6 +370,14 @@ macro_rules! kernels {
                         floats(d, PANEL);
                         (qs, 256)
                     }
+                    Data::Q6 { qs, sc, d } => {
+                        floats(d, PANEL / 8);
+                        let (from, to) = (next.start * blocks * 2 * PANEL, (next.end * blocks * 2 * PANEL).min(sc.len()));
+                        if from < to {
+                            Ahead::new(bytemuck::cast_slice(&sc[from..to])).all();
+                        }
+                        (qs, 256)
+                    }
                     Data::F16(_) | Data::Bf16(_) => return,
                 };
                 let (from, to) = (next.start * blocks * per, (next.end * blocks * per).min(codes.len()));
@@ -414,9 +462,9 @@ mod quantize {
 
     /// `quantize_blocks` of the portable code, in registers: the same bits for finite activations.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums_out: &mut [i32]) {
+    pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums_out: &mut [i32], sums16: &mut [i32]) {
         let blocks = d.len();
-        assert!(x.len() == 32 * blocks && qs.len() == 32 * blocks && s32.len() == blocks && s16.len() == 2 * blocks && sums_out.len() == blocks, "activation blocks (a bug)");
+        assert!(x.len() == 32 * blocks && qs.len() == 32 * blocks && s32.len() == blocks && s16.len() == 2 * blocks && sums_out.len() == blocks && sums16.len() == 2 * blocks, "activation blocks (a bug)");
         let (lo, hi, sign) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0), _mm256_set1_ps(-0.0));
         let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         for b in 0..blocks {
@@ -449,6 +497,7 @@ mod quantize {
             // SAFETY: `kept` holds 4 f32.
             unsafe { _mm_storeu_ps(kept.as_mut_ptr(), _mm_cvtph_ps(_mm_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(exact))) };
             (d[b], s32[b], s16[2 * b], s16[2 * b + 1], sums_out[b]) = (kept[0], kept[1], kept[2], kept[3], sums[0] + sums[1]);
+            (sums16[2 * b], sums16[2 * b + 1]) = (sums[0], sums[1]);
         }
     }
 }
@@ -458,13 +507,14 @@ fn has_avx2() -> bool {
 }
 
 /// Activation blocks to codes at `level` (one this CPU has).
-pub(super) fn quantize_blocks(level: super::Level, x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums: &mut [i32]) {
+#[allow(clippy::too_many_arguments)]
+pub(super) fn quantize_blocks(level: super::Level, x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums: &mut [i32], sums16: &mut [i32]) {
     match level {
-        super::Level::Portable => super::portable::quantize_blocks(x, qs, d, s32, s16, sums),
+        super::Level::Portable => super::portable::quantize_blocks(x, qs, d, s32, s16, sums, sums16),
         _ => {
             assert!(has_avx2(), "AVX2 kernels on a CPU without AVX2 (a bug)");
             // SAFETY: the CPU has AVX2, FMA and F16C (asserted above).
-            unsafe { quantize::quantize_blocks(x, qs, d, s32, s16, sums) }
+            unsafe { quantize::quantize_blocks(x, qs, d, s32, s16, sums, sums16) }
         }
     }
 }
