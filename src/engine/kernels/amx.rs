@@ -28,8 +28,10 @@
 //! wait on the tiles' stores). On a 2-core Sapphire Rapids VM, 2 threads: 1.1-1.4x VNNI on the feed-forward and
 //! output matrices from 32 rows, 0.6-0.9x on the narrow k and v projections and below 32 rows; a prefill-heavy job
 //! 1.06-1.10x (BENCHMARKS.md). So `auto` settles at VNNI and hands only a model's quantized products of 32 rows or
-//! more in the 4-bit and signed layouts to these tiles (`super::model_level`: the same bits, 2-7 % faster whole
-//! jobs); `runtime.cpu_kernels = "amx"` runs this whole level.
+//! more (16 where the product's matrices hold 8 M weights or more) in the 4-bit and signed layouts to these tiles
+//! (`super::model_level`: the same bits, 2-7 % faster whole jobs); `runtime.cpu_kernels = "amx"` runs this whole
+//! level. Q6_K's own layout (`Data::Q6`, integer sums per 16 times integer scales) has no tile products yet: it
+//! takes the VNNI kernels at this level too.
 //!
 //! bf16 weights take the tile unit's bf16 products (`tdpbf16ps`, AMX-BF16): there the integer detour is gone,
 //! each output's sum stays in the tiles across the whole row, and a tile product does 16 times the work of the
@@ -171,8 +173,47 @@ struct Pair {
 }
 
 impl Pair {
-    fn new(blocks: usize, groups: usize) -> Pair {
-        Pair { codes: vec![Line([0; 64]); 8 * blocks], d: vec![0.0; 16 * groups * blocks], m: vec![0.0; 16 * groups * blocks] }
+    fn new(blocks: usize, groups: usize, lines: usize) -> Pair {
+        Pair { codes: vec![Line([0; 64]); lines * blocks], d: vec![0.0; 16 * groups * blocks], m: vec![0.0; 16 * groups * blocks] }
+    }
+
+    /// Panels `p` and `p + 1` of a `Q6` matrix: per block 16 lines, the first eight (a weight tile) holding each
+    /// weight's `w = sc * (q - 32)` high part `w >> 6` (signed, -64..=64) and the next eight its low part `w & 63`
+    /// (unsigned): `w = 64 hi + lo` exactly, so `64 C_hi + C_lo` is the block's integer of `Data::Q6`. `d` per
+    /// block (its 256's), 16 lanes.
+    #[target_feature(enable = "avx512f,avx512bw,avx2")]
+    fn fill_q6(&mut self, w: &Packed, p: usize) {
+        let Data::Q6 { qs, sc, d } = &w.data else { unreachable!("fill_q6 of another layout (a bug)") };
+        let blocks = w.k / 32;
+        let supers = blocks / 8;
+        assert!((p + 2) * blocks * 256 <= qs.len() && (p + 2) * blocks * 16 <= sc.len() && (p + 2) * supers * PANEL <= d.len() && self.codes.len() == 16 * blocks, "Q6 pair out of range (a bug)");
+        // Word `i` of a chunk's 32 codes is lane `i / 4`'s: it takes that row's scale.
+        let spread = _mm512_set_epi16(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        let (offset, low) = (_mm512_set1_epi16(32), _mm512_set1_epi16(63));
+        for b in 0..blocks {
+            for (half_line, panel) in [p, p + 1].into_iter().enumerate() {
+                let at = panel * blocks + b;
+                for h in 0..2 {
+                    // SAFETY: 8 scales at `(2 at + h) 8` and 32 codes at `256 at + 32 g` lie inside `sc` and `qs`
+                    // (`at < (p + 2) blocks`, asserted above); 32 bytes at `32 half_line` of a 64-byte line.
+                    unsafe {
+                        let scales = _mm_cvtepi8_epi16(_mm_loadl_epi64(sc.as_ptr().add((2 * at + h) * PANEL).cast()));
+                        let scales = _mm512_permutexvar_epi16(spread, _mm512_castsi128_si512(scales));
+                        for g in 4 * h..4 * h + 4 {
+                            let codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(qs.as_ptr().add(256 * at + 32 * g).cast()));
+                            // `sc * (q - 32)`: at most 128 x 32 in magnitude, exact in 16 bits.
+                            let weight = _mm512_mullo_epi16(_mm512_sub_epi16(codes, offset), scales);
+                            let (hi, lo) = (_mm512_cvtepi16_epi8(_mm512_srai_epi16::<6>(weight)), _mm512_cvtepi16_epi8(_mm512_and_si512(weight, low)));
+                            _mm256_storeu_si256(self.codes[16 * b + g].0.as_mut_ptr().add(32 * half_line).cast(), hi);
+                            _mm256_storeu_si256(self.codes[16 * b + 8 + g].0.as_mut_ptr().add(32 * half_line).cast(), lo);
+                        }
+                    }
+                }
+            }
+            let (d0, d1) = ((p * supers + b / 8) * PANEL, ((p + 1) * supers + b / 8) * PANEL);
+            self.d[16 * b..16 * b + 8].copy_from_slice(&d[d0..d0 + 8]);
+            self.d[16 * b + 8..16 * b + 16].copy_from_slice(&d[d1..d1 + 8]);
+        }
     }
 
     /// Panels `p` and `p + 1` of `w` (both exist).
@@ -244,7 +285,8 @@ impl Pair {
                     _ => unreachable!(),
                 }
             }
-            Data::Q6 { .. } | Data::F16(_) | Data::Bf16(_) => unreachable!("Q6_K and float weights do not take the int8 tiles"),
+            Data::Q6 { .. } => unreachable!("Q6 pairs are filled by fill_q6"),
+            Data::F16(_) | Data::Bf16(_) => unreachable!("float weights do not take the tile unit"),
         }
     }
 }
@@ -312,6 +354,9 @@ const Q4: u8 = 0;
 const U8: u8 = 1;
 const S8: u8 = 2;
 const Q4S: u8 = 3;
+/// Q6_K's layout: per block, two tile products, the weights' high parts (signed) and low parts (unsigned), whose
+/// sums the float step combines (`64 C_hi + C_lo`) before its one multiply-add ([`Pair::fill_q6`]).
+const Q6: u8 = 4;
 
 /// Whether kind `T`'s tiles hold signed codes (`tdpbssd`) and its float steps have no offset.
 const fn signed(t: u8) -> bool {
@@ -341,9 +386,7 @@ unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
         Data::Q4 { .. } => run_tiles::<Q4>(w, rows, x, out),
         Data::U8 { .. } => run_tiles::<U8>(w, rows, x, out),
         Data::S8 { .. } => run_tiles::<S8>(w, rows, x, out),
-        // Q6_K's per-16 scales multiply integer sums per group of 16: no tile products of their own yet; the VNNI
-        // kernels compute them (the same bits).
-        Data::Q6 { .. } => super::x86::avx512_vnni::run(w, rows, x, out),
+        Data::Q6 { .. } => run_tiles::<Q6>(w, rows, x, out),
         // bf16 products of fewer than `BF16_TILE_ROWS` rows (their activations rounded to bf16 all the same, see
         // `matmul_many`), and F16 products of fewer than `F16_TILE_ROWS` (exact, as at the other levels).
         Data::F16(_) | Data::Bf16(_) => super::x86::avx512_vnni::run(w, rows, x, out),
@@ -639,17 +682,26 @@ fn run_tiles<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     let config = Config::new(32 / groups);
     // SAFETY: `config` is a valid palette-1 configuration (every tile at most 16 rows of 64 bytes), 64 bytes.
     unsafe { asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly)) };
-    let mut pair = [Pair::new(w.k / 32, groups), Pair::new(w.k / 32, groups)];
+    let lines = if T == Q6 { 16 } else { 8 };
+    let mut pair = [Pair::new(w.k / 32, groups, lines), Pair::new(w.k / 32, groups, lines)];
+    // Q6: one pair of panels at a time, its high and low tiles in the places of two pairs'.
+    let (per, nb_max) = if T == Q6 { (1, 1) } else { (2, 2) };
     let mut sums = [[Tile([[0; COLS]; ROWS]); 4]; 2];
     let mut acc = [Tile([[0f32; COLS]; ROWS]); 4];
     for group in (0..tiles).step_by(ROW_GROUP / ROWS) {
         let group_end = (group + ROW_GROUP / ROWS).min(tiles);
-        for q in (0..pairs).step_by(2) {
+        for q in (0..pairs).step_by(per) {
             let p = [first + 2 * q, first + 2 * q + 2];
-            let nb = (pairs - q).min(2);
+            let nb = (pairs - q).min(nb_max);
             for (j, pair) in pair.iter_mut().enumerate().take(nb) {
-                pair.fill(w, p[j]);
+                if T == Q6 {
+                    pair.fill_q6(w, p[j]);
+                } else {
+                    pair.fill(w, p[j]);
+                }
             }
+            // Q6's two tiles (high, low) per pair take macro tiles of two.
+            let nb = if T == Q6 { 2 } else { nb };
             for t in (group..group_end).step_by(2) {
                 let r0 = ROWS * t;
                 match ((group_end - t).min(2), nb) {
@@ -706,6 +758,27 @@ fn finish<const T: u8>(acc: &mut Tile<f32>, c: &Tile<i32>, s: usize, pair: &Pair
     }
 }
 
+/// [`finish`] for `Q6`: the block's integer `64 C_hi + C_lo` (exact: below 2^24 in magnitude, `Data::Q6`), then
+/// `acc = fma(sum, d_w * d_x, acc)`, the VNNI kernels' float step.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn finish_q6(acc: &mut Tile<f32>, hi: &Tile<i32>, lo: &Tile<i32>, b: usize, pair: &Pair, x: &Acts, r0: usize) {
+    let first = b == 0;
+    let (m, order) = (x.rows(), &x.tiles);
+    assert!(r0 + ROWS <= m && (b + 1) * m <= order.d.len() && 16 * (b + 1) <= pair.d.len(), "scales out of range (a bug)");
+    // SAFETY: rows `r0..r0 + 16` of block `b` and the pair's 16 scales at `16 b` are in range (asserted above); the
+    // CPU has AVX-512 F (this function's features).
+    unsafe {
+        let xd = order.d.as_ptr().add(b * m + r0);
+        let dw = _mm512_loadu_ps(pair.d.as_ptr().add(16 * b));
+        for i in 0..ROWS {
+            let sum = _mm512_add_epi32(_mm512_slli_epi32::<6>(_mm512_load_si512(hi.0[i].as_ptr().cast())), _mm512_load_si512(lo.0[i].as_ptr().cast()));
+            let v = if first { _mm512_setzero_ps() } else { _mm512_load_ps(acc.0[i].as_ptr()) };
+            _mm512_store_ps(acc.0[i].as_mut_ptr(), _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(*xd.add(i))), v));
+        }
+    }
+}
+
 /// `NB` pairs of panels (`pair[j]` holds panels `p[j]`, `p[j] + 1`) times `NA` tiles of 16 activation rows from
 /// row `r0`. Per step (block, or group for `U8`), up to 2 x 2 tile products, each tile load serving two of them;
 /// each product is followed by the float steps of the same tile product one step before, so that the tile unit
@@ -716,14 +789,15 @@ fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &
     let (k, blocks) = (w.k, w.k / 32);
     let groups = if T == U8 { 2 } else { 1 };
     assert!(r0.is_multiple_of(ROWS) && r0 + NA * ROWS <= x.rows() && x.tiles.codes.len() == x.rows() / ROWS * ROWS * k, "activation tile out of range (a bug)");
-    assert!((0..NB).all(|j| pair[j].codes.len() == 8 * blocks), "pair layout (a bug)");
+    assert!(if T == Q6 { NB == 2 && pair[0].codes.len() == 16 * blocks } else { (0..NB).all(|j| pair[j].codes.len() == 8 * blocks) }, "pair layout (a bug)");
     let steps = groups * blocks;
     for s in 0..=steps {
         let (now, before) = sums.split_at_mut(1);
         let (now, before) = if s % 2 == 0 { (&mut now[0], &before[0]) } else { (&mut before[0], &now[0]) };
         let (b, h) = (s.min(steps - 1) / groups, s % groups);
         let xs = |a: usize| x.tiles.codes[((r0 / ROWS + a) * blocks + b) * ROWS * 32 + 16 * h..].as_ptr().cast::<u8>();
-        let ws = |j: usize| pair[j].codes[8 * b + 4 * h..].as_ptr().cast::<u8>();
+        // Q6: "pair" `j` is the one pair's high (0) or low (1) tile.
+        let ws = |j: usize| if T == Q6 { pair[0].codes[16 * b + 8 * j..].as_ptr().cast::<u8>() } else { pair[j].codes[8 * b + 4 * h..].as_ptr().cast::<u8>() };
         for c in 0..4 {
             let (a, j) = (c / 2, c % 2);
             if a >= NA || j >= NB {
@@ -741,7 +815,7 @@ fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &
                         0 => {
                             load::<4>(xs(0), 32);
                             load::<6>(ws(0), 64);
-                            product::<0>(signed(T), &mut now[0]);
+                            product::<0>(signed(T) || T == Q6, &mut now[0]);
                         }
                         1 => {
                             load::<7>(ws(1), 64);
@@ -749,19 +823,25 @@ fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &
                         }
                         2 => {
                             load::<5>(xs(1), 32);
-                            product::<2>(signed(T), &mut now[2]);
+                            product::<2>(signed(T) || T == Q6, &mut now[2]);
                         }
                         _ => product::<3>(signed(T), &mut now[3]),
                     }
                 }
             }
-            if s > 0 {
+            if s > 0 && T == Q6 {
+                // Once both of the row tile's sums (high, low) of the step before are stored.
+                if j == 1 {
+                    finish_q6(&mut acc[2 * a], &before[2 * a], &before[2 * a + 1], s - 1, &pair[0], x, r0 + ROWS * a);
+                }
+            } else if s > 0 {
                 finish::<T>(&mut acc[c], &before[c], s - 1, &pair[j], x, r0 + ROWS * a);
             }
         }
     }
     for a in 0..NA {
-        for j in 0..NB {
+        // Q6: one pair, its outputs in the row tile's first accumulator.
+        for j in 0..if T == Q6 { 1 } else { NB } {
             let tile = &acc[2 * a + j];
             let row = |i: usize, half: usize| -> &[f32; PANEL] { tile.0[i][PANEL * half..PANEL * half + PANEL].try_into().expect("eight lanes") };
             let (rows0, p0) = (r0 + ROWS * a, p[j]);

@@ -163,7 +163,7 @@ pub fn prepare() {
 }
 
 /// Whether [`Level::choose`] settled `auto` at VNNI on a CPU whose tile unit Linux grants: then the model's large
-/// quantized products in the 4-bit and signed 8-bit layouts take the AMX level's int8 tiles ([`model_level`]).
+/// quantized products in the 4-bit, signed 8-bit and Q6_K layouts take the AMX level's int8 tiles ([`model_level`]).
 static AUTO_TILES: AtomicBool = AtomicBool::new(false);
 
 /// The fewest activation rows at which `auto` hands a quantized product to the int8 tiles ([`model_level`]).
@@ -182,7 +182,7 @@ const LARGE_PRODUCT: usize = 8 << 20;
 /// The level a model's product of `m` rows by `weights` runs at: [`Level::active`], except where the job left the
 /// kernels to `auto` on a CPU with AMX ([`AUTO_TILES`]). There products of at least [`INT8_TILE_ROWS`] rows (of
 /// [`LARGE_TILE_ROWS`] for matrices of [`LARGE_PRODUCT`] weights or more) by
-/// matrices in the 4-bit (Q4_0, Q4_1, Q4_K) or signed 8-bit (Q8_0, Q5_0) layouts take the AMX level's int8 tiles,
+/// matrices in the 4-bit (Q4_0, Q4_1, Q4_K), signed 8-bit (Q8_0, Q5_0) or Q6_K layouts take the AMX level's int8 tiles,
 /// whose results are the VNNI kernels' bits: measured faster there, slower on fewer rows (decode steps) and on the
 /// `U8` layout (BENCHMARKS.md, 2026-12-05, late). bf16 and F16 products, whose AMX results differ, stay at VNNI
 /// unless the job names `amx`.
@@ -190,7 +190,7 @@ fn model_level(weights: &[&Packed], m: usize) -> Level {
     let level = Level::active();
     let rows = if weights.iter().map(|w| w.n * w.k).sum::<usize>() >= LARGE_PRODUCT { LARGE_TILE_ROWS } else { INT8_TILE_ROWS };
     let tiles = level == Level::Vnni && m >= rows && AUTO_TILES.load(Ordering::Relaxed);
-    if tiles && weights.iter().all(|w| matches!(w.data, Data::Q4 { .. } | Data::S8 { .. })) {
+    if tiles && weights.iter().all(|w| matches!(w.data, Data::Q4 { .. } | Data::S8 { .. } | Data::Q6 { .. })) {
         Level::Amx
     } else {
         level

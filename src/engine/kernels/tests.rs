@@ -80,7 +80,7 @@ fn the_kernels_refuse_what_they_cannot_compute_faithfully() {
 /// near 2^24) every level gives the bits of that integer's float step, computed here in i64.
 #[test]
 fn q6k_block_sums_are_exact_at_the_extremes() {
-    let (n, k, m) = (16, 512, 5);
+    let (n, k, m) = (16, 512, 35);
     let mut bytes = Vec::with_capacity(n * k / 256 * 210);
     for row in 0..n {
         for block in 0..k / 256 {
