@@ -32,9 +32,11 @@ fn data_parallel(args: &cli::RunArgs) -> Result<i32, nightshift::error::Error> {
 
 fn main() -> ExitCode {
     nightshift::panics::install_panic_hook();
+    let kept = nightshift::alloc::keep_large_buffers();
     app::tune_cpu_threads();
     let cli = Cli::parse();
     init_tracing(cli.log_format);
+    tracing::debug!(kept, "the allocator keeps buffers of up to 256 MiB on its heap between steps");
     // Variables earlier versions read, now `NIGHTSHIFT_ATTENTION` (`runtime.attention`): said, not silently ignored.
     for old in ["NIGHTSHIFT_PAGED", "NIGHTSHIFT_PAGED_ATTENTION"] {
         if std::env::var_os(old).is_some() {
