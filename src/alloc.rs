@@ -191,6 +191,29 @@ pub fn run_metered<T: Send + 'static>(limit: usize, work: impl FnOnce() -> T + S
     result.map_err(|panic| std::panic::resume_unwind(panic))
 }
 
+/// The system allocator's thresholds for a process whose steps allocate and free buffers of tens of megabytes (a
+/// prefill chunk's activations: 2,048 rows of a 8,192-wide feed-forward layer are 64 MiB). glibc serves an
+/// allocation above its mmap threshold (at most 32 MiB as it adapts) with a fresh mapping and unmaps it when freed,
+/// so every such buffer, every step, is new pages: faulted in and zeroed by the kernel one 4 KiB page at a time (on
+/// a 2-core VM, 2 M page faults and a tenth of a Llama-3.2-1B-shaped job's prefill; BENCHMARKS.md, 2026-12-06,
+/// item 5). Buffers up to 256 MiB now come from the heap, and up to 512 MiB of freed memory at its top stays
+/// mapped for the next step instead of being handed back. Peak memory is about the same: the same buffers, held
+/// no longer. A `GLIBC_TUNABLES` that sets any `glibc.malloc.` value wins: the thresholds are then left as it says.
+/// Returns whether they were set. Only glibc on Linux has these settings; elsewhere, nothing changes.
+pub fn keep_large_buffers() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        if std::env::var_os("GLIBC_TUNABLES").is_some_and(|t| t.to_string_lossy().contains("glibc.malloc.")) {
+            return false;
+        }
+        // SAFETY: `mallopt` changes two of glibc's allocator parameters under its own lock; it reads and writes no
+        // memory of ours. The values are within what glibc accepts (it says 0 where it refuses one).
+        unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 20) == 1 && libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20) == 1 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,25 +269,3 @@ mod tests {
     }
 }
 
-/// The system allocator's thresholds for a process whose steps allocate and free buffers of tens of megabytes (a
-/// prefill chunk's activations: 2,048 rows of a 8,192-wide feed-forward layer are 64 MiB). glibc serves an
-/// allocation above its mmap threshold (at most 32 MiB as it adapts) with a fresh mapping and unmaps it when freed,
-/// so every such buffer, every step, is new pages: faulted in and zeroed by the kernel one 4 KiB page at a time (on
-/// a 2-core VM, 2 M page faults and a tenth of a Llama-3.2-1B-shaped job's prefill; BENCHMARKS.md, 2026-12-06,
-/// item 5). Buffers up to 256 MiB now come from the heap, and up to 512 MiB of freed memory at its top stays
-/// mapped for the next step instead of being handed back. Peak memory is about the same: the same buffers, held
-/// no longer. A `GLIBC_TUNABLES` that sets any `glibc.malloc.` value wins: the thresholds are then left as it says.
-/// Returns whether they were set. Only glibc on Linux has these settings; elsewhere, nothing changes.
-pub fn keep_large_buffers() -> bool {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        if std::env::var_os("GLIBC_TUNABLES").is_some_and(|t| t.to_string_lossy().contains("glibc.malloc.")) {
-            return false;
-        }
-        // SAFETY: `mallopt` changes two of glibc's allocator parameters under its own lock; it reads and writes no
-        // memory of ours. The values are within what glibc accepts (it says 0 where it refuses one).
-        unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 20) == 1 && libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20) == 1 }
-    }
-    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    false
-}

@@ -85,11 +85,21 @@ fn q6k_block_sums_are_exact_at_the_extremes() {
     for row in 0..n {
         for block in 0..k / 256 {
             // Rows of codes 0 (q - 32 = -32) with scale -128, codes 63 with 127, then mixed codes and scales.
-            let (q, sc): (Box<dyn Fn(usize) -> u8>, Box<dyn Fn(usize) -> i8>) = match row % 4 {
-                0 => (Box::new(|_| 0), Box::new(|_| -128)),
-                1 => (Box::new(|_| 63), Box::new(|_| 127)),
-                2 => (Box::new(|_| 0), Box::new(|g| if g % 2 == 0 { 127 } else { -128 })),
-                _ => (Box::new(move |i| ((i * 7 + row + block) % 64) as u8), Box::new(move |g| (g as i32 * 37 - 128 + row as i32) as i8)),
+            let q = |i: usize| -> u8 {
+                match row % 4 {
+                    0 | 2 => 0,
+                    1 => 63,
+                    _ => ((i * 7 + row + block) % 64) as u8,
+                }
+            };
+            let sc = |g: usize| -> i8 {
+                match row % 4 {
+                    0 => -128,
+                    1 => 127,
+                    2 if g.is_multiple_of(2) => 127,
+                    2 => -128,
+                    _ => (g as i32 * 37 - 128 + row as i32) as i8,
+                }
             };
             // ggml's Q6_K layout: per half of 128, low nibbles of `l` and `l + 64` in `ql[l]`, of `l + 32` and
             // `l + 96` in `ql[l + 32]`; the two-bit high parts of `l`, `l + 32`, `l + 64`, `l + 96` in `qh[l]`.
