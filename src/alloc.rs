@@ -268,4 +268,3 @@ mod tests {
         assert_eq!(run_metered(1 << 20, || 7), Ok(7));
     }
 }
-

@@ -30,8 +30,9 @@
 //! 1.06-1.10x (BENCHMARKS.md). So `auto` settles at VNNI and hands only a model's quantized products of 32 rows or
 //! more (16 where the product's matrices hold 8 M weights or more) in the 4-bit and signed layouts to these tiles
 //! (`super::model_level`: the same bits, 2-7 % faster whole jobs); `runtime.cpu_kernels = "amx"` runs this whole
-//! level. Q6_K's own layout (`Data::Q6`, integer sums per 16 times integer scales) has no tile products yet: it
-//! takes the VNNI kernels at this level too.
+//! level. Q6_K's own layout (`Data::Q6`) takes two tile products per block: each weight's `sc * (q - 32)` split
+//! exactly into a signed high byte and an unsigned low byte ([`Pair::fill_q6`]), `64 C_hi + C_lo` the VNNI
+//! kernels' integer.
 //!
 //! bf16 weights take the tile unit's bf16 products (`tdpbf16ps`, AMX-BF16): there the integer detour is gone,
 //! each output's sum stays in the tiles across the whole row, and a tile product does 16 times the work of the

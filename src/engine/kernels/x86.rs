@@ -349,12 +349,14 @@ macro_rules! kernels {
             #[target_feature(enable = $features)]
             fn ahead(w: &Packed, next: Range<usize>) {
                 let blocks = w.k / 32;
-                let floats = |v: &[f32], per: usize| {
+                // `per` bytes per panel and block.
+                let ask = |v: &[u8], per: usize| {
                     let (from, to) = (next.start * blocks * per, (next.end * blocks * per).min(v.len()));
                     if from < to {
-                        Ahead::new(bytemuck::cast_slice(&v[from..to])).all();
+                        Ahead::new(&v[from..to]).all();
                     }
                 };
+                let floats = |v: &[f32], per: usize| ask(bytemuck::cast_slice(v), 4 * per);
                 let (codes, per) = match &w.data {
                     Data::Q4 { qs, d, m } => {
                         floats(d, PANEL);
@@ -372,18 +374,12 @@ macro_rules! kernels {
                     }
                     Data::Q6 { qs, sc, d } => {
                         floats(d, PANEL / 8);
-                        let (from, to) = (next.start * blocks * 2 * PANEL, (next.end * blocks * 2 * PANEL).min(sc.len()));
-                        if from < to {
-                            Ahead::new(bytemuck::cast_slice(&sc[from..to])).all();
-                        }
+                        ask(bytemuck::cast_slice(sc), 2 * PANEL);
                         (qs, 256)
                     }
                     Data::F16(_) | Data::Bf16(_) => return,
                 };
-                let (from, to) = (next.start * blocks * per, (next.end * blocks * per).min(codes.len()));
-                if from < to {
-                    Ahead::new(&codes[from..to]).all();
-                }
+                ask(codes, per);
             }
 
             /// Panels `panels` times activation rows `r0..r0 + count`: tiles of four activation rows, and for the
