@@ -178,45 +178,6 @@ impl Pair {
         Pair { codes: vec![Line([0; 64]); lines * blocks], d: vec![0.0; 16 * groups * blocks], m: vec![0.0; 16 * groups * blocks] }
     }
 
-    /// Panels `p` and `p + 1` of a `Q6` matrix: per block 16 lines, the first eight (a weight tile) holding each
-    /// weight's `w = sc * (q - 32)` high part `w >> 6` (signed, -64..=64) and the next eight its low part `w & 63`
-    /// (unsigned): `w = 64 hi + lo` exactly, so `64 C_hi + C_lo` is the block's integer of `Data::Q6`. `d` per
-    /// block (its 256's), 16 lanes.
-    #[target_feature(enable = "avx512f,avx512bw,avx2")]
-    fn fill_q6(&mut self, w: &Packed, p: usize) {
-        let Data::Q6 { qs, sc, d } = &w.data else { unreachable!("fill_q6 of another layout (a bug)") };
-        let blocks = w.k / 32;
-        let supers = blocks / 8;
-        assert!((p + 2) * blocks * 256 <= qs.len() && (p + 2) * blocks * 16 <= sc.len() && (p + 2) * supers * PANEL <= d.len() && self.codes.len() == 16 * blocks, "Q6 pair out of range (a bug)");
-        // Word `i` of a chunk's 32 codes is lane `i / 4`'s: it takes that row's scale.
-        let spread = _mm512_set_epi16(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-        let (offset, low) = (_mm512_set1_epi16(32), _mm512_set1_epi16(63));
-        for b in 0..blocks {
-            for (half_line, panel) in [p, p + 1].into_iter().enumerate() {
-                let at = panel * blocks + b;
-                for h in 0..2 {
-                    // SAFETY: 8 scales at `(2 at + h) 8` and 32 codes at `256 at + 32 g` lie inside `sc` and `qs`
-                    // (`at < (p + 2) blocks`, asserted above); 32 bytes at `32 half_line` of a 64-byte line.
-                    unsafe {
-                        let scales = _mm_cvtepi8_epi16(_mm_loadl_epi64(sc.as_ptr().add((2 * at + h) * PANEL).cast()));
-                        let scales = _mm512_permutexvar_epi16(spread, _mm512_castsi128_si512(scales));
-                        for g in 4 * h..4 * h + 4 {
-                            let codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(qs.as_ptr().add(256 * at + 32 * g).cast()));
-                            // `sc * (q - 32)`: at most 128 x 32 in magnitude, exact in 16 bits.
-                            let weight = _mm512_mullo_epi16(_mm512_sub_epi16(codes, offset), scales);
-                            let (hi, lo) = (_mm512_cvtepi16_epi8(_mm512_srai_epi16::<6>(weight)), _mm512_cvtepi16_epi8(_mm512_and_si512(weight, low)));
-                            _mm256_storeu_si256(self.codes[16 * b + g].0.as_mut_ptr().add(32 * half_line).cast(), hi);
-                            _mm256_storeu_si256(self.codes[16 * b + 8 + g].0.as_mut_ptr().add(32 * half_line).cast(), lo);
-                        }
-                    }
-                }
-            }
-            let (d0, d1) = ((p * supers + b / 8) * PANEL, ((p + 1) * supers + b / 8) * PANEL);
-            self.d[16 * b..16 * b + 8].copy_from_slice(&d[d0..d0 + 8]);
-            self.d[16 * b + 8..16 * b + 16].copy_from_slice(&d[d1..d1 + 8]);
-        }
-    }
-
     /// Panels `p` and `p + 1` of `w` (both exist).
     #[target_feature(enable = "avx2")]
     fn fill(&mut self, w: &Packed, p: usize) {
@@ -286,7 +247,7 @@ impl Pair {
                     _ => unreachable!(),
                 }
             }
-            Data::Q6 { .. } => unreachable!("Q6 pairs are filled by fill_q6"),
+            Data::Q6 { .. } | Data::K4 { .. } => unreachable!("per-256 layouts fill a SuperPair"),
             Data::F16(_) | Data::Bf16(_) => unreachable!("float weights do not take the tile unit"),
         }
     }
@@ -355,9 +316,9 @@ const Q4: u8 = 0;
 const U8: u8 = 1;
 const S8: u8 = 2;
 const Q4S: u8 = 3;
-/// Q6_K's layout: per block, two tile products, the weights' high parts (signed) and low parts (unsigned), whose
-/// sums the float step combines (`64 C_hi + C_lo`) before its one multiply-add ([`Pair::fill_q6`]).
+/// The per-256 layouts ([`run_supers`]): Q6_K's, its weights' high parts signed, and Q4_K's.
 const Q6: u8 = 4;
+const K4: u8 = 5;
 
 /// Whether kind `T`'s tiles hold signed codes (`tdpbssd`) and its float steps have no offset.
 const fn signed(t: u8) -> bool {
@@ -387,7 +348,8 @@ unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
         Data::Q4 { .. } => run_tiles::<Q4>(w, rows, x, out),
         Data::U8 { .. } => run_tiles::<U8>(w, rows, x, out),
         Data::S8 { .. } => run_tiles::<S8>(w, rows, x, out),
-        Data::Q6 { .. } => run_tiles::<Q6>(w, rows, x, out),
+        Data::Q6 { .. } => run_supers::<Q6>(w, rows, x, out),
+        Data::K4 { .. } => run_supers::<K4>(w, rows, x, out),
         // bf16 products of fewer than `BF16_TILE_ROWS` rows (their activations rounded to bf16 all the same, see
         // `matmul_many`), and F16 products of fewer than `F16_TILE_ROWS` (exact, as at the other levels).
         Data::F16(_) | Data::Bf16(_) => super::x86::avx512_vnni::run(w, rows, x, out),
@@ -683,26 +645,17 @@ fn run_tiles<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     let config = Config::new(32 / groups);
     // SAFETY: `config` is a valid palette-1 configuration (every tile at most 16 rows of 64 bytes), 64 bytes.
     unsafe { asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly)) };
-    let lines = if T == Q6 { 16 } else { 8 };
-    let mut pair = [Pair::new(w.k / 32, groups, lines), Pair::new(w.k / 32, groups, lines)];
-    // Q6: one pair of panels at a time, its high and low tiles in the places of two pairs'.
-    let (per, nb_max) = if T == Q6 { (1, 1) } else { (2, 2) };
+    let mut pair = [Pair::new(w.k / 32, groups, 8), Pair::new(w.k / 32, groups, 8)];
     let mut sums = [[Tile([[0; COLS]; ROWS]); 4]; 2];
     let mut acc = [Tile([[0f32; COLS]; ROWS]); 4];
     for group in (0..tiles).step_by(ROW_GROUP / ROWS) {
         let group_end = (group + ROW_GROUP / ROWS).min(tiles);
-        for q in (0..pairs).step_by(per) {
+        for q in (0..pairs).step_by(2) {
             let p = [first + 2 * q, first + 2 * q + 2];
-            let nb = (pairs - q).min(nb_max);
+            let nb = (pairs - q).min(2);
             for (j, pair) in pair.iter_mut().enumerate().take(nb) {
-                if T == Q6 {
-                    pair.fill_q6(w, p[j]);
-                } else {
-                    pair.fill(w, p[j]);
-                }
+                pair.fill(w, p[j]);
             }
-            // Q6's two tiles (high, low) per pair take macro tiles of two.
-            let nb = if T == Q6 { 2 } else { nb };
             for t in (group..group_end).step_by(2) {
                 let r0 = ROWS * t;
                 match ((group_end - t).min(2), nb) {
@@ -759,27 +712,6 @@ fn finish<const T: u8>(acc: &mut Tile<f32>, c: &Tile<i32>, s: usize, pair: &Pair
     }
 }
 
-/// [`finish`] for `Q6`: the block's integer `64 C_hi + C_lo` (exact: below 2^24 in magnitude, `Data::Q6`), then
-/// `acc = fma(sum, d_w * d_x, acc)`, the VNNI kernels' float step.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn finish_q6(acc: &mut Tile<f32>, hi: &Tile<i32>, lo: &Tile<i32>, b: usize, pair: &Pair, x: &Acts, r0: usize) {
-    let first = b == 0;
-    let (m, order) = (x.rows(), &x.tiles);
-    assert!(r0 + ROWS <= m && (b + 1) * m <= order.d.len() && 16 * (b + 1) <= pair.d.len(), "scales out of range (a bug)");
-    // SAFETY: rows `r0..r0 + 16` of block `b` and the pair's 16 scales at `16 b` are in range (asserted above); the
-    // CPU has AVX-512 F (this function's features).
-    unsafe {
-        let xd = order.d.as_ptr().add(b * m + r0);
-        let dw = _mm512_loadu_ps(pair.d.as_ptr().add(16 * b));
-        for i in 0..ROWS {
-            let sum = _mm512_add_epi32(_mm512_slli_epi32::<6>(_mm512_load_si512(hi.0[i].as_ptr().cast())), _mm512_load_si512(lo.0[i].as_ptr().cast()));
-            let v = if first { _mm512_setzero_ps() } else { _mm512_load_ps(acc.0[i].as_ptr()) };
-            _mm512_store_ps(acc.0[i].as_mut_ptr(), _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(*xd.add(i))), v));
-        }
-    }
-}
-
 /// `NB` pairs of panels (`pair[j]` holds panels `p[j]`, `p[j] + 1`) times `NA` tiles of 16 activation rows from
 /// row `r0`. Per step (block, or group for `U8`), up to 2 x 2 tile products, each tile load serving two of them;
 /// each product is followed by the float steps of the same tile product one step before, so that the tile unit
@@ -790,15 +722,14 @@ fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &
     let (k, blocks) = (w.k, w.k / 32);
     let groups = if T == U8 { 2 } else { 1 };
     assert!(r0.is_multiple_of(ROWS) && r0 + NA * ROWS <= x.rows() && x.tiles.codes.len() == x.rows() / ROWS * ROWS * k, "activation tile out of range (a bug)");
-    assert!(if T == Q6 { NB == 2 && pair[0].codes.len() == 16 * blocks } else { (0..NB).all(|j| pair[j].codes.len() == 8 * blocks) }, "pair layout (a bug)");
+    assert!((0..NB).all(|j| pair[j].codes.len() == 8 * blocks), "pair layout (a bug)");
     let steps = groups * blocks;
     for s in 0..=steps {
         let (now, before) = sums.split_at_mut(1);
         let (now, before) = if s % 2 == 0 { (&mut now[0], &before[0]) } else { (&mut before[0], &now[0]) };
         let (b, h) = (s.min(steps - 1) / groups, s % groups);
         let xs = |a: usize| x.tiles.codes[((r0 / ROWS + a) * blocks + b) * ROWS * 32 + 16 * h..].as_ptr().cast::<u8>();
-        // Q6: "pair" `j` is the one pair's high (0) or low (1) tile.
-        let ws = |j: usize| if T == Q6 { pair[0].codes[16 * b + 8 * j..].as_ptr().cast::<u8>() } else { pair[j].codes[8 * b + 4 * h..].as_ptr().cast::<u8>() };
+        let ws = |j: usize| pair[j].codes[8 * b + 4 * h..].as_ptr().cast::<u8>();
         for c in 0..4 {
             let (a, j) = (c / 2, c % 2);
             if a >= NA || j >= NB {
@@ -816,7 +747,7 @@ fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &
                         0 => {
                             load::<4>(xs(0), 32);
                             load::<6>(ws(0), 64);
-                            product::<0>(signed(T) || T == Q6, &mut now[0]);
+                            product::<0>(signed(T), &mut now[0]);
                         }
                         1 => {
                             load::<7>(ws(1), 64);
@@ -824,25 +755,19 @@ fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &
                         }
                         2 => {
                             load::<5>(xs(1), 32);
-                            product::<2>(signed(T) || T == Q6, &mut now[2]);
+                            product::<2>(signed(T), &mut now[2]);
                         }
                         _ => product::<3>(signed(T), &mut now[3]),
                     }
                 }
             }
-            if s > 0 && T == Q6 {
-                // Once both of the row tile's sums (high, low) of the step before are stored.
-                if j == 1 {
-                    finish_q6(&mut acc[2 * a], &before[2 * a], &before[2 * a + 1], s - 1, &pair[0], x, r0 + ROWS * a);
-                }
-            } else if s > 0 {
+            if s > 0 {
                 finish::<T>(&mut acc[c], &before[c], s - 1, &pair[j], x, r0 + ROWS * a);
             }
         }
     }
     for a in 0..NA {
-        // Q6: one pair, its outputs in the row tile's first accumulator.
-        for j in 0..if T == Q6 { 1 } else { NB } {
+        for j in 0..NB {
             let tile = &acc[2 * a + j];
             let row = |i: usize, half: usize| -> &[f32; PANEL] { tile.0[i][PANEL * half..PANEL * half + PANEL].try_into().expect("eight lanes") };
             let (rows0, p0) = (r0 + ROWS * a, p[j]);
@@ -854,6 +779,311 @@ fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &
                         if (p0 + half) * PANEL < out.n {
                             out.write_lanes(rows0 + i, (p0 + half) * PANEL, row(i, half));
                         }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A pair of panels of a per-256 layout (`Data::K4`, `Data::Q6`) in the tile unit's layout: each weight `w` (`sc *
+/// q` for K4, at most 63 x 15; `sc * (q - 32)` for Q6) split exactly into two bytes, so that two tile products per
+/// 64 columns give the 256's integer sums with no float step between its blocks.
+struct SuperPair {
+    /// `[k / 64, 2, 16 lines]`: per 64 columns, the high parts' weight tile, then the low parts'. Line `j` holds, for
+    /// each of the 16 weight rows, its four weights `4j..4j + 4` of the 64 (`tdpbsud`/`tdpbssd`'s `B`, 64 deep).
+    codes: Vec<Line>,
+    /// `[k / 256, 16]`: `d` and (K4) `-dmin` per 256 of the 16 weight rows.
+    d: Vec<f32>,
+    dmin: Vec<f32>,
+    /// K4: `[k / 256, 4, 16]`: per 256, pair of blocks `t` and weight row, the two blocks' mins as 16-bit halves.
+    mn: Vec<i32>,
+}
+
+impl SuperPair {
+    fn new(k: usize) -> SuperPair {
+        let supers = k / 256;
+        SuperPair { codes: vec![Line([0; 64]); k / 2], d: vec![0.0; 16 * supers], dmin: vec![0.0; 16 * supers], mn: vec![0; 64 * supers] }
+    }
+
+    /// Panels `p` and `p + 1` of a K4 matrix: each weight `w = sc * q` (0..=945) as `w >> 8` (0..=3) and `w & 255`,
+    /// both unsigned: `w = 256 hi + lo`.
+    #[target_feature(enable = "avx512f,avx512bw,avx2")]
+    fn fill_k4(&mut self, w: &Packed, p: usize) {
+        let Data::K4 { qs, sc, mn, d, dmin } = &w.data else { unreachable!("fill_k4 of another layout (a bug)") };
+        let (blocks, supers) = (w.k / 32, w.k / 256);
+        assert!((p + 2) * blocks * 128 <= qs.len() && (p + 2) * blocks * PANEL <= sc.len() && (p + 2) * supers * 64 <= mn.len() && (p + 2) * supers * PANEL <= d.len() && dmin.len() == d.len(), "K4 pair out of range (a bug)");
+        assert!(self.codes.len() == 16 * blocks && self.d.len() == 16 * supers && self.mn.len() == 64 * supers, "K4 pair layout (a bug)");
+        // Word `i` of a chunk's 32 codes is lane `i / 4`'s: it takes that row's scale.
+        let spread = _mm512_set_epi16(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        let (nibble, byte) = (_mm256_set1_epi8(0x0F), _mm512_set1_epi16(0xFF));
+        for b in 0..blocks {
+            let (c, h2) = (b / 2, b % 2);
+            for (half_line, panel) in [p, p + 1].into_iter().enumerate() {
+                let at = panel * blocks + b;
+                // SAFETY: 8 scales at `8 at` and 128 code bytes at `128 at` lie inside `sc` and `qs` (`at < (p + 2)
+                // blocks`, asserted above); lines `32 c + 16 + j` < `16 blocks` for `j < 16`; 32 bytes at `32
+                // half_line` of a 64-byte line.
+                unsafe {
+                    let scales = _mm_cvtepu8_epi16(_mm_loadl_epi64(sc.as_ptr().add(at * PANEL).cast()));
+                    let scales = _mm512_permutexvar_epi16(spread, _mm512_castsi128_si512(scales));
+                    for t in 0..4 {
+                        let raw = _mm256_loadu_si256(qs.as_ptr().add(128 * at + 32 * t).cast());
+                        // Low nibbles: weights `4t..4t + 4` of the block (line `8 h2 + t` of the 64); high nibbles:
+                        // `16 + 4t..` (line `8 h2 + 4 + t`).
+                        let halves = [(_mm256_and_si256(raw, nibble), t), (_mm256_and_si256(_mm256_srli_epi16::<4>(raw), nibble), 4 + t)];
+                        for (codes, j) in halves {
+                            let weight = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(codes), scales);
+                            let (hi, lo) = (_mm512_cvtepi16_epi8(_mm512_srli_epi16::<8>(weight)), _mm512_cvtepi16_epi8(_mm512_and_si512(weight, byte)));
+                            _mm256_storeu_si256(self.codes[32 * c + 8 * h2 + j].0.as_mut_ptr().add(32 * half_line).cast(), hi);
+                            _mm256_storeu_si256(self.codes[32 * c + 16 + 8 * h2 + j].0.as_mut_ptr().add(32 * half_line).cast(), lo);
+                        }
+                    }
+                }
+            }
+        }
+        for s in 0..supers {
+            for (half, panel) in [p, p + 1].into_iter().enumerate() {
+                let at = (panel * supers + s) * PANEL;
+                self.d[16 * s + 8 * half..16 * s + 8 * half + 8].copy_from_slice(&d[at..at + 8]);
+                self.dmin[16 * s + 8 * half..16 * s + 8 * half + 8].copy_from_slice(&dmin[at..at + 8]);
+                for t in 0..4 {
+                    let from = &mn[((panel * supers + s) * 4 + t) * 16..][..16];
+                    for l in 0..PANEL {
+                        // The two 16-bit mins as one 32-bit lane, block `2t` low (as `Acts::bsums` pairs them).
+                        self.mn[(4 * s + t) * 16 + 8 * half + l] = (from[2 * l] as u16 as u32 | (from[2 * l + 1] as u16 as u32) << 16) as i32;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Panels `p` and `p + 1` of a Q6 matrix: each weight `w = sc * (q - 32)` as `w >> 6` (signed, -64..=64) and
+    /// `w & 63` (unsigned): `w = 64 hi + lo`.
+    #[target_feature(enable = "avx512f,avx512bw,avx2")]
+    fn fill_q6(&mut self, w: &Packed, p: usize) {
+        let Data::Q6 { qs, sc, d } = &w.data else { unreachable!("fill_q6 of another layout (a bug)") };
+        let (blocks, supers) = (w.k / 32, w.k / 256);
+        assert!((p + 2) * blocks * 256 <= qs.len() && (p + 2) * blocks * 16 <= sc.len() && (p + 2) * supers * PANEL <= d.len(), "Q6 pair out of range (a bug)");
+        assert!(self.codes.len() == 16 * blocks && self.d.len() == 16 * supers, "Q6 pair layout (a bug)");
+        let spread = _mm512_set_epi16(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        let (offset, low) = (_mm512_set1_epi16(32), _mm512_set1_epi16(63));
+        for b in 0..blocks {
+            let (c, h2) = (b / 2, b % 2);
+            for (half_line, panel) in [p, p + 1].into_iter().enumerate() {
+                let at = panel * blocks + b;
+                for h in 0..2 {
+                    // SAFETY: 8 scales at `(2 at + h) 8` and 32 codes at `256 at + 32 g` lie inside `sc` and `qs`
+                    // (`at < (p + 2) blocks`, asserted above); lines `32 c + 16 + 8 h2 + g` < `16 blocks`; 32 bytes
+                    // at `32 half_line` of a 64-byte line.
+                    unsafe {
+                        let scales = _mm_cvtepi8_epi16(_mm_loadl_epi64(sc.as_ptr().add((2 * at + h) * PANEL).cast()));
+                        let scales = _mm512_permutexvar_epi16(spread, _mm512_castsi128_si512(scales));
+                        for g in 4 * h..4 * h + 4 {
+                            let codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(qs.as_ptr().add(256 * at + 32 * g).cast()));
+                            // `sc * (q - 32)`: at most 128 x 32 in magnitude, exact in 16 bits.
+                            let weight = _mm512_mullo_epi16(_mm512_sub_epi16(codes, offset), scales);
+                            let (hi, lo) = (_mm512_cvtepi16_epi8(_mm512_srai_epi16::<6>(weight)), _mm512_cvtepi16_epi8(_mm512_and_si512(weight, low)));
+                            _mm256_storeu_si256(self.codes[32 * c + 8 * h2 + g].0.as_mut_ptr().add(32 * half_line).cast(), hi);
+                            _mm256_storeu_si256(self.codes[32 * c + 16 + 8 * h2 + g].0.as_mut_ptr().add(32 * half_line).cast(), lo);
+                        }
+                    }
+                }
+            }
+        }
+        for s in 0..supers {
+            for (half, panel) in [p, p + 1].into_iter().enumerate() {
+                let at = (panel * supers + s) * PANEL;
+                self.d[16 * s + 8 * half..16 * s + 8 * half + 8].copy_from_slice(&d[at..at + 8]);
+            }
+        }
+    }
+}
+
+/// One 256's tile products for `NA` tiles of 16 activation rows (`x[a]`, the 256's first 1 KiB of 64 columns, the
+/// next three following) by one pair's high and low weight tiles (`w`, the 256's first 64 lines: per 64 columns 16
+/// high lines, then 16 low), summed in the tiles: `tmm{2a}` the high parts' sums, `tmm{2a + 1}` the low parts'.
+/// Q6's high parts are signed (`tdpbssd`), K4's unsigned; the low parts are always unsigned (`tdpbsud`).
+///
+/// Safety: the tiles are configured for 16 rows of 64 bytes (`Config::new(64)`); each `x[a]` (`a < NA`) points at 4
+/// KiB and `w` at 128 lines (8 KiB).
+#[inline(always)]
+unsafe fn super_products<const NA: usize, const T: u8>(x: [*const u8; 2], w: *const Line) {
+    macro_rules! run {
+        ($hi:literal, $two:literal) => {
+            asm!(
+                "tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3",
+                "2:",
+                "tileloadd tmm6, [{w} + {line}*1]",
+                "tileloadd tmm7, [{w} + {line}*1 + 1024]",
+                "tileloadd tmm4, [{x0} + {line}*1]",
+                concat!($hi, " tmm0, tmm4, tmm6"),
+                "tdpbsud tmm1, tmm4, tmm7",
+                concat!($two, "tileloadd tmm5, [{x1} + {line}*1]"),
+                concat!($two, $hi, " tmm2, tmm5, tmm6"),
+                concat!($two, "tdpbsud tmm3, tmm5, tmm7"),
+                "add {x0}, 1024", "add {x1}, 1024", "add {w}, 2048",
+                "dec {n}",
+                "jnz 2b",
+                x0 = inout(reg) x[0] => _, x1 = inout(reg) x[1] => _, w = inout(reg) w => _,
+                n = inout(reg) 4usize => _, line = in(reg) 64usize, options(nostack, readonly),
+            )
+        };
+    }
+    // SAFETY: the caller's contract for the loads (`x[1]` is read only when `NA == 2`: the one-tile variant's lines
+    // with it are comments).
+    unsafe {
+        match (NA, T == Q6) {
+            (2, true) => run!("tdpbssd", ""),
+            (2, false) => run!("tdpbsud", ""),
+            (_, true) => run!("tdpbssd", "# "),
+            _ => run!("tdpbsud", "# "),
+        }
+    }
+}
+
+/// Stores the sums [`super_products`] left in `tmm0..tmm{2 NA}` to `out[..2 NA]`.
+///
+/// Safety: the tiles are configured as for [`super_products`], which ran last.
+#[inline(always)]
+unsafe fn store_sums<const NA: usize>(out: &mut [Tile<i32>; 4]) {
+    let c = out.as_mut_ptr();
+    // SAFETY: the stores write tiles `out[0..2 NA]`, 1 KiB each.
+    unsafe {
+        asm!("tilestored [{c} + {line}*1], tmm0", "tilestored [{c} + {line}*1 + 1024], tmm1", line = in(reg) 64usize, c = in(reg) c, options(nostack));
+        if NA == 2 {
+            asm!("tilestored [{c} + {line}*1 + 2048], tmm2", "tilestored [{c} + {line}*1 + 3072], tmm3", line = in(reg) 64usize, c = in(reg) c, options(nostack));
+        }
+    }
+}
+
+/// The float steps of 256 `s` for one tile of 16 activation rows from `r0` by a pair's 16 weight rows: the exact
+/// integer `2^SHIFT C_hi + C_lo` (K4: 8, Q6: 6), then per output `acc = fma(sum, d_w * d_x, acc)`, and for K4 the
+/// mins' integer `sum of mn x sum(x)` (16-bit pairs, `vpmaddwd`) and `acc = fma(msum, -dmin_w * d_x, acc)`: the
+/// portable kernels' `run_supers`, in the same order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn finish_super<const T: u8>(acc: &mut Tile<f32>, hi: &Tile<i32>, lo: &Tile<i32>, s: usize, pair: &SuperPair, x: &Acts, r0: usize) {
+    let first = s == 0;
+    let (m, order, blocks) = (x.rows(), &x.tiles, x.k / 32);
+    assert!(r0 + ROWS <= m && (s + 1) * m <= order.d.len() && 16 * (s + 1) <= pair.d.len(), "scales out of range (a bug)");
+    assert!(T != K4 || (64 * (s + 1) <= pair.mn.len() && pair.dmin.len() == pair.d.len() && x.bsums.len() == m * blocks && 8 * s + 8 <= blocks), "mins out of range (a bug)");
+    // SAFETY (these pointers, and every use below): rows `r0..r0 + 16` of 256 `s`, the pair's 16 scales at `16 s`
+    // and 64 mins at `64 s`, and rows `r0 + i`'s code sums of blocks `8 s..8 s + 8` are in range (asserted above);
+    // the CPU has AVX-512 F and BW (this function's features).
+    unsafe {
+        let xd = order.d.as_ptr().add(s * m + r0);
+        let dw = _mm512_loadu_ps(pair.d.as_ptr().add(16 * s));
+        let (mw, mins) = if T == K4 {
+            (_mm512_loadu_ps(pair.dmin.as_ptr().add(16 * s)), std::array::from_fn::<_, 4, _>(|t| _mm512_loadu_si512(pair.mn.as_ptr().add((4 * s + t) * 16).cast())))
+        } else {
+            (_mm512_setzero_ps(), [_mm512_setzero_si512(); 4])
+        };
+        for i in 0..ROWS {
+            let (h, l) = (_mm512_load_si512(hi.0[i].as_ptr().cast()), _mm512_load_si512(lo.0[i].as_ptr().cast()));
+            let sum = if T == K4 { _mm512_add_epi32(_mm512_slli_epi32::<8>(h), l) } else { _mm512_add_epi32(_mm512_slli_epi32::<6>(h), l) };
+            let xs = _mm512_set1_ps(*xd.add(i));
+            let mut v = if first { _mm512_setzero_ps() } else { _mm512_load_ps(acc.0[i].as_ptr()) };
+            v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, xs), v);
+            if T == K4 {
+                let sums = x.bsums.as_ptr().add((r0 + i) * blocks + 8 * s).cast::<i32>();
+                let mut msum = _mm512_madd_epi16(mins[0], _mm512_set1_epi32(sums.read_unaligned()));
+                for (t, mins) in mins.iter().enumerate().skip(1) {
+                    msum = _mm512_add_epi32(msum, _mm512_madd_epi16(*mins, _mm512_set1_epi32(sums.add(t).read_unaligned())));
+                }
+                v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(mw, xs), v);
+            }
+            _mm512_store_ps(acc.0[i].as_mut_ptr(), v);
+        }
+    }
+}
+
+/// [`run`] for the per-256 layouts (`T`: [`K4`], [`Q6`]), at least one whole tile of activation rows and one pair of
+/// panels: per pair of panels and two tiles of rows, each 256's sums accumulated in the tiles over its four 64-column
+/// steps (two products each: the weights' high and low parts), stored once, and its float steps run while the tile
+/// unit computes the next 256.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn run_supers<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
+    let (m, k) = (x.rows(), w.k);
+    let tiles = m / ROWS;
+    let (first, end) = (rows.start / PANEL, rows.end.div_ceil(PANEL));
+    let pairs = (end - first) / 2;
+    assert!(x.supers && k.is_multiple_of(256) && x.tiles.codes.len() == tiles * ROWS * k, "activations per 256 in the tiles' order (a bug)");
+    let config = Config::new(64);
+    // SAFETY: `config` is a valid palette-1 configuration (every tile 16 rows of 64 bytes), 64 bytes.
+    unsafe { asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly)) };
+    let mut pair = SuperPair::new(k);
+    let mut sums = [[Tile([[0; COLS]; ROWS]); 4]; 2];
+    let mut acc = [Tile([[0f32; COLS]; ROWS]); 2];
+    for group in (0..tiles).step_by(ROW_GROUP / ROWS) {
+        let group_end = (group + ROW_GROUP / ROWS).min(tiles);
+        for q in 0..pairs {
+            let p = first + 2 * q;
+            if T == K4 {
+                pair.fill_k4(w, p);
+            } else {
+                pair.fill_q6(w, p);
+            }
+            for t in (group..group_end).step_by(2) {
+                if group_end - t >= 2 {
+                    macro_super::<2, T>(k, &pair, p, x, ROWS * t, &mut sums, &mut acc, out);
+                } else {
+                    macro_super::<1, T>(k, &pair, p, x, ROWS * t, &mut sums, &mut acc, out);
+                }
+            }
+        }
+    }
+    // SAFETY: no operands; the tiles return to their initial state and this thread's saved state shrinks.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    // What the tile unit leaves, as `run_tiles` leaves it to the VNNI kernels (the same bits).
+    let pairs_end = first + 2 * pairs;
+    if pairs_end < end {
+        super::x86::avx512_vnni::quantized_panel(w, pairs_end..end, x, 0, ROWS * tiles, out);
+    }
+    if ROWS * tiles < m {
+        super::x86::avx512_vnni::quantized_panel(w, first..end, x, ROWS * tiles, m - ROWS * tiles, out);
+    }
+}
+
+/// One pair of panels (`p`, `p + 1`, laid out in `pair`) times `NA` tiles of 16 activation rows from `r0`, per 256:
+/// the tile products of 256 `s`, then the float steps of 256 `s - 1` (from the other set of sums) while the tile
+/// unit works, then the stores of `s`'s sums.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn macro_super<const NA: usize, const T: u8>(k: usize, pair: &SuperPair, p: usize, x: &Acts, r0: usize, sums: &mut [[Tile<i32>; 4]; 2], acc: &mut [Tile<f32>; 2], out: Out) {
+    let (supers, chunks) = (k / 256, k / 64);
+    assert!(r0.is_multiple_of(ROWS) && r0 + NA * ROWS <= x.rows() && x.tiles.codes.len() == x.rows() / ROWS * ROWS * k && pair.codes.len() == k / 2, "activation tile out of range (a bug)");
+    for s in 0..=supers {
+        let (now, before) = sums.split_at_mut(1);
+        let (now, before) = if s % 2 == 0 { (&mut now[0], &before[0]) } else { (&mut before[0], &now[0]) };
+        if s < supers {
+            let xs = [0, 1].map(|a| x.tiles.codes[((r0 / ROWS + a.min(NA - 1)) * chunks + 4 * s) * 1024..].as_ptr().cast::<u8>());
+            // SAFETY: configured for 16 rows of 64 bytes (`run_supers`); tile `r0 / 16 + a` (`< x.rows() / 16`) has
+            // `chunks` KiB of codes, of which the 256's four from `4 s` (`s < supers`); the pair's lines from `32 x
+            // 4 s` are the 256's 128 (`k / 2` lines in all, asserted above).
+            unsafe { super_products::<NA, T>(xs, pair.codes[128 * s..].as_ptr()) };
+        }
+        if s > 0 {
+            for a in 0..NA {
+                finish_super::<T>(&mut acc[a], &before[2 * a], &before[2 * a + 1], s - 1, pair, x, r0 + ROWS * a);
+            }
+        }
+        if s < supers {
+            // SAFETY: the products above ran last on these tiles; `now` is 4 KiB.
+            unsafe { store_sums::<NA>(now) };
+        }
+    }
+    for (a, tile) in acc.iter().enumerate().take(NA) {
+        let row = |i: usize, half: usize| -> &[f32; PANEL] { tile.0[i][PANEL * half..PANEL * half + PANEL].try_into().expect("eight lanes") };
+        let rows0 = r0 + ROWS * a;
+        // SAFETY: `store_tile` hands the eight floats of panel `p + half`, row `rows0 + i`: this task's to write.
+        let whole = out.store_tile::<2, ROWS>(p, rows0, |half, i, at| unsafe { std::ptr::copy_nonoverlapping(row(i, half).as_ptr(), at, PANEL) });
+        if !whole {
+            for i in 0..ROWS {
+                for half in 0..2 {
+                    if (p + half) * PANEL < out.n {
+                        out.write_lanes(rows0 + i, (p + half) * PANEL, row(i, half));
                     }
                 }
             }

@@ -190,7 +190,7 @@ fn model_level(weights: &[&Packed], m: usize) -> Level {
     let level = Level::active();
     let rows = if weights.iter().map(|w| w.n * w.k).sum::<usize>() >= LARGE_PRODUCT { LARGE_TILE_ROWS } else { INT8_TILE_ROWS };
     let tiles = level == Level::Vnni && m >= rows && AUTO_TILES.load(Ordering::Relaxed);
-    if tiles && weights.iter().all(|w| matches!(w.data, Data::Q4 { .. } | Data::S8 { .. } | Data::Q6 { .. })) {
+    if tiles && weights.iter().all(|w| matches!(w.data, Data::Q4 { .. } | Data::S8 { .. } | Data::Q6 { .. } | Data::K4 { .. })) {
         Level::Amx
     } else {
         level
@@ -274,10 +274,18 @@ enum Data {
     S8 { qs: Vec<u8>, d: Vec<f32> },
     /// Q6_K as stored: 6-bit codes `q` one per byte, chunked as `U8`; a signed scale `sc` per 16 weights
     /// (`[panel, block, half, 8]`, 16 bytes per panel and block) and `d` per 256 (`[panel, k / 256, 8]`); weight =
-    /// `d * sc * (q - 32)`. The products take, per block of 32, the exact integer `sc_0 * sum((q - 32) x) + sc_1 *
-    /// sum(...)` over its two halves (at most 2 x 128 x 16 x 32 x 127 < 2^24 in magnitude, so exact in f32 too), then
-    /// one float step, `acc = fma(sum, d_w * d_x, acc)`, with no offset: 8.6 bits a weight, where `U8` took 12.
+    /// `d * sc * (q - 32)`: 8.6 bits a weight. Its products take the activations quantized per 256 ([`Acts::supers`],
+    /// llama.cpp's `Q8_K`): per 256, the exact integer `sum over the 16 groups of sc * (sum(q x) - 32 sum(x))` (at
+    /// most 256 x 127 x 128 x 32 < 2^31 in magnitude), then one float step, `acc = fma(sum, d_w * d_x, acc)`.
     Q6 { qs: Vec<u8>, sc: Vec<i8>, d: Vec<f32> },
+    /// Q4_K as stored: 4-bit codes `q` chunked as `Q4`; per block of 32 an unsigned 6-bit scale `sc`
+    /// (`[panel, block, 8]`) and min `mn` (kept as 16-bit pairs for `vpmaddwd`: `[panel, k / 256, 4, 8, 2]`, lane
+    /// `l`'s `mn` of blocks `2t` and `2t + 1` of the 256); per 256, `d` and the min's scale negated, `-dmin`
+    /// (`[panel, k / 256, 8]`); weight = `d * sc * q - dmin * mn`: 4.75 bits a weight. Its products take the
+    /// activations quantized per 256 ([`Acts::supers`]): per 256, the exact integers `sum over the 8 blocks of sc *
+    /// sum(q x)` (at most 8 x 63 x 32 x 15 x 127 < 2^25) and `sum of mn * sum(x)`, then two float steps, `acc =
+    /// fma(sum, d_w * d_x, acc)`, `acc = fma(msum, -dmin_w * d_x, acc)`.
+    K4 { qs: Vec<u8>, sc: Vec<u8>, mn: Vec<i16>, d: Vec<f32>, dmin: Vec<f32> },
     /// IEEE half-precision bits.
     F16(Vec<u16>),
     /// bfloat16 bits.
@@ -310,6 +318,7 @@ impl Packed {
             Data::Q4 { qs, d, m } | Data::U8 { qs, d, m } => qs.len() + 4 * (d.len() + m.len()),
             Data::S8 { qs, d } => qs.len() + 4 * d.len(),
             Data::Q6 { qs, sc, d } => qs.len() + sc.len() + 4 * d.len(),
+            Data::K4 { qs, sc, mn, d, dmin } => qs.len() + sc.len() + 2 * mn.len() + 4 * (d.len() + dmin.len()),
             Data::F16(w) | Data::Bf16(w) => 2 * w.len(),
         }
     }
@@ -340,6 +349,15 @@ impl Packed {
                     // `sc * (q - 32)` has at most 12 significant bits and `d` 11: the product is exact in f32.
                     d[(p * (blocks / 8) + b / 8) * PANEL + l] * (sc[(2 * pb + i / 16) * PANEL + l] as i32 * q) as f32
                 }
+                Data::K4 { qs, sc, mn, d, dmin } => {
+                    let byte = qs[pb * 128 + 32 * (i % 16 / 4) + 4 * l + i % 4];
+                    let code = if i < 16 { byte & 0xF } else { byte >> 4 };
+                    let ps = (p * (blocks / 8) + b / 8) * PANEL + l;
+                    let min = mn[((p * (blocks / 8) + b / 8) * 4 + b % 8 / 2) * 16 + 2 * l + b % 2];
+                    // `sc * q` has at most 10 significant bits and `d` 11, `mn` 6 and `dmin` 11: both products are
+                    // exact in f32, and the sum is rounded once, as ggml's dequantization rounds it.
+                    d[ps] * (sc[pb * PANEL + l] as i32 * code as i32) as f32 + dmin[ps] * min as f32
+                }
                 Data::F16(w) => half::f16::from_bits(w[row * self.k + col]).to_f32(),
                 Data::Bf16(w) => half::bf16::from_bits(w[row * self.k + col]).to_f32(),
             }
@@ -354,7 +372,16 @@ impl Packed {
     }
 
     fn quantized(&self) -> bool {
-        !matches!(self.data, Data::F16(_) | Data::Bf16(_))
+        self.quant() != Quant::Float
+    }
+
+    /// How the products quantize the activations for this matrix.
+    fn quant(&self) -> Quant {
+        match self.data {
+            Data::F16(_) | Data::Bf16(_) => Quant::Float,
+            Data::K4 { .. } | Data::Q6 { .. } => Quant::Supers,
+            _ => Quant::Blocks,
+        }
     }
 
     /// `x · Wᵀ` for `x` `[m, k]` row-major: `[m, n]` row-major, at the [`Level::active`] level.
@@ -368,14 +395,29 @@ impl Packed {
     }
 }
 
+/// How a product's activations are quantized: not at all (float weights), per block of 32 with llama.cpp's
+/// `Q8_0`/`Q8_1` rounding (the types with scales per 32 or 16), or per 256 with its `Q8_K` rounding (the k-quants
+/// whose scales are small integers under one float scale per 256: their products sum whole 256s in integers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Quant {
+    Float,
+    Blocks,
+    Supers,
+}
+
 /// Activation rows, as the kernels read them: the f32 values, and for quantized weights their 8-bit codes.
 struct Acts<'a> {
     k: usize,
     f32: &'a [f32],
+    /// Quantized per 256 ([`Quant::Supers`]): `d` per 256 (`[m, k / 256]`), `sums16` and `bsums` set, `s32`, `s16`
+    /// and `sums` empty.
+    supers: bool,
     /// Codes, `[m, k]`, in -127..=127.
     qs: Vec<i8>,
-    /// Scale per block of 32, `[m, k / 32]`.
+    /// Scale per block of 32, `[m, k / 32]` (per 256 for `supers`).
     d: Vec<f32>,
+    /// For `supers`, the sum of the codes per block of 32, `[m, k / 32]` (at most 32 x 127 in magnitude).
+    bsums: Vec<i16>,
     /// `d * (sum of the codes)` per block of 32 (`[m, k / 32]`) and per group of 16 (`[m, k / 16]`).
     s32: Vec<f32>,
     s16: Vec<f32>,
@@ -394,7 +436,8 @@ struct Acts<'a> {
 /// The activations as the AMX kernels read them, arranged once per product: the codes per 16 rows and block, the
 /// 16 rows' 32 codes side by side (`[m / 16, k / 32, 16, 32]`; whole tiles of rows only), so that a tile loads 512
 /// contiguous bytes; and the scales and sums by block (or group of 16), then row (`[k / 32, m]`, `s16` `[k / 16,
-/// m]`), so that the float steps broadcast a row's value straight from memory.
+/// m]`), so that the float steps broadcast a row's value straight from memory. Quantized per 256 (`Acts::supers`),
+/// the codes per 16 rows and 64 columns (`[m / 16, k / 64, 16, 64]`: a whole tile's width) and `d` `[k / 256, m]`.
 #[derive(Default)]
 struct TileOrder {
     codes: Vec<i8>,
@@ -407,19 +450,21 @@ impl TileOrder {
     fn new(acts: &Acts) -> TileOrder {
         let (k, m) = (acts.k, acts.rows());
         let blocks = k / 32;
+        // A tile's width of codes: 32 (a block), or 64 (the whole width) per 256.
+        let width = if acts.supers { 64 } else { 32 };
         // Tiles of rows in parallel (a prefill's are megabytes: on one thread, and zeroed first, they took 2 % of
         // it), written straight into the buffer's capacity.
         let len = m / 16 * 16 * k;
-        assert!(acts.qs.len() >= len && k.is_multiple_of(32), "activation codes (a bug)");
+        assert!(acts.qs.len() >= len && k.is_multiple_of(width), "activation codes (a bug)");
         let mut codes: Vec<i8> = Vec::with_capacity(len);
         let arrange = |(t, rows): (usize, &mut [std::mem::MaybeUninit<i8>])| {
-            for (b, block) in rows.chunks_exact_mut(16 * 32).enumerate() {
-                for (i, codes) in block.chunks_exact_mut(32).enumerate() {
-                    let at = (16 * t + i) * k + 32 * b;
-                    let from = &acts.qs[at..at + 32];
-                    // SAFETY: `codes` is 32 elements of the buffer's capacity and `from` 32 initialised codes of
-                    // another buffer; `MaybeUninit<i8>` has `i8`'s layout.
-                    unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), codes.as_mut_ptr().cast::<i8>(), 32) };
+            for (b, block) in rows.chunks_exact_mut(16 * width).enumerate() {
+                for (i, codes) in block.chunks_exact_mut(width).enumerate() {
+                    let at = (16 * t + i) * k + width * b;
+                    let from = &acts.qs[at..at + width];
+                    // SAFETY: `codes` is `width` elements of the buffer's capacity and `from` `width` initialised
+                    // codes of another buffer; `MaybeUninit<i8>` has `i8`'s layout.
+                    unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), codes.as_mut_ptr().cast::<i8>(), width) };
                 }
             }
         };
@@ -430,10 +475,13 @@ impl TileOrder {
             spare.chunks_exact_mut(16 * k).enumerate().for_each(arrange);
         }
         // SAFETY: the capacity is at least `len`, and every element below it was written above: its chunks of
-        // `16 k` are the `m / 16` tiles, each tile's chunks of 512 its `k / 32` blocks (`k` a multiple of 32), and
-        // each block's chunks of 32 its 16 rows, every one copied.
+        // `16 k` are the `m / 16` tiles, each tile's chunks of `16 width` its `k / width` blocks (`k` a multiple of
+        // `width`), and each block's chunks of `width` its 16 rows, every one copied.
         unsafe { codes.set_len(len) };
         let by_block = |v: &[f32], per_row: usize| (0..per_row * m).map(|i| v[(i % m) * per_row + i / m]).collect();
+        if acts.supers {
+            return TileOrder { codes, d: by_block(&acts.d, k / 256), s32: Vec::new(), s16: Vec::new() };
+        }
         TileOrder {
             codes,
             d: by_block(&acts.d, blocks),
@@ -444,9 +492,29 @@ impl TileOrder {
 }
 
 impl<'a> Acts<'a> {
-    fn new(level: Level, x: &'a [f32], k: usize, quantize: bool) -> Acts<'a> {
-        let mut acts = Acts { k, f32: x, qs: Vec::new(), d: Vec::new(), s32: Vec::new(), s16: Vec::new(), sums: Vec::new(), sums16: Vec::new(), tiles: TileOrder::default(), bf16: Vec::new() };
-        if quantize {
+    fn new(level: Level, x: &'a [f32], k: usize, quant: Quant) -> Acts<'a> {
+        let supers = quant == Quant::Supers;
+        let mut acts = Acts { k, f32: x, supers, qs: Vec::new(), d: Vec::new(), bsums: Vec::new(), s32: Vec::new(), s16: Vec::new(), sums: Vec::new(), sums16: Vec::new(), tiles: TileOrder::default(), bf16: Vec::new() };
+        if supers {
+            assert!(k.is_multiple_of(256), "activations per 256 of width {k} (a bug)");
+            let (n, blocks) = (x.len() / 256, x.len() / 32);
+            acts.qs = vec![0; x.len()];
+            acts.d = vec![0.0; n];
+            acts.bsums = vec![0; blocks];
+            acts.sums16 = vec![0; 2 * blocks];
+            // In parallel for many rows, as below.
+            const CHUNK: usize = 64;
+            if n <= CHUNK {
+                quantize_supers(level, x, &mut acts.qs, &mut acts.d, &mut acts.bsums, &mut acts.sums16);
+            } else {
+                let sums = acts.bsums.par_chunks_mut(8 * CHUNK).zip(acts.sums16.par_chunks_mut(16 * CHUNK));
+                let codes = x.par_chunks(256 * CHUNK).zip(acts.qs.par_chunks_mut(256 * CHUNK)).zip(acts.d.par_chunks_mut(CHUNK));
+                codes.zip(sums).for_each(|(((x, qs), d), (bsums, sums16))| quantize_supers(level, x, qs, d, bsums, sums16));
+            }
+            if level == Level::Amx {
+                acts.tiles = TileOrder::new(&acts);
+            }
+        } else if quant == Quant::Blocks {
             debug_assert_eq!(k % 32, 0);
             let blocks = x.len() / 32;
             acts.qs = vec![0; x.len()];
@@ -488,6 +556,19 @@ fn store_scales(scale: f32, sums: [i32; 2], d: &mut f32, s32: &mut f32, s16: &mu
     *s32 = f16(scale * (sums[0] + sums[1]) as f32);
     s16[0] = f16(scale * sums[0] as f32);
     s16[1] = f16(scale * sums[1] as f32);
+}
+
+/// Activations to codes per 256 as llama.cpp's `quantize_row_q8_K` rounds them: the value of largest magnitude
+/// `max` (the first such), `iscale = -127 / max`, codes `min(127, round(iscale x))` (ties to even), scale `1 /
+/// iscale`; and the exact code sums per 32 and per 16.
+fn quantize_supers(level: Level, x: &[f32], qs: &mut [i8], d: &mut [f32], bsums: &mut [i16], sums16: &mut [i32]) {
+    #[cfg(target_arch = "x86_64")]
+    return x86::quantize_supers(level, x, qs, d, bsums, sums16);
+    #[allow(unreachable_code)]
+    {
+        let _ = level;
+        portable::quantize_supers(x, qs, d, bsums, sums16)
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -558,15 +639,15 @@ struct Task {
     rows: Range<usize>,
 }
 
-/// [`matmul_many`] over matrices of one width and any kinds: one call per kind (quantized or float), the
+/// [`matmul_many`] over matrices of one width and any kinds: one call per kind of activations ([`Quant`]), the
 /// products in the order of `weights`.
 fn matmul_grouped(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Vec<f32>> {
-    if weights.iter().all(|w| w.quantized() == weights[0].quantized()) {
+    if weights.iter().all(|w| w.quant() == weights[0].quant()) {
         return matmul_many(level, weights, x, m);
     }
     let mut out = vec![Vec::new(); weights.len()];
-    for kind in [true, false] {
-        let (at, group): (Vec<usize>, Vec<&Packed>) = weights.iter().enumerate().filter(|(_, w)| w.quantized() == kind).map(|(i, w)| (i, *w)).unzip();
+    for kind in [Quant::Blocks, Quant::Supers, Quant::Float] {
+        let (at, group): (Vec<usize>, Vec<&Packed>) = weights.iter().enumerate().filter(|(_, w)| w.quant() == kind).map(|(i, w)| (i, *w)).unzip();
         if group.is_empty() {
             continue;
         }
@@ -577,11 +658,11 @@ fn matmul_grouped(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec
     out
 }
 
-/// `x · Wᵢᵀ` for each matrix (all `[_, k]` of the same kind, quantized or not), the activations quantized once,
-/// in one parallel region.
+/// `x · Wᵢᵀ` for each matrix (all `[_, k]` of the same kind of activations, [`Quant`]), the activations quantized
+/// once, in one parallel region.
 fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Vec<f32>> {
     let k = weights[0].k;
-    assert!(weights.iter().all(|w| w.k == k && w.quantized() == weights[0].quantized()), "matmul_many over matrices of different widths or kinds (a bug)");
+    assert!(weights.iter().all(|w| w.k == k && w.quant() == weights[0].quant()), "matmul_many over matrices of different widths or kinds (a bug)");
     assert_eq!(x.len(), m * k, "activations are not [m, k] (a bug)");
     let level = level.min(Level::detected());
     // The AMX level's bf16 tiles multiply bf16 by bf16: every row of a product of bf16 matrices takes its
@@ -606,7 +687,7 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
     let f16_tiles = level == Level::Amx && m >= F16_TILE_ROWS && weights.iter().all(|w| matches!(w.data, Data::F16(_))) && amx::bf16_granted();
     #[cfg(not(target_arch = "x86_64"))]
     let f16_tiles = false;
-    let mut acts = Acts::new(level, x, k, weights[0].quantized());
+    let mut acts = Acts::new(level, x, k, weights[0].quant());
     if bf16_tiles && m >= BF16_TILE_ROWS {
         acts.bf16 = bf16_tile_order(x, m, k);
     } else if f16_tiles {

@@ -5,9 +5,10 @@
 //! `m = -c * d`; the k-quants' sub-block scales `d * sc` and mins `dmin * mn` are products of an f16 and an
 //! integer of at most 8 bits, which f32 holds exactly). Q8_0 and Q5_0 are kept signed, `d * code` (Q5_0's code is
 //! `q - 16`): the layout with the cheapest products, one scale per 32, which `auto` hands to AMX's int8 tiles. Q4_0
-//! keeps its 4-bit codes with no offsets stored: they stand for `d * (q - 8)`. Q6_K keeps its own scales, one
-//! signed 8-bit `sc` per 16 and an f16 `d` per 256 (`d * sc * (q - 32)`): the kernels multiply them in as
-//! integers. The codes are copied, the scales widened from f16 to f32: every weight the kernels compute with is the
+//! keeps its 4-bit codes with no offsets stored: they stand for `d * (q - 8)`. Q6_K and Q4_K keep their own
+//! scales: Q6_K one signed 8-bit `sc` per 16 and an f16 `d` per 256 (`d * sc * (q - 32)`), Q4_K a 6-bit `sc` and
+//! `mn` per 32 and an f16 `d` and `dmin` per 256 (`d * sc * q - dmin * mn`): the kernels multiply the small scales
+//! in as integers. The codes are copied, the scales widened from f16 to f32: every weight the kernels compute with is the
 //! one the file stores.
 
 use candle_core::quantized::GgmlDType;
@@ -74,25 +75,25 @@ fn decode_block(dtype: GgmlDType, b: &[u8], group: &mut impl FnMut(&[u8; 16], f3
             }
             emit32(&codes, d, m, group);
         }
-        GgmlDType::Q4K | GgmlDType::Q5K => {
+        GgmlDType::Q5K => {
             let (d, dmin, scales) = (half_at(b, 0), half_at(b, 2), &b[4..16]);
-            let (qh, qs) = if dtype == GgmlDType::Q5K { (Some(&b[16..48]), &b[48..176]) } else { (None, &b[16..144]) };
+            let (qh, qs) = (&b[16..48], &b[48..176]);
             // Four chunks of 64 weights: 32 bytes of codes, low nibbles the chunk's first 32 weights, high nibbles
-            // its last 32; Q5_K's fifth bits are bits 2c and 2c + 1 of 32 shared bytes.
+            // its last 32; the fifth bits are bits 2c and 2c + 1 of 32 shared bytes.
             for c in 0..4 {
                 for half in 0..2 {
                     let (sc, mn) = scale_min_k4(2 * c + half, scales);
                     for l in 0..32 {
                         let byte = qs[32 * c + l];
                         let low = if half == 0 { byte & 0xF } else { byte >> 4 };
-                        let high = qh.map_or(0, |qh| ((qh[l] >> (2 * c + half)) & 1) << 4);
+                        let high = ((qh[l] >> (2 * c + half)) & 1) << 4;
                         codes[l] = low | high;
                     }
                     emit32(&codes, d * sc as f32, -(dmin * mn as f32), group);
                 }
             }
         }
-        GgmlDType::Q8_0 | GgmlDType::Q6K => unreachable!("{dtype:?} is not decoded to unsigned codes"),
+        GgmlDType::Q8_0 | GgmlDType::Q4K | GgmlDType::Q6K => unreachable!("{dtype:?} is not decoded to codes with a float scale per group"),
         _ => unreachable!("decode_block for a type block_size refuses"),
     }
 }
@@ -113,6 +114,22 @@ fn q6k_block(b: &[u8]) -> ([u8; 256], [i8; 16], f32) {
         }
     }
     (codes, std::array::from_fn(|g| scales[g] as i8), d)
+}
+
+/// A Q4_K block's 256 codes `q` (0..=15, in order), its 8 scales and mins (6 bits each, one per 32 weights) and
+/// its f16 `d` and `dmin`: weight `i` is `d * sc[i / 32] * q[i] - dmin * mn[i / 32]`.
+fn q4k_block(b: &[u8]) -> ([u8; 256], [u8; 8], [u8; 8], f32, f32) {
+    let (d, dmin, scales, qs) = (half_at(b, 0), half_at(b, 2), &b[4..16], &b[16..144]);
+    let mut codes = [0u8; 256];
+    // Four chunks of 64 weights: 32 bytes, low nibbles the chunk's first 32 weights, high nibbles its last 32.
+    for c in 0..4 {
+        for l in 0..32 {
+            codes[64 * c + l] = qs[32 * c + l] & 0xF;
+            codes[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+        }
+    }
+    let (sc, mn): (Vec<u8>, Vec<u8>) = (0..8).map(|j| scale_min_k4(j, scales)).unzip();
+    (codes, sc.try_into().expect("8"), mn.try_into().expect("8"), d, dmin)
 }
 
 /// A GGUF matrix `[n, k]` of `dtype` (its raw bytes as stored) in the kernels' layout, or `None` when the kernels
@@ -164,6 +181,42 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
             }
             Data::S8 { qs, d: ds }
         }
+        GgmlDType::Q4K => {
+            // The codes as Q4_1's nibbles; the scales per 32 as they are, the mins per 32 as 16-bit pairs, `d` and
+            // `-dmin` per 256 widened (negating is exact).
+            let supers = k / 256;
+            let (mut qs, mut sc, mut mn, mut ds, mut dmins) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let (mut codes, mut scales, mut mins, mut d, mut dmin) = (Vec::with_capacity(PANEL * k), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for (panel, rows) in panels {
+                codes.clear();
+                scales.clear();
+                mins.clear();
+                d.clear();
+                dmin.clear();
+                for b in panel.chunks_exact(block_bytes) {
+                    let (c, s, m, db, dm) = q4k_block(b);
+                    codes.extend_from_slice(&c);
+                    scales.extend_from_slice(&s);
+                    mins.extend_from_slice(&m);
+                    d.push(db);
+                    dmin.push(-dm);
+                }
+                qs.extend(chunks(rows, k, &codes, true));
+                sc.extend(lanes(rows, k / 32, &scales));
+                ds.extend(lanes(rows, supers, &d));
+                dmins.extend(lanes(rows, supers, &dmin));
+                // `[super, block, lane]` to `[super, pair of blocks, lane, 2]`.
+                let by_lane = lanes(rows, k / 32, &mins);
+                for s in 0..supers {
+                    for t in 0..4 {
+                        for l in 0..PANEL {
+                            mn.extend((0..2).map(|e| by_lane[(8 * s + 2 * t + e) * PANEL + l] as i16));
+                        }
+                    }
+                }
+            }
+            Data::K4 { qs, sc, mn, d: ds, dmin: dmins }
+        }
         GgmlDType::Q6K => {
             // The 6-bit codes one per byte, as `U8`; the signed scales per 16 as they are; `d` per 256 widened.
             let (mut qs, mut sc, mut ds) = (Vec::new(), Vec::new(), Vec::new());
@@ -186,7 +239,7 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
         }
         _ => {
             // Per panel: row-major codes and a scale and offset per 16, then the panel's layout.
-            let halves = matches!(dtype, GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K);
+            let halves = matches!(dtype, GgmlDType::Q4_0 | GgmlDType::Q4_1);
             let (panels_n, per_row) = (n.div_ceil(PANEL), if halves { k / 32 } else { k / 16 });
             let mut qs = Vec::with_capacity(panels_n * PANEL * if halves { k / 2 } else { k });
             let (mut ds, mut ms) = (Vec::with_capacity(panels_n * PANEL * per_row), Vec::with_capacity(panels_n * PANEL * per_row));

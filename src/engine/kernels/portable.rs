@@ -24,11 +24,100 @@ pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut
     }
 }
 
+/// Activations to codes per 256 (`super::quantize_supers`): llama.cpp's `quantize_row_q8_K_ref`, and the exact code
+/// sums per 32 and per 16.
+pub(super) fn quantize_supers(x: &[f32], qs: &mut [i8], d: &mut [f32], bsums: &mut [i16], sums16: &mut [i32]) {
+    for (s, (x, qs)) in x.chunks_exact(256).zip(qs.chunks_exact_mut(256)).enumerate() {
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in x {
+            if v.abs() > amax {
+                (amax, max) = (v.abs(), v);
+            }
+        }
+        let iscale = if amax > 0.0 { -127.0 / max } else { 0.0 };
+        for (q, v) in qs.iter_mut().zip(x) {
+            // `as` saturates (and maps NaN to 0): a code is in -127..=127 whatever the input.
+            *q = (iscale * v).round_ties_even().clamp(-127.0, 127.0) as i8;
+        }
+        d[s] = if amax > 0.0 { 1.0 / iscale } else { 0.0 };
+        store_super_sums(qs, &mut bsums[8 * s..8 * s + 8], &mut sums16[16 * s..16 * s + 16]);
+    }
+}
+
+/// The exact code sums of 256 codes per 32 and per 16.
+pub(super) fn store_super_sums(qs: &[i8], bsums: &mut [i16], sums16: &mut [i32]) {
+    for (g, codes) in qs.chunks_exact(16).enumerate() {
+        sums16[g] = codes.iter().map(|&q| q as i32).sum();
+    }
+    for (j, b) in bsums.iter_mut().enumerate() {
+        // At most 32 x 127 in magnitude.
+        *b = (sums16[2 * j] + sums16[2 * j + 1]) as i16;
+    }
+}
+
+/// The per-256 layouts (`K4`, `Q6`), [`run`]'s: for each output, per 256 the exact integer sums (`sum of sc x
+/// sum(q x)` over its blocks of 32, for `Q6` its groups of 16 with `q - 32`; for `K4` the mins' `sum of mn x
+/// sum(x)`), then `acc = fma(sum, d_w * d_x, acc)` and for `K4` `acc = fma(msum, -dmin_w * d_x, acc)`, in order.
+fn run_supers(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
+    let (k, blocks, supers) = (w.k, w.k / 32, w.k / 256);
+    assert!(x.supers, "per-256 weights with activations per 32 (a bug)");
+    for p in rows.start / PANEL..rows.end.div_ceil(PANEL) {
+        for r in 0..x.rows() {
+            let xq = &x.qs[r * k..(r + 1) * k];
+            let mut acc = [0f32; PANEL];
+            for s in 0..supers {
+                let (xd, ps) = (x.d[r * supers + s], p * supers + s);
+                for (l, acc) in acc.iter_mut().enumerate() {
+                    match &w.data {
+                        Data::K4 { qs, sc, mn, d, dmin } => {
+                            let (mut sum, mut msum) = (0i32, 0i32);
+                            for b in 8 * s..8 * s + 8 {
+                                let (pb, xb) = (p * blocks + b, &xq[32 * b..32 * b + 32]);
+                                let bytes = &qs[pb * 128..(pb + 1) * 128];
+                                let mut dot = 0i32;
+                                for t in 0..4 {
+                                    for j in 0..4 {
+                                        let byte = bytes[32 * t + 4 * l + j];
+                                        dot += (byte & 0xF) as i32 * xb[4 * t + j] as i32 + (byte >> 4) as i32 * xb[16 + 4 * t + j] as i32;
+                                    }
+                                }
+                                sum += sc[pb * PANEL + l] as i32 * dot;
+                                msum += mn[(ps * 4 + b % 8 / 2) * 16 + 2 * l + b % 2] as i32 * x.bsums[r * blocks + b] as i32;
+                            }
+                            *acc = (sum as f32).mul_add(d[ps * PANEL + l] * xd, *acc);
+                            *acc = (msum as f32).mul_add(dmin[ps * PANEL + l] * xd, *acc);
+                        }
+                        Data::Q6 { qs, sc, d } => {
+                            let mut sum = 0i32;
+                            for b in 8 * s..8 * s + 8 {
+                                let (pb, xb) = (p * blocks + b, &xq[32 * b..32 * b + 32]);
+                                let codes = &qs[pb * 256..(pb + 1) * 256];
+                                for h in 0..2 {
+                                    let dot: i32 = (4 * h..4 * h + 4).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| codes[32 * g + 4 * l + j] as i32 * xb[4 * g + j] as i32).sum();
+                                    // sum((q - 32) x) = sum(q x) - 32 sum(x), times its scale.
+                                    sum += sc[(2 * pb + h) * PANEL + l] as i32 * (dot - 32 * x.sums16[r * 2 * blocks + 2 * b + h]);
+                                }
+                            }
+                            *acc = (sum as f32).mul_add(d[ps * PANEL + l] * xd, *acc);
+                        }
+                        _ => unreachable!("run_supers of a layout per 32 (a bug)"),
+                    }
+                }
+            }
+            out.write_lanes(r, p * PANEL, &acc);
+        }
+    }
+}
+
 /// Weight rows `rows` (whole panels, the last possibly padded) times every activation row: for each output, per
-/// block of 32 (per group of 16 for `U8`) the exact integer sum of code products (for `Q6`, the two halves' sums
-/// times their scales), then `acc = fma(sum, d_w * d_x, acc)` and, for types with an offset,
-/// `acc = fma(m_w, s_x, acc)`, in block order.
+/// block of 32 (per group of 16 for `U8`) the exact integer sum of code products, then `acc = fma(sum, d_w * d_x,
+/// acc)` and, for types with an offset, `acc = fma(m_w, s_x, acc)`, in block order; the per-256 layouts take
+/// [`run_supers`].
 pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
+    if matches!(w.data, Data::K4 { .. } | Data::Q6 { .. }) {
+        return run_supers(w, rows, x, out);
+    }
+    assert!(!x.supers, "weights per 32 with activations per 256 (a bug)");
     let (k, blocks) = (w.k, w.k / 32);
     for p in rows.start / PANEL..rows.end.div_ceil(PANEL) {
         for r in 0..x.rows() {
@@ -75,19 +164,7 @@ pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                             *acc = (sum as f32).mul_add(d[pb * PANEL + l] * xd[b], *acc);
                         }
                     }
-                    Data::Q6 { qs, sc, d } => {
-                        let codes = &qs[pb * 256..(pb + 1) * 256];
-                        for (l, acc) in acc.iter_mut().enumerate() {
-                            // Per half: sum((q - 32) x) = sum(q x) - 32 sum(x), times its scale, all exact in i32.
-                            let sum: i32 = (0..2)
-                                .map(|h| {
-                                    let dot: i32 = (4 * h..4 * h + 4).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| codes[32 * g + 4 * l + j] as i32 * xb[4 * g + j] as i32).sum();
-                                    sc[(2 * pb + h) * PANEL + l] as i32 * (dot - 32 * x.sums16[r * 2 * blocks + 2 * b + h])
-                                })
-                                .sum();
-                            *acc = (sum as f32).mul_add(d[(p * (blocks / 8) + b / 8) * PANEL + l] * xd[b], *acc);
-                        }
-                    }
+                    Data::Q6 { .. } | Data::K4 { .. } => unreachable!("per-256 layouts take run_supers"),
                     Data::F16(_) | Data::Bf16(_) => unreachable!("float weights take the float loop"),
                 }
             }

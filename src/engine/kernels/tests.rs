@@ -53,13 +53,14 @@ fn packing_keeps_every_value_the_file_stores() {
         let largest = candle.iter().fold(0f32, |a, v| a.max(v.abs()));
         let exact = ours.iter().zip(&candle).filter(|(a, b)| a == b).count();
         // `d * q + m` and candle's `d * (q - c)` are the same real number; f32 may round them differently, by an
-        // ulp. Q6_K's weight, `d` times the integer `sc * (q - 32)`, is exact both ways: every one bit-identical.
+        // ulp. Q6_K's weight, `d` times the integer `sc * (q - 32)`, is exact both ways, and Q4_K's `d * (sc * q) -
+        // dmin * mn` rounds once, as candle's `(d * sc) * q - dmin * mn` does: every one bit-identical.
         for (i, (a, b)) in ours.iter().zip(&candle).enumerate() {
             assert!((a - b).abs() <= largest * 1e-6, "{dtype:?} weight {i}: packed {a}, candle {b}");
         }
         assert!(exact * 1000 >= ours.len() * 999, "{dtype:?}: only {exact} of {} weights bit-identical", ours.len());
-        if dtype == GgmlDType::Q6K {
-            assert_eq!(exact, ours.len(), "Q6_K weights not all bit-identical");
+        if matches!(dtype, GgmlDType::Q6K | GgmlDType::Q4K) {
+            assert_eq!(exact, ours.len(), "{dtype:?} weights not all bit-identical");
         }
         assert_eq!((packed.rows(), packed.columns(), packed.stored_dtype()), (40, k, dtype));
     }
@@ -78,9 +79,9 @@ fn the_kernels_refuse_what_they_cannot_compute_faithfully() {
     assert!(pack::pack(GgmlDType::Q4_1, &[0; 80], 2, 64).is_ok());
 }
 
-/// Q6_K's products take each block's `sc_0 * sum((q - 32) x) + sc_1 * sum(...)` as an exact integer, converted to
-/// f32 without rounding: at the extremes (codes 0 and 63, scales -128 and 127, activations of full scale, sums
-/// near 2^24) every level gives the bits of that integer's float step, computed here in i64.
+/// Q6_K's products take each 256's `sum of sc * sum((q - 32) x)` over its 16 groups as an exact integer, then one
+/// float step: at the extremes (codes 0 and 63, scales -128 and 127, activations of full scale, sums past 2^25)
+/// every level gives the bits of that integer's float step, computed here in i64.
 #[test]
 fn q6k_block_sums_are_exact_at_the_extremes() {
     let (n, k, m) = (16, 512, 35);
@@ -124,24 +125,97 @@ fn q6k_block_sums_are_exact_at_the_extremes() {
     let packed = pack::pack(GgmlDType::Q6K, &bytes, n, k).unwrap().unwrap();
     // Full-scale activations of both signs.
     let x: Vec<f32> = (0..m * k).map(|i| if (i / 16 + i / k) % 3 == 0 { -1.5 } else { 1.5 }).collect();
-    let acts = Acts::new(Level::Portable, &x, k, true);
+    let acts = Acts::new(Level::Portable, &x, k, Quant::Supers);
     let weights = packed.dequantize();
     let mut largest = 0i64;
     let mut want = vec![0f32; m * n];
     for r in 0..m {
         for c in 0..n {
             let mut acc = 0f32;
-            for b in 0..k / 32 {
-                let (at, dw) = (c * k + 32 * b, half::f16::from_f32(0.001 * (1 + c) as f32).to_f32());
+            for s in 0..k / 256 {
+                let (at, dw) = (c * k + 256 * s, half::f16::from_f32(0.001 * (1 + c) as f32).to_f32());
                 // The weight is `dw * sc * (q - 32)` exactly (`packing_keeps_...`): `sc * (q - 32)` back from it.
-                let sum: i64 = (0..32).map(|i| (weights[at + i] / dw).round() as i64 * acts.qs[r * k + 32 * b + i] as i64).sum();
+                let sum: i64 = (0..256).map(|i| (weights[at + i] / dw).round() as i64 * acts.qs[r * k + 256 * s + i] as i64).sum();
                 largest = largest.max(sum.abs());
-                acc = (sum as f32).mul_add(dw * acts.d[r * k / 32 + b], acc);
+                acc = (sum as f32).mul_add(dw * acts.d[r * k / 256 + s], acc);
             }
             want[r * n + c] = acc;
         }
     }
-    assert!(largest > 16_000_000 && largest < 1 << 24, "the extremes reach {largest}");
+    assert!(largest > 1 << 25 && largest < 1 << 31, "the extremes reach {largest}");
+    for level in Level::available() {
+        let y = packed.matmul_at(level, &x, m);
+        assert!(y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{level:?}: {:?} vs {:?}", &y[..4], &want[..4]);
+    }
+}
+
+/// Q4_K's products take each 256's `sum of sc * sum(q x)` over its 8 blocks and its mins' `sum of mn * sum(x)` as
+/// exact integers, then two float steps: at the extremes (codes 0 and 15, scales and mins 0 and 63, activations of
+/// full scale, sums near 2^25) every level gives the bits of those integers' float steps, computed here in i64.
+#[test]
+fn q4k_sums_are_exact_at_the_extremes() {
+    let (n, k, m) = (16, 512, 35);
+    let code = |row: usize, i: usize| -> u8 {
+        match row % 4 {
+            0 => 15,
+            1 => 0,
+            2 => if (i / 7).is_multiple_of(2) { 15 } else { 0 },
+            _ => ((i * 5 + row) % 16) as u8,
+        }
+    };
+    let scale = |row: usize, j: usize| -> (u8, u8) {
+        match row % 4 {
+            0 | 2 => (63, 63),
+            1 => (0, 63),
+            _ => (((j * 11 + row) % 64) as u8, ((j * 29 + 3 * row) % 64) as u8),
+        }
+    };
+    let d = |row: usize| half::f16::from_f32(0.0005 * (1 + row) as f32);
+    let dmin = |row: usize| half::f16::from_f32(0.0007 * (2 + row) as f32);
+    let mut bytes = Vec::with_capacity(n * k / 256 * 144);
+    for row in 0..n {
+        for sb in 0..k / 256 {
+            let (dr, mr) = (d(row), dmin(row));
+            bytes.extend_from_slice(&dr.to_le_bytes());
+            bytes.extend_from_slice(&mr.to_le_bytes());
+            // ggml's 12 bytes of 6-bit scales and mins (`get_scale_min_k4` reads them back).
+            let (sc, mn): (Vec<u8>, Vec<u8>) = (0..8).map(|j| scale(row, j)).unzip();
+            let mut packed = [0u8; 12];
+            for j in 0..4 {
+                packed[j] = sc[j] | (sc[j + 4] >> 4) << 6;
+                packed[j + 4] = mn[j] | (mn[j + 4] >> 4) << 6;
+                packed[j + 8] = (sc[j + 4] & 0xF) | (mn[j + 4] & 0xF) << 4;
+            }
+            bytes.extend_from_slice(&packed);
+            // Per 64: low nibbles the first 32 weights, high nibbles the next 32.
+            for c in 0..4 {
+                bytes.extend((0..32).map(|l| code(row, 256 * sb + 64 * c + l) | code(row, 256 * sb + 64 * c + 32 + l) << 4));
+            }
+        }
+    }
+    let packed = pack::pack(GgmlDType::Q4K, &bytes, n, k).unwrap().unwrap();
+    let candle = candle_core::quantized::ggml_file::qtensor_from_ggml(GgmlDType::Q4K, &bytes, vec![n, k], &Device::Cpu).unwrap();
+    assert_eq!(packed.dequantize(), candle.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), "Q4_K weights as ggml decodes them");
+    let x: Vec<f32> = (0..m * k).map(|i| if (i / 32 + i / k) % 7 == 0 { -1.5 } else { 1.5 }).collect();
+    let acts = Acts::new(Level::Portable, &x, k, Quant::Supers);
+    let mut largest = 0i64;
+    let mut want = vec![0f32; m * n];
+    for r in 0..m {
+        for c in 0..n {
+            let mut acc = 0f32;
+            for s in 0..k / 256 {
+                let xq = |i: usize| acts.qs[r * k + 256 * s + i] as i64;
+                let sum: i64 = (0..256).map(|i| scale(c, i / 32).0 as i64 * code(c, 256 * s + i) as i64 * xq(i)).sum();
+                let msum: i64 = (0..256).map(|i| scale(c, i / 32).1 as i64 * xq(i)).sum();
+                largest = largest.max(sum.abs());
+                let xd = acts.d[r * k / 256 + s];
+                acc = (sum as f32).mul_add(d(c).to_f32() * xd, acc);
+                acc = (msum as f32).mul_add(-dmin(c).to_f32() * xd, acc);
+            }
+            want[r * n + c] = acc;
+        }
+    }
+    assert!(largest > 1 << 24 && largest < 1 << 31, "the extremes reach {largest}");
     for level in Level::available() {
         let y = packed.matmul_at(level, &x, m);
         assert!(y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{level:?}: {:?} vs {:?}", &y[..4], &want[..4]);
@@ -394,19 +468,21 @@ fn tiles_of_every_shape_give_the_same_bits() {
 }
 
 /// `x · Wᵀ` with candle's dequantized weights, in f64, and for each output the most the activations' 8-bit
-/// rounding can move it: half a code step of each block of 32 times the weights' absolute sum there (for
-/// quantized weights; F16 and BF16 take the activations in f32).
+/// rounding can move it: half a code step of each block of 32 (of 256 for Q4_K and Q6_K) times the weights'
+/// absolute sum there (for quantized weights; F16 and BF16 take the activations in f32).
 fn reference(q: &QTensor, x: &[f32], m: usize) -> (Vec<f64>, Vec<f64>) {
     let (n, k) = q.shape().dims2().unwrap();
     let w = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let quantized = !matches!(q.dtype(), GgmlDType::F16 | GgmlDType::BF16);
+    // Q4_K and Q6_K take activations quantized per 256.
+    let block = if matches!(q.dtype(), GgmlDType::Q4K | GgmlDType::Q6K) { 256 } else { 32 };
     let (mut y, mut bound) = (vec![0f64; m * n], vec![0f64; m * n]);
     for r in 0..m {
         let xr = &x[r * k..(r + 1) * k];
         for c in 0..n {
             let wr = &w[c * k..(c + 1) * k];
             let (mut sum, mut magnitude, mut rounding) = (0f64, 0f64, 0f64);
-            for (xb, wb) in xr.chunks(32).zip(wr.chunks(32)) {
+            for (xb, wb) in xr.chunks(block).zip(wr.chunks(block)) {
                 let step = xb.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 127.0;
                 for (a, v) in wb.iter().zip(xb) {
                     sum += *a as f64 * *v as f64;
@@ -487,9 +563,9 @@ fn the_level_variable_names_a_level() {
 #[test]
 fn activation_codes_are_the_same_at_every_level() {
     let x = activations(5, 576, 9);
-    let reference = Acts::new(Level::Portable, &x, 576, true);
+    let reference = Acts::new(Level::Portable, &x, 576, Quant::Blocks);
     for level in Level::available() {
-        let a = Acts::new(level, &x, 576, true);
+        let a = Acts::new(level, &x, 576, Quant::Blocks);
         assert_eq!(a.qs, reference.qs, "{level:?}");
         assert_eq!(a.sums, reference.sums, "{level:?}");
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
@@ -500,6 +576,46 @@ fn activation_codes_are_the_same_at_every_level() {
     // Codes span -127..=127: the largest value of each block maps to +-127.
     assert!(reference.qs.iter().any(|&q| q == 127 || q == -127));
     assert!(reference.qs.iter().all(|&q| q != i8::MIN));
+}
+
+/// The k-quants' activations per 256 are llama.cpp's `Q8_K` (`quantize_row_q8_K_ref`): the first value of largest
+/// magnitude `max` maps to -127, every code is `min(127, round(x * -127 / max))` (ties to even) with scale
+/// `1 / (-127 / max)`, and the sums per 32 and 16 are exact; the same at every level.
+#[test]
+fn activation_codes_per_256_are_llama_cpps_q8_k() {
+    let (m, k) = (5, 768);
+    let mut x = activations(m, k, 9);
+    // A 256 of zeros, and one whose largest magnitude comes twice, with both signs (the first one counts).
+    x[256..512].fill(0.0);
+    x[600] = -30.0;
+    x[700] = 30.0;
+    let reference = Acts::new(Level::Portable, &x, k, Quant::Supers);
+    for level in Level::available() {
+        let a = Acts::new(level, &x, k, Quant::Supers);
+        assert_eq!((&a.qs, &a.bsums, &a.sums16), (&reference.qs, &reference.bsums, &reference.sums16), "{level:?}");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a.d), bits(&reference.d), "{level:?}");
+    }
+    for (s, (xs, qs)) in x.chunks_exact(256).zip(reference.qs.chunks_exact(256)).enumerate() {
+        let first = (0..256).fold(0, |best, i| if xs[i].abs() > xs[best].abs() { i } else { best });
+        let max = xs[first];
+        if max == 0.0 {
+            assert!(qs.iter().all(|&q| q == 0) && reference.d[s] == 0.0);
+            continue;
+        }
+        let iscale = -127.0 / max;
+        assert_eq!(qs[first], -127, "256 {s}");
+        assert_eq!(reference.d[s].to_bits(), (1.0 / iscale).to_bits());
+        for (v, &q) in xs.iter().zip(qs) {
+            assert_eq!(q as f32, (v * iscale).round_ties_even().min(127.0), "256 {s}: {v}");
+        }
+    }
+    assert_eq!(x[600..700].iter().fold(0f32, |a, v| a.max(v.abs())), 30.0);
+    assert_eq!(reference.qs[600], -127, "the first of two equal magnitudes is the one that maps to -127");
+    assert_eq!(reference.qs[700], 127);
+    let per = |n: usize| -> Vec<i32> { reference.qs.chunks_exact(n).map(|c| c.iter().map(|&q| q as i32).sum()).collect() };
+    assert_eq!(reference.sums16, per(16));
+    assert_eq!(reference.bsums.iter().map(|&b| b as i32).collect::<Vec<_>>(), per(32));
 }
 
 /// A task whose weights are larger than its L2 slice (`l2_rows`) runs them a slice at a time: every row is
@@ -515,7 +631,7 @@ fn a_task_larger_than_its_cache_slice_computes_every_row_once() {
         let x = activations(m, k, 3);
         let reference = packed.matmul_at(Level::Portable, &x, m);
         for level in Level::available() {
-            let acts = Acts::new(level, &x, k, packed.quantized());
+            let acts = Acts::new(level, &x, k, packed.quant());
             let mut y = vec![f32::NAN; m * n];
             // One task over every row: three slices, the last ending in a partly padded panel.
             run_rows(level, &packed, 0..n, &acts, Out { ptr: y.as_mut_ptr(), n, len: y.len() });

@@ -67,19 +67,24 @@ macro_rules! kernels {
             fn tile<const P: usize, const R: usize>(w: &Packed, p0: usize, x: &Acts, r0: usize, out: Out) {
                 let (k, blocks) = (w.k, w.k / 32);
                 let panels = w.n.div_ceil(PANEL);
-                assert!(p0 + P <= panels && (r0 + R) * k <= x.qs.len() && (r0 + R) * blocks <= x.d.len(), "tile out of range (a bug)");
-                assert!(x.s32.len() == x.d.len() && x.s16.len() == 2 * x.d.len(), "activation sums (a bug)");
+                // Activation scales per row: per block of 32, or per 256 (`x.supers`, the per-256 layouts).
+                let per_row = if x.supers { blocks / 8 } else { blocks };
+                assert!(p0 + P <= panels && (r0 + R) * k <= x.qs.len() && (r0 + R) * per_row <= x.d.len(), "tile out of range (a bug)");
+                assert!(x.supers || x.s32.len() == x.d.len() && x.s16.len() == 2 * x.d.len(), "activation sums (a bug)");
                 let mut acc = [[_mm256_setzero_ps(); R]; P];
                 // SAFETY (every use of these pointers and closures): activation rows `r0..r0 + R` exist (asserted
-                // above), each of `k = 32 * blocks` codes, `blocks` scales and sums per 32, `2 * blocks` sums per 16;
-                // every access is at a block `b < blocks`, a group `g < 8` of 4 codes in it, a half `h < 2`.
+                // above), each of `k = 32 * blocks` codes and `per_row` scales; per 32 (`!x.supers`, asserted by
+                // each arm that reads them), `blocks` sums per 32 and `2 * blocks` per 16; every access is at a
+                // block `b < blocks` (a 256 `b < per_row` for `xd` of `x.supers`), a group `g < 8` of 4 codes in
+                // it, a half `h < 2`.
                 let xq: [*const i8; R] = std::array::from_fn(|i| unsafe { x.qs.as_ptr().add((r0 + i) * k) });
                 let xg = |i: usize, b: usize, g: usize| unsafe { _mm256_set1_epi32(xq[i].add(32 * b + 4 * g).cast::<i32>().read_unaligned()) };
-                let xd = |i: usize, b: usize| unsafe { _mm256_broadcast_ss(&*x.d.as_ptr().add((r0 + i) * blocks + b)) };
+                let xd = |i: usize, b: usize| unsafe { _mm256_broadcast_ss(&*x.d.as_ptr().add((r0 + i) * per_row + b)) };
                 let s32 = |i: usize, b: usize| unsafe { _mm256_broadcast_ss(&*x.s32.as_ptr().add((r0 + i) * blocks + b)) };
                 let s16 = |i: usize, b: usize, h: usize| unsafe { _mm256_broadcast_ss(&*x.s16.as_ptr().add((r0 + i) * 2 * blocks + 2 * b + h)) };
                 match &w.data {
                     Data::Q4 { qs, d, m } => {
+                        assert!(!x.supers, "activations per 256 for a layout per 32 (a bug)");
                         let signed = m.is_empty();
                         assert!(qs.len() == panels * blocks * 128 && d.len() == panels * blocks * PANEL && (signed || m.len() == d.len()), "Q4 layout (a bug)");
                         assert!(x.sums.len() == x.d.len(), "activation code sums (a bug)");
@@ -137,6 +142,7 @@ macro_rules! kernels {
                         }
                     }
                     Data::U8 { qs, d, m } => {
+                        assert!(!x.supers, "activations per 256 for a layout per 32 (a bug)");
                         assert!(qs.len() == panels * blocks * 256 && d.len() == panels * blocks * 2 * PANEL && m.len() == d.len(), "U8 layout (a bug)");
                         // SAFETY (these closures): as for Q4, with 256 code bytes and 16 scales and offsets per
                         // panel and block, `g < 8`, `h < 2`.
@@ -164,6 +170,7 @@ macro_rules! kernels {
                         }
                     }
                     Data::S8 { qs, d } => {
+                        assert!(!x.supers, "activations per 256 for a layout per 32 (a bug)");
                         assert!(qs.len() == panels * blocks * 256 && d.len() == panels * blocks * PANEL, "S8 layout (a bug)");
                         // SAFETY (these closures): as for U8, with 8 scales per panel and block.
                         let chunk = |p: usize, b: usize, g: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * 256 + 32 * g).cast()) };
@@ -216,40 +223,104 @@ macro_rules! kernels {
                     }
                     Data::Q6 { qs, sc, d } => {
                         let supers = blocks / 8;
+                        assert!(x.supers && x.sums16.len() == 2 * x.rows() * blocks, "Q6 takes activations per 256 (a bug)");
                         assert!(blocks.is_multiple_of(8) && qs.len() == panels * blocks * 256 && sc.len() == panels * blocks * 2 * PANEL && d.len() == panels * supers * PANEL, "Q6 layout (a bug)");
-                        assert!(x.sums16.len() == 2 * x.d.len(), "activation code sums (a bug)");
                         // SAFETY (these closures): as for U8, with 16 scale bytes per panel and block and 8 scales
-                        // per panel and 8 blocks (`b / 8 < supers`).
+                        // per panel and 256 (`s < supers`).
                         let chunk = |p: usize, b: usize, g: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * 256 + 32 * g).cast()) };
                         let scales = |p: usize, b: usize| unsafe { _mm_loadu_si128(sc.as_ptr().add((p * blocks + b) * 2 * PANEL).cast()) };
-                        let lanes = |p: usize, b: usize| unsafe { _mm256_loadu_ps(d.as_ptr().add((p * supers + b / 8) * PANEL)) };
-                        // SAFETY: activation row `r0 + i < r0 + R` exists, `b < blocks` and `h < 2` (as for `s16`).
+                        let lanes = |p: usize, s: usize| unsafe { _mm256_loadu_ps(d.as_ptr().add((p * supers + s) * PANEL)) };
+                        // SAFETY: activation row `r0 + i < r0 + R` exists, `b < blocks` and `h < 2` (`sums16` is
+                        // `[m, 2 blocks]`, asserted above).
                         let less = |i: usize, b: usize, h: usize| unsafe { _mm256_set1_epi32(32 * *x.sums16.as_ptr().add((r0 + i) * 2 * blocks + 2 * b + h)) };
-                        for b in 0..blocks {
-                            // Both halves' chains side by side: `sums[h]` is sum(q x) over half `h`.
-                            let mut sums = [[[_mm256_setzero_si256(); R]; P]; 2];
-                            for g in (0..4).step_by(2) {
-                                for j in 0..P {
-                                    for (h, sums) in sums.iter_mut().enumerate() {
-                                        let (w0, w1) = (chunk(p0 + j, b, 4 * h + g), chunk(p0 + j, b, 4 * h + g + 1));
-                                        for i in 0..R {
-                                            sums[j][i] = dot2(sums[j][i], w0, xg(i, b, 4 * h + g), w1, xg(i, b, 4 * h + g + 1));
+                        for s in 0..supers {
+                            let mut total = [[_mm256_setzero_si256(); R]; P];
+                            for b in 8 * s..8 * s + 8 {
+                                // Both halves' chains side by side: `sums[h]` is sum(q x) over half `h`.
+                                let mut sums = [[[_mm256_setzero_si256(); R]; P]; 2];
+                                for g in (0..4).step_by(2) {
+                                    for j in 0..P {
+                                        for (h, sums) in sums.iter_mut().enumerate() {
+                                            let (w0, w1) = (chunk(p0 + j, b, 4 * h + g), chunk(p0 + j, b, 4 * h + g + 1));
+                                            for i in 0..R {
+                                                sums[j][i] = dot2(sums[j][i], w0, xg(i, b, 4 * h + g), w1, xg(i, b, 4 * h + g + 1));
+                                            }
                                         }
+                                    }
+                                }
+                                for j in 0..P {
+                                    let sv = scales(p0 + j, b);
+                                    let (s0, s1) = (_mm256_cvtepi8_epi32(sv), _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(sv)));
+                                    for i in 0..R {
+                                        // `sc_0 * (sum(q x) - 32 sum(x)) + sc_1 * (...)`, exact in 32 bits.
+                                        let (h0, h1) = (_mm256_sub_epi32(sums[0][j][i], less(i, b, 0)), _mm256_sub_epi32(sums[1][j][i], less(i, b, 1)));
+                                        total[j][i] = _mm256_add_epi32(total[j][i], _mm256_add_epi32(_mm256_mullo_epi32(h0, s0), _mm256_mullo_epi32(h1, s1)));
                                     }
                                 }
                             }
                             for j in 0..P {
-                                let s = scales(p0 + j, b);
-                                let (s0, s1) = (_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(s))));
-                                let dw = lanes(p0 + j, b);
+                                let dw = lanes(p0 + j, s);
                                 for i in 0..R {
-                                    // `sc_0 * (sum(q x) - 32 sum(x)) + sc_1 * (...)`, the integer of `Data::Q6`, in
-                                    // floats: each half's sum is below 2^16 and its scale 2^8 in magnitude, so the
-                                    // product is exact, and so is the sum of the two (below 2^24): the same bits as
-                                    // the integer arithmetic, in cheaper instructions than 32-bit multiplies.
-                                    let (h0, h1) = (_mm256_sub_epi32(sums[0][j][i], less(i, b, 0)), _mm256_sub_epi32(sums[1][j][i], less(i, b, 1)));
-                                    let sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h1), s1, _mm256_mul_ps(_mm256_cvtepi32_ps(h0), s0));
-                                    acc[j][i] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dw, xd(i, b)), acc[j][i]);
+                                    acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[j][i]), _mm256_mul_ps(dw, xd(i, s)), acc[j][i]);
+                                }
+                            }
+                        }
+                    }
+                    Data::K4 { qs, sc, mn, d, dmin } => {
+                        let supers = blocks / 8;
+                        assert!(x.supers && x.bsums.len() == x.rows() * blocks, "K4 takes activations per 256 (a bug)");
+                        assert!(qs.len() == panels * blocks * 128 && sc.len() == panels * blocks * PANEL && mn.len() == panels * supers * 64 && d.len() == panels * supers * PANEL && dmin.len() == d.len(), "K4 layout (a bug)");
+                        // SAFETY (these closures): panel `p < panels`, block `b < blocks`, 256 `s < supers`, pair `t <
+                        // 4` (the loops' bounds) are within the lengths asserted above: 128 code bytes and 8 scales
+                        // per panel and block, 64 mins and 8 of `d` and `dmin` per panel and 256.
+                        let chunk = |p: usize, b: usize, t: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * 128 + 32 * t).cast()) };
+                        let scales = |p: usize, b: usize| unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(sc.as_ptr().add((p * blocks + b) * PANEL).cast())) };
+                        let mins = |p: usize, s: usize, t: usize| unsafe { _mm256_loadu_si256(mn.as_ptr().add(((p * supers + s) * 4 + t) * 16).cast()) };
+                        let lanes = |v: &[f32], p: usize, s: usize| unsafe { _mm256_loadu_ps(v.as_ptr().add((p * supers + s) * PANEL)) };
+                        // SAFETY: activation row `r0 + i < r0 + R` exists and `8 s + 2 t + 1 < blocks` (`bsums` is `[m,
+                        // blocks]`, asserted above): blocks `2t` and `2t + 1` of the 256's code sums, one 32-bit lane.
+                        let pair = |i: usize, s: usize, t: usize| unsafe { _mm256_set1_epi32(x.bsums.as_ptr().add((r0 + i) * blocks + 8 * s + 2 * t).cast::<i32>().read_unaligned()) };
+                        let mask = _mm256_set1_epi8(0x0F);
+                        for s in 0..supers {
+                            let mut total = [[_mm256_setzero_si256(); R]; P];
+                            for b in 8 * s..8 * s + 8 {
+                                // The block's sum(q x) as Q4's, then times its scale, exact in 32 bits.
+                                let (mut sums, mut part) = ([[_mm256_setzero_si256(); R]; P], [[_mm256_setzero_si256(); R]; P]);
+                                for t in 0..4 {
+                                    for j in 0..P {
+                                        let raw = chunk(p0 + j, b, t);
+                                        let (lo, hi) = (_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
+                                        for i in 0..R {
+                                            let (x0, x1) = (xg(i, b, t), xg(i, b, t + 4));
+                                            if $vnni {
+                                                sums[j][i] = dpbusd(sums[j][i], lo, x0);
+                                                part[j][i] = dpbusd(part[j][i], hi, x1);
+                                            } else {
+                                                let two = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+                                                part[j][i] = _mm256_add_epi16(part[j][i], two);
+                                            }
+                                        }
+                                    }
+                                }
+                                for j in 0..P {
+                                    let sv = scales(p0 + j, b);
+                                    for i in 0..R {
+                                        let dot = if $vnni { _mm256_add_epi32(sums[j][i], part[j][i]) } else { _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)) };
+                                        total[j][i] = _mm256_add_epi32(total[j][i], _mm256_mullo_epi32(dot, sv));
+                                    }
+                                }
+                            }
+                            for j in 0..P {
+                                let (dw, mw) = (lanes(d, p0 + j, s), lanes(dmin, p0 + j, s));
+                                for i in 0..R {
+                                    // The mins: per lane, sum over the 8 blocks of mn x sum(x), as 16-bit pairs.
+                                    let mut msum = _mm256_madd_epi16(mins(p0 + j, s, 0), pair(i, s, 0));
+                                    for t in 1..4 {
+                                        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins(p0 + j, s, t), pair(i, s, t)));
+                                    }
+                                    let xs = xd(i, s);
+                                    acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[j][i]), _mm256_mul_ps(dw, xs), acc[j][i]);
+                                    acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(mw, xs), acc[j][i]);
                                 }
                             }
                         }
@@ -377,6 +448,13 @@ macro_rules! kernels {
                         ask(bytemuck::cast_slice(sc), 2 * PANEL);
                         (qs, 256)
                     }
+                    Data::K4 { qs, sc, mn, d, dmin } => {
+                        floats(d, PANEL / 8);
+                        floats(dmin, PANEL / 8);
+                        ask(sc, PANEL);
+                        ask(bytemuck::cast_slice(mn), 16);
+                        (qs, 128)
+                    }
                     Data::F16(_) | Data::Bf16(_) => return,
                 };
                 ask(codes, per);
@@ -456,6 +534,62 @@ kernels!(avx_vnni, "avx2,fma,f16c,avxvnni", vnni: true, wide: false, |acc, w, x|
 mod quantize {
     use std::arch::x86_64::*;
 
+    /// The portable `quantize_supers`, in registers: the same bits for finite activations.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn quantize_supers(x: &[f32], qs: &mut [i8], d: &mut [f32], bsums: &mut [i16], sums16: &mut [i32]) {
+        let n = d.len();
+        assert!(x.len() == 256 * n && qs.len() == 256 * n && bsums.len() == 8 * n && sums16.len() == 16 * n, "activations per 256 (a bug)");
+        let (lo, hi, sign) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0), _mm256_set1_ps(-0.0));
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for s in 0..n {
+            let xs = &x[256 * s..256 * s + 256];
+            // SAFETY: `xs` holds 256 values.
+            let v: [__m256; 32] = std::array::from_fn(|j| unsafe { _mm256_loadu_ps(xs.as_ptr().add(8 * j)) });
+            let mut mx = _mm256_andnot_ps(sign, v[0]);
+            for v in &v[1..] {
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, *v));
+            }
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps::<1>(mx));
+            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
+            let codes = &mut qs[256 * s..256 * s + 256];
+            if amax.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+                // Zeros (or no finite value): the portable code's zero codes and scale.
+                codes.fill(0);
+                d[s] = 0.0;
+                super::super::portable::store_super_sums(codes, &mut bsums[8 * s..8 * s + 8], &mut sums16[16 * s..16 * s + 16]);
+                continue;
+            }
+            // The first value of that magnitude: its sign decides the codes' (llama.cpp's `max`).
+            let target = _mm256_set1_ps(amax);
+            let first = (0..32).find_map(|j| {
+                let hits = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_andnot_ps(sign, v[j]), target));
+                (hits != 0).then(|| 8 * j + hits.trailing_zeros() as usize)
+            });
+            let iscale = -127.0 / xs[first.expect("the largest magnitude is one of the values")];
+            let scale = _mm256_set1_ps(iscale);
+            for q in 0..8 {
+                let c: [__m256i; 4] = std::array::from_fn(|j| {
+                    let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(v[4 * q + j], scale));
+                    _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+                });
+                let lane_sum = |v: __m256i| {
+                    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+                    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+                    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b00_00_00_01>(s)))
+                };
+                let (a, b) = (lane_sum(_mm256_add_epi32(c[0], c[1])), lane_sum(_mm256_add_epi32(c[2], c[3])));
+                (sums16[16 * s + 2 * q], sums16[16 * s + 2 * q + 1]) = (a, b);
+                // At most 32 x 127 in magnitude.
+                bsums[8 * s + q] = (a + b) as i16;
+                let packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+                // SAFETY: `codes` holds 256 codes and `32 q + 32 <= 256`.
+                unsafe { _mm256_storeu_si256(codes.as_mut_ptr().add(32 * q).cast(), _mm256_permutevar8x32_epi32(packed, order)) };
+            }
+            d[s] = 1.0 / iscale;
+        }
+    }
+
     /// `quantize_blocks` of the portable code, in registers: the same bits for finite activations.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums_out: &mut [i32], sums16: &mut [i32]) {
@@ -494,6 +628,18 @@ mod quantize {
             unsafe { _mm_storeu_ps(kept.as_mut_ptr(), _mm_cvtph_ps(_mm_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(exact))) };
             (d[b], s32[b], s16[2 * b], s16[2 * b + 1], sums_out[b]) = (kept[0], kept[1], kept[2], kept[3], sums[0] + sums[1]);
             (sums16[2 * b], sums16[2 * b + 1]) = (sums[0], sums[1]);
+        }
+    }
+}
+
+/// Activations to codes per 256 at `level` (one this CPU has): `super::quantize_supers`.
+pub(super) fn quantize_supers(level: super::Level, x: &[f32], qs: &mut [i8], d: &mut [f32], bsums: &mut [i16], sums16: &mut [i32]) {
+    match level {
+        super::Level::Portable => super::portable::quantize_supers(x, qs, d, bsums, sums16),
+        _ => {
+            assert!(has_avx2(), "AVX2 kernels on a CPU without AVX2 (a bug)");
+            // SAFETY: the CPU has AVX2, FMA and F16C (asserted above).
+            unsafe { quantize::quantize_supers(x, qs, d, bsums, sums16) }
         }
     }
 }
