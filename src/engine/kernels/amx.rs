@@ -4,10 +4,10 @@
 //! A tile product multiplies 16 activation rows of signed 8-bit codes (a tile `A`, row-major, read straight from
 //! the activations) by 16 weight rows of codes (a tile `B`, four codes of each weight row to a 32-bit lane: two of
 //! the packer's eight-row panels side by side) and adds the exact 32-bit integer sums into a 16 x 16 tile `C`:
-//! `tdpbsud` for the unsigned codes of Q4_1, Q4_K and the `U8` types, `tdpbssd` for the signed ones of Q8_0 and
+//! `tdpbsud` for the unsigned codes of Q4_1 and the `U8` types, `tdpbssd` for the signed ones of Q8_0 and
 //! Q5_0 (the packer stores them offset by 128 for VNNI's unsigned-by-signed products; the pair flips them back,
 //! so the sums need no correction) and of Q4_0 (the pair takes 8 off its codes, which the VNNI kernels take off
-//! their sums as `8 x` the activations' code sum). One product covers one block of 32 (Q4_0, Q4_1, Q4_K, Q8_0, Q5_0) or one group
+//! their sums as `8 x` the activations' code sum). One product covers one block of 32 (Q4_0, Q4_1, Q8_0, Q5_0) or one group
 //! of 16 (the `U8` types), so `C` holds exactly the integer sums the VNNI kernels compute; the float steps after them
 //! (`acc = fma(sum, d_w * d_x, acc)`, then the offset's `fma`) run in AVX-512 registers in the same order, so the
 //! results are bit-identical to the other levels'.
@@ -30,9 +30,14 @@
 //! 1.06-1.10x (BENCHMARKS.md). So `auto` settles at VNNI and hands only a model's quantized products of 32 rows or
 //! more (16 where the product's matrices hold 8 M weights or more) in the 4-bit and signed layouts to these tiles
 //! (`super::model_level`: the same bits, 2-7 % faster whole jobs); `runtime.cpu_kernels = "amx"` runs this whole
-//! level. Q6_K's own layout (`Data::Q6`) takes two tile products per block: each weight's `sc * (q - 32)` split
-//! exactly into a signed high byte and an unsigned low byte ([`Pair::fill_q6`]), `64 C_hi + C_lo` the VNNI
-//! kernels' integer.
+//! level.
+//!
+//! Q4_K and Q6_K (`Data::K4`, `Data::Q6`) are computed per 256 ([`run_supers`]), on activations quantized per 256:
+//! each weight's `sc * q` (Q6_K: `sc * (q - 32)`) is split exactly into two bytes, high and low
+//! ([`SuperPair`]), and two tile products per 64 columns (the tiles' whole depth) sum a 256's `C_hi` and `C_lo` in
+//! the tile registers, stored once per 256: `2^s C_hi + C_lo` is the VNNI kernels' exact integer, and the float
+//! steps run once per 256, not per block. This is what lifts the tiles past the per-block bound above: on the
+//! same VM, 2.1-2.9x VNNI's speed from 128 rows on Llama-3.2-1B's Q4_K and Q6_K matrices (BENCHMARKS.md).
 //!
 //! bf16 weights take the tile unit's bf16 products (`tdpbf16ps`, AMX-BF16): there the integer detour is gone,
 //! each output's sum stays in the tiles across the whole row, and a tile product does 16 times the work of the

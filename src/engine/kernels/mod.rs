@@ -6,21 +6,23 @@
 //! time ([`Level`]): AVX-512 VNNI (or AVX-VNNI), AVX2 with FMA and F16C, and a portable fallback, so one binary
 //! is fast on every x86-64 CPU.
 //!
-//! The weights are repacked at load ([`pack`]) into three layouts that keep every stored value: 4-bit codes with
-//! a scale and offset per 32 (Q4_1, Q4_K; Q4_0 with its scale alone, its codes standing for `q - 8`), 8-bit codes
-//! with a scale and offset per 16 (Q5_1, Q5_K, Q6_K), and signed 8-bit codes with a scale per 32 (Q8_0, and Q5_0
-//! as `q - 16`), each interleaved in panels of eight weight rows ([`PANEL`]) so that one register holds four
-//! weights of each of eight rows: one 8-bit product instruction then serves eight outputs, and each output's
-//! integer block sum lands in its own 32-bit lane, ready for its scale.
-//! Activations are quantized per row to signed 8-bit codes with a scale per 32 values, rounded as llama.cpp
-//! rounds them for the same types ([`store_scales`]); F16 and BF16 weights stay row-major and take the
-//! activations in f32.
+//! The weights are repacked at load ([`pack`]) into layouts that keep every stored value: 4-bit codes with a
+//! scale and offset per 32 (Q4_1; Q4_0 with its scale alone, its codes standing for `q - 8`), 8-bit codes with a
+//! scale and offset per 16 (Q5_1, Q5_K), signed 8-bit codes with a scale per 32 (Q8_0, and Q5_0 as `q - 16`), and
+//! Q4_K and Q6_K with their own small integer scales under a float scale per 256 ([`Data`]), each interleaved in
+//! panels of eight weight rows ([`PANEL`]) so that one register holds four weights of each of eight rows: one
+//! 8-bit product instruction then serves eight outputs, and each output's integer block sum lands in its own
+//! 32-bit lane, ready for its scale.
+//! Activations are quantized per row to signed 8-bit codes, rounded as llama.cpp rounds them for the same types:
+//! with a scale per 32 values ([`store_scales`]), or per 256 for Q4_K and Q6_K ([`quantize_supers`], its `Q8_K`);
+//! F16 and BF16 weights stay row-major and take the activations in f32.
 //!
 //! Every path computes each output with the same operations in the same order, so the levels give bit-identical
 //! results, and a row's result does not depend on how many rows share its product. Quantized weights: per block
 //! of 32 (or group of 16), the exact integer sum of code products, then one chain of fused multiply-adds per
-//! output (`acc = fma(sum, d_w * d_x, acc)`, then `acc = fma(m_w, s_x, acc)` for types with an offset). Float
-//! weights: eight lanes of fused multiply-adds, then one fixed reduction ([`hsum8`]).
+//! output (`acc = fma(sum, d_w * d_x, acc)`, then `acc = fma(m_w, s_x, acc)` for types with an offset); for Q4_K
+//! and Q6_K, per 256, the exact integer sum of the blocks' sums times their scales, then the same steps per 256.
+//! Float weights: eight lanes of fused multiply-adds, then one fixed reduction ([`hsum8`]).
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
@@ -182,7 +184,7 @@ const LARGE_PRODUCT: usize = 8 << 20;
 /// The level a model's product of `m` rows by `weights` runs at: [`Level::active`], except where the job left the
 /// kernels to `auto` on a CPU with AMX ([`AUTO_TILES`]). There products of at least [`INT8_TILE_ROWS`] rows (of
 /// [`LARGE_TILE_ROWS`] for matrices of [`LARGE_PRODUCT`] weights or more) by
-/// matrices in the 4-bit (Q4_0, Q4_1, Q4_K), signed 8-bit (Q8_0, Q5_0) or Q6_K layouts take the AMX level's int8 tiles,
+/// matrices in the 4-bit (Q4_0, Q4_1), signed 8-bit (Q8_0, Q5_0), Q4_K or Q6_K layouts take the AMX level's int8 tiles,
 /// whose results are the VNNI kernels' bits: measured faster there, slower on fewer rows (decode steps) and on the
 /// `U8` layout (BENCHMARKS.md, 2026-12-05, late). bf16 and F16 products, whose AMX results differ, stay at VNNI
 /// unless the job names `amx`.
