@@ -1004,13 +1004,14 @@ fn finish_super<const T: u8>(acc: &mut Tile<f32>, hi: &Tile<i32>, lo: &Tile<i32>
 }
 
 /// [`run`] for the per-256 layouts (`T`: [`K4`], [`Q6`]), at least one whole tile of activation rows and one pair of
-/// panels: per pair of panels and two tiles of rows, each 256's sums accumulated in the tiles over its four 64-column
-/// steps (two products each: the weights' high and low parts), stored once, and its float steps run while the tile
-/// unit computes the next 256.
+/// panels. Per pair of panels (laid out once, [`SuperPair`]) and group of rows, 256 by 256: the 256's weight tiles
+/// (8 KiB) stay in the L1 cache while every two tiles of activation rows pass over them, each pair of row tiles'
+/// sums accumulated in the tile registers over the 256's four 64-column steps (two products each: the weights'
+/// high and low parts) and stored once; the float steps of one such item run while the tile unit computes the next.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn run_supers<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     let (m, k) = (x.rows(), w.k);
-    let tiles = m / ROWS;
+    let (tiles, supers, chunks) = (m / ROWS, k / 256, k / 64);
     let (first, end) = (rows.start / PANEL, rows.end.div_ceil(PANEL));
     let pairs = (end - first) / 2;
     assert!(x.supers && k.is_multiple_of(256) && x.tiles.codes.len() == tiles * ROWS * k, "activations per 256 in the tiles' order (a bug)");
@@ -1019,7 +1020,8 @@ fn run_supers<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     unsafe { asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly)) };
     let mut pair = SuperPair::new(k);
     let mut sums = [[Tile([[0; COLS]; ROWS]); 4]; 2];
-    let mut acc = [Tile([[0f32; COLS]; ROWS]); 2];
+    // One accumulator per tile of rows of a group.
+    let mut acc = vec![Tile([[0f32; COLS]; ROWS]); ROW_GROUP / ROWS];
     for group in (0..tiles).step_by(ROW_GROUP / ROWS) {
         let group_end = (group + ROW_GROUP / ROWS).min(tiles);
         for q in 0..pairs {
@@ -1029,11 +1031,62 @@ fn run_supers<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
             } else {
                 pair.fill_q6(w, p);
             }
-            for t in (group..group_end).step_by(2) {
-                if group_end - t >= 2 {
-                    macro_super::<2, T>(k, &pair, p, x, ROWS * t, &mut sums, &mut acc, out);
-                } else {
-                    macro_super::<1, T>(k, &pair, p, x, ROWS * t, &mut sums, &mut acc, out);
+            // Items (256 `s`, first row tile `t`, tiles `na`) in order; the one before's sums in `sums[done % 2]`.
+            let mut before: Option<(usize, usize, usize)> = None;
+            let mut item = 0;
+            for s in 0..supers {
+                for t in (group..group_end).step_by(2) {
+                    let na = (group_end - t).min(2);
+                    let xs = [0, 1].map(|a| x.tiles.codes[((t + a.min(na - 1)) * chunks + 4 * s) * 1024..].as_ptr().cast::<u8>());
+                    // SAFETY: configured for 16 rows of 64 bytes (above); tile `t + a` (`< tiles`) has `chunks` KiB of
+                    // codes (asserted length), of which the 256's four from `4 s` (`s < supers`); the pair's lines
+                    // from `128 s` are the 256's 128 (`k / 2` lines in all: `SuperPair::new`).
+                    unsafe {
+                        if na == 2 {
+                            super_products::<2, T>(xs, pair.codes[128 * s..].as_ptr());
+                        } else {
+                            super_products::<1, T>(xs, pair.codes[128 * s..].as_ptr());
+                        }
+                    }
+                    let (now, last) = sums.split_at_mut(1);
+                    let (now, last) = if item % 2 == 0 { (&mut now[0], &last[0]) } else { (&mut last[0], &now[0]) };
+                    if let Some((sb, tb, nb)) = before {
+                        for a in 0..nb {
+                            finish_super::<T>(&mut acc[tb - group + a], &last[2 * a], &last[2 * a + 1], sb, &pair, x, ROWS * (tb + a));
+                        }
+                    }
+                    // SAFETY: the products above ran last on these tiles; `now` is 4 KiB.
+                    unsafe {
+                        if na == 2 {
+                            store_sums::<2>(now);
+                        } else {
+                            store_sums::<1>(now);
+                        }
+                    }
+                    before = Some((s, t, na));
+                    item += 1;
+                }
+            }
+            if let Some((sb, tb, nb)) = before {
+                let last = &sums[(item - 1) % 2];
+                for a in 0..nb {
+                    finish_super::<T>(&mut acc[tb - group + a], &last[2 * a], &last[2 * a + 1], sb, &pair, x, ROWS * (tb + a));
+                }
+            }
+            for t in group..group_end {
+                let tile = &acc[t - group];
+                let row = |i: usize, half: usize| -> &[f32; PANEL] { tile.0[i][PANEL * half..PANEL * half + PANEL].try_into().expect("eight lanes") };
+                let rows0 = ROWS * t;
+                // SAFETY: `store_tile` hands the eight floats of panel `p + half`, row `rows0 + i`: this task's to write.
+                let whole = out.store_tile::<2, ROWS>(p, rows0, |half, i, at| unsafe { std::ptr::copy_nonoverlapping(row(i, half).as_ptr(), at, PANEL) });
+                if !whole {
+                    for i in 0..ROWS {
+                        for half in 0..2 {
+                            if (p + half) * PANEL < out.n {
+                                out.write_lanes(rows0 + i, (p + half) * PANEL, row(i, half));
+                            }
+                        }
+                    }
                 }
             }
         }
@@ -1047,51 +1100,5 @@ fn run_supers<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     }
     if ROWS * tiles < m {
         super::x86::avx512_vnni::quantized_panel(w, first..end, x, ROWS * tiles, m - ROWS * tiles, out);
-    }
-}
-
-/// One pair of panels (`p`, `p + 1`, laid out in `pair`) times `NA` tiles of 16 activation rows from `r0`, per 256:
-/// the tile products of 256 `s`, then the float steps of 256 `s - 1` (from the other set of sums) while the tile
-/// unit works, then the stores of `s`'s sums.
-#[allow(clippy::too_many_arguments)]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn macro_super<const NA: usize, const T: u8>(k: usize, pair: &SuperPair, p: usize, x: &Acts, r0: usize, sums: &mut [[Tile<i32>; 4]; 2], acc: &mut [Tile<f32>; 2], out: Out) {
-    let (supers, chunks) = (k / 256, k / 64);
-    assert!(r0.is_multiple_of(ROWS) && r0 + NA * ROWS <= x.rows() && x.tiles.codes.len() == x.rows() / ROWS * ROWS * k && pair.codes.len() == k / 2, "activation tile out of range (a bug)");
-    for s in 0..=supers {
-        let (now, before) = sums.split_at_mut(1);
-        let (now, before) = if s % 2 == 0 { (&mut now[0], &before[0]) } else { (&mut before[0], &now[0]) };
-        if s < supers {
-            let xs = [0, 1].map(|a| x.tiles.codes[((r0 / ROWS + a.min(NA - 1)) * chunks + 4 * s) * 1024..].as_ptr().cast::<u8>());
-            // SAFETY: configured for 16 rows of 64 bytes (`run_supers`); tile `r0 / 16 + a` (`< x.rows() / 16`) has
-            // `chunks` KiB of codes, of which the 256's four from `4 s` (`s < supers`); the pair's lines from `32 x
-            // 4 s` are the 256's 128 (`k / 2` lines in all, asserted above).
-            unsafe { super_products::<NA, T>(xs, pair.codes[128 * s..].as_ptr()) };
-        }
-        if s > 0 {
-            for a in 0..NA {
-                finish_super::<T>(&mut acc[a], &before[2 * a], &before[2 * a + 1], s - 1, pair, x, r0 + ROWS * a);
-            }
-        }
-        if s < supers {
-            // SAFETY: the products above ran last on these tiles; `now` is 4 KiB.
-            unsafe { store_sums::<NA>(now) };
-        }
-    }
-    for (a, tile) in acc.iter().enumerate().take(NA) {
-        let row = |i: usize, half: usize| -> &[f32; PANEL] { tile.0[i][PANEL * half..PANEL * half + PANEL].try_into().expect("eight lanes") };
-        let rows0 = r0 + ROWS * a;
-        // SAFETY: `store_tile` hands the eight floats of panel `p + half`, row `rows0 + i`: this task's to write.
-        let whole = out.store_tile::<2, ROWS>(p, rows0, |half, i, at| unsafe { std::ptr::copy_nonoverlapping(row(i, half).as_ptr(), at, PANEL) });
-        if !whole {
-            for i in 0..ROWS {
-                for half in 0..2 {
-                    if (p + half) * PANEL < out.n {
-                        out.write_lanes(rows0 + i, (p + half) * PANEL, row(i, half));
-                    }
-                }
-            }
-        }
     }
 }
