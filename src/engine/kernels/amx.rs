@@ -811,6 +811,55 @@ impl SuperPair {
         SuperPair { codes: vec![Line([0; 64]); k / 2], d: vec![0.0; 16 * supers], dmin: vec![0.0; 16 * supers], mn: vec![0; 64 * supers] }
     }
 
+    /// The scales of one block (or half) of both panels, 8 bytes each at `at[0]` and `at[1]` of `sc`, as the two
+    /// byte patterns [`SuperPair::split`] multiplies by: in 32-bit lane `l` (weight row `l` of the 16), the row's
+    /// scale at bytes 0 and 2 (`even`) or 1 and 3 (`odd`), zero elsewhere.
+    ///
+    /// Safety: the CPU has AVX-512 F and BW; 8 bytes at each of `at` lie inside `sc`; `patterns` are
+    /// [`SuperPair::patterns`].
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2")]
+    unsafe fn scales(sc: *const u8, at: [usize; 2], patterns: &[__m512i; 2]) -> (__m512i, __m512i) {
+        // SAFETY: the caller's contract.
+        let rows = unsafe { _mm_unpacklo_epi64(_mm_loadl_epi64(sc.add(at[0]).cast()), _mm_loadl_epi64(sc.add(at[1]).cast())) };
+        let all = _mm512_broadcast_i32x4(rows);
+        (_mm512_shuffle_epi8(all, patterns[0]), _mm512_shuffle_epi8(all, patterns[1]))
+    }
+
+    /// The byte shuffles [`SuperPair::scales`] takes, even then odd: 128-bit lane `i` serves rows `4i..4i + 4`; -1
+    /// gives zero.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn patterns() -> [__m512i; 2] {
+        [false, true].map(|odd| {
+            let mut c = [-1i8; 64];
+            for (b, c) in c.iter_mut().enumerate() {
+                if b % 2 == usize::from(odd) {
+                    *c = (b / 16 * 4 + b % 16 / 4) as i8;
+                }
+            }
+            // SAFETY: 64 bytes.
+            unsafe { _mm512_loadu_si512(c.as_ptr().cast()) }
+        })
+    }
+
+    /// 64 codes (unsigned, at most 63) times their rows' scales ([`SuperPair::scales`], signed), less `offset` (per
+    /// 16-bit word), exactly in 16 bits, split into the weights' high (`w >> SHIFT`, arithmetic) and low (`w & (2^SHIFT
+    /// - 1)`) bytes, in the codes' order. Each 16-bit product is one code's (`vpmaddubsw` with the other byte's scale
+    /// zero): even codes from `even`, odd codes from `odd`.
+    #[inline(always)]
+    fn split<const SHIFT: u32>(codes: __m512i, even: __m512i, odd: __m512i, offset: __m512i) -> (__m512i, __m512i) {
+        // SAFETY (of calling these intrinsics): every caller has AVX-512 F and BW.
+        unsafe {
+            let we = _mm512_sub_epi16(_mm512_maddubs_epi16(codes, even), offset);
+            let wo = _mm512_sub_epi16(_mm512_maddubs_epi16(codes, odd), offset);
+            let (low, byte) = (_mm512_set1_epi16((1 << SHIFT) - 1), _mm512_set1_epi16(0xFF));
+            let lo = _mm512_or_si512(_mm512_and_si512(we, low), _mm512_slli_epi16::<8>(_mm512_and_si512(wo, low)));
+            let hi = _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16::<SHIFT>(we), byte), _mm512_slli_epi16::<8>(_mm512_srai_epi16::<SHIFT>(wo)));
+            (hi, lo)
+        }
+    }
+
     /// Panels `p` and `p + 1` of a K4 matrix: each weight `w = sc * q` (0..=945) as `w >> 8` (0..=3) and `w & 255`,
     /// both unsigned: `w = 256 hi + lo`.
     #[target_feature(enable = "avx512f,avx512bw,avx2")]
@@ -819,30 +868,24 @@ impl SuperPair {
         let (blocks, supers) = (w.k / 32, w.k / 256);
         assert!((p + 2) * blocks * 128 <= qs.len() && (p + 2) * blocks * PANEL <= sc.len() && (p + 2) * supers * 64 <= mn.len() && (p + 2) * supers * PANEL <= d.len() && dmin.len() == d.len(), "K4 pair out of range (a bug)");
         assert!(self.codes.len() == 16 * blocks && self.d.len() == 16 * supers && self.mn.len() == 64 * supers, "K4 pair layout (a bug)");
-        // Word `i` of a chunk's 32 codes is lane `i / 4`'s: it takes that row's scale.
-        let spread = _mm512_set_epi16(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-        let (nibble, byte) = (_mm256_set1_epi8(0x0F), _mm512_set1_epi16(0xFF));
+        let (nibble, zero, patterns) = (_mm512_set1_epi8(0x0F), _mm512_setzero_si512(), Self::patterns());
         for b in 0..blocks {
             let (c, h2) = (b / 2, b % 2);
-            for (half_line, panel) in [p, p + 1].into_iter().enumerate() {
-                let at = panel * blocks + b;
-                // SAFETY: 8 scales at `8 at` and 128 code bytes at `128 at` lie inside `sc` and `qs` (`at < (p + 2)
-                // blocks`, asserted above); lines `32 c + 16 + j` < `16 blocks` for `j < 16`; 32 bytes at `32
-                // half_line` of a 64-byte line.
-                unsafe {
-                    let scales = _mm_cvtepu8_epi16(_mm_loadl_epi64(sc.as_ptr().add(at * PANEL).cast()));
-                    let scales = _mm512_permutexvar_epi16(spread, _mm512_castsi128_si512(scales));
-                    for t in 0..4 {
-                        let raw = _mm256_loadu_si256(qs.as_ptr().add(128 * at + 32 * t).cast());
-                        // Low nibbles: weights `4t..4t + 4` of the block (line `8 h2 + t` of the 64); high nibbles:
-                        // `16 + 4t..` (line `8 h2 + 4 + t`).
-                        let halves = [(_mm256_and_si256(raw, nibble), t), (_mm256_and_si256(_mm256_srli_epi16::<4>(raw), nibble), 4 + t)];
-                        for (codes, j) in halves {
-                            let weight = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(codes), scales);
-                            let (hi, lo) = (_mm512_cvtepi16_epi8(_mm512_srli_epi16::<8>(weight)), _mm512_cvtepi16_epi8(_mm512_and_si512(weight, byte)));
-                            _mm256_storeu_si256(self.codes[32 * c + 8 * h2 + j].0.as_mut_ptr().add(32 * half_line).cast(), hi);
-                            _mm256_storeu_si256(self.codes[32 * c + 16 + 8 * h2 + j].0.as_mut_ptr().add(32 * half_line).cast(), lo);
-                        }
+            let at = [p * blocks + b, (p + 1) * blocks + b];
+            // SAFETY: 8 scales at `8 at[i]` and 128 code bytes at `128 at[i]` lie inside `sc` and `qs` (`at[i] < (p + 2)
+            // blocks`, asserted above); lines `32 c + 16 + j` < `16 blocks` for `j < 16`, 64 bytes each.
+            unsafe {
+                let (even, odd) = Self::scales(sc.as_ptr(), at.map(|a| a * PANEL), &patterns);
+                for t in 0..4 {
+                    // Both panels' 32 bytes side by side: a line's order.
+                    let raw = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(qs.as_ptr().add(128 * at[0] + 32 * t).cast())), _mm256_loadu_si256(qs.as_ptr().add(128 * at[1] + 32 * t).cast()));
+                    // Low nibbles: weights `4t..4t + 4` of the block (line `8 h2 + t` of the 64); high nibbles:
+                    // `16 + 4t..` (line `8 h2 + 4 + t`).
+                    let halves = [(_mm512_and_si512(raw, nibble), t), (_mm512_and_si512(_mm512_srli_epi16::<4>(raw), nibble), 4 + t)];
+                    for (codes, j) in halves {
+                        let (hi, lo) = Self::split::<8>(codes, even, odd, zero);
+                        _mm512_storeu_si512(self.codes[32 * c + 8 * h2 + j].0.as_mut_ptr().cast(), hi);
+                        _mm512_storeu_si512(self.codes[32 * c + 16 + 8 * h2 + j].0.as_mut_ptr().cast(), lo);
                     }
                 }
             }
@@ -871,27 +914,23 @@ impl SuperPair {
         let (blocks, supers) = (w.k / 32, w.k / 256);
         assert!((p + 2) * blocks * 256 <= qs.len() && (p + 2) * blocks * 16 <= sc.len() && (p + 2) * supers * PANEL <= d.len(), "Q6 pair out of range (a bug)");
         assert!(self.codes.len() == 16 * blocks && self.d.len() == 16 * supers, "Q6 pair layout (a bug)");
-        let spread = _mm512_set_epi16(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-        let (offset, low) = (_mm512_set1_epi16(32), _mm512_set1_epi16(63));
+        let (thirty_two, patterns) = (_mm512_set1_epi8(32), Self::patterns());
         for b in 0..blocks {
             let (c, h2) = (b / 2, b % 2);
-            for (half_line, panel) in [p, p + 1].into_iter().enumerate() {
-                let at = panel * blocks + b;
-                for h in 0..2 {
-                    // SAFETY: 8 scales at `(2 at + h) 8` and 32 codes at `256 at + 32 g` lie inside `sc` and `qs`
-                    // (`at < (p + 2) blocks`, asserted above); lines `32 c + 16 + 8 h2 + g` < `16 blocks`; 32 bytes
-                    // at `32 half_line` of a 64-byte line.
-                    unsafe {
-                        let scales = _mm_cvtepi8_epi16(_mm_loadl_epi64(sc.as_ptr().add((2 * at + h) * PANEL).cast()));
-                        let scales = _mm512_permutexvar_epi16(spread, _mm512_castsi128_si512(scales));
-                        for g in 4 * h..4 * h + 4 {
-                            let codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(qs.as_ptr().add(256 * at + 32 * g).cast()));
-                            // `sc * (q - 32)`: at most 128 x 32 in magnitude, exact in 16 bits.
-                            let weight = _mm512_mullo_epi16(_mm512_sub_epi16(codes, offset), scales);
-                            let (hi, lo) = (_mm512_cvtepi16_epi8(_mm512_srai_epi16::<6>(weight)), _mm512_cvtepi16_epi8(_mm512_and_si512(weight, low)));
-                            _mm256_storeu_si256(self.codes[32 * c + 8 * h2 + g].0.as_mut_ptr().add(32 * half_line).cast(), hi);
-                            _mm256_storeu_si256(self.codes[32 * c + 16 + 8 * h2 + g].0.as_mut_ptr().add(32 * half_line).cast(), lo);
-                        }
+            let at = [p * blocks + b, (p + 1) * blocks + b];
+            for h in 0..2 {
+                // SAFETY: 8 scales at `(2 at[i] + h) 8` and 32 codes at `256 at[i] + 32 g` lie inside `sc` and `qs`
+                // (`at[i] < (p + 2) blocks`, asserted above); lines `32 c + 16 + 8 h2 + g` < `16 blocks`, 64 bytes
+                // each.
+                unsafe {
+                    let (even, odd) = Self::scales(sc.as_ptr().cast(), at.map(|a| (2 * a + h) * PANEL), &patterns);
+                    // `32 sc` per word: `sc * (q - 32) = sc q - 32 sc`, at most 128 x 63 in magnitude before.
+                    let offset = _mm512_maddubs_epi16(thirty_two, even);
+                    for g in 4 * h..4 * h + 4 {
+                        let codes = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(qs.as_ptr().add(256 * at[0] + 32 * g).cast())), _mm256_loadu_si256(qs.as_ptr().add(256 * at[1] + 32 * g).cast()));
+                        let (hi, lo) = Self::split::<6>(codes, even, odd, offset);
+                        _mm512_storeu_si512(self.codes[32 * c + 8 * h2 + g].0.as_mut_ptr().cast(), hi);
+                        _mm512_storeu_si512(self.codes[32 * c + 16 + 8 * h2 + g].0.as_mut_ptr().cast(), lo);
                     }
                 }
             }
