@@ -32,8 +32,8 @@
 //! (`super::model_level`: the same bits, 2-7 % faster whole jobs); `runtime.cpu_kernels = "amx"` runs this whole
 //! level.
 //!
-//! Q4_K and Q6_K (`Data::K4`, `Data::Q6`) are computed per 256 ([`run_supers`]), on activations quantized per 256:
-//! each weight's `sc * q` (Q6_K: `sc * (q - 32)`) is split exactly into two bytes, high and low
+//! Q4_K, Q5_K and Q6_K (`Data::K4`, `Data::K5`, `Data::Q6`) are computed per 256 ([`run_supers`]), on activations
+//! quantized per 256: each weight's `sc * q` (Q6_K: `sc * (q - 32)`) is split exactly into two bytes, high and low
 //! ([`SuperPair`]), and two tile products per 64 columns (the tiles' whole depth) sum a 256's `C_hi` and `C_lo` in
 //! the tile registers, stored once per 256: `2^s C_hi + C_lo` is the VNNI kernels' exact integer, and the float
 //! steps run once per 256, not per block. This is what lifts the tiles past the per-block bound above: on the
@@ -252,7 +252,7 @@ impl Pair {
                     _ => unreachable!(),
                 }
             }
-            Data::Q6 { .. } | Data::K4 { .. } => unreachable!("per-256 layouts fill a SuperPair"),
+            Data::Q6 { .. } | Data::K4 { .. } | Data::K5 { .. } => unreachable!("per-256 layouts fill a SuperPair"),
             Data::F16(_) | Data::Bf16(_) => unreachable!("float weights do not take the tile unit"),
         }
     }
@@ -321,9 +321,15 @@ const Q4: u8 = 0;
 const U8: u8 = 1;
 const S8: u8 = 2;
 const Q4S: u8 = 3;
-/// The per-256 layouts ([`run_supers`]): Q6_K's, its weights' high parts signed, and Q4_K's.
+/// The per-256 layouts ([`run_supers`]): Q6_K's, its weights' high parts signed, Q4_K's and Q5_K's.
 const Q6: u8 = 4;
 const K4: u8 = 5;
+const K5: u8 = 6;
+
+/// Whether kind `T` has mins (`K4`, `K5`).
+const fn with_mins(t: u8) -> bool {
+    t == K4 || t == K5
+}
 
 /// Whether kind `T`'s tiles hold signed codes (`tdpbssd`) and its float steps have no offset.
 const fn signed(t: u8) -> bool {
@@ -355,6 +361,7 @@ unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
         Data::S8 { .. } => run_tiles::<S8>(w, rows, x, out),
         Data::Q6 { .. } => run_supers::<Q6>(w, rows, x, out),
         Data::K4 { .. } => run_supers::<K4>(w, rows, x, out),
+        Data::K5 { .. } => run_supers::<K5>(w, rows, x, out),
         // bf16 products of fewer than `BF16_TILE_ROWS` rows (their activations rounded to bf16 all the same, see
         // `matmul_many`), and F16 products of fewer than `F16_TILE_ROWS` (exact, as at the other levels).
         Data::F16(_) | Data::Bf16(_) => super::x86::avx512_vnni::run(w, rows, x, out),
@@ -791,8 +798,8 @@ fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &
     }
 }
 
-/// A pair of panels of a per-256 layout (`Data::K4`, `Data::Q6`) in the tile unit's layout: each weight `w` (`sc *
-/// q` for K4, at most 63 x 15; `sc * (q - 32)` for Q6) split exactly into two bytes, so that two tile products per
+/// A pair of panels of a per-256 layout (`Data::K4`, `Data::K5`, `Data::Q6`) in the tile unit's layout: each weight
+/// `w` (`sc * q` for K4 and K5, at most 63 x 31; `sc * (q - 32)` for Q6) split exactly into two bytes, so that two tile products per
 /// 64 columns give the 256's integer sums with no float step between its blocks.
 struct SuperPair {
     /// `[k / 64, 2, 16 lines]`: per 64 columns, the high parts' weight tile, then the low parts'. Line `j` holds, for
@@ -860,13 +867,14 @@ impl SuperPair {
         }
     }
 
-    /// Panels `p` and `p + 1` of a K4 matrix: each weight `w = sc * q` (0..=945) as `w >> 8` (0..=3) and `w & 255`,
-    /// both unsigned: `w = 256 hi + lo`.
+    /// Panels `p` and `p + 1` of a K4 or K5 matrix: each weight `w = sc * q` (K4 0..=945, K5 0..=1953) as `w >> 8`
+    /// (0..=7) and `w & 255`, both unsigned: `w = 256 hi + lo`.
     #[target_feature(enable = "avx512f,avx512bw,avx2")]
     fn fill_k4(&mut self, w: &Packed, p: usize) {
-        let Data::K4 { qs, sc, mn, d, dmin } = &w.data else { unreachable!("fill_k4 of another layout (a bug)") };
+        let (Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin }) = &w.data else { unreachable!("fill_k4 of another layout (a bug)") };
+        let wide = matches!(w.data, Data::K5 { .. });
         let (blocks, supers) = (w.k / 32, w.k / 256);
-        assert!((p + 2) * blocks * 128 <= qs.len() && (p + 2) * blocks * PANEL <= sc.len() && (p + 2) * supers * 64 <= mn.len() && (p + 2) * supers * PANEL <= d.len() && dmin.len() == d.len(), "K4 pair out of range (a bug)");
+        assert!((p + 2) * blocks * if wide { 256 } else { 128 } <= qs.len() && (p + 2) * blocks * PANEL <= sc.len() && (p + 2) * supers * 64 <= mn.len() && (p + 2) * supers * PANEL <= d.len() && dmin.len() == d.len(), "K4 pair out of range (a bug)");
         assert!(self.codes.len() == 16 * blocks && self.d.len() == 16 * supers && self.mn.len() == 64 * supers, "K4 pair layout (a bug)");
         let (nibble, zero, patterns) = (_mm512_set1_epi8(0x0F), _mm512_setzero_si512(), Self::patterns());
         for b in 0..blocks {
@@ -876,6 +884,17 @@ impl SuperPair {
             // blocks`, asserted above); lines `32 c + 16 + j` < `16 blocks` for `j < 16`, 64 bytes each.
             unsafe {
                 let (even, odd) = Self::scales(sc.as_ptr(), at.map(|a| a * PANEL), &patterns);
+                if wide {
+                    // K5: 256 code bytes per panel and block (inside `qs`: `(p + 2) blocks 256`, asserted above),
+                    // chunk `g` the weights `4g..4g + 4` of each row (line `8 h2 + g`).
+                    for g in 0..8 {
+                        let codes = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(qs.as_ptr().add(256 * at[0] + 32 * g).cast())), _mm256_loadu_si256(qs.as_ptr().add(256 * at[1] + 32 * g).cast()));
+                        let (hi, lo) = Self::split::<8>(codes, even, odd, zero);
+                        _mm512_storeu_si512(self.codes[32 * c + 8 * h2 + g].0.as_mut_ptr().cast(), hi);
+                        _mm512_storeu_si512(self.codes[32 * c + 16 + 8 * h2 + g].0.as_mut_ptr().cast(), lo);
+                    }
+                    continue;
+                }
                 for t in 0..4 {
                     // Both panels' 32 bytes side by side: a line's order.
                     let raw = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(qs.as_ptr().add(128 * at[0] + 32 * t).cast())), _mm256_loadu_si256(qs.as_ptr().add(128 * at[1] + 32 * t).cast()));
@@ -1002,7 +1021,7 @@ unsafe fn store_sums<const NA: usize>(out: &mut [Tile<i32>; 4]) {
 }
 
 /// The float steps of 256 `s` for one tile of 16 activation rows from `r0` by a pair's 16 weight rows: the exact
-/// integer `2^SHIFT C_hi + C_lo` (K4: 8, Q6: 6), then per output `acc = fma(sum, d_w * d_x, acc)`, and for K4 the
+/// integer `2^SHIFT C_hi + C_lo` (K4, K5: 8; Q6: 6), then per output `acc = fma(sum, d_w * d_x, acc)`, and for K4, K5 the
 /// mins' integer `sum of mn x sum(x)` (16-bit pairs, `vpmaddwd`) and `acc = fma(msum, -dmin_w * d_x, acc)`: the
 /// portable kernels' `run_supers`, in the same order.
 #[inline]
@@ -1011,25 +1030,25 @@ fn finish_super<const T: u8>(acc: &mut Tile<f32>, hi: &Tile<i32>, lo: &Tile<i32>
     let first = s == 0;
     let (m, order, blocks) = (x.rows(), &x.tiles, x.k / 32);
     assert!(r0 + ROWS <= m && (s + 1) * m <= order.d.len() && 16 * (s + 1) <= pair.d.len(), "scales out of range (a bug)");
-    assert!(T != K4 || (64 * (s + 1) <= pair.mn.len() && pair.dmin.len() == pair.d.len() && x.bsums.len() == m * blocks && 8 * s + 8 <= blocks), "mins out of range (a bug)");
+    assert!(!with_mins(T) || (64 * (s + 1) <= pair.mn.len() && pair.dmin.len() == pair.d.len() && x.bsums.len() == m * blocks && 8 * s + 8 <= blocks), "mins out of range (a bug)");
     // SAFETY (these pointers, and every use below): rows `r0..r0 + 16` of 256 `s`, the pair's 16 scales at `16 s`
     // and 64 mins at `64 s`, and rows `r0 + i`'s code sums of blocks `8 s..8 s + 8` are in range (asserted above);
     // the CPU has AVX-512 F and BW (this function's features).
     unsafe {
         let xd = order.d.as_ptr().add(s * m + r0);
         let dw = _mm512_loadu_ps(pair.d.as_ptr().add(16 * s));
-        let (mw, mins) = if T == K4 {
+        let (mw, mins) = if with_mins(T) {
             (_mm512_loadu_ps(pair.dmin.as_ptr().add(16 * s)), std::array::from_fn::<_, 4, _>(|t| _mm512_loadu_si512(pair.mn.as_ptr().add((4 * s + t) * 16).cast())))
         } else {
             (_mm512_setzero_ps(), [_mm512_setzero_si512(); 4])
         };
         for i in 0..ROWS {
             let (h, l) = (_mm512_load_si512(hi.0[i].as_ptr().cast()), _mm512_load_si512(lo.0[i].as_ptr().cast()));
-            let sum = if T == K4 { _mm512_add_epi32(_mm512_slli_epi32::<8>(h), l) } else { _mm512_add_epi32(_mm512_slli_epi32::<6>(h), l) };
+            let sum = if with_mins(T) { _mm512_add_epi32(_mm512_slli_epi32::<8>(h), l) } else { _mm512_add_epi32(_mm512_slli_epi32::<6>(h), l) };
             let xs = _mm512_set1_ps(*xd.add(i));
             let mut v = if first { _mm512_setzero_ps() } else { _mm512_load_ps(acc.0[i].as_ptr()) };
             v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, xs), v);
-            if T == K4 {
+            if with_mins(T) {
                 let sums = x.bsums.as_ptr().add((r0 + i) * blocks + 8 * s).cast::<i32>();
                 let mut msum = _mm512_madd_epi16(mins[0], _mm512_set1_epi32(sums.read_unaligned()));
                 for (t, mins) in mins.iter().enumerate().skip(1) {
@@ -1042,7 +1061,7 @@ fn finish_super<const T: u8>(acc: &mut Tile<f32>, hi: &Tile<i32>, lo: &Tile<i32>
     }
 }
 
-/// [`run`] for the per-256 layouts (`T`: [`K4`], [`Q6`]), at least one whole tile of activation rows and one pair of
+/// [`run`] for the per-256 layouts (`T`: [`K4`], [`K5`], [`Q6`]), at least one whole tile of activation rows and one pair of
 /// panels. Per pair of panels (laid out once, [`SuperPair`]) and group of rows, 256 by 256: the 256's weight tiles
 /// (8 KiB) stay in the L1 cache while every two tiles of activation rows pass over them, each pair of row tiles'
 /// sums accumulated in the tile registers over the 256's four 64-column steps (two products each: the weights'
@@ -1065,7 +1084,7 @@ fn run_supers<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
         let group_end = (group + ROW_GROUP / ROWS).min(tiles);
         for q in 0..pairs {
             let p = first + 2 * q;
-            if T == K4 {
+            if with_mins(T) {
                 pair.fill_k4(w, p);
             } else {
                 pair.fill_q6(w, p);

@@ -8,20 +8,20 @@
 //!
 //! The weights are repacked at load ([`pack`]) into layouts that keep every stored value: 4-bit codes with a
 //! scale and offset per 32 (Q4_1; Q4_0 with its scale alone, its codes standing for `q - 8`), 8-bit codes with a
-//! scale and offset per 16 (Q5_1, Q5_K), signed 8-bit codes with a scale per 32 (Q8_0, and Q5_0 as `q - 16`), and
-//! Q4_K and Q6_K with their own small integer scales under a float scale per 256 ([`Data`]), each interleaved in
+//! scale and offset per 16 (Q5_1), signed 8-bit codes with a scale per 32 (Q8_0, and Q5_0 as `q - 16`), and
+//! Q4_K, Q5_K and Q6_K with their own small integer scales under a float scale per 256 ([`Data`]), each interleaved in
 //! panels of eight weight rows ([`PANEL`]) so that one register holds four weights of each of eight rows: one
 //! 8-bit product instruction then serves eight outputs, and each output's integer block sum lands in its own
 //! 32-bit lane, ready for its scale.
 //! Activations are quantized per row to signed 8-bit codes, rounded as llama.cpp rounds them for the same types:
-//! with a scale per 32 values ([`store_scales`]), or per 256 for Q4_K and Q6_K ([`quantize_supers`], its `Q8_K`);
+//! with a scale per 32 values ([`store_scales`]), or per 256 for the k-quants ([`quantize_supers`], its `Q8_K`);
 //! F16 and BF16 weights stay row-major and take the activations in f32.
 //!
 //! Every path computes each output with the same operations in the same order, so the levels give bit-identical
 //! results, and a row's result does not depend on how many rows share its product. Quantized weights: per block
 //! of 32 (or group of 16), the exact integer sum of code products, then one chain of fused multiply-adds per
-//! output (`acc = fma(sum, d_w * d_x, acc)`, then `acc = fma(m_w, s_x, acc)` for types with an offset); for Q4_K
-//! and Q6_K, per 256, the exact integer sum of the blocks' sums times their scales, then the same steps per 256.
+//! output (`acc = fma(sum, d_w * d_x, acc)`, then `acc = fma(m_w, s_x, acc)` for types with an offset); for the
+//! k-quants, per 256, the exact integer sum of the blocks' sums times their scales, then the same steps per 256.
 //! Float weights: eight lanes of fused multiply-adds, then one fixed reduction ([`hsum8`]).
 
 #[cfg(target_arch = "x86_64")]
@@ -184,7 +184,7 @@ const LARGE_PRODUCT: usize = 8 << 20;
 /// The level a model's product of `m` rows by `weights` runs at: [`Level::active`], except where the job left the
 /// kernels to `auto` on a CPU with AMX ([`AUTO_TILES`]). There products of at least [`INT8_TILE_ROWS`] rows (of
 /// [`LARGE_TILE_ROWS`] for matrices of [`LARGE_PRODUCT`] weights or more) by
-/// matrices in the 4-bit (Q4_0, Q4_1), signed 8-bit (Q8_0, Q5_0), Q4_K or Q6_K layouts take the AMX level's int8 tiles,
+/// matrices in the 4-bit (Q4_0, Q4_1), signed 8-bit (Q8_0, Q5_0), Q4_K, Q5_K or Q6_K layouts take the AMX level's int8 tiles,
 /// whose results are the VNNI kernels' bits: measured faster there, slower on fewer rows (decode steps) and on the
 /// `U8` layout (BENCHMARKS.md, 2026-12-05, late). bf16 and F16 products, whose AMX results differ, stay at VNNI
 /// unless the job names `amx`.
@@ -192,7 +192,7 @@ fn model_level(weights: &[&Packed], m: usize) -> Level {
     let level = Level::active();
     let rows = if weights.iter().map(|w| w.n * w.k).sum::<usize>() >= LARGE_PRODUCT { LARGE_TILE_ROWS } else { INT8_TILE_ROWS };
     let tiles = level == Level::Vnni && m >= rows && AUTO_TILES.load(Ordering::Relaxed);
-    if tiles && weights.iter().all(|w| matches!(w.data, Data::Q4 { .. } | Data::S8 { .. } | Data::Q6 { .. } | Data::K4 { .. })) {
+    if tiles && weights.iter().all(|w| matches!(w.data, Data::Q4 { .. } | Data::S8 { .. } | Data::Q6 { .. } | Data::K4 { .. } | Data::K5 { .. })) {
         Level::Amx
     } else {
         level
@@ -288,6 +288,10 @@ enum Data {
     /// sum(q x)` (at most 8 x 63 x 32 x 15 x 127 < 2^25) and `sum of mn * sum(x)`, then two float steps, `acc =
     /// fma(sum, d_w * d_x, acc)`, `acc = fma(msum, -dmin_w * d_x, acc)`.
     K4 { qs: Vec<u8>, sc: Vec<u8>, mn: Vec<i16>, d: Vec<f32>, dmin: Vec<f32> },
+    /// Q5_K as stored: its 5-bit codes one per byte, chunked as `U8`, and `K4`'s scales, mins, `d` and `-dmin`:
+    /// weight = `d * sc * q - dmin * mn`, 8.75 bits a weight (the `U8` layout it had took 12). Its products are
+    /// `K4`'s (`sum of sc x sum(q x)` at most 8 x 63 x 32 x 31 x 127 < 2^26).
+    K5 { qs: Vec<u8>, sc: Vec<u8>, mn: Vec<i16>, d: Vec<f32>, dmin: Vec<f32> },
     /// IEEE half-precision bits.
     F16(Vec<u16>),
     /// bfloat16 bits.
@@ -320,7 +324,7 @@ impl Packed {
             Data::Q4 { qs, d, m } | Data::U8 { qs, d, m } => qs.len() + 4 * (d.len() + m.len()),
             Data::S8 { qs, d } => qs.len() + 4 * d.len(),
             Data::Q6 { qs, sc, d } => qs.len() + sc.len() + 4 * d.len(),
-            Data::K4 { qs, sc, mn, d, dmin } => qs.len() + sc.len() + 2 * mn.len() + 4 * (d.len() + dmin.len()),
+            Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => qs.len() + sc.len() + 2 * mn.len() + 4 * (d.len() + dmin.len()),
             Data::F16(w) | Data::Bf16(w) => 2 * w.len(),
         }
     }
@@ -351,9 +355,13 @@ impl Packed {
                     // `sc * (q - 32)` has at most 12 significant bits and `d` 11: the product is exact in f32.
                     d[(p * (blocks / 8) + b / 8) * PANEL + l] * (sc[(2 * pb + i / 16) * PANEL + l] as i32 * q) as f32
                 }
-                Data::K4 { qs, sc, mn, d, dmin } => {
-                    let byte = qs[pb * 128 + 32 * (i % 16 / 4) + 4 * l + i % 4];
-                    let code = if i < 16 { byte & 0xF } else { byte >> 4 };
+                Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => {
+                    let code = if matches!(self.data, Data::K5 { .. }) {
+                        qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4]
+                    } else {
+                        let byte = qs[pb * 128 + 32 * (i % 16 / 4) + 4 * l + i % 4];
+                        if i < 16 { byte & 0xF } else { byte >> 4 }
+                    };
                     let ps = (p * (blocks / 8) + b / 8) * PANEL + l;
                     let min = mn[((p * (blocks / 8) + b / 8) * 4 + b % 8 / 2) * 16 + 2 * l + b % 2];
                     // `sc * q` has at most 10 significant bits and `d` 11, `mn` 6 and `dmin` 11: both products are
@@ -381,7 +389,7 @@ impl Packed {
     fn quant(&self) -> Quant {
         match self.data {
             Data::F16(_) | Data::Bf16(_) => Quant::Float,
-            Data::K4 { .. } | Data::Q6 { .. } => Quant::Supers,
+            Data::K4 { .. } | Data::K5 { .. } | Data::Q6 { .. } => Quant::Supers,
             _ => Quant::Blocks,
         }
     }

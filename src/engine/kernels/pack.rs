@@ -5,10 +5,10 @@
 //! `m = -c * d`; the k-quants' sub-block scales `d * sc` and mins `dmin * mn` are products of an f16 and an
 //! integer of at most 8 bits, which f32 holds exactly). Q8_0 and Q5_0 are kept signed, `d * code` (Q5_0's code is
 //! `q - 16`): the layout with the cheapest products, one scale per 32, which `auto` hands to AMX's int8 tiles. Q4_0
-//! keeps its 4-bit codes with no offsets stored: they stand for `d * (q - 8)`. Q6_K and Q4_K keep their own
-//! scales: Q6_K one signed 8-bit `sc` per 16 and an f16 `d` per 256 (`d * sc * (q - 32)`), Q4_K a 6-bit `sc` and
-//! `mn` per 32 and an f16 `d` and `dmin` per 256 (`d * sc * q - dmin * mn`): the kernels multiply the small scales
-//! in as integers. The codes are copied, the scales widened from f16 to f32: every weight the kernels compute with is the
+//! keeps its 4-bit codes with no offsets stored: they stand for `d * (q - 8)`. The k-quants keep their own
+//! scales: Q6_K one signed 8-bit `sc` per 16 and an f16 `d` per 256 (`d * sc * (q - 32)`), Q4_K and Q5_K a 6-bit
+//! `sc` and `mn` per 32 and an f16 `d` and `dmin` per 256 (`d * sc * q - dmin * mn`): the kernels multiply the
+//! small scales in as integers. The codes are copied, the scales widened from f16 to f32: every weight the kernels compute with is the
 //! one the file stores.
 
 use candle_core::quantized::GgmlDType;
@@ -132,6 +132,21 @@ fn q4k_block(b: &[u8]) -> ([u8; 256], [u8; 8], [u8; 8], f32, f32) {
     (codes, sc.try_into().expect("8"), mn.try_into().expect("8"), d, dmin)
 }
 
+/// A Q5_K block's 256 codes `q` (0..=31, in order), with [`q4k_block`]'s scales, mins, `d` and `dmin`.
+fn q5k_block(b: &[u8]) -> ([u8; 256], [u8; 8], [u8; 8], f32, f32) {
+    let (mut codes, mut sc, mut mn) = ([0u8; 256], [0u8; 8], [0u8; 8]);
+    let mut at = 0;
+    // `decode_block` emits the 16 groups in order, each with `d * sc` and `-(dmin * mn)`: only the codes are taken.
+    decode_block(GgmlDType::Q5K, b, &mut |group, _, _| {
+        codes[at..at + 16].copy_from_slice(group);
+        at += 16;
+    });
+    for (j, (sc, mn)) in sc.iter_mut().zip(&mut mn).enumerate() {
+        (*sc, *mn) = scale_min_k4(j, &b[4..16]);
+    }
+    (codes, sc, mn, half_at(b, 0), half_at(b, 2))
+}
+
 /// A GGUF matrix `[n, k]` of `dtype` (its raw bytes as stored) in the kernels' layout, or `None` when the kernels
 /// do not take it: another type, a width that is not a whole number of blocks, or a Q8_0 matrix holding the code
 /// -128 (the kernels' signed product needs codes in -127..=127; ggml never writes -128). A byte count that does
@@ -181,8 +196,8 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
             }
             Data::S8 { qs, d: ds }
         }
-        GgmlDType::Q4K => {
-            // The codes as Q4_1's nibbles; the scales per 32 as they are, the mins per 32 as 16-bit pairs, `d` and
+        GgmlDType::Q4K | GgmlDType::Q5K => {
+            // The codes as Q4_1's nibbles (Q5_K's one per byte, as `U8`); the scales per 32 as they are, the mins per 32 as 16-bit pairs, `d` and
             // `-dmin` per 256 widened (negating is exact).
             let supers = k / 256;
             let (mut qs, mut sc, mut mn, mut ds, mut dmins) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -194,14 +209,14 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
                 d.clear();
                 dmin.clear();
                 for b in panel.chunks_exact(block_bytes) {
-                    let (c, s, m, db, dm) = q4k_block(b);
+                    let (c, s, m, db, dm) = if dtype == GgmlDType::Q4K { q4k_block(b) } else { q5k_block(b) };
                     codes.extend_from_slice(&c);
                     scales.extend_from_slice(&s);
                     mins.extend_from_slice(&m);
                     d.push(db);
                     dmin.push(-dm);
                 }
-                qs.extend(chunks(rows, k, &codes, true));
+                qs.extend(chunks(rows, k, &codes, dtype == GgmlDType::Q4K));
                 sc.extend(lanes(rows, k / 32, &scales));
                 ds.extend(lanes(rows, supers, &d));
                 dmins.extend(lanes(rows, supers, &dmin));
@@ -215,7 +230,7 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
                     }
                 }
             }
-            Data::K4 { qs, sc, mn, d: ds, dmin: dmins }
+            if dtype == GgmlDType::Q4K { Data::K4 { qs, sc, mn, d: ds, dmin: dmins } } else { Data::K5 { qs, sc, mn, d: ds, dmin: dmins } }
         }
         GgmlDType::Q6K => {
             // The 6-bit codes one per byte, as `U8`; the signed scales per 16 as they are; `d` per 256 widened.

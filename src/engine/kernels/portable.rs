@@ -55,9 +55,10 @@ pub(super) fn store_super_sums(qs: &[i8], bsums: &mut [i16], sums16: &mut [i32])
     }
 }
 
-/// The per-256 layouts (`K4`, `Q6`), [`run`]'s: for each output, per 256 the exact integer sums (`sum of sc x
-/// sum(q x)` over its blocks of 32, for `Q6` its groups of 16 with `q - 32`; for `K4` the mins' `sum of mn x
-/// sum(x)`), then `acc = fma(sum, d_w * d_x, acc)` and for `K4` `acc = fma(msum, -dmin_w * d_x, acc)`, in order.
+/// The per-256 layouts (`K4`, `K5`, `Q6`), [`run`]'s: for each output, per 256 the exact integer sums (`sum of sc x
+/// sum(q x)` over its blocks of 32, for `Q6` its groups of 16 with `q - 32`; for `K4` and `K5` the mins' `sum of
+/// mn x sum(x)`), then `acc = fma(sum, d_w * d_x, acc)` and for `K4`, `K5` `acc = fma(msum, -dmin_w * d_x, acc)`,
+/// in order.
 fn run_supers(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     let (k, blocks, supers) = (w.k, w.k / 32, w.k / 256);
     assert!(x.supers, "per-256 weights with activations per 32 (a bug)");
@@ -69,16 +70,22 @@ fn run_supers(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                 let (xd, ps) = (x.d[r * supers + s], p * supers + s);
                 for (l, acc) in acc.iter_mut().enumerate() {
                     match &w.data {
-                        Data::K4 { qs, sc, mn, d, dmin } => {
+                        Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => {
+                            let wide = matches!(w.data, Data::K5 { .. });
                             let (mut sum, mut msum) = (0i32, 0i32);
                             for b in 8 * s..8 * s + 8 {
                                 let (pb, xb) = (p * blocks + b, &xq[32 * b..32 * b + 32]);
-                                let bytes = &qs[pb * 128..(pb + 1) * 128];
                                 let mut dot = 0i32;
-                                for t in 0..4 {
-                                    for j in 0..4 {
-                                        let byte = bytes[32 * t + 4 * l + j];
-                                        dot += (byte & 0xF) as i32 * xb[4 * t + j] as i32 + (byte >> 4) as i32 * xb[16 + 4 * t + j] as i32;
+                                if wide {
+                                    let codes = &qs[pb * 256..(pb + 1) * 256];
+                                    dot = (0..8).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| codes[32 * g + 4 * l + j] as i32 * xb[4 * g + j] as i32).sum();
+                                } else {
+                                    let bytes = &qs[pb * 128..(pb + 1) * 128];
+                                    for t in 0..4 {
+                                        for j in 0..4 {
+                                            let byte = bytes[32 * t + 4 * l + j];
+                                            dot += (byte & 0xF) as i32 * xb[4 * t + j] as i32 + (byte >> 4) as i32 * xb[16 + 4 * t + j] as i32;
+                                        }
                                     }
                                 }
                                 sum += sc[pb * PANEL + l] as i32 * dot;
@@ -114,7 +121,7 @@ fn run_supers(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
 /// acc)` and, for types with an offset, `acc = fma(m_w, s_x, acc)`, in block order; the per-256 layouts take
 /// [`run_supers`].
 pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
-    if matches!(w.data, Data::K4 { .. } | Data::Q6 { .. }) {
+    if matches!(w.data, Data::K4 { .. } | Data::K5 { .. } | Data::Q6 { .. }) {
         return run_supers(w, rows, x, out);
     }
     assert!(!x.supers, "weights per 32 with activations per 256 (a bug)");
@@ -164,7 +171,7 @@ pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                             *acc = (sum as f32).mul_add(d[pb * PANEL + l] * xd[b], *acc);
                         }
                     }
-                    Data::Q6 { .. } | Data::K4 { .. } => unreachable!("per-256 layouts take run_supers"),
+                    Data::Q6 { .. } | Data::K4 { .. } | Data::K5 { .. } => unreachable!("per-256 layouts take run_supers"),
                     Data::F16(_) | Data::Bf16(_) => unreachable!("float weights take the float loop"),
                 }
             }

@@ -53,13 +53,13 @@ fn packing_keeps_every_value_the_file_stores() {
         let largest = candle.iter().fold(0f32, |a, v| a.max(v.abs()));
         let exact = ours.iter().zip(&candle).filter(|(a, b)| a == b).count();
         // `d * q + m` and candle's `d * (q - c)` are the same real number; f32 may round them differently, by an
-        // ulp. Q6_K's weight, `d` times the integer `sc * (q - 32)`, is exact both ways, and Q4_K's `d * (sc * q) -
-        // dmin * mn` rounds once, as candle's `(d * sc) * q - dmin * mn` does: every one bit-identical.
+        // ulp. Q6_K's weight, `d` times the integer `sc * (q - 32)`, is exact both ways, and Q4_K's and Q5_K's `d *
+        // (sc * q) - dmin * mn` rounds once, as candle's `(d * sc) * q - dmin * mn` does: every one bit-identical.
         for (i, (a, b)) in ours.iter().zip(&candle).enumerate() {
             assert!((a - b).abs() <= largest * 1e-6, "{dtype:?} weight {i}: packed {a}, candle {b}");
         }
         assert!(exact * 1000 >= ours.len() * 999, "{dtype:?}: only {exact} of {} weights bit-identical", ours.len());
-        if matches!(dtype, GgmlDType::Q6K | GgmlDType::Q4K) {
+        if matches!(dtype, GgmlDType::Q6K | GgmlDType::Q4K | GgmlDType::Q5K) {
             assert_eq!(exact, ours.len(), "{dtype:?} weights not all bit-identical");
         }
         assert_eq!((packed.rows(), packed.columns(), packed.stored_dtype()), (40, k, dtype));
@@ -149,18 +149,25 @@ fn q6k_block_sums_are_exact_at_the_extremes() {
     }
 }
 
-/// Q4_K's products take each 256's `sum of sc * sum(q x)` over its 8 blocks and its mins' `sum of mn * sum(x)` as
-/// exact integers, then two float steps: at the extremes (codes 0 and 15, scales and mins 0 and 63, activations of
-/// full scale, sums near 2^25) every level gives the bits of those integers' float steps, computed here in i64.
+/// Q4_K's and Q5_K's products take each 256's `sum of sc * sum(q x)` over its 8 blocks and its mins' `sum of mn *
+/// sum(x)` as exact integers, then two float steps: at the extremes (codes 0 and the largest, scales and mins 0 and
+/// 63, activations of full scale, sums past 2^24) every level gives the bits of those integers' float steps,
+/// computed here in i64.
 #[test]
-fn q4k_sums_are_exact_at_the_extremes() {
+fn q4k_and_q5k_sums_are_exact_at_the_extremes() {
+    q4k_sums_at_the_extremes(false);
+    q4k_sums_at_the_extremes(true);
+}
+
+fn q4k_sums_at_the_extremes(five: bool) {
     let (n, k, m) = (16, 512, 35);
+    let top = if five { 31 } else { 15 };
     let code = |row: usize, i: usize| -> u8 {
         match row % 4 {
-            0 => 15,
+            0 => top,
             1 => 0,
-            2 => if (i / 7).is_multiple_of(2) { 15 } else { 0 },
-            _ => ((i * 5 + row) % 16) as u8,
+            2 => if (i / 7).is_multiple_of(2) { top } else { 0 },
+            _ => ((i * 5 + row) % (top as usize + 1)) as u8,
         }
     };
     let scale = |row: usize, j: usize| -> (u8, u8) {
@@ -172,7 +179,7 @@ fn q4k_sums_are_exact_at_the_extremes() {
     };
     let d = |row: usize| half::f16::from_f32(0.0005 * (1 + row) as f32);
     let dmin = |row: usize| half::f16::from_f32(0.0007 * (2 + row) as f32);
-    let mut bytes = Vec::with_capacity(n * k / 256 * 144);
+    let mut bytes = Vec::with_capacity(n * k / 256 * 176);
     for row in 0..n {
         for sb in 0..k / 256 {
             let (dr, mr) = (d(row), dmin(row));
@@ -187,15 +194,21 @@ fn q4k_sums_are_exact_at_the_extremes() {
                 packed[j + 8] = (sc[j + 4] & 0xF) | (mn[j + 4] & 0xF) << 4;
             }
             bytes.extend_from_slice(&packed);
+            // Q5_K: the fifth bits first, weight `64 c + l`'s in bit `2c` of byte `l`, `64 c + 32 + l`'s in bit `2c + 1`.
+            let at = |c: usize, l: usize| code(row, 256 * sb + 64 * c + l);
+            if five {
+                bytes.extend((0..32).map(|l| (0..4).map(|c| (at(c, l) >> 4) << (2 * c) | (at(c, 32 + l) >> 4) << (2 * c + 1)).sum::<u8>()));
+            }
             // Per 64: low nibbles the first 32 weights, high nibbles the next 32.
             for c in 0..4 {
-                bytes.extend((0..32).map(|l| code(row, 256 * sb + 64 * c + l) | code(row, 256 * sb + 64 * c + 32 + l) << 4));
+                bytes.extend((0..32).map(|l| (at(c, l) & 0xF) | (at(c, 32 + l) & 0xF) << 4));
             }
         }
     }
-    let packed = pack::pack(GgmlDType::Q4K, &bytes, n, k).unwrap().unwrap();
-    let candle = candle_core::quantized::ggml_file::qtensor_from_ggml(GgmlDType::Q4K, &bytes, vec![n, k], &Device::Cpu).unwrap();
-    assert_eq!(packed.dequantize(), candle.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), "Q4_K weights as ggml decodes them");
+    let dtype = if five { GgmlDType::Q5K } else { GgmlDType::Q4K };
+    let packed = pack::pack(dtype, &bytes, n, k).unwrap().unwrap();
+    let candle = candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &bytes, vec![n, k], &Device::Cpu).unwrap();
+    assert_eq!(packed.dequantize(), candle.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), "{dtype:?} weights as ggml decodes them");
     let x: Vec<f32> = (0..m * k).map(|i| if (i / 32 + i / k) % 7 == 0 { -1.5 } else { 1.5 }).collect();
     let acts = Acts::new(Level::Portable, &x, k, Quant::Supers);
     let mut largest = 0i64;
@@ -215,10 +228,10 @@ fn q4k_sums_are_exact_at_the_extremes() {
             want[r * n + c] = acc;
         }
     }
-    assert!(largest > 1 << 24 && largest < 1 << 31, "the extremes reach {largest}");
+    assert!(largest > if five { 1 << 25 } else { 1 << 24 } && largest < 1 << 31, "{dtype:?}: the extremes reach {largest}");
     for level in Level::available() {
         let y = packed.matmul_at(level, &x, m);
-        assert!(y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{level:?}: {:?} vs {:?}", &y[..4], &want[..4]);
+        assert!(y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?} {level:?}: {:?} vs {:?}", &y[..4], &want[..4]);
     }
 }
 
@@ -468,14 +481,14 @@ fn tiles_of_every_shape_give_the_same_bits() {
 }
 
 /// `x · Wᵀ` with candle's dequantized weights, in f64, and for each output the most the activations' 8-bit
-/// rounding can move it: half a code step of each block of 32 (of 256 for Q4_K and Q6_K) times the weights'
+/// rounding can move it: half a code step of each block of 32 (of 256 for the k-quants) times the weights'
 /// absolute sum there (for quantized weights; F16 and BF16 take the activations in f32).
 fn reference(q: &QTensor, x: &[f32], m: usize) -> (Vec<f64>, Vec<f64>) {
     let (n, k) = q.shape().dims2().unwrap();
     let w = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let quantized = !matches!(q.dtype(), GgmlDType::F16 | GgmlDType::BF16);
-    // Q4_K and Q6_K take activations quantized per 256.
-    let block = if matches!(q.dtype(), GgmlDType::Q4K | GgmlDType::Q6K) { 256 } else { 32 };
+    // The k-quants take activations quantized per 256.
+    let block = if matches!(q.dtype(), GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K) { 256 } else { 32 };
     let (mut y, mut bound) = (vec![0f64; m * n], vec![0f64; m * n]);
     for r in 0..m {
         let xr = &x[r * k..(r + 1) * k];

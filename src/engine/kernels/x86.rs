@@ -266,14 +266,18 @@ macro_rules! kernels {
                             }
                         }
                     }
-                    Data::K4 { qs, sc, mn, d, dmin } => {
+                    Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => {
                         let supers = blocks / 8;
+                        // K5: codes one per byte (`U8`'s chunks), else nibbles (`Q4`'s).
+                        let wide = matches!(w.data, Data::K5 { .. });
+                        let per = if wide { 256 } else { 128 };
                         assert!(x.supers && x.bsums.len() == x.rows() * blocks, "K4 takes activations per 256 (a bug)");
-                        assert!(qs.len() == panels * blocks * 128 && sc.len() == panels * blocks * PANEL && mn.len() == panels * supers * 64 && d.len() == panels * supers * PANEL && dmin.len() == d.len(), "K4 layout (a bug)");
+                        assert!(qs.len() == panels * blocks * per && sc.len() == panels * blocks * PANEL && mn.len() == panels * supers * 64 && d.len() == panels * supers * PANEL && dmin.len() == d.len(), "K4 layout (a bug)");
                         // SAFETY (these closures): panel `p < panels`, block `b < blocks`, 256 `s < supers`, pair `t <
-                        // 4` (the loops' bounds) are within the lengths asserted above: 128 code bytes and 8 scales
-                        // per panel and block, 64 mins and 8 of `d` and `dmin` per panel and 256.
-                        let chunk = |p: usize, b: usize, t: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * 128 + 32 * t).cast()) };
+                        // 4`, chunk `t < per / 32` (the loops' bounds) are within the lengths asserted above: `per`
+                        // code bytes and 8 scales per panel and block, 64 mins and 8 of `d` and `dmin` per panel and
+                        // 256.
+                        let chunk = |p: usize, b: usize, t: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * per + 32 * t).cast()) };
                         let scales = |p: usize, b: usize| unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(sc.as_ptr().add((p * blocks + b) * PANEL).cast())) };
                         let mins = |p: usize, s: usize, t: usize| unsafe { _mm256_loadu_si256(mn.as_ptr().add(((p * supers + s) * 4 + t) * 16).cast()) };
                         let lanes = |v: &[f32], p: usize, s: usize| unsafe { _mm256_loadu_ps(v.as_ptr().add((p * supers + s) * PANEL)) };
@@ -284,9 +288,24 @@ macro_rules! kernels {
                         for s in 0..supers {
                             let mut total = [[_mm256_setzero_si256(); R]; P];
                             for b in 8 * s..8 * s + 8 {
-                                // The block's sum(q x) as Q4's, then times its scale, exact in 32 bits.
+                                // The block's sum(q x) as Q4's (K5: as U8's), then times its scale, exact in 32 bits.
                                 let (mut sums, mut part) = ([[_mm256_setzero_si256(); R]; P], [[_mm256_setzero_si256(); R]; P]);
-                                for t in 0..4 {
+                                if wide {
+                                    // Two chains of `dot2`'s exact 32-bit sums, chunks 0-3 and 4-7.
+                                    for g in (0..8).step_by(2) {
+                                        for j in 0..P {
+                                            let (w0, w1) = (chunk(p0 + j, b, g), chunk(p0 + j, b, g + 1));
+                                            for i in 0..R {
+                                                if g % 4 == 0 {
+                                                    sums[j][i] = dot2(sums[j][i], w0, xg(i, b, g), w1, xg(i, b, g + 1));
+                                                } else {
+                                                    part[j][i] = dot2(part[j][i], w0, xg(i, b, g), w1, xg(i, b, g + 1));
+                                                }
+                                            }
+                                        }
+                                    }
+                                }
+                                for t in 0..if wide { 0 } else { 4 } {
                                     for j in 0..P {
                                         let raw = chunk(p0 + j, b, t);
                                         let (lo, hi) = (_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
@@ -305,7 +324,7 @@ macro_rules! kernels {
                                 for j in 0..P {
                                     let sv = scales(p0 + j, b);
                                     for i in 0..R {
-                                        let dot = if $vnni { _mm256_add_epi32(sums[j][i], part[j][i]) } else { _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)) };
+                                        let dot = if $vnni || wide { _mm256_add_epi32(sums[j][i], part[j][i]) } else { _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)) };
                                         total[j][i] = _mm256_add_epi32(total[j][i], _mm256_mullo_epi32(dot, sv));
                                     }
                                 }
@@ -448,12 +467,12 @@ macro_rules! kernels {
                         ask(bytemuck::cast_slice(sc), 2 * PANEL);
                         (qs, 256)
                     }
-                    Data::K4 { qs, sc, mn, d, dmin } => {
+                    Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => {
                         floats(d, PANEL / 8);
                         floats(dmin, PANEL / 8);
                         ask(sc, PANEL);
                         ask(bytemuck::cast_slice(mn), 16);
-                        (qs, 128)
+                        (qs, if matches!(w.data, Data::K5 { .. }) { 256 } else { 128 })
                     }
                     Data::F16(_) | Data::Bf16(_) => return,
                 };
