@@ -679,16 +679,23 @@ fn run_tiles<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
             }
         }
     }
+    leftovers(w, first..end, pairs, x, out);
+}
+
+/// Releases the tiles, then hands the VNNI kernels what the tile unit leaves of panels `panels` (of which `pairs`
+/// whole pairs took the tiles): the last, unpaired panel for the tiles' rows, and every panel for the rows past the
+/// last whole tile (the same bits).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn leftovers(w: &Packed, panels: Range<usize>, pairs: usize, x: &Acts, out: Out) {
     // SAFETY: no operands; the tiles return to their initial state and this thread's saved state shrinks.
     unsafe { asm!("tilerelease", options(nostack, nomem)) };
-    // What the tile unit leaves: the last, unpaired panel for the tiles' rows, and every panel for the rows past
-    // the last whole tile. (The VNNI kernels' features are a subset of this function's.)
-    let pairs_end = first + 2 * pairs;
-    if pairs_end < end {
-        super::x86::avx512_vnni::quantized_panel(w, pairs_end..end, x, 0, ROWS * tiles, out);
+    let (m, tiles, pairs_end) = (x.rows(), x.rows() / ROWS, panels.start + 2 * pairs);
+    // (The VNNI kernels' features are a subset of this function's.)
+    if pairs_end < panels.end {
+        super::x86::avx512_vnni::quantized_panel(w, pairs_end..panels.end, x, 0, ROWS * tiles, out);
     }
     if ROWS * tiles < m {
-        super::x86::avx512_vnni::quantized_panel(w, first..end, x, ROWS * tiles, m - ROWS * tiles, out);
+        super::x86::avx512_vnni::quantized_panel(w, panels, x, ROWS * tiles, m - ROWS * tiles, out);
     }
 }
 
@@ -720,6 +727,23 @@ fn finish<const T: u8>(acc: &mut Tile<f32>, c: &Tile<i32>, s: usize, pair: &Pair
                 v = _mm512_fmadd_ps(mw, _mm512_set1_ps(*xs.add(i)), v);
             }
             _mm512_store_ps(acc.0[i].as_mut_ptr(), v);
+        }
+    }
+}
+
+/// A tile of outputs: activation rows `r0..r0 + 16` by panels `p` and `p + 1` (those that exist).
+#[inline]
+fn write_tile(out: Out, tile: &Tile<f32>, p: usize, r0: usize) {
+    let row = |i: usize, half: usize| -> &[f32; PANEL] { tile.0[i][PANEL * half..PANEL * half + PANEL].try_into().expect("eight lanes") };
+    // SAFETY: `store_tile` hands the eight floats of panel `p + half`, row `r0 + i`: this task's to write.
+    let whole = out.store_tile::<2, ROWS>(p, r0, |half, i, at| unsafe { std::ptr::copy_nonoverlapping(row(i, half).as_ptr(), at, PANEL) });
+    if !whole {
+        for i in 0..ROWS {
+            for half in 0..2 {
+                if (p + half) * PANEL < out.n {
+                    out.write_lanes(r0 + i, (p + half) * PANEL, row(i, half));
+                }
+            }
         }
     }
 }
@@ -780,20 +804,7 @@ fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &
     }
     for a in 0..NA {
         for j in 0..NB {
-            let tile = &acc[2 * a + j];
-            let row = |i: usize, half: usize| -> &[f32; PANEL] { tile.0[i][PANEL * half..PANEL * half + PANEL].try_into().expect("eight lanes") };
-            let (rows0, p0) = (r0 + ROWS * a, p[j]);
-            // SAFETY: `store_tile` hands the eight floats of panel `p0 + half`, row `rows0 + i`: this task's to write.
-            let whole = out.store_tile::<2, ROWS>(p0, rows0, |half, i, at| unsafe { std::ptr::copy_nonoverlapping(row(i, half).as_ptr(), at, PANEL) });
-            if !whole {
-                for i in 0..ROWS {
-                    for half in 0..2 {
-                        if (p0 + half) * PANEL < out.n {
-                            out.write_lanes(rows0 + i, (p0 + half) * PANEL, row(i, half));
-                        }
-                    }
-                }
-            }
+            write_tile(out, &acc[2 * a + j], p[j], r0 + ROWS * a);
         }
     }
 }
@@ -850,21 +861,54 @@ impl SuperPair {
         })
     }
 
+    /// 32 bytes at `at[0]` and at `at[1]` of `v` side by side: both panels' chunk, a line's order.
+    ///
+    /// Safety: the CPU has AVX-512 F; 32 bytes at each of `at` lie inside `v`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn two(v: *const u8, at: [usize; 2]) -> __m512i {
+        // SAFETY: the caller's contract.
+        unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(v.add(at[0]).cast())), _mm256_loadu_si256(v.add(at[1]).cast())) }
+    }
+
+    /// Stores a line's high and low parts: line `j` (of 16) of block pair `c`'s high tile and of its low tile.
+    ///
+    /// Safety: the CPU has AVX-512 F.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store(&mut self, c: usize, j: usize, (hi, lo): (__m512i, __m512i)) {
+        // SAFETY: the caller's contract for the instructions; each index is checked (a line is 64 bytes).
+        unsafe {
+            _mm512_storeu_si512(self.codes[32 * c + j].0.as_mut_ptr().cast(), hi);
+            _mm512_storeu_si512(self.codes[32 * c + 16 + j].0.as_mut_ptr().cast(), lo);
+        }
+    }
+
+    /// Both panels' per-256 values of `v` (`[panel, k / 256, 8]`) into `to` (`[k / 256, 16]`).
+    fn spread(to: &mut [f32], v: &[f32], p: usize, supers: usize) {
+        for s in 0..supers {
+            for (half, panel) in [p, p + 1].into_iter().enumerate() {
+                let at = (panel * supers + s) * PANEL;
+                to[16 * s + 8 * half..16 * s + 8 * half + 8].copy_from_slice(&v[at..at + 8]);
+            }
+        }
+    }
+
     /// 64 codes (unsigned, at most 63) times their rows' scales ([`SuperPair::scales`], signed), less `offset` (per
     /// 16-bit word), exactly in 16 bits, split into the weights' high (`w >> SHIFT`, arithmetic) and low (`w & (2^SHIFT
     /// - 1)`) bytes, in the codes' order. Each 16-bit product is one code's (`vpmaddubsw` with the other byte's scale
     /// zero): even codes from `even`, odd codes from `odd`.
-    #[inline(always)]
-    fn split<const SHIFT: u32>(codes: __m512i, even: __m512i, odd: __m512i, offset: __m512i) -> (__m512i, __m512i) {
-        // SAFETY (of calling these intrinsics): every caller has AVX-512 F and BW.
-        unsafe {
-            let we = _mm512_sub_epi16(_mm512_maddubs_epi16(codes, even), offset);
-            let wo = _mm512_sub_epi16(_mm512_maddubs_epi16(codes, odd), offset);
-            let (low, byte) = (_mm512_set1_epi16((1 << SHIFT) - 1), _mm512_set1_epi16(0xFF));
-            let lo = _mm512_or_si512(_mm512_and_si512(we, low), _mm512_slli_epi16::<8>(_mm512_and_si512(wo, low)));
-            let hi = _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16::<SHIFT>(we), byte), _mm512_slli_epi16::<8>(_mm512_srai_epi16::<SHIFT>(wo)));
-            (hi, lo)
-        }
+    ///
+    /// Safety: the CPU has AVX-512 F and BW.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn split<const SHIFT: u32>(codes: __m512i, even: __m512i, odd: __m512i, offset: __m512i) -> (__m512i, __m512i) {
+        let we = _mm512_sub_epi16(_mm512_maddubs_epi16(codes, even), offset);
+        let wo = _mm512_sub_epi16(_mm512_maddubs_epi16(codes, odd), offset);
+        let (low, byte) = (_mm512_set1_epi16((1 << SHIFT) - 1), _mm512_set1_epi16(0xFF));
+        let lo = _mm512_or_si512(_mm512_and_si512(we, low), _mm512_slli_epi16::<8>(_mm512_and_si512(wo, low)));
+        let hi = _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16::<SHIFT>(we), byte), _mm512_slli_epi16::<8>(_mm512_srai_epi16::<SHIFT>(wo)));
+        (hi, lo)
     }
 
     /// Panels `p` and `p + 1` of a K4 or K5 matrix: each weight `w = sc * q` (K4 0..=945, K5 0..=1953) as `w >> 8`
@@ -888,32 +932,23 @@ impl SuperPair {
                     // K5: 256 code bytes per panel and block (inside `qs`: `(p + 2) blocks 256`, asserted above),
                     // chunk `g` the weights `4g..4g + 4` of each row (line `8 h2 + g`).
                     for g in 0..8 {
-                        let codes = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(qs.as_ptr().add(256 * at[0] + 32 * g).cast())), _mm256_loadu_si256(qs.as_ptr().add(256 * at[1] + 32 * g).cast()));
-                        let (hi, lo) = Self::split::<8>(codes, even, odd, zero);
-                        _mm512_storeu_si512(self.codes[32 * c + 8 * h2 + g].0.as_mut_ptr().cast(), hi);
-                        _mm512_storeu_si512(self.codes[32 * c + 16 + 8 * h2 + g].0.as_mut_ptr().cast(), lo);
+                        self.store(c, 8 * h2 + g, Self::split::<8>(Self::two(qs.as_ptr(), at.map(|a| 256 * a + 32 * g)), even, odd, zero));
                     }
                     continue;
                 }
                 for t in 0..4 {
-                    // Both panels' 32 bytes side by side: a line's order.
-                    let raw = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(qs.as_ptr().add(128 * at[0] + 32 * t).cast())), _mm256_loadu_si256(qs.as_ptr().add(128 * at[1] + 32 * t).cast()));
+                    let raw = Self::two(qs.as_ptr(), at.map(|a| 128 * a + 32 * t));
                     // Low nibbles: weights `4t..4t + 4` of the block (line `8 h2 + t` of the 64); high nibbles:
                     // `16 + 4t..` (line `8 h2 + 4 + t`).
-                    let halves = [(_mm512_and_si512(raw, nibble), t), (_mm512_and_si512(_mm512_srli_epi16::<4>(raw), nibble), 4 + t)];
-                    for (codes, j) in halves {
-                        let (hi, lo) = Self::split::<8>(codes, even, odd, zero);
-                        _mm512_storeu_si512(self.codes[32 * c + 8 * h2 + j].0.as_mut_ptr().cast(), hi);
-                        _mm512_storeu_si512(self.codes[32 * c + 16 + 8 * h2 + j].0.as_mut_ptr().cast(), lo);
-                    }
+                    self.store(c, 8 * h2 + t, Self::split::<8>(_mm512_and_si512(raw, nibble), even, odd, zero));
+                    self.store(c, 8 * h2 + 4 + t, Self::split::<8>(_mm512_and_si512(_mm512_srli_epi16::<4>(raw), nibble), even, odd, zero));
                 }
             }
         }
+        Self::spread(&mut self.d, d, p, supers);
+        Self::spread(&mut self.dmin, dmin, p, supers);
         for s in 0..supers {
             for (half, panel) in [p, p + 1].into_iter().enumerate() {
-                let at = (panel * supers + s) * PANEL;
-                self.d[16 * s + 8 * half..16 * s + 8 * half + 8].copy_from_slice(&d[at..at + 8]);
-                self.dmin[16 * s + 8 * half..16 * s + 8 * half + 8].copy_from_slice(&dmin[at..at + 8]);
                 for t in 0..4 {
                     let from = &mn[((panel * supers + s) * 4 + t) * 16..][..16];
                     for l in 0..PANEL {
@@ -946,20 +981,12 @@ impl SuperPair {
                     // `32 sc` per word: `sc * (q - 32) = sc q - 32 sc`, at most 128 x 63 in magnitude before.
                     let offset = _mm512_maddubs_epi16(thirty_two, even);
                     for g in 4 * h..4 * h + 4 {
-                        let codes = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(qs.as_ptr().add(256 * at[0] + 32 * g).cast())), _mm256_loadu_si256(qs.as_ptr().add(256 * at[1] + 32 * g).cast()));
-                        let (hi, lo) = Self::split::<6>(codes, even, odd, offset);
-                        _mm512_storeu_si512(self.codes[32 * c + 8 * h2 + g].0.as_mut_ptr().cast(), hi);
-                        _mm512_storeu_si512(self.codes[32 * c + 16 + 8 * h2 + g].0.as_mut_ptr().cast(), lo);
+                        self.store(c, 8 * h2 + g, Self::split::<6>(Self::two(qs.as_ptr(), at.map(|a| 256 * a + 32 * g)), even, odd, offset));
                     }
                 }
             }
         }
-        for s in 0..supers {
-            for (half, panel) in [p, p + 1].into_iter().enumerate() {
-                let at = (panel * supers + s) * PANEL;
-                self.d[16 * s + 8 * half..16 * s + 8 * half + 8].copy_from_slice(&d[at..at + 8]);
-            }
-        }
+        Self::spread(&mut self.d, d, p, supers);
     }
 }
 
@@ -1132,31 +1159,9 @@ fn run_supers<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                 }
             }
             for t in group..group_end {
-                let tile = &acc[t - group];
-                let row = |i: usize, half: usize| -> &[f32; PANEL] { tile.0[i][PANEL * half..PANEL * half + PANEL].try_into().expect("eight lanes") };
-                let rows0 = ROWS * t;
-                // SAFETY: `store_tile` hands the eight floats of panel `p + half`, row `rows0 + i`: this task's to write.
-                let whole = out.store_tile::<2, ROWS>(p, rows0, |half, i, at| unsafe { std::ptr::copy_nonoverlapping(row(i, half).as_ptr(), at, PANEL) });
-                if !whole {
-                    for i in 0..ROWS {
-                        for half in 0..2 {
-                            if (p + half) * PANEL < out.n {
-                                out.write_lanes(rows0 + i, (p + half) * PANEL, row(i, half));
-                            }
-                        }
-                    }
-                }
+                write_tile(out, &acc[t - group], p, ROWS * t);
             }
         }
     }
-    // SAFETY: no operands; the tiles return to their initial state and this thread's saved state shrinks.
-    unsafe { asm!("tilerelease", options(nostack, nomem)) };
-    // What the tile unit leaves, as `run_tiles` leaves it to the VNNI kernels (the same bits).
-    let pairs_end = first + 2 * pairs;
-    if pairs_end < end {
-        super::x86::avx512_vnni::quantized_panel(w, pairs_end..end, x, 0, ROWS * tiles, out);
-    }
-    if ROWS * tiles < m {
-        super::x86::avx512_vnni::quantized_panel(w, first..end, x, ROWS * tiles, m - ROWS * tiles, out);
-    }
+    leftovers(w, first..end, pairs, x, out);
 }

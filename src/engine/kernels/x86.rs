@@ -60,6 +60,37 @@ macro_rules! kernels {
                 _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps::<1>(t, t)))
             }
 
+            /// A block of 4-bit codes (`Q4`'s nibble chunks, `chunk(j, t)` for panel `p0 + j`, `t < 4`) times
+            /// activation rows' codes (`xg(i, g)`, group `g < 8` of row `r0 + i`): the exact 32-bit sums `sum(q x)`.
+            /// VNNI: two chains of 32-bit products per output (low and high nibbles), added at the end. AVX2: 16-bit
+            /// products gathered (codes of at most 15: a lane's sums over the block's eight chunks stay below 8 x 2 x
+            /// 15 x 127 = 30,480), widened once.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn nibble_dots<const P: usize, const R: usize>(chunk: impl Fn(usize, usize) -> __m256i, xg: impl Fn(usize, usize) -> __m256i) -> [[__m256i; R]; P] {
+                {
+                    let mask = _mm256_set1_epi8(0x0F);
+                    let (mut sums, mut part) = ([[_mm256_setzero_si256(); R]; P], [[_mm256_setzero_si256(); R]; P]);
+                    for t in 0..4 {
+                        for j in 0..P {
+                            let raw = chunk(j, t);
+                            let (lo, hi) = (_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
+                            for i in 0..R {
+                                let (x0, x1) = (xg(i, t), xg(i, t + 4));
+                                if $vnni {
+                                    sums[j][i] = dpbusd(sums[j][i], lo, x0);
+                                    part[j][i] = dpbusd(part[j][i], hi, x1);
+                                } else {
+                                    let two = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+                                    part[j][i] = _mm256_add_epi16(part[j][i], two);
+                                }
+                            }
+                        }
+                    }
+                    std::array::from_fn(|j| std::array::from_fn(|i| if $vnni { _mm256_add_epi32(sums[j][i], part[j][i]) } else { _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)) }))
+                }
+            }
+
             /// Panels `p0..p0 + P` of weight rows times activation rows `r0..r0 + R`: one register of eight
             /// outputs per panel and activation row.
             #[inline]
@@ -94,33 +125,8 @@ macro_rules! kernels {
                         // within the lengths asserted above: 128 code bytes and 8 scales and offsets each.
                         let chunk = |p: usize, b: usize, t: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * 128 + 32 * t).cast()) };
                         let lanes = |v: &[f32], p: usize, b: usize| unsafe { _mm256_loadu_ps(v.as_ptr().add((p * blocks + b) * PANEL)) };
-                        let mask = _mm256_set1_epi8(0x0F);
                         for b in 0..blocks {
-                            // VNNI: two chains of 32-bit products per output (low and high nibbles), added at the
-                            // end. AVX2: `part` gathers 16-bit products (codes of at most 15: a lane's sums over
-                            // the block's eight chunks stay below 8 x 2 x 15 x 127 = 30,480), widened once.
-                            let (mut sums, mut part) = ([[_mm256_setzero_si256(); R]; P], [[_mm256_setzero_si256(); R]; P]);
-                            for t in 0..4 {
-                                for j in 0..P {
-                                    let raw = chunk(p0 + j, b, t);
-                                    let (lo, hi) = (_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
-                                    for i in 0..R {
-                                        let (x0, x1) = (xg(i, b, t), xg(i, b, t + 4));
-                                        if $vnni {
-                                            sums[j][i] = dpbusd(sums[j][i], lo, x0);
-                                            part[j][i] = dpbusd(part[j][i], hi, x1);
-                                        } else {
-                                            let two = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-                                            part[j][i] = _mm256_add_epi16(part[j][i], two);
-                                        }
-                                    }
-                                }
-                            }
-                            for j in 0..P {
-                                for i in 0..R {
-                                    sums[j][i] = if $vnni { _mm256_add_epi32(sums[j][i], part[j][i]) } else { _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)) };
-                                }
-                            }
+                            let sums = nibble_dots::<P, R>(|j, t| chunk(p0 + j, b, t), |i, g| xg(i, b, g));
                             if signed {
                                 // Q4_0: sum((code - 8) x) = sum(code x) - 8 sum(x), exact; no offset step.
                                 for j in 0..P {
@@ -284,13 +290,15 @@ macro_rules! kernels {
                         // SAFETY: activation row `r0 + i < r0 + R` exists and `8 s + 2 t + 1 < blocks` (`bsums` is `[m,
                         // blocks]`, asserted above): blocks `2t` and `2t + 1` of the 256's code sums, one 32-bit lane.
                         let pair = |i: usize, s: usize, t: usize| unsafe { _mm256_set1_epi32(x.bsums.as_ptr().add((r0 + i) * blocks + 8 * s + 2 * t).cast::<i32>().read_unaligned()) };
-                        let mask = _mm256_set1_epi8(0x0F);
                         for s in 0..supers {
                             let mut total = [[_mm256_setzero_si256(); R]; P];
                             for b in 8 * s..8 * s + 8 {
                                 // The block's sum(q x) as Q4's (K5: as U8's), then times its scale, exact in 32 bits.
                                 let (mut sums, mut part) = ([[_mm256_setzero_si256(); R]; P], [[_mm256_setzero_si256(); R]; P]);
-                                if wide {
+                                if !wide {
+                                    // Q4's sums, whole (`part` stays zero).
+                                    sums = nibble_dots::<P, R>(|j, t| chunk(p0 + j, b, t), |i, g| xg(i, b, g));
+                                } else {
                                     // Two chains of `dot2`'s exact 32-bit sums, chunks 0-3 and 4-7.
                                     for g in (0..8).step_by(2) {
                                         for j in 0..P {
@@ -305,26 +313,10 @@ macro_rules! kernels {
                                         }
                                     }
                                 }
-                                for t in 0..if wide { 0 } else { 4 } {
-                                    for j in 0..P {
-                                        let raw = chunk(p0 + j, b, t);
-                                        let (lo, hi) = (_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
-                                        for i in 0..R {
-                                            let (x0, x1) = (xg(i, b, t), xg(i, b, t + 4));
-                                            if $vnni {
-                                                sums[j][i] = dpbusd(sums[j][i], lo, x0);
-                                                part[j][i] = dpbusd(part[j][i], hi, x1);
-                                            } else {
-                                                let two = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-                                                part[j][i] = _mm256_add_epi16(part[j][i], two);
-                                            }
-                                        }
-                                    }
-                                }
                                 for j in 0..P {
                                     let sv = scales(p0 + j, b);
                                     for i in 0..R {
-                                        let dot = if $vnni || wide { _mm256_add_epi32(sums[j][i], part[j][i]) } else { _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)) };
+                                        let dot = _mm256_add_epi32(sums[j][i], part[j][i]);
                                         total[j][i] = _mm256_add_epi32(total[j][i], _mm256_mullo_epi32(dot, sv));
                                     }
                                 }
