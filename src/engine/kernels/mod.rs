@@ -431,8 +431,9 @@ struct Acts<'a> {
     /// `d * (sum of the codes)` per block of 32 (`[m, k / 32]`) and per group of 16 (`[m, k / 16]`).
     s32: Vec<f32>,
     s16: Vec<f32>,
-    /// The sum of the codes per block of 32 and per group of 16, exact (`[m, k / 32]`, `[m, k / 16]`).
+    /// The sum of the codes per block of 32, exact (`[m, k / 32]`).
     sums: Vec<i32>,
+    /// For `supers`, the sum of the codes per group of 16, exact (`[m, k / 16]`: Q6_K's `32 x sum(x)`).
     sums16: Vec<i32>,
     /// For the AMX level, the same activations in the tile unit's order (empty at the other levels).
     tiles: TileOrder,
@@ -532,15 +533,14 @@ impl<'a> Acts<'a> {
             acts.s32 = vec![0.0; blocks];
             acts.s16 = vec![0.0; 2 * blocks];
             acts.sums = vec![0; blocks];
-            acts.sums16 = vec![0; 2 * blocks];
             // In parallel for many rows (prefill); a few rows are quicker on the calling thread.
             const CHUNK: usize = 512;
             if blocks <= CHUNK {
-                quantize_blocks(level, x, &mut acts.qs, &mut acts.d, &mut acts.s32, &mut acts.s16, &mut acts.sums, &mut acts.sums16);
+                quantize_blocks(level, x, &mut acts.qs, &mut acts.d, &mut acts.s32, &mut acts.s16, &mut acts.sums);
             } else {
-                let sums = acts.s32.par_chunks_mut(CHUNK).zip(acts.s16.par_chunks_mut(2 * CHUNK)).zip(acts.sums.par_chunks_mut(CHUNK)).zip(acts.sums16.par_chunks_mut(2 * CHUNK));
+                let sums = acts.s32.par_chunks_mut(CHUNK).zip(acts.s16.par_chunks_mut(2 * CHUNK)).zip(acts.sums.par_chunks_mut(CHUNK));
                 let codes = x.par_chunks(32 * CHUNK).zip(acts.qs.par_chunks_mut(32 * CHUNK)).zip(acts.d.par_chunks_mut(CHUNK));
-                codes.zip(sums).for_each(|(((x, qs), d), (((s32, s16), sums), sums16))| quantize_blocks(level, x, qs, d, s32, s16, sums, sums16));
+                codes.zip(sums).for_each(|(((x, qs), d), ((s32, s16), sums))| quantize_blocks(level, x, qs, d, s32, s16, sums));
             }
             if level == Level::Amx {
                 acts.tiles = TileOrder::new(&acts);
@@ -558,9 +558,8 @@ impl<'a> Acts<'a> {
 /// `block_q8_1`): the codes are rounded with the exact scale, the scale kept to f16 precision, the sums (per 32
 /// and per 16) computed with the exact scale and kept to f16 precision. The products then see the activations
 /// llama.cpp's do, and a model's outputs agree with llama.cpp's as closely as its weights allow.
-fn store_scales(scale: f32, sums: [i32; 2], d: &mut f32, s32: &mut f32, s16: &mut [f32], sum: &mut i32, sum16: &mut [i32]) {
+fn store_scales(scale: f32, sums: [i32; 2], d: &mut f32, s32: &mut f32, s16: &mut [f32], sum: &mut i32) {
     *sum = sums[0] + sums[1];
-    sum16.copy_from_slice(&sums);
     let f16 = |v: f32| half::f16::from_f32(v).to_f32();
     *d = f16(scale);
     *s32 = f16(scale * (sums[0] + sums[1]) as f32);
@@ -581,12 +580,11 @@ fn quantize_supers(level: Level, x: &[f32], qs: &mut [i8], d: &mut [f32], bsums:
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn quantize_blocks(level: Level, x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums: &mut [i32], sums16: &mut [i32]) {
+fn quantize_blocks(level: Level, x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums: &mut [i32]) {
     #[cfg(target_arch = "x86_64")]
-    return x86::quantize_blocks(level, x, qs, d, s32, s16, sums, sums16);
+    return x86::quantize_blocks(level, x, qs, d, s32, s16, sums);
     #[allow(unreachable_code)]
-    portable::quantize_blocks(x, qs, d, s32, s16, sums, sums16)
+    portable::quantize_blocks(x, qs, d, s32, s16, sums)
 }
 
 /// Where the kernels write: `[m, n]` row-major f32.

@@ -8,7 +8,7 @@ use super::{hsum8, Acts, Data, Out, Packed, PANEL};
 
 /// Activations to codes, per block of 32: scale `max |x| / 127`, codes rounded to nearest (ties to even), and the
 /// scaled sums of the codes per 32 and per 16.
-pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums_out: &mut [i32], sums16: &mut [i32]) {
+pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums_out: &mut [i32]) {
     for (b, (x, qs)) in x.chunks_exact(32).zip(qs.chunks_exact_mut(32)).enumerate() {
         let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
         let scale = amax / 127.0;
@@ -20,7 +20,7 @@ pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut
             *q = (v * inverse).round_ties_even().clamp(-127.0, 127.0) as i8;
             sums[j / 16] += *q as i32;
         }
-        super::store_scales(scale, sums, &mut d[b], &mut s32[b], &mut s16[2 * b..2 * b + 2], &mut sums_out[b], &mut sums16[2 * b..2 * b + 2]);
+        super::store_scales(scale, sums, &mut d[b], &mut s32[b], &mut s16[2 * b..2 * b + 2], &mut sums_out[b]);
     }
 }
 

@@ -603,9 +603,9 @@ mod quantize {
 
     /// `quantize_blocks` of the portable code, in registers: the same bits for finite activations.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums_out: &mut [i32], sums16: &mut [i32]) {
+    pub(super) fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums_out: &mut [i32]) {
         let blocks = d.len();
-        assert!(x.len() == 32 * blocks && qs.len() == 32 * blocks && s32.len() == blocks && s16.len() == 2 * blocks && sums_out.len() == blocks && sums16.len() == 2 * blocks, "activation blocks (a bug)");
+        assert!(x.len() == 32 * blocks && qs.len() == 32 * blocks && s32.len() == blocks && s16.len() == 2 * blocks && sums_out.len() == blocks, "activation blocks (a bug)");
         let (lo, hi, sign) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0), _mm256_set1_ps(-0.0));
         let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         for b in 0..blocks {
@@ -638,7 +638,6 @@ mod quantize {
             // SAFETY: `kept` holds 4 f32.
             unsafe { _mm_storeu_ps(kept.as_mut_ptr(), _mm_cvtph_ps(_mm_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(exact))) };
             (d[b], s32[b], s16[2 * b], s16[2 * b + 1], sums_out[b]) = (kept[0], kept[1], kept[2], kept[3], sums[0] + sums[1]);
-            (sums16[2 * b], sums16[2 * b + 1]) = (sums[0], sums[1]);
         }
     }
 }
@@ -660,14 +659,13 @@ fn has_avx2() -> bool {
 }
 
 /// Activation blocks to codes at `level` (one this CPU has).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn quantize_blocks(level: super::Level, x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums: &mut [i32], sums16: &mut [i32]) {
+pub(super) fn quantize_blocks(level: super::Level, x: &[f32], qs: &mut [i8], d: &mut [f32], s32: &mut [f32], s16: &mut [f32], sums: &mut [i32]) {
     match level {
-        super::Level::Portable => super::portable::quantize_blocks(x, qs, d, s32, s16, sums, sums16),
+        super::Level::Portable => super::portable::quantize_blocks(x, qs, d, s32, s16, sums),
         _ => {
             assert!(has_avx2(), "AVX2 kernels on a CPU without AVX2 (a bug)");
             // SAFETY: the CPU has AVX2, FMA and F16C (asserted above).
-            unsafe { quantize::quantize_blocks(x, qs, d, s32, s16, sums, sums16) }
+            unsafe { quantize::quantize_blocks(x, qs, d, s32, s16, sums) }
         }
     }
 }
