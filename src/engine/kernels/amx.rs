@@ -37,7 +37,7 @@
 //! ([`SuperPair`]), and two tile products per 64 columns (the tiles' whole depth) sum a 256's `C_hi` and `C_lo` in
 //! the tile registers, stored once per 256: `2^s C_hi + C_lo` is the VNNI kernels' exact integer, and the float
 //! steps run once per 256, not per block. This is what lifts the tiles past the per-block bound above: on the
-//! same VM, 2.1-2.9x VNNI's speed from 128 rows on Llama-3.2-1B's Q4_K and Q6_K matrices (BENCHMARKS.md).
+//! same VM, 2.0-3.1x VNNI's speed at 128 rows on Llama-3.2-1B's Q4_K, Q5_K and Q6_K matrices (BENCHMARKS.md).
 //!
 //! bf16 weights take the tile unit's bf16 products (`tdpbf16ps`, AMX-BF16): there the integer detour is gone,
 //! each output's sum stays in the tiles across the whole row, and a tile product does 16 times the work of the
@@ -179,8 +179,8 @@ struct Pair {
 }
 
 impl Pair {
-    fn new(blocks: usize, groups: usize, lines: usize) -> Pair {
-        Pair { codes: vec![Line([0; 64]); lines * blocks], d: vec![0.0; 16 * groups * blocks], m: vec![0.0; 16 * groups * blocks] }
+    fn new(blocks: usize, groups: usize) -> Pair {
+        Pair { codes: vec![Line([0; 64]); 8 * blocks], d: vec![0.0; 16 * groups * blocks], m: vec![0.0; 16 * groups * blocks] }
     }
 
     /// Panels `p` and `p + 1` of `w` (both exist).
@@ -657,7 +657,7 @@ fn run_tiles<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     let config = Config::new(32 / groups);
     // SAFETY: `config` is a valid palette-1 configuration (every tile at most 16 rows of 64 bytes), 64 bytes.
     unsafe { asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly)) };
-    let mut pair = [Pair::new(w.k / 32, groups, 8), Pair::new(w.k / 32, groups, 8)];
+    let mut pair = [Pair::new(w.k / 32, groups), Pair::new(w.k / 32, groups)];
     let mut sums = [[Tile([[0; COLS]; ROWS]); 4]; 2];
     let mut acc = [Tile([[0f32; COLS]; ROWS]); 4];
     for group in (0..tiles).step_by(ROW_GROUP / ROWS) {

@@ -8,8 +8,8 @@
 //! keeps its 4-bit codes with no offsets stored: they stand for `d * (q - 8)`. The k-quants keep their own
 //! scales: Q6_K one signed 8-bit `sc` per 16 and an f16 `d` per 256 (`d * sc * (q - 32)`), Q4_K and Q5_K a 6-bit
 //! `sc` and `mn` per 32 and an f16 `d` and `dmin` per 256 (`d * sc * q - dmin * mn`): the kernels multiply the
-//! small scales in as integers. The codes are copied, the scales widened from f16 to f32: every weight the kernels compute with is the
-//! one the file stores.
+//! small scales in as integers. The codes are copied, the scales widened from f16 to f32: every weight the kernels
+//! compute with is the one the file stores.
 
 use candle_core::quantized::GgmlDType;
 use half::f16;
@@ -75,25 +75,7 @@ fn decode_block(dtype: GgmlDType, b: &[u8], group: &mut impl FnMut(&[u8; 16], f3
             }
             emit32(&codes, d, m, group);
         }
-        GgmlDType::Q5K => {
-            let (d, dmin, scales) = (half_at(b, 0), half_at(b, 2), &b[4..16]);
-            let (qh, qs) = (&b[16..48], &b[48..176]);
-            // Four chunks of 64 weights: 32 bytes of codes, low nibbles the chunk's first 32 weights, high nibbles
-            // its last 32; the fifth bits are bits 2c and 2c + 1 of 32 shared bytes.
-            for c in 0..4 {
-                for half in 0..2 {
-                    let (sc, mn) = scale_min_k4(2 * c + half, scales);
-                    for l in 0..32 {
-                        let byte = qs[32 * c + l];
-                        let low = if half == 0 { byte & 0xF } else { byte >> 4 };
-                        let high = ((qh[l] >> (2 * c + half)) & 1) << 4;
-                        codes[l] = low | high;
-                    }
-                    emit32(&codes, d * sc as f32, -(dmin * mn as f32), group);
-                }
-            }
-        }
-        GgmlDType::Q8_0 | GgmlDType::Q4K | GgmlDType::Q6K => unreachable!("{dtype:?} is not decoded to codes with a float scale per group"),
+        GgmlDType::Q8_0 | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => unreachable!("{dtype:?} is not decoded to codes with a float scale per group"),
         _ => unreachable!("decode_block for a type block_size refuses"),
     }
 }
@@ -116,35 +98,26 @@ fn q6k_block(b: &[u8]) -> ([u8; 256], [i8; 16], f32) {
     (codes, std::array::from_fn(|g| scales[g] as i8), d)
 }
 
-/// A Q4_K block's 256 codes `q` (0..=15, in order), its 8 scales and mins (6 bits each, one per 32 weights) and
-/// its f16 `d` and `dmin`: weight `i` is `d * sc[i / 32] * q[i] - dmin * mn[i / 32]`.
-fn q4k_block(b: &[u8]) -> ([u8; 256], [u8; 8], [u8; 8], f32, f32) {
-    let (d, dmin, scales, qs) = (half_at(b, 0), half_at(b, 2), &b[4..16], &b[16..144]);
+/// A Q4_K block's (`five`: Q5_K's) 256 codes `q` (0..=15, or 0..=31, in order), its 8 scales and mins (6 bits
+/// each, one per 32 weights) and its f16 `d` and `dmin`: weight `i` is `d * sc[i / 32] * q[i] - dmin * mn[i / 32]`.
+fn kmin_block(b: &[u8], five: bool) -> ([u8; 256], [u8; 8], [u8; 8], f32, f32) {
+    let (d, dmin, scales) = (half_at(b, 0), half_at(b, 2), &b[4..16]);
+    let (qh, qs) = if five { (Some(&b[16..48]), &b[48..176]) } else { (None, &b[16..144]) };
     let mut codes = [0u8; 256];
-    // Four chunks of 64 weights: 32 bytes, low nibbles the chunk's first 32 weights, high nibbles its last 32.
+    // Four chunks of 64 weights: 32 bytes, low nibbles the chunk's first 32 weights, high nibbles its last 32;
+    // Q5_K's fifth bits are bits 2c and 2c + 1 of 32 shared bytes.
     for c in 0..4 {
         for l in 0..32 {
-            codes[64 * c + l] = qs[32 * c + l] & 0xF;
-            codes[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+            let high = |bit: usize| qh.map_or(0, |qh| ((qh[l] >> bit) & 1) << 4);
+            codes[64 * c + l] = (qs[32 * c + l] & 0xF) | high(2 * c);
+            codes[64 * c + 32 + l] = (qs[32 * c + l] >> 4) | high(2 * c + 1);
         }
     }
-    let (sc, mn): (Vec<u8>, Vec<u8>) = (0..8).map(|j| scale_min_k4(j, scales)).unzip();
-    (codes, sc.try_into().expect("8"), mn.try_into().expect("8"), d, dmin)
-}
-
-/// A Q5_K block's 256 codes `q` (0..=31, in order), with [`q4k_block`]'s scales, mins, `d` and `dmin`.
-fn q5k_block(b: &[u8]) -> ([u8; 256], [u8; 8], [u8; 8], f32, f32) {
-    let (mut codes, mut sc, mut mn) = ([0u8; 256], [0u8; 8], [0u8; 8]);
-    let mut at = 0;
-    // `decode_block` emits the 16 groups in order, each with `d * sc` and `-(dmin * mn)`: only the codes are taken.
-    decode_block(GgmlDType::Q5K, b, &mut |group, _, _| {
-        codes[at..at + 16].copy_from_slice(group);
-        at += 16;
-    });
+    let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
     for (j, (sc, mn)) in sc.iter_mut().zip(&mut mn).enumerate() {
-        (*sc, *mn) = scale_min_k4(j, &b[4..16]);
+        (*sc, *mn) = scale_min_k4(j, scales);
     }
-    (codes, sc, mn, half_at(b, 0), half_at(b, 2))
+    (codes, sc, mn, d, dmin)
 }
 
 /// A GGUF matrix `[n, k]` of `dtype` (its raw bytes as stored) in the kernels' layout, or `None` when the kernels
@@ -197,8 +170,8 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
             Data::S8 { qs, d: ds }
         }
         GgmlDType::Q4K | GgmlDType::Q5K => {
-            // The codes as Q4_1's nibbles (Q5_K's one per byte, as `U8`); the scales per 32 as they are, the mins per 32 as 16-bit pairs, `d` and
-            // `-dmin` per 256 widened (negating is exact).
+            // The codes as Q4_1's nibbles (Q5_K's one per byte, as `U8`); the scales per 32 as they are, the mins
+            // per 32 as 16-bit pairs, `d` and `-dmin` per 256 widened (negating is exact).
             let supers = k / 256;
             let (mut qs, mut sc, mut mn, mut ds, mut dmins) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
             let (mut codes, mut scales, mut mins, mut d, mut dmin) = (Vec::with_capacity(PANEL * k), Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -209,7 +182,7 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
                 d.clear();
                 dmin.clear();
                 for b in panel.chunks_exact(block_bytes) {
-                    let (c, s, m, db, dm) = if dtype == GgmlDType::Q4K { q4k_block(b) } else { q5k_block(b) };
+                    let (c, s, m, db, dm) = kmin_block(b, dtype == GgmlDType::Q5K);
                     codes.extend_from_slice(&c);
                     scales.extend_from_slice(&s);
                     mins.extend_from_slice(&m);

@@ -68,27 +68,25 @@ macro_rules! kernels {
             #[inline]
             #[target_feature(enable = $features)]
             fn nibble_dots<const P: usize, const R: usize>(chunk: impl Fn(usize, usize) -> __m256i, xg: impl Fn(usize, usize) -> __m256i) -> [[__m256i; R]; P] {
-                {
-                    let mask = _mm256_set1_epi8(0x0F);
-                    let (mut sums, mut part) = ([[_mm256_setzero_si256(); R]; P], [[_mm256_setzero_si256(); R]; P]);
-                    for t in 0..4 {
-                        for j in 0..P {
-                            let raw = chunk(j, t);
-                            let (lo, hi) = (_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
-                            for i in 0..R {
-                                let (x0, x1) = (xg(i, t), xg(i, t + 4));
-                                if $vnni {
-                                    sums[j][i] = dpbusd(sums[j][i], lo, x0);
-                                    part[j][i] = dpbusd(part[j][i], hi, x1);
-                                } else {
-                                    let two = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-                                    part[j][i] = _mm256_add_epi16(part[j][i], two);
-                                }
+                let mask = _mm256_set1_epi8(0x0F);
+                let (mut sums, mut part) = ([[_mm256_setzero_si256(); R]; P], [[_mm256_setzero_si256(); R]; P]);
+                for t in 0..4 {
+                    for j in 0..P {
+                        let raw = chunk(j, t);
+                        let (lo, hi) = (_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
+                        for i in 0..R {
+                            let (x0, x1) = (xg(i, t), xg(i, t + 4));
+                            if $vnni {
+                                sums[j][i] = dpbusd(sums[j][i], lo, x0);
+                                part[j][i] = dpbusd(part[j][i], hi, x1);
+                            } else {
+                                let two = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+                                part[j][i] = _mm256_add_epi16(part[j][i], two);
                             }
                         }
                     }
-                    std::array::from_fn(|j| std::array::from_fn(|i| if $vnni { _mm256_add_epi32(sums[j][i], part[j][i]) } else { _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)) }))
                 }
+                std::array::from_fn(|j| std::array::from_fn(|i| if $vnni { _mm256_add_epi32(sums[j][i], part[j][i]) } else { _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)) }))
             }
 
             /// Panels `p0..p0 + P` of weight rows times activation rows `r0..r0 + R`: one register of eight
@@ -299,7 +297,7 @@ macro_rules! kernels {
                                     // Q4's sums, whole (`part` stays zero).
                                     sums = nibble_dots::<P, R>(|j, t| chunk(p0 + j, b, t), |i, g| xg(i, b, g));
                                 } else {
-                                    // Two chains of `dot2`'s exact 32-bit sums, chunks 0-3 and 4-7.
+                                    // Two chains of `dot2`'s exact 32-bit sums: chunk pairs (0, 1) and (4, 5), (2, 3) and (6, 7).
                                     for g in (0..8).step_by(2) {
                                         for j in 0..P {
                                             let (w0, w1) = (chunk(p0 + j, b, g), chunk(p0 + j, b, g + 1));
