@@ -252,7 +252,7 @@ impl Pair {
                     _ => unreachable!(),
                 }
             }
-            Data::Q6 { .. } | Data::K4 { .. } | Data::K5 { .. } => unreachable!("per-256 layouts fill a SuperPair"),
+            Data::Q6 { .. } | Data::K3 { .. } | Data::K4 { .. } | Data::K5 { .. } => unreachable!("per-256 layouts fill a SuperPair"),
             Data::F16(_) | Data::Bf16(_) => unreachable!("float weights do not take the tile unit"),
         }
     }
@@ -359,7 +359,8 @@ unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
         Data::Q4 { .. } => run_tiles::<Q4>(w, rows, x, out),
         Data::U8 { .. } => run_tiles::<U8>(w, rows, x, out),
         Data::S8 { .. } => run_tiles::<S8>(w, rows, x, out),
-        Data::Q6 { .. } => run_supers::<Q6>(w, rows, x, out),
+        // Q3_K's tiles are Q6_K's (`SuperPair::fill_q6`).
+        Data::Q6 { .. } | Data::K3 { .. } => run_supers::<Q6>(w, rows, x, out),
         Data::K4 { .. } => run_supers::<K4>(w, rows, x, out),
         Data::K5 { .. } => run_supers::<K5>(w, rows, x, out),
         // bf16 products of fewer than `BF16_TILE_ROWS` rows (their activations rounded to bf16 all the same, see
@@ -961,27 +962,41 @@ impl SuperPair {
     }
 
     /// Panels `p` and `p + 1` of a Q6 matrix: each weight `w = sc * (q - 32)` as `w >> 6` (signed, -64..=64) and
-    /// `w & 63` (unsigned): `w = 64 hi + lo`.
+    /// `w & 63` (unsigned): `w = 64 hi + lo`. A K3 matrix (Q3_K) the same way, `w = sc * (c - 4)` (-124..=128).
     #[target_feature(enable = "avx512f,avx512bw,avx2")]
     fn fill_q6(&mut self, w: &Packed, p: usize) {
-        let Data::Q6 { qs, sc, d } = &w.data else { unreachable!("fill_q6 of another layout (a bug)") };
+        let (Data::Q6 { qs, sc, d } | Data::K3 { qs, sc, d }) = &w.data else { unreachable!("fill_q6 of another layout (a bug)") };
+        // K3: 96 bytes of bit planes per panel and block, codes standing for `c - 4`.
+        let three = matches!(w.data, Data::K3 { .. });
+        let (per, center) = if three { (96, 4) } else { (256, 32) };
         let (blocks, supers) = (w.k / 32, w.k / 256);
-        assert!((p + 2) * blocks * 256 <= qs.len() && (p + 2) * blocks * 16 <= sc.len() && (p + 2) * supers * PANEL <= d.len(), "Q6 pair out of range (a bug)");
+        assert!((p + 2) * blocks * per <= qs.len() && (p + 2) * blocks * 16 <= sc.len() && (p + 2) * supers * PANEL <= d.len(), "Q6 pair out of range (a bug)");
         assert!(self.codes.len() == 16 * blocks && self.d.len() == 16 * supers, "Q6 pair layout (a bug)");
-        let (thirty_two, patterns) = (_mm512_set1_epi8(32), Self::patterns());
+        let (center, patterns, low2, low1) = (_mm512_set1_epi8(center), Self::patterns(), _mm512_set1_epi8(3), _mm512_set1_epi8(1));
         for b in 0..blocks {
             let (c, h2) = (b / 2, b % 2);
             let at = [p * blocks + b, (p + 1) * blocks + b];
             for h in 0..2 {
-                // SAFETY: 8 scales at `(2 at[i] + h) 8` and 32 codes at `256 at[i] + 32 g` lie inside `sc` and `qs`
-                // (`at[i] < (p + 2) blocks`, asserted above); lines `32 c + 16 + 8 h2 + g` < `16 blocks`, 64 bytes
+                // SAFETY: 8 scales at `(2 at[i] + h) 8` and 32 codes at `256 at[i] + 32 g` (K3: 32 bytes at `96 at[i]
+                // + 32 h` and at `96 at[i] + 64`) lie inside `sc` and `qs` (`at[i] < (p + 2) blocks`, asserted above); lines `32 c + 16 + 8 h2 + g` < `16 blocks`, 64 bytes
                 // each.
                 unsafe {
                     let (even, odd) = Self::scales(sc.as_ptr().cast(), at.map(|a| (2 * a + h) * PANEL), &patterns);
-                    // `32 sc` per word: `sc * (q - 32) = sc q - 32 sc`, at most 128 x 63 in magnitude before.
-                    let offset = _mm512_maddubs_epi16(thirty_two, even);
+                    // `32 sc` per word: `sc * (q - 32) = sc q - 32 sc`, at most 128 x 63 in magnitude before (K3: `4
+                    // sc`, `sc * (c - 4)`).
+                    let offset = _mm512_maddubs_epi16(center, even);
                     for g in 4 * h..4 * h + 4 {
-                        self.store(c, 8 * h2 + g, Self::split::<6>(Self::two(qs.as_ptr(), at.map(|a| 256 * a + 32 * g)), even, odd, offset));
+                        let codes = if three {
+                            // K3 (96 bytes per panel and block, inside `qs`): chunk `g`'s low bits at bits `2 (g % 4)`
+                            // of bytes `32 h..` (`g / 4 == h`), its high bit at bit `g` of bytes `64..`, moved to bit 2;
+                            // shifts of 16-bit words, each byte masked to its own bits.
+                            let lo = _mm512_and_si512(_mm512_srl_epi16(Self::two(qs.as_ptr(), at.map(|a| 96 * a + 32 * h)), _mm_cvtsi32_si128(2 * (g % 4) as i32)), low2);
+                            let hi = _mm512_and_si512(_mm512_srl_epi16(Self::two(qs.as_ptr(), at.map(|a| 96 * a + 64)), _mm_cvtsi32_si128(g as i32)), low1);
+                            _mm512_or_si512(lo, _mm512_slli_epi16::<2>(hi))
+                        } else {
+                            Self::two(qs.as_ptr(), at.map(|a| 256 * a + 32 * g))
+                        };
+                        self.store(c, 8 * h2 + g, Self::split::<6>(codes, even, odd, offset));
                     }
                 }
             }

@@ -184,7 +184,7 @@ const LARGE_PRODUCT: usize = 8 << 20;
 /// The level a model's product of `m` rows by `weights` runs at: [`Level::active`], except where the job left the
 /// kernels to `auto` on a CPU with AMX ([`AUTO_TILES`]). There products of at least [`INT8_TILE_ROWS`] rows (of
 /// [`LARGE_TILE_ROWS`] for matrices of [`LARGE_PRODUCT`] weights or more) by
-/// matrices in the 4-bit (Q4_0, Q4_1), signed 8-bit (Q8_0, Q5_0), Q4_K, Q5_K or Q6_K layouts take the AMX level's int8 tiles,
+/// matrices in the 4-bit (Q4_0, Q4_1), signed 8-bit (Q8_0, Q5_0), Q3_K, Q4_K, Q5_K or Q6_K layouts take the AMX level's int8 tiles,
 /// whose results are the VNNI kernels' bits: measured faster there, slower on fewer rows (decode steps) and on the
 /// `U8` layout (BENCHMARKS.md, 2026-12-05, late). bf16 and F16 products, whose AMX results differ, stay at VNNI
 /// unless the job names `amx`.
@@ -192,7 +192,7 @@ fn model_level(weights: &[&Packed], m: usize) -> Level {
     let level = Level::active();
     let rows = if weights.iter().map(|w| w.n * w.k).sum::<usize>() >= LARGE_PRODUCT { LARGE_TILE_ROWS } else { INT8_TILE_ROWS };
     let tiles = level == Level::Vnni && m >= rows && AUTO_TILES.load(Ordering::Relaxed);
-    if tiles && weights.iter().all(|w| matches!(w.data, Data::Q4 { .. } | Data::S8 { .. } | Data::Q6 { .. } | Data::K4 { .. } | Data::K5 { .. })) {
+    if tiles && weights.iter().all(|w| matches!(w.data, Data::Q4 { .. } | Data::S8 { .. } | Data::Q6 { .. } | Data::K3 { .. } | Data::K4 { .. } | Data::K5 { .. })) {
         Level::Amx
     } else {
         level
@@ -280,6 +280,13 @@ enum Data {
     /// llama.cpp's `Q8_K`): per 256, the exact integer `sum over the 16 groups of sc * (sum(q x) - 32 sum(x))` (at
     /// most 256 x 127 x 128 x 32 < 2^31 in magnitude), then one float step, `acc = fma(sum, d_w * d_x, acc)`.
     Q6 { qs: Vec<u8>, sc: Vec<i8>, d: Vec<f32> },
+    /// Q3_K as stored: 3-bit codes `c = q + 4` (0..=7: ggml's two low bits plus 4 for a set high bit), 96 bytes per
+    /// panel and block: bytes `32 h..32 h + 32` (`h < 2`) hold chunks `4 h..4 h + 4` of `U8`'s order, chunk `g`'s
+    /// two low bits at bits `2 (g % 4)` of each byte; bytes `64..96` hold every chunk's high bit, chunk `g`'s at bit
+    /// `g`. `Q6`'s signed scale per 16 (`sc - 32`, -32..=31) and `d` per 256: weight = `d * sc * (c - 4)`, 3.6 bits
+    /// a weight. Its products are `Q6`'s with the offset 4 for 32: per 256 the exact integer `sum over the 16 groups
+    /// of sc * (sum(c x) - 4 sum(x))`, then one float step (llama.cpp's `vec_dot_q3_K_q8_K`).
+    K3 { qs: Vec<u8>, sc: Vec<i8>, d: Vec<f32> },
     /// Q4_K as stored: 4-bit codes `q` chunked as `Q4`; per block of 32 an unsigned 6-bit scale `sc`
     /// (`[panel, block, 8]`) and min `mn` (kept as 16-bit pairs for `vpmaddwd`: `[panel, k / 256, 4, 8, 2]`, lane
     /// `l`'s `mn` of blocks `2t` and `2t + 1` of the 256); per 256, `d` and the min's scale negated, `-dmin`
@@ -296,6 +303,12 @@ enum Data {
     F16(Vec<u16>),
     /// bfloat16 bits.
     Bf16(Vec<u16>),
+}
+
+/// Code `at` (of 32: lane `at / 4`'s weight `at % 4`) of chunk `g` (of 8) of one panel and block of [`Data::K3`]'s 96
+/// bytes: 0..=7.
+fn k3_code(block: &[u8], g: usize, at: usize) -> u8 {
+    ((block[32 * (g / 4) + at] >> (2 * (g % 4))) & 3) | ((block[64 + at] >> g) & 1) << 2
 }
 
 impl Packed {
@@ -323,7 +336,7 @@ impl Packed {
         match &self.data {
             Data::Q4 { qs, d, m } | Data::U8 { qs, d, m } => qs.len() + 4 * (d.len() + m.len()),
             Data::S8 { qs, d } => qs.len() + 4 * d.len(),
-            Data::Q6 { qs, sc, d } => qs.len() + sc.len() + 4 * d.len(),
+            Data::Q6 { qs, sc, d } | Data::K3 { qs, sc, d } => qs.len() + sc.len() + 4 * d.len(),
             Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => qs.len() + sc.len() + 2 * mn.len() + 4 * (d.len() + dmin.len()),
             Data::F16(w) | Data::Bf16(w) => 2 * w.len(),
         }
@@ -353,6 +366,11 @@ impl Packed {
                 Data::Q6 { qs, sc, d } => {
                     let q = qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] as i32 - 32;
                     // `sc * (q - 32)` has at most 12 significant bits and `d` 11: the product is exact in f32.
+                    d[(p * (blocks / 8) + b / 8) * PANEL + l] * (sc[(2 * pb + i / 16) * PANEL + l] as i32 * q) as f32
+                }
+                Data::K3 { qs, sc, d } => {
+                    let q = k3_code(&qs[pb * 96..(pb + 1) * 96], i / 4, 4 * l + i % 4) as i32 - 4;
+                    // `sc * (c - 4)` has at most 8 significant bits and `d` 11: exact in f32.
                     d[(p * (blocks / 8) + b / 8) * PANEL + l] * (sc[(2 * pb + i / 16) * PANEL + l] as i32 * q) as f32
                 }
                 Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => {
@@ -389,7 +407,7 @@ impl Packed {
     fn quant(&self) -> Quant {
         match self.data {
             Data::F16(_) | Data::Bf16(_) => Quant::Float,
-            Data::K4 { .. } | Data::K5 { .. } | Data::Q6 { .. } => Quant::Supers,
+            Data::K4 { .. } | Data::K5 { .. } | Data::Q6 { .. } | Data::K3 { .. } => Quant::Supers,
             _ => Quant::Blocks,
         }
     }

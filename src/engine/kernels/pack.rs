@@ -6,7 +6,8 @@
 //! integer of at most 8 bits, which f32 holds exactly). Q8_0 and Q5_0 are kept signed, `d * code` (Q5_0's code is
 //! `q - 16`): the layout with the cheapest products, one scale per 32, which `auto` hands to AMX's int8 tiles. Q4_0
 //! keeps its 4-bit codes with no offsets stored: they stand for `d * (q - 8)`. The k-quants keep their own
-//! scales: Q6_K one signed 8-bit `sc` per 16 and an f16 `d` per 256 (`d * sc * (q - 32)`), Q4_K and Q5_K a 6-bit
+//! scales: Q6_K one signed 8-bit `sc` per 16 and an f16 `d` per 256 (`d * sc * (q - 32)`), Q3_K the same with its
+//! 6-bit scales less 32 and its 3-bit codes in bit planes (`d * sc * (q - 4)`), Q4_K and Q5_K a 6-bit
 //! `sc` and `mn` per 32 and an f16 `d` and `dmin` per 256 (`d * sc * q - dmin * mn`): the kernels multiply the
 //! small scales in as integers. The codes are copied, the scales widened from f16 to f32: every weight the kernels
 //! compute with is the one the file stores.
@@ -24,6 +25,7 @@ fn block_size(dtype: GgmlDType) -> Option<(usize, usize)> {
         GgmlDType::Q5_0 => (22, 32),
         GgmlDType::Q5_1 => (24, 32),
         GgmlDType::Q8_0 => (34, 32),
+        GgmlDType::Q3K => (110, 256),
         GgmlDType::Q4K => (144, 256),
         GgmlDType::Q5K => (176, 256),
         GgmlDType::Q6K => (210, 256),
@@ -75,7 +77,7 @@ fn decode_block(dtype: GgmlDType, b: &[u8], group: &mut impl FnMut(&[u8; 16], f3
             }
             emit32(&codes, d, m, group);
         }
-        GgmlDType::Q8_0 | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => unreachable!("{dtype:?} is not decoded to codes with a float scale per group"),
+        GgmlDType::Q8_0 | GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => unreachable!("{dtype:?} is not decoded to codes with a float scale per group"),
         _ => unreachable!("decode_block for a type block_size refuses"),
     }
 }
@@ -96,6 +98,31 @@ fn q6k_block(b: &[u8]) -> ([u8; 256], [i8; 16], f32) {
         }
     }
     (codes, std::array::from_fn(|g| scales[g] as i8), d)
+}
+
+/// A Q3_K block's 256 codes `c` (0..=7, in order: ggml's two low bits, plus 4 where the high bit is set), its 16
+/// signed scales (`sc - 32` of its 6-bit scales, one per 16 weights) and its f16 scale `d`: weight `i` is `d *
+/// sc[i / 16] * (c[i] - 4)` (ggml's `d * (sc - 32) * (q - (h ? 0 : 4))`).
+fn q3k_block(b: &[u8]) -> ([u8; 256], [i8; 16], f32) {
+    let (hmask, qs, scales, d) = (&b[0..32], &b[32..96], &b[96..108], half_at(b, 108));
+    // Two halves of 128 weights; weight `32 j + t` of half `n` has its low bits at bits `2 j` of `qs[32 n + t]` and
+    // its high bit at bit `4 n + j` of `hmask[t]`.
+    let mut codes = [0u8; 256];
+    for n in 0..2 {
+        for j in 0..4 {
+            for t in 0..32 {
+                codes[128 * n + 32 * j + t] = ((qs[32 * n + t] >> (2 * j)) & 3) | ((hmask[t] >> (4 * n + j)) & 1) << 2;
+            }
+        }
+    }
+    // Sixteen 6-bit scales, four quarters of four: quarter `u`'s low nibbles are the low (`u < 2`) or high nibbles
+    // of bytes `4 (u % 2)..`, its two high bits bits `2 u` of bytes `8..12`.
+    let sc = std::array::from_fn(|i| {
+        let (u, j) = (i / 4, i % 4);
+        let low = (scales[4 * (u % 2) + j] >> (4 * (u / 2))) & 0xF;
+        (low | ((scales[8 + j] >> (2 * u)) & 3) << 4) as i8 - 32
+    });
+    (codes, sc, d)
 }
 
 /// A Q4_K block's (`five`: Q5_K's) 256 codes `q` (0..=15, or 0..=31, in order), its 8 scales and mins (6 bits
@@ -205,8 +232,10 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
             }
             if dtype == GgmlDType::Q4K { Data::K4 { qs, sc, mn, d: ds, dmin: dmins } } else { Data::K5 { qs, sc, mn, d: ds, dmin: dmins } }
         }
-        GgmlDType::Q6K => {
-            // The 6-bit codes one per byte, as `U8`; the signed scales per 16 as they are; `d` per 256 widened.
+        GgmlDType::Q6K | GgmlDType::Q3K => {
+            // Q6_K's 6-bit codes one per byte, as `U8` (Q3_K's 3-bit codes in `Data::K3`'s bit planes); the signed
+            // scales per 16 as they are; `d` per 256 widened.
+            let three = dtype == GgmlDType::Q3K;
             let (mut qs, mut sc, mut ds) = (Vec::new(), Vec::new(), Vec::new());
             let (mut codes, mut scales, mut d) = (Vec::with_capacity(PANEL * k), Vec::with_capacity(PANEL * k / 16), Vec::with_capacity(PANEL * k / 256));
             for (panel, rows) in panels {
@@ -214,16 +243,21 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
                 scales.clear();
                 d.clear();
                 for b in panel.chunks_exact(block_bytes) {
-                    let (c, s, db) = q6k_block(b);
+                    let (c, s, db) = if three { q3k_block(b) } else { q6k_block(b) };
                     codes.extend_from_slice(&c);
                     scales.extend_from_slice(&s);
                     d.push(db);
                 }
-                qs.extend(chunks(rows, k, &codes, false));
+                let bytes = chunks(rows, k, &codes, false);
+                if three {
+                    qs.extend(bytes.chunks_exact(256).flat_map(bit_planes));
+                } else {
+                    qs.extend(bytes);
+                }
                 sc.extend(lanes(rows, k / 16, &scales));
                 ds.extend(lanes(rows, k / 256, &d));
             }
-            Data::Q6 { qs, sc, d: ds }
+            if three { Data::K3 { qs, sc, d: ds } } else { Data::Q6 { qs, sc, d: ds } }
         }
         _ => {
             // Per panel: row-major codes and a scale and offset per 16, then the panel's layout.
@@ -280,6 +314,20 @@ fn chunks(n: usize, k: usize, codes: &[u8], nibbles: bool) -> Vec<u8> {
                     out[at + 32 * g + j] = if nibbles { code | (block[16 + 4 * g + j] << 4) } else { code };
                 }
             }
+        }
+    }
+    out
+}
+
+/// One panel and block of 3-bit codes in `chunks`' order (256 bytes, eight chunks of 32) as [`Data::K3`]'s 96 bytes:
+/// the two low bits of chunks `4 h..4 h + 4` in bytes `32 h..`, chunk `g`'s at bits `2 (g % 4)`; every chunk's high
+/// bit in bytes `64..`, chunk `g`'s at bit `g`.
+fn bit_planes(block: &[u8]) -> [u8; 96] {
+    let mut out = [0u8; 96];
+    for (g, chunk) in block.chunks_exact(32).enumerate() {
+        for (at, &c) in chunk.iter().enumerate() {
+            out[32 * (g / 4) + at] |= (c & 3) << (2 * (g % 4));
+            out[64 + at] |= (c >> 2) << g;
         }
     }
     out

@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use super::{hsum8, Acts, Data, Out, Packed, PANEL};
+use super::{hsum8, k3_code, Acts, Data, Out, Packed, PANEL};
 
 /// Activations to codes, per block of 32: scale `max |x| / 127`, codes rounded to nearest (ties to even), and the
 /// scaled sums of the codes per 32 and per 16.
@@ -55,8 +55,8 @@ pub(super) fn store_super_sums(qs: &[i8], bsums: &mut [i16], sums16: &mut [i32])
     }
 }
 
-/// The per-256 layouts (`K4`, `K5`, `Q6`), [`run`]'s: for each output, per 256 the exact integer sums (`sum of sc x
-/// sum(q x)` over its blocks of 32, for `Q6` its groups of 16 with `q - 32`; for `K4` and `K5` the mins' `sum of
+/// The per-256 layouts (`K4`, `K5`, `Q6`, `K3`), [`run`]'s: for each output, per 256 the exact integer sums (`sum of sc x
+/// sum(q x)` over its blocks of 32, for `Q6` its groups of 16 with `q - 32` (`K3`: `q - 4`); for `K4` and `K5` the mins' `sum of
 /// mn x sum(x)`), then `acc = fma(sum, d_w * d_x, acc)` and for `K4`, `K5` `acc = fma(msum, -dmin_w * d_x, acc)`,
 /// in order.
 fn run_supers(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
@@ -94,15 +94,18 @@ fn run_supers(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                             *acc = (sum as f32).mul_add(d[ps * PANEL + l] * xd, *acc);
                             *acc = (msum as f32).mul_add(dmin[ps * PANEL + l] * xd, *acc);
                         }
-                        Data::Q6 { qs, sc, d } => {
+                        Data::Q6 { qs, sc, d } | Data::K3 { qs, sc, d } => {
+                            // K3: 3-bit codes in bit planes, standing for `c - 4`.
+                            let (per, offset) = if matches!(w.data, Data::K3 { .. }) { (96, 4) } else { (256, 32) };
                             let mut sum = 0i32;
                             for b in 8 * s..8 * s + 8 {
                                 let (pb, xb) = (p * blocks + b, &xq[32 * b..32 * b + 32]);
-                                let codes = &qs[pb * 256..(pb + 1) * 256];
+                                let codes = &qs[pb * per..(pb + 1) * per];
+                                let code = |g: usize, at: usize| if per == 96 { k3_code(codes, g, at) } else { codes[32 * g + at] };
                                 for h in 0..2 {
-                                    let dot: i32 = (4 * h..4 * h + 4).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| codes[32 * g + 4 * l + j] as i32 * xb[4 * g + j] as i32).sum();
-                                    // sum((q - 32) x) = sum(q x) - 32 sum(x), times its scale.
-                                    sum += sc[(2 * pb + h) * PANEL + l] as i32 * (dot - 32 * x.sums16[r * 2 * blocks + 2 * b + h]);
+                                    let dot: i32 = (4 * h..4 * h + 4).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| code(g, 4 * l + j) as i32 * xb[4 * g + j] as i32).sum();
+                                    // sum((q - 32) x) = sum(q x) - 32 sum(x) (K3: 4), times its scale.
+                                    sum += sc[(2 * pb + h) * PANEL + l] as i32 * (dot - offset * x.sums16[r * 2 * blocks + 2 * b + h]);
                                 }
                             }
                             *acc = (sum as f32).mul_add(d[ps * PANEL + l] * xd, *acc);
@@ -121,7 +124,7 @@ fn run_supers(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
 /// acc)` and, for types with an offset, `acc = fma(m_w, s_x, acc)`, in block order; the per-256 layouts take
 /// [`run_supers`].
 pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
-    if matches!(w.data, Data::K4 { .. } | Data::K5 { .. } | Data::Q6 { .. }) {
+    if matches!(w.data, Data::K4 { .. } | Data::K5 { .. } | Data::Q6 { .. } | Data::K3 { .. }) {
         return run_supers(w, rows, x, out);
     }
     assert!(!x.supers, "weights per 32 with activations per 256 (a bug)");
@@ -171,7 +174,7 @@ pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                             *acc = (sum as f32).mul_add(d[pb * PANEL + l] * xd[b], *acc);
                         }
                     }
-                    Data::Q6 { .. } | Data::K4 { .. } | Data::K5 { .. } => unreachable!("per-256 layouts take run_supers"),
+                    Data::Q6 { .. } | Data::K3 { .. } | Data::K4 { .. } | Data::K5 { .. } => unreachable!("per-256 layouts take run_supers"),
                     Data::F16(_) | Data::Bf16(_) => unreachable!("float weights take the float loop"),
                 }
             }

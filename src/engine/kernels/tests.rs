@@ -5,7 +5,7 @@ use super::*;
 
 /// Every type the kernels take, with a width that is a whole number of its blocks but (for the 32-blocks) not of
 /// 256: SmolLM2's 576.
-const TYPES: [(GgmlDType, usize); 10] = [
+const TYPES: [(GgmlDType, usize); 11] = [
     (GgmlDType::Q4_0, 576),
     (GgmlDType::Q4_1, 576),
     (GgmlDType::Q5_0, 576),
@@ -14,6 +14,7 @@ const TYPES: [(GgmlDType, usize); 10] = [
     (GgmlDType::Q4K, 512),
     (GgmlDType::Q5K, 768),
     (GgmlDType::Q6K, 512),
+    (GgmlDType::Q3K, 768),
     (GgmlDType::F16, 200),
     (GgmlDType::BF16, 576),
 ];
@@ -53,13 +54,13 @@ fn packing_keeps_every_value_the_file_stores() {
         let largest = candle.iter().fold(0f32, |a, v| a.max(v.abs()));
         let exact = ours.iter().zip(&candle).filter(|(a, b)| a == b).count();
         // `d * q + m` and candle's `d * (q - c)` are the same real number; f32 may round them differently, by an
-        // ulp. Q6_K's weight, `d` times the integer `sc * (q - 32)`, is exact both ways, and Q4_K's and Q5_K's `d *
+        // ulp. Q6_K's weight, `d` times the integer `sc * (q - 32)` (Q3_K's `sc * (q - 4)`), is exact both ways, and Q4_K's and Q5_K's `d *
         // (sc * q) - dmin * mn` rounds once, as candle's `(d * sc) * q - dmin * mn` does: every one bit-identical.
         for (i, (a, b)) in ours.iter().zip(&candle).enumerate() {
             assert!((a - b).abs() <= largest * 1e-6, "{dtype:?} weight {i}: packed {a}, candle {b}");
         }
         assert!(exact * 1000 >= ours.len() * 999, "{dtype:?}: only {exact} of {} weights bit-identical", ours.len());
-        if matches!(dtype, GgmlDType::Q6K | GgmlDType::Q4K | GgmlDType::Q5K) {
+        if matches!(dtype, GgmlDType::Q6K | GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K) {
             assert_eq!(exact, ours.len(), "{dtype:?} weights not all bit-identical");
         }
         assert_eq!((packed.rows(), packed.columns(), packed.stored_dtype()), (40, k, dtype));
@@ -69,7 +70,7 @@ fn packing_keeps_every_value_the_file_stores() {
 #[test]
 fn the_kernels_refuse_what_they_cannot_compute_faithfully() {
     // Not a type they take.
-    assert!(Packed::from_qtensor(&matrix(GgmlDType::Q3K, 4, 256, 2)).unwrap().is_none());
+    assert!(Packed::from_qtensor(&matrix(GgmlDType::Q2K, 4, 256, 2)).unwrap().is_none());
     // A Q8_0 code of -128 (ggml never writes it; a file could): the signed product cannot negate it.
     let mut bytes = matrix(GgmlDType::Q8_0, 2, 64, 3).data().unwrap().into_owned();
     bytes[5] = 0x80;
@@ -488,7 +489,7 @@ fn reference(q: &QTensor, x: &[f32], m: usize) -> (Vec<f64>, Vec<f64>) {
     let w = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let quantized = !matches!(q.dtype(), GgmlDType::F16 | GgmlDType::BF16);
     // The k-quants take activations quantized per 256.
-    let block = if matches!(q.dtype(), GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K) { 256 } else { 32 };
+    let block = if matches!(q.dtype(), GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K) { 256 } else { 32 };
     let (mut y, mut bound) = (vec![0f64; m * n], vec![0f64; m * n]);
     for r in 0..m {
         let xr = &x[r * k..(r + 1) * k];

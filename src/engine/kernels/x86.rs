@@ -225,18 +225,34 @@ macro_rules! kernels {
                             }
                         }
                     }
-                    Data::Q6 { qs, sc, d } => {
+                    Data::Q6 { qs, sc, d } | Data::K3 { qs, sc, d } => {
                         let supers = blocks / 8;
+                        // K3: 96 bytes of bit planes per panel and block, codes standing for `c - 4`.
+                        let three = matches!(w.data, Data::K3 { .. });
+                        let (per, offset) = if three { (96, 4) } else { (256, 32) };
                         assert!(x.supers && x.sums16.len() == 2 * x.rows() * blocks, "Q6 takes activations per 256 (a bug)");
-                        assert!(blocks.is_multiple_of(8) && qs.len() == panels * blocks * 256 && sc.len() == panels * blocks * 2 * PANEL && d.len() == panels * supers * PANEL, "Q6 layout (a bug)");
-                        // SAFETY (these closures): as for U8, with 16 scale bytes per panel and block and 8 scales
-                        // per panel and 256 (`s < supers`).
-                        let chunk = |p: usize, b: usize, g: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * 256 + 32 * g).cast()) };
+                        assert!(blocks.is_multiple_of(8) && qs.len() == panels * blocks * per && sc.len() == panels * blocks * 2 * PANEL && d.len() == panels * supers * PANEL, "Q6 layout (a bug)");
+                        let (low2, low1) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1));
+                        // SAFETY (these closures): as for U8, with `per` code bytes (K3: chunk `g < 8`'s low bits
+                        // at `32 (g / 4)`, the high bits at 64, 32 bytes each), 16 scale bytes per panel and block and
+                        // 8 scales per panel and 256 (`s < supers`).
+                        let chunk = |p: usize, b: usize, g: usize| unsafe {
+                            let at = qs.as_ptr().add((p * blocks + b) * per);
+                            if three {
+                                // Bits `2 (g % 4)` of the low plane, bit `g` of the high plane moved to bit 2: shifts of
+                                // 16-bit words, each byte masked to its own bits.
+                                let lo = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(at.add(32 * (g / 4)).cast()), _mm_cvtsi32_si128(2 * (g % 4) as i32)), low2);
+                                let hi = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(at.add(64).cast()), _mm_cvtsi32_si128(g as i32)), low1);
+                                _mm256_or_si256(lo, _mm256_slli_epi16::<2>(hi))
+                            } else {
+                                _mm256_loadu_si256(at.add(32 * g).cast())
+                            }
+                        };
                         let scales = |p: usize, b: usize| unsafe { _mm_loadu_si128(sc.as_ptr().add((p * blocks + b) * 2 * PANEL).cast()) };
                         let lanes = |p: usize, s: usize| unsafe { _mm256_loadu_ps(d.as_ptr().add((p * supers + s) * PANEL)) };
                         // SAFETY: activation row `r0 + i < r0 + R` exists, `b < blocks` and `h < 2` (`sums16` is
                         // `[m, 2 blocks]`, asserted above).
-                        let less = |i: usize, b: usize, h: usize| unsafe { _mm256_set1_epi32(32 * *x.sums16.as_ptr().add((r0 + i) * 2 * blocks + 2 * b + h)) };
+                        let less = |i: usize, b: usize, h: usize| unsafe { _mm256_set1_epi32(offset * *x.sums16.as_ptr().add((r0 + i) * 2 * blocks + 2 * b + h)) };
                         for s in 0..supers {
                             let mut total = [[_mm256_setzero_si256(); R]; P];
                             for b in 8 * s..8 * s + 8 {
@@ -256,7 +272,7 @@ macro_rules! kernels {
                                     let sv = scales(p0 + j, b);
                                     let (s0, s1) = (_mm256_cvtepi8_epi32(sv), _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(sv)));
                                     for i in 0..R {
-                                        // `sc_0 * (sum(q x) - 32 sum(x)) + sc_1 * (...)`, exact in 32 bits.
+                                        // `sc_0 * (sum(q x) - 32 sum(x)) + sc_1 * (...)` (K3: 4), exact in 32 bits.
                                         let (h0, h1) = (_mm256_sub_epi32(sums[0][j][i], less(i, b, 0)), _mm256_sub_epi32(sums[1][j][i], less(i, b, 1)));
                                         total[j][i] = _mm256_add_epi32(total[j][i], _mm256_add_epi32(_mm256_mullo_epi32(h0, s0), _mm256_mullo_epi32(h1, s1)));
                                     }
@@ -452,10 +468,10 @@ macro_rules! kernels {
                         floats(d, PANEL);
                         (qs, 256)
                     }
-                    Data::Q6 { qs, sc, d } => {
+                    Data::Q6 { qs, sc, d } | Data::K3 { qs, sc, d } => {
                         floats(d, PANEL / 8);
                         ask(bytemuck::cast_slice(sc), 2 * PANEL);
-                        (qs, 256)
+                        (qs, if matches!(w.data, Data::K3 { .. }) { 96 } else { 256 })
                     }
                     Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => {
                         floats(d, PANEL / 8);
