@@ -73,6 +73,10 @@ const ROWS: usize = 16;
 const COLS: usize = 2 * PANEL;
 /// Activation rows whose codes stay in the L2 cache while a task's weights pass over them.
 const ROW_GROUP: usize = 256;
+/// The most activation codes a group of rows of [`run_supers`] holds: half the L2 cache of a Sapphire Rapids core,
+/// which keeps a group's codes there while every pair of panels passes over them (2 MiB, 256 rows at k = 8,192,
+/// took 10-15 % longer per tile product than 1 MiB: a probe of the tile loop alone, and `bench kernels`).
+const GROUP_BYTES: usize = 1 << 20;
 
 /// Whether the AMX level runs here: the CPU has the tile unit with int8 products, AVX-512 (F, BW, VL, VNNI: the
 /// float steps and the tails), and Linux grants this process the tile state. Asked once per process; the
@@ -758,14 +762,14 @@ fn write_tile(out: Out, tile: &Tile<f32>, p: usize, r0: usize) {
 fn macro_tile<const NA: usize, const NB: usize, const T: u8>(w: &Packed, pair: &[Pair; 2], p: [usize; 2], x: &Acts, r0: usize, sums: &mut [[Tile<i32>; 4]; 2], acc: &mut [Tile<f32>; 4], out: Out) {
     let (k, blocks) = (w.k, w.k / 32);
     let groups = if T == U8 { 2 } else { 1 };
-    assert!(r0.is_multiple_of(ROWS) && r0 + NA * ROWS <= x.rows() && x.tiles.codes.len() == x.rows() / ROWS * ROWS * k, "activation tile out of range (a bug)");
+    assert!(r0.is_multiple_of(ROWS) && r0 + NA * ROWS <= x.rows() && x.tiles.codes().len() == x.rows() / ROWS * ROWS * k, "activation tile out of range (a bug)");
     assert!((0..NB).all(|j| pair[j].codes.len() == 8 * blocks), "pair layout (a bug)");
     let steps = groups * blocks;
     for s in 0..=steps {
         let (now, before) = sums.split_at_mut(1);
         let (now, before) = if s % 2 == 0 { (&mut now[0], &before[0]) } else { (&mut before[0], &now[0]) };
         let (b, h) = (s.min(steps - 1) / groups, s % groups);
-        let xs = |a: usize| x.tiles.codes[((r0 / ROWS + a) * blocks + b) * ROWS * 32 + 16 * h..].as_ptr().cast::<u8>();
+        let xs = |a: usize| x.tiles.codes()[((r0 / ROWS + a) * blocks + b) * ROWS * 32 + 16 * h..].as_ptr().cast::<u8>();
         let ws = |j: usize| pair[j].codes[8 * b + 4 * h..].as_ptr().cast::<u8>();
         for c in 0..4 {
             let (a, j) = (c / 2, c % 2);
@@ -1092,9 +1096,11 @@ fn finish_super<const T: u8>(acc: &mut Tile<f32>, hi: &Tile<i32>, lo: &Tile<i32>
             v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, xs), v);
             if with_mins(T) {
                 let sums = x.bsums.as_ptr().add((r0 + i) * blocks + 8 * s).cast::<i32>();
+                // One chain of `vpdpwssd` (VNNI's 16-bit pairs multiplied and added into 32 bits): exact, at most
+                // 8 x 63 x 4,064 in magnitude.
                 let mut msum = _mm512_madd_epi16(mins[0], _mm512_set1_epi32(sums.read_unaligned()));
                 for (t, mins) in mins.iter().enumerate().skip(1) {
-                    msum = _mm512_add_epi32(msum, _mm512_madd_epi16(*mins, _mm512_set1_epi32(sums.add(t).read_unaligned())));
+                    msum = _mm512_dpwssd_epi32(msum, *mins, _mm512_set1_epi32(sums.add(t).read_unaligned()));
                 }
                 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(mw, xs), v);
             }
@@ -1114,16 +1120,19 @@ fn run_supers<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     let (tiles, supers, chunks) = (m / ROWS, k / 256, k / 64);
     let (first, end) = (rows.start / PANEL, rows.end.div_ceil(PANEL));
     let pairs = (end - first) / 2;
-    assert!(x.supers && k.is_multiple_of(256) && x.tiles.codes.len() == tiles * ROWS * k, "activations per 256 in the tiles' order (a bug)");
+    assert!(x.supers && k.is_multiple_of(256) && x.tiles.codes().len() == tiles * ROWS * k, "activations per 256 in the tiles' order (a bug)");
     let config = Config::new(64);
     // SAFETY: `config` is a valid palette-1 configuration (every tile 16 rows of 64 bytes), 64 bytes.
     unsafe { asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly)) };
     let mut pair = SuperPair::new(k);
     let mut sums = [[Tile([[0; COLS]; ROWS]); 4]; 2];
     // One accumulator per tile of rows of a group.
-    let mut acc = vec![Tile([[0f32; COLS]; ROWS]); ROW_GROUP / ROWS];
-    for group in (0..tiles).step_by(ROW_GROUP / ROWS) {
-        let group_end = (group + ROW_GROUP / ROWS).min(tiles);
+    // Tiles of rows per group: at most `ROW_GROUP` rows, at most `GROUP_BYTES` of codes (128 rows at k = 8,192),
+    // a whole number of pairs of tiles.
+    let group_tiles = (GROUP_BYTES / (2 * ROWS * k)).clamp(1, ROW_GROUP / ROWS / 2) * 2;
+    let mut acc = vec![Tile([[0f32; COLS]; ROWS]); group_tiles];
+    for group in (0..tiles).step_by(group_tiles) {
+        let group_end = (group + group_tiles).min(tiles);
         for q in 0..pairs {
             let p = first + 2 * q;
             if with_mins(T) {
@@ -1137,7 +1146,7 @@ fn run_supers<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
             for s in 0..supers {
                 for t in (group..group_end).step_by(2) {
                     let na = (group_end - t).min(2);
-                    let xs = [0, 1].map(|a| x.tiles.codes[((t + a.min(na - 1)) * chunks + 4 * s) * 1024..].as_ptr().cast::<u8>());
+                    let xs = [0, 1].map(|a| x.tiles.codes()[((t + a.min(na - 1)) * chunks + 4 * s) * 1024..].as_ptr().cast::<u8>());
                     // SAFETY: configured for 16 rows of 64 bytes (above); tile `t + a` (`< tiles`) has `chunks` KiB of
                     // codes (asserted length), of which the 256's four from `4 s` (`s < supers`); the pair's lines
                     // from `128 s` are the 256's 128 (`k / 2` lines in all: `SuperPair::new`).

@@ -481,6 +481,24 @@ fn tiles_of_every_shape_give_the_same_bits() {
     }
 }
 
+/// A wide matrix (k = 8,192, a feed-forward down projection's) takes the tile kernels' smaller groups of rows
+/// (`amx::GROUP_BYTES`): past 128 rows several groups, and the portable kernels' bits.
+#[test]
+fn wide_matrices_give_the_same_bits_in_smaller_groups_of_rows() {
+    say_missing_levels();
+    let k = 8192;
+    for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
+        let packed = Packed::from_qtensor(&matrix(dtype, 32, k, 21)).unwrap().unwrap();
+        let m = 290;
+        let x = activations(m, k, 22);
+        let reference = packed.matmul_at(Level::Portable, &x, m);
+        for level in Level::available().into_iter().filter(|&l| same_bits(l, dtype)) {
+            let y = packed.matmul_at(level, &x, m);
+            assert!(y.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?}: {level:?} differs from the portable kernels");
+        }
+    }
+}
+
 /// `x · Wᵀ` with candle's dequantized weights, in f64, and for each output the most the activations' 8-bit
 /// rounding can move it: half a code step of each block of 32 (of 256 for the k-quants) times the weights'
 /// absolute sum there (for quantized weights; F16 and BF16 take the activations in f32).
