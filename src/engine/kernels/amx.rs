@@ -32,12 +32,13 @@
 //! (`super::model_level`: the same bits, 2-7 % faster whole jobs); `runtime.cpu_kernels = "amx"` runs this whole
 //! level.
 //!
-//! Q4_K, Q5_K and Q6_K (`Data::K4`, `Data::K5`, `Data::Q6`) are computed per 256 ([`run_supers`]), on activations
+//! Q3_K, Q4_K, Q5_K and Q6_K (`Data::K3`, `Data::K4`, `Data::K5`, `Data::Q6`) are computed per 256 ([`run_supers`]), on activations
 //! quantized per 256: each weight's `sc * q` (Q6_K: `sc * (q - 32)`) is split exactly into two bytes, high and low
 //! ([`SuperPair`]), and two tile products per 64 columns (the tiles' whole depth) sum a 256's `C_hi` and `C_lo` in
 //! the tile registers, stored once per 256: `2^s C_hi + C_lo` is the VNNI kernels' exact integer, and the float
 //! steps run once per 256, not per block. This is what lifts the tiles past the per-block bound above: on the
-//! same VM, 2.0-3.1x VNNI's speed at 128 rows on Llama-3.2-1B's Q4_K, Q5_K and Q6_K matrices (BENCHMARKS.md).
+//! same VM, 2.2-3.3x VNNI's speed at 128 rows on Llama-3.2-1B's Q4_K, Q5_K and Q6_K matrices, 3.8-4.5x on its
+//! Q3_K ones (Q3_K, `Data::K3`, takes Q6_K's tiles: [`SuperPair::fill_q6`]; BENCHMARKS.md).
 //!
 //! bf16 weights take the tile unit's bf16 products (`tdpbf16ps`, AMX-BF16): there the integer detour is gone,
 //! each output's sum stays in the tiles across the whole row, and a tile product does 16 times the work of the

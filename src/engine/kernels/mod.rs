@@ -181,16 +181,23 @@ const LARGE_TILE_ROWS: usize = 16;
 /// Weights in a product's matrices from which 16 rows take the tiles ([`LARGE_TILE_ROWS`]).
 const LARGE_PRODUCT: usize = 8 << 20;
 
+/// [`LARGE_PRODUCT`] for products whose matrices are all in the per-256 layouts (the k-quants), whose tiles hold a
+/// 256's sums and take their float steps once per 256: on Llama-3.2-1B's q/k/v group (6.3 M weights) and output
+/// projection (4.2 M) they beat VNNI at 16 rows too. The 1B jobs' decode-only steps (16 sequences), 8 M against 4
+/// M, two pairs each on the same VM: Q4_K_M 114-115 -> 118-120 tok/s, Q3_K_M 116-118 -> 122, Q5_K_M 102 -> 103-104.
+const LARGE_SUPERS_PRODUCT: usize = 4 << 20;
+
 /// The level a model's product of `m` rows by `weights` runs at: [`Level::active`], except where the job left the
 /// kernels to `auto` on a CPU with AMX ([`AUTO_TILES`]). There products of at least [`INT8_TILE_ROWS`] rows (of
-/// [`LARGE_TILE_ROWS`] for matrices of [`LARGE_PRODUCT`] weights or more) by
+/// [`LARGE_TILE_ROWS`] for matrices of [`LARGE_PRODUCT`] weights or more, [`LARGE_SUPERS_PRODUCT`] for the k-quants) by
 /// matrices in the 4-bit (Q4_0, Q4_1), signed 8-bit (Q8_0, Q5_0), Q3_K, Q4_K, Q5_K or Q6_K layouts take the AMX level's int8 tiles,
 /// whose results are the VNNI kernels' bits: measured faster there, slower on fewer rows (decode steps) and on the
 /// `U8` layout (BENCHMARKS.md, 2026-12-05, late). bf16 and F16 products, whose AMX results differ, stay at VNNI
 /// unless the job names `amx`.
 fn model_level(weights: &[&Packed], m: usize) -> Level {
     let level = Level::active();
-    let rows = if weights.iter().map(|w| w.n * w.k).sum::<usize>() >= LARGE_PRODUCT { LARGE_TILE_ROWS } else { INT8_TILE_ROWS };
+    let large = if weights.iter().all(|w| w.quant() == Quant::Supers) { LARGE_SUPERS_PRODUCT } else { LARGE_PRODUCT };
+    let rows = if weights.iter().map(|w| w.n * w.k).sum::<usize>() >= large { LARGE_TILE_ROWS } else { INT8_TILE_ROWS };
     let tiles = level == Level::Vnni && m >= rows && AUTO_TILES.load(Ordering::Relaxed);
     if tiles && weights.iter().all(|w| matches!(w.data, Data::Q4 { .. } | Data::S8 { .. } | Data::Q6 { .. } | Data::K3 { .. } | Data::K4 { .. } | Data::K5 { .. })) {
         Level::Amx

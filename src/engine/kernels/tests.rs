@@ -694,3 +694,23 @@ fn the_fused_feed_forward_network_is_its_products_and_activation() {
     }
     assert_ne!(outputs[0], outputs[1], "the activation is applied");
 }
+
+/// `auto` on a CPU with AMX: a decode step's 16 rows take the tiles for k-quant products of 4 M weights (Llama-3.2-1B's
+/// attention output projection) but not for the per-32 layouts' products below 8 M, and 15 rows never do. Where the
+/// CPU or Linux gives no AMX the choice is never made, and the test says so.
+#[test]
+fn auto_hands_decode_steps_of_k_quant_products_to_the_tiles_from_4m_weights() {
+    if Level::active() != Level::Vnni || !Level::available().contains(&Level::Amx) {
+        eprintln!("no AMX level here (or another level is forced): auto's tile choice is not made, not checked");
+        return;
+    }
+    let layout = |data: Data, n: usize| Packed { n, k: 2048, stored: GgmlDType::Q4K, data };
+    let k4 = || Data::K4 { qs: Vec::new(), sc: Vec::new(), mn: Vec::new(), d: Vec::new(), dmin: Vec::new() };
+    let (attention_out, narrow) = (layout(k4(), 2048), layout(k4(), 1024));
+    let q4 = layout(Data::Q4 { qs: Vec::new(), d: Vec::new(), m: Vec::new() }, 2048);
+    // Other tests' products may take the tiles while this holds: the same bits either way.
+    AUTO_TILES.store(true, Ordering::Relaxed);
+    let chosen = [model_level(&[&attention_out], 16), model_level(&[&attention_out], 15), model_level(&[&narrow], 16), model_level(&[&q4], 16), model_level(&[&q4], 32)];
+    AUTO_TILES.store(false, Ordering::Relaxed);
+    assert_eq!(chosen, [Level::Amx, Level::Vnni, Level::Vnni, Level::Vnni, Level::Amx]);
+}
