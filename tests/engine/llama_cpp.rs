@@ -623,3 +623,35 @@ fn every_gguf_familys_quantized_files_write_the_same_results_at_the_amx_level_an
         }
     }
 }
+
+/// How far nightshift's logits may be from llama.cpp's on a k-quant file, over the largest logit. Measured on a
+/// Sapphire Rapids Xeon: 0.010-0.015 for each type, where each of the two is 0.008-0.015 from the float64 reference
+/// on the same weights (`compare_a_file_with_llama_cpp_and_the_reference`): both quantize the activations to 8 bits.
+const K_QUANT_TOLERANCE: f32 = 0.025;
+
+/// The k-quants on nightshift's own kernels (Q3_K, Q4_K, Q5_K, Q6_K: their scales multiplied in as integers, the
+/// activations quantized per 256 as llama.cpp's `Q8_K`) against llama.cpp on the same files: a llama model 256
+/// wide (a whole k-quant block), every matrix of one type per file. The logits within [`K_QUANT_TOLERANCE`], and the
+/// same argmax unless llama.cpp's own top two are closer than that (a tie either side's rounding may break: Q6_K's
+/// third sequence, whose top two llama.cpp puts 0.1 % of the largest logit apart).
+#[test]
+fn k_quant_files_compute_what_llama_cpp_computes() {
+    let Some(peer) = llama_peer() else { return };
+    let dir = crate::support::scratch("k-quants-llama-cpp");
+    let mut wide = spec(Family::Llama, 64, false, rope_theta(Family::Llama));
+    (wide.shape.hidden, wide.shape.intermediate) = (256, 512);
+    let seqs = sequences();
+    for quant in [GgmlDType::Q3K, GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
+        let path = dir.join(format!("{quant:?}.gguf"));
+        synth::write_gguf(&path, &wide, quant).unwrap();
+        let (theirs, ours) = (peer_logits(&peer, &path, &seqs), nightshift_logits(&path, &seqs));
+        for (i, (x, y)) in theirs.iter().zip(&ours).enumerate() {
+            let (diff, same) = compare(std::slice::from_ref(x), std::slice::from_ref(y));
+            let scale = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            // How far below llama.cpp's top logit it puts nightshift's top token.
+            let gap = (x[argmax(x)] - x[argmax(y)]) / scale;
+            eprintln!("{quant:?} sequence {i}: largest difference {diff} of the largest logit, argmax agrees: {same} (llama.cpp's gap {gap})");
+            assert!(diff <= K_QUANT_TOLERANCE && (same || gap <= K_QUANT_TOLERANCE), "{quant:?} sequence {i}: largest difference {diff}, argmax agrees: {same}, llama.cpp's gap {gap}");
+        }
+    }
+}
