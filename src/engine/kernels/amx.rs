@@ -973,30 +973,35 @@ impl SuperPair {
         let (Data::Q6 { qs, sc, d } | Data::K3 { qs, sc, d }) = &w.data else { unreachable!("fill_q6 of another layout (a bug)") };
         // K3: 96 bytes of bit planes per panel and block, codes standing for `c - 4`.
         let three = matches!(w.data, Data::K3 { .. });
-        let (per, center) = if three { (96, 4) } else { (256, 32) };
+        let (per, center) = super::signed_codes(&w.data);
         let (blocks, supers) = (w.k / 32, w.k / 256);
         assert!((p + 2) * blocks * per <= qs.len() && (p + 2) * blocks * 16 <= sc.len() && (p + 2) * supers * PANEL <= d.len(), "Q6 pair out of range (a bug)");
         assert!(self.codes.len() == 16 * blocks && self.d.len() == 16 * supers, "Q6 pair layout (a bug)");
-        let (center, patterns, low2, low1) = (_mm512_set1_epi8(center), Self::patterns(), _mm512_set1_epi8(3), _mm512_set1_epi8(1));
+        let (center, patterns, low2, low1) = (_mm512_set1_epi8(center as i8), Self::patterns(), _mm512_set1_epi8(3), _mm512_set1_epi8(1));
         for b in 0..blocks {
             let (c, h2) = (b / 2, b % 2);
             let at = [p * blocks + b, (p + 1) * blocks + b];
+            // K3: both panels' high plane (32 bytes at `96 at[i] + 64`, inside `qs`: `(p + 2) blocks 96`, asserted
+            // above); every chunk's high bit.
+            // SAFETY: as said, with the CPU's AVX-512 F (this function's features).
+            let high = if three { unsafe { Self::two(qs.as_ptr(), at.map(|a| 96 * a + 64)) } } else { _mm512_setzero_si512() };
             for h in 0..2 {
                 // SAFETY: 8 scales at `(2 at[i] + h) 8` and 32 codes at `256 at[i] + 32 g` (K3: 32 bytes at `96 at[i]
-                // + 32 h` and at `96 at[i] + 64`) lie inside `sc` and `qs` (`at[i] < (p + 2) blocks`, asserted above); lines `32 c + 16 + 8 h2 + g` < `16 blocks`, 64 bytes
-                // each.
+                // + 32 h`) lie inside `sc` and `qs` (`at[i] < (p + 2) blocks`, asserted above); lines `32 c + 16 + 8 h2
+                // + g` < `16 blocks`, 64 bytes each.
                 unsafe {
                     let (even, odd) = Self::scales(sc.as_ptr().cast(), at.map(|a| (2 * a + h) * PANEL), &patterns);
                     // `32 sc` per word: `sc * (q - 32) = sc q - 32 sc`, at most 128 x 63 in magnitude before (K3: `4
                     // sc`, `sc * (c - 4)`).
                     let offset = _mm512_maddubs_epi16(center, even);
+                    // K3: chunks `4 h..4 h + 4`'s low plane.
+                    let low = if three { Self::two(qs.as_ptr(), at.map(|a| 96 * a + 32 * h)) } else { _mm512_setzero_si512() };
                     for g in 4 * h..4 * h + 4 {
                         let codes = if three {
-                            // K3 (96 bytes per panel and block, inside `qs`): chunk `g`'s low bits at bits `2 (g % 4)`
-                            // of bytes `32 h..` (`g / 4 == h`), its high bit at bit `g` of bytes `64..`, moved to bit 2;
-                            // shifts of 16-bit words, each byte masked to its own bits.
-                            let lo = _mm512_and_si512(_mm512_srl_epi16(Self::two(qs.as_ptr(), at.map(|a| 96 * a + 32 * h)), _mm_cvtsi32_si128(2 * (g % 4) as i32)), low2);
-                            let hi = _mm512_and_si512(_mm512_srl_epi16(Self::two(qs.as_ptr(), at.map(|a| 96 * a + 64)), _mm_cvtsi32_si128(g as i32)), low1);
+                            // Chunk `g`'s low bits at bits `2 (g % 4)` of the low plane, its high bit at bit `g` of the
+                            // high plane, moved to bit 2: shifts of 16-bit words, each byte masked to its own bits.
+                            let lo = _mm512_and_si512(_mm512_srl_epi16(low, _mm_cvtsi32_si128(2 * (g % 4) as i32)), low2);
+                            let hi = _mm512_and_si512(_mm512_srl_epi16(high, _mm_cvtsi32_si128(g as i32)), low1);
                             _mm512_or_si512(lo, _mm512_slli_epi16::<2>(hi))
                         } else {
                             Self::two(qs.as_ptr(), at.map(|a| 256 * a + 32 * g))

@@ -312,6 +312,11 @@ enum Data {
     Bf16(Vec<u16>),
 }
 
+/// `Data::Q6`'s and `Data::K3`'s codes: bytes per panel and block, and the code standing for zero (`q - 32`, `c - 4`).
+fn signed_codes(data: &Data) -> (usize, i32) {
+    if matches!(data, Data::K3 { .. }) { (96, 4) } else { (256, 32) }
+}
+
 /// Code `at` (of 32: lane `at / 4`'s weight `at % 4`) of chunk `g` (of 8) of one panel and block of [`Data::K3`]'s 96
 /// bytes: 0..=7.
 fn k3_code(block: &[u8], g: usize, at: usize) -> u8 {

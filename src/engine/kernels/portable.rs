@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use super::{hsum8, k3_code, Acts, Data, Out, Packed, PANEL};
+use super::{hsum8, k3_code, signed_codes, Acts, Data, Out, Packed, PANEL};
 
 /// Activations to codes, per block of 32: scale `max |x| / 127`, codes rounded to nearest (ties to even), and the
 /// scaled sums of the codes per 32 and per 16.
@@ -96,12 +96,12 @@ fn run_supers(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                         }
                         Data::Q6 { qs, sc, d } | Data::K3 { qs, sc, d } => {
                             // K3: 3-bit codes in bit planes, standing for `c - 4`.
-                            let (per, offset) = if matches!(w.data, Data::K3 { .. }) { (96, 4) } else { (256, 32) };
+                            let (three, (per, offset)) = (matches!(w.data, Data::K3 { .. }), signed_codes(&w.data));
                             let mut sum = 0i32;
                             for b in 8 * s..8 * s + 8 {
                                 let (pb, xb) = (p * blocks + b, &xq[32 * b..32 * b + 32]);
                                 let codes = &qs[pb * per..(pb + 1) * per];
-                                let code = |g: usize, at: usize| if per == 96 { k3_code(codes, g, at) } else { codes[32 * g + at] };
+                                let code = |g: usize, at: usize| if three { k3_code(codes, g, at) } else { codes[32 * g + at] };
                                 for h in 0..2 {
                                     let dot: i32 = (4 * h..4 * h + 4).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| code(g, 4 * l + j) as i32 * xb[4 * g + j] as i32).sum();
                                     // sum((q - 32) x) = sum(q x) - 32 sum(x) (K3: 4), times its scale.

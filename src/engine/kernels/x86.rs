@@ -229,7 +229,7 @@ macro_rules! kernels {
                         let supers = blocks / 8;
                         // K3: 96 bytes of bit planes per panel and block, codes standing for `c - 4`.
                         let three = matches!(w.data, Data::K3 { .. });
-                        let (per, offset) = if three { (96, 4) } else { (256, 32) };
+                        let (per, offset) = super::super::signed_codes(&w.data);
                         assert!(x.supers && x.sums16.len() == 2 * x.rows() * blocks, "Q6 takes activations per 256 (a bug)");
                         assert!(blocks.is_multiple_of(8) && qs.len() == panels * blocks * per && sc.len() == panels * blocks * 2 * PANEL && d.len() == panels * supers * PANEL, "Q6 layout (a bug)");
                         let (low2, low1) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1));
@@ -471,7 +471,7 @@ macro_rules! kernels {
                     Data::Q6 { qs, sc, d } | Data::K3 { qs, sc, d } => {
                         floats(d, PANEL / 8);
                         ask(bytemuck::cast_slice(sc), 2 * PANEL);
-                        (qs, if matches!(w.data, Data::K3 { .. }) { 96 } else { 256 })
+                        (qs, super::super::signed_codes(&w.data).0)
                     }
                     Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => {
                         floats(d, PANEL / 8);
