@@ -23,6 +23,9 @@ pub struct KernelBenchOptions {
     pub contexts: Vec<usize>,
     /// Sequences in that decode step.
     pub seqs: usize,
+    /// Positions at the start of every one of those sequences' caches held in common (the same blocks, as a prefix
+    /// cache hit holds them); 0 for none.
+    pub shared_prefix: usize,
     /// (cached positions, new tokens) of prefills whose attention to measure: one sequence's prefill chunk over a
     /// cached prefix.
     pub prefills: Vec<(usize, usize)>,
@@ -39,11 +42,13 @@ pub struct AttentionMeasurement {
     pub seqs: usize,
     /// Positions each sequence attends to (its cache and the new tokens).
     pub context: usize,
+    /// Of those, the leading positions every sequence's cache holds in common (the same blocks).
+    pub shared: usize,
     /// New tokens per sequence: 1 decoding, the chunk's length in a prefill.
     pub new_tokens: usize,
     /// Median seconds of the step's attention, every layer.
     pub seconds: f64,
-    /// KV cache bytes the step reads.
+    /// KV cache bytes the step attends to: a shared prefix's once per sequence, as if each held its own copy.
     pub bytes: u64,
     /// `bytes / seconds / 1e9`.
     pub gbps: f64,
@@ -102,8 +107,8 @@ pub fn kernels(options: &KernelBenchOptions) -> Result<Vec<KernelMeasurement>, E
 }
 
 /// A decode step's attention on the host backend, every layer of the model's shape, for `seqs` sequences whose
-/// caches hold `context - 1` positions (random keys and values, f32 and the 16-bit dtypes): the bytes of the KV
-/// cache it streams per second; and a prefill's over a cached prefix, for each of `prefills`: how fast it computes.
+/// caches hold `context - 1` positions (random keys and values, f32 and the 16-bit dtypes; the first
+/// `shared_prefix` the same blocks in all of them): the bytes of the KV cache it attends to per second; and a prefill's over a cached prefix, for each of `prefills`: how fast it computes.
 /// At each of the options' levels (the attention's code differs by level: AVX-512 at VNNI and AMX where the CPU has
 /// it, AVX2, portable).
 pub fn attention(options: &KernelBenchOptions) -> Result<Vec<AttentionMeasurement>, Error> {
@@ -126,7 +131,11 @@ pub fn attention(options: &KernelBenchOptions) -> Result<Vec<AttentionMeasuremen
             let host = HostAttention::for_shape(config.attention_shape(config.heads * config.head_dim), dtype);
             for &context in &options.contexts {
                 let context = context.clamp(1, config.context_length);
-                let mut caches: Vec<_> = (0..options.seqs).map(|s| host.filled_cache(&noise(context * row, 2 * s), &noise(context * row, 2 * s + 1), context)).collect();
+                // Sequences sharing a prefix hold the same keys and values for it, in the same blocks.
+                let shared = options.shared_prefix.min(context - 1);
+                let prefix = host.prefix_cache(&noise(shared * row, 1), &noise(shared * row, 2), shared);
+                let own = |s: usize, salt: usize| [&noise(shared * row, salt)[..], &noise(context * row, 2 * s + 3 + salt)[shared * row..]].concat();
+                let mut caches: Vec<_> = (0..options.seqs).map(|s| host.extended_cache(&prefix, &own(s, 1), &own(s, 2), context)).collect();
                 let q = noise(options.seqs * config.heads * config.head_dim, 7);
                 let seconds = median_seconds(0.05, 1000, || host.decode_attention(level, &mut caches, &q));
                 // Every layer reads each sequence's keys and values for its `context` positions, in whole blocks.
@@ -139,6 +148,7 @@ pub fn attention(options: &KernelBenchOptions) -> Result<Vec<AttentionMeasuremen
                     level: level.name(),
                     seqs: options.seqs,
                     context,
+                    shared,
                     new_tokens: 1,
                     seconds,
                     bytes,
@@ -164,6 +174,7 @@ pub fn attention(options: &KernelBenchOptions) -> Result<Vec<AttentionMeasuremen
                     level: level.name(),
                     seqs: 1,
                     context,
+                    shared: cached,
                     new_tokens: new,
                     seconds,
                     bytes,

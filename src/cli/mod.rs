@@ -255,6 +255,10 @@ pub struct KernelBenchArgs {
     /// Sequences in that decode step.
     #[arg(long, value_parser = at_least_one, default_value = "16")]
     pub seqs: usize,
+    /// Positions at the start of those sequences' caches that all of them hold in common, the same blocks (as a
+    /// prefix cache hit holds a shared instruction); 0 for none.
+    #[arg(long, default_value = "0")]
+    pub shared_prefix: usize,
     /// Prefills whose attention to measure, every layer, as CACHED+NEW (positions already in the cache, tokens in
     /// the chunk): one sequence's prefill over a cached prefix; `--prefills none` for none.
     #[arg(long, value_delimiter = ',', value_parser = parse_prefill, default_value = "600+150")]
@@ -293,7 +297,7 @@ impl KernelBenchArgs {
     pub fn options(&self) -> crate::bench::KernelBenchOptions {
         let contexts = self.contexts.iter().copied().filter(|&c| c > 0).collect();
         let prefills = self.prefills.iter().flatten().copied().collect();
-        crate::bench::KernelBenchOptions { model: self.model.clone(), rows: self.rows.clone(), levels: self.levels.clone(), contexts, seqs: self.seqs, prefills }
+        crate::bench::KernelBenchOptions { model: self.model.clone(), rows: self.rows.clone(), levels: self.levels.clone(), contexts, seqs: self.seqs, shared_prefix: self.shared_prefix, prefills }
     }
 }
 

@@ -558,7 +558,11 @@ pub fn print_kernel_bench(report: &[crate::bench::KernelMeasurement], attention:
     out!();
     out!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11} {:>8} {:>8}", "attention, every layer", "kv", "context", "level", "seqs", "us", "GB/s", "GFLOP/s");
     for m in attention {
-        let step = if m.step == "decode" { "decode step".to_string() } else { format!("prefill of {}", m.new_tokens) };
+        let step = match (m.step, m.shared) {
+            ("decode", 0) => "decode step".to_string(),
+            ("decode", shared) => format!("decode step, {shared} shared"),
+            _ => format!("prefill of {}", m.new_tokens),
+        };
         out!("{:<26} {:<6} {:>13} {:<9} {:>5} {:>11.1} {:>8.1} {:>8.1}", step, m.kv_dtype, m.context, m.level, m.seqs, m.seconds * 1e6, m.gbps, m.gflops);
     }
 }

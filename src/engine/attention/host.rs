@@ -233,6 +233,30 @@ impl HostAttention {
         cache
     }
 
+    /// A cache holding exactly `len` positions of the given keys and values: a prefix for
+    /// [`HostAttention::extended_cache`].
+    pub fn prefix_cache(&self, k: &[f32], v: &[f32], len: usize) -> HostCache {
+        let mut cache = self.new_cache(len);
+        for layer in 0..self.shape.layers {
+            cache.write(layer, 0, k, v);
+        }
+        cache.len = len;
+        cache
+    }
+
+    /// [`HostAttention::filled_cache`]'s cache of `len` positions whose first `prefix.len()` are `prefix`'s blocks,
+    /// shared with it (as a prefix cache hit holds them; a partly filled last block is copied): `k` and `v` hold
+    /// every position's keys and values, of which those past the prefix are written.
+    pub fn extended_cache(&self, prefix: &HostCache, k: &[f32], v: &[f32], len: usize) -> HostCache {
+        let (row, from) = (self.shape.kv_heads * self.shape.head_dim, prefix.len);
+        let mut cache = prefix.clone();
+        for layer in 0..self.shape.layers {
+            cache.write(layer, from, &k[from * row..len * row], &v[from * row..len * row]);
+        }
+        cache.len = len - 1;
+        cache
+    }
+
     /// Rotary embedding of one token's heads, pairs of adjacent values (GGUF llama weights are permuted for it, and
     /// Hugging Face ones at load, see [`super::hf`]).
     fn rope(&self, heads: &mut [f32], pos: usize, set: usize) {
@@ -254,40 +278,94 @@ impl HostAttention {
     /// streams the kv head's blocks once for every query head that shares it (grouped-query attention without
     /// copies) and every token of the tile, with an online softmax. Sequences of different lengths never need
     /// padding or masks between them, and a row's result depends only on its own sequence.
+    ///
+    /// Decodes whose caches hold the same leading blocks (a prefix cache hit, the choices of a row) share a task
+    /// instead, up to [`CASCADE`] of them: the shared blocks are read once for all their rows, then each sequence's
+    /// own ([`HostAttention::tasks`]). A decode step otherwise streams a shared prefix once per sequence, at memory
+    /// speed. Each row's arithmetic is the same either way (the same chunks in the same order), so the same bits.
     fn attention(&self, level: Level, layer: usize, q: &[f32], segments: &[Segment<'_, HostCache>]) -> Vec<f32> {
         let cfg = &self.shape;
         let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
+        let tasks = self.tasks(layer, q, segments);
+        let results: Vec<Vec<f32>> = tasks.par_iter().map(|task| self.attend_tile(level, task)).collect();
+        // Rows as wide as the laid-out attention output, the padding zero.
+        let row = self.out_width;
+        let tokens: usize = segments.iter().map(|s| s.tokens.len()).sum();
+        let mut attn = vec![0f32; tokens * row];
+        for (task, out) in tasks.iter().zip(results) {
+            // `out` is, part after part, [token][group][head_dim]; query head `kv * group + g` uses kv head `kv`.
+            let mut rows = out.chunks_exact(group * hd);
+            for part in &task.parts {
+                for (token, chunk) in (part.t0..part.t1).zip(rows.by_ref()) {
+                    attn[(part.start + token) * row + task.kv * group * hd..][..group * hd].copy_from_slice(chunk);
+                }
+            }
+        }
+        attn
+    }
+
+    /// The step's attention tasks: per kv head, a tile of up to [`TILE`] new tokens of a segment, or up to
+    /// [`CASCADE`] decodes whose caches share their leading blocks. Decodes are grouped by their cache's first
+    /// block, in step order, and a group split so that there are at least four tasks per thread where it can be;
+    /// the blocks a task's sequences share are its whole chunks that all of them hold at the same address (so the
+    /// same keys and values) and every row sees in full. Not in a sliding-window layer (rows see different
+    /// windows), nor for a cache that let blocks go.
+    fn tasks<'a, 'b>(&self, layer: usize, q: &'a [f32], segments: &'a [Segment<'b, HostCache>]) -> Vec<Task<'a, 'b>> {
+        let kv_heads = self.shape.kv_heads;
         let mut starts = Vec::with_capacity(segments.len());
         let mut offset = 0;
         for s in segments {
             starts.push(offset);
             offset += s.tokens.len();
         }
-        let tasks: Vec<(usize, usize, usize)> = (0..segments.len())
-            .flat_map(|si| {
-                let tiles = segments[si].tokens.len().div_ceil(TILE);
-                (0..cfg.kv_heads).flat_map(move |kv| (0..tiles).map(move |tile| (si, kv, tile * TILE)))
-            })
-            .collect();
-        let results: Vec<Vec<f32>> =
-            tasks.par_iter().map(|&(si, kv, t0)| self.attend_tile(level, &Tile { layer, q, start: starts[si], segment: &segments[si], kv, t0 })).collect();
-        // Rows as wide as the laid-out attention output, the padding zero.
-        let row = self.out_width;
-        let mut attn = vec![0f32; offset * row];
-        for (&(si, kv, t0), out) in tasks.iter().zip(results) {
-            // `out` is [token][group][head_dim]; query head `kv * group + g` uses kv head `kv`.
-            for (i, chunk) in out.chunks_exact(group * hd).enumerate() {
-                attn[(starts[si] + t0 + i) * row + kv * group * hd..][..group * hd].copy_from_slice(chunk);
+        let part = |si: usize, t0: usize, t1: usize| Part { segment: &segments[si], start: starts[si], t0, t1 };
+        let mut tasks = Vec::new();
+        let alone = |tasks: &mut Vec<Task<'a, 'b>>, si: usize| {
+            let new = segments[si].tokens.len();
+            for t0 in (0..new).step_by(TILE) {
+                tasks.extend((0..kv_heads).map(|kv| Task { layer, q, kv, parts: vec![part(si, t0, (t0 + TILE).min(new))], shared: 0 }));
+            }
+        };
+        // Decodes that may share blocks, by the address of their first block, in step order.
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        let mut by_first: std::collections::HashMap<*const HostBlock, usize> = std::collections::HashMap::new();
+        let windowed = self.shape.window(layer).is_some();
+        for (si, s) in segments.iter().enumerate() {
+            let c = &s.cache;
+            if windowed || s.tokens.len() != 1 || c.released > 0 || c.len < CHUNK {
+                alone(&mut tasks, si);
+                continue;
+            }
+            let g = *by_first.entry(Arc::as_ptr(&c.blocks[0])).or_insert_with(|| {
+                groups.push(Vec::new());
+                groups.len() - 1
+            });
+            groups[g].push(si);
+        }
+        let wanted = 4 * rayon::current_num_threads();
+        for members in groups {
+            let size = (members.len() * kv_heads / wanted).clamp(2, CASCADE);
+            for sub in members.chunks(size) {
+                let caches: Vec<&HostCache> = sub.iter().map(|&si| &*segments[si].cache).collect();
+                // Whole blocks every member's rows see (positions below its length) and all hold at one address.
+                let limit = caches.iter().map(|c| c.len / BLOCK).min().unwrap_or(0);
+                let common = (0..limit).take_while(|&b| caches[1..].iter().all(|c| Arc::ptr_eq(&c.blocks[b], &caches[0].blocks[b]))).count();
+                let shared = common - common % CHUNK_BLOCKS;
+                if sub.len() < 2 || shared == 0 {
+                    sub.iter().for_each(|&si| alone(&mut tasks, si));
+                    continue;
+                }
+                tasks.extend((0..kv_heads).map(|kv| Task { layer, q, kv, parts: sub.iter().map(|&si| part(si, 0, 1)).collect(), shared }));
             }
         }
-        attn
+        tasks
     }
 
-    /// Attention of new tokens `t0..t0 + TILE` of one segment (those that exist), every query head of kv head
-    /// `kv`: `[token][group][head_dim]`. The same source ([`tile`]) compiled for AVX-512 (at the VNNI and AMX levels,
-    /// where the CPU has it), for AVX2 and FMA, or for any CPU (the release build targets plain x86-64): the same
-    /// operations in the same order, so the same bits, 16, 8 or 1 wide.
-    fn attend_tile(&self, level: Level, task: &Tile<'_, '_>) -> Vec<f32> {
+    /// A task's attention, every query head of its kv head: part after part, `[token][group][head_dim]`. The same
+    /// source ([`tile`]) compiled for AVX-512 (at the VNNI and AMX levels, where the CPU has it), for AVX2 and FMA,
+    /// or for any CPU (the release build targets plain x86-64): the same operations in the same order, so the same
+    /// bits, 16, 8 or 1 wide.
+    fn attend_tile(&self, level: Level, task: &Task<'_, '_>) -> Vec<f32> {
         #[cfg(target_arch = "x86_64")]
         {
             if level >= Level::Vnni && is_x86_feature_detected!("avx512f") {
@@ -313,82 +391,153 @@ impl HostAttention {
     /// a level forced lower): the portable arithmetic, its fused multiply-adds one instruction each.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "fma")]
-    fn attend_tile_fma(&self, task: &Tile<'_, '_>) -> Vec<f32> {
+    fn attend_tile_fma(&self, task: &Task<'_, '_>) -> Vec<f32> {
         self.attend_tile_body::<4, 1, 8>(task)
     }
 
     /// Scores 4 rows at a time (8 registers of sums), values 2 rows x 32 dimensions (8 registers).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn attend_tile_avx2(&self, task: &Tile<'_, '_>) -> Vec<f32> {
+    fn attend_tile_avx2(&self, task: &Task<'_, '_>) -> Vec<f32> {
         self.attend_tile_body::<4, 2, 32>(task)
     }
 
     /// Scores 8 rows at a time (a register of 16 positions each), values 4 rows x 64 dimensions (16 registers).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    fn attend_tile_avx512(&self, task: &Tile<'_, '_>) -> Vec<f32> {
+    fn attend_tile_avx512(&self, task: &Task<'_, '_>) -> Vec<f32> {
         self.attend_tile_body::<8, 4, 64>(task)
     }
 
-    /// The tile's attention, chunk by chunk ([`tile`]): `SR` rows' scores at a time, `VR` rows x `W` dimensions of
-    /// output at a time (register blocking only: every choice gives the same bits).
+    /// The task's attention, chunk by chunk ([`tile`]): `SR` rows' scores at a time, `VR` rows x `W` dimensions of
+    /// output at a time (register blocking only: every choice gives the same bits). The blocks its parts share
+    /// first, for every row at once, then each part's own.
     #[inline(always)]
-    fn attend_tile_body<const SR: usize, const VR: usize, const W: usize>(&self, task: &Tile<'_, '_>) -> Vec<f32> {
-        let &Tile { layer, q, start, segment: s, kv, t0 } = task;
+    fn attend_tile_body<const SR: usize, const VR: usize, const W: usize>(&self, task: &Task<'_, '_>) -> Vec<f32> {
         let cfg = &self.shape;
         let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
         let q_row = cfg.heads * hd;
-        let scoring = tile::Scoring { scale: cfg.scale, softcap: cfg.softcap };
-        let window = cfg.window(layer);
-        let new = s.tokens.len();
-        let total = s.cache.len + new;
-        let t1 = (t0 + TILE).min(new);
-        let rows = (t1 - t0) * group;
-        let blocks = &s.cache.blocks;
-        // Row r is token t0 + r / group, query head kv * group + r % group; it sees positions below `visible`.
-        let visible = |r: usize| total - new + t0 + r / group + 1;
-        // And, in a sliding-window layer, positions from `first(r)` on.
-        let first = |r: usize| window.map_or(0, |w| visible(r).saturating_sub(w));
-        let query = |r: usize| &q[(start + t0 + r / group) * q_row + (kv * group + r % group) * hd..][..hd];
-        let mut max = vec![f32::NEG_INFINITY; rows];
-        let mut sum = vec![0f32; rows];
-        let mut out = vec![0f32; rows * hd];
-        // Per row, the chunk's scores, then its weights.
-        let mut weights = vec![0f32; rows * CHUNK];
-        // Per row, the chunk positions it sees.
-        let mut ranges = vec![(0usize, 0usize); rows];
-        // A 16-bit cache's blocks of this kv head, widened (per block, one of keys and one of values).
-        // A 16-bit cache's blocks of this kv head, widened: one of keys at a time, the chunk's values.
-        let sixteen = s.cache.dtype != DType::F32;
-        let scratch = |_| if sixteen { vec![0f32; hd * BLOCK] } else { Vec::new() };
-        let mut k_scratch = scratch(0);
-        let mut v_scratch: Vec<Vec<f32>> = (0..CHUNK_BLOCKS).map(scratch).collect();
-        let used = visible(rows - 1).div_ceil(BLOCK);
-        // Blocks before every row's window are not read.
-        let skipped = first(0) / BLOCK;
+        let window = cfg.window(task.layer);
+        let mut state = Rows::new(cfg, task);
+        // Per row (part after part; in a part, token t0 + i / group, query head kv * group + i % group): where its
+        // query starts in `q`, the positions it sees (below `visible`; in a sliding-window layer, from `first` on).
+        let mut spans = Vec::with_capacity(task.parts.len());
+        for p in &task.parts {
+            let (new, from) = (p.segment.tokens.len(), state.queries.len());
+            let total = p.segment.cache.len + new;
+            for i in 0..(p.t1 - p.t0) * group {
+                let token = p.t0 + i / group;
+                state.queries.push((p.start + token) * q_row + (task.kv * group + i % group) * hd);
+                let seen = total - new + token + 1;
+                state.visible.push(seen);
+                state.first.push(window.map_or(0, |w| seen.saturating_sub(w)));
+            }
+            spans.push((from..state.queries.len(), &p.segment.cache.blocks, p.t1 - p.t0 == 1));
+        }
+        state.start();
         // Decoding, each block's values and the next block's keys are asked for a line at a time while its scores
         // are computed (with the first rows): a sequence's blocks are separate allocations, so the CPU's own stream
         // prefetchers start over at each one, and a decode step otherwise waits on the first loads of each
         // (`bench kernels`, 16 sequences of 1,024 positions: 1.3 to 1.5 times the bytes per second). A prefill's
         // tiles read blocks the step has just written or other tiles read, from the L2 cache, where asking cost
         // more than it gained.
-        let decoding = t1 - t0 == 1;
-        for c0 in (skipped - skipped % CHUNK_BLOCKS..used).step_by(CHUNK_BLOCKS) {
-            let (lo, hi) = (skipped.max(c0), used.min(c0 + CHUNK_BLOCKS));
+        if task.shared > 0 {
+            let rows = 0..state.queries.len();
+            state.attend::<SR, VR, W>(rows, spans[0].1, 0, task.shared, true);
+        }
+        for (part, blocks, decoding) in spans {
+            // Blocks before every row's window are not read, nor those read above for every part.
+            let (from, to) = ((state.first[part.start] / BLOCK).max(task.shared), state.visible[part.end - 1].div_ceil(BLOCK));
+            state.attend::<SR, VR, W>(part, blocks, from, to, decoding);
+        }
+        let mut out = state.out;
+        for (o, s) in out.chunks_exact_mut(hd).zip(&state.sum) {
+            let inv = 1.0 / s;
+            for x in o {
+                *x *= inv;
+            }
+        }
+        out
+    }
+}
+
+/// A task's rows as [`HostAttention::attend_tile_body`] computes them: per row where its query starts, the
+/// positions it sees (below `visible`, from `first` on) and its online softmax's state and output; per chunk its
+/// scores, then weights, and the positions it sees; a 16-bit cache's blocks widened (one of keys at a time, the
+/// chunk's values).
+struct Rows<'t> {
+    q: &'t [f32],
+    layer: usize,
+    kv: usize,
+    hd: usize,
+    scoring: tile::Scoring,
+    queries: Vec<usize>,
+    visible: Vec<usize>,
+    first: Vec<usize>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    out: Vec<f32>,
+    weights: Vec<f32>,
+    ranges: Vec<(usize, usize)>,
+    k_scratch: Vec<f32>,
+    v_scratch: Vec<Vec<f32>>,
+}
+
+impl<'t> Rows<'t> {
+    fn new(cfg: &AttentionShape, task: &Task<'t, '_>) -> Rows<'t> {
+        let hd = cfg.head_dim;
+        let sixteen = task.parts[0].segment.cache.dtype != DType::F32;
+        let scratch = |_| if sixteen { vec![0f32; hd * BLOCK] } else { Vec::new() };
+        Rows {
+            q: task.q,
+            layer: task.layer,
+            kv: task.kv,
+            hd,
+            scoring: tile::Scoring { scale: cfg.scale, softcap: cfg.softcap },
+            queries: Vec::new(),
+            visible: Vec::new(),
+            first: Vec::new(),
+            max: Vec::new(),
+            sum: Vec::new(),
+            out: Vec::new(),
+            weights: Vec::new(),
+            ranges: Vec::new(),
+            k_scratch: scratch(0),
+            v_scratch: (0..CHUNK_BLOCKS).map(scratch).collect(),
+        }
+    }
+
+    /// Sizes the per-row state for the rows whose queries are in.
+    fn start(&mut self) {
+        let rows = self.queries.len();
+        self.max = vec![f32::NEG_INFINITY; rows];
+        self.sum = vec![0f32; rows];
+        self.out = vec![0f32; rows * self.hd];
+        self.weights = vec![0f32; rows * CHUNK];
+        self.ranges = vec![(0, 0); rows];
+    }
+
+    /// Rows `rows` over blocks `from..to` of `blocks` (the chunks holding them; the blocks outside not read).
+    #[inline(always)]
+    fn attend<const SR: usize, const VR: usize, const W: usize>(&mut self, rows: std::ops::Range<usize>, blocks: &[Arc<HostBlock>], from: usize, to: usize, decoding: bool) {
+        let (layer, kv, hd, q) = (self.layer, self.kv, self.hd, self.q);
+        let queries = &self.queries;
+        let query = |r: usize| &q[queries[r]..][..hd];
+        for c0 in (from - from % CHUNK_BLOCKS..to).step_by(CHUNK_BLOCKS) {
+            let (lo, hi) = (from.max(c0), to.min(c0 + CHUNK_BLOCKS));
             for b in lo..hi {
                 // Decoding, block b's values and the next block's keys are asked for a line at a time as block b's
                 // scores are computed (a 16-bit cache's lines first, as they are half as many).
-                let ahead = match blocks.get(b + 1).filter(|_| decoding && b + 1 < used) {
+                let ahead = match blocks.get(b + 1).filter(|_| decoding && b + 1 < to) {
                     Some(next) => [Ahead::new(next.keys[layer].bytes(kv * hd * BLOCK, hd * BLOCK)), Ahead::new(blocks[b].values[layer].bytes(kv * BLOCK * hd, BLOCK * hd))],
                     None => [Ahead::NONE; 2],
                 };
-                let keys = blocks[b].keys[layer].read(kv * hd * BLOCK, hd * BLOCK, &mut k_scratch);
-                let mut r = 0;
-                while r < rows {
-                    let at = &mut weights[r * CHUNK..];
-                    let (slot, ahead) = (b - c0, if r == 0 { ahead } else { [Ahead::NONE; 2] });
-                    r += match rows - r {
+                let keys = blocks[b].keys[layer].read(kv * hd * BLOCK, hd * BLOCK, &mut self.k_scratch);
+                let mut r = rows.start;
+                while r < rows.end {
+                    let at = &mut self.weights[r * CHUNK..];
+                    let (slot, ahead) = (b - c0, if r == rows.start { ahead } else { [Ahead::NONE; 2] });
+                    r += match rows.end - r {
                         n if n >= SR => {
                             tile::scores::<SR>(at, std::array::from_fn(|i| query(r + i)), keys, slot, ahead);
                             SR
@@ -413,25 +562,19 @@ impl HostAttention {
                 }
             }
             let base = c0 * BLOCK;
-            for r in 0..rows {
-                let range = (first(r).saturating_sub(base).min(CHUNK), visible(r).saturating_sub(base).min(CHUNK));
-                ranges[r] = range;
-                let row: &mut [f32; CHUNK] = (&mut weights[r * CHUNK..(r + 1) * CHUNK]).try_into().expect("a chunk of weights");
-                tile::softmax_step(row, range.0, range.1, scoring, &mut max[r], &mut sum[r], &mut out[r * hd..(r + 1) * hd]);
+            for r in rows.clone() {
+                let range = (self.first[r].saturating_sub(base).min(CHUNK), self.visible[r].saturating_sub(base).min(CHUNK));
+                self.ranges[r] = range;
+                let row: &mut [f32; CHUNK] = (&mut self.weights[r * CHUNK..(r + 1) * CHUNK]).try_into().expect("a chunk of weights");
+                tile::softmax_step(row, range.0, range.1, self.scoring, &mut self.max[r], &mut self.sum[r], &mut self.out[r * hd..(r + 1) * hd]);
             }
             let mut values: [&[f32]; CHUNK_BLOCKS] = [&[]; CHUNK_BLOCKS];
-            for (b, vs) in (lo..hi).zip(v_scratch.iter_mut()) {
+            for (b, vs) in (lo..hi).zip(self.v_scratch.iter_mut()) {
                 values[b - c0] = blocks[b].values[layer].read(kv * BLOCK * hd, BLOCK * hd, vs);
             }
-            tile::accumulate_rows::<VR, W>(&mut out, &weights, &values, &ranges, hd);
+            let (o, w) = (&mut self.out[rows.start * hd..rows.end * hd], &self.weights[rows.start * CHUNK..rows.end * CHUNK]);
+            tile::accumulate_rows::<VR, W>(o, w, &values, &self.ranges[rows.clone()], hd);
         }
-        for (o, s) in out.chunks_exact_mut(hd).zip(&sum) {
-            let inv = 1.0 / s;
-            for x in o {
-                *x *= inv;
-            }
-        }
-        out
     }
 }
 
@@ -524,19 +667,30 @@ impl Attention for HostAttention {
     }
 }
 
-/// One attention task: new tokens `t0..t0 + TILE` of a segment (whose first new token is row `start` of the
-/// step's queries `q`), every query head of kv head `kv`, in layer `layer`.
-struct Tile<'a, 'b> {
+/// One attention task: kv head `kv` of layer `layer` (every query head that uses it) for the new tokens of one or
+/// more parts, queries in `q`, whose caches hold their first `shared` blocks (a multiple of [`CHUNK_BLOCKS`], every
+/// row seeing all their positions) at the same addresses: 0 for a single part.
+struct Task<'a, 'b> {
     layer: usize,
     q: &'a [f32],
-    start: usize,
-    segment: &'a Segment<'b, HostCache>,
     kv: usize,
+    parts: Vec<Part<'a, 'b>>,
+    shared: usize,
+}
+
+/// New tokens `t0..t1` of a segment whose first new token is row `start` of the step's queries.
+struct Part<'a, 'b> {
+    segment: &'a Segment<'b, HostCache>,
+    start: usize,
     t0: usize,
+    t1: usize,
 }
 
 /// New tokens per attention task: each kv block read serves this many tokens times the query group.
 const TILE: usize = 8;
+
+/// Decodes per task at most that share their leading blocks: as many rows as a tile of a prefill.
+const CASCADE: usize = TILE;
 
 #[cfg(test)]
 mod tests {
@@ -661,6 +815,71 @@ mod tests {
                         for (d, expected) in expected.into_iter().enumerate() {
                             let got = out[t * q_row + h * hd + d] as f64;
                             assert!((got - expected).abs() < 1e-5, "{dtype:?}, {cached}+{new}, token {t}, head {h}, dim {d}: {got} against {expected}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Decodes whose caches share leading blocks (a prefix cache hit) are attended together over those blocks: at
+    /// every level, the same bits as the same keys and values held apart, attended sequence by sequence. Prefixes
+    /// of one chunk exactly and ending inside a block, continuations of one position to most of a chunk, two
+    /// sequences that share nothing in the same step, f32 and f16 caches, one thread (groups of 4) and the default
+    /// pool (groups of 2).
+    #[test]
+    fn decodes_sharing_a_prefix_give_the_bits_of_caches_held_apart() {
+        let cfg = config();
+        let (kv_row, q_row) = (cfg.kv_heads * cfg.head_dim, cfg.heads * cfg.head_dim);
+        for dtype in [DType::F32, DType::F16] {
+            let host = HostAttention::for_shape(cfg.clone(), dtype);
+            for prefix in [64, 150] {
+                let (pk, pv) = (noise(prefix * kv_row, 1 + prefix as u64), noise(prefix * kv_row, 2 + prefix as u64));
+                let base = host.prefix_cache(&pk, &pv, prefix);
+                // 9 continuations of the prefix, then 2 sequences of their own: (keys, values) of every position.
+                let mut kv: Vec<(Vec<f32>, Vec<f32>)> = (0..9u64)
+                    .map(|i| {
+                        let tail = 1 + (i as usize * 7) % 50;
+                        let (k, v) = (noise(tail * kv_row, 100 + i), noise(tail * kv_row, 200 + i));
+                        ([&pk[..], &k[..]].concat(), [&pv[..], &v[..]].concat())
+                    })
+                    .collect();
+                kv.extend((0..2u64).map(|i| (noise((prefix + 9) * kv_row, 300 + i), noise((prefix + 9) * kv_row, 400 + i))));
+                let len = |k: &Vec<f32>| k.len() / kv_row;
+                let sharing = || -> Vec<HostCache> {
+                    kv.iter().enumerate().map(|(i, (k, v))| if i < 9 { host.extended_cache(&base, k, v, len(k)) } else { host.filled_cache(k, v, len(k)) }).collect()
+                };
+                let apart = || -> Vec<HostCache> { kv.iter().map(|(k, v)| host.filled_cache(k, v, len(k))).collect() };
+                let q = noise(kv.len() * q_row, 7);
+                let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a pool");
+                for level in Level::available() {
+                    let expected: Vec<f32> = {
+                        let mut caches = apart();
+                        let segments: Vec<Segment<'_, HostCache>> = caches.iter_mut().map(|cache| Segment { tokens: &[0], cache }).collect();
+                        assert!(host.tasks(0, &q, &segments).iter().all(|t| t.parts.len() == 1), "caches held apart share nothing");
+                        (0..cfg.layers).flat_map(|layer| host.attention(level, layer, &q, &segments)).collect::<Vec<f32>>()
+                    };
+                    for (pool, group) in [(Some(&one), 4), (None, 2)] {
+                        let run = || {
+                            let mut caches = sharing();
+                            let segments: Vec<Segment<'_, HostCache>> = caches.iter_mut().map(|cache| Segment { tokens: &[0], cache }).collect();
+                            let tasks = host.tasks(0, &q, &segments);
+                            let together: Vec<(usize, usize)> = tasks.iter().filter(|t| t.parts.len() > 1).map(|t| (t.parts.len(), t.shared)).collect();
+                            let out = (0..cfg.layers).flat_map(|layer| host.attention(level, layer, &q, &segments)).collect::<Vec<f32>>();
+                            (together, out)
+                        };
+                        let (together, out) = match pool {
+                            Some(p) => p.install(run),
+                            None => run(),
+                        };
+                        // The 9 sharers in groups of `group` (the last of 1, alone), per kv head; whole chunks shared.
+                        let sizes: Vec<usize> = together.iter().map(|t| t.0).collect();
+                        assert_eq!(sizes, vec![group; 9 / group * cfg.kv_heads], "{dtype:?}, prefix {prefix}");
+                        assert!(together.iter().all(|t| t.1 == prefix / CHUNK * CHUNK_BLOCKS), "{dtype:?}, prefix {prefix}: {together:?}");
+                        assert_eq!(out.len(), expected.len());
+                        for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
+                            let (layer, at) = (i / (kv.len() * q_row), i % (kv.len() * q_row));
+                            assert_eq!(a.to_bits(), b.to_bits(), "{dtype:?}, prefix {prefix}, {level:?}, layer {layer}, sequence {}, element {}: {a} against {b}", at / q_row, at % q_row);
                         }
                     }
                 }
