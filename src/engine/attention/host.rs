@@ -281,8 +281,9 @@ impl HostAttention {
     ///
     /// Decodes whose caches hold the same leading blocks (a prefix cache hit, the choices of a row) share a task
     /// instead, up to [`CASCADE`] of them: the shared blocks are read once for all their rows, then each sequence's
-    /// own ([`HostAttention::tasks`]). A decode step otherwise streams a shared prefix once per sequence, at memory
-    /// speed. Each row's arithmetic is the same either way (the same chunks in the same order), so the same bits.
+    /// own ([`HostAttention::tasks`]), where a step would read the shared prefix once per sequence (from the CPU's
+    /// caches while they hold it: on a 2-core Xeon, the 1B's decode step over 640 shared positions of 800 took 10-20
+    /// % less). Each row's arithmetic is the same either way (the same chunks in the same order), so the same bits.
     fn attention(&self, level: Level, layer: usize, q: &[f32], segments: &[Segment<'_, HostCache>]) -> Vec<f32> {
         let cfg = &self.shape;
         let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
