@@ -415,33 +415,8 @@ impl HostAttention {
     /// first, for every row at once, then each part's own.
     #[inline(always)]
     fn attend_tile_body<const SR: usize, const VR: usize, const W: usize>(&self, task: &Task<'_, '_>) -> Vec<f32> {
-        let cfg = &self.shape;
-        let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
-        let q_row = cfg.heads * hd;
-        let window = cfg.window(task.layer);
-        let mut state = Rows::new(cfg, task);
-        // Per row (part after part; in a part, token t0 + i / group, query head kv * group + i % group): where its
-        // query starts in `q`, the positions it sees (below `visible`; in a sliding-window layer, from `first` on).
-        let mut spans = Vec::with_capacity(task.parts.len());
-        for p in &task.parts {
-            let (new, from) = (p.segment.tokens.len(), state.queries.len());
-            let total = p.segment.cache.len + new;
-            for i in 0..(p.t1 - p.t0) * group {
-                let token = p.t0 + i / group;
-                state.queries.push((p.start + token) * q_row + (task.kv * group + i % group) * hd);
-                let seen = total - new + token + 1;
-                state.visible.push(seen);
-                state.first.push(window.map_or(0, |w| seen.saturating_sub(w)));
-            }
-            spans.push((from..state.queries.len(), &p.segment.cache.blocks, p.t1 - p.t0 == 1));
-        }
-        state.start();
-        // Decoding, each block's values and the next block's keys are asked for a line at a time while its scores
-        // are computed (with the first rows): a sequence's blocks are separate allocations, so the CPU's own stream
-        // prefetchers start over at each one, and a decode step otherwise waits on the first loads of each
-        // (`bench kernels`, 16 sequences of 1,024 positions: 1.3 to 1.5 times the bytes per second). A prefill's
-        // tiles read blocks the step has just written or other tiles read, from the L2 cache, where asking cost
-        // more than it gained.
+        let (mut state, spans) = Rows::new(&self.shape, task);
+        // The blocks every part shares, once for all the task's rows; then each part's own.
         if task.shared > 0 {
             let rows = 0..state.queries.len();
             state.attend::<SR, VR, W>(rows, spans[0].1, 0, task.shared, true);
@@ -452,7 +427,7 @@ impl HostAttention {
             state.attend::<SR, VR, W>(part, blocks, from, to, decoding);
         }
         let mut out = state.out;
-        for (o, s) in out.chunks_exact_mut(hd).zip(&state.sum) {
+        for (o, s) in out.chunks_exact_mut(state.hd).zip(&state.sum) {
             let inv = 1.0 / s;
             for x in o {
                 *x *= inv;
@@ -462,10 +437,13 @@ impl HostAttention {
     }
 }
 
-/// A task's rows as [`HostAttention::attend_tile_body`] computes them: per row where its query starts, the
-/// positions it sees (below `visible`, from `first` on) and its online softmax's state and output; per chunk its
-/// scores, then weights, and the positions it sees; a 16-bit cache's blocks widened (one of keys at a time, the
-/// chunk's values).
+/// A part's rows in its task, its cache's blocks, and whether it decodes.
+type Span<'a> = (std::ops::Range<usize>, &'a [Arc<HostBlock>], bool);
+
+/// A task's rows as [`HostAttention::attend_tile_body`] computes them: per row where its query starts in `q`, the
+/// positions it sees (below `visible`; in a sliding-window layer, from `first` on) and its online softmax's state
+/// and output; per chunk its scores, then weights, and the positions it sees; a 16-bit cache's blocks widened (one
+/// of keys at a time, the chunk's values).
 struct Rows<'t> {
     q: &'t [f32],
     layer: usize,
@@ -485,37 +463,45 @@ struct Rows<'t> {
 }
 
 impl<'t> Rows<'t> {
-    fn new(cfg: &AttentionShape, task: &Task<'t, '_>) -> Rows<'t> {
-        let hd = cfg.head_dim;
+    /// The task's rows, part after part (in a part, token `t0 + i / group`, query head `kv * group + i % group`),
+    /// and per part its rows, its cache's blocks and whether it decodes.
+    fn new<'a>(cfg: &AttentionShape, task: &'a Task<'t, '_>) -> (Rows<'t>, Vec<Span<'a>>) {
+        let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
+        let (q_row, window) = (cfg.heads * hd, cfg.window(task.layer));
+        let (mut queries, mut visible, mut first, mut spans) = (Vec::new(), Vec::new(), Vec::new(), Vec::with_capacity(task.parts.len()));
+        for p in &task.parts {
+            let (new, from) = (p.segment.tokens.len(), queries.len());
+            let total = p.segment.cache.len + new;
+            for i in 0..(p.t1 - p.t0) * group {
+                let token = p.t0 + i / group;
+                queries.push((p.start + token) * q_row + (task.kv * group + i % group) * hd);
+                let seen = total - new + token + 1;
+                visible.push(seen);
+                first.push(window.map_or(0, |w| seen.saturating_sub(w)));
+            }
+            spans.push((from..queries.len(), &p.segment.cache.blocks[..], p.t1 - p.t0 == 1));
+        }
+        let rows = queries.len();
         let sixteen = task.parts[0].segment.cache.dtype != DType::F32;
         let scratch = |_| if sixteen { vec![0f32; hd * BLOCK] } else { Vec::new() };
-        Rows {
+        let state = Rows {
             q: task.q,
             layer: task.layer,
             kv: task.kv,
             hd,
             scoring: tile::Scoring { scale: cfg.scale, softcap: cfg.softcap },
-            queries: Vec::new(),
-            visible: Vec::new(),
-            first: Vec::new(),
-            max: Vec::new(),
-            sum: Vec::new(),
-            out: Vec::new(),
-            weights: Vec::new(),
-            ranges: Vec::new(),
+            queries,
+            visible,
+            first,
+            max: vec![f32::NEG_INFINITY; rows],
+            sum: vec![0f32; rows],
+            out: vec![0f32; rows * hd],
+            weights: vec![0f32; rows * CHUNK],
+            ranges: vec![(0, 0); rows],
             k_scratch: scratch(0),
             v_scratch: (0..CHUNK_BLOCKS).map(scratch).collect(),
-        }
-    }
-
-    /// Sizes the per-row state for the rows whose queries are in.
-    fn start(&mut self) {
-        let rows = self.queries.len();
-        self.max = vec![f32::NEG_INFINITY; rows];
-        self.sum = vec![0f32; rows];
-        self.out = vec![0f32; rows * self.hd];
-        self.weights = vec![0f32; rows * CHUNK];
-        self.ranges = vec![(0, 0); rows];
+        };
+        (state, spans)
     }
 
     /// Rows `rows` over blocks `from..to` of `blocks` (the chunks holding them; the blocks outside not read).
@@ -528,7 +514,12 @@ impl<'t> Rows<'t> {
             let (lo, hi) = (from.max(c0), to.min(c0 + CHUNK_BLOCKS));
             for b in lo..hi {
                 // Decoding, block b's values and the next block's keys are asked for a line at a time as block b's
-                // scores are computed (a 16-bit cache's lines first, as they are half as many).
+                // scores are computed (with the first rows; a 16-bit cache's lines first, as they are half as many):
+                // a sequence's blocks are separate allocations, so the CPU's own stream prefetchers start over at
+                // each one, and a decode step otherwise waits on the first loads of each (`bench kernels`, 16
+                // sequences of 1,024 positions: 1.3 to 1.5 times the bytes per second). A prefill's tiles read
+                // blocks the step has just written or other tiles read, from the L2 cache, where asking cost more
+                // than it gained.
                 let ahead = match blocks.get(b + 1).filter(|_| decoding && b + 1 < to) {
                     Some(next) => [Ahead::new(next.keys[layer].bytes(kv * hd * BLOCK, hd * BLOCK)), Ahead::new(blocks[b].values[layer].bytes(kv * BLOCK * hd, BLOCK * hd))],
                     None => [Ahead::NONE; 2],
@@ -860,7 +851,9 @@ mod tests {
                         assert!(host.tasks(0, &q, &segments).iter().all(|t| t.parts.len() == 1), "caches held apart share nothing");
                         (0..cfg.layers).flat_map(|layer| host.attention(level, layer, &q, &segments)).collect::<Vec<f32>>()
                     };
-                    for (pool, group) in [(Some(&one), 4), (None, 2)] {
+                    // 9 sequences over 2 kv heads: groups of 4 for one thread's 4 tasks, of 2 (the fewest) for more.
+                    let default = if rayon::current_num_threads() == 1 { 4 } else { 2 };
+                    for (pool, group) in [(Some(&one), 4), (None, default)] {
                         let run = || {
                             let mut caches = sharing();
                             let segments: Vec<Segment<'_, HostCache>> = caches.iter_mut().map(|cache| Segment { tokens: &[0], cache }).collect();
