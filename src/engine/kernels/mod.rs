@@ -668,6 +668,40 @@ impl Out {
         unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), self.ptr.add(at), count) };
     }
 
+    /// Asks for the line holding output `(row, n0)` to be brought into the L1 cache, for writing (`prefetchw`),
+    /// where the output has that element: so that the stores that come later find it there instead of waiting
+    /// on memory.
+    #[inline(always)]
+    fn prefetch_write(self, row: usize, n0: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if n0 < self.n && row * self.n + n0 < self.len {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0};
+            // SAFETY: the element is in bounds (checked above); a prefetch only hints the cache, reads nothing into
+            // the program and writes nothing.
+            unsafe { _mm_prefetch::<_MM_HINT_ET0>(self.ptr.add(row * self.n + n0).cast::<i8>()) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (row, n0);
+    }
+
+    /// The outputs of columns `n0..n0 + W` for activation rows `r0..r0 + R`, when every one of them is an output:
+    /// stored by `store(row, at)`, `at` where the row's `W` floats go (one wide vector store a row, where
+    /// [`Out::store_tile`] hands eight floats at a time). Returns false, storing nothing, when a column there is
+    /// past `n` (a panel's padding).
+    #[inline(always)]
+    fn store_rows<const W: usize, const R: usize>(self, n0: usize, r0: usize, mut store: impl FnMut(usize, *mut f32)) -> bool {
+        if n0 + W > self.n {
+            return false;
+        }
+        assert!((r0 + R) * self.n <= self.len, "kernel output rows {r0}..{} outside [{}, {}] (a bug)", r0 + R, self.len / self.n, self.n);
+        for i in 0..R {
+            // SAFETY: row `r0 + i` < `len / n` and columns `n0..n0 + W` <= `n` (checked above), so the `W` floats
+            // are in bounds; no other task writes them (see the `Send` impl).
+            store(i, unsafe { self.ptr.add((r0 + i) * self.n + n0) });
+        }
+        true
+    }
+
     /// The outputs of panels `p0..p0 + P` for activation rows `r0..r0 + R`, when every one of them is an output
     /// (no panel padding among them): stored by `store(panel, row, at)`, `at` where its eight floats go. For
     /// vector stores, where [`Out::write_lanes`]'s copy of a variable count is a call to `memcpy` (measured at 5 %

@@ -568,11 +568,14 @@ mod quantize {
         let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         for s in 0..n {
             let xs = &x[256 * s..256 * s + 256];
-            // SAFETY: `xs` holds 256 values.
-            let v: [__m256; 32] = std::array::from_fn(|j| unsafe { _mm256_loadu_ps(xs.as_ptr().add(8 * j)) });
-            let mut mx = _mm256_andnot_ps(sign, v[0]);
-            for v in &v[1..] {
-                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, *v));
+            // Vector `j` of the 256, loaded where it is used: from the L1 cache, each pass. (Held in an array of 32
+            // registers, twice what AVX2 has, they were copied to the stack by a call to `memcpy`, 2 % of a
+            // prefill.)
+            // SAFETY: `xs` holds 256 values and `j < 32`.
+            let v = |j: usize| unsafe { _mm256_loadu_ps(xs.as_ptr().add(8 * j)) };
+            let mut mx = _mm256_andnot_ps(sign, v(0));
+            for j in 1..32 {
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v(j)));
             }
             let m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps::<1>(mx));
             let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
@@ -588,14 +591,14 @@ mod quantize {
             // The first value of that magnitude: its sign decides the codes' (llama.cpp's `max`).
             let target = _mm256_set1_ps(amax);
             let first = (0..32).find_map(|j| {
-                let hits = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_andnot_ps(sign, v[j]), target));
+                let hits = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_andnot_ps(sign, v(j)), target));
                 (hits != 0).then(|| 8 * j + hits.trailing_zeros() as usize)
             });
             let iscale = -127.0 / xs[first.expect("the largest magnitude is one of the values")];
             let scale = _mm256_set1_ps(iscale);
             for q in 0..8 {
                 let c: [__m256i; 4] = std::array::from_fn(|j| {
-                    let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(v[4 * q + j], scale));
+                    let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(v(4 * q + j), scale));
                     _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
                 });
                 let lane_sum = |v: __m256i| {
