@@ -921,17 +921,32 @@ impl SuperPair {
         (hi, lo)
     }
 
-    /// Panels `p` and `p + 1` of a K4 or K5 matrix: each weight `w = sc * q` (K4 0..=945, K5 0..=1953) as `w >> 8`
-    /// (0..=7) and `w & 255`, both unsigned: `w = 256 hi + lo`.
+    /// Lays out blocks `blocks` of panels `p` and `p + 1` ([`SuperPair::fill_k4`] or [`SuperPair::fill_q6`] by
+    /// `T`), and with the last block the per-256 scales: a pair laid out a slice at a time, while the tiles compute
+    /// with another ([`run_supers`]).
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2")]
-    fn fill_k4(&mut self, w: &Packed, p: usize) {
+    fn fill<const T: u8>(&mut self, w: &Packed, p: usize, blocks: Range<usize>) {
+        if with_mins(T) {
+            self.fill_k4(w, p, blocks);
+        } else {
+            self.fill_q6(w, p, blocks);
+        }
+    }
+
+    /// Blocks `range` of panels `p` and `p + 1` of a K4 or K5 matrix: each weight `w = sc * q` (K4 0..=945, K5
+    /// 0..=1953) as `w >> 8` (0..=7) and `w & 255`, both unsigned: `w = 256 hi + lo`; with the matrix's last block,
+    /// the per-256 scales and mins.
+    #[target_feature(enable = "avx512f,avx512bw,avx2")]
+    fn fill_k4(&mut self, w: &Packed, p: usize, range: Range<usize>) {
         let (Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin }) = &w.data else { unreachable!("fill_k4 of another layout (a bug)") };
         let wide = matches!(w.data, Data::K5 { .. });
         let (blocks, supers) = (w.k / 32, w.k / 256);
         assert!((p + 2) * blocks * if wide { 256 } else { 128 } <= qs.len() && (p + 2) * blocks * PANEL <= sc.len() && (p + 2) * supers * 64 <= mn.len() && (p + 2) * supers * PANEL <= d.len() && dmin.len() == d.len(), "K4 pair out of range (a bug)");
         assert!(self.codes.len() == 16 * blocks && self.d.len() == 16 * supers && self.mn.len() == 64 * supers, "K4 pair layout (a bug)");
+        assert!(range.end <= blocks, "K4 blocks out of range (a bug)");
         let (nibble, zero, patterns) = (_mm512_set1_epi8(0x0F), _mm512_setzero_si512(), Self::patterns());
-        for b in 0..blocks {
+        for b in range.clone() {
             let (c, h2) = (b / 2, b % 2);
             let at = [p * blocks + b, (p + 1) * blocks + b];
             // SAFETY: 8 scales at `8 at[i]` and 128 code bytes at `128 at[i]` lie inside `sc` and `qs` (`at[i] < (p + 2)
@@ -955,6 +970,9 @@ impl SuperPair {
                 }
             }
         }
+        if range.end < blocks || range.is_empty() {
+            return;
+        }
         Self::spread(&mut self.d, d, p, supers);
         Self::spread(&mut self.dmin, dmin, p, supers);
         for s in 0..supers {
@@ -972,8 +990,9 @@ impl SuperPair {
 
     /// Panels `p` and `p + 1` of a Q6 matrix: each weight `w = sc * (q - 32)` as `w >> 6` (signed, -64..=64) and
     /// `w & 63` (unsigned): `w = 64 hi + lo`. A K3 matrix (Q3_K) the same way, `w = sc * (c - 4)` (-124..=128).
+    /// Blocks `range` of them; with the matrix's last block, the per-256 scales.
     #[target_feature(enable = "avx512f,avx512bw,avx2")]
-    fn fill_q6(&mut self, w: &Packed, p: usize) {
+    fn fill_q6(&mut self, w: &Packed, p: usize, range: Range<usize>) {
         let (Data::Q6 { qs, sc, d } | Data::K3 { qs, sc, d }) = &w.data else { unreachable!("fill_q6 of another layout (a bug)") };
         // K3: 96 bytes of bit planes per panel and block, codes standing for `c - 4`.
         let three = matches!(w.data, Data::K3 { .. });
@@ -981,8 +1000,9 @@ impl SuperPair {
         let (blocks, supers) = (w.k / 32, w.k / 256);
         assert!((p + 2) * blocks * per <= qs.len() && (p + 2) * blocks * 16 <= sc.len() && (p + 2) * supers * PANEL <= d.len(), "Q6 pair out of range (a bug)");
         assert!(self.codes.len() == 16 * blocks && self.d.len() == 16 * supers, "Q6 pair layout (a bug)");
+        assert!(range.end <= blocks, "Q6 blocks out of range (a bug)");
         let (center, patterns, low2, low1) = (_mm512_set1_epi8(center as i8), Self::patterns(), _mm512_set1_epi8(3), _mm512_set1_epi8(1));
-        for b in 0..blocks {
+        for b in range.clone() {
             let (c, h2) = (b / 2, b % 2);
             let at = [p * blocks + b, (p + 1) * blocks + b];
             // K3: both panels' high plane (32 bytes at `96 at[i] + 64`, inside `qs`: `(p + 2) blocks 96`, asserted
@@ -1015,7 +1035,9 @@ impl SuperPair {
                 }
             }
         }
-        Self::spread(&mut self.d, d, p, supers);
+        if range.end == blocks && !range.is_empty() {
+            Self::spread(&mut self.d, d, p, supers);
+        }
     }
 }
 
@@ -1134,22 +1156,30 @@ fn run_supers<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     let config = Config::new(64);
     // SAFETY: `config` is a valid palette-1 configuration (every tile 16 rows of 64 bytes), 64 bytes.
     unsafe { asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly)) };
-    let mut pair = SuperPair::new(k);
+    let blocks = k / 32;
     let mut sums = [[Tile([[0; COLS]; ROWS]); 4]; 2];
     // One accumulator per tile of rows of a group.
     // Tiles of rows per group: at most `ROW_GROUP` rows, at most `GROUP_BYTES` of codes (128 rows at k = 8,192),
     // a whole number of pairs of tiles.
     let group_tiles = (GROUP_BYTES / (2 * ROWS * k)).clamp(1, ROW_GROUP / ROWS / 2) * 2;
     let mut acc = vec![Tile([[0f32; COLS]; ROWS]); group_tiles];
-    for group in (0..tiles).step_by(group_tiles) {
+    // The units of work, (group of rows, pair of panels), in order. Two laid-out pairs: the unit's, `laid[held]`,
+    // and the next unit's, laid out a slice with each item of this one's (the vector units lay it out while the
+    // tile unit computes: laid out between units, 7-8 % of a prefill-heavy job waited for it).
+    let units: Vec<(usize, usize)> = (0..tiles).step_by(group_tiles).flat_map(|g| (0..pairs).map(move |q| (g, first + 2 * q))).collect();
+    let mut laid = [SuperPair::new(k), SuperPair::new(k)];
+    let mut held = 0;
+    if let Some(&(_, p)) = units.first() {
+        laid[0].fill::<T>(w, p, 0..blocks);
+    }
+    for (u, &(group, p)) in units.iter().enumerate() {
         let group_end = (group + group_tiles).min(tiles);
-        for q in 0..pairs {
-            let p = first + 2 * q;
-            if with_mins(T) {
-                pair.fill_k4(w, p);
-            } else {
-                pair.fill_q6(w, p);
-            }
+        {
+            let (a, b) = laid.split_at_mut(1);
+            let (pair, next) = if held == 0 { (&a[0], &mut b[0]) } else { (&b[0], &mut a[0]) };
+            // The next unit's pair, where it is another (one pair and several groups: the same, laid out once).
+            let next_p = units.get(u + 1).map(|&(_, np)| np).filter(|&np| np != p);
+            let items = supers * (group_end - group).div_ceil(2);
             // Items (256 `s`, first row tile `t`, tiles `na`) in order; the one before's sums in `sums[done % 2]`.
             let mut before: Option<(usize, usize, usize)> = None;
             let mut item = 0;
@@ -1179,8 +1209,13 @@ fn run_supers<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                     let (now, last) = if item % 2 == 0 { (&mut now[0], &last[0]) } else { (&mut last[0], &now[0]) };
                     if let Some((sb, tb, nb)) = before {
                         for a in 0..nb {
-                            finish_super::<T>(&mut acc[tb - group + a], &last[2 * a], &last[2 * a + 1], sb, &pair, x, ROWS * (tb + a));
+                            finish_super::<T>(&mut acc[tb - group + a], &last[2 * a], &last[2 * a + 1], sb, pair, x, ROWS * (tb + a));
                         }
+                    }
+                    if let Some(np) = next_p {
+                        // This item's slice of the next pair's blocks (the last slice ends at the last block), before
+                        // the stores below wait for the tiles.
+                        next.fill::<T>(w, np, blocks * item / items..blocks * (item + 1) / items);
                     }
                     // SAFETY: the products above ran last on these tiles; `now` is 4 KiB.
                     unsafe {
@@ -1197,12 +1232,15 @@ fn run_supers<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
             if let Some((sb, tb, nb)) = before {
                 let last = &sums[(item - 1) % 2];
                 for a in 0..nb {
-                    finish_super::<T>(&mut acc[tb - group + a], &last[2 * a], &last[2 * a + 1], sb, &pair, x, ROWS * (tb + a));
+                    finish_super::<T>(&mut acc[tb - group + a], &last[2 * a], &last[2 * a + 1], sb, pair, x, ROWS * (tb + a));
                 }
             }
-            for t in group..group_end {
-                write_tile(out, &acc[t - group], p, ROWS * t);
+            if next_p.is_some() {
+                held = 1 - held;
             }
+        }
+        for t in group..group_end {
+            write_tile(out, &acc[t - group], p, ROWS * t);
         }
     }
     leftovers(w, first..end, pairs, x, out);

@@ -482,19 +482,23 @@ fn tiles_of_every_shape_give_the_same_bits() {
 }
 
 /// A wide matrix (k = 8,192, a feed-forward down projection's) takes the tile kernels' smaller groups of rows
-/// (`amx::GROUP_BYTES`): past 128 rows several groups, and the portable kernels' bits.
+/// (`amx::GROUP_BYTES`): past 128 rows several groups, and the portable kernels' bits. With 16 weight rows, one
+/// pair of panels serves every group (laid out once); with more, each group goes through several pairs, each laid
+/// out while the one before computes.
 #[test]
 fn wide_matrices_give_the_same_bits_in_smaller_groups_of_rows() {
     say_missing_levels();
     let k = 8192;
     for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
-        let packed = Packed::from_qtensor(&matrix(dtype, 32, k, 21)).unwrap().unwrap();
-        let m = 290;
-        let x = activations(m, k, 22);
-        let reference = packed.matmul_at(Level::Portable, &x, m);
-        for level in Level::available().into_iter().filter(|&l| same_bits(l, dtype)) {
-            let y = packed.matmul_at(level, &x, m);
-            assert!(y.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?}: {level:?} differs from the portable kernels");
+        for n in [16, 32, 72] {
+            let packed = Packed::from_qtensor(&matrix(dtype, n, k, 21)).unwrap().unwrap();
+            let m = 290;
+            let x = activations(m, k, 22);
+            let reference = packed.matmul_at(Level::Portable, &x, m);
+            for level in Level::available().into_iter().filter(|&l| same_bits(l, dtype)) {
+                let y = packed.matmul_at(level, &x, m);
+                assert!(y.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?} n={n}: {level:?} differs from the portable kernels");
+            }
         }
     }
 }
