@@ -37,8 +37,12 @@
 //! ([`SuperPair`]), and two tile products per 64 columns (the tiles' whole depth) sum a 256's `C_hi` and `C_lo` in
 //! the tile registers, stored once per 256: `2^s C_hi + C_lo` is the VNNI kernels' exact integer, and the float
 //! steps run once per 256, not per block. This is what lifts the tiles past the per-block bound above: on the
-//! same VM, 2.2-3.3x VNNI's speed at 128 rows on Llama-3.2-1B's Q4_K, Q5_K and Q6_K matrices, 3.8-4.5x on its
-//! Q3_K ones (Q3_K, `Data::K3`, takes Q6_K's tiles: [`SuperPair::fill_q6`]; BENCHMARKS.md).
+//! same VM, at 128 rows, 2.5-2.9x VNNI's speed on Llama-3.2-1B's Q4_K matrices, 2.4-2.65x on its Q5_K ones,
+//! 2.3-4.1x on its Q6_K ones (the narrow k and v projections, measured alone, at the low end: 1.75-2.45x), 3.8-4.5x
+//! on its Q3_K ones (Q3_K, `Data::K3`, takes Q6_K's tiles: [`SuperPair::fill_q6`]; BENCHMARKS.md). There the
+//! vector units bound it, not the tile unit: per 256 and tile of rows the float steps take about 350 operations
+//! ([`finish_super`]) while the tile unit takes about 130 cycles, so a pair of panels is laid out a slice at a
+//! time in their shadow too ([`run_supers`]).
 //!
 //! bf16 weights take the tile unit's bf16 products (`tdpbf16ps`, AMX-BF16): there the integer detour is gone,
 //! each output's sum stays in the tiles across the whole row, and a tile product does 16 times the work of the
