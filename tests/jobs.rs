@@ -167,6 +167,23 @@ fn every_cpu_kernel_level_writes_the_same_results() {
     assert_eq!(results[0], results[3], "portable and the default level differ");
     assert_eq!(results[1], results[3], "avx2 and the default level differ");
     assert_eq!(results[2], results[3], "amx and the default level differ");
+    // `runtime.attention = "host-amx"` (SmolLM2's heads are 64 wide): its prefills on the tile unit's split bf16
+    // products, not the same bits, so named in the log and the numerics; the greedy texts the default's. Where the
+    // CPU or Linux gives no AMX-BF16, `host` runs, with a warning.
+    let out = dir.join("host-amx");
+    let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 6\nlogprobs = 2", "[runtime]\nattention = \"host-amx\"");
+    let run = nightshift(&["run", job.to_str().unwrap()], &[("RUST_LOG", "info")]);
+    run.assert_ok();
+    let numerics = |out: &std::path::Path| kv_metadata_of(OutputStore::local(out).first_results_file())["nightshift.numerics"].clone();
+    let texts = |rows: &BTreeMap<String, serde_json::Value>| rows.iter().map(|(id, row)| (id.clone(), row["text"].clone())).collect::<BTreeMap<_, _>>();
+    if nightshift::engine::attention::host::tiles_available(64) {
+        assert!(run.stderr.contains("attention=\"host-amx\""), "{}", run.stderr);
+        assert!(numerics(&out).ends_with(";attention=host-amx"), "{}", numerics(&out));
+        assert_eq!(texts(&read_results_json(&out)), texts(&results[3]), "host-amx's greedy texts differ from host's");
+    } else {
+        assert!(run.stderr.contains("attention=\"host\"") && run.stderr.contains("host-amx"), "{}", run.stderr);
+        assert_eq!(numerics(&out), numerics(&dir.join("best")));
+    }
     let job = job_file(&dir, input.to_str().unwrap(), dir.join("bad").to_str().unwrap(), "max_new_tokens = 6", "");
     let refused = nightshift(&["run", job.to_str().unwrap()], &[("NIGHTSHIFT_CPU_KERNELS", "avx512")]);
     assert_eq!(refused.code, 2, "{}", refused.stderr);

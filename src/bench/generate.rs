@@ -128,7 +128,7 @@ pub struct GenerateBenchReport {
     /// The KV cache's dtype ([`Backend::kv_dtype`]).
     pub kv_cache_dtype: String,
     pub paged: bool,
-    /// Which attention ran: `host` (the CPU's backend), `paged-tiled`, `paged-decode` or `paged-flash` (the paged backend's kernels).
+    /// Which attention ran: `host` (the CPU's backend), `host-amx` (its prefills on the tile unit), `paged-tiled`, `paged-decode` or `paged-flash` (the paged backend's kernels).
     pub attention: String,
     /// A GPU's memory in use at the end (weights, the KV pool, the allocator's cache), from the driver.
     pub device_memory_in_use_bytes: Option<u64>,

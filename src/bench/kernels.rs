@@ -129,6 +129,7 @@ pub fn attention(options: &KernelBenchOptions) -> Result<Vec<AttentionMeasuremen
     for &level in &levels {
         for dtype in [DType::F32, DType::F16] {
             let host = HostAttention::for_shape(config.attention_shape(config.heads * config.head_dim), dtype);
+            let tiled = HostAttention::for_shape(config.attention_shape(config.heads * config.head_dim), dtype).with_tiles(true);
             for &context in &options.contexts {
                 let context = context.clamp(1, config.context_length);
                 // Sequences sharing a prefix hold the same keys and values for it, in the same blocks.
@@ -156,7 +157,11 @@ pub fn attention(options: &KernelBenchOptions) -> Result<Vec<AttentionMeasuremen
                     gflops: flops / seconds / 1e9,
                 });
             }
-            for &(cached, new) in &options.prefills {
+            // At the AMX level, prefills also as `runtime.attention = "host-amx"` runs them (the tile unit's split
+            // bf16 products), where they run.
+            let tiles = level == Level::Amx && crate::engine::attention::host::tiles_available(config.head_dim);
+            let runs: Vec<(&HostAttention, &'static str)> = if tiles { vec![(&host, level.name()), (&tiled, "host-amx")] } else { vec![(&host, level.name())] };
+            for (&(cached, new), &(host, label)) in options.prefills.iter().flat_map(|p| runs.iter().map(move |r| (p, r))) {
                 let new = new.clamp(1, config.context_length);
                 let cached = cached.min(config.context_length - new);
                 let context = cached + new;
@@ -171,7 +176,7 @@ pub fn attention(options: &KernelBenchOptions) -> Result<Vec<AttentionMeasuremen
                 out.push(AttentionMeasurement {
                     step: "prefill",
                     kv_dtype: if dtype == DType::F32 { "f32" } else { "f16" },
-                    level: level.name(),
+                    level: label,
                     seqs: 1,
                     context,
                     shared: cached,

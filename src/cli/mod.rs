@@ -585,8 +585,8 @@ pub struct JobArgs {
 /// environment variable, so a test or a script sets it for every command it runs.
 #[derive(Clone, Debug, Default, Args)]
 pub struct EngineArgs {
-    /// Which attention a decoder runs; overrides `runtime.attention`: `auto`, `host` (f32 on the CPU),
-    /// `paged-tiled` (the paged backend's tiles, any device: on the CPU, what an accelerator runs), `paged-decode`
+    /// Which attention a decoder runs; overrides `runtime.attention`: `auto`, `host` (f32 on the CPU), `host-amx`
+    /// (`host` with its prefills on Intel's AMX-BF16 tiles, split bf16 products: not the same bits), `paged-tiled` (the paged backend's tiles, any device: on the CPU, what an accelerator runs), `paged-decode`
     /// (CUDA: decodes by nightshift's kernel, prefills in tiles) or `paged-flash`.
     #[arg(long, env = "NIGHTSHIFT_ATTENTION", value_parser = crate::job::AttentionChoice::parse)]
     pub attention: Option<crate::job::AttentionChoice>,

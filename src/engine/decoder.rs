@@ -125,7 +125,7 @@ where
 {
     let setting_up = |source| EngineError::Device { what: "setting up the attention backend", source };
     Ok(match setup.attention.backend {
-        Backend::Host => Box::new(BatchEngine::new(HostAttention::new(&model, setup.kv_dtype).map_err(setting_up)?, model, setup)),
+        Backend::Host => Box::new(BatchEngine::new(HostAttention::new(&model, setup.kv_dtype).map_err(setting_up)?.with_tiles(setup.attention.host_tiles), model, setup)),
         Backend::Paged => {
             let attention = PagedAttention::with_kernel(&model, setup.config.kv_blocks, setup.attention.kernel).map_err(setting_up)?;
             Box::new(BatchEngine::new(attention, model, setup))
@@ -142,7 +142,7 @@ where
     let setting_up = |source| EngineError::Device { what: "setting up the attention backend", source };
     Ok(match setup.attention.backend {
         Backend::Host => {
-            let ranks = model.ranks().iter().map(|m| HostAttention::new(m, setup.kv_dtype)).collect::<candle_core::Result<_>>().map_err(setting_up)?;
+            let ranks = model.ranks().iter().map(|m| HostAttention::new(m, setup.kv_dtype).map(|h| h.with_tiles(setup.attention.host_tiles))).collect::<candle_core::Result<_>>().map_err(setting_up)?;
             Box::new(BatchEngine::new(TpAttention::new(ranks), model, setup))
         }
         Backend::Paged => {

@@ -153,6 +153,10 @@ pub enum AttentionChoice {
     Auto,
     /// The CPU's own backend: f32 models on the CPU only.
     Host,
+    /// The CPU's own backend with its prefills' scores and weighted values on Intel's tile unit (AMX-BF16), each
+    /// operand split into two bf16 parts: within about 2^-16 of the f32 products, not the same bits. Where the CPU
+    /// or Linux gives no AMX-BF16, or heads are not a multiple of 64 wide, `host` runs, with a warning.
+    HostAmx,
     /// The paged backend with its tiled kernel, on any device: on the CPU, the code an accelerator runs.
     PagedTiled,
     /// The paged backend with nightshift's decode kernel for decodes (prefills in tiles): on CUDA the kernel, on the
@@ -163,9 +167,10 @@ pub enum AttentionChoice {
 }
 
 impl AttentionChoice {
-    const NAMES: [(&'static str, AttentionChoice); 5] = [
+    const NAMES: [(&'static str, AttentionChoice); 6] = [
         ("auto", AttentionChoice::Auto),
         ("host", AttentionChoice::Host),
+        ("host-amx", AttentionChoice::HostAmx),
         ("paged-tiled", AttentionChoice::PagedTiled),
         ("paged-decode", AttentionChoice::PagedDecode),
         ("paged-flash", AttentionChoice::PagedFlash),
@@ -427,10 +432,12 @@ impl RuntimeSpec {
     /// The keys against each other: an attention the other keys rule out.
     fn checked(self, invalid: Invalid) -> Result<RuntimeSpec, JobError> {
         let problem = match self.attention {
-            AttentionChoice::Host if matches!(self.dtype, ComputeDtype::Bf16 | ComputeDtype::F16) => {
-                Some(format!("is \"host\", which computes f32 models, and runtime.dtype is \"{}\"", self.dtype.name()))
+            AttentionChoice::Host | AttentionChoice::HostAmx if matches!(self.dtype, ComputeDtype::Bf16 | ComputeDtype::F16) => {
+                Some(format!("is \"{}\", which computes f32 models, and runtime.dtype is \"{}\"", self.attention.name(), self.dtype.name()))
             }
-            AttentionChoice::Host if matches!(self.device, DeviceChoice::Cuda(_)) => Some("is \"host\", the CPU's attention, and runtime.device is a GPU".to_string()),
+            AttentionChoice::Host | AttentionChoice::HostAmx if matches!(self.device, DeviceChoice::Cuda(_)) => {
+                Some(format!("is \"{}\", the CPU's attention, and runtime.device is a GPU", self.attention.name()))
+            }
             AttentionChoice::PagedFlash if !cfg!(feature = "flash-attn") => {
                 Some("is \"paged-flash\", flash-attention's kernel, and this build has no `flash-attn` (scripts/build-cuda.sh --flash-attn)".to_string())
             }
@@ -525,6 +532,9 @@ mod tests {
         for (runtime, why) in [
             ("attention = \"host\"\ndtype = \"f16\"", "runtime.dtype is \"f16\""),
             ("attention = \"host\"\ndevice = \"cuda:1\"", "runtime.device is a GPU"),
+            ("attention = \"host-amx\"\ndtype = \"bf16\"", "is \"host-amx\", which computes f32 models, and runtime.dtype is \"bf16\""),
+            ("attention = \"host-amx\"\ndevice = \"cuda:0\"", "runtime.device is a GPU"),
+            ("attention = \"host-amx\"\ndevice = \"cpu\"", ""),
             ("attention = \"paged-flash\"", if cfg!(feature = "flash-attn") { "" } else { "no `flash-attn`" }),
             ("attention = \"paged-flash\"\ndevice = \"cpu\"", if cfg!(feature = "flash-attn") { "the CPU" } else { "no `flash-attn`" }),
             ("attention = \"paged-decode\"\ndevice = \"cpu\"", ""),

@@ -26,6 +26,8 @@ pub struct HostAttention {
     kv_dtype: DType,
     block_bytes: usize,
     device: Device,
+    /// Prefills on the tile unit where it runs ([`tiles_available`]; `runtime.attention = "host-amx"`).
+    tiles: bool,
 }
 
 /// One layer's keys or values for one block of positions, in the cache's dtype. 16-bit values are rounded to
@@ -185,7 +187,13 @@ impl HostAttention {
     pub fn for_shape(shape: AttentionShape, kv_dtype: DType) -> HostAttention {
         let rope = shape.rope_sets();
         let block_bytes = shape.kv_block_bytes(kv_dtype);
-        HostAttention { out_width: shape.out_width, shape, rope, kv_dtype, block_bytes, device: Device::Cpu }
+        HostAttention { out_width: shape.out_width, shape, rope, kv_dtype, block_bytes, device: Device::Cpu, tiles: false }
+    }
+
+    /// The same backend with its prefills on the tile unit where it runs ([`super::amx`], [`tiles_available`]),
+    /// or not.
+    pub fn with_tiles(self, tiles: bool) -> HostAttention {
+        HostAttention { tiles, ..self }
     }
 
     /// One decode step's attention over every layer for sequences already holding `caches` (one new token each,
@@ -287,8 +295,9 @@ impl HostAttention {
     fn attention(&self, level: Level, layer: usize, q: &[f32], segments: &[Segment<'_, HostCache>]) -> Vec<f32> {
         let cfg = &self.shape;
         let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
-        let tasks = self.tasks(layer, q, segments);
-        let results: Vec<Vec<f32>> = tasks.par_iter().map(|task| self.attend_tile(level, task)).collect();
+        let tiles = self.tiles && tiles_available(hd);
+        let tasks = self.tasks(layer, q, segments, if tiles { AMX_TILE } else { TILE });
+        let results: Vec<Vec<f32>> = tasks.par_iter().map(|task| self.attend_tile(level, tiles, task)).collect();
         // Rows as wide as the laid-out attention output, the padding zero.
         let row = self.out_width;
         let tokens: usize = segments.iter().map(|s| s.tokens.len()).sum();
@@ -311,7 +320,7 @@ impl HostAttention {
     /// the blocks a task's sequences share are its whole chunks that all of them hold at the same address (so the
     /// same keys and values) and every row sees in full. Not in a sliding-window layer (rows see different
     /// windows), nor for a cache that let blocks go.
-    fn tasks<'a, 'b>(&self, layer: usize, q: &'a [f32], segments: &'a [Segment<'b, HostCache>]) -> Vec<Task<'a, 'b>> {
+    fn tasks<'a, 'b>(&self, layer: usize, q: &'a [f32], segments: &'a [Segment<'b, HostCache>], tile: usize) -> Vec<Task<'a, 'b>> {
         let kv_heads = self.shape.kv_heads;
         let mut starts = Vec::with_capacity(segments.len());
         let mut offset = 0;
@@ -323,8 +332,8 @@ impl HostAttention {
         let mut tasks = Vec::new();
         let alone = |tasks: &mut Vec<Task<'a, 'b>>, si: usize| {
             let new = segments[si].tokens.len();
-            for t0 in (0..new).step_by(TILE) {
-                tasks.extend((0..kv_heads).map(|kv| Task { layer, q, kv, parts: vec![part(si, t0, (t0 + TILE).min(new))], shared: 0 }));
+            for t0 in (0..new).step_by(tile) {
+                tasks.extend((0..kv_heads).map(|kv| Task { layer, q, kv, parts: vec![part(si, t0, (t0 + tile).min(new))], shared: 0 }));
             }
         };
         // Decodes that may share blocks, by the address of their first block, in step order.
@@ -366,9 +375,14 @@ impl HostAttention {
     /// source ([`tile`]) compiled for AVX-512 (at the VNNI and AMX levels, where the CPU has it), for AVX2 and FMA,
     /// or for any CPU (the release build targets plain x86-64): the same operations in the same order, so the same
     /// bits, 16, 8 or 1 wide.
-    fn attend_tile(&self, level: Level, task: &Task<'_, '_>) -> Vec<f32> {
+    fn attend_tile(&self, level: Level, tiles: bool, task: &Task<'_, '_>) -> Vec<f32> {
         #[cfg(target_arch = "x86_64")]
         {
+            if tiles && task.shared == 0 && task.parts.iter().all(|p| p.t1 - p.t0 > 1) {
+                // SAFETY: `tiles_available` said the tile unit's bf16 products run here (AMX-BF16 granted, AVX-512 F
+                // and BW), and the CPU has AVX2, FMA and F16C (every CPU with AMX has them).
+                return unsafe { self.attend_tile_amx(task) };
+            }
             if level >= Level::Vnni && is_x86_feature_detected!("avx512f") {
                 // SAFETY: the CPU has AVX-512F (detected just now) and, at this level (callers pass the active one or
                 // one of `Level::available`, never above the detected one), AVX2, FMA and F16C.
@@ -426,14 +440,35 @@ impl HostAttention {
             let (from, to) = ((state.first[part.start] / BLOCK).max(task.shared), state.visible[part.end - 1].div_ceil(BLOCK));
             state.attend::<SR, VR, W>(part, blocks, from, to, decoding);
         }
-        let mut out = state.out;
-        for (o, s) in out.chunks_exact_mut(state.hd).zip(&state.sum) {
-            let inv = 1.0 / s;
-            for x in o {
-                *x *= inv;
-            }
+        state.finish()
+    }
+
+    /// A prefill task's attention on the tile unit ([`super::amx`]): the same rows, chunks and softmax steps as
+    /// [`HostAttention::attend_tile_body`], the scores and weighted values as split bf16 products.
+    ///
+    /// Safety: [`tiles_available`] said yes.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn attend_tile_amx(&self, task: &Task<'_, '_>) -> Vec<f32> {
+        let (mut state, spans) = Rows::new(&self.shape, task);
+        for (part, blocks, _) in spans {
+            let (from, to) = (state.first[part.start] / BLOCK, state.visible[part.end - 1].div_ceil(BLOCK));
+            // SAFETY: the caller's contract.
+            unsafe { state.attend_tiles(part, blocks, from, to) };
         }
-        out
+        state.finish()
+    }
+}
+
+/// Whether the host attention's prefills can run on the tile unit here ([`super::amx`], `runtime.attention =
+/// "host-amx"`): the CPU has AMX-BF16, Linux granted the tiles, and heads are a multiple of 64 wide.
+pub fn tiles_available(head_dim: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return super::amx::available(head_dim);
+    #[allow(unreachable_code)]
+    {
+        let _ = head_dim;
+        false
     }
 }
 
@@ -502,6 +537,113 @@ impl<'t> Rows<'t> {
             v_scratch: (0..CHUNK_BLOCKS).map(scratch).collect(),
         };
         (state, spans)
+    }
+
+    /// Every row's output divided by its softmax's sum: the task's result.
+    fn finish(self) -> Vec<f32> {
+        let mut out = self.out;
+        for (o, s) in out.chunks_exact_mut(self.hd).zip(&self.sum) {
+            let inv = 1.0 / s;
+            for x in o {
+                *x *= inv;
+            }
+        }
+        out
+    }
+
+    /// [`Rows::attend`] on the tile unit ([`super::amx`]), for prefill rows: per chunk, the keys laid out as tiles,
+    /// each 16 rows' scores, every row's softmax step (as at every level), its weights split into bf16 parts, the
+    /// values laid out, and each 16 rows' weighted values added into their outputs. Rows are padded to a multiple of
+    /// 16 with zero queries and zero weights.
+    ///
+    /// Safety: [`tiles_available`] said yes; the CPU has AVX-512 F and BW.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn attend_tiles(&mut self, rows: std::ops::Range<usize>, blocks: &[Arc<HostBlock>], from: usize, to: usize) {
+        use super::amx::{self, ROWS as T, TILE as AT};
+        use crate::engine::kernels::split_bf16_parts;
+        let (layer, kv, hd) = (self.layer, self.kv, self.hd);
+        let (n, padded) = (rows.len(), rows.len().next_multiple_of(T));
+        let (mut qhi, mut qlo) = (vec![0u16; padded * hd], vec![0u16; padded * hd]);
+        for (i, r) in rows.clone().enumerate() {
+            let query = &self.q[self.queries[r]..][..hd];
+            // SAFETY: the CPU has AVX-512 F and BW (the caller's contract).
+            unsafe { split_bf16_parts(query, &mut qhi[i * hd..(i + 1) * hd], &mut qlo[i * hd..(i + 1) * hd]) };
+        }
+        let mut scores = vec![0f32; padded * CHUNK];
+        let (mut whi, mut wlo) = (vec![0u16; padded * CHUNK], vec![0u16; padded * CHUNK]);
+        let (per_block, per_half) = (2 * hd / 32 * AT, 2 * hd / T * AT);
+        let (mut keys, mut values) = (vec![0u16; CHUNK_BLOCKS * per_block], vec![0u16; 2 * per_half]);
+        let mut partial = vec![0f32; T * hd];
+        // SAFETY: the caller's contract (`tiles_available`).
+        unsafe { amx::configure() };
+        for c0 in (from - from % CHUNK_BLOCKS..to).step_by(CHUNK_BLOCKS) {
+            let (lo, hi) = (from.max(c0), to.min(c0 + CHUNK_BLOCKS));
+            for (s, laid) in keys.chunks_exact_mut(per_block).enumerate() {
+                if (lo..hi).contains(&(c0 + s)) {
+                    let k = blocks[c0 + s].keys[layer].read(kv * hd * BLOCK, hd * BLOCK, &mut self.k_scratch);
+                    // SAFETY: the CPU has AVX-512 F and BW (the caller's contract).
+                    unsafe { amx::lay_keys(k, hd, laid) };
+                } else {
+                    laid.fill(0);
+                }
+            }
+            for t in 0..padded / T {
+                let q = [&qhi[t * T * hd..(t + 1) * T * hd], &qlo[t * T * hd..(t + 1) * T * hd]];
+                // SAFETY: configured above.
+                unsafe { amx::scores(q, &keys, hd, &mut scores[t * T * CHUNK..(t + 1) * T * CHUNK]) };
+            }
+            let base = c0 * BLOCK;
+            for r in rows.clone() {
+                self.ranges[r] = (self.first[r].saturating_sub(base).min(CHUNK), self.visible[r].saturating_sub(base).min(CHUNK));
+            }
+            for t0 in (0..n).step_by(T) {
+                let (t1, r0) = ((t0 + T).min(n), rows.start + t0);
+                let r1 = rows.start + t1;
+                let tile_scores = &mut scores[t0 * CHUNK..(t0 + T) * CHUNK];
+                match self.scoring.softcap {
+                    // SAFETY: the CPU has AVX-512 F and BW, AVX2 and FMA (the caller's contract).
+                    None => unsafe { amx::softmax_rows(tile_scores, &self.ranges[r0..r1], self.scoring.scale, &mut self.max[r0..r1], &mut self.sum[r0..r1], &mut self.out[r0 * hd..r1 * hd], hd) },
+                    // Soft-capped scores (Gemma 2) row by row, as at every level.
+                    Some(_) => {
+                        for (i, r) in (r0..r1).enumerate() {
+                            let row: &mut [f32; CHUNK] = (&mut tile_scores[i * CHUNK..(i + 1) * CHUNK]).try_into().expect("a chunk of scores");
+                            let range = self.ranges[r];
+                            tile::softmax_step(row, range.0, range.1, self.scoring, &mut self.max[r], &mut self.sum[r], &mut self.out[r * hd..(r + 1) * hd]);
+                        }
+                    }
+                }
+            }
+            for i in 0..n {
+                // SAFETY: the CPU has AVX-512 F and BW (the caller's contract).
+                unsafe { split_bf16_parts(&scores[i * CHUNK..(i + 1) * CHUNK], &mut whi[i * CHUNK..(i + 1) * CHUNK], &mut wlo[i * CHUNK..(i + 1) * CHUNK]) };
+            }
+            let mut read: [&[f32]; CHUNK_BLOCKS] = [&[]; CHUNK_BLOCKS];
+            for (b, vs) in (lo..hi).zip(self.v_scratch.iter_mut()) {
+                read[b - c0] = blocks[b].values[layer].read(kv * BLOCK * hd, BLOCK * hd, vs);
+            }
+            for (h, laid) in values.chunks_exact_mut(per_half).enumerate() {
+                // SAFETY: the CPU has AVX-512 F and BW (the caller's contract).
+                unsafe { amx::lay_values([read[2 * h], read[2 * h + 1]], hd, laid) };
+            }
+            for t in 0..padded / T {
+                let w = [&whi[t * T * CHUNK..(t + 1) * T * CHUNK], &wlo[t * T * CHUNK..(t + 1) * T * CHUNK]];
+                let (first, real) = (rows.start + t * T, (n - t * T).min(T));
+                if real == T {
+                    // SAFETY: configured above.
+                    unsafe { amx::weighted(w, &values, hd, &mut self.out[first * hd..(first + T) * hd]) };
+                } else {
+                    partial.fill(0.0);
+                    // SAFETY: configured above.
+                    unsafe { amx::weighted(w, &values, hd, &mut partial) };
+                    for (o, p) in self.out[first * hd..(first + real) * hd].iter_mut().zip(&partial) {
+                        *o += p;
+                    }
+                }
+            }
+        }
+        // SAFETY: configured above.
+        unsafe { amx::release() };
     }
 
     /// Rows `rows` over blocks `from..to` of `blocks` (the chunks holding them; the blocks outside not read).
@@ -684,6 +826,10 @@ const TILE: usize = 8;
 /// Decodes per task at most that share their leading blocks: as many rows as a tile of a prefill.
 const CASCADE: usize = TILE;
 
+/// New tokens per attention task on the tile unit ([`super::amx`]): laying a block out as tiles costs about as
+/// much as [`TILE`] tokens' f32 arithmetic over it (an estimate), so each block laid out serves more rows.
+const AMX_TILE: usize = 32;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -752,7 +898,7 @@ mod tests {
         for (cfg, dtype) in [(config(), DType::F32), (config(), DType::F16), (gemma(37), DType::F32), (gemma(5), DType::F16)] {
             let (hd, group, kv_row, q_row) = (cfg.head_dim, cfg.heads / cfg.kv_heads, cfg.kv_heads * cfg.head_dim, cfg.heads * cfg.head_dim);
             let window = cfg.window(1).unwrap_or(usize::MAX);
-            let host = HostAttention::for_shape(cfg.clone(), dtype);
+            let host = HostAttention::for_shape(cfg.clone(), dtype).with_tiles(true);
             let held = |x: f32| if dtype == DType::F16 { half::f16::from_f32(x).to_f32() } else { x };
             for len in [1, 15, 16, 17, 100, 300] {
                 let kv: Vec<(Vec<f32>, Vec<f32>)> = (0..3).map(|s| (noise(len * kv_row, 10 * s + len as u64), noise(len * kv_row, 10 * s + 5 + len as u64))).collect();
@@ -814,6 +960,51 @@ mod tests {
         }
     }
 
+    /// The AMX level's tile attention (heads of 64 dimensions, prefills): every row within the split bf16
+    /// products' bound of a direct softmax in f64, over f32 and f16 caches, a soft-capped and windowed layer, tasks
+    /// of one tile of rows and several with a partial last one; and a cached prefix gives the bits of a full
+    /// prefill. Skipped, and said, where the CPU or Linux gives no AMX-BF16.
+    #[test]
+    fn tile_attention_matches_a_direct_softmax() {
+        if !tiles_available(64) {
+            eprintln!("the tile attention not tested: no AMX-BF16 granted on this machine");
+            return;
+        }
+        let wide = |c: AttentionShape| AttentionShape { head_dim: 64, out_width: c.heads * 64, rope_frequencies: (0..32).map(|i| 1.0 / 10000f64.powf(i as f64 / 32.0)).collect(), ..c };
+        let mut worst = 0f64;
+        for (cfg, dtype) in [(wide(config()), DType::F32), (wide(config()), DType::F16), (wide(gemma(37)), DType::F32)] {
+            let (hd, group, kv_row, q_row) = (cfg.head_dim, cfg.heads / cfg.kv_heads, cfg.kv_heads * cfg.head_dim, cfg.heads * cfg.head_dim);
+            let window = cfg.window(1).unwrap_or(usize::MAX);
+            let host = HostAttention::for_shape(cfg.clone(), dtype).with_tiles(true);
+            let held = |x: f32| if dtype == DType::F16 { half::f16::from_f32(x).to_f32() } else { x };
+            for (cached, new) in [(0, 2), (0, 23), (5, 40), (37, 29), (100, 70)] {
+                let len = cached + new;
+                let (k, v) = (noise(len * kv_row, 3 + len as u64), noise(len * kv_row, 7 + len as u64));
+                let q = noise(len * q_row, 11 + len as u64);
+                let q_new = &q[cached * q_row..];
+                let out = host.prefill_attention(Level::Amx, &mut host.prefilled_cache(&k, &v, cached, new), q_new, new);
+                assert_eq!(out.len(), new * q_row);
+                for t in 0..new {
+                    let seen = cached + t + 1;
+                    for h in 0..cfg.heads {
+                        let expected = direct_attention(&cfg, &q_new[t * q_row + h * hd..][..hd], &k, &v, h / group, seen.saturating_sub(window)..seen, held);
+                        for (d, expected) in expected.into_iter().enumerate() {
+                            let got = out[t * q_row + h * hd + d] as f64;
+                            worst = worst.max((got - expected).abs());
+                            assert!((got - expected).abs() < 1e-4, "{dtype:?}, {cached}+{new}, token {t}, head {h}, dim {d}: {got} against {expected}");
+                        }
+                    }
+                }
+                // The same positions prefilled from position 0: the same bits for the last `new` tokens.
+                if cached > 0 && new > 1 {
+                    let full = host.prefill_attention(Level::Amx, &mut host.prefilled_cache(&k, &v, 0, len), &q, len);
+                    assert!(full[cached * q_row..].iter().zip(&out).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?}, {cached}+{new}: a cached prefix changes bits");
+                }
+            }
+        }
+        eprintln!("the tile attention's largest difference from an f64 softmax: {worst:e}");
+    }
+
     /// Decodes whose caches share leading blocks (a prefix cache hit) are attended together over those blocks: at
     /// every level, the same bits as the same keys and values held apart, attended sequence by sequence. Prefixes
     /// of one chunk exactly and ending inside a block, continuations of one position to most of a chunk, two
@@ -848,7 +1039,7 @@ mod tests {
                     let expected: Vec<f32> = {
                         let mut caches = apart();
                         let segments: Vec<Segment<'_, HostCache>> = caches.iter_mut().map(|cache| Segment { tokens: &[0], cache }).collect();
-                        assert!(host.tasks(0, &q, &segments).iter().all(|t| t.parts.len() == 1), "caches held apart share nothing");
+                        assert!(host.tasks(0, &q, &segments, TILE).iter().all(|t| t.parts.len() == 1), "caches held apart share nothing");
                         (0..cfg.layers).flat_map(|layer| host.attention(level, layer, &q, &segments)).collect::<Vec<f32>>()
                     };
                     // 9 sequences over 2 kv heads: groups of 4 for one thread's 4 tasks, of 2 (the fewest) for more.
@@ -857,7 +1048,7 @@ mod tests {
                         let run = || {
                             let mut caches = sharing();
                             let segments: Vec<Segment<'_, HostCache>> = caches.iter_mut().map(|cache| Segment { tokens: &[0], cache }).collect();
-                            let tasks = host.tasks(0, &q, &segments);
+                            let tasks = host.tasks(0, &q, &segments, TILE);
                             let together: Vec<(usize, usize)> = tasks.iter().filter(|t| t.parts.len() > 1).map(|t| (t.parts.len(), t.shared)).collect();
                             let out = (0..cfg.layers).flat_map(|layer| host.attention(level, layer, &q, &segments)).collect::<Vec<f32>>();
                             (together, out)

@@ -11,6 +11,8 @@
 //! A backend sees a model only through [`AttentionModel`]: its [`AttentionShape`], device and dtype.
 //! [`AttentionPlan::choose`] picks the backend for a loaded model and the job's `runtime.attention`.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 pub mod decode;
 pub mod host;
 pub mod paged;
@@ -223,6 +225,8 @@ pub trait Attention {
 pub struct AttentionPlan {
     pub backend: Backend,
     pub kernel: PagedKernel,
+    /// The host backend's prefills on the tile unit (`runtime.attention = "host-amx"`, where it runs).
+    pub host_tiles: bool,
 }
 
 /// How the paged backend attends.
@@ -263,10 +267,11 @@ impl AttentionPlan {
                 let backend = Backend::for_model(model);
                 (backend, if backend == Backend::Paged { PagedKernel::best(model) } else { PagedKernel::Tiles })
             }
-            AttentionChoice::Host if model.device().is_cpu() && model.dtype() == DType::F32 => (Backend::Host, PagedKernel::Tiles),
-            AttentionChoice::Host => {
+            AttentionChoice::Host | AttentionChoice::HostAmx if model.device().is_cpu() && model.dtype() == DType::F32 => (Backend::Host, PagedKernel::Tiles),
+            AttentionChoice::Host | AttentionChoice::HostAmx => {
                 return Err(format!(
-                    "is \"host\", which computes f32 models on the CPU; this model is in {} on {}: use \"auto\" or \"paged-tiled\"",
+                    "is \"{}\", which computes f32 models on the CPU; this model is in {} on {}: use \"auto\" or \"paged-tiled\"",
+                    asked.name(),
                     model.dtype().as_str(),
                     if model.device().is_cpu() { "the CPU" } else { "an accelerator" }
                 ))
@@ -288,13 +293,19 @@ impl AttentionPlan {
                 ))
             }
         };
-        Ok(AttentionPlan { backend, kernel })
+        let head_dim = model.attention_shape().head_dim;
+        let host_tiles = asked == AttentionChoice::HostAmx && host::tiles_available(head_dim);
+        if asked == AttentionChoice::HostAmx && !host_tiles {
+            tracing::warn!(head_dim, "runtime.attention is \"host-amx\", which needs Intel's AMX-BF16 tiles granted by Linux and heads a multiple of 64 wide: the attention runs as \"host\"");
+        }
+        Ok(AttentionPlan { backend, kernel, host_tiles })
     }
 
-    /// `host`, `paged-tiled`, `paged-decode` or `paged-flash`, as the log, the metrics and the results' numerics
+    /// `host`, `host-amx`, `paged-tiled`, `paged-decode` or `paged-flash`, as the log, the metrics and the results' numerics
     /// name it.
     pub fn name(self) -> &'static str {
         match (self.backend, self.kernel) {
+            (Backend::Host, _) if self.host_tiles => "host-amx",
             (Backend::Host, _) => "host",
             (Backend::Paged, PagedKernel::Tiles) => "paged-tiled",
             (Backend::Paged, PagedKernel::Decode) => "paged-decode",

@@ -847,6 +847,27 @@ pub fn amx_bf16_tiles() -> bool {
     false
 }
 
+/// Whether the tile unit's bf16 products run in this process: the CPU has AMX-BF16 (and AVX-512 F, BW, VL and
+/// VNNI) and Linux granted the tiles, whatever level is active (the attention's tiles, `attention::amx`).
+pub fn amx_bf16_granted() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return amx::bf16_granted();
+    #[allow(unreachable_code)]
+    false
+}
+
+/// `values` split into two bf16 parts each, `hi` to nearest (ties to even) and `lo` the rest to nearest, as
+/// [`split_bf16`] does it, 32 at a time: what the tile unit's split products take (`attention::amx`).
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F and BW (a safe call from code compiled with them).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub fn split_bf16_parts(values: &[f32], hi: &mut [u16], lo: &mut [u16]) {
+    amx::split_acts(values, hi, lo);
+}
+
 /// The fewest activation rows a product of bf16 matrices takes the AMX level's tiles for (padded to 16): each task
 /// lays its weights out as tiles first, and below 8 rows that costs more than the VNNI kernels' products
 /// (`bench kernels`, BENCHMARKS.md); fewer rows take the VNNI kernels, on the same rounded activations.
