@@ -36,7 +36,9 @@ pub const NUMERICS_VERSION: u32 = 1;
 pub fn numerics(accelerator: bool, weights_layout: &str, kv_cache_dtype: &str, prefix_cache: bool, attention: &str, dtype: Option<&str>, tensor_parallel: usize) -> String {
     let device = if accelerator { "accelerator" } else { "cpu" };
     let mut out = format!("v{NUMERICS_VERSION};device={device};weights={weights_layout};kv={kv_cache_dtype}");
-    if accelerator {
+    // Where the prefix cache can change a row's last bits: on an accelerator, and under `host-amx`, whose prefills
+    // run on the tile unit but whose one-token steps (a cache hit one token short of the prompt) do not.
+    if accelerator || attention == "host-amx" {
         out.push_str(&format!(";prefix_cache={prefix_cache}"));
     }
     if accelerator || !matches!(attention, "host" | "none") {
@@ -205,6 +207,9 @@ mod tests {
         assert_eq!(numerics(false, "as-stored", "f32", true, "host", None, 2), format!("v{NUMERICS_VERSION};device=cpu;weights=as-stored;kv=f32;tensor_parallel=2"));
         assert_ne!(numerics(true, "as-stored", "f16", true, "paged-tiled", None, 1), numerics(true, "as-stored", "f16", true, "paged-flash", None, 1));
         assert_ne!(numerics(true, "as-stored", "f32", false, "host", None, 1), numerics(true, "as-stored", "f32", true, "host", None, 1));
+        // `host-amx` is named, and so is the prefix cache under it (a hit one token short prefills that token in f32).
+        assert_eq!(numerics(false, "as-stored", "f32", true, "host-amx", None, 1), format!("v{NUMERICS_VERSION};device=cpu;weights=as-stored;kv=f32;prefix_cache=true;attention=host-amx"));
+        assert_ne!(numerics(false, "as-stored", "f32", false, "host-amx", None, 1), numerics(false, "as-stored", "f32", true, "host-amx", None, 1));
         // Invalid parameters: no key.
         let invalid = RowParams { min_new_tokens: Some(100), ..RowParams::default() };
         assert_eq!(c.key("a", &invalid, &[1], None), None);

@@ -7,8 +7,9 @@
 //! within about 2^-16 of the exact one (`lo·lo`, under 2^-16 of it, is left out), where the other levels compute
 //! it exactly in f32. So this attention differs from the f32 one in the last bits, within that bound (tested
 //! against an f64 softmax: within 1e-5 of it, as the f32 attention is); it runs only where the job names it,
-//! never under `auto`, and the results' numerics say so. Decodes (one new token) stay in f32: a sequence preempted
-//! and recomputed (its generated tokens then prefilled) may differ in its last bits from one that was not.
+//! never under `auto`, and the results' numerics say so. Steps of one new token (decodes, and a prompt a prefix
+//! cache hit leaves one token short) stay in f32: such a row, or a sequence preempted and recomputed (its generated
+//! tokens then prefilled), may differ in its last bits from the same row run otherwise.
 //!
 //! On a 2-core Sapphire Rapids VM: 1.5-1.8x the f32 attention's speed on the 1B's prefills (`bench kernels`),
 //! where the tiles' products are now a third of its time and the rest the softmax, the layouts and the weights'
