@@ -128,8 +128,9 @@ pub fn lay_values(values: [&[f32]; 2], head_dim: usize, out: &mut [u16]) {
 
 /// One of a step's three products for each of tiles `C` 0-3: `C_c += A·B_c`, `A` tile 4 (the `hi` parts) or 5 (the
 /// `lo` parts), each `B_c` loaded here from `b[c]` into tile 6 or 7 in turn. A step is three such passes, `A_hi·B_hi`,
-/// `A_hi·B_lo`, `A_lo·B_hi`, so that two products into the same `C` are four apart: a product waits for the one
-/// before into its `C` (tens of cycles), and three in a row into one `C` ran at a third of the tile unit's rate.
+/// `A_hi·B_lo`, `A_lo·B_hi`, so that two products into the same `C` are four apart, as a product waits for the one
+/// before into its `C` (the three in a row into one `C` measured the same here: the tiles are not this attention's
+/// bound yet, BENCHMARKS.md).
 macro_rules! pass {
     ($a:literal, $b:expr) => {{
         let b: [*const u16; 4] = $b;
