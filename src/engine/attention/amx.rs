@@ -11,7 +11,7 @@
 //! cache hit leaves one token short) stay in f32: such a row, or a sequence preempted and recomputed (its generated
 //! tokens then prefilled), may differ in its last bits from the same row run otherwise.
 //!
-//! On a 2-core Sapphire Rapids VM: 1.5-1.8x the f32 attention's speed on the 1B's prefills (`bench kernels`),
+//! On a 2-core Sapphire Rapids VM: 1.4-1.8x the f32 attention's speed on the 1B's prefills (`bench kernels`),
 //! where the tiles' products are now a third of its time and the rest the softmax, the layouts and the weights'
 //! split (BENCHMARKS.md).
 //!
