@@ -26,7 +26,7 @@ pub struct HostAttention {
     kv_dtype: DType,
     block_bytes: usize,
     device: Device,
-    /// Prefills on the tile unit where it runs ([`tiles_available`]; `runtime.attention = "host-amx"`).
+    /// Prefills on the tile unit (`runtime.attention = "host-amx"`): set only where it runs ([`Self::with_tiles`]).
     tiles: bool,
 }
 
@@ -190,10 +190,10 @@ impl HostAttention {
         HostAttention { out_width: shape.out_width, shape, rope, kv_dtype, block_bytes, device: Device::Cpu, tiles: false }
     }
 
-    /// The same backend with its prefills on the tile unit where it runs ([`super::amx`], [`tiles_available`]),
-    /// or not.
+    /// The same backend with its prefills on the tile unit where it runs ([`super::amx`], [`tiles_available`]:
+    /// asked once, here), or not.
     pub fn with_tiles(self, tiles: bool) -> HostAttention {
-        HostAttention { tiles, ..self }
+        HostAttention { tiles: tiles && tiles_available(self.shape.head_dim), ..self }
     }
 
     /// One decode step's attention over every layer for sequences already holding `caches` (one new token each,
@@ -295,9 +295,8 @@ impl HostAttention {
     fn attention(&self, level: Level, layer: usize, q: &[f32], segments: &[Segment<'_, HostCache>]) -> Vec<f32> {
         let cfg = &self.shape;
         let (hd, group) = (cfg.head_dim, cfg.heads / cfg.kv_heads);
-        let tiles = self.tiles && tiles_available(hd);
-        let tasks = self.tasks(layer, q, segments, if tiles { AMX_TILE } else { TILE });
-        let results: Vec<Vec<f32>> = tasks.par_iter().map(|task| self.attend_tile(level, tiles, task)).collect();
+        let tasks = self.tasks(layer, q, segments, if self.tiles { AMX_TILE } else { TILE });
+        let results: Vec<Vec<f32>> = tasks.par_iter().map(|task| self.attend_tile(level, task)).collect();
         // Rows as wide as the laid-out attention output, the padding zero.
         let row = self.out_width;
         let tokens: usize = segments.iter().map(|s| s.tokens.len()).sum();
@@ -375,12 +374,13 @@ impl HostAttention {
     /// source ([`tile`]) compiled for AVX-512 (at the VNNI and AMX levels, where the CPU has it), for AVX2 and FMA,
     /// or for any CPU (the release build targets plain x86-64): the same operations in the same order, so the same
     /// bits, 16, 8 or 1 wide.
-    fn attend_tile(&self, level: Level, tiles: bool, task: &Task<'_, '_>) -> Vec<f32> {
+    fn attend_tile(&self, level: Level, task: &Task<'_, '_>) -> Vec<f32> {
         #[cfg(target_arch = "x86_64")]
         {
-            if tiles && task.shared == 0 && task.parts.iter().all(|p| p.t1 - p.t0 > 1) {
-                // SAFETY: `tiles_available` said the tile unit's bf16 products run here (AMX-BF16 granted, AVX-512 F
-                // and BW), and the CPU has AVX2, FMA and F16C (every CPU with AMX has them).
+            if self.tiles && task.shared == 0 && task.parts.iter().all(|p| p.t1 - p.t0 > 1) {
+                // SAFETY: `self.tiles` is set only where `tiles_available` said the tile unit's bf16 products run
+                // here (AMX-BF16 granted, AVX-512 F and BW: `with_tiles`), and the CPU has AVX2, FMA and F16C (every
+                // CPU with AMX has them).
                 return unsafe { self.attend_tile_amx(task) };
             }
             if level >= Level::Vnni && is_x86_feature_detected!("avx512f") {

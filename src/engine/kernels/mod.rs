@@ -841,10 +841,7 @@ fn round_bf16(v: f32) -> u16 {
 /// bf16, and products of F16 matrices (of [`F16_TILE_ROWS`] rows or more) split weights and activations into bf16
 /// parts. Every other product computes the same bits at every level.
 pub fn amx_bf16_tiles() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return Level::active() == Level::Amx && amx::bf16_granted();
-    #[allow(unreachable_code)]
-    false
+    Level::active() == Level::Amx && amx_bf16_granted()
 }
 
 /// Whether the tile unit's bf16 products run in this process: the CPU has AMX-BF16 (and AVX-512 F, BW, VL and
