@@ -279,8 +279,9 @@ enum Data {
     U8 { qs: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
     /// Signed codes in -127..=127, chunked as `U8` and stored offset by 128 (`code ^ 0x80` as a byte, 1..=255:
     /// VNNI multiplies them as unsigned and takes `128 x` the activations' code sum back off; AVX2 flips the bit
-    /// back); weight = `d * code` per block of 32.
-    S8 { qs: Vec<u8>, d: Vec<f32> },
+    /// back); weight = `d * code` per block of 32. `small` says every code is in -16..=15 (Q5_0's always): AVX2
+    /// then multiplies `code + 16` (0..=31) as unsigned and keeps four groups' products in 16 bits.
+    S8 { qs: Vec<u8>, d: Vec<f32>, small: bool },
     /// Q6_K as stored: 6-bit codes `q` one per byte, chunked as `U8`; a signed scale `sc` per 16 weights
     /// (`[panel, block, half, 8]`, 16 bytes per panel and block) and `d` per 256 (`[panel, k / 256, 8]`); weight =
     /// `d * sc * (q - 32)`: 8.6 bits a weight. Its products take the activations quantized per 256 ([`Acts::supers`],
@@ -347,7 +348,7 @@ impl Packed {
     pub fn bytes(&self) -> usize {
         match &self.data {
             Data::Q4 { qs, d, m } | Data::U8 { qs, d, m } => qs.len() + 4 * (d.len() + m.len()),
-            Data::S8 { qs, d } => qs.len() + 4 * d.len(),
+            Data::S8 { qs, d, .. } => qs.len() + 4 * d.len(),
             Data::Q6 { qs, sc, d } | Data::K3 { qs, sc, d } => qs.len() + sc.len() + 4 * d.len(),
             Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => qs.len() + sc.len() + 2 * mn.len() + 4 * (d.len() + dmin.len()),
             Data::F16(w) | Data::Bf16(w) => 2 * w.len(),
@@ -374,7 +375,7 @@ impl Packed {
                     let at = (2 * pb + i / 16) * PANEL + l;
                     d[at] * qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] as f32 + m[at]
                 }
-                Data::S8 { qs, d } => d[pb * PANEL + l] * (qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] ^ 0x80) as i8 as f32,
+                Data::S8 { qs, d, .. } => d[pb * PANEL + l] * (qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] ^ 0x80) as i8 as f32,
                 Data::Q6 { qs, sc, d } => {
                     let q = qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] as i32 - 32;
                     // `sc * (q - 32)` has at most 12 significant bits and `d` 11: the product is exact in f32.

@@ -176,6 +176,7 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
             // integer of 5 bits).
             let (mut qs, mut ds) = (Vec::with_capacity(n.div_ceil(PANEL) * PANEL * k), Vec::with_capacity(n.div_ceil(PANEL) * PANEL * k / 32));
             let (mut codes, mut d) = (Vec::with_capacity(PANEL * k), Vec::with_capacity(PANEL * k / 32));
+            let mut small = true;
             for (panel, rows) in panels {
                 codes.clear();
                 d.clear();
@@ -191,10 +192,11 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
                 if codes.contains(&0x80) {
                     return Ok(None);
                 }
+                small &= codes.iter().all(|&c| (-16..=15).contains(&(c as i8)));
                 qs.extend(chunks(rows, k, &codes, false).into_iter().map(|c| c ^ 0x80));
                 ds.extend(lanes(rows, k / 32, &d));
             }
-            Data::S8 { qs, d: ds }
+            Data::S8 { qs, d: ds, small }
         }
         GgmlDType::Q4K | GgmlDType::Q5K => {
             // The codes as Q4_1's nibbles (Q5_K's one per byte, as `U8`); the scales per 32 as they are, the mins

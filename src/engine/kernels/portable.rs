@@ -167,7 +167,7 @@ pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                             }
                         }
                     }
-                    Data::S8 { qs, d } => {
+                    Data::S8 { qs, d, .. } => {
                         let codes = &qs[pb * 256..(pb + 1) * 256];
                         for (l, acc) in acc.iter_mut().enumerate() {
                             let sum: i32 = (0..8).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| (codes[32 * g + 4 * l + j] ^ 0x80) as i8 as i32 * xb[4 * g + j] as i32).sum();

@@ -436,6 +436,57 @@ fn say_missing_levels() {
     });
 }
 
+/// Q5_0's signed codes (-16..=15) take AVX2's short path, four groups' products added in 16 bits: at the extremes
+/// (every code 15 or every code -16, full-scale activations of one sign per block, the 16-bit sums at their
+/// largest, 31,496) every level gives the portable kernels' bits. A Q8_0 matrix, whose codes reach 127, does not
+/// take that path.
+#[test]
+fn small_signed_codes_sum_exactly_in_16_bits_at_the_extremes() {
+    say_missing_levels();
+    let (n, k, m) = (24, 128, 6);
+    let mut bytes = Vec::with_capacity(n * k / 32 * 22);
+    for row in 0..n {
+        for block in 0..k / 32 {
+            // Codes q (code = q - 16): all 31, all 0, or mixed.
+            let q = |j: usize| -> u8 {
+                match row % 3 {
+                    0 => 31,
+                    1 => 0,
+                    _ => ((j * 5 + row + block) % 32) as u8,
+                }
+            };
+            bytes.extend_from_slice(&half::f16::from_f32(0.01 * (1 + row) as f32).to_le_bytes());
+            let qh: u32 = (0..32).map(|j| ((q(j) >> 4) as u32) << j).sum();
+            bytes.extend_from_slice(&qh.to_le_bytes());
+            bytes.extend((0..16).map(|j| (q(j) & 0xF) | ((q(j + 16) & 0xF) << 4)));
+        }
+    }
+    let packed = pack::pack(GgmlDType::Q5_0, &bytes, n, k).unwrap().unwrap();
+    assert!(matches!(packed.data, Data::S8 { small: true, .. }));
+    let q8 = Packed::from_qtensor(&matrix(GgmlDType::Q8_0, 8, 64, 5)).unwrap().unwrap();
+    assert!(matches!(q8.data, Data::S8 { small: false, .. }));
+    // Activation codes of +-127, one sign per block and row.
+    let x: Vec<f32> = (0..m * k).map(|i| if (i / 32 + i / k) % 2 == 0 { 1.5 } else { -1.5 }).collect();
+    let acts = Acts::new(Level::Portable, &x, k, Quant::Blocks);
+    assert!(acts.qs.iter().all(|&c| c == 127 || c == -127));
+    let reference = packed.matmul_at(Level::Portable, &x, m);
+    let weights = packed.dequantize();
+    // The portable kernels' sums, checked against i64 ones for row 0 (codes 15 times 127: 32 x 1,905 per block).
+    for c in 0..n {
+        let mut acc = 0f32;
+        for b in 0..k / 32 {
+            let dw = half::f16::from_f32(0.01 * (1 + c) as f32).to_f32();
+            let sum: i64 = (0..32).map(|i| (weights[c * k + 32 * b + i] / dw).round() as i64 * acts.qs[32 * b + i] as i64).sum();
+            acc = (sum as f32).mul_add(dw * acts.d[b], acc);
+        }
+        assert_eq!(acc.to_bits(), reference[c].to_bits(), "row {c}");
+    }
+    for level in Level::available() {
+        let y = packed.matmul_at(level, &x, m);
+        assert!(y.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{level:?} differs from the portable kernels");
+    }
+}
+
 #[test]
 fn every_level_gives_the_same_bits_at_any_row_count() {
     say_missing_levels();

@@ -173,7 +173,7 @@ macro_rules! kernels {
                             }
                         }
                     }
-                    Data::S8 { qs, d } => {
+                    Data::S8 { qs, d, small } => {
                         assert!(!x.supers, "activations per 256 for a layout per 32 (a bug)");
                         assert!(qs.len() == panels * blocks * 256 && d.len() == panels * blocks * PANEL, "S8 layout (a bug)");
                         // SAFETY (these closures): as for U8, with 8 scales per panel and block.
@@ -203,16 +203,45 @@ macro_rules! kernels {
                                         sums[j][i] = _mm256_sub_epi32(_mm256_add_epi32(sums[j][i], odd[j][i]), _mm256_set1_epi32(128 * xsum(i, b)));
                                     }
                                 }
+                            } else if *small {
+                                // Codes in -16..=15 (Q5_0's): `code + 16` (the stored byte less 112) is 0..=31, an
+                                // unsigned product's pair at most 2 x 31 x 127 = 7,874 in magnitude, so four
+                                // groups' pairs add up in 16 bits (at most 31,496) before widening:
+                                // sum(code x) = sum((code + 16) x) - 16 sum(x), exact.
+                                let less = _mm256_set1_epi8(112);
+                                for half in 0..2 {
+                                    let mut part = [[_mm256_setzero_si256(); R]; P];
+                                    for g in 4 * half..4 * half + 4 {
+                                        for j in 0..P {
+                                            let wv = _mm256_sub_epi8(chunk(p0 + j, b, g), less);
+                                            for i in 0..R {
+                                                part[j][i] = _mm256_add_epi16(part[j][i], _mm256_maddubs_epi16(wv, xg(i, b, g)));
+                                            }
+                                        }
+                                    }
+                                    for j in 0..P {
+                                        for i in 0..R {
+                                            sums[j][i] = _mm256_add_epi32(sums[j][i], _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)));
+                                        }
+                                    }
+                                }
+                                for j in 0..P {
+                                    for i in 0..R {
+                                        sums[j][i] = _mm256_sub_epi32(sums[j][i], _mm256_set1_epi32(16 * xsum(i, b)));
+                                    }
+                                }
                             } else {
                                 for g in 0..8 {
                                     for j in 0..P {
                                         let wv = _mm256_xor_si256(chunk(p0 + j, b, g), flip);
+                                        // Signed times signed as |code| times x with the code's sign (0 where the
+                                        // code is 0): |code| once per panel, for every row. The codes are in
+                                        // -127..=127 (the packer refuses -128), the activations' too, so the
+                                        // negation fits, and a pair of products, at most 2 x 127 x 127, fits 16
+                                        // bits.
+                                        let magnitude = _mm256_abs_epi8(wv);
                                         for i in 0..R {
-                                            // Signed times signed as |x| times the code with x's sign: the codes
-                                            // are in -127..=127 (the packer refuses -128), so the negation fits,
-                                            // and a pair of products, at most 2 x 127 x 127, fits 16 bits.
-                                            let xv = xg(i, b, g);
-                                            sums[j][i] = dpbusd(sums[j][i], _mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
+                                            sums[j][i] = dpbusd(sums[j][i], magnitude, _mm256_sign_epi8(xg(i, b, g), wv));
                                         }
                                     }
                                 }
@@ -464,7 +493,7 @@ macro_rules! kernels {
                         floats(m, 2 * PANEL);
                         (qs, 256)
                     }
-                    Data::S8 { qs, d } => {
+                    Data::S8 { qs, d, .. } => {
                         floats(d, PANEL);
                         (qs, 256)
                     }
