@@ -282,7 +282,53 @@ macro_rules! kernels {
                         // SAFETY: activation row `r0 + i < r0 + R` exists, `b < blocks` and `h < 2` (`sums16` is
                         // `[m, 2 blocks]`, asserted above).
                         let less = |i: usize, b: usize, h: usize| unsafe { _mm256_set1_epi32(offset * *x.sums16.as_ptr().add((r0 + i) * 2 * blocks + 2 * b + h)) };
-                        for s in 0..supers {
+                        if !$vnni {
+                            // AVX2: each pair of groups' 16-bit sums (at most 2 x 2 x 63 x 127 = 32,004) times its
+                            // half's scale, widened by the same `vpmaddwd` (llama.cpp's order of work), added in
+                            // 32 bits; the offset's `sc x offset x sum(x)` per block once, as a 16-bit pair of
+                            // halves (sums of 16 codes, at most 2,032), taken off per 256. The same exact integers
+                            // as the chains below, so the same bits.
+                            // The low two bytes of each 32-bit lane, twice: a scale widened to 32 bits becomes the same
+                            // 16-bit scale in both halves of its lane.
+                            let twice = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+                            // SAFETY: activation row `r0 + i < r0 + R` exists and `b < blocks` (as for `less`).
+                            let halves = |i: usize, b: usize| unsafe {
+                                let at = x.sums16.as_ptr().add((r0 + i) * 2 * blocks + 2 * b);
+                                _mm256_set1_epi32((*at & 0xFFFF) | (*at.add(1) << 16))
+                            };
+                            for s in 0..supers {
+                                let (mut total, mut offsets) = ([[_mm256_setzero_si256(); R]; P], [[_mm256_setzero_si256(); R]; P]);
+                                for b in 8 * s..8 * s + 8 {
+                                    for j in 0..P {
+                                        let sv = scales(p0 + j, b);
+                                        // Lane `l`: its two halves' scales as a 16-bit pair, for the offset; and each half's
+                                        // scale in both 16-bit halves of the lane, for the products.
+                                        let pair = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sv, _mm_srli_si128::<8>(sv)));
+                                        let scale = [_mm256_shuffle_epi8(_mm256_cvtepi8_epi32(sv), twice), _mm256_shuffle_epi8(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(sv)), twice)];
+                                        for h in 0..2 {
+                                            for g in (4 * h..4 * h + 4).step_by(2) {
+                                                let (w0, w1) = (chunk(p0 + j, b, g), chunk(p0 + j, b, g + 1));
+                                                for i in 0..R {
+                                                    let two = _mm256_add_epi16(_mm256_maddubs_epi16(w0, xg(i, b, g)), _mm256_maddubs_epi16(w1, xg(i, b, g + 1)));
+                                                    total[j][i] = _mm256_add_epi32(total[j][i], _mm256_madd_epi16(two, scale[h]));
+                                                }
+                                            }
+                                        }
+                                        for i in 0..R {
+                                            offsets[j][i] = _mm256_add_epi32(offsets[j][i], _mm256_madd_epi16(pair, halves(i, b)));
+                                        }
+                                    }
+                                }
+                                for j in 0..P {
+                                    let dw = lanes(p0 + j, s);
+                                    for i in 0..R {
+                                        let sum = _mm256_sub_epi32(total[j][i], _mm256_mullo_epi32(offsets[j][i], _mm256_set1_epi32(offset)));
+                                        acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, xd(i, s)), acc[j][i]);
+                                    }
+                                }
+                            }
+                        }
+                        for s in (0..supers).filter(|_| $vnni) {
                             let mut total = [[_mm256_setzero_si256(); R]; P];
                             for b in 8 * s..8 * s + 8 {
                                 // Both halves' chains side by side: `sums[h]` is sum(q x) over half `h`.
