@@ -4,8 +4,9 @@
 //! 32-bit sums (unsigned weight codes times signed activation codes, four products per lane): AVX2 multiplies
 //! pairs to 16 bits (`vpmaddubsw`), adds a few of those while they cannot overflow, and widens (`vpmaddwd`);
 //! VNNI does it in one instruction (`vpdpbusd`). Both give the exact integer sums, so the float arithmetic after
-//! them, and the results, are the same. Signed Q8_0 codes go through the same product as `|x|` times the code
-//! with `x`'s sign (`vpsignb`); the packer refuses the code -128, whose negation would not fit.
+//! them, and the results, are the same. On AVX2, signed Q8_0 codes go through the same product as `|code|` times
+//! `x` with the code's sign (`vpsignb`; the packer refuses the code -128, whose negation would not fit), and
+//! Q5_0's (-16..=15) as `code + 16` times `x`, four groups' pairs added in 16 bits.
 //!
 //! The quantized weights come in panels of eight rows, four codes of each row to a 32-bit lane, so a register
 //! of activation codes is one group of four broadcast (`vpbroadcastd`) and one product serves eight outputs.
