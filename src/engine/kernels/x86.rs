@@ -280,19 +280,17 @@ macro_rules! kernels {
                         };
                         let scales = |p: usize, b: usize| unsafe { _mm_loadu_si128(sc.as_ptr().add((p * blocks + b) * 2 * PANEL).cast()) };
                         let lanes = |p: usize, s: usize| unsafe { _mm256_loadu_ps(d.as_ptr().add((p * supers + s) * PANEL)) };
-                        // SAFETY: activation row `r0 + i < r0 + R` exists, `b < blocks` and `h < 2` (`sums16` is
-                        // `[m, 2 blocks]`, asserted above).
-                        let less = |i: usize, b: usize, h: usize| unsafe { _mm256_set1_epi32(offset * *x.sums16.as_ptr().add((r0 + i) * 2 * blocks + 2 * b + h)) };
                         if !$vnni {
                             // AVX2: each pair of groups' 16-bit sums (at most 2 x 2 x 63 x 127 = 32,004) times its
                             // half's scale, widened by the same `vpmaddwd` (llama.cpp's order of work), added in
                             // 32 bits; the offset's `sc x offset x sum(x)` per block once, as a 16-bit pair of
                             // halves (sums of 16 codes, at most 2,032), taken off per 256. The same exact integers
-                            // as the chains below, so the same bits.
-                            // The low two bytes of each 32-bit lane, twice: a scale widened to 32 bits becomes the same
-                            // 16-bit scale in both halves of its lane.
+                            // as VNNI's chains below, so the same bits.
+                            // The low two bytes of each 32-bit lane, twice: a scale widened to 32 bits becomes the
+                            // same 16-bit scale in both halves of its lane.
                             let twice = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
-                            // SAFETY: activation row `r0 + i < r0 + R` exists and `b < blocks` (as for `less`).
+                            // SAFETY: activation row `r0 + i < r0 + R` exists and `b < blocks` (`sums16` is `[m, 2
+                            // blocks]`, asserted above).
                             let halves = |i: usize, b: usize| unsafe {
                                 let at = x.sums16.as_ptr().add((r0 + i) * 2 * blocks + 2 * b);
                                 _mm256_set1_epi32((*at & 0xFFFF) | (*at.add(1) << 16))
@@ -328,36 +326,40 @@ macro_rules! kernels {
                                     }
                                 }
                             }
-                        }
-                        for s in (0..supers).filter(|_| $vnni) {
-                            let mut total = [[_mm256_setzero_si256(); R]; P];
-                            for b in 8 * s..8 * s + 8 {
-                                // Both halves' chains side by side: `sums[h]` is sum(q x) over half `h`.
-                                let mut sums = [[[_mm256_setzero_si256(); R]; P]; 2];
-                                for g in (0..4).step_by(2) {
-                                    for j in 0..P {
-                                        for (h, sums) in sums.iter_mut().enumerate() {
-                                            let (w0, w1) = (chunk(p0 + j, b, 4 * h + g), chunk(p0 + j, b, 4 * h + g + 1));
-                                            for i in 0..R {
-                                                sums[j][i] = dot2(sums[j][i], w0, xg(i, b, 4 * h + g), w1, xg(i, b, 4 * h + g + 1));
+                        } else {
+                            // SAFETY: activation row `r0 + i < r0 + R` exists, `b < blocks` and `h < 2` (`sums16` is
+                            // `[m, 2 blocks]`, asserted above).
+                            let less = |i: usize, b: usize, h: usize| unsafe { _mm256_set1_epi32(offset * *x.sums16.as_ptr().add((r0 + i) * 2 * blocks + 2 * b + h)) };
+                            for s in 0..supers {
+                                let mut total = [[_mm256_setzero_si256(); R]; P];
+                                for b in 8 * s..8 * s + 8 {
+                                    // Both halves' chains side by side: `sums[h]` is sum(q x) over half `h`.
+                                    let mut sums = [[[_mm256_setzero_si256(); R]; P]; 2];
+                                    for g in (0..4).step_by(2) {
+                                        for j in 0..P {
+                                            for (h, sums) in sums.iter_mut().enumerate() {
+                                                let (w0, w1) = (chunk(p0 + j, b, 4 * h + g), chunk(p0 + j, b, 4 * h + g + 1));
+                                                for i in 0..R {
+                                                    sums[j][i] = dot2(sums[j][i], w0, xg(i, b, 4 * h + g), w1, xg(i, b, 4 * h + g + 1));
+                                                }
                                             }
+                                        }
+                                    }
+                                    for j in 0..P {
+                                        let sv = scales(p0 + j, b);
+                                        let (s0, s1) = (_mm256_cvtepi8_epi32(sv), _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(sv)));
+                                        for i in 0..R {
+                                            // `sc_0 * (sum(q x) - 32 sum(x)) + sc_1 * (...)` (K3: 4), exact in 32 bits.
+                                            let (h0, h1) = (_mm256_sub_epi32(sums[0][j][i], less(i, b, 0)), _mm256_sub_epi32(sums[1][j][i], less(i, b, 1)));
+                                            total[j][i] = _mm256_add_epi32(total[j][i], _mm256_add_epi32(_mm256_mullo_epi32(h0, s0), _mm256_mullo_epi32(h1, s1)));
                                         }
                                     }
                                 }
                                 for j in 0..P {
-                                    let sv = scales(p0 + j, b);
-                                    let (s0, s1) = (_mm256_cvtepi8_epi32(sv), _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(sv)));
+                                    let dw = lanes(p0 + j, s);
                                     for i in 0..R {
-                                        // `sc_0 * (sum(q x) - 32 sum(x)) + sc_1 * (...)` (K3: 4), exact in 32 bits.
-                                        let (h0, h1) = (_mm256_sub_epi32(sums[0][j][i], less(i, b, 0)), _mm256_sub_epi32(sums[1][j][i], less(i, b, 1)));
-                                        total[j][i] = _mm256_add_epi32(total[j][i], _mm256_add_epi32(_mm256_mullo_epi32(h0, s0), _mm256_mullo_epi32(h1, s1)));
+                                        acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[j][i]), _mm256_mul_ps(dw, xd(i, s)), acc[j][i]);
                                     }
-                                }
-                            }
-                            for j in 0..P {
-                                let dw = lanes(p0 + j, s);
-                                for i in 0..R {
-                                    acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[j][i]), _mm256_mul_ps(dw, xd(i, s)), acc[j][i]);
                                 }
                             }
                         }
