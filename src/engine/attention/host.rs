@@ -889,6 +889,28 @@ mod tests {
         (0..hd).map(|d| seen.clone().zip(&weights).map(|(j, w)| w * at(v, j, d)).sum::<f64>() / total).collect()
     }
 
+    /// Asserts every row of a prefill's attention `out` (`new` tokens after `cached` positions, queries `q`) within
+    /// 1e-5 of [`direct_attention`] over its causal range (its window's); the largest difference.
+    #[allow(clippy::too_many_arguments)]
+    fn within_of_direct_attention(cfg: &AttentionShape, out: &[f32], q: &[f32], k: &[f32], v: &[f32], cached: usize, held: impl Fn(f32) -> f32 + Copy, what: &str) -> f64 {
+        let (hd, group, q_row) = (cfg.head_dim, cfg.heads / cfg.kv_heads, cfg.heads * cfg.head_dim);
+        let (window, new) = (cfg.window(1).unwrap_or(usize::MAX), q.len() / q_row);
+        assert_eq!(out.len(), new * q_row, "{what}");
+        let mut worst = 0f64;
+        for t in 0..new {
+            let seen = cached + t + 1;
+            for h in 0..cfg.heads {
+                let expected = direct_attention(cfg, &q[t * q_row + h * hd..][..hd], k, v, h / group, seen.saturating_sub(window)..seen, held);
+                for (d, expected) in expected.into_iter().enumerate() {
+                    let got = out[t * q_row + h * hd + d] as f64;
+                    worst = worst.max((got - expected).abs());
+                    assert!((got - expected).abs() < 1e-5, "{what}, token {t}, head {h}, dim {d}: {got} against {expected}");
+                }
+            }
+        }
+        worst
+    }
+
     /// A decode step's attention, whose blocks are read with the next one hinted into the cache, against a direct
     /// softmax in f64 over every position: one block or part of one, block edges, many blocks; f32 and f16 caches
     /// (the reference sees the keys and values as the cache holds them); and Gemma's attention, a scale of its own,
@@ -927,8 +949,7 @@ mod tests {
     #[test]
     fn prefill_attention_matches_a_direct_softmax_at_every_level() {
         for (cfg, dtype) in [(config(), DType::F32), (config(), DType::BF16), (gemma(37), DType::F32), (gemma(5), DType::F16)] {
-            let (hd, group, kv_row, q_row) = (cfg.head_dim, cfg.heads / cfg.kv_heads, cfg.kv_heads * cfg.head_dim, cfg.heads * cfg.head_dim);
-            let window = cfg.window(1).unwrap_or(usize::MAX);
+            let (kv_row, q_row) = (cfg.kv_heads * cfg.head_dim, cfg.heads * cfg.head_dim);
             let host = HostAttention::for_shape(cfg.clone(), dtype);
             let held = |x: f32| match dtype {
                 DType::F16 => half::f16::from_f32(x).to_f32(),
@@ -945,17 +966,7 @@ mod tests {
                 for (level, other) in outs {
                     assert!(out.iter().zip(&other).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?}, {cached}+{new}: {level:?} differs from portable");
                 }
-                assert_eq!(out.len(), new * q_row);
-                for t in 0..new {
-                    let seen = cached + t + 1;
-                    for h in 0..cfg.heads {
-                        let expected = direct_attention(&cfg, &q[t * q_row + h * hd..][..hd], &k, &v, h / group, seen.saturating_sub(window)..seen, held);
-                        for (d, expected) in expected.into_iter().enumerate() {
-                            let got = out[t * q_row + h * hd + d] as f64;
-                            assert!((got - expected).abs() < 1e-5, "{dtype:?}, {cached}+{new}, token {t}, head {h}, dim {d}: {got} against {expected}");
-                        }
-                    }
-                }
+                within_of_direct_attention(&cfg, &out, &q, &k, &v, cached, held, &format!("{dtype:?}, {cached}+{new}"));
             }
         }
     }
@@ -973,8 +984,7 @@ mod tests {
         let wide = |c: AttentionShape| AttentionShape { head_dim: 64, out_width: c.heads * 64, rope_frequencies: (0..32).map(|i| 1.0 / 10000f64.powf(i as f64 / 32.0)).collect(), ..c };
         let mut worst = 0f64;
         for (cfg, dtype) in [(wide(config()), DType::F32), (wide(config()), DType::F16), (wide(gemma(37)), DType::F32)] {
-            let (hd, group, kv_row, q_row) = (cfg.head_dim, cfg.heads / cfg.kv_heads, cfg.kv_heads * cfg.head_dim, cfg.heads * cfg.head_dim);
-            let window = cfg.window(1).unwrap_or(usize::MAX);
+            let (kv_row, q_row) = (cfg.kv_heads * cfg.head_dim, cfg.heads * cfg.head_dim);
             let host = HostAttention::for_shape(cfg.clone(), dtype).with_tiles(true);
             let held = |x: f32| if dtype == DType::F16 { half::f16::from_f32(x).to_f32() } else { x };
             for (cached, new) in [(0, 2), (0, 23), (5, 40), (37, 29), (100, 70)] {
@@ -983,18 +993,7 @@ mod tests {
                 let q = noise(len * q_row, 11 + len as u64);
                 let q_new = &q[cached * q_row..];
                 let out = host.prefill_attention(Level::Amx, &mut host.prefilled_cache(&k, &v, cached, new), q_new, new);
-                assert_eq!(out.len(), new * q_row);
-                for t in 0..new {
-                    let seen = cached + t + 1;
-                    for h in 0..cfg.heads {
-                        let expected = direct_attention(&cfg, &q_new[t * q_row + h * hd..][..hd], &k, &v, h / group, seen.saturating_sub(window)..seen, held);
-                        for (d, expected) in expected.into_iter().enumerate() {
-                            let got = out[t * q_row + h * hd + d] as f64;
-                            worst = worst.max((got - expected).abs());
-                            assert!((got - expected).abs() < 1e-5, "{dtype:?}, {cached}+{new}, token {t}, head {h}, dim {d}: {got} against {expected}");
-                        }
-                    }
-                }
+                worst = worst.max(within_of_direct_attention(&cfg, &out, q_new, &k, &v, cached, held, &format!("{dtype:?}, {cached}+{new}")));
                 // The same positions prefilled from position 0: the same bits for the last `new` tokens.
                 if cached > 0 && new > 1 {
                     let full = host.prefill_attention(Level::Amx, &mut host.prefilled_cache(&k, &v, 0, len), &q, len);
