@@ -89,11 +89,19 @@ pub fn softmax_step(row: &mut [f32; CHUNK], from: usize, to: usize, scoring: Sco
         }
         None => scoring.scale,
     };
+    // A chunk the row sees whole (every chunk but a row's last, and its first in a sliding window) takes no masks:
+    // the same operations on the same values as the masked path below, without its compares and selects (positions
+    // compared as 32-bit lanes there, 8 to a register on AVX2, where 64-bit indices took 4 and two packs).
+    let whole = from == 0 && to == CHUNK;
+    let (from, to) = (from as u32, to as u32);
+    let inside = |c: u32| c >= from && c < to;
     // max(x * scale) is max(x) * scale exactly: rounding a product by a positive scale keeps order.
     let mut seen = *row;
-    for (c, v) in seen.iter_mut().enumerate() {
-        if c < from || c >= to {
-            *v = f32::NEG_INFINITY;
+    if !whole {
+        for (c, v) in (0u32..).zip(seen.iter_mut()) {
+            if !inside(c) {
+                *v = f32::NEG_INFINITY;
+            }
         }
     }
     // The chunk's maximum by comparisons, one `vmaxps` a step: `f32::max`'s care for NaN (ignoring one) cost a
@@ -104,9 +112,15 @@ pub fn softmax_step(row: &mut [f32; CHUNK], from: usize, to: usize, scoring: Sco
     if correction != 1.0 {
         out.iter_mut().for_each(|x| *x *= correction);
     }
-    for (c, x) in row.iter_mut().enumerate() {
-        let p = exp(*x * scale - new_max);
-        *x = if c >= from && c < to { p } else { 0.0 };
+    if whole {
+        for x in row.iter_mut() {
+            *x = exp(*x * scale - new_max);
+        }
+    } else {
+        for (c, x) in (0u32..).zip(row.iter_mut()) {
+            let p = exp(*x * scale - new_max);
+            *x = if inside(c) { p } else { 0.0 };
+        }
     }
     *sum = *sum * correction + tree(*row, |a, b| a + b);
     *max = new_max;
@@ -141,9 +155,10 @@ pub fn accumulate<const R: usize, const W: usize>(out: &mut [f32], weights: &[f3
 }
 
 /// [`accumulate`] over any number of rows, `R` at a time and the rest one by one, `W` dimensions at a time where
-/// the head's width allows (else the widest that divides it).
+/// the head's width allows (else the widest that divides it); a row on its own `W1` at a time where the width allows
+/// (one row has `R` times fewer chains of multiply-adds to keep the units busy).
 #[inline(always)]
-pub fn accumulate_rows<const R: usize, const W: usize>(out: &mut [f32], weights: &[f32], values: &[&[f32]; CHUNK_BLOCKS], ranges: &[(usize, usize)], hd: usize) {
+pub fn accumulate_rows<const R: usize, const W: usize, const W1: usize>(out: &mut [f32], weights: &[f32], values: &[&[f32]; CHUNK_BLOCKS], ranges: &[(usize, usize)], hd: usize) {
     let rows = ranges.len();
     let span = |rs: &[(usize, usize)]| {
         let from = rs.iter().filter(|r| r.0 < r.1).map(|r| r.0).min().unwrap_or(0);
@@ -161,6 +176,7 @@ pub fn accumulate_rows<const R: usize, const W: usize>(out: &mut [f32], weights:
                 (true, false, true, _) => accumulate::<R, 16>(o, w, values, from, to),
                 (true, false, false, true) => accumulate::<R, 8>(o, w, values, from, to),
                 (true, ..) => accumulate::<R, 1>(o, w, values, from, to),
+                (false, ..) if hd.is_multiple_of(W1) => accumulate::<1, W1>(o, w, values, from, to),
                 (false, true, ..) => accumulate::<1, W>(o, w, values, from, to),
                 (false, false, true, _) => accumulate::<1, 16>(o, w, values, from, to),
                 (false, false, false, true) => accumulate::<1, 8>(o, w, values, from, to),
@@ -196,10 +212,10 @@ mod tests {
             f(&mut out);
             out
         };
-        let reference = run(&|o| accumulate_rows::<1, 1>(o, &weights, &values, &ranges, hd));
-        assert_eq!(run(&|o| accumulate_rows::<4, 16>(o, &weights, &values, &ranges, hd)), reference);
-        assert_eq!(run(&|o| accumulate_rows::<2, 48>(o, &weights, &values, &ranges, hd)), reference);
-        assert_eq!(run(&|o| accumulate_rows::<3, 64>(o, &weights, &values, &ranges, hd)), reference);
+        let reference = run(&|o| accumulate_rows::<1, 1, 1>(o, &weights, &values, &ranges, hd));
+        assert_eq!(run(&|o| accumulate_rows::<4, 16, 48>(o, &weights, &values, &ranges, hd)), reference);
+        assert_eq!(run(&|o| accumulate_rows::<2, 48, 16>(o, &weights, &values, &ranges, hd)), reference);
+        assert_eq!(run(&|o| accumulate_rows::<3, 64, 24>(o, &weights, &values, &ranges, hd)), reference);
         let keys = noise(hd * BLOCK, 3);
         let q = noise(4 * hd, 5);
         let mut one = vec![0f32; 4 * CHUNK];
@@ -209,5 +225,67 @@ mod tests {
         }
         scores::<4>(&mut four, std::array::from_fn(|i| &q[i * hd..(i + 1) * hd]), &keys, 1, [Ahead::NONE; 2]);
         assert_eq!(one, four);
+        let mut six = vec![0f32; 6 * CHUNK];
+        let q = noise(6 * hd, 13);
+        scores::<6>(&mut six, std::array::from_fn(|i| &q[i * hd..(i + 1) * hd]), &keys, 2, [Ahead::NONE; 2]);
+        for i in 0..6 {
+            scores::<1>(&mut one[..CHUNK], [&q[i * hd..(i + 1) * hd]], &keys, 2, [Ahead::NONE; 2]);
+            assert_eq!(one[2 * BLOCK..3 * BLOCK], six[i * CHUNK + 2 * BLOCK..][..BLOCK]);
+        }
+    }
+
+    /// A chunk a row sees whole takes the unmasked path: the masked path's bits (written out here as it was
+    /// before the split) for the weights, the maximum, the sum and the rescaled output, from a fresh row and from
+    /// one whose running maximum is above, below or at the chunk's, plainly scaled and soft-capped. And a range
+    /// short of the chunk still gives its masked bits.
+    #[test]
+    fn a_whole_chunk_gives_the_masked_steps_bits() {
+        fn masked(row: &mut [f32; CHUNK], from: usize, to: usize, scoring: Scoring, max: &mut f32, sum: &mut f32, out: &mut [f32]) {
+            let scale = match scoring.softcap {
+                Some(cap) => {
+                    row[from..to].iter_mut().for_each(|x| *x = cap * (*x * scoring.scale / cap).tanh());
+                    1.0
+                }
+                None => scoring.scale,
+            };
+            let mut seen = *row;
+            for (c, v) in seen.iter_mut().enumerate() {
+                if c < from || c >= to {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+            let new_max = max.max(tree(seen, |a, b| if a > b { a } else { b }) * scale);
+            let correction = exp(*max - new_max);
+            if correction != 1.0 {
+                out.iter_mut().for_each(|x| *x *= correction);
+            }
+            for (c, x) in row.iter_mut().enumerate() {
+                let p = exp(*x * scale - new_max);
+                *x = if c >= from && c < to { p } else { 0.0 };
+            }
+            *sum = *sum * correction + tree(*row, |a, b| a + b);
+            *max = new_max;
+        }
+        let noise = |salt: u32, span: f32| -> [f32; CHUNK] { std::array::from_fn(|i| (((i as u32).wrapping_mul(2_654_435_761) ^ salt) % 2001) as f32 / 1000.0 * span - span) };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for scoring in [Scoring { scale: 0.125, softcap: None }, Scoring { scale: 0.0625, softcap: Some(50.0) }] {
+            for (salt, span) in [(1, 8.0), (2, 80.0), (3, 0.5)] {
+                for running in [f32::NEG_INFINITY, -3.0, 0.25, 40.0] {
+                    for (from, to) in [(0, CHUNK), (0, CHUNK - 1), (5, CHUNK), (3, 17)] {
+                        let scores = noise(salt, span);
+                        let out0: Vec<f32> = noise(salt + 7, 1.0)[..48].to_vec();
+                        let (mut a, mut b) = (scores, scores);
+                        let (mut max_a, mut max_b, mut sum_a, mut sum_b) = (running, running, 1.5f32, 1.5f32);
+                        let (mut out_a, mut out_b) = (out0.clone(), out0);
+                        softmax_step(&mut a, from, to, scoring, &mut max_a, &mut sum_a, &mut out_a);
+                        masked(&mut b, from, to, scoring, &mut max_b, &mut sum_b, &mut out_b);
+                        let case = format!("{scoring:?}, scores within {span}, running max {running}, {from}..{to}");
+                        assert_eq!(bits(&a), bits(&b), "weights: {case}");
+                        assert_eq!((max_a.to_bits(), sum_a.to_bits()), (max_b.to_bits(), sum_b.to_bits()), "max and sum: {case}");
+                        assert_eq!(bits(&out_a), bits(&out_b), "output: {case}");
+                    }
+                }
+            }
+        }
     }
 }
