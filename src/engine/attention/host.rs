@@ -412,7 +412,7 @@ impl HostAttention {
 
     /// Scores 6 rows at a time (12 registers of sums), values 2 rows x 32 dimensions (8 registers), a lone row (a
     /// decode's odd query head) 64 dimensions at a time (8 chains of multiply-adds, where 32 gave 4). On a 2-core
-    /// AMD EPYC (Zen 3), one thread, alternating with 4 rows' scores sample by sample: prefills 5-11 % faster.
+    /// AMD EPYC (Zen 3), one thread, alternating with 4 rows' scores sample by sample: prefills' attention 4-11 % faster.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn attend_tile_avx2(&self, task: &Task<'_, '_>) -> Vec<f32> {
@@ -428,8 +428,8 @@ impl HostAttention {
 
     /// The task's attention, chunk by chunk ([`tile`]): `SR` rows' scores at a time, `VR` rows x `W` dimensions of
     /// output at a time, a row left over `W1` dimensions at a time (register blocking only: every choice gives the
-    /// same bits). The blocks its parts share
-    /// first, for every row at once, then each part's own.
+    /// same bits; with `VR` 1 no row is left over). The blocks its parts share first, for every row at once, then
+    /// each part's own.
     #[inline(always)]
     fn attend_tile_body<const SR: usize, const VR: usize, const W: usize, const W1: usize>(&self, task: &Task<'_, '_>) -> Vec<f32> {
         let (mut state, spans) = Rows::new(&self.shape, task);
