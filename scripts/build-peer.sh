@@ -15,6 +15,13 @@ if [ -x "$out/llama-peer" ] && [ -f "$stamp" ]; then
 fi
 if ! command -v cmake >/dev/null || ! command -v ninja >/dev/null; then
   "$PYTHON" -m pip install --quiet --disable-pip-version-check 'cmake>=3.28' ninja
+  # pip puts the commands in its scheme's scripts folder, or in the user's where they were installed with --user
+  # before (pip then installs nothing): neither need be on PATH (pyenv's shims see new commands only after a rehash).
+  for scheme in "" "$("$PYTHON" -c 'import os; print(os.name + "_user")')"; do
+    # shellcheck disable=SC2086 # the empty scheme is no argument: the interpreter's default
+    PATH="$PATH:$("$PYTHON" -c 'import sys, sysconfig; print(sysconfig.get_path("scripts", *sys.argv[1:]))' $scheme)"
+  done
+  command -v cmake >/dev/null && command -v ninja >/dev/null || { echo "error: pip installed cmake and ninja, but neither PATH nor pip's scripts folders hold them" >&2; exit 1; }
 fi
 # No native instructions: the peer's results must not depend on the CPU (and llama.cpp's AMX code dies without the
 # kernel's permission); its speed does not matter here.
