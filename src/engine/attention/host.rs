@@ -399,7 +399,7 @@ impl HostAttention {
         }
         // Without the FMA instruction (x86-64 CPUs before 2013, or a virtual CPU that hides it), each `mul_add` is
         // a call into libm's exact `fmaf`: the same bits, 20 to 60 times slower than the AVX2 level.
-        self.attend_tile_body::<4, 1, 8, 32>(task)
+        self.attend_tile_body::<4, 1, 8, 8>(task)
     }
 
     /// The portable level where the CPU has the FMA instruction but not the AVX2 level (AMD's 2012-2015 cores, or
@@ -407,7 +407,7 @@ impl HostAttention {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "fma")]
     fn attend_tile_fma(&self, task: &Task<'_, '_>) -> Vec<f32> {
-        self.attend_tile_body::<4, 1, 8, 32>(task)
+        self.attend_tile_body::<4, 1, 8, 8>(task)
     }
 
     /// Scores 6 rows at a time (12 registers of sums), values 2 rows x 32 dimensions (8 registers), a lone row (a
