@@ -34,6 +34,7 @@ mod x86;
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::Arc;
 
 use crate::job::CpuKernels;
 
@@ -357,37 +358,65 @@ impl Packed {
 
     /// The weights as f32, `[n * k]` row-major: what every product computes with.
     pub fn dequantize(&self) -> Vec<f32> {
-        let blocks = self.k / 32;
-        let weight = |row: usize, col: usize| {
-            let (p, l, b, i) = (row / PANEL, row % PANEL, col / 32, col % 32);
-            let pb = p * blocks + b;
-            match &self.data {
-                Data::Q4 { qs, d, m } => {
+        let mut out = vec![0f32; self.n * self.k];
+        for (row, out) in out.chunks_exact_mut(self.k.max(1)).enumerate() {
+            self.dequantize_row(row, out);
+        }
+        out
+    }
+
+    /// Row `row`'s weights as f32 into `out` (`k` of them): [`Packed::dequantize`]'s row. A tied embedding table
+    /// looks its rows up here, held once with the output projection ([`crate::engine::models`]'s `Embedding`).
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        assert!(row < self.n && out.len() == self.k, "row {row} of a [{}, {}] matrix into {} values (a bug)", self.n, self.k, out.len());
+        let (blocks, p, l) = (self.k / 32, row / PANEL, row % PANEL);
+        let k = self.k;
+        // Column `col`'s block in this row's panel, and its place in the block.
+        let at = |col: usize| (p * blocks + col / 32, col % 32);
+        match &self.data {
+            Data::Q4 { qs, d, m } => {
+                for (col, o) in out.iter_mut().enumerate() {
+                    let (pb, i) = at(col);
                     let byte = qs[pb * 128 + 32 * (i % 16 / 4) + 4 * l + i % 4];
                     let code = if i < 16 { byte & 0xF } else { byte >> 4 };
-                    if m.is_empty() {
-                        d[pb * PANEL + l] * (code as i32 - 8) as f32
-                    } else {
-                        d[pb * PANEL + l] * code as f32 + m[pb * PANEL + l]
-                    }
+                    *o = if m.is_empty() { d[pb * PANEL + l] * (code as i32 - 8) as f32 } else { d[pb * PANEL + l] * code as f32 + m[pb * PANEL + l] };
                 }
-                Data::U8 { qs, d, m } => {
+            }
+            Data::U8 { qs, d, m } => {
+                for (col, o) in out.iter_mut().enumerate() {
+                    let (pb, i) = at(col);
                     let at = (2 * pb + i / 16) * PANEL + l;
-                    d[at] * qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] as f32 + m[at]
+                    *o = d[at] * qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] as f32 + m[at];
                 }
-                Data::S8 { qs, d, .. } => d[pb * PANEL + l] * (qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] ^ 0x80) as i8 as f32,
-                Data::Q6 { qs, sc, d } => {
+            }
+            Data::S8 { qs, d, .. } => {
+                for (col, o) in out.iter_mut().enumerate() {
+                    let (pb, i) = at(col);
+                    *o = d[pb * PANEL + l] * (qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] ^ 0x80) as i8 as f32;
+                }
+            }
+            Data::Q6 { qs, sc, d } => {
+                for (col, o) in out.iter_mut().enumerate() {
+                    let (pb, i) = at(col);
                     let q = qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] as i32 - 32;
-                    // `sc * (q - 32)` has at most 12 significant bits and `d` 11: the product is exact in f32.
-                    d[(p * (blocks / 8) + b / 8) * PANEL + l] * (sc[(2 * pb + i / 16) * PANEL + l] as i32 * q) as f32
+                    // ggml's order, `(d * sc) * (q - 32)`: `d * sc` is exact in f32 (11 and 8 significant bits), so
+                    // the weight is the exact product rounded once, and a zero takes the sign ggml gives it.
+                    *o = d[(p * (blocks / 8) + col / 256) * PANEL + l] * sc[(2 * pb + i / 16) * PANEL + l] as f32 * q as f32;
                 }
-                Data::K3 { qs, sc, d } => {
+            }
+            Data::K3 { qs, sc, d } => {
+                for (col, o) in out.iter_mut().enumerate() {
+                    let (pb, i) = at(col);
                     let q = k3_code(&qs[pb * 96..(pb + 1) * 96], i / 4, 4 * l + i % 4) as i32 - 4;
-                    // `sc * (c - 4)` has at most 8 significant bits and `d` 11: exact in f32.
-                    d[(p * (blocks / 8) + b / 8) * PANEL + l] * (sc[(2 * pb + i / 16) * PANEL + l] as i32 * q) as f32
+                    // ggml's order, `(d * sc) * (c - 4)`: exact in f32 (at most 11 + 6 + 3 significant bits).
+                    *o = d[(p * (blocks / 8) + col / 256) * PANEL + l] * sc[(2 * pb + i / 16) * PANEL + l] as f32 * q as f32;
                 }
-                Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => {
-                    let code = if matches!(self.data, Data::K5 { .. }) {
+            }
+            Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => {
+                let wide = matches!(self.data, Data::K5 { .. });
+                for (col, o) in out.iter_mut().enumerate() {
+                    let ((pb, i), b) = (at(col), col / 32);
+                    let code = if wide {
                         qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4]
                     } else {
                         let byte = qs[pb * 128 + 32 * (i % 16 / 4) + 4 * l + i % 4];
@@ -395,16 +424,22 @@ impl Packed {
                     };
                     let ps = (p * (blocks / 8) + b / 8) * PANEL + l;
                     let min = mn[((p * (blocks / 8) + b / 8) * 4 + b % 8 / 2) * 16 + 2 * l + b % 2];
-                    // `sc * q` has at most 10 significant bits and `d` 11, `mn` 6 and `dmin` 11: both products are
-                    // exact in f32, and the sum is rounded once, as ggml's dequantization rounds it.
-                    d[ps] * (sc[pb * PANEL + l] as i32 * code as i32) as f32 + dmin[ps] * min as f32
+                    // ggml's order, `(d * sc) * q - dmin * mn` (`dmin` is held negated): both products are exact in
+                    // f32 (at most 11 + 6 + 5 and 11 + 6 significant bits), the sum rounded once.
+                    *o = d[ps] * sc[pb * PANEL + l] as f32 * code as f32 + dmin[ps] * min as f32;
                 }
-                Data::F16(w) => half::f16::from_bits(w[row * self.k + col]).to_f32(),
-                Data::Bf16(w) => half::bf16::from_bits(w[row * self.k + col]).to_f32(),
             }
-        };
-        let weight = &weight;
-        (0..self.n).flat_map(|row| (0..self.k).map(move |col| weight(row, col))).collect()
+            Data::F16(w) => {
+                for (o, &bits) in out.iter_mut().zip(&w[row * k..(row + 1) * k]) {
+                    *o = half::f16::from_bits(bits).to_f32();
+                }
+            }
+            Data::Bf16(w) => {
+                for (o, &bits) in out.iter_mut().zip(&w[row * k..(row + 1) * k]) {
+                    *o = half::bf16::from_bits(bits).to_f32();
+                }
+            }
+        }
     }
 
     /// 4-bit codes standing for `d * (code - 8)` (`Data::Q4` without offsets).
@@ -978,7 +1013,8 @@ fn hsum8(a: [f32; 8]) -> f32 {
 /// requantized layouts, types the kernels do not take).
 pub enum Matrix {
     Candle(QMatMul),
-    Packed(Packed),
+    /// Shared (`Arc`) with a tied embedding table that looks its rows up in it.
+    Packed(Arc<Packed>),
 }
 
 impl Matrix {
@@ -986,7 +1022,7 @@ impl Matrix {
     pub fn new(t: QTensor, device: &Device) -> candle_core::Result<Matrix> {
         if device.is_cpu() {
             if let Some(p) = Packed::from_qtensor(&t)? {
-                return Ok(Matrix::Packed(p));
+                return Ok(Matrix::Packed(Arc::new(p)));
             }
         }
         Ok(Matrix::Candle(QMatMul::from_qtensor(t)?))
@@ -1006,7 +1042,7 @@ impl Matrix {
             _ => return Ok(None),
         };
         let bytes: Vec<u8> = bits.into_iter().flat_map(u16::to_le_bytes).collect();
-        Ok(pack::pack(dtype, &bytes, n, k).map_err(candle_core::Error::Msg)?.map(Matrix::Packed))
+        Ok(pack::pack(dtype, &bytes, n, k).map_err(candle_core::Error::Msg)?.map(|p| Matrix::Packed(Arc::new(p))))
     }
 
     /// The matrix's columns, the width of the rows it multiplies.
@@ -1038,7 +1074,7 @@ impl Matrix {
 
     /// The matrices as the kernels', when every one is packed and of one width (of any kinds: [`matmul_grouped`]).
     fn packed_group<'a>(weights: &[&'a Matrix]) -> Option<Vec<&'a Packed>> {
-        let packed: Vec<&Packed> = weights.iter().map(|w| if let Matrix::Packed(p) = w { Some(p) } else { None }).collect::<Option<_>>()?;
+        let packed: Vec<&Packed> = weights.iter().map(|w| if let Matrix::Packed(p) = w { Some(&**p) } else { None }).collect::<Option<_>>()?;
         let first = packed.first()?;
         packed.iter().all(|p| p.k == first.k).then_some(packed)
     }
@@ -1069,7 +1105,7 @@ impl Matrix {
     /// Gate, up and down as the kernels' when all three are packed and their shapes chain.
     fn ffn_parts<'a>(gate: &'a Matrix, up: &'a Matrix, down: &'a Matrix) -> Option<[&'a Packed; 3]> {
         let (Matrix::Packed(g), Matrix::Packed(u), Matrix::Packed(d)) = (gate, up, down) else { return None };
-        (g.k == u.k && g.n == u.n && d.k == g.n).then_some([g, u, d])
+        (g.k == u.k && g.n == u.n && d.k == g.n).then_some([&**g, &**u, &**d])
     }
 
     /// [`Matrix::ffn_packed`] on host memory: `x` `[m, k]` row-major f32, the output `[m, down's rows]`; the

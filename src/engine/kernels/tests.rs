@@ -54,8 +54,8 @@ fn packing_keeps_every_value_the_file_stores() {
         let largest = candle.iter().fold(0f32, |a, v| a.max(v.abs()));
         let exact = ours.iter().zip(&candle).filter(|(a, b)| a == b).count();
         // `d * q + m` and candle's `d * (q - c)` are the same real number; f32 may round them differently, by an
-        // ulp. Q6_K's weight, `d` times the integer `sc * (q - 32)` (Q3_K's `sc * (q - 4)`), is exact both ways, and Q4_K's and Q5_K's `d *
-        // (sc * q) - dmin * mn` rounds once, as candle's `(d * sc) * q - dmin * mn` does: every one bit-identical.
+        // ulp. The per-256 types' weights are computed in ggml's order (`(d * sc) * (q - 32)`, `(d * sc) * q - dmin *
+        // mn`): every one bit-identical.
         for (i, (a, b)) in ours.iter().zip(&candle).enumerate() {
             assert!((a - b).abs() <= largest * 1e-6, "{dtype:?} weight {i}: packed {a}, candle {b}");
         }
@@ -734,7 +734,7 @@ fn a_task_larger_than_its_cache_slice_computes_every_row_once() {
 fn the_fused_feed_forward_network_is_its_products_and_activation() {
     use elementwise::Activation;
     let (k, hidden, m) = (576, 64, 5);
-    let wrap = |q: QTensor| Matrix::Packed(Packed::from_qtensor(&q).unwrap().unwrap());
+    let wrap = |q: QTensor| Matrix::Packed(std::sync::Arc::new(Packed::from_qtensor(&q).unwrap().unwrap()));
     let (gate, up, down) = (wrap(matrix(GgmlDType::Q8_0, hidden, k, 1)), wrap(matrix(GgmlDType::Q4_1, hidden, k, 2)), wrap(matrix(GgmlDType::F16, k, hidden, 3)));
     let x = activations(m, k, 4);
     let mut outputs = Vec::new();

@@ -15,7 +15,7 @@ use crate::engine::models::moe::{Expert, Experts, Router};
 use super::{Embedding, Layer, Model, ModelConfig, ModelInfo, Weights, MAX_CONTEXT};
 use crate::engine::models::gemma::{GemmaConfig, PostNorms};
 use crate::engine::models::lanes::Vector;
-use crate::engine::kernels::Matrix;
+use crate::engine::kernels::{Matrix, Packed};
 use crate::engine::parallel::RankSlice;
 use crate::engine::ModelError;
 use crate::job::CpuWeights;
@@ -815,16 +815,28 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
     };
     // The table (on the CPU as stored, its rows dequantized when looked up; dequantized whole elsewhere) and, for a
     // tied output projection on the rank that computes the logits, as stored.
+    // On the CPU, a tied table the kernels take as stored is held once: the output projection's matrix, its rows
+    // looked up there ([`Embedding::Packed`]: the same values).
     let tied = slice.rank == 0 && !content.tensor_infos.contains_key("output.weight");
-    let (embedding, embedding_q) = match shared {
-        Some(table) if slice.rank > 0 => (table.clone(), None),
+    let (embedding, mut embedding_q, mut tied_head) = match shared {
+        Some(table) if slice.rank > 0 => (table.clone(), None, None),
         _ if device.is_cpu() => {
-            let table = Embedding::Stored { table: std::sync::Arc::new(qtensor("token_embd.weight")?), width };
-            (table, if tied { Some(qtensor("token_embd.weight")?) } else { None })
+            let q = qtensor("token_embd.weight")?;
+            let packed = match tied && matches!(layout, Layout::AsStored | Layout::Stored16(_)) {
+                true => Packed::from_qtensor(&q).map_err(fmt)?.map(std::sync::Arc::new),
+                false => None,
+            };
+            match packed {
+                Some(p) => (Embedding::Packed { matrix: p.clone(), width }, None, Some(Matrix::Packed(p))),
+                None => {
+                    let table = Embedding::Stored { table: std::sync::Arc::new(q), width };
+                    (table, if tied { Some(qtensor("token_embd.weight")?) } else { None }, None)
+                }
+            }
         }
         _ => {
             let q = qtensor("token_embd.weight")?;
-            (Embedding::Dense(q.dequantize(device).and_then(|e| e.pad_with_zeros(1, 0, width - d)).map_err(fmt)?), Some(q))
+            (Embedding::Dense(q.dequantize(device).and_then(|e| e.pad_with_zeros(1, 0, width - d)).map_err(fmt)?), Some(q), None)
         }
     };
     let (q, kv) = (config.heads * hd, config.kv_heads * hd);
@@ -999,11 +1011,12 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
     let lm_head = match (slice.rank == 0, content.tensor_infos.contains_key("output.weight")) {
         (false, _) => None,
         (true, true) => Some(qtensor("output.weight")?),
-        (true, false) => Some(embedding_q.ok_or_else(|| ModelError::Metadata("the first rank's embedding table was not read (a bug)".into()))?),
+        (true, false) if tied_head.is_some() => None,
+        (true, false) => Some(embedding_q.take().ok_or_else(|| ModelError::Metadata("the first rank's embedding table was not read (a bug)".into()))?),
     };
     let lm_head = match lm_head {
         Some(t) => Some(lay_out(if tp { to_device(t, device).map_err(fmt)? } else { t }, config.vocab_size, width, layout.for_output(), device).and_then(|t| matrix(t, layout, device)).map_err(fmt)?),
-        None => None,
+        None => tied_head.take(),
     };
     if tp {
         config.ffn_size = slice.ffn(config.ffn_size).len();

@@ -866,10 +866,22 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, weights: CpuWeigh
         let part = slice.ffn(width);
         Ok([dense(cut(gate, false, part.clone())?)?, dense(cut(up, false, part.clone())?)?, dense(cut(down, true, part)?)?])
     };
-    // On the CPU a 16-bit table stays in 16 bits, its rows widened when looked up ([`Embedding`]).
+    // On the CPU a 16-bit table stays in 16 bits, its rows widened when looked up ([`Embedding`]); tied to the
+    // output projection, it is held once, as that matrix in the kernels' layout ([`Embedding::Packed`]).
+    let mut tied_head = None;
     let embedding = match shared {
         Some(table) if slice.rank > 0 => table.clone(),
         _ => match load_matrix("model.embed_tokens.weight")? {
+            t if t.dtype() != dtype && variant.tied && slice.rank == 0 => match dense(t.clone())? {
+                Matrix::Packed(p) => {
+                    tied_head = Some(Matrix::Packed(p.clone()));
+                    Embedding::Packed { width: p.columns(), matrix: p }
+                }
+                other => {
+                    tied_head = Some(other);
+                    Embedding::Sixteen(t)
+                }
+            },
             t if t.dtype() != dtype => Embedding::Sixteen(t),
             t => Embedding::Dense(t),
         },
@@ -974,6 +986,7 @@ pub fn load(dir: &Path, device: &Device, dtype: Option<DType>, weights: CpuWeigh
     let lm_head = match (slice.rank == 0, variant.tied) {
         (false, _) => None,
         // Tied: the embedding's tensor (16-bit as stored on the CPU), packed as the other matrices are held.
+        (true, true) if tied_head.is_some() => tied_head.take(),
         (true, true) => Some(dense(embedding.tensor().cloned().ok_or_else(|| ModelError::Metadata("a tied embedding table not held as a tensor (a bug)".into()))?)?),
         (true, false) => Some(dense(load_matrix("lm_head.weight")?)?),
     };

@@ -529,6 +529,7 @@ impl Model {
         let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let lm_head = match &self.lm_head {
             Some(Matrix::Candle(QMatMul::Tensor(t))) if self.embedding.is(t) => 0,
+            Some(m) if self.embedding.holds(m) => 0,
             Some(other) => other.bytes(),
             None => 0,
         };
