@@ -496,6 +496,9 @@ struct Rows<'t> {
     out: Vec<f32>,
     weights: Vec<f32>,
     ranges: Vec<(usize, usize)>,
+    /// The rows' queries transposed per group of rows scored together ([`tile::transpose`]), row `r`'s group from
+    /// `r x head_dim`: set per [`Rows::attend`].
+    qt: Vec<f32>,
     k_scratch: Vec<f32>,
     v_scratch: Vec<Vec<f32>>,
 }
@@ -536,6 +539,7 @@ impl<'t> Rows<'t> {
             out: vec![0f32; rows * hd],
             weights: vec![0f32; rows * CHUNK],
             ranges: vec![(0, 0); rows],
+            qt: vec![0f32; rows * hd],
             k_scratch: scratch(0),
             v_scratch: (0..CHUNK_BLOCKS).map(scratch).collect(),
         };
@@ -653,8 +657,19 @@ impl<'t> Rows<'t> {
     #[inline(always)]
     fn attend<const SR: usize, const VR: usize, const W: usize, const W1: usize>(&mut self, rows: std::ops::Range<usize>, blocks: &[Arc<HostBlock>], from: usize, to: usize, decoding: bool) {
         let (layer, kv, hd, q) = (self.layer, self.kv, self.hd, self.q);
-        let queries = &self.queries;
-        let query = |r: usize| &q[queries[r]..][..hd];
+        // The rows scored together: `SR` at a time, then 4, 3, 2 or 1; their queries transposed once here.
+        let group = |left: usize| match left {
+            n if n >= SR => SR,
+            n if n >= 4 => 4,
+            n => n,
+        };
+        let mut r = rows.start;
+        while r < rows.end {
+            let n = group(rows.end - r);
+            let tile: Vec<&[f32]> = (r..r + n).map(|r| &q[self.queries[r]..][..hd]).collect();
+            tile::transpose(&tile, hd, &mut self.qt[r * hd..(r + n) * hd]);
+            r += n;
+        }
         for c0 in (from - from % CHUNK_BLOCKS..to).step_by(CHUNK_BLOCKS) {
             let (lo, hi) = (from.max(c0), to.min(c0 + CHUNK_BLOCKS));
             for b in lo..hi {
@@ -672,30 +687,20 @@ impl<'t> Rows<'t> {
                 let keys = blocks[b].keys[layer].read(kv * hd * BLOCK, hd * BLOCK, &mut self.k_scratch);
                 let mut r = rows.start;
                 while r < rows.end {
-                    let at = &mut self.weights[r * CHUNK..];
+                    let n = group(rows.end - r);
+                    let (at, qt) = (&mut self.weights[r * CHUNK..], &self.qt[r * hd..(r + n) * hd]);
                     let (slot, ahead) = (b - c0, if r == rows.start { ahead } else { [Ahead::NONE; 2] });
-                    r += match rows.end - r {
-                        n if n >= SR => {
-                            tile::scores::<SR>(at, std::array::from_fn(|i| query(r + i)), keys, slot, ahead);
-                            SR
+                    if n == SR {
+                        tile::scores::<SR>(at, qt.as_chunks().0, keys, slot, ahead);
+                    } else {
+                        match n {
+                            4 => tile::scores::<4>(at, qt.as_chunks().0, keys, slot, ahead),
+                            3 => tile::scores::<3>(at, qt.as_chunks().0, keys, slot, ahead),
+                            2 => tile::scores::<2>(at, qt.as_chunks().0, keys, slot, ahead),
+                            _ => tile::scores::<1>(at, qt.as_chunks().0, keys, slot, ahead),
                         }
-                        n if n >= 4 => {
-                            tile::scores::<4>(at, std::array::from_fn(|i| query(r + i)), keys, slot, ahead);
-                            4
-                        }
-                        3 => {
-                            tile::scores::<3>(at, std::array::from_fn(|i| query(r + i)), keys, slot, ahead);
-                            3
-                        }
-                        2 => {
-                            tile::scores::<2>(at, std::array::from_fn(|i| query(r + i)), keys, slot, ahead);
-                            2
-                        }
-                        _ => {
-                            tile::scores::<1>(at, [query(r)], keys, slot, ahead);
-                            1
-                        }
-                    };
+                    }
+                    r += n;
                 }
             }
             let base = c0 * BLOCK;

@@ -39,21 +39,23 @@ pub fn tree<const N: usize>(mut v: [f32; N], op: impl Fn(f32, f32) -> f32) -> f3
 }
 
 /// Scores of `R` consecutive rows against one block of keys stored `[head_dim][BLOCK]`, into the rows' slots of
-/// block `slot` of the chunk (`scores` is `[R][CHUNK]`). `R x BLOCK` sums held in registers, each over the head's
+/// block `slot` of the chunk (`scores` is `[R][CHUNK]`). The rows' queries come transposed ([`transpose`]:
+/// `queries[d]` holds the `R` rows' dimension `d`). `R x BLOCK` sums held in registers, each over the head's
 /// dimensions in order. Line `d` of `ahead_k` and of `ahead_v` is asked for at dimension `d`.
 #[inline(always)]
-pub fn scores<const R: usize>(scores: &mut [f32], queries: [&[f32]; R], keys: &[f32], slot: usize, ahead: [Ahead<'_>; 2]) {
+pub fn scores<const R: usize>(scores: &mut [f32], queries: &[[f32; R]], keys: &[f32], slot: usize, ahead: [Ahead<'_>; 2]) {
     let mut s = [[0f32; BLOCK]; R];
     let (keys, _) = keys.as_chunks::<BLOCK>();
-    // (Each `queries[i][d]` keeps its bounds check: without them the compiler vectorizes across the rows instead,
-    // with gathers, and the scores take 4 times as long.)
-    for (d, k) in keys.iter().enumerate() {
+    assert_eq!(queries.len(), keys.len(), "queries and keys of one head width (a bug)");
+    // The rows' values of dimension `d` side by side, one array per dimension: no bounds check per row and
+    // dimension (they were half the loop's instructions, the queries read row by row).
+    for (d, (k, q)) in keys.iter().zip(queries).enumerate() {
         ahead[0].line(d);
         ahead[1].line(d);
         // A local copy: one load of the row for all R rows (borrowed, each row reloads it).
         let k: [f32; BLOCK] = *k;
         for i in 0..R {
-            let qd = queries[i][d];
+            let qd = q[i];
             for c in 0..BLOCK {
                 s[i][c] = qd.mul_add(k[c], s[i][c]);
             }
@@ -61,6 +63,19 @@ pub fn scores<const R: usize>(scores: &mut [f32], queries: [&[f32]; R], keys: &[
     }
     for (i, s) in s.iter().enumerate() {
         scores[i * CHUNK + slot * BLOCK..][..BLOCK].copy_from_slice(s);
+    }
+}
+
+/// `R` query rows of `hd` values each as [`scores`] takes them, into `out` (`R x hd` values): dimension `d` of row
+/// `i` at `out[d R + i]`.
+#[inline(always)]
+pub fn transpose(rows: &[&[f32]], hd: usize, out: &mut [f32]) {
+    let n = rows.len();
+    assert!(out.len() == n * hd && rows.iter().all(|r| r.len() >= hd), "a query tile's shape (a bug)");
+    for (i, row) in rows.iter().enumerate() {
+        for (d, &v) in row[..hd].iter().enumerate() {
+            out[d * n + i] = v;
+        }
     }
 }
 
@@ -133,20 +148,27 @@ pub fn softmax_step(row: &mut [f32; CHUNK], from: usize, to: usize, scoring: Sco
 #[inline(always)]
 pub fn accumulate<const R: usize, const W: usize>(out: &mut [f32], weights: &[f32], values: &[&[f32]; CHUNK_BLOCKS], from: usize, to: usize) {
     let hd = out.len() / R;
+    assert!(to <= CHUNK && weights.len() >= R * CHUNK && hd.is_multiple_of(W), "a chunk's weighted values (a bug)");
+    let w: [&[f32; CHUNK]; R] = std::array::from_fn(|i| weights[i * CHUNK..(i + 1) * CHUNK].try_into().expect("a chunk"));
     for j0 in (0..hd).step_by(W) {
         let mut acc = [[0f32; W]; R];
         for (i, a) in acc.iter_mut().enumerate() {
             a.copy_from_slice(&out[i * hd + j0..][..W]);
         }
-        for p in from..to {
-            // A local copy: one load of the values for all R rows (borrowed, each row reloads them).
-            let v: [f32; W] = values[p / BLOCK][(p % BLOCK) * hd + j0..][..W].try_into().expect("W values");
-            for i in 0..R {
-                let w = weights[i * CHUNK + p];
-                for j in 0..W {
-                    acc[i][j] = w.mul_add(v[j], acc[i][j]);
+        let mut p = from;
+        while p < to {
+            let (b, end) = (p / BLOCK, to.min((p / BLOCK + 1) * BLOCK));
+            // This block's positions `p..end`, `W` values of each from dimension `j0`.
+            for (p, v) in (p..end).zip(values[b][(p % BLOCK) * hd + j0..].chunks(hd)) {
+                let v: [f32; W] = v[..W].try_into().expect("W values");
+                for i in 0..R {
+                    let w = w[i][p];
+                    for j in 0..W {
+                        acc[i][j] = w.mul_add(v[j], acc[i][j]);
+                    }
                 }
             }
+            p = end;
         }
         for (i, a) in acc.iter().enumerate() {
             out[i * hd + j0..][..W].copy_from_slice(a);
@@ -212,24 +234,45 @@ mod tests {
             f(&mut out);
             out
         };
-        let reference = run(&|o| accumulate_rows::<1, 1, 1>(o, &weights, &values, &ranges, hd));
+        // Each element summed in position order, `fma(w[p], v[p], o)`, written out plainly.
+        let reference = run(&|o| {
+            for (r, &(from, to)) in ranges.iter().enumerate() {
+                for p in from..to {
+                    for j in 0..hd {
+                        o[r * hd + j] = weights[r * CHUNK + p].mul_add(values[p / BLOCK][(p % BLOCK) * hd + j], o[r * hd + j]);
+                    }
+                }
+            }
+        });
+        assert_eq!(run(&|o| accumulate_rows::<1, 1, 1>(o, &weights, &values, &ranges, hd)), reference);
         assert_eq!(run(&|o| accumulate_rows::<4, 16, 48>(o, &weights, &values, &ranges, hd)), reference);
         assert_eq!(run(&|o| accumulate_rows::<2, 48, 16>(o, &weights, &values, &ranges, hd)), reference);
         assert_eq!(run(&|o| accumulate_rows::<3, 64, 24>(o, &weights, &values, &ranges, hd)), reference);
         let keys = noise(hd * BLOCK, 3);
+        // Scores as a row's dot products, each `fma(q[d], k[d], s)` over the dimensions in order.
+        let direct = |q: &[f32], c: usize| (0..hd).fold(0f32, |s, d| q[d].mul_add(keys[d * BLOCK + c], s));
+        let tile = |q: &[f32], n: usize| {
+            let rows: Vec<&[f32]> = (0..n).map(|i| &q[i * hd..(i + 1) * hd]).collect();
+            let mut t = vec![0f32; n * hd];
+            transpose(&rows, hd, &mut t);
+            t
+        };
         let q = noise(4 * hd, 5);
         let mut one = vec![0f32; 4 * CHUNK];
         let mut four = vec![0f32; 4 * CHUNK];
         for i in 0..4 {
-            scores::<1>(&mut one[i * CHUNK..], [&q[i * hd..(i + 1) * hd]], &keys, 1, [Ahead::NONE; 2]);
+            scores::<1>(&mut one[i * CHUNK..], tile(&q[i * hd..], 1).as_chunks().0, &keys, 1, [Ahead::NONE; 2]);
+            for c in 0..BLOCK {
+                assert_eq!(one[i * CHUNK + BLOCK + c].to_bits(), direct(&q[i * hd..], c).to_bits());
+            }
         }
-        scores::<4>(&mut four, std::array::from_fn(|i| &q[i * hd..(i + 1) * hd]), &keys, 1, [Ahead::NONE; 2]);
+        scores::<4>(&mut four, tile(&q, 4).as_chunks().0, &keys, 1, [Ahead::NONE; 2]);
         assert_eq!(one, four);
         let mut six = vec![0f32; 6 * CHUNK];
         let q = noise(6 * hd, 13);
-        scores::<6>(&mut six, std::array::from_fn(|i| &q[i * hd..(i + 1) * hd]), &keys, 2, [Ahead::NONE; 2]);
+        scores::<6>(&mut six, tile(&q, 6).as_chunks().0, &keys, 2, [Ahead::NONE; 2]);
         for i in 0..6 {
-            scores::<1>(&mut one[..CHUNK], [&q[i * hd..(i + 1) * hd]], &keys, 2, [Ahead::NONE; 2]);
+            scores::<1>(&mut one[..CHUNK], tile(&q[i * hd..], 1).as_chunks().0, &keys, 2, [Ahead::NONE; 2]);
             assert_eq!(one[2 * BLOCK..3 * BLOCK], six[i * CHUNK + 2 * BLOCK..][..BLOCK]);
         }
     }
