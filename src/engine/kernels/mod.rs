@@ -299,13 +299,13 @@ enum Data {
     /// Q4_K as stored: 4-bit codes `q` chunked as `Q4`; per block of 32 an unsigned 6-bit scale `sc`
     /// (`[panel, block, 8]`) and min `mn` (kept as 16-bit pairs for `vpmaddwd`: `[panel, k / 256, 4, 8, 2]`, lane
     /// `l`'s `mn` of blocks `2t` and `2t + 1` of the 256); per 256, `d` and the min's scale negated, `-dmin`
-    /// (`[panel, k / 256, 8]`); weight = `d * sc * q - dmin * mn`: 4.75 bits a weight. Its products take the
+    /// (`[panel, k / 256, 8]`); weight = `d * sc * q - dmin * mn`: 5 bits a weight (the file's 4.5). Its products take the
     /// activations quantized per 256 ([`Acts::supers`]): per 256, the exact integers `sum over the 8 blocks of sc *
     /// sum(q x)` (at most 8 x 63 x 32 x 15 x 127 < 2^25) and `sum of mn * sum(x)`, then two float steps, `acc =
     /// fma(sum, d_w * d_x, acc)`, `acc = fma(msum, -dmin_w * d_x, acc)`.
     K4 { qs: Vec<u8>, sc: Vec<u8>, mn: Vec<i16>, d: Vec<f32>, dmin: Vec<f32> },
     /// Q5_K as stored: its 5-bit codes one per byte, chunked as `U8`, and `K4`'s scales, mins, `d` and `-dmin`:
-    /// weight = `d * sc * q - dmin * mn`, 8.75 bits a weight (the `U8` layout it had took 12). Its products are
+    /// weight = `d * sc * q - dmin * mn`, 9 bits a weight (the `U8` layout it had took 12). Its products are
     /// `K4`'s (`sum of sc x sum(q x)` at most 8 x 63 x 32 x 31 x 127 < 2^26).
     K5 { qs: Vec<u8>, sc: Vec<u8>, mn: Vec<i16>, d: Vec<f32>, dmin: Vec<f32> },
     /// IEEE half-precision bits.
