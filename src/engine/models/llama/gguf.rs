@@ -920,6 +920,8 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
             .collect::<candle_core::Result<_>>()
             .map_err(fmt)?;
         laid_out.extend(layer);
+        // The file's copies of these layers are freed: their pages go back now, not at the process's end.
+        crate::alloc::release_free_memory();
     }
     let mut matrices = laid_out.into_iter();
     let mut layers = Vec::with_capacity(config.layers);

@@ -436,6 +436,8 @@ impl Model {
 
     /// A model from its weights. `weights.embedding`'s width is the hidden state's width in memory.
     fn assemble(config: ModelConfig, device: &Device, weights: Weights) -> Model {
+        // What the loader read and freed (the file's copies, a table as stored) goes back to the system.
+        crate::alloc::release_free_memory();
         let Weights { embedding, layers, mut post_norms, output_norm, lm_head, attn_width, layout } = weights;
         tracing::info!(architecture = %config.architecture, embedding = %embedding.describe(), "token embedding table");
         if let Some(gemma) = &config.gemma {
