@@ -248,23 +248,14 @@ mod tests {
             return;
         }
         let page = 4096usize;
-        let mut freed = Vec::new();
-        let mut kept = Vec::new();
+        let (mut freed, mut kept) = (Vec::new(), Vec::new());
         for i in 0..48 {
             let buffer = vec![(i % 251) as u8 + 1; 1 << 20];
-            if i % 2 == 0 {
-                // The whole pages inside the buffer.
-                let start = (buffer.as_ptr() as usize).next_multiple_of(page);
-                let end = (buffer.as_ptr() as usize + buffer.len()) / page * page;
-                freed.push((start, end, buffer));
-            } else {
-                kept.push(buffer);
-            }
+            if i % 2 == 0 { freed.push(buffer) } else { kept.push(buffer) }
         }
-        let ranges: Vec<(usize, usize)> = freed.drain(..).map(|(start, end, buffer)| {
-            drop(buffer);
-            (start, end)
-        }).collect();
+        // The whole pages inside each buffer to be freed: addresses only, kept past the free.
+        let ranges: Vec<(usize, usize)> = freed.iter().map(|b| (b.as_ptr() as usize, b.as_ptr() as usize + b.len())).map(|(s, e)| (s.next_multiple_of(page), e / page * page)).collect();
+        drop(freed);
         let resident = || {
             let (mut yes, mut all) = (0usize, 0usize);
             for &(start, end) in &ranges {

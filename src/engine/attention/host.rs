@@ -666,8 +666,7 @@ impl<'t> Rows<'t> {
         let mut r = rows.start;
         while r < rows.end {
             let n = group(rows.end - r);
-            let tile: Vec<&[f32]> = (r..r + n).map(|r| &q[self.queries[r]..][..hd]).collect();
-            tile::transpose(&tile, hd, &mut self.qt[r * hd..(r + n) * hd]);
+            tile::transpose(q, &self.queries[r..r + n], hd, &mut self.qt[r * hd..(r + n) * hd]);
             r += n;
         }
         for c0 in (from - from % CHUNK_BLOCKS..to).step_by(CHUNK_BLOCKS) {
@@ -690,15 +689,12 @@ impl<'t> Rows<'t> {
                     let n = group(rows.end - r);
                     let (at, qt) = (&mut self.weights[r * CHUNK..], &self.qt[r * hd..(r + n) * hd]);
                     let (slot, ahead) = (b - c0, if r == rows.start { ahead } else { [Ahead::NONE; 2] });
-                    if n == SR {
-                        tile::scores::<SR>(at, qt.as_chunks().0, keys, slot, ahead);
-                    } else {
-                        match n {
-                            4 => tile::scores::<4>(at, qt.as_chunks().0, keys, slot, ahead),
-                            3 => tile::scores::<3>(at, qt.as_chunks().0, keys, slot, ahead),
-                            2 => tile::scores::<2>(at, qt.as_chunks().0, keys, slot, ahead),
-                            _ => tile::scores::<1>(at, qt.as_chunks().0, keys, slot, ahead),
-                        }
+                    match n {
+                        n if n == SR => tile::scores::<SR>(at, qt.as_chunks().0, keys, slot, ahead),
+                        4 => tile::scores::<4>(at, qt.as_chunks().0, keys, slot, ahead),
+                        3 => tile::scores::<3>(at, qt.as_chunks().0, keys, slot, ahead),
+                        2 => tile::scores::<2>(at, qt.as_chunks().0, keys, slot, ahead),
+                        _ => tile::scores::<1>(at, qt.as_chunks().0, keys, slot, ahead),
                     }
                     r += n;
                 }

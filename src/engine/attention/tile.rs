@@ -66,14 +66,14 @@ pub fn scores<const R: usize>(scores: &mut [f32], queries: &[[f32; R]], keys: &[
     }
 }
 
-/// `R` query rows of `hd` values each as [`scores`] takes them, into `out` (`R x hd` values): dimension `d` of row
-/// `i` at `out[d R + i]`.
+/// `R` query rows of `hd` values each (`q[starts[i]..][..hd]`) as [`scores`] takes them, into `out` (`R x hd`
+/// values): dimension `d` of row `i` at `out[d R + i]`.
 #[inline(always)]
-pub fn transpose(rows: &[&[f32]], hd: usize, out: &mut [f32]) {
-    let n = rows.len();
-    assert!(out.len() == n * hd && rows.iter().all(|r| r.len() >= hd), "a query tile's shape (a bug)");
-    for (i, row) in rows.iter().enumerate() {
-        for (d, &v) in row[..hd].iter().enumerate() {
+pub fn transpose(q: &[f32], starts: &[usize], hd: usize, out: &mut [f32]) {
+    let n = starts.len();
+    assert_eq!(out.len(), n * hd, "a query tile's shape (a bug)");
+    for (i, &start) in starts.iter().enumerate() {
+        for (d, &v) in q[start..][..hd].iter().enumerate() {
             out[d * n + i] = v;
         }
     }
@@ -252,9 +252,9 @@ mod tests {
         // Scores as a row's dot products, each `fma(q[d], k[d], s)` over the dimensions in order.
         let direct = |q: &[f32], c: usize| (0..hd).fold(0f32, |s, d| q[d].mul_add(keys[d * BLOCK + c], s));
         let tile = |q: &[f32], n: usize| {
-            let rows: Vec<&[f32]> = (0..n).map(|i| &q[i * hd..(i + 1) * hd]).collect();
+            let starts: Vec<usize> = (0..n).map(|i| i * hd).collect();
             let mut t = vec![0f32; n * hd];
-            transpose(&rows, hd, &mut t);
+            transpose(q, &starts, hd, &mut t);
             t
         };
         let q = noise(4 * hd, 5);

@@ -814,11 +814,11 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
         to_device(t, device)
     };
     // The table (on the CPU as stored, its rows dequantized when looked up; dequantized whole elsewhere) and, for a
-    // tied output projection on the rank that computes the logits, as stored.
-    // On the CPU, a tied table the kernels take as stored is held once: the output projection's matrix, its rows
-    // looked up there ([`Embedding::Packed`]: the same values).
+    // tied output projection on the rank that computes the logits, as stored. On the CPU, a tied table the kernels
+    // take as stored is held once: the output projection's matrix (`tied_head`), its rows looked up there
+    // ([`Embedding::Packed`]: the same values).
     let tied = slice.rank == 0 && !content.tensor_infos.contains_key("output.weight");
-    let (embedding, mut embedding_q, mut tied_head) = match shared {
+    let (embedding, embedding_q, tied_head) = match shared {
         Some(table) if slice.rank > 0 => (table.clone(), None, None),
         _ if device.is_cpu() => {
             let q = qtensor("token_embd.weight")?;
@@ -1010,15 +1010,15 @@ pub(super) fn load(path: &Path, device: &Device, layout: impl FnOnce(&ModelConfi
     let output_norm = output_norm.dequantize(device).and_then(|w| padded_norm(w, width)).map_err(fmt)?;
     // Tied embeddings: without `output.weight`, the embedding matrix is the output projection. A tensor-parallel
     // model's logits are its first rank's alone.
-    let lm_head = match (slice.rank == 0, content.tensor_infos.contains_key("output.weight")) {
+    let stored = match (slice.rank == 0, content.tensor_infos.contains_key("output.weight")) {
         (false, _) => None,
+        _ if tied_head.is_some() => None,
         (true, true) => Some(qtensor("output.weight")?),
-        (true, false) if tied_head.is_some() => None,
-        (true, false) => Some(embedding_q.take().ok_or_else(|| ModelError::Metadata("the first rank's embedding table was not read (a bug)".into()))?),
+        (true, false) => Some(embedding_q.ok_or_else(|| ModelError::Metadata("the first rank's embedding table was not read (a bug)".into()))?),
     };
-    let lm_head = match lm_head {
+    let lm_head = match stored {
         Some(t) => Some(lay_out(if tp { to_device(t, device).map_err(fmt)? } else { t }, config.vocab_size, width, layout.for_output(), device).and_then(|t| matrix(t, layout, device)).map_err(fmt)?),
-        None => tied_head.take(),
+        None => tied_head,
     };
     if tp {
         config.ffn_size = slice.ffn(config.ffn_size).len();
