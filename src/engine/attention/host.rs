@@ -701,11 +701,10 @@ impl<'t> Rows<'t> {
             }
             let base = c0 * BLOCK;
             for r in rows.clone() {
-                let range = (self.first[r].saturating_sub(base).min(CHUNK), self.visible[r].saturating_sub(base).min(CHUNK));
-                self.ranges[r] = range;
-                let row: &mut [f32; CHUNK] = (&mut self.weights[r * CHUNK..(r + 1) * CHUNK]).try_into().expect("a chunk of weights");
-                tile::softmax_step(row, range.0, range.1, self.scoring, &mut self.max[r], &mut self.sum[r], &mut self.out[r * hd..(r + 1) * hd]);
+                self.ranges[r] = (self.first[r].saturating_sub(base).min(CHUNK), self.visible[r].saturating_sub(base).min(CHUNK));
             }
+            let (w, o) = (&mut self.weights[rows.start * CHUNK..rows.end * CHUNK], &mut self.out[rows.start * hd..rows.end * hd]);
+            tile::softmax_rows(w, &self.ranges[rows.clone()], self.scoring, &mut self.max[rows.clone()], &mut self.sum[rows.clone()], o);
             let mut values: [&[f32]; CHUNK_BLOCKS] = [&[]; CHUNK_BLOCKS];
             for (b, vs) in (lo..hi).zip(self.v_scratch.iter_mut()) {
                 values[b - c0] = blocks[b].values[layer].read(kv * BLOCK * hd, BLOCK * hd, vs);

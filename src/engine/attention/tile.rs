@@ -96,7 +96,51 @@ pub fn softmax_step(row: &mut [f32; CHUNK], from: usize, to: usize, scoring: Sco
         *row = [0.0; CHUNK];
         return;
     }
-    // Soft-capped scores are capped once here, and then scaled by 1.
+    let (new_max, scale) = chunk_max(row, from, to, scoring, *max);
+    let correction = exp(*max - new_max);
+    chunk_weights(row, from, to, scale, new_max, correction, max, sum, out);
+}
+
+/// [`softmax_step`] for consecutive rows (row `i`: `weights[i x CHUNK..]`, positions `ranges[i]`, `max[i]`, `sum[i]`,
+/// `out[i x head_dim..]`), the same operations on each row. Eight rows' corrections (`exp(max - new max)`) are
+/// computed side by side: row by row, each was a chain of two dozen dependent operations between the row's maximum
+/// and its weights.
+#[inline(always)]
+pub fn softmax_rows(weights: &mut [f32], ranges: &[(usize, usize)], scoring: Scoring, max: &mut [f32], sum: &mut [f32], out: &mut [f32]) {
+    const G: usize = 8;
+    let n = ranges.len();
+    assert!(weights.len() == n * CHUNK && max.len() == n && sum.len() == n && out.len().is_multiple_of(n.max(1)), "a softmax step's rows (a bug)");
+    let hd = out.len() / n.max(1);
+    let (rows, _) = weights.as_chunks_mut::<CHUNK>();
+    for g0 in (0..n).step_by(G) {
+        let g = (n - g0).min(G);
+        // Rows that see nothing of the chunk keep their maximum (a correction of 1, not used).
+        let (mut old, mut new, mut scale) = ([0f32; G], [0f32; G], [0f32; G]);
+        for i in 0..g {
+            let r = g0 + i;
+            let (from, to) = ranges[r];
+            if to > from {
+                (new[i], scale[i]) = chunk_max(&mut rows[r], from, to, scoring, max[r]);
+                old[i] = max[r];
+            }
+        }
+        let correction: [f32; G] = std::array::from_fn(|i| exp(old[i] - new[i]));
+        for i in 0..g {
+            let r = g0 + i;
+            let (from, to) = ranges[r];
+            if to <= from {
+                rows[r] = [0.0; CHUNK];
+            } else {
+                chunk_weights(&mut rows[r], from, to, scale[i], new[i], correction[i], &mut max[r], &mut sum[r], &mut out[r * hd..(r + 1) * hd]);
+            }
+        }
+    }
+}
+
+/// A row's new running maximum over chunk positions `from..to` (at least one) of its scores, and the scale its
+/// weights then take: soft-capped scores are capped here, in place, and then scaled by 1.
+#[inline(always)]
+fn chunk_max(row: &mut [f32; CHUNK], from: usize, to: usize, scoring: Scoring, max: f32) -> (f32, f32) {
     let scale = match scoring.softcap {
         Some(cap) => {
             row[from..to].iter_mut().for_each(|x| *x = cap * (*x * scoring.scale / cap).tanh());
@@ -104,17 +148,15 @@ pub fn softmax_step(row: &mut [f32; CHUNK], from: usize, to: usize, scoring: Sco
         }
         None => scoring.scale,
     };
-    // A chunk the row sees whole (every chunk but a row's last, and its first in a sliding window) takes no masks:
-    // the same operations on the same values as the masked path below, without its compares and selects (positions
-    // compared as 32-bit lanes there, 8 to a register on AVX2, where 64-bit indices took 4 and two packs).
+    // A chunk the row sees whole (every chunk but a row's last, and its first in a sliding window) takes no masks
+    // (the same maximum).
     let whole = from == 0 && to == CHUNK;
     let (from, to) = (from as u32, to as u32);
-    let inside = |c: u32| c >= from && c < to;
     // max(x * scale) is max(x) * scale exactly: rounding a product by a positive scale keeps order.
     let mut seen = *row;
     if !whole {
         for (c, v) in (0u32..).zip(seen.iter_mut()) {
-            if !inside(c) {
+            if c < from || c >= to {
                 *v = f32::NEG_INFINITY;
             }
         }
@@ -122,19 +164,29 @@ pub fn softmax_step(row: &mut [f32; CHUNK], from: usize, to: usize, scoring: Sco
     // The chunk's maximum by comparisons, one `vmaxps` a step: `f32::max`'s care for NaN (ignoring one) cost a
     // compare and a blend per step, 15-20 % of a prefill's attention. Scores are NaN only where the queries or
     // keys hold one, and then the row's output is NaN either way.
-    let new_max = max.max(tree(seen, |a, b| if a > b { a } else { b }) * scale);
-    let correction = exp(*max - new_max);
+    (max.max(tree(seen, |a, b| if a > b { a } else { b }) * scale), scale)
+}
+
+/// The rest of a row's softmax step once its new maximum and `correction = exp(max - new_max)` are known: the
+/// weights of positions `from..to` (0 elsewhere), the output rescaled, the sum and maximum updated.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn chunk_weights(row: &mut [f32; CHUNK], from: usize, to: usize, scale: f32, new_max: f32, correction: f32, max: &mut f32, sum: &mut f32, out: &mut [f32]) {
     if correction != 1.0 {
         out.iter_mut().for_each(|x| *x *= correction);
     }
-    if whole {
+    // A whole chunk without masks: the same operations on the same values as the masked path below, without its
+    // compares and selects (positions compared as 32-bit lanes there, 8 to a register on AVX2, where 64-bit
+    // indices took 4 and two packs).
+    if from == 0 && to == CHUNK {
         for x in row.iter_mut() {
             *x = exp(*x * scale - new_max);
         }
     } else {
+        let (from, to) = (from as u32, to as u32);
         for (c, x) in (0u32..).zip(row.iter_mut()) {
             let p = exp(*x * scale - new_max);
-            *x = if inside(c) { p } else { 0.0 };
+            *x = if c >= from && c < to { p } else { 0.0 };
         }
     }
     *sum = *sum * correction + tree(*row, |a, b| a + b);
@@ -274,6 +326,37 @@ mod tests {
         for i in 0..6 {
             scores::<1>(&mut one[..CHUNK], tile(&q[i * hd..], 1).as_chunks().0, &keys, 2, [Ahead::NONE; 2]);
             assert_eq!(one[2 * BLOCK..3 * BLOCK], six[i * CHUNK + 2 * BLOCK..][..BLOCK]);
+        }
+    }
+
+    /// Rows' softmax steps taken together (their corrections side by side) give each row's own step's bits: 11 rows
+    /// (a group of 8 and a part), whole, partial and unseen chunks, fresh and running maxima, plain and soft-capped.
+    #[test]
+    fn rows_together_give_each_rows_step() {
+        let hd = 24;
+        let noise = |n: usize, salt: u32, span: f32| -> Vec<f32> { (0..n as u32).map(|i| ((i.wrapping_mul(2_654_435_761) ^ salt) % 2001) as f32 / 1000.0 * span - span).collect() };
+        let ranges: Vec<(usize, usize)> = vec![(0, CHUNK), (0, 40), (7, CHUNK), (5, 5), (0, CHUNK), (3, 17), (0, 1), (0, CHUNK), (9, 2), (0, CHUNK), (63, 64)];
+        let n = ranges.len();
+        for scoring in [Scoring { scale: 0.125, softcap: None }, Scoring { scale: 0.0625, softcap: Some(30.0) }] {
+            let scores = noise(n * CHUNK, 3, 40.0);
+            let running: Vec<f32> = (0..n).map(|r| [f32::NEG_INFINITY, -2.0, 0.5, 9.0][r % 4]).collect();
+            let sums: Vec<f32> = (0..n).map(|r| if r % 4 == 0 { 0.0 } else { 1.25 + r as f32 }).collect();
+            let out = noise(n * hd, 11, 1.0);
+            let (mut w1, mut m1, mut s1, mut o1) = (scores.clone(), running.clone(), sums.clone(), out.clone());
+            for (r, &(from, to)) in ranges.iter().enumerate() {
+                let row: &mut [f32; CHUNK] = (&mut w1[r * CHUNK..(r + 1) * CHUNK]).try_into().unwrap();
+                softmax_step(row, from, to, scoring, &mut m1[r], &mut s1[r], &mut o1[r * hd..(r + 1) * hd]);
+            }
+            let (mut w2, mut m2, mut s2, mut o2) = (scores, running, sums, out);
+            softmax_rows(&mut w2, &ranges, scoring, &mut m2, &mut s2, &mut o2);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&w1), bits(&w2), "weights, {scoring:?}");
+            assert_eq!((bits(&m1), bits(&s1)), (bits(&m2), bits(&s2)), "maxima and sums, {scoring:?}");
+            assert_eq!(bits(&o1), bits(&o2), "outputs, {scoring:?}");
+            // The weights are a softmax's: 0 outside each row's range, positive inside.
+            for (r, &(from, to)) in ranges.iter().enumerate() {
+                assert!(w2[r * CHUNK..(r + 1) * CHUNK].iter().enumerate().all(|(c, &w)| if c >= from && c < to { w > 0.0 } else { w == 0.0 }), "row {r}");
+            }
         }
     }
 
