@@ -493,8 +493,8 @@ fn every_level_gives_the_same_bits_at_any_row_count() {
     for (dtype, k) in TYPES {
         let packed = Packed::from_qtensor(&matrix(dtype, 37, k, 4)).unwrap().unwrap();
         // Past 16 rows, whole tiles of 16 for the AMX level and the rows left over for the VNNI kernels; past 256,
-        // several groups of tiles.
-        for m in [1, 2, 3, 4, 5, 9, 16, 22, 48, 275] {
+        // several groups of tiles. AVX2's float tiles take 6 rows at a time, then the 1 to 5 left over.
+        for m in [1, 2, 3, 4, 5, 6, 9, 11, 16, 22, 48, 275] {
             let x = activations(m, k, m as u64);
             let reference = packed.matmul_at(Level::Portable, &x, m);
             for level in Level::available().into_iter().filter(|&l| same_bits(l, dtype)) {
