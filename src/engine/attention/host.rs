@@ -704,7 +704,7 @@ impl<'t> Rows<'t> {
                 self.ranges[r] = (self.first[r].saturating_sub(base).min(CHUNK), self.visible[r].saturating_sub(base).min(CHUNK));
             }
             let (w, o) = (&mut self.weights[rows.start * CHUNK..rows.end * CHUNK], &mut self.out[rows.start * hd..rows.end * hd]);
-            tile::softmax_rows(w, &self.ranges[rows.clone()], self.scoring, &mut self.max[rows.clone()], &mut self.sum[rows.clone()], o);
+            tile::softmax_rows(w, &self.ranges[rows.clone()], self.scoring, &mut self.max[rows.clone()], &mut self.sum[rows.clone()], o, hd);
             let mut values: [&[f32]; CHUNK_BLOCKS] = [&[]; CHUNK_BLOCKS];
             for (b, vs) in (lo..hi).zip(self.v_scratch.iter_mut()) {
                 values[b - c0] = blocks[b].values[layer].read(kv * BLOCK * hd, BLOCK * hd, vs);

@@ -102,15 +102,14 @@ pub fn softmax_step(row: &mut [f32; CHUNK], from: usize, to: usize, scoring: Sco
 }
 
 /// [`softmax_step`] for consecutive rows (row `i`: `weights[i x CHUNK..]`, positions `ranges[i]`, `max[i]`, `sum[i]`,
-/// `out[i x head_dim..]`), the same operations on each row. Eight rows' corrections (`exp(max - new max)`) are
+/// `out[i x hd..]`), the same operations on each row. Eight rows' corrections (`exp(max - new max)`) are
 /// computed side by side: row by row, each was a chain of two dozen dependent operations between the row's maximum
 /// and its weights.
 #[inline(always)]
-pub fn softmax_rows(weights: &mut [f32], ranges: &[(usize, usize)], scoring: Scoring, max: &mut [f32], sum: &mut [f32], out: &mut [f32]) {
+pub fn softmax_rows(weights: &mut [f32], ranges: &[(usize, usize)], scoring: Scoring, max: &mut [f32], sum: &mut [f32], out: &mut [f32], hd: usize) {
     const G: usize = 8;
     let n = ranges.len();
-    assert!(weights.len() == n * CHUNK && max.len() == n && sum.len() == n && out.len().is_multiple_of(n.max(1)), "a softmax step's rows (a bug)");
-    let hd = out.len() / n.max(1);
+    assert!(weights.len() == n * CHUNK && max.len() == n && sum.len() == n && out.len() == n * hd, "a softmax step's rows (a bug)");
     let (rows, _) = weights.as_chunks_mut::<CHUNK>();
     for g0 in (0..n).step_by(G) {
         let g = (n - g0).min(G);
@@ -348,7 +347,7 @@ mod tests {
                 softmax_step(row, from, to, scoring, &mut m1[r], &mut s1[r], &mut o1[r * hd..(r + 1) * hd]);
             }
             let (mut w2, mut m2, mut s2, mut o2) = (scores, running, sums, out);
-            softmax_rows(&mut w2, &ranges, scoring, &mut m2, &mut s2, &mut o2);
+            softmax_rows(&mut w2, &ranges, scoring, &mut m2, &mut s2, &mut o2, hd);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&w1), bits(&w2), "weights, {scoring:?}");
             assert_eq!((bits(&m1), bits(&s1)), (bits(&m2), bits(&s2)), "maxima and sums, {scoring:?}");

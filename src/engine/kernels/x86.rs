@@ -503,8 +503,8 @@ macro_rules! kernels {
 
             /// Float weight rows `rows` times activation rows `r0..r0 + count`: six activation rows at a time on AVX2's
             /// 16 registers (tiles of 2 x 6: each widened weight vector serves six rows, and twelve independent chains
-            /// of multiply-adds, where 2 x 4 tiles had eight: F16 and bf16 products in 0.87-0.91 of the time), four on
-            /// AVX-512's 32 (4 x 4).
+            /// of multiply-adds, where 2 x 4 tiles had eight: F16 and bf16 products mostly in 0.86-0.92 of the
+            /// time), four on AVX-512's 32 (4 x 4).
             #[inline]
             #[target_feature(enable = $features)]
             fn float_panel<const BF: bool>(bits: &[u16], rows: Range<usize>, x: &Acts, r0: usize, count: usize, out: Out) {
