@@ -261,7 +261,7 @@ impl Pair {
                     _ => unreachable!(),
                 }
             }
-            Data::Q6 { .. } | Data::K3 { .. } | Data::K4 { .. } | Data::K5 { .. } => unreachable!("per-256 layouts fill a SuperPair"),
+            Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. } | Data::K4 { .. } | Data::K5 { .. } => unreachable!("per-256 layouts fill a SuperPair"),
             Data::F16(_) | Data::Bf16(_) => unreachable!("float weights do not take the tile unit"),
         }
     }
@@ -370,6 +370,9 @@ unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
         Data::S8 { .. } => run_tiles::<S8>(w, rows, x, out),
         // Q3_K's tiles are Q6_K's (`SuperPair::fill_q6`).
         Data::Q6 { .. } | Data::K3 { .. } => run_supers::<Q6>(w, rows, x, out),
+        // Q6_K in its narrow layout is held only where the process does not take the tiles (`pack::narrow_q6k`);
+        // a level forced here anyway computes it with the VNNI kernels, the same bits.
+        Data::Q6N { .. } => super::x86::avx512_vnni::run(w, rows, x, out),
         Data::K4 { .. } => run_supers::<K4>(w, rows, x, out),
         Data::K5 { .. } => run_supers::<K5>(w, rows, x, out),
         // bf16 products of fewer than `BF16_TILE_ROWS` rows (their activations rounded to bf16 all the same, see
@@ -706,10 +709,10 @@ fn leftovers(w: &Packed, panels: Range<usize>, pairs: usize, x: &Acts, out: Out)
     let (m, tiles, pairs_end) = (x.rows(), x.rows() / ROWS, panels.start + 2 * pairs);
     // (The VNNI kernels' features are a subset of this function's.)
     if pairs_end < panels.end {
-        super::x86::avx512_vnni::quantized_panel(w, pairs_end..panels.end, x, 0, ROWS * tiles, out);
+        super::x86::avx512_vnni::quantized_panel(w, pairs_end..panels.end, x, 0, ROWS * tiles, out, (&[], 0));
     }
     if ROWS * tiles < m {
-        super::x86::avx512_vnni::quantized_panel(w, panels, x, ROWS * tiles, m - ROWS * tiles, out);
+        super::x86::avx512_vnni::quantized_panel(w, panels, x, ROWS * tiles, m - ROWS * tiles, out, (&[], 0));
     }
 }
 

@@ -289,6 +289,15 @@ enum Data {
     /// llama.cpp's `Q8_K`): per 256, the exact integer `sum over the 16 groups of sc * (sum(q x) - 32 sum(x))` (at
     /// most 256 x 127 x 128 x 32 < 2^31 in magnitude), then one float step, `acc = fma(sum, d_w * d_x, acc)`.
     Q6 { qs: Vec<u8>, sc: Vec<i8>, d: Vec<f32> },
+    /// Q6_K in the file's 6.6 bits a weight: `Q6`'s codes in 192 bytes per panel and block, not 256. Bytes `32 t..32
+    /// t + 32` (`t < 4`) hold `Q6`'s chunk `t` in their low six bits and the two high bits of chunk `t + 4` in their
+    /// top two; bytes `128 + 32 h..` (`h < 2`) hold the low four bits of chunk `4 + 2 h` in their low nibbles, of
+    /// chunk `5 + 2 h` in their high nibbles ([`q6n_code`]): a chunk comes back in one operation (`t < 4`) or four.
+    /// `Q6`'s scales and products, so the same bits. A one-row product (a decode step) reads its weights once, from
+    /// memory: 1.3x fewer bytes than `Q6`'s. Products of more than 16 rows lay the codes out as `Q6`'s bytes once for
+    /// all the rows. Held where the process does not take the tile unit, whose int8 tiles read `Q6`'s bytes
+    /// ([`pack::narrow_q6k`]).
+    Q6N { qs: Vec<u8>, sc: Vec<i8>, d: Vec<f32> },
     /// Q3_K as stored: 3-bit codes `c = q + 4` (0..=7: ggml's two low bits plus 4 for a set high bit), 96 bytes per
     /// panel and block: bytes `32 h..32 h + 32` (`h < 2`) hold chunks `4 h..4 h + 4` of `U8`'s order, chunk `g`'s
     /// two low bits at bits `2 (g % 4)` of each byte; bytes `64..96` hold every chunk's high bit, chunk `g`'s at bit
@@ -314,9 +323,25 @@ enum Data {
     Bf16(Vec<u16>),
 }
 
-/// `Data::Q6`'s and `Data::K3`'s codes: bytes per panel and block, and the code standing for zero (`q - 32`, `c - 4`).
+/// `Data::Q6`'s, `Data::Q6N`'s and `Data::K3`'s codes: bytes per panel and block, and the code standing for zero
+/// (`q - 32`, `c - 4`).
 fn signed_codes(data: &Data) -> (usize, i32) {
-    if matches!(data, Data::K3 { .. }) { (96, 4) } else { (256, 32) }
+    match data {
+        Data::K3 { .. } => (96, 4),
+        Data::Q6N { .. } => (192, 32),
+        _ => (256, 32),
+    }
+}
+
+/// Code `at` (of 32: lane `at / 4`'s weight `at % 4`) of chunk `g` (of 8) of one panel and block of [`Data::Q6N`]'s
+/// 192 bytes: 0..=63.
+fn q6n_code(block: &[u8], g: usize, at: usize) -> u8 {
+    if g < 4 {
+        block[32 * g + at] & 0x3F
+    } else {
+        let t = g - 4;
+        (block[32 * t + at] >> 6) << 4 | (block[128 + 32 * (t / 2) + at] >> (4 * (t % 2))) & 0xF
+    }
 }
 
 /// Code `at` (of 32: lane `at / 4`'s weight `at % 4`) of chunk `g` (of 8) of one panel and block of [`Data::K3`]'s 96
@@ -350,7 +375,7 @@ impl Packed {
         match &self.data {
             Data::Q4 { qs, d, m } | Data::U8 { qs, d, m } => qs.len() + 4 * (d.len() + m.len()),
             Data::S8 { qs, d, .. } => qs.len() + 4 * d.len(),
-            Data::Q6 { qs, sc, d } | Data::K3 { qs, sc, d } => qs.len() + sc.len() + 4 * d.len(),
+            Data::Q6 { qs, sc, d } | Data::Q6N { qs, sc, d } | Data::K3 { qs, sc, d } => qs.len() + sc.len() + 4 * d.len(),
             Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => qs.len() + sc.len() + 2 * mn.len() + 4 * (d.len() + dmin.len()),
             Data::F16(w) | Data::Bf16(w) => 2 * w.len(),
         }
@@ -401,6 +426,14 @@ impl Packed {
                     let q = qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] as i32 - 32;
                     // ggml's order, `(d * sc) * (q - 32)`: `d * sc` is exact in f32 (11 and 8 significant bits), so
                     // the weight is the exact product rounded once, and a zero takes the sign ggml gives it.
+                    *o = d[(p * (blocks / 8) + col / 256) * PANEL + l] * sc[(2 * pb + i / 16) * PANEL + l] as f32 * q as f32;
+                }
+            }
+            Data::Q6N { qs, sc, d } => {
+                for (col, o) in out.iter_mut().enumerate() {
+                    let (pb, i) = at(col);
+                    let q = q6n_code(&qs[pb * 192..(pb + 1) * 192], i / 4, 4 * l + i % 4) as i32 - 32;
+                    // As `Q6`'s.
                     *o = d[(p * (blocks / 8) + col / 256) * PANEL + l] * sc[(2 * pb + i / 16) * PANEL + l] as f32 * q as f32;
                 }
             }
@@ -455,7 +488,7 @@ impl Packed {
     fn quant(&self) -> Quant {
         match self.data {
             Data::F16(_) | Data::Bf16(_) => Quant::Float,
-            Data::K4 { .. } | Data::K5 { .. } | Data::Q6 { .. } | Data::K3 { .. } => Quant::Supers,
+            Data::K4 { .. } | Data::K5 { .. } | Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. } => Quant::Supers,
             _ => Quant::Blocks,
         }
     }
@@ -980,7 +1013,9 @@ fn bf16_tile_order(x: &[f32], m: usize, k: usize) -> Vec<u16> {
 /// Weight rows (whole panels) per slice of a task: about 256 KiB of weights, which stay in the L2 cache while
 /// every activation row passes over them.
 fn l2_rows(w: &Packed) -> usize {
-    let per_row = w.bytes().div_ceil(w.n.max(1)).max(1);
+    // `Data::Q6N`'s slices are laid out as `Q6`'s bytes, 256 for its 192, before their products of several rows.
+    let laid_out = if let Data::Q6N { qs, .. } = &w.data { qs.len() / 3 } else { 0 };
+    let per_row = (w.bytes() + laid_out).div_ceil(w.n.max(1)).max(1);
     ((256 << 10) / per_row).next_multiple_of(2 * PANEL).max(2 * PANEL)
 }
 

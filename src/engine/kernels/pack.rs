@@ -15,7 +15,7 @@
 use candle_core::quantized::GgmlDType;
 use half::f16;
 
-use super::{Data, Packed, PANEL};
+use super::{Data, Level, Packed, PANEL};
 
 /// Bytes per block and weights per block of a GGUF type the kernels take, or `None`.
 fn block_size(dtype: GgmlDType) -> Option<(usize, usize)> {
@@ -152,6 +152,17 @@ fn kmin_block(b: &[u8], five: bool) -> ([u8; 256], [u8; 8], [u8; 8], f32, f32) {
 /// -128 (the kernels' signed product needs codes in -127..=127; ggml never writes -128). A byte count that does
 /// not match the shape is an error.
 pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result<Option<Packed>, String> {
+    pack_with(dtype, bytes, n, k, narrow_q6k())
+}
+
+/// Whether Q6_K matrices are held in the file's 6.6 bits a weight ([`Data::Q6N`]) rather than a code to a byte
+/// ([`Data::Q6`]): wherever the process will not take the tile unit, whose int8 tiles read `Q6`'s bytes.
+pub(super) fn narrow_q6k() -> bool {
+    Level::detected() != Level::Amx
+}
+
+/// [`pack`], with Q6_K held as [`Data::Q6N`] when `narrow`, as [`Data::Q6`] otherwise.
+pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narrow: bool) -> Result<Option<Packed>, String> {
     let Some((block_bytes, block_len)) = block_size(dtype) else { return Ok(None) };
     if n == 0 || k == 0 || !k.is_multiple_of(block_len) || !k.is_multiple_of(32) && !matches!(dtype, GgmlDType::F16 | GgmlDType::BF16) {
         return Ok(None);
@@ -235,8 +246,9 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
             if dtype == GgmlDType::Q4K { Data::K4 { qs, sc, mn, d: ds, dmin: dmins } } else { Data::K5 { qs, sc, mn, d: ds, dmin: dmins } }
         }
         GgmlDType::Q6K | GgmlDType::Q3K => {
-            // Q6_K's 6-bit codes one per byte, as `U8` (Q3_K's 3-bit codes in `Data::K3`'s bit planes); the signed
-            // scales per 16 as they are; `d` per 256 widened.
+            // Q6_K's 6-bit codes one per byte, as `U8`, or with `narrow` in `Data::Q6N`'s 192 bytes per panel and
+            // block (Q3_K's 3-bit codes in `Data::K3`'s bit planes); the signed scales per 16 as they are; `d` per
+            // 256 widened.
             let three = dtype == GgmlDType::Q3K;
             let (mut qs, mut sc, mut ds) = (Vec::new(), Vec::new(), Vec::new());
             let (mut codes, mut scales, mut d) = (Vec::with_capacity(PANEL * k), Vec::with_capacity(PANEL * k / 16), Vec::with_capacity(PANEL * k / 256));
@@ -253,13 +265,19 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
                 let bytes = chunks(rows, k, &codes, false);
                 if three {
                     qs.extend(bytes.chunks_exact(256).flat_map(bit_planes));
+                } else if narrow {
+                    qs.extend(bytes.chunks_exact(256).flat_map(nibble_planes));
                 } else {
                     qs.extend(bytes);
                 }
                 sc.extend(lanes(rows, k / 16, &scales));
                 ds.extend(lanes(rows, k / 256, &d));
             }
-            if three { Data::K3 { qs, sc, d: ds } } else { Data::Q6 { qs, sc, d: ds } }
+            match (three, narrow) {
+                (true, _) => Data::K3 { qs, sc, d: ds },
+                (false, true) => Data::Q6N { qs, sc, d: ds },
+                (false, false) => Data::Q6 { qs, sc, d: ds },
+            }
         }
         _ => {
             // Per panel: row-major codes and a scale and offset per 16, then the panel's layout.
@@ -330,6 +348,23 @@ fn bit_planes(block: &[u8]) -> [u8; 96] {
         for (at, &c) in chunk.iter().enumerate() {
             out[32 * (g / 4) + at] |= (c & 3) << (2 * (g % 4));
             out[64 + at] |= (c >> 2) << g;
+        }
+    }
+    out
+}
+
+/// One panel and block of 6-bit codes in `chunks`' order (256 bytes, eight chunks of 32) as [`Data::Q6N`]'s 192
+/// bytes: chunk `t < 4` whole in the low six bits of bytes `32 t..`, with chunk `t + 4`'s two high bits above it;
+/// the low four bits of chunks `4 + 2 h` and `5 + 2 h` in the nibbles of bytes `128 + 32 h..`.
+fn nibble_planes(block: &[u8]) -> [u8; 192] {
+    let mut out = [0u8; 192];
+    let chunk = |g: usize| &block[32 * g..32 * g + 32];
+    for at in 0..32 {
+        for t in 0..4 {
+            out[32 * t + at] = chunk(t)[at] | (chunk(t + 4)[at] >> 4) << 6;
+        }
+        for h in 0..2 {
+            out[128 + 32 * h + at] = (chunk(4 + 2 * h)[at] & 0xF) | (chunk(5 + 2 * h)[at] & 0xF) << 4;
         }
     }
     out

@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use super::{hsum8, k3_code, signed_codes, Acts, Data, Out, Packed, PANEL};
+use super::{hsum8, k3_code, q6n_code, signed_codes, Acts, Data, Out, Packed, PANEL};
 
 /// Activations to codes, per block of 32: scale `max |x| / 127`, codes rounded to nearest (ties to even), and the
 /// scaled sums of the codes per 32 and per 16.
@@ -94,14 +94,18 @@ fn run_supers(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                             *acc = (sum as f32).mul_add(d[ps * PANEL + l] * xd, *acc);
                             *acc = (msum as f32).mul_add(dmin[ps * PANEL + l] * xd, *acc);
                         }
-                        Data::Q6 { qs, sc, d } | Data::K3 { qs, sc, d } => {
-                            // K3: 3-bit codes in bit planes, standing for `c - 4`.
-                            let (three, (per, offset)) = (matches!(w.data, Data::K3 { .. }), signed_codes(&w.data));
+                        Data::Q6 { qs, sc, d } | Data::Q6N { qs, sc, d } | Data::K3 { qs, sc, d } => {
+                            // K3: 3-bit codes in bit planes, standing for `c - 4`; Q6N: 192 bytes (`q6n_code`).
+                            let (three, narrow, (per, offset)) = (matches!(w.data, Data::K3 { .. }), matches!(w.data, Data::Q6N { .. }), signed_codes(&w.data));
                             let mut sum = 0i32;
                             for b in 8 * s..8 * s + 8 {
                                 let (pb, xb) = (p * blocks + b, &xq[32 * b..32 * b + 32]);
                                 let codes = &qs[pb * per..(pb + 1) * per];
-                                let code = |g: usize, at: usize| if three { k3_code(codes, g, at) } else { codes[32 * g + at] };
+                                let code = |g: usize, at: usize| match (three, narrow) {
+                                    (true, _) => k3_code(codes, g, at),
+                                    (_, true) => q6n_code(codes, g, at),
+                                    _ => codes[32 * g + at],
+                                };
                                 for h in 0..2 {
                                     let dot: i32 = (4 * h..4 * h + 4).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| code(g, 4 * l + j) as i32 * xb[4 * g + j] as i32).sum();
                                     // sum((q - 32) x) = sum(q x) - 32 sum(x) (K3: 4), times its scale.
@@ -124,7 +128,7 @@ fn run_supers(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
 /// acc)` and, for types with an offset, `acc = fma(m_w, s_x, acc)`, in block order; the per-256 layouts take
 /// [`run_supers`].
 pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
-    if matches!(w.data, Data::K4 { .. } | Data::K5 { .. } | Data::Q6 { .. } | Data::K3 { .. }) {
+    if matches!(w.data, Data::K4 { .. } | Data::K5 { .. } | Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. }) {
         return run_supers(w, rows, x, out);
     }
     assert!(!x.supers, "weights per 32 with activations per 256 (a bug)");
@@ -174,7 +178,7 @@ pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                             *acc = (sum as f32).mul_add(d[pb * PANEL + l] * xd[b], *acc);
                         }
                     }
-                    Data::Q6 { .. } | Data::K3 { .. } | Data::K4 { .. } | Data::K5 { .. } => unreachable!("per-256 layouts take run_supers"),
+                    Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. } | Data::K4 { .. } | Data::K5 { .. } => unreachable!("per-256 layouts take run_supers"),
                     Data::F16(_) | Data::Bf16(_) => unreachable!("float weights take the float loop"),
                 }
             }

@@ -90,11 +90,48 @@ macro_rules! kernels {
                 std::array::from_fn(|j| std::array::from_fn(|i| if $vnni { _mm256_add_epi32(sums[j][i], part[j][i]) } else { _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)) }))
             }
 
-            /// Panels `p0..p0 + P` of weight rows times activation rows `r0..r0 + R`: one register of eight
-            /// outputs per panel and activation row.
+            /// `Data::Q6N`'s chunk `g` (of 8) of the panel and block whose 192 bytes start at `at`: the 32 code
+            /// bytes `Q6` holds there. Chunks 0..4 are their bytes' low six bits; chunk `4 + t` takes its high two
+            /// bits from the top of chunk `t`'s bytes and its low four from a nibble.
+            ///
+            /// Safety: the 192 bytes from `at` are readable.
             #[inline]
             #[target_feature(enable = $features)]
-            fn tile<const P: usize, const R: usize>(w: &Packed, p0: usize, x: &Acts, r0: usize, out: Out) {
+            unsafe fn q6n_chunk(at: *const u8, g: usize) -> __m256i {
+                // SAFETY: bytes `32 (g % 4)..` and `128 + 32 (g % 4 / 2)..`, 32 each, lie within the 192 (`g < 8`).
+                let whole = unsafe { _mm256_loadu_si256(at.add(32 * (g % 4)).cast()) };
+                if g < 4 {
+                    return _mm256_and_si256(whole, _mm256_set1_epi8(0x3F));
+                }
+                let nibbles = unsafe { _mm256_loadu_si256(at.add(128 + 32 * (g % 4 / 2)).cast()) };
+                let low = if g % 2 == 0 { nibbles } else { _mm256_srli_epi16::<4>(nibbles) };
+                // Bits 6 and 7 of each byte moved to 4 and 5 (a shift of 16-bit words: the mask keeps each byte's own
+                // bits).
+                let high = _mm256_srli_epi16::<2>(whole);
+                _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi8(0x0F)), _mm256_and_si256(high, _mm256_set1_epi8(0x30)))
+            }
+
+            /// Panels `panels` of a `Data::Q6N` matrix with `blocks` blocks of 32 a row, as `Q6`'s code bytes (256 per
+            /// panel and block) into `into`, from its start.
+            #[target_feature(enable = $features)]
+            fn unpack_q6n(qs: &[u8], blocks: usize, panels: Range<usize>, into: &mut [u8]) {
+                let (from, count) = (panels.start * blocks, panels.len() * blocks);
+                assert!((from + count) * 192 <= qs.len() && count * 256 <= into.len(), "Q6N panels out of range (a bug)");
+                for i in 0..count {
+                    for g in 0..8 {
+                        // SAFETY: panel and block `from + i` has its 192 bytes in `qs`, and bytes `256 i + 32 g..` (32)
+                        // lie within `into` (both asserted above).
+                        unsafe { _mm256_storeu_si256(into.as_mut_ptr().add(256 * i + 32 * g).cast(), q6n_chunk(qs.as_ptr().add((from + i) * 192), g)) };
+                    }
+                }
+            }
+
+            /// Panels `p0..p0 + P` of weight rows times activation rows `r0..r0 + R`: one register of eight
+            /// outputs per panel and activation row. `unpacked`, when not empty, holds a `Data::Q6N` matrix's codes
+            /// as `Q6`'s bytes from panel `first` on ([`unpack_q6n`]), read in place of its own.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn tile<const P: usize, const R: usize>(w: &Packed, p0: usize, x: &Acts, r0: usize, out: Out, (unpacked, first): (&[u8], usize)) {
                 let (k, blocks) = (w.k, w.k / 32);
                 let panels = w.n.div_ceil(PANEL);
                 // Activation scales per row: per block of 32, or per 256 (`x.supers`, the per-256 layouts).
@@ -255,20 +292,27 @@ macro_rules! kernels {
                             }
                         }
                     }
-                    Data::Q6 { qs, sc, d } | Data::K3 { qs, sc, d } => {
+                    Data::Q6 { qs, sc, d } | Data::Q6N { qs, sc, d } | Data::K3 { qs, sc, d } => {
                         let supers = blocks / 8;
-                        // K3: 96 bytes of bit planes per panel and block, codes standing for `c - 4`.
-                        let three = matches!(w.data, Data::K3 { .. });
+                        // K3: 96 bytes of bit planes per panel and block, codes standing for `c - 4`. Q6N: 192 bytes
+                        // (`q6n_chunk`), or `unpacked`'s 256.
+                        let (three, narrow) = (matches!(w.data, Data::K3 { .. }), matches!(w.data, Data::Q6N { .. }) && unpacked.is_empty());
                         let (per, offset) = super::super::signed_codes(&w.data);
                         assert!(x.supers && x.sums16.len() == 2 * x.rows() * blocks, "Q6 takes activations per 256 (a bug)");
                         assert!(blocks.is_multiple_of(8) && qs.len() == panels * blocks * per && sc.len() == panels * blocks * 2 * PANEL && d.len() == panels * supers * PANEL, "Q6 layout (a bug)");
+                        assert!(unpacked.is_empty() || matches!(w.data, Data::Q6N { .. }) && p0 >= first && (p0 + P - first) * blocks * 256 <= unpacked.len(), "Q6N's unpacked codes (a bug)");
                         let (low2, low1) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1));
                         // SAFETY (these closures): as for U8, with `per` code bytes (K3: chunk `g < 8`'s low bits
-                        // at `32 (g / 4)`, the high bits at 64, 32 bytes each), 16 scale bytes per panel and block and
-                        // 8 scales per panel and 256 (`s < supers`).
+                        // at `32 (g / 4)`, the high bits at 64, 32 bytes each; Q6N: 192 bytes, `q6n_chunk`'s), 16
+                        // scale bytes per panel and block and 8 scales per panel and 256 (`s < supers`); `unpacked`'s
+                        // 256 bytes per panel and block for panels `first..p0 + P` (asserted above).
                         let chunk = |p: usize, b: usize, g: usize| unsafe {
                             let at = qs.as_ptr().add((p * blocks + b) * per);
-                            if three {
+                            if !unpacked.is_empty() {
+                                _mm256_loadu_si256(unpacked.as_ptr().add(((p - first) * blocks + b) * 256 + 32 * g).cast())
+                            } else if narrow {
+                                q6n_chunk(at, g)
+                            } else if three {
                                 // Bits `2 (g % 4)` of the low plane, bit `g` of the high plane moved to bit 2: shifts of
                                 // 16-bit words, each byte masked to its own bits.
                                 let lo = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(at.add(32 * (g / 4)).cast()), _mm_cvtsi32_si128(2 * (g % 4) as i32)), low2);
@@ -556,7 +600,7 @@ macro_rules! kernels {
                         floats(d, PANEL);
                         (qs, 256)
                     }
-                    Data::Q6 { qs, sc, d } | Data::K3 { qs, sc, d } => {
+                    Data::Q6 { qs, sc, d } | Data::Q6N { qs, sc, d } | Data::K3 { qs, sc, d } => {
                         floats(d, PANEL / 8);
                         ask(bytemuck::cast_slice(sc), 2 * PANEL);
                         (qs, super::super::signed_codes(&w.data).0)
@@ -575,10 +619,10 @@ macro_rules! kernels {
 
             /// Panels `panels` times activation rows `r0..r0 + count`: tiles of four activation rows, and for the
             /// one or two rows left over, two panels at a time, so that every tile has at least two independent
-            /// chains of multiply-adds and shares its activation loads.
+            /// chains of multiply-adds and shares its activation loads. `unpacked`: [`tile`]'s.
             #[inline]
             #[target_feature(enable = $features)]
-            pub(in super::super) fn quantized_panel(w: &Packed, panels: Range<usize>, x: &Acts, r0: usize, count: usize, out: Out) {
+            pub(in super::super) fn quantized_panel(w: &Packed, panels: Range<usize>, x: &Acts, r0: usize, count: usize, out: Out, unpacked: (&[u8], usize)) {
                 let full = r0 + count / 4 * 4;
                 let mut p = panels.start;
                 while p < panels.end {
@@ -592,21 +636,21 @@ macro_rules! kernels {
                     if $wide && two {
                         // AVX-512's 32 registers hold a 2 x 4 tile: each activation load serves two panels.
                         for r in (r0..full).step_by(4) {
-                            tile::<2, 4>(w, p, x, r, out);
+                            tile::<2, 4>(w, p, x, r, out, unpacked);
                         }
                     } else {
                         for j in 0..step {
                             for r in (r0..full).step_by(4) {
-                                tile::<1, 4>(w, p + j, x, r, out);
+                                tile::<1, 4>(w, p + j, x, r, out, unpacked);
                             }
                         }
                     }
                     match (r0 + count - full, two) {
-                        (3, _) => (0..step).for_each(|j| tile::<1, 3>(w, p + j, x, full, out)),
-                        (2, true) => tile::<2, 2>(w, p, x, full, out),
-                        (2, false) => tile::<1, 2>(w, p, x, full, out),
-                        (1, true) => tile::<2, 1>(w, p, x, full, out),
-                        (1, false) => tile::<1, 1>(w, p, x, full, out),
+                        (3, _) => (0..step).for_each(|j| tile::<1, 3>(w, p + j, x, full, out, unpacked)),
+                        (2, true) => tile::<2, 2>(w, p, x, full, out, unpacked),
+                        (2, false) => tile::<1, 2>(w, p, x, full, out, unpacked),
+                        (1, true) => tile::<2, 1>(w, p, x, full, out, unpacked),
+                        (1, false) => tile::<1, 1>(w, p, x, full, out, unpacked),
                         _ => {}
                     }
                     p += step;
@@ -621,15 +665,25 @@ macro_rules! kernels {
                 // Weight rows a slice at a time, sized to stay in the L2 cache while every activation row passes
                 // over them (a task of the output projection holds megabytes of weights).
                 let slice = super::super::l2_rows(w);
+                // Q6N's codes, past a decode step's 16 rows, laid out as `Q6`'s bytes a slice at a time, once for
+                // every row, where each tile would unpack them again. Up to 16 rows, each tile unpacks its own: laid
+                // out two panels at a time, 5 to 16 rows took 1.04-1.17x the time of `Q6`'s bytes, unpacked by the
+                // tiles 0.92-1.07x (BENCHMARKS.md, 2026-12-07, session 5).
+                let (blocks, q6n) = (w.k / 32, if let Data::Q6N { qs, .. } = &w.data { Some(qs) } else { None });
+                let mut unpacked = if q6n.is_some() && m > 16 { vec![0u8; slice.div_ceil(PANEL) * blocks * 256] } else { Vec::new() };
                 let mut start = rows.start;
                 while start < rows.end {
                     let part = start..(start + slice).min(rows.end);
+                    let panels = part.start / PANEL..part.end.div_ceil(PANEL);
+                    if let (Some(qs), false) = (q6n, unpacked.is_empty()) {
+                        unpack_q6n(qs, blocks, panels.clone(), &mut unpacked);
+                    }
                     for r0 in (0..m).step_by(16) {
                         let count = 16.min(m - r0);
                         match &w.data {
                             Data::F16(bits) => float_panel::<false>(bits, part.clone(), x, r0, count, out),
                             Data::Bf16(bits) => float_panel::<true>(bits, part.clone(), x, r0, count, out),
-                            _ => quantized_panel(w, part.start / PANEL..part.end.div_ceil(PANEL), x, r0, count, out),
+                            _ => quantized_panel(w, panels.clone(), x, r0, count, out, (&unpacked, panels.start)),
                         }
                     }
                     start = part.end;
