@@ -667,7 +667,7 @@ macro_rules! kernels {
                 let slice = super::super::l2_rows(w);
                 // Q6N's codes, past a decode step's 16 rows, laid out as `Q6`'s bytes a slice at a time, once for
                 // every row, where each tile would unpack them again. Up to 16 rows, each tile unpacks its own: laid
-                // out two panels at a time, 5 to 16 rows took 1.04-1.17x the time of `Q6`'s bytes, unpacked by the
+                // out two panels at a time, 5 to 16 rows took 0.99-1.17x the time of `Q6`'s bytes, unpacked by the
                 // tiles 0.92-1.07x (BENCHMARKS.md, 2026-12-07, session 5).
                 let (blocks, q6n) = (w.k / 32, if let Data::Q6N { qs, .. } = &w.data { Some(qs) } else { None });
                 let mut unpacked = if q6n.is_some() && m > 16 { vec![0u8; slice.div_ceil(PANEL) * blocks * 256] } else { Vec::new() };
