@@ -28,9 +28,11 @@ llama.cpp's own test texts (`.inp`) where the vocabulary has them.
 test suite (tests/tokenizer.rs), which runs them without llama.cpp.
 """
 import argparse
+import atexit
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -324,6 +326,8 @@ def main():
     for m in args.model:
         jobs.append((os.path.basename(m), m, []))
     tmp = tempfile.mkdtemp(prefix="nightshift-relabel-")
+    # The relabelled vocabularies (23 MB) go with the process, whichever way it ends.
+    atexit.register(shutil.rmtree, tmp, True)
     if args.relabel:
         names = args.relabel_only.split(",") if args.relabel_only else list(RELABEL)
         for pre, base in ((n, RELABEL[n]) for n in names):

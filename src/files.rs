@@ -132,12 +132,29 @@ pub fn replace(path: &Path, bytes: &[u8], temporary: impl Fn(&str) -> String, no
 mod tests {
     use super::*;
 
-    /// A fresh directory for one test, under the system's temporary directory.
-    fn scratch(name: &str) -> PathBuf {
+    /// A fresh directory for one test, under the system's temporary directory, removed with what it holds when the
+    /// test ends (passed or failed).
+    struct Scratch(PathBuf);
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    impl std::ops::Deref for Scratch {
+        type Target = Path;
+
+        fn deref(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    fn scratch(name: &str) -> Scratch {
         let dir = std::env::temp_dir().join(format!("nightshift-files-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        dir
+        Scratch(dir)
     }
 
     #[test]
@@ -183,7 +200,7 @@ mod tests {
         let dir = scratch("dotdot");
         let out = dir.join("out");
         std::fs::create_dir_all(out.join("sub")).unwrap();
-        let base = std::fs::canonicalize(&dir).unwrap();
+        let base = std::fs::canonicalize(&*dir).unwrap();
         assert_eq!(absolute(&out.join("sub/../x")).unwrap(), base.join("out/x"));
         assert_eq!(absolute(&out.join("new/../../y")).unwrap(), base.join("y"));
         let inside = out.join("sub/../part-0.parquet");

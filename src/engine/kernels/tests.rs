@@ -134,7 +134,7 @@ fn q6k_block_sums_are_exact_at_the_extremes() {
 /// `q6k_block_sums_are_exact_at_the_extremes` for one layout of its matrix.
 fn q6k_sums_at_the_extremes(packed: &Packed, n: usize, k: usize, m: usize) {
     // Full-scale activations of both signs.
-    let x: Vec<f32> = (0..m * k).map(|i| if (i / 16 + i / k) % 3 == 0 { -1.5 } else { 1.5 }).collect();
+    let x: Vec<f32> = (0..m * k).map(|i| if (i / 16 + i / k).is_multiple_of(3) { -1.5 } else { 1.5 }).collect();
     let acts = Acts::new(Level::Portable, &x, k, Quant::Supers);
     let weights = packed.dequantize();
     let mut largest = 0i64;
