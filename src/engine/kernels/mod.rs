@@ -292,11 +292,11 @@ enum Data {
     /// Q6_K in the file's 6.6 bits a weight: `Q6`'s codes in 192 bytes per panel and block, not 256. Bytes `32 t..32
     /// t + 32` (`t < 4`) hold `Q6`'s chunk `t` in their low six bits and the two high bits of chunk `t + 4` in their
     /// top two; bytes `128 + 32 h..` (`h < 2`) hold the low four bits of chunk `4 + 2 h` in their low nibbles, of
-    /// chunk `5 + 2 h` in their high nibbles ([`q6n_code`]): a chunk comes back in one operation (`t < 4`) or four.
-    /// `Q6`'s scales and products, so the same bits. A one-row product (a decode step) reads its weights once, from
-    /// memory: 1.3x fewer bytes than `Q6`'s. Products of more than 16 rows lay the codes out as `Q6`'s bytes once for
-    /// all the rows. Held where the process does not take the tile unit, whose int8 tiles read `Q6`'s bytes
-    /// ([`pack::narrow_q6k`]).
+    /// chunk `5 + 2 h` in their high nibbles ([`q6n_code`]): a chunk comes back in one operation (`t < 4`) or four
+    /// to five. `Q6`'s scales and products, so the same bits. A one-row product (a decode step) reads its weights
+    /// once, from memory: 1.3x fewer bytes than `Q6`'s. Products of more than 16 rows lay the codes out as `Q6`'s
+    /// bytes once for all the rows. Held where the process does not take the tile unit, whose int8 tiles read
+    /// `Q6`'s bytes ([`pack::narrow_q6k`]).
     Q6N { qs: Vec<u8>, sc: Vec<i8>, d: Vec<f32> },
     /// Q3_K as stored: 3-bit codes `c = q + 4` (0..=7: ggml's two low bits plus 4 for a set high bit), 96 bytes per
     /// panel and block: bytes `32 h..32 h + 32` (`h < 2`) hold chunks `4 h..4 h + 4` of `U8`'s order, chunk `g`'s

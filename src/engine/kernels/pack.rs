@@ -266,7 +266,7 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
                 if three {
                     qs.extend(bytes.chunks_exact(256).flat_map(bit_planes));
                 } else if narrow {
-                    qs.extend(bytes.chunks_exact(256).flat_map(nibble_planes));
+                    qs.extend(bytes.chunks_exact(256).flat_map(six_bits_and_nibbles));
                 } else {
                     qs.extend(bytes);
                 }
@@ -356,7 +356,7 @@ fn bit_planes(block: &[u8]) -> [u8; 96] {
 /// One panel and block of 6-bit codes in `chunks`' order (256 bytes, eight chunks of 32) as [`Data::Q6N`]'s 192
 /// bytes: chunk `t < 4` whole in the low six bits of bytes `32 t..`, with chunk `t + 4`'s two high bits above it;
 /// the low four bits of chunks `4 + 2 h` and `5 + 2 h` in the nibbles of bytes `128 + 32 h..`.
-fn nibble_planes(block: &[u8]) -> [u8; 192] {
+fn six_bits_and_nibbles(block: &[u8]) -> [u8; 192] {
     let mut out = [0u8; 192];
     let chunk = |g: usize| &block[32 * g..32 * g + 32];
     for at in 0..32 {
