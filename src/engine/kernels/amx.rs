@@ -905,12 +905,32 @@ impl SuperPair {
         }
     }
 
-    /// Both panels' per-256 values of `v` (`[panel, k / 256, 8]`) into `to` (`[k / 256, 16]`).
-    fn spread(to: &mut [f32], v: &[f32], p: usize, supers: usize) {
+    /// Both panels' per-256 values of `v` (`[panel, k / 256, 8]`) into `to` (`[k / 256, 16]`), as f32 by `float`.
+    fn spread<T: Copy>(to: &mut [f32], v: &[T], p: usize, supers: usize, float: impl Fn(T) -> f32) {
         for s in 0..supers {
             for (half, panel) in [p, p + 1].into_iter().enumerate() {
                 let at = (panel * supers + s) * PANEL;
-                to[16 * s + 8 * half..16 * s + 8 * half + 8].copy_from_slice(&v[at..at + 8]);
+                for (to, &v) in to[16 * s + 8 * half..16 * s + 8 * half + 8].iter_mut().zip(&v[at..at + 8]) {
+                    *to = float(v);
+                }
+            }
+        }
+    }
+
+    /// The per-256 values of panels `p` and `p + 1` of a K4 or K5 matrix (`Data::K4`'s `mn`, `d`, `-dmin`): `d` and
+    /// `-dmin` as f32, each pair of blocks' mins as one 32-bit lane of two 16-bit halves, block `2t` low (as
+    /// `Acts::bsums` pairs them). Plain code, so that machines without the tile unit test it.
+    fn k4_scales(&mut self, mn: &[u8], d: &[u16], dmin: &[u16], p: usize, supers: usize) {
+        Self::spread(&mut self.d, d, p, supers, super::half_f32);
+        Self::spread(&mut self.dmin, dmin, p, supers, super::half_f32);
+        for s in 0..supers {
+            for (half, panel) in [p, p + 1].into_iter().enumerate() {
+                for t in 0..4 {
+                    let from = &mn[((panel * supers + s) * 4 + t) * 16..][..16];
+                    for l in 0..PANEL {
+                        self.mn[(4 * s + t) * 16 + 8 * half + l] = (from[2 * l] as u32 | (from[2 * l + 1] as u32) << 16) as i32;
+                    }
+                }
             }
         }
     }
@@ -984,19 +1004,7 @@ impl SuperPair {
         if range.end < blocks || range.is_empty() {
             return;
         }
-        Self::spread(&mut self.d, d, p, supers);
-        Self::spread(&mut self.dmin, dmin, p, supers);
-        for s in 0..supers {
-            for (half, panel) in [p, p + 1].into_iter().enumerate() {
-                for t in 0..4 {
-                    let from = &mn[((panel * supers + s) * 4 + t) * 16..][..16];
-                    for l in 0..PANEL {
-                        // The two 16-bit mins as one 32-bit lane, block `2t` low (as `Acts::bsums` pairs them).
-                        self.mn[(4 * s + t) * 16 + 8 * half + l] = (from[2 * l] as u16 as u32 | (from[2 * l + 1] as u16 as u32) << 16) as i32;
-                    }
-                }
-            }
-        }
+        self.k4_scales(mn, d, dmin, p, supers);
     }
 
     /// Panels `p` and `p + 1` of a Q6 matrix: each weight `w = sc * (q - 32)` as `w >> 6` (signed, -64..=64) and
@@ -1047,7 +1055,7 @@ impl SuperPair {
             }
         }
         if range.end == blocks && !range.is_empty() {
-            Self::spread(&mut self.d, d, p, supers);
+            Self::spread(&mut self.d, d, p, supers, |d| d);
         }
     }
 }
@@ -1255,4 +1263,51 @@ fn run_supers<const T: u8>(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
         }
     }
     leftovers(w, first..end, pairs, x, out);
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::GgmlDType;
+
+    use super::super::{pack, tests::matrix, Data, Packed, PANEL};
+    use super::SuperPair;
+
+    /// The tiles' per-256 values of a K4 or K5 pair, read from `Data::K4`'s bytes and f16s, are the file's: `d`,
+    /// `-dmin` and each pair of blocks' mins, row by row. Plain code, checked on every machine (the tile products
+    /// that use them run only where the CPU has the tile unit).
+    #[test]
+    fn the_tiles_take_q4_k_and_q5_k_scales_and_mins_as_the_file_stores_them() {
+        for (dtype, block_bytes) in [(GgmlDType::Q4K, 144), (GgmlDType::Q5K, 176)] {
+            let (n, k) = (40, 768);
+            let q = matrix(dtype, n, k, 11);
+            let bytes = q.data().unwrap().into_owned();
+            let packed = Packed::from_qtensor(&q).unwrap().unwrap();
+            let (Data::K4 { mn, d, dmin, .. } | Data::K5 { mn, d, dmin, .. }) = &packed.data else { panic!("{dtype:?} packed as another layout") };
+            let supers = k / 256;
+            let mut checked = 0;
+            for p in [0, 3] {
+                let mut pair = SuperPair::new(k);
+                pair.k4_scales(mn, d, dmin, p, supers);
+                for half in 0..2 {
+                    for l in 0..PANEL {
+                        let row = (p + half) * PANEL + l;
+                        for s in 0..supers {
+                            let b = &bytes[(row * supers + s) * block_bytes..][..block_bytes];
+                            let (_, _, mins, d, dmin) = pack::kmin_block(b, dtype == GgmlDType::Q5K);
+                            let lane = 16 * s + 8 * half + l;
+                            assert_eq!((pair.d[lane], pair.dmin[lane]), (half::f16::from_bits(d).to_f32(), -half::f16::from_bits(dmin).to_f32()), "{dtype:?} row {row}, 256 {s}");
+                            for t in 0..4 {
+                                let both = pair.mn[(4 * s + t) * 16 + 8 * half + l] as u32;
+                                assert_eq!([both & 0xFFFF, both >> 16], [mins[2 * t] as u32, mins[2 * t + 1] as u32], "{dtype:?} row {row}, 256 {s}, blocks {}", 2 * t);
+                            }
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+            assert_eq!(checked, 2 * 2 * PANEL * supers);
+            // Not every min is zero (the check above would not see a layout error then).
+            assert!(mn.iter().filter(|&&m| m != 0).count() > mn.len() / 2, "{dtype:?}: mins mostly zero");
+        }
+    }
 }

@@ -306,17 +306,18 @@ enum Data {
     /// of sc * (sum(c x) - 4 sum(x))`, then one float step (llama.cpp's `vec_dot_q3_K_q8_K`).
     K3 { qs: Vec<u8>, sc: Vec<i8>, d: Vec<f32> },
     /// Q4_K as stored: 4-bit codes `q` chunked as `Q4`; per block of 32 an unsigned 6-bit scale `sc`
-    /// (`[panel, block, 8]`) and min `mn` (kept as 16-bit pairs for `vpmaddwd`: `[panel, k / 256, 4, 8, 2]`, lane
-    /// `l`'s `mn` of blocks `2t` and `2t + 1` of the 256); per 256, `d` and the min's scale negated, `-dmin`
-    /// (`[panel, k / 256, 8]`); weight = `d * sc * q - dmin * mn`: 5 bits a weight (the file's 4.5). Its products take the
+    /// (`[panel, block, 8]`) and min `mn` (in pairs of blocks, widened to 16 bits for `vpmaddwd` as they are read:
+    /// `[panel, k / 256, 4, 8, 2]`, lane `l`'s `mn` of blocks `2t` and `2t + 1` of the 256); per 256, `d` and the min's
+    /// scale negated, `-dmin`, as the file's f16 bits (`[panel, k / 256, 8]`); weight = `d * sc * q - dmin * mn`:
+    /// 4.625 bits a weight (the file's 4.5, its 6-bit scales and mins packed). Its products take the
     /// activations quantized per 256 ([`Acts::supers`]): per 256, the exact integers `sum over the 8 blocks of sc *
     /// sum(q x)` (at most 8 x 63 x 32 x 15 x 127 < 2^25) and `sum of mn * sum(x)`, then two float steps, `acc =
     /// fma(sum, d_w * d_x, acc)`, `acc = fma(msum, -dmin_w * d_x, acc)`.
-    K4 { qs: Vec<u8>, sc: Vec<u8>, mn: Vec<i16>, d: Vec<f32>, dmin: Vec<f32> },
+    K4 { qs: Vec<u8>, sc: Vec<u8>, mn: Vec<u8>, d: Vec<u16>, dmin: Vec<u16> },
     /// Q5_K as stored: its 5-bit codes one per byte, chunked as `U8`, and `K4`'s scales, mins, `d` and `-dmin`:
-    /// weight = `d * sc * q - dmin * mn`, 9 bits a weight (the `U8` layout it had took 12). Its products are
+    /// weight = `d * sc * q - dmin * mn`, 8.6 bits a weight (the `U8` layout it had took 12). Its products are
     /// `K4`'s (`sum of sc x sum(q x)` at most 8 x 63 x 32 x 31 x 127 < 2^26).
-    K5 { qs: Vec<u8>, sc: Vec<u8>, mn: Vec<i16>, d: Vec<f32>, dmin: Vec<f32> },
+    K5 { qs: Vec<u8>, sc: Vec<u8>, mn: Vec<u8>, d: Vec<u16>, dmin: Vec<u16> },
     /// IEEE half-precision bits.
     F16(Vec<u16>),
     /// bfloat16 bits.
@@ -331,6 +332,11 @@ fn signed_codes(data: &Data) -> (usize, i32) {
         Data::Q6N { .. } => (192, 32),
         _ => (256, 32),
     }
+}
+
+/// An f16's bits as f32 (exact): `Data::K4`'s and `Data::K5`'s `d` and `-dmin`.
+fn half_f32(bits: u16) -> f32 {
+    half::f16::from_bits(bits).to_f32()
 }
 
 /// Code `at` (of 32: lane `at / 4`'s weight `at % 4`) of chunk `g` (of 8) of one panel and block of [`Data::Q6N`]'s
@@ -376,7 +382,7 @@ impl Packed {
             Data::Q4 { qs, d, m } | Data::U8 { qs, d, m } => qs.len() + 4 * (d.len() + m.len()),
             Data::S8 { qs, d, .. } => qs.len() + 4 * d.len(),
             Data::Q6 { qs, sc, d } | Data::Q6N { qs, sc, d } | Data::K3 { qs, sc, d } => qs.len() + sc.len() + 4 * d.len(),
-            Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => qs.len() + sc.len() + 2 * mn.len() + 4 * (d.len() + dmin.len()),
+            Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => qs.len() + sc.len() + mn.len() + 2 * (d.len() + dmin.len()),
             Data::F16(w) | Data::Bf16(w) => 2 * w.len(),
         }
     }
@@ -459,7 +465,7 @@ impl Packed {
                     let min = mn[((p * (blocks / 8) + b / 8) * 4 + b % 8 / 2) * 16 + 2 * l + b % 2];
                     // ggml's order, `(d * sc) * q - dmin * mn` (`dmin` is held negated): both products are exact in
                     // f32 (at most 11 + 6 + 5 and 11 + 6 significant bits), the sum rounded once.
-                    *o = d[ps] * sc[pb * PANEL + l] as f32 * code as f32 + dmin[ps] * min as f32;
+                    *o = half_f32(d[ps]) * sc[pb * PANEL + l] as f32 * code as f32 + half_f32(dmin[ps]) * min as f32;
                 }
             }
             Data::F16(w) => {

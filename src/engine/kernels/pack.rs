@@ -9,8 +9,8 @@
 //! scales: Q6_K one signed 8-bit `sc` per 16 and an f16 `d` per 256 (`d * sc * (q - 32)`), Q3_K the same with its
 //! 6-bit scales less 32 and its 3-bit codes in bit planes (`d * sc * (q - 4)`), Q4_K and Q5_K a 6-bit
 //! `sc` and `mn` per 32 and an f16 `d` and `dmin` per 256 (`d * sc * q - dmin * mn`): the kernels multiply the
-//! small scales in as integers. The codes are copied, the scales widened from f16 to f32: every weight the kernels
-//! compute with is the one the file stores.
+//! small scales in as integers. The codes are copied, the scales widened from f16 to f32 (Q4_K's and Q5_K's kept as
+//! the file's f16): every weight the kernels compute with is the one the file stores.
 
 use candle_core::quantized::GgmlDType;
 use half::f16;
@@ -126,9 +126,10 @@ fn q3k_block(b: &[u8]) -> ([u8; 256], [i8; 16], f32) {
 }
 
 /// A Q4_K block's (`five`: Q5_K's) 256 codes `q` (0..=15, or 0..=31, in order), its 8 scales and mins (6 bits
-/// each, one per 32 weights) and its f16 `d` and `dmin`: weight `i` is `d * sc[i / 32] * q[i] - dmin * mn[i / 32]`.
-fn kmin_block(b: &[u8], five: bool) -> ([u8; 256], [u8; 8], [u8; 8], f32, f32) {
-    let (d, dmin, scales) = (half_at(b, 0), half_at(b, 2), &b[4..16]);
+/// each, one per 32 weights) and its f16 `d` and `dmin` as stored (bits): weight `i` is `d * sc[i / 32] * q[i] -
+/// dmin * mn[i / 32]`.
+pub(super) fn kmin_block(b: &[u8], five: bool) -> ([u8; 256], [u8; 8], [u8; 8], u16, u16) {
+    let (d, dmin, scales) = (u16::from_le_bytes([b[0], b[1]]), u16::from_le_bytes([b[2], b[3]]), &b[4..16]);
     let (qh, qs) = if five { (Some(&b[16..48]), &b[48..176]) } else { (None, &b[16..144]) };
     let mut codes = [0u8; 256];
     // Four chunks of 64 weights: 32 bytes, low nibbles the chunk's first 32 weights, high nibbles its last 32;
@@ -210,8 +211,8 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
             Data::S8 { qs, d: ds, small }
         }
         GgmlDType::Q4K | GgmlDType::Q5K => {
-            // The codes as Q4_1's nibbles (Q5_K's one per byte, as `U8`); the scales per 32 as they are, the mins
-            // per 32 as 16-bit pairs, `d` and `-dmin` per 256 widened (negating is exact).
+            // The codes as Q4_1's nibbles (Q5_K's one per byte, as `U8`); the scales and mins per 32 as they are (the
+            // mins in pairs of blocks), `d` and `-dmin` per 256 as the file's f16 (negating flips the sign bit).
             let supers = k / 256;
             let (mut qs, mut sc, mut mn, mut ds, mut dmins) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
             let (mut codes, mut scales, mut mins, mut d, mut dmin) = (Vec::with_capacity(PANEL * k), Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -227,7 +228,7 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
                     scales.extend_from_slice(&s);
                     mins.extend_from_slice(&m);
                     d.push(db);
-                    dmin.push(-dm);
+                    dmin.push(dm ^ 0x8000);
                 }
                 qs.extend(chunks(rows, k, &codes, dtype == GgmlDType::Q4K));
                 sc.extend(lanes(rows, k / 32, &scales));
@@ -238,7 +239,7 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
                 for s in 0..supers {
                     for t in 0..4 {
                         for l in 0..PANEL {
-                            mn.extend((0..2).map(|e| by_lane[(8 * s + 2 * t + e) * PANEL + l] as i16));
+                            mn.extend((0..2).map(|e| by_lane[(8 * s + 2 * t + e) * PANEL + l]));
                         }
                     }
                 }

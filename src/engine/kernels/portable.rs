@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use super::{hsum8, k3_code, q6n_code, signed_codes, Acts, Data, Out, Packed, PANEL};
+use super::{half_f32, hsum8, k3_code, q6n_code, signed_codes, Acts, Data, Out, Packed, PANEL};
 
 /// Activations to codes, per block of 32: scale `max |x| / 127`, codes rounded to nearest (ties to even), and the
 /// scaled sums of the codes per 32 and per 16.
@@ -91,8 +91,8 @@ fn run_supers(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                                 sum += sc[pb * PANEL + l] as i32 * dot;
                                 msum += mn[(ps * 4 + b % 8 / 2) * 16 + 2 * l + b % 2] as i32 * x.bsums[r * blocks + b] as i32;
                             }
-                            *acc = (sum as f32).mul_add(d[ps * PANEL + l] * xd, *acc);
-                            *acc = (msum as f32).mul_add(dmin[ps * PANEL + l] * xd, *acc);
+                            *acc = (sum as f32).mul_add(half_f32(d[ps * PANEL + l]) * xd, *acc);
+                            *acc = (msum as f32).mul_add(half_f32(dmin[ps * PANEL + l]) * xd, *acc);
                         }
                         Data::Q6 { qs, sc, d } | Data::Q6N { qs, sc, d } | Data::K3 { qs, sc, d } => {
                             // K3: 3-bit codes in bit planes, standing for `c - 4`; Q6N: 192 bytes (`q6n_code`).

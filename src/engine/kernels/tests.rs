@@ -21,7 +21,7 @@ const TYPES: [(GgmlDType, usize); 11] = [
 
 /// A random matrix quantized by candle (ggml's quantizers): what a GGUF file of that type holds. Rows get
 /// different magnitudes, and a few values are large, as in real weights.
-fn matrix(dtype: GgmlDType, n: usize, k: usize, seed: u64) -> QTensor {
+pub(super) fn matrix(dtype: GgmlDType, n: usize, k: usize, seed: u64) -> QTensor {
     let device = Device::Cpu;
     let values: Vec<f32> = (0..n * k)
         .map(|i| {

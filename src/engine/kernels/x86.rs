@@ -421,8 +421,8 @@ macro_rules! kernels {
                         // 256.
                         let chunk = |p: usize, b: usize, t: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * per + 32 * t).cast()) };
                         let scales = |p: usize, b: usize| unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(sc.as_ptr().add((p * blocks + b) * PANEL).cast())) };
-                        let mins = |p: usize, s: usize, t: usize| unsafe { _mm256_loadu_si256(mn.as_ptr().add(((p * supers + s) * 4 + t) * 16).cast()) };
-                        let lanes = |v: &[f32], p: usize, s: usize| unsafe { _mm256_loadu_ps(v.as_ptr().add((p * supers + s) * PANEL)) };
+                        let mins = |p: usize, s: usize, t: usize| unsafe { _mm256_cvtepu8_epi16(_mm_loadu_si128(mn.as_ptr().add(((p * supers + s) * 4 + t) * 16).cast())) };
+                        let lanes = |v: &[u16], p: usize, s: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add((p * supers + s) * PANEL).cast())) };
                         // SAFETY: activation row `r0 + i < r0 + R` exists and `8 s + 2 t + 1 < blocks` (`bsums` is `[m,
                         // blocks]`, asserted above): blocks `2t` and `2t + 1` of the 256's code sums, one 32-bit lane.
                         let pair = |i: usize, s: usize, t: usize| unsafe { _mm256_set1_epi32(x.bsums.as_ptr().add((r0 + i) * blocks + 8 * s + 2 * t).cast::<i32>().read_unaligned()) };
@@ -606,10 +606,10 @@ macro_rules! kernels {
                         (qs, super::super::signed_codes(&w.data).0)
                     }
                     Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => {
-                        floats(d, PANEL / 8);
-                        floats(dmin, PANEL / 8);
+                        ask(bytemuck::cast_slice(d), 2 * PANEL / 8);
+                        ask(bytemuck::cast_slice(dmin), 2 * PANEL / 8);
                         ask(sc, PANEL);
-                        ask(bytemuck::cast_slice(mn), 16);
+                        ask(mn, 8);
                         (qs, if matches!(w.data, Data::K5 { .. }) { 256 } else { 128 })
                     }
                     Data::F16(_) | Data::Bf16(_) => return,
