@@ -204,6 +204,12 @@ impl Pair {
             out[..8].copy_from_slice(&v[at[0]..at[0] + 8]);
             out[8..16].copy_from_slice(&v[at[1]..at[1] + 8]);
         };
+        // The file's f16 scales (`Q4`, `S8`) as f32.
+        let halves16 = |out: &mut [f32], v: &[u16], at: [usize; 2]| {
+            for (i, out) in out[..16].iter_mut().enumerate() {
+                *out = super::half_f32(v[at[i / 8] + i % 8]);
+            }
+        };
         match &w.data {
             Data::Q4 { qs, d, m } => {
                 // Q4_0 (no offsets): the codes less 8, signed, for `tdpbssd`.
@@ -225,9 +231,9 @@ impl Pair {
                         }
                     }
                     let at = [(p * blocks + b) * PANEL, ((p + 1) * blocks + b) * PANEL];
-                    two(&mut self.d[16 * b..16 * b + 16], d, at);
+                    halves16(&mut self.d[16 * b..16 * b + 16], d, at);
                     if !m.is_empty() {
-                        two(&mut self.m[16 * b..16 * b + 16], m, at);
+                        halves16(&mut self.m[16 * b..16 * b + 16], m, at);
                     }
                 }
             }
@@ -255,7 +261,7 @@ impl Pair {
                     }
                     Data::S8 { d, .. } => {
                         for b in 0..blocks {
-                            two(&mut self.d[16 * b..16 * b + 16], d, [(p * blocks + b) * PANEL, ((p + 1) * blocks + b) * PANEL]);
+                            halves16(&mut self.d[16 * b..16 * b + 16], d, [(p * blocks + b) * PANEL, ((p + 1) * blocks + b) * PANEL]);
                         }
                     }
                     _ => unreachable!(),
@@ -1270,7 +1276,50 @@ mod tests {
     use candle_core::quantized::GgmlDType;
 
     use super::super::{pack, tests::matrix, Data, Packed, PANEL};
-    use super::SuperPair;
+    use super::{Pair, SuperPair};
+
+    /// The per-32 layouts' pairs of panels as the int8 tiles take them (`Pair::fill`, AVX2 code): each weight
+    /// rebuilt from a tile line's code and its row's scale (and offset) is the packed matrix's, bit for bit, for
+    /// Q4_0 and Q4_1 (`Q4`), Q8_0 and Q5_0 (`S8`) and Q5_1 (`U8`). The tile products that read them run only where the
+    /// CPU has the tile unit; this runs wherever it has AVX2.
+    #[test]
+    fn the_tiles_take_the_per_32_layouts_codes_and_scales_as_packed() {
+        if !is_x86_feature_detected!("avx2") {
+            eprintln!("no AVX2 here: Pair::fill not checked");
+            return;
+        }
+        for dtype in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q5_1] {
+            let (n, k) = (40, 576);
+            let packed = Packed::from_qtensor(&matrix(dtype, n, k, 5)).unwrap().unwrap();
+            let weights = packed.dequantize();
+            let (blocks, u8) = (k / 32, matches!(packed.data, Data::U8 { .. }));
+            let (nibbles, offsets) = match &packed.data {
+                Data::Q4 { m, .. } => (true, !m.is_empty()),
+                Data::U8 { .. } => (false, true),
+                Data::S8 { .. } => (false, false),
+                _ => panic!("{dtype:?} packed as a per-256 layout"),
+            };
+            for p in [0, 3] {
+                let mut pair = Pair::new(blocks, if u8 { 2 } else { 1 });
+                // SAFETY: the CPU has AVX2 (checked above); panels 0..=4 exist (40 rows).
+                unsafe { pair.fill(&packed, p) };
+                for half in 0..2 {
+                    for l in 0..PANEL {
+                        let row = (p + half) * PANEL + l;
+                        for col in 0..k {
+                            let (b, i) = (col / 32, col % 32);
+                            let line = if nibbles { i / 16 * 4 + i % 16 / 4 } else { i / 4 };
+                            let byte = pair.codes[8 * b + line].0[32 * half + 4 * l + i % 4];
+                            let at = 16 * if u8 { 2 * b + i / 16 } else { b } + 8 * half + l;
+                            let code = if nibbles && offsets || u8 { byte as f32 } else { byte as i8 as f32 };
+                            let w = if offsets { pair.d[at] * code + pair.m[at] } else { pair.d[at] * code };
+                            assert_eq!(w.to_bits(), weights[row * k + col].to_bits(), "{dtype:?} row {row}, column {col}: {w} vs {}", weights[row * k + col]);
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     /// The tiles' per-256 values of a K4 or K5 pair, read from `Data::K4`'s bytes and f16s, are the file's: `d`,
     /// `-dmin` and each pair of blocks' mins, row by row. Plain code, checked on every machine (the tile products

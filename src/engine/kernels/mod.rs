@@ -273,16 +273,18 @@ enum Data {
     /// 4-bit codes, 128 bytes per panel and block: chunk `t` of 32 bytes holds, in lane `l`, row `l`'s weights
     /// `4t..4t + 4` (low nibbles) and `16 + 4t..20 + 4t` (high nibbles); weight = `d * code + m` per block of 32,
     /// or with `m` empty (Q4_0: [`Packed::signed4`]) `d * (code - 8)`, the products' integer sums taking `8 x` the
-    /// activations' code sum off, with no offset step.
-    Q4 { qs: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
+    /// activations' code sum off, with no offset step. `d` and `m` are the file's f16 bits (`[panel, block, 8]`):
+    /// 4.5 bits a weight for Q4_0, 5 for Q4_1, the file's.
+    Q4 { qs: Vec<u8>, d: Vec<u16>, m: Vec<u16> },
     /// Codes of up to 6 bits, one byte each, 256 bytes per panel and block: chunk `g` of 32 bytes holds, in lane
     /// `l`, row `l`'s weights `4g..4g + 4`; weight = `d * code + m` per group of 16.
     U8 { qs: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
     /// Signed codes in -127..=127, chunked as `U8` and stored offset by 128 (`code ^ 0x80` as a byte, 1..=255:
     /// VNNI multiplies them as unsigned and takes `128 x` the activations' code sum back off; AVX2 flips the bit
-    /// back); weight = `d * code` per block of 32. `small` says every code is in -16..=15 (Q5_0's always): AVX2
-    /// then multiplies `code + 16` (0..=31) as unsigned and keeps four groups' products in 16 bits.
-    S8 { qs: Vec<u8>, d: Vec<f32>, small: bool },
+    /// back); weight = `d * code` per block of 32, `d` the file's f16 bits (`[panel, block, 8]`): 8.5 bits a weight,
+    /// Q8_0's. `small` says every code is in -16..=15 (Q5_0's always): AVX2 then multiplies `code + 16` (0..=31) as
+    /// unsigned and keeps four groups' products in 16 bits.
+    S8 { qs: Vec<u8>, d: Vec<u16>, small: bool },
     /// Q6_K as stored: 6-bit codes `q` one per byte, chunked as `U8`; a signed scale `sc` per 16 weights
     /// (`[panel, block, half, 8]`, 16 bytes per panel and block) and `d` per 256 (`[panel, k / 256, 8]`); weight =
     /// `d * sc * (q - 32)`: 8.6 bits a weight. Its products take the activations quantized per 256 ([`Acts::supers`],
@@ -334,7 +336,7 @@ fn signed_codes(data: &Data) -> (usize, i32) {
     }
 }
 
-/// An f16's bits as f32 (exact): `Data::K4`'s and `Data::K5`'s `d` and `-dmin`.
+/// An f16's bits as f32 (exact): the scales held as the file's f16 (`Data::Q4`, `S8`, `K4`, `K5`).
 fn half_f32(bits: u16) -> f32 {
     half::f16::from_bits(bits).to_f32()
 }
@@ -379,8 +381,9 @@ impl Packed {
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         match &self.data {
-            Data::Q4 { qs, d, m } | Data::U8 { qs, d, m } => qs.len() + 4 * (d.len() + m.len()),
-            Data::S8 { qs, d, .. } => qs.len() + 4 * d.len(),
+            Data::Q4 { qs, d, m } => qs.len() + 2 * (d.len() + m.len()),
+            Data::U8 { qs, d, m } => qs.len() + 4 * (d.len() + m.len()),
+            Data::S8 { qs, d, .. } => qs.len() + 2 * d.len(),
             Data::Q6 { qs, sc, d } | Data::Q6N { qs, sc, d } | Data::K3 { qs, sc, d } => qs.len() + sc.len() + 4 * d.len(),
             Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => qs.len() + sc.len() + mn.len() + 2 * (d.len() + dmin.len()),
             Data::F16(w) | Data::Bf16(w) => 2 * w.len(),
@@ -410,7 +413,8 @@ impl Packed {
                     let (pb, i) = at(col);
                     let byte = qs[pb * 128 + 32 * (i % 16 / 4) + 4 * l + i % 4];
                     let code = if i < 16 { byte & 0xF } else { byte >> 4 };
-                    *o = if m.is_empty() { d[pb * PANEL + l] * (code as i32 - 8) as f32 } else { d[pb * PANEL + l] * code as f32 + m[pb * PANEL + l] };
+                    let d = half_f32(d[pb * PANEL + l]);
+                    *o = if m.is_empty() { d * (code as i32 - 8) as f32 } else { d * code as f32 + half_f32(m[pb * PANEL + l]) };
                 }
             }
             Data::U8 { qs, d, m } => {
@@ -423,7 +427,7 @@ impl Packed {
             Data::S8 { qs, d, .. } => {
                 for (col, o) in out.iter_mut().enumerate() {
                     let (pb, i) = at(col);
-                    *o = d[pb * PANEL + l] * (qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] ^ 0x80) as i8 as f32;
+                    *o = half_f32(d[pb * PANEL + l]) * (qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] ^ 0x80) as i8 as f32;
                 }
             }
             Data::Q6 { qs, sc, d } => {

@@ -9,8 +9,8 @@
 //! scales: Q6_K one signed 8-bit `sc` per 16 and an f16 `d` per 256 (`d * sc * (q - 32)`), Q3_K the same with its
 //! 6-bit scales less 32 and its 3-bit codes in bit planes (`d * sc * (q - 4)`), Q4_K and Q5_K a 6-bit
 //! `sc` and `mn` per 32 and an f16 `d` and `dmin` per 256 (`d * sc * q - dmin * mn`): the kernels multiply the
-//! small scales in as integers. The codes are copied, the scales widened from f16 to f32 (Q4_K's and Q5_K's kept as
-//! the file's f16): every weight the kernels compute with is the one the file stores.
+//! small scales in as integers. The codes are copied, the scales kept as the file's f16 (Q5_1's, Q6_K's and Q3_K's
+//! widened to f32): every weight the kernels compute with is the one the file stores.
 
 use candle_core::quantized::GgmlDType;
 use half::f16;
@@ -193,7 +193,7 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
                 codes.clear();
                 d.clear();
                 for b in panel.chunks_exact(block_bytes) {
-                    d.push(half_at(b, 0));
+                    d.push(u16::from_le_bytes([b[0], b[1]]));
                     if dtype == GgmlDType::Q8_0 {
                         codes.extend(b[2..].iter().copied());
                     } else {
@@ -285,7 +285,9 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
             let halves = matches!(dtype, GgmlDType::Q4_0 | GgmlDType::Q4_1);
             let (panels_n, per_row) = (n.div_ceil(PANEL), if halves { k / 32 } else { k / 16 });
             let mut qs = Vec::with_capacity(panels_n * PANEL * if halves { k / 2 } else { k });
-            let (mut ds, mut ms) = (Vec::with_capacity(panels_n * PANEL * per_row), Vec::with_capacity(panels_n * PANEL * per_row));
+            let (mut ds, mut ms) = (Vec::with_capacity(if halves { 0 } else { panels_n * PANEL * per_row }), Vec::with_capacity(if halves { 0 } else { panels_n * PANEL * per_row }));
+            // Q4_0's and Q4_1's: f16 bits.
+            let (mut d4, mut m4) = (Vec::with_capacity(if halves { panels_n * PANEL * per_row } else { 0 }), Vec::new());
             let (mut codes, mut d, mut m) = (Vec::with_capacity(PANEL * k), Vec::with_capacity(PANEL * k / 16), Vec::with_capacity(PANEL * k / 16));
             for (panel, rows) in panels {
                 codes.clear();
@@ -299,13 +301,14 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
                     });
                 }
                 if halves {
-                    // The two halves of a block of 32 share a scale and an offset (`decode_block` emits them twice).
-                    let (d, m): (Vec<f32>, Vec<f32>) = (d.iter().step_by(2).copied().collect(), m.iter().step_by(2).copied().collect());
+                    // The two halves of a block of 32 share a scale and an offset (`decode_block` emits them twice),
+                    // the file's f16s: back to their bits (exact).
+                    let bits = |v: &Vec<f32>| v.iter().step_by(2).map(|&v| f16::from_f32(v).to_bits()).collect::<Vec<u16>>();
                     qs.extend(chunks(rows, k, &codes, true));
-                    ds.extend(lanes(rows, k / 32, &d));
+                    d4.extend(lanes(rows, k / 32, &bits(&d)));
                     // Q4_0's offset is always `-8 d`: kept as the codes' meaning, `d * (code - 8)`, not stored.
                     if dtype != GgmlDType::Q4_0 {
-                        ms.extend(lanes(rows, k / 32, &m));
+                        m4.extend(lanes(rows, k / 32, &bits(&m)));
                     }
                 } else {
                     qs.extend(chunks(rows, k, &codes, false));
@@ -313,7 +316,7 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
                     ms.extend(lanes(rows, k / 16, &m));
                 }
             }
-            if halves { Data::Q4 { qs, d: ds, m: ms } } else { Data::U8 { qs, d: ds, m: ms } }
+            if halves { Data::Q4 { qs, d: d4, m: m4 } } else { Data::U8 { qs, d: ds, m: ms } }
         }
     };
     Ok(Some(Packed { n, k, stored: dtype, data }))

@@ -153,10 +153,10 @@ pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                             }
                             if m.is_empty() {
                                 // Q4_0: the codes stand for `code - 8`.
-                                *acc = ((sum - 8 * x.sums[r * blocks + b]) as f32).mul_add(d[pb * PANEL + l] * xd[b], *acc);
+                                *acc = ((sum - 8 * x.sums[r * blocks + b]) as f32).mul_add(half_f32(d[pb * PANEL + l]) * xd[b], *acc);
                             } else {
-                                *acc = (sum as f32).mul_add(d[pb * PANEL + l] * xd[b], *acc);
-                                *acc = m[pb * PANEL + l].mul_add(s32[b], *acc);
+                                *acc = (sum as f32).mul_add(half_f32(d[pb * PANEL + l]) * xd[b], *acc);
+                                *acc = half_f32(m[pb * PANEL + l]).mul_add(s32[b], *acc);
                             }
                         }
                     }
@@ -175,7 +175,7 @@ pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                         let codes = &qs[pb * 256..(pb + 1) * 256];
                         for (l, acc) in acc.iter_mut().enumerate() {
                             let sum: i32 = (0..8).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| (codes[32 * g + 4 * l + j] ^ 0x80) as i8 as i32 * xb[4 * g + j] as i32).sum();
-                            *acc = (sum as f32).mul_add(d[pb * PANEL + l] * xd[b], *acc);
+                            *acc = (sum as f32).mul_add(half_f32(d[pb * PANEL + l]) * xd[b], *acc);
                         }
                     }
                     Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. } | Data::K4 { .. } | Data::K5 { .. } => unreachable!("per-256 layouts take run_supers"),

@@ -160,7 +160,7 @@ macro_rules! kernels {
                         // SAFETY (these closures): panel `p < panels` and block `b < blocks` (the loops' bounds) are
                         // within the lengths asserted above: 128 code bytes and 8 scales and offsets each.
                         let chunk = |p: usize, b: usize, t: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * 128 + 32 * t).cast()) };
-                        let lanes = |v: &[f32], p: usize, b: usize| unsafe { _mm256_loadu_ps(v.as_ptr().add((p * blocks + b) * PANEL)) };
+                        let lanes = |v: &[u16], p: usize, b: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add((p * blocks + b) * PANEL).cast())) };
                         for b in 0..blocks {
                             let sums = nibble_dots::<P, R>(|j, t| chunk(p0 + j, b, t), |i, g| xg(i, b, g));
                             if signed {
@@ -216,7 +216,7 @@ macro_rules! kernels {
                         assert!(qs.len() == panels * blocks * 256 && d.len() == panels * blocks * PANEL, "S8 layout (a bug)");
                         // SAFETY (these closures): as for U8, with 8 scales per panel and block.
                         let chunk = |p: usize, b: usize, g: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * 256 + 32 * g).cast()) };
-                        let lanes = |p: usize, b: usize| unsafe { _mm256_loadu_ps(d.as_ptr().add((p * blocks + b) * PANEL)) };
+                        let lanes = |p: usize, b: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().add((p * blocks + b) * PANEL).cast())) };
                         assert!(x.sums.len() == x.d.len(), "activation code sums (a bug)");
                         // SAFETY: activation row `r0 + i < r0 + R` exists and `b < blocks` (as for `xd`).
                         let xsum = |i: usize, b: usize| unsafe { *x.sums.as_ptr().add((r0 + i) * blocks + b) };
@@ -587,8 +587,8 @@ macro_rules! kernels {
                 let floats = |v: &[f32], per: usize| ask(bytemuck::cast_slice(v), 4 * per);
                 let (codes, per) = match &w.data {
                     Data::Q4 { qs, d, m } => {
-                        floats(d, PANEL);
-                        floats(m, PANEL);
+                        ask(bytemuck::cast_slice(d), 2 * PANEL);
+                        ask(bytemuck::cast_slice(m), 2 * PANEL);
                         (qs, 128)
                     }
                     Data::U8 { qs, d, m } => {
@@ -597,7 +597,7 @@ macro_rules! kernels {
                         (qs, 256)
                     }
                     Data::S8 { qs, d, .. } => {
-                        floats(d, PANEL);
+                        ask(bytemuck::cast_slice(d), 2 * PANEL);
                         (qs, 256)
                     }
                     Data::Q6 { qs, sc, d } | Data::Q6N { qs, sc, d } | Data::K3 { qs, sc, d } => {
