@@ -66,7 +66,8 @@ pub fn bytes_text(n: u64) -> String {
 
 /// Refuses a model whose weights, as stored, exceed the memory `available` on its device (exit 4): loading it
 /// would end in the kernel's out-of-memory kill, not a message. The stored size is a lower bound of what loading
-/// holds (the CPU kernels keep 4-bit types at about 6 bits a weight), so nothing that fits is refused.
+/// holds (the CPU kernels hold most types in the file's bits a weight or up to 3 % more; Q5_1 and Q5_K a byte per code,
+/// up to twice the file's), so nothing that fits is refused.
 pub fn check_weights_fit(path: &std::path::Path, weights: llama::StoredWeights, available: u64) -> Result<(), ModelError> {
     if weights.bytes <= available {
         return Ok(());

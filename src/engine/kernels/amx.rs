@@ -267,7 +267,7 @@ impl Pair {
                     _ => unreachable!(),
                 }
             }
-            Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. } | Data::K4 { .. } | Data::K5 { .. } => unreachable!("per-256 layouts fill a SuperPair"),
+            Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. } | Data::K4 { .. } | Data::K5 { .. } | Data::K5N { .. } => unreachable!("per-256 layouts fill a SuperPair"),
             Data::F16(_) | Data::Bf16(_) => unreachable!("float weights do not take the tile unit"),
         }
     }
@@ -376,9 +376,9 @@ unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
         Data::S8 { .. } => run_tiles::<S8>(w, rows, x, out),
         // Q3_K's tiles are Q6_K's (`SuperPair::fill_q6`).
         Data::Q6 { .. } | Data::K3 { .. } => run_supers::<Q6>(w, rows, x, out),
-        // Q6_K in its narrow layout is held only where the process does not take the tiles (`pack::narrow_q6k`);
-        // a level forced here anyway computes it with the VNNI kernels, the same bits.
-        Data::Q6N { .. } => super::x86::avx512_vnni::run(w, rows, x, out),
+        // Q6_K and Q5_K in their narrow layouts are held only where the process does not take the tiles
+        // (`pack::narrow_codes`); a level forced here anyway computes them with the VNNI kernels, the same bits.
+        Data::Q6N { .. } | Data::K5N { .. } => super::x86::avx512_vnni::run(w, rows, x, out),
         Data::K4 { .. } => run_supers::<K4>(w, rows, x, out),
         Data::K5 { .. } => run_supers::<K5>(w, rows, x, out),
         // bf16 products of fewer than `BF16_TILE_ROWS` rows (their activations rounded to bf16 all the same, see
@@ -1331,7 +1331,7 @@ mod tests {
             let q = matrix(dtype, n, k, 11);
             let bytes = q.data().unwrap().into_owned();
             let packed = Packed::from_qtensor(&q).unwrap().unwrap();
-            let (Data::K4 { mn, d, dmin, .. } | Data::K5 { mn, d, dmin, .. }) = &packed.data else { panic!("{dtype:?} packed as another layout") };
+            let (Data::K4 { mn, d, dmin, .. } | Data::K5 { mn, d, dmin, .. } | Data::K5N { mn, d, dmin, .. }) = &packed.data else { panic!("{dtype:?} packed as another layout") };
             let supers = k / 256;
             let mut checked = 0;
             for p in [0, 3] {

@@ -298,7 +298,7 @@ enum Data {
     /// to five. `Q6`'s scales and products, so the same bits. A one-row product (a decode step) reads its weights
     /// once, from memory: 1.3x fewer bytes than `Q6`'s. Products of more than 16 rows lay the codes out as `Q6`'s
     /// bytes once for all the rows. Held where the process does not take the tile unit, whose int8 tiles read
-    /// `Q6`'s bytes ([`pack::narrow_q6k`]).
+    /// `Q6`'s bytes ([`pack::narrow_codes`]).
     Q6N { qs: Vec<u8>, sc: Vec<i8>, d: Vec<f32> },
     /// Q3_K as stored: 3-bit codes `c = q + 4` (0..=7: ggml's two low bits plus 4 for a set high bit), 96 bytes per
     /// panel and block: bytes `32 h..32 h + 32` (`h < 2`) hold chunks `4 h..4 h + 4` of `U8`'s order, chunk `g`'s
@@ -320,6 +320,13 @@ enum Data {
     /// weight = `d * sc * q - dmin * mn`, 8.6 bits a weight (the `U8` layout it had took 12). Its products are
     /// `K4`'s (`sum of sc x sum(q x)` at most 8 x 63 x 32 x 31 x 127 < 2^26).
     K5 { qs: Vec<u8>, sc: Vec<u8>, mn: Vec<u8>, d: Vec<u16>, dmin: Vec<u16> },
+    /// Q5_K in the file's five bits a code: `K5`'s codes in 160 bytes per panel and block, not 256. Bytes `32 t..32 t
+    /// + 32` (`t < 4`) hold the low four bits of `K5`'s chunk `t` in their low nibbles and of chunk `t + 4` in their
+    /// high nibbles (`Q4`'s order); bytes `128..160` hold every chunk's fifth bit, chunk `g`'s at bit `g`
+    /// ([`k5n_code`]): a chunk comes back in four to five operations. `K5`'s scales, mins and products, so the same
+    /// bits: 5.625 bits a weight (the file's 5.5). Products of more than 16 rows lay the codes out as `K5`'s bytes
+    /// once for all the rows, as `Q6N`'s. Held where `Q6N` is ([`pack::narrow_codes`]).
+    K5N { qs: Vec<u8>, sc: Vec<u8>, mn: Vec<u8>, d: Vec<u16>, dmin: Vec<u16> },
     /// IEEE half-precision bits.
     F16(Vec<u16>),
     /// bfloat16 bits.
@@ -336,7 +343,24 @@ fn signed_codes(data: &Data) -> (usize, i32) {
     }
 }
 
-/// An f16's bits as f32 (exact): the scales held as the file's f16 (`Data::Q4`, `S8`, `K4`, `K5`).
+/// Code `at` (of 32: lane `at / 4`'s weight `at % 4`) of chunk `g` (of 8, `K5`'s order) of one panel and block of
+/// [`Data::K5N`]'s 160 bytes: 0..=31.
+fn k5n_code(block: &[u8], g: usize, at: usize) -> u8 {
+    let nibble = if g < 4 { block[32 * g + at] & 0xF } else { block[32 * (g - 4) + at] >> 4 };
+    nibble | ((block[128 + at] >> g) & 1) << 4
+}
+
+/// A narrow layout's codes laid out as its wide layout's bytes before products of many rows (`Data::Q6N` as `Q6`,
+/// `Data::K5N` as `K5`): the narrow bytes per panel and block, or `None` for the other layouts.
+fn narrow_bytes(data: &Data) -> Option<(&[u8], usize)> {
+    match data {
+        Data::Q6N { qs, .. } => Some((qs, 192)),
+        Data::K5N { qs, .. } => Some((qs, 160)),
+        _ => None,
+    }
+}
+
+/// An f16's bits as f32 (exact): the scales held as the file's f16 (`Data::Q4`, `S8`, `K4`, `K5`, `K5N`).
 fn half_f32(bits: u16) -> f32 {
     half::f16::from_bits(bits).to_f32()
 }
@@ -385,7 +409,7 @@ impl Packed {
             Data::U8 { qs, d, m } => qs.len() + 4 * (d.len() + m.len()),
             Data::S8 { qs, d, .. } => qs.len() + 2 * d.len(),
             Data::Q6 { qs, sc, d } | Data::Q6N { qs, sc, d } | Data::K3 { qs, sc, d } => qs.len() + sc.len() + 4 * d.len(),
-            Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => qs.len() + sc.len() + mn.len() + 2 * (d.len() + dmin.len()),
+            Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } | Data::K5N { qs, sc, mn, d, dmin } => qs.len() + sc.len() + mn.len() + 2 * (d.len() + dmin.len()),
             Data::F16(w) | Data::Bf16(w) => 2 * w.len(),
         }
     }
@@ -455,11 +479,13 @@ impl Packed {
                     *o = d[(p * (blocks / 8) + col / 256) * PANEL + l] * sc[(2 * pb + i / 16) * PANEL + l] as f32 * q as f32;
                 }
             }
-            Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => {
-                let wide = matches!(self.data, Data::K5 { .. });
+            Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } | Data::K5N { qs, sc, mn, d, dmin } => {
+                let (wide, five) = (matches!(self.data, Data::K5 { .. }), matches!(self.data, Data::K5N { .. }));
                 for (col, o) in out.iter_mut().enumerate() {
                     let ((pb, i), b) = (at(col), col / 32);
-                    let code = if wide {
+                    let code = if five {
+                        k5n_code(&qs[pb * 160..(pb + 1) * 160], i / 4, 4 * l + i % 4)
+                    } else if wide {
                         qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4]
                     } else {
                         let byte = qs[pb * 128 + 32 * (i % 16 / 4) + 4 * l + i % 4];
@@ -498,7 +524,7 @@ impl Packed {
     fn quant(&self) -> Quant {
         match self.data {
             Data::F16(_) | Data::Bf16(_) => Quant::Float,
-            Data::K4 { .. } | Data::K5 { .. } | Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. } => Quant::Supers,
+            Data::K4 { .. } | Data::K5 { .. } | Data::K5N { .. } | Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. } => Quant::Supers,
             _ => Quant::Blocks,
         }
     }
@@ -1023,8 +1049,9 @@ fn bf16_tile_order(x: &[f32], m: usize, k: usize) -> Vec<u16> {
 /// Weight rows (whole panels) per slice of a task: about 256 KiB of weights, which stay in the L2 cache while
 /// every activation row passes over them.
 fn l2_rows(w: &Packed) -> usize {
-    // `Data::Q6N`'s slices are laid out as `Q6`'s bytes, 256 for its 192, before their products of several rows.
-    let laid_out = if let Data::Q6N { qs, .. } = &w.data { qs.len() / 3 } else { 0 };
+    // `Data::Q6N`'s and `Data::K5N`'s slices are laid out as `Q6`'s and `K5`'s bytes, 256 for their 192 and 160,
+    // before their products of several rows.
+    let laid_out = narrow_bytes(&w.data).map_or(0, |(qs, per)| qs.len() / per * (256 - per));
     let per_row = (w.bytes() + laid_out).div_ceil(w.n.max(1)).max(1);
     ((256 << 10) / per_row).next_multiple_of(2 * PANEL).max(2 * PANEL)
 }

@@ -153,16 +153,18 @@ pub(super) fn kmin_block(b: &[u8], five: bool) -> ([u8; 256], [u8; 8], [u8; 8], 
 /// -128 (the kernels' signed product needs codes in -127..=127; ggml never writes -128). A byte count that does
 /// not match the shape is an error.
 pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result<Option<Packed>, String> {
-    pack_with(dtype, bytes, n, k, narrow_q6k())
+    pack_with(dtype, bytes, n, k, narrow_codes())
 }
 
-/// Whether Q6_K matrices are held in the file's 6.6 bits a weight ([`Data::Q6N`]) rather than a code to a byte
-/// ([`Data::Q6`]): wherever the process will not take the tile unit, whose int8 tiles read `Q6`'s bytes.
-pub(super) fn narrow_q6k() -> bool {
+/// Whether Q6_K and Q5_K matrices are held in the file's bits a code ([`Data::Q6N`], [`Data::K5N`]) rather than a
+/// code to a byte ([`Data::Q6`], [`Data::K5`]): wherever the process will not take the tile unit, whose int8 tiles
+/// read the bytes.
+pub(super) fn narrow_codes() -> bool {
     Level::detected() != Level::Amx
 }
 
-/// [`pack`], with Q6_K held as [`Data::Q6N`] when `narrow`, as [`Data::Q6`] otherwise.
+/// [`pack`], with Q6_K and Q5_K held as [`Data::Q6N`] and [`Data::K5N`] when `narrow`, as [`Data::Q6`] and
+/// [`Data::K5`] otherwise.
 pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narrow: bool) -> Result<Option<Packed>, String> {
     let Some((block_bytes, block_len)) = block_size(dtype) else { return Ok(None) };
     if n == 0 || k == 0 || !k.is_multiple_of(block_len) || !k.is_multiple_of(32) && !matches!(dtype, GgmlDType::F16 | GgmlDType::BF16) {
@@ -230,7 +232,12 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
                     d.push(db);
                     dmin.push(dm ^ 0x8000);
                 }
-                qs.extend(chunks(rows, k, &codes, dtype == GgmlDType::Q4K));
+                let bytes = chunks(rows, k, &codes, dtype == GgmlDType::Q4K);
+                if dtype == GgmlDType::Q5K && narrow {
+                    qs.extend(bytes.chunks_exact(256).flat_map(nibbles_and_fifth_bits));
+                } else {
+                    qs.extend(bytes);
+                }
                 sc.extend(lanes(rows, k / 32, &scales));
                 ds.extend(lanes(rows, supers, &d));
                 dmins.extend(lanes(rows, supers, &dmin));
@@ -244,7 +251,11 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
                     }
                 }
             }
-            if dtype == GgmlDType::Q4K { Data::K4 { qs, sc, mn, d: ds, dmin: dmins } } else { Data::K5 { qs, sc, mn, d: ds, dmin: dmins } }
+            match (dtype == GgmlDType::Q4K, narrow) {
+                (true, _) => Data::K4 { qs, sc, mn, d: ds, dmin: dmins },
+                (false, true) => Data::K5N { qs, sc, mn, d: ds, dmin: dmins },
+                (false, false) => Data::K5 { qs, sc, mn, d: ds, dmin: dmins },
+            }
         }
         GgmlDType::Q6K | GgmlDType::Q3K => {
             // Q6_K's 6-bit codes one per byte, as `U8`, or with `narrow` in `Data::Q6N`'s 192 bytes per panel and
@@ -353,6 +364,21 @@ fn bit_planes(block: &[u8]) -> [u8; 96] {
             out[32 * (g / 4) + at] |= (c & 3) << (2 * (g % 4));
             out[64 + at] |= (c >> 2) << g;
         }
+    }
+    out
+}
+
+/// One panel and block of 5-bit codes in `chunks`' order (256 bytes, eight chunks of 32) as [`Data::K5N`]'s 160
+/// bytes: the low four bits of chunks `t` and `t + 4` in the low and high nibbles of bytes `32 t..` (`t < 4`), every
+/// chunk's fifth bit in bytes `128..`, chunk `g`'s at bit `g`.
+fn nibbles_and_fifth_bits(block: &[u8]) -> [u8; 160] {
+    let mut out = [0u8; 160];
+    let chunk = |g: usize| &block[32 * g..32 * g + 32];
+    for at in 0..32 {
+        for t in 0..4 {
+            out[32 * t + at] = (chunk(t)[at] & 0xF) | (chunk(t + 4)[at] & 0xF) << 4;
+        }
+        out[128 + at] = (0..8).map(|g| ((chunk(g)[at] >> 4) & 1) << g).sum();
     }
     out
 }

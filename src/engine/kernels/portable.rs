@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use super::{half_f32, hsum8, k3_code, q6n_code, signed_codes, Acts, Data, Out, Packed, PANEL};
+use super::{half_f32, hsum8, k3_code, k5n_code, q6n_code, signed_codes, Acts, Data, Out, Packed, PANEL};
 
 /// Activations to codes, per block of 32: scale `max |x| / 127`, codes rounded to nearest (ties to even), and the
 /// scaled sums of the codes per 32 and per 16.
@@ -70,13 +70,16 @@ fn run_supers(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                 let (xd, ps) = (x.d[r * supers + s], p * supers + s);
                 for (l, acc) in acc.iter_mut().enumerate() {
                     match &w.data {
-                        Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => {
-                            let wide = matches!(w.data, Data::K5 { .. });
+                        Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } | Data::K5N { qs, sc, mn, d, dmin } => {
+                            let (wide, five) = (matches!(w.data, Data::K5 { .. }), matches!(w.data, Data::K5N { .. }));
                             let (mut sum, mut msum) = (0i32, 0i32);
                             for b in 8 * s..8 * s + 8 {
                                 let (pb, xb) = (p * blocks + b, &xq[32 * b..32 * b + 32]);
                                 let mut dot = 0i32;
-                                if wide {
+                                if five {
+                                    let block = &qs[pb * 160..(pb + 1) * 160];
+                                    dot = (0..8).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| k5n_code(block, g, 4 * l + j) as i32 * xb[4 * g + j] as i32).sum();
+                                } else if wide {
                                     let codes = &qs[pb * 256..(pb + 1) * 256];
                                     dot = (0..8).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| codes[32 * g + 4 * l + j] as i32 * xb[4 * g + j] as i32).sum();
                                 } else {
@@ -128,7 +131,7 @@ fn run_supers(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
 /// acc)` and, for types with an offset, `acc = fma(m_w, s_x, acc)`, in block order; the per-256 layouts take
 /// [`run_supers`].
 pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
-    if matches!(w.data, Data::K4 { .. } | Data::K5 { .. } | Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. }) {
+    if matches!(w.data, Data::K4 { .. } | Data::K5 { .. } | Data::K5N { .. } | Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. }) {
         return run_supers(w, rows, x, out);
     }
     assert!(!x.supers, "weights per 32 with activations per 256 (a bug)");
@@ -178,7 +181,7 @@ pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                             *acc = (sum as f32).mul_add(half_f32(d[pb * PANEL + l]) * xd[b], *acc);
                         }
                     }
-                    Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. } | Data::K4 { .. } | Data::K5 { .. } => unreachable!("per-256 layouts take run_supers"),
+                    Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. } | Data::K4 { .. } | Data::K5 { .. } | Data::K5N { .. } => unreachable!("per-256 layouts take run_supers"),
                     Data::F16(_) | Data::Bf16(_) => unreachable!("float weights take the float loop"),
                 }
             }

@@ -159,30 +159,33 @@ fn q6k_sums_at_the_extremes(packed: &Packed, n: usize, k: usize, m: usize) {
     }
 }
 
-/// Q6_K held in the file's 6.6 bits a weight (`Data::Q6N`: six bits and nibbles) holds the weights a code to a
-/// byte holds (`Data::Q6`), in 1.3x fewer bytes and at most 1 % more than the file's, and every level gives the same
-/// bits from both: up to 16 rows (each tile unpacks its codes) and more (laid out a slice at a time), a partial last
-/// panel, widths of one and of several slices of a task.
+/// Q6_K and Q5_K held in the file's bits a code (`Data::Q6N`: six bits and nibbles, 6.6 bits a weight; `Data::K5N`:
+/// nibbles and fifth bits, 5.625) hold the weights a code to a byte holds (`Data::Q6`, `Data::K5`), in at least
+/// 1.25x fewer bytes and at most 1 % (Q5_K: 3 %) more than the file's, and every level gives the same bits from
+/// both: up to 16 rows (each tile unpacks its codes) and more (laid out a slice at a time), a partial last panel,
+/// widths of one and of several slices of a task.
 #[test]
-fn q6k_in_the_files_bytes_gives_the_same_bits() {
+fn q6k_and_q5k_in_the_files_bytes_give_the_same_bits() {
     say_missing_levels();
-    for (n, k) in [(37, 512), (70, 8192)] {
-        let q = matrix(GgmlDType::Q6K, n, k, 31);
-        let bytes = q.data().unwrap();
-        let (wide, narrow) = (pack::pack_with(GgmlDType::Q6K, &bytes, n, k, false).unwrap().unwrap(), pack::pack_with(GgmlDType::Q6K, &bytes, n, k, true).unwrap().unwrap());
-        assert!(matches!(wide.data, Data::Q6 { .. }) && matches!(narrow.data, Data::Q6N { .. }));
-        assert!(wide.dequantize().iter().zip(narrow.dequantize()).all(|(a, b)| a.to_bits() == b.to_bits()), "[{n}, {k}]: the layouts hold different weights");
-        // The panels' padding rows count: 40 and 72 rows held for 37 and 70.
-        let held = n.next_multiple_of(PANEL) as f64 / n as f64;
-        assert!((narrow.bytes() as f64) <= bytes.len() as f64 * held * 1.01, "[{n}, {k}]: {} bytes for the file's {}", narrow.bytes(), bytes.len());
-        assert!(wide.bytes() as f64 >= 1.25 * narrow.bytes() as f64, "[{n}, {k}]: {} against {}", wide.bytes(), narrow.bytes());
-        for m in [1, 3, 5, 12, 16, 17, 40] {
-            let x = activations(m, k, 32 + m as u64);
-            let reference = wide.matmul_at(Level::Portable, &x, m);
-            for level in Level::available() {
-                for (layout, packed) in [("Q6", &wide), ("Q6N", &narrow)] {
-                    let y = packed.matmul_at(level, &x, m);
-                    assert!(y.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "[{n}, {k}] m={m}: {layout} at {level:?} differs from Q6 at the portable level");
+    for (dtype, over) in [(GgmlDType::Q6K, 1.01), (GgmlDType::Q5K, 1.03)] {
+        for (n, k) in [(37, 512), (70, 8192)] {
+            let q = matrix(dtype, n, k, 31);
+            let bytes = q.data().unwrap();
+            let (wide, narrow) = (pack::pack_with(dtype, &bytes, n, k, false).unwrap().unwrap(), pack::pack_with(dtype, &bytes, n, k, true).unwrap().unwrap());
+            assert!(matches!((&wide.data, &narrow.data), (Data::Q6 { .. }, Data::Q6N { .. }) | (Data::K5 { .. }, Data::K5N { .. })), "{dtype:?}");
+            assert!(wide.dequantize().iter().zip(narrow.dequantize()).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?} [{n}, {k}]: the layouts hold different weights");
+            // The panels' padding rows count: 40 and 72 rows held for 37 and 70.
+            let held = n.next_multiple_of(PANEL) as f64 / n as f64;
+            assert!((narrow.bytes() as f64) <= bytes.len() as f64 * held * over, "{dtype:?} [{n}, {k}]: {} bytes for the file's {}", narrow.bytes(), bytes.len());
+            assert!(wide.bytes() as f64 >= 1.25 * narrow.bytes() as f64, "{dtype:?} [{n}, {k}]: {} against {}", wide.bytes(), narrow.bytes());
+            for m in [1, 3, 5, 12, 16, 17, 40] {
+                let x = activations(m, k, 32 + m as u64);
+                let reference = wide.matmul_at(Level::Portable, &x, m);
+                for level in Level::available() {
+                    for (layout, packed) in [("wide", &wide), ("narrow", &narrow)] {
+                        let y = packed.matmul_at(level, &x, m);
+                        assert!(y.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?} [{n}, {k}] m={m}: the {layout} layout at {level:?} differs from the wide one at the portable level");
+                    }
                 }
             }
         }
@@ -246,9 +249,12 @@ fn q4k_sums_at_the_extremes(five: bool) {
         }
     }
     let dtype = if five { GgmlDType::Q5K } else { GgmlDType::Q4K };
-    let packed = pack::pack(dtype, &bytes, n, k).unwrap().unwrap();
+    // Q5_K in both its layouts, a code to a byte (`K5`) and the file's five bits (`K5N`).
+    let layouts: Vec<Packed> = [false, true].into_iter().take(if five { 2 } else { 1 }).map(|narrow| pack::pack_with(dtype, &bytes, n, k, narrow).unwrap().unwrap()).collect();
     let candle = candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &bytes, vec![n, k], &Device::Cpu).unwrap();
-    assert_eq!(packed.dequantize(), candle.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), "{dtype:?} weights as ggml decodes them");
+    for packed in &layouts {
+        assert_eq!(packed.dequantize(), candle.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), "{dtype:?} weights as ggml decodes them");
+    }
     let x: Vec<f32> = (0..m * k).map(|i| if (i / 32 + i / k) % 7 == 0 { -1.5 } else { 1.5 }).collect();
     let acts = Acts::new(Level::Portable, &x, k, Quant::Supers);
     let mut largest = 0i64;
@@ -269,9 +275,11 @@ fn q4k_sums_at_the_extremes(five: bool) {
         }
     }
     assert!(largest > if five { 1 << 25 } else { 1 << 24 } && largest < 1 << 31, "{dtype:?}: the extremes reach {largest}");
-    for level in Level::available() {
-        let y = packed.matmul_at(level, &x, m);
-        assert!(y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?} {level:?}: {:?} vs {:?}", &y[..4], &want[..4]);
+    for packed in &layouts {
+        for level in Level::available() {
+            let y = packed.matmul_at(level, &x, m);
+            assert!(y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?} {level:?}: {:?} vs {:?}", &y[..4], &want[..4]);
+        }
     }
 }
 

@@ -111,24 +111,45 @@ macro_rules! kernels {
                 _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi8(0x0F)), _mm256_and_si256(high, _mm256_set1_epi8(0x30)))
             }
 
-            /// Panels `panels` of a `Data::Q6N` matrix with `blocks` blocks of 32 a row, as `Q6`'s code bytes (256 per
-            /// panel and block) into `into`, from its start.
+            /// `Data::K5N`'s chunk `g` (of 8) of the panel and block whose 160 bytes start at `at`: the 32 code
+            /// bytes `K5` holds there, a nibble of bytes `32 (g % 4)..` and bit `g` of bytes `128..` as bit 4.
+            ///
+            /// Safety: the 160 bytes from `at` are readable.
+            #[inline]
             #[target_feature(enable = $features)]
-            fn unpack_q6n(qs: &[u8], blocks: usize, panels: Range<usize>, into: &mut [u8]) {
+            unsafe fn k5n_chunk(at: *const u8, g: usize) -> __m256i {
+                // SAFETY: bytes `32 (g % 4)..` and `128..`, 32 each, lie within the 160 (`g < 8`).
+                let (nibbles, fifth) = unsafe { (_mm256_loadu_si256(at.add(32 * (g % 4)).cast()), _mm256_loadu_si256(at.add(128).cast())) };
+                let low = _mm256_and_si256(if g < 4 { nibbles } else { _mm256_srli_epi16::<4>(nibbles) }, _mm256_set1_epi8(0x0F));
+                // Bit `g` of each byte moved to bit 4 (shifts of 16-bit words: the mask keeps each byte's own bit).
+                let high = if g <= 4 { _mm256_sll_epi16(fifth, _mm_cvtsi32_si128(4 - g as i32)) } else { _mm256_srl_epi16(fifth, _mm_cvtsi32_si128(g as i32 - 4)) };
+                _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x10)))
+            }
+
+            /// Panels `panels` of a `Data::Q6N` or `Data::K5N` matrix with `blocks` blocks of 32 a row, as `Q6`'s or
+            /// `K5`'s code bytes (256 per panel and block) into `into`, from its start.
+            #[target_feature(enable = $features)]
+            fn unpack_narrow(data: &Data, blocks: usize, panels: Range<usize>, into: &mut [u8]) {
+                let Some((qs, per)) = super::super::narrow_bytes(data) else { unreachable!("unpack_narrow of a wide layout (a bug)") };
+                let six = matches!(data, Data::Q6N { .. });
                 let (from, count) = (panels.start * blocks, panels.len() * blocks);
-                assert!((from + count) * 192 <= qs.len() && count * 256 <= into.len(), "Q6N panels out of range (a bug)");
+                assert!((from + count) * per <= qs.len() && count * 256 <= into.len(), "narrow panels out of range (a bug)");
                 for i in 0..count {
                     for g in 0..8 {
-                        // SAFETY: panel and block `from + i` has its 192 bytes in `qs`, and bytes `256 i + 32 g..` (32)
-                        // lie within `into` (both asserted above).
-                        unsafe { _mm256_storeu_si256(into.as_mut_ptr().add(256 * i + 32 * g).cast(), q6n_chunk(qs.as_ptr().add((from + i) * 192), g)) };
+                        // SAFETY: panel and block `from + i` has its `per` bytes (192 for Q6N, 160 for K5N) in `qs`,
+                        // and bytes `256 i + 32 g..` (32) lie within `into` (both asserted above).
+                        unsafe {
+                            let at = qs.as_ptr().add((from + i) * per);
+                            _mm256_storeu_si256(into.as_mut_ptr().add(256 * i + 32 * g).cast(), if six { q6n_chunk(at, g) } else { k5n_chunk(at, g) });
+                        }
                     }
                 }
             }
 
             /// Panels `p0..p0 + P` of weight rows times activation rows `r0..r0 + R`: one register of eight
-            /// outputs per panel and activation row. `unpacked`, when not empty, holds a `Data::Q6N` matrix's codes
-            /// as `Q6`'s bytes from panel `first` on ([`unpack_q6n`]), read in place of its own.
+            /// outputs per panel and activation row. `unpacked`, when not empty, holds a `Data::Q6N` or `Data::K5N`
+            /// matrix's codes as `Q6`'s or `K5`'s bytes from panel `first` on ([`unpack_narrow`]), read in place of
+            /// its own.
             #[inline]
             #[target_feature(enable = $features)]
             fn tile<const P: usize, const R: usize>(w: &Packed, p0: usize, x: &Acts, r0: usize, out: Out, (unpacked, first): (&[u8], usize)) {
@@ -408,18 +429,32 @@ macro_rules! kernels {
                             }
                         }
                     }
-                    Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => {
+                    Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } | Data::K5N { qs, sc, mn, d, dmin } => {
                         let supers = blocks / 8;
-                        // K5: codes one per byte (`U8`'s chunks), else nibbles (`Q4`'s).
-                        let wide = matches!(w.data, Data::K5 { .. });
-                        let per = if wide { 256 } else { 128 };
+                        // K5: codes one per byte (`U8`'s chunks), else nibbles (`Q4`'s); K5N: `K5`'s chunks from its 160
+                        // bytes (`k5n_chunk`), or `unpacked`'s 256.
+                        let (five, wide) = (matches!(w.data, Data::K5N { .. }), !matches!(w.data, Data::K4 { .. }));
+                        let per = match w.data {
+                            Data::K5 { .. } => 256,
+                            Data::K5N { .. } => 160,
+                            _ => 128,
+                        };
+                        assert!(unpacked.is_empty() || five && p0 >= first && (p0 + P - first) * blocks * 256 <= unpacked.len(), "K5N's unpacked codes (a bug)");
                         assert!(x.supers && x.bsums.len() == x.rows() * blocks, "K4 takes activations per 256 (a bug)");
                         assert!(qs.len() == panels * blocks * per && sc.len() == panels * blocks * PANEL && mn.len() == panels * supers * 64 && d.len() == panels * supers * PANEL && dmin.len() == d.len(), "K4 layout (a bug)");
                         // SAFETY (these closures): panel `p < panels`, block `b < blocks`, 256 `s < supers`, pair `t <
                         // 4`, chunk `t < per / 32` (the loops' bounds) are within the lengths asserted above: `per`
                         // code bytes and 8 scales per panel and block, 64 mins and 8 of `d` and `dmin` per panel and
-                        // 256.
-                        let chunk = |p: usize, b: usize, t: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * per + 32 * t).cast()) };
+                        // 256; `unpacked`'s 256 bytes per panel and block for panels `first..p0 + P` (asserted above).
+                        let chunk = |p: usize, b: usize, t: usize| unsafe {
+                            if !unpacked.is_empty() {
+                                _mm256_loadu_si256(unpacked.as_ptr().add(((p - first) * blocks + b) * 256 + 32 * t).cast())
+                            } else if five {
+                                k5n_chunk(qs.as_ptr().add((p * blocks + b) * per), t)
+                            } else {
+                                _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * per + 32 * t).cast())
+                            }
+                        };
                         let scales = |p: usize, b: usize| unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(sc.as_ptr().add((p * blocks + b) * PANEL).cast())) };
                         let mins = |p: usize, s: usize, t: usize| unsafe { _mm256_cvtepu8_epi16(_mm_loadu_si128(mn.as_ptr().add(((p * supers + s) * 4 + t) * 16).cast())) };
                         let lanes = |v: &[u16], p: usize, s: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add((p * supers + s) * PANEL).cast())) };
@@ -605,12 +640,12 @@ macro_rules! kernels {
                         ask(bytemuck::cast_slice(sc), 2 * PANEL);
                         (qs, super::super::signed_codes(&w.data).0)
                     }
-                    Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } => {
+                    Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } | Data::K5N { qs, sc, mn, d, dmin } => {
                         ask(bytemuck::cast_slice(d), 2 * PANEL / 8);
                         ask(bytemuck::cast_slice(dmin), 2 * PANEL / 8);
                         ask(sc, PANEL);
                         ask(mn, 8);
-                        (qs, if matches!(w.data, Data::K5 { .. }) { 256 } else { 128 })
+                        (qs, qs.len() / (w.n.div_ceil(PANEL) * blocks).max(1))
                     }
                     Data::F16(_) | Data::Bf16(_) => return,
                 };
@@ -665,18 +700,18 @@ macro_rules! kernels {
                 // Weight rows a slice at a time, sized to stay in the L2 cache while every activation row passes
                 // over them (a task of the output projection holds megabytes of weights).
                 let slice = super::super::l2_rows(w);
-                // Q6N's codes, past a decode step's 16 rows, laid out as `Q6`'s bytes a slice at a time, once for
-                // every row, where each tile would unpack them again. Up to 16 rows, each tile unpacks its own: laid
-                // out two panels at a time, 5 to 16 rows took 0.99-1.17x the time of `Q6`'s bytes, unpacked by the
-                // tiles 0.92-1.07x (BENCHMARKS.md, 2026-12-07, session 5).
-                let (blocks, q6n) = (w.k / 32, if let Data::Q6N { qs, .. } = &w.data { Some(qs) } else { None });
-                let mut unpacked = if q6n.is_some() && m > 16 { vec![0u8; slice.div_ceil(PANEL) * blocks * 256] } else { Vec::new() };
+                // Q6N's and K5N's codes, past a decode step's 16 rows, laid out as `Q6`'s and `K5`'s bytes a slice at
+                // a time, once for every row, where each tile would unpack them again. Up to 16 rows, each tile
+                // unpacks its own: for Q6N, laid out two panels at a time, 5 to 16 rows took 0.99-1.17x the time of
+                // `Q6`'s bytes, unpacked by the tiles 0.92-1.07x (BENCHMARKS.md, 2026-12-07, session 5).
+                let (blocks, narrow) = (w.k / 32, super::super::narrow_bytes(&w.data).is_some());
+                let mut unpacked = if narrow && m > 16 { vec![0u8; slice.div_ceil(PANEL) * blocks * 256] } else { Vec::new() };
                 let mut start = rows.start;
                 while start < rows.end {
                     let part = start..(start + slice).min(rows.end);
                     let panels = part.start / PANEL..part.end.div_ceil(PANEL);
-                    if let (Some(qs), false) = (q6n, unpacked.is_empty()) {
-                        unpack_q6n(qs, blocks, panels.clone(), &mut unpacked);
+                    if !unpacked.is_empty() {
+                        unpack_narrow(&w.data, blocks, panels.clone(), &mut unpacked);
                     }
                     for r0 in (0..m).step_by(16) {
                         let count = 16.min(m - r0);
