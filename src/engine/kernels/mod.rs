@@ -321,9 +321,9 @@ enum Data {
     /// `K4`'s (`sum of sc x sum(q x)` at most 8 x 63 x 32 x 31 x 127 < 2^26).
     K5 { qs: Vec<u8>, sc: Vec<u8>, mn: Vec<u8>, d: Vec<u16>, dmin: Vec<u16> },
     /// Q5_K in the file's five bits a code: `K5`'s codes in 160 bytes per panel and block, not 256. Bytes `32 t..32 t
-    /// + 32` (`t < 4`) hold the low four bits of `K5`'s chunk `t` in their low nibbles and of chunk `t + 4` in their
-    /// high nibbles (`Q4`'s order); bytes `128..160` hold every chunk's fifth bit, chunk `g`'s at bit `g`
-    /// ([`k5n_code`]): a chunk comes back in four to five operations. `K5`'s scales, mins and products, so the same
+    /// + 32` (`t < 4`) hold `K5`'s chunk `t` in their low five bits and the low three bits of chunk `t + 4` above
+    /// them; bytes `128..160` hold the two high bits of chunk `4 + t` at bits `2 t` and `2 t + 1` ([`k5n_code`]): a
+    /// chunk comes back in one operation (`g < 4`) or five. `K5`'s scales, mins and products, so the same
     /// bits: 5.625 bits a weight (the file's 5.5). Products of more than 16 rows lay the codes out as `K5`'s bytes
     /// once for all the rows, as `Q6N`'s. Held where `Q6N` is ([`pack::narrow_codes`]).
     K5N { qs: Vec<u8>, sc: Vec<u8>, mn: Vec<u8>, d: Vec<u16>, dmin: Vec<u16> },
@@ -346,8 +346,12 @@ fn signed_codes(data: &Data) -> (usize, i32) {
 /// Code `at` (of 32: lane `at / 4`'s weight `at % 4`) of chunk `g` (of 8, `K5`'s order) of one panel and block of
 /// [`Data::K5N`]'s 160 bytes: 0..=31.
 fn k5n_code(block: &[u8], g: usize, at: usize) -> u8 {
-    let nibble = if g < 4 { block[32 * g + at] & 0xF } else { block[32 * (g - 4) + at] >> 4 };
-    nibble | ((block[128 + at] >> g) & 1) << 4
+    if g < 4 {
+        block[32 * g + at] & 0x1F
+    } else {
+        let t = g - 4;
+        block[32 * t + at] >> 5 | ((block[128 + at] >> (2 * t)) & 3) << 3
+    }
 }
 
 /// A narrow layout's codes laid out as its wide layout's bytes before products of many rows (`Data::Q6N` as `Q6`,

@@ -234,7 +234,7 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
                 }
                 let bytes = chunks(rows, k, &codes, dtype == GgmlDType::Q4K);
                 if dtype == GgmlDType::Q5K && narrow {
-                    qs.extend(bytes.chunks_exact(256).flat_map(nibbles_and_fifth_bits));
+                    qs.extend(bytes.chunks_exact(256).flat_map(five_bits_and_pairs));
                 } else {
                     qs.extend(bytes);
                 }
@@ -369,16 +369,16 @@ fn bit_planes(block: &[u8]) -> [u8; 96] {
 }
 
 /// One panel and block of 5-bit codes in `chunks`' order (256 bytes, eight chunks of 32) as [`Data::K5N`]'s 160
-/// bytes: the low four bits of chunks `t` and `t + 4` in the low and high nibbles of bytes `32 t..` (`t < 4`), every
-/// chunk's fifth bit in bytes `128..`, chunk `g`'s at bit `g`.
-fn nibbles_and_fifth_bits(block: &[u8]) -> [u8; 160] {
+/// bytes: chunk `t < 4` whole in the low five bits of bytes `32 t..`, the low three bits of chunk `t + 4` above it;
+/// the two high bits of chunk `4 + t` at bits `2 t`, `2 t + 1` of bytes `128..`.
+fn five_bits_and_pairs(block: &[u8]) -> [u8; 160] {
     let mut out = [0u8; 160];
     let chunk = |g: usize| &block[32 * g..32 * g + 32];
     for at in 0..32 {
         for t in 0..4 {
-            out[32 * t + at] = (chunk(t)[at] & 0xF) | (chunk(t + 4)[at] & 0xF) << 4;
+            out[32 * t + at] = chunk(t)[at] | (chunk(t + 4)[at] & 7) << 5;
         }
-        out[128 + at] = (0..8).map(|g| ((chunk(g)[at] >> 4) & 1) << g).sum();
+        out[128 + at] = (0..4).map(|t| (chunk(t + 4)[at] >> 3) << (2 * t)).sum();
     }
     out
 }

@@ -112,18 +112,25 @@ macro_rules! kernels {
             }
 
             /// `Data::K5N`'s chunk `g` (of 8) of the panel and block whose 160 bytes start at `at`: the 32 code
-            /// bytes `K5` holds there, a nibble of bytes `32 (g % 4)..` and bit `g` of bytes `128..` as bit 4.
+            /// bytes `K5` holds there. Chunks 0..4 are their bytes' low five bits; chunk `4 + t` takes its low three
+            /// bits from the top of chunk `t`'s bytes and its high two from bits `2 t`, `2 t + 1` of bytes `128..`.
             ///
             /// Safety: the 160 bytes from `at` are readable.
             #[inline]
             #[target_feature(enable = $features)]
             unsafe fn k5n_chunk(at: *const u8, g: usize) -> __m256i {
                 // SAFETY: bytes `32 (g % 4)..` and `128..`, 32 each, lie within the 160 (`g < 8`).
-                let (nibbles, fifth) = unsafe { (_mm256_loadu_si256(at.add(32 * (g % 4)).cast()), _mm256_loadu_si256(at.add(128).cast())) };
-                let low = _mm256_and_si256(if g < 4 { nibbles } else { _mm256_srli_epi16::<4>(nibbles) }, _mm256_set1_epi8(0x0F));
-                // Bit `g` of each byte moved to bit 4 (shifts of 16-bit words: the mask keeps each byte's own bit).
-                let high = if g <= 4 { _mm256_sll_epi16(fifth, _mm_cvtsi32_si128(4 - g as i32)) } else { _mm256_srl_epi16(fifth, _mm_cvtsi32_si128(g as i32 - 4)) };
-                _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x10)))
+                let whole = unsafe { _mm256_loadu_si256(at.add(32 * (g % 4)).cast()) };
+                if g < 4 {
+                    return _mm256_and_si256(whole, _mm256_set1_epi8(0x1F));
+                }
+                let pairs = unsafe { _mm256_loadu_si256(at.add(128).cast()) };
+                // Shifts of 16-bit words; each mask keeps each byte's own bits: bits 5-7 to 0-2, bits `2 t`, `2 t + 1`
+                // to 3-4.
+                let low = _mm256_and_si256(_mm256_srli_epi16::<5>(whole), _mm256_set1_epi8(0x07));
+                let t = (g - 4) as i32;
+                let high = if t < 2 { _mm256_sll_epi16(pairs, _mm_cvtsi32_si128(3 - 2 * t)) } else { _mm256_srl_epi16(pairs, _mm_cvtsi32_si128(2 * t - 3)) };
+                _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x18)))
             }
 
             /// Panels `panels` of a `Data::Q6N` or `Data::K5N` matrix with `blocks` blocks of 32 a row, as `Q6`'s or
