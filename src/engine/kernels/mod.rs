@@ -318,7 +318,8 @@ enum Data {
     K4 { qs: Vec<u8>, sc: Vec<u8>, mn: Vec<u8>, d: Vec<u16>, dmin: Vec<u16> },
     /// Q5_K as stored: its 5-bit codes one per byte, chunked as `U8`, and `K4`'s scales, mins, `d` and `-dmin`:
     /// weight = `d * sc * q - dmin * mn`, 8.6 bits a weight (the `U8` layout it had took 12). Its products are
-    /// `K4`'s (`sum of sc x sum(q x)` at most 8 x 63 x 32 x 31 x 127 < 2^26).
+    /// `K4`'s (`sum of sc x sum(q x)` at most 8 x 63 x 32 x 31 x 127 < 2^26). Held where the process takes the tile
+    /// unit, whose int8 tiles read its bytes; elsewhere `K5N`.
     K5 { qs: Vec<u8>, sc: Vec<u8>, mn: Vec<u8>, d: Vec<u16>, dmin: Vec<u16> },
     /// Q5_K in the file's five bits a code: `K5`'s codes in 160 bytes per panel and block, not 256. Bytes `32 t..32 t
     /// + 32` (`t < 4`) hold `K5`'s chunk `t` in their low five bits and the low three bits of chunk `t + 4` above

@@ -450,9 +450,10 @@ macro_rules! kernels {
                         assert!(x.supers && x.bsums.len() == x.rows() * blocks, "K4 takes activations per 256 (a bug)");
                         assert!(qs.len() == panels * blocks * per && sc.len() == panels * blocks * PANEL && mn.len() == panels * supers * 64 && d.len() == panels * supers * PANEL && dmin.len() == d.len(), "K4 layout (a bug)");
                         // SAFETY (these closures): panel `p < panels`, block `b < blocks`, 256 `s < supers`, pair `t <
-                        // 4`, chunk `t < per / 32` (the loops' bounds) are within the lengths asserted above: `per`
-                        // code bytes and 8 scales per panel and block, 64 mins and 8 of `d` and `dmin` per panel and
-                        // 256; `unpacked`'s 256 bytes per panel and block for panels `first..p0 + P` (asserted above).
+                        // 4`, chunk `t < 4` (K4) or `t < 8` (K5, K5N) (the loops' bounds) are within the lengths
+                        // asserted above: `per` code bytes (K5N's chunks all from its 160, `k5n_chunk`) and 8 scales
+                        // per panel and block, 64 mins and 8 of `d` and `dmin` per panel and 256; `unpacked`'s 256
+                        // bytes per panel and block for panels `first..p0 + P` (asserted above).
                         let chunk = |p: usize, b: usize, t: usize| unsafe {
                             if !unpacked.is_empty() {
                                 _mm256_loadu_si256(unpacked.as_ptr().add(((p - first) * blocks + b) * 256 + 32 * t).cast())
