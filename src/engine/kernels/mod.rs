@@ -279,6 +279,14 @@ enum Data {
     /// Codes of up to 6 bits, one byte each, 256 bytes per panel and block: chunk `g` of 32 bytes holds, in lane
     /// `l`, row `l`'s weights `4g..4g + 4`; weight = `d * code + m` per group of 16.
     U8 { qs: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
+    /// Q5_1 in five bits a code: its 5-bit codes in `K5N`'s 160 bytes per panel and block ([`k5n_code`]), not
+    /// `U8`'s 256, and per block of 32 its `d` and `m` widened to f32 (`[panel, block, 8]`, one pair for both groups of
+    /// 16, where `U8` holds a pair per group): 7 bits a weight, the file's 6. (The file's f16 bits, 6 bits a weight,
+    /// took 1.05-1.15x the time of `U8`'s products at 16 to 512 rows on a Zen 3 core: a `vcvtph2ps` per group of 16
+    /// and tile.) `U8`'s products, a group of 16 at a time, so the same bits. Products of more than 16 rows lay the
+    /// codes out as `U8`'s bytes once for all the rows, as `K5N`'s. Held where `Q6N` is ([`pack::narrow_codes`]): the
+    /// AMX level's int8 tiles read `U8`.
+    U5 { qs: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
     /// Signed codes in -127..=127, chunked as `U8` and stored offset by 128 (`code ^ 0x80` as a byte, 1..=255:
     /// VNNI multiplies them as unsigned and takes `128 x` the activations' code sum back off; AVX2 flips the bit
     /// back); weight = `d * code` per block of 32, `d` the file's f16 bits (`[panel, block, 8]`): 8.5 bits a weight,
@@ -345,7 +353,7 @@ fn signed_codes(data: &Data) -> (usize, i32) {
 }
 
 /// Code `at` (of 32: lane `at / 4`'s weight `at % 4`) of chunk `g` (of 8, `K5`'s order) of one panel and block of
-/// [`Data::K5N`]'s 160 bytes: 0..=31.
+/// [`Data::K5N`]'s (and [`Data::U5`]'s) 160 bytes: 0..=31.
 fn k5n_code(block: &[u8], g: usize, at: usize) -> u8 {
     if g < 4 {
         block[32 * g + at] & 0x1F
@@ -356,11 +364,11 @@ fn k5n_code(block: &[u8], g: usize, at: usize) -> u8 {
 }
 
 /// A narrow layout's codes laid out as its wide layout's bytes before products of many rows (`Data::Q6N` as `Q6`,
-/// `Data::K5N` as `K5`): the narrow bytes per panel and block, or `None` for the other layouts.
+/// `Data::K5N` as `K5`, `Data::U5` as `U8`): the narrow bytes per panel and block, or `None` for the other layouts.
 fn narrow_bytes(data: &Data) -> Option<(&[u8], usize)> {
     match data {
         Data::Q6N { qs, .. } => Some((qs, 192)),
-        Data::K5N { qs, .. } => Some((qs, 160)),
+        Data::K5N { qs, .. } | Data::U5 { qs, .. } => Some((qs, 160)),
         _ => None,
     }
 }
@@ -411,7 +419,7 @@ impl Packed {
     pub fn bytes(&self) -> usize {
         match &self.data {
             Data::Q4 { qs, d, m } => qs.len() + 2 * (d.len() + m.len()),
-            Data::U8 { qs, d, m } => qs.len() + 4 * (d.len() + m.len()),
+            Data::U8 { qs, d, m } | Data::U5 { qs, d, m } => qs.len() + 4 * (d.len() + m.len()),
             Data::S8 { qs, d, .. } => qs.len() + 2 * d.len(),
             Data::Q6 { qs, sc, d } | Data::Q6N { qs, sc, d } | Data::K3 { qs, sc, d } => qs.len() + sc.len() + 4 * d.len(),
             Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } | Data::K5N { qs, sc, mn, d, dmin } => qs.len() + sc.len() + mn.len() + 2 * (d.len() + dmin.len()),
@@ -451,6 +459,13 @@ impl Packed {
                     let (pb, i) = at(col);
                     let at = (2 * pb + i / 16) * PANEL + l;
                     *o = d[at] * qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] as f32 + m[at];
+                }
+            }
+            Data::U5 { qs, d, m } => {
+                for (col, o) in out.iter_mut().enumerate() {
+                    let (pb, i) = at(col);
+                    let code = k5n_code(&qs[pb * 160..(pb + 1) * 160], i / 4, 4 * l + i % 4);
+                    *o = d[pb * PANEL + l] * code as f32 + m[pb * PANEL + l];
                 }
             }
             Data::S8 { qs, d, .. } => {
@@ -1054,8 +1069,8 @@ fn bf16_tile_order(x: &[f32], m: usize, k: usize) -> Vec<u16> {
 /// Weight rows (whole panels) per slice of a task: about 256 KiB of weights, which stay in the L2 cache while
 /// every activation row passes over them.
 fn l2_rows(w: &Packed) -> usize {
-    // `Data::Q6N`'s and `Data::K5N`'s slices are laid out as `Q6`'s and `K5`'s bytes, 256 for their 192 and 160,
-    // before their products of several rows.
+    // `Data::Q6N`'s, `Data::K5N`'s and `Data::U5`'s slices are laid out as `Q6`'s, `K5`'s and `U8`'s bytes, 256 for
+    // their 192 and 160, before their products of several rows.
     let laid_out = narrow_bytes(&w.data).map_or(0, |(qs, per)| qs.len() / per * (256 - per));
     let per_row = (w.bytes() + laid_out).div_ceil(w.n.max(1)).max(1);
     ((256 << 10) / per_row).next_multiple_of(2 * PANEL).max(2 * PANEL)

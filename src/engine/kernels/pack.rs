@@ -156,15 +156,15 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
     pack_with(dtype, bytes, n, k, narrow_codes())
 }
 
-/// Whether Q6_K and Q5_K matrices are held in the file's bits a code ([`Data::Q6N`], [`Data::K5N`]) rather than a
-/// code to a byte ([`Data::Q6`], [`Data::K5`]): wherever the process will not take the tile unit, whose int8 tiles
-/// read the bytes.
+/// Whether Q6_K, Q5_K and Q5_1 matrices are held in the file's bits a code ([`Data::Q6N`], [`Data::K5N`],
+/// [`Data::U5`]) rather than a code to a byte ([`Data::Q6`], [`Data::K5`], [`Data::U8`]): wherever the process will
+/// not take the tile unit, whose int8 tiles read the bytes.
 pub(super) fn narrow_codes() -> bool {
     Level::detected() != Level::Amx
 }
 
-/// [`pack`], with Q6_K and Q5_K held as [`Data::Q6N`] and [`Data::K5N`] when `narrow`, as [`Data::Q6`] and
-/// [`Data::K5`] otherwise.
+/// [`pack`], with Q6_K, Q5_K and Q5_1 held as [`Data::Q6N`], [`Data::K5N`] and [`Data::U5`] when `narrow`, as
+/// [`Data::Q6`], [`Data::K5`] and [`Data::U8`] otherwise.
 pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narrow: bool) -> Result<Option<Packed>, String> {
     let Some((block_bytes, block_len)) = block_size(dtype) else { return Ok(None) };
     if n == 0 || k == 0 || !k.is_multiple_of(block_len) || !k.is_multiple_of(32) && !matches!(dtype, GgmlDType::F16 | GgmlDType::BF16) {
@@ -292,13 +292,17 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
             }
         }
         _ => {
-            // Per panel: row-major codes and a scale and offset per 16, then the panel's layout.
+            // Per panel: row-major codes and a scale and offset per 16, then the panel's layout. Q4_0's and Q4_1's
+            // scales and offsets per 32, as the file's f16 bits; with `narrow`, Q5_1's per 32, widened.
             let halves = matches!(dtype, GgmlDType::Q4_0 | GgmlDType::Q4_1);
+            let five = dtype == GgmlDType::Q5_1 && narrow;
             let (panels_n, per_row) = (n.div_ceil(PANEL), if halves { k / 32 } else { k / 16 });
-            let mut qs = Vec::with_capacity(panels_n * PANEL * if halves { k / 2 } else { k });
-            let (mut ds, mut ms) = (Vec::with_capacity(if halves { 0 } else { panels_n * PANEL * per_row }), Vec::with_capacity(if halves { 0 } else { panels_n * PANEL * per_row }));
+            let mut qs = Vec::with_capacity(panels_n * PANEL * if halves { k / 2 } else if five { k / 32 * 20 } else { k });
+            let per = if halves { 0 } else { panels_n * PANEL * if five { k / 32 } else { per_row } };
+            let (mut ds, mut ms) = (Vec::with_capacity(per), Vec::with_capacity(per));
             // Q4_0's and Q4_1's: f16 bits.
-            let (mut d4, mut m4) = (Vec::with_capacity(if halves { panels_n * PANEL * per_row } else { 0 }), Vec::new());
+            let per32 = |held: bool| Vec::with_capacity(if held { panels_n * PANEL * (k / 32) } else { 0 });
+            let (mut d4, mut m4) = (per32(halves), per32(dtype == GgmlDType::Q4_1));
             let (mut codes, mut d, mut m) = (Vec::with_capacity(PANEL * k), Vec::with_capacity(PANEL * k / 16), Vec::with_capacity(PANEL * k / 16));
             for (panel, rows) in panels {
                 codes.clear();
@@ -321,13 +325,23 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
                     if dtype != GgmlDType::Q4_0 {
                         m4.extend(lanes(rows, k / 32, &bits(&m)));
                     }
+                } else if five {
+                    // One scale and offset per 32 (the halves' are the same).
+                    let per32 = |v: &Vec<f32>| v.iter().step_by(2).copied().collect::<Vec<f32>>();
+                    qs.extend(chunks(rows, k, &codes, false).chunks_exact(256).flat_map(five_bits_and_pairs));
+                    ds.extend(lanes(rows, k / 32, &per32(&d)));
+                    ms.extend(lanes(rows, k / 32, &per32(&m)));
                 } else {
                     qs.extend(chunks(rows, k, &codes, false));
                     ds.extend(lanes(rows, k / 16, &d));
                     ms.extend(lanes(rows, k / 16, &m));
                 }
             }
-            if halves { Data::Q4 { qs, d: d4, m: m4 } } else { Data::U8 { qs, d: ds, m: ms } }
+            match (halves, five) {
+                (true, _) => Data::Q4 { qs, d: d4, m: m4 },
+                (false, true) => Data::U5 { qs, d: ds, m: ms },
+                (false, false) => Data::U8 { qs, d: ds, m: ms },
+            }
         }
     };
     Ok(Some(Packed { n, k, stored: dtype, data }))
@@ -368,9 +382,9 @@ fn bit_planes(block: &[u8]) -> [u8; 96] {
     out
 }
 
-/// One panel and block of 5-bit codes in `chunks`' order (256 bytes, eight chunks of 32) as [`Data::K5N`]'s 160
-/// bytes: chunk `t < 4` whole in the low five bits of bytes `32 t..`, the low three bits of chunk `t + 4` above it;
-/// the two high bits of chunk `4 + t` at bits `2 t`, `2 t + 1` of bytes `128..`.
+/// One panel and block of 5-bit codes in `chunks`' order (256 bytes, eight chunks of 32) as [`Data::K5N`]'s (and
+/// [`Data::U5`]'s) 160 bytes: chunk `t < 4` whole in the low five bits of bytes `32 t..`, the low three bits of chunk
+/// `t + 4` above it; the two high bits of chunk `4 + t` at bits `2 t`, `2 t + 1` of bytes `128..`.
 fn five_bits_and_pairs(block: &[u8]) -> [u8; 160] {
     let mut out = [0u8; 160];
     let chunk = |g: usize| &block[32 * g..32 * g + 32];

@@ -127,7 +127,7 @@ fn run_supers(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
 }
 
 /// Weight rows `rows` (whole panels, the last possibly padded) times every activation row: for each output, per
-/// block of 32 (per group of 16 for `U8`) the exact integer sum of code products, then `acc = fma(sum, d_w * d_x,
+/// block of 32 (per group of 16 for `U8` and `U5`) the exact integer sum of code products, then `acc = fma(sum, d_w * d_x,
 /// acc)` and, for types with an offset, `acc = fma(m_w, s_x, acc)`, in block order; the per-256 layouts take
 /// [`run_supers`].
 pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
@@ -169,6 +169,18 @@ pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                             for (l, acc) in acc.iter_mut().enumerate() {
                                 let sum: i32 = (4 * h..4 * h + 4).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| codes[32 * g + 4 * l + j] as i32 * xb[4 * g + j] as i32).sum();
                                 let at = (2 * pb + h) * PANEL + l;
+                                *acc = (sum as f32).mul_add(d[at] * xd[b], *acc);
+                                *acc = m[at].mul_add(s16[2 * b + h], *acc);
+                            }
+                        }
+                    }
+                    Data::U5 { qs, d, m } => {
+                        // `U8`'s steps, a group of 16 at a time, with the block's scale and offset for both.
+                        let codes = &qs[pb * 160..(pb + 1) * 160];
+                        for h in 0..2 {
+                            for (l, acc) in acc.iter_mut().enumerate() {
+                                let sum: i32 = (4 * h..4 * h + 4).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| k5n_code(codes, g, 4 * l + j) as i32 * xb[4 * g + j] as i32).sum();
+                                let at = pb * PANEL + l;
                                 *acc = (sum as f32).mul_add(d[at] * xd[b], *acc);
                                 *acc = m[at].mul_add(s16[2 * b + h], *acc);
                             }

@@ -159,20 +159,21 @@ fn q6k_sums_at_the_extremes(packed: &Packed, n: usize, k: usize, m: usize) {
     }
 }
 
-/// Q6_K and Q5_K held in the file's bits a code (`Data::Q6N`: six bits and nibbles, 6.6 bits a weight; `Data::K5N`:
-/// nibbles and fifth bits, 5.625) hold the weights a code to a byte holds (`Data::Q6`, `Data::K5`), in at least
-/// 1.25x fewer bytes and at most 1 % (Q5_K: 3 %) more than the file's, and every level gives the same bits from
-/// both: up to 16 rows (each tile unpacks its codes) and more (laid out a slice at a time), a partial last panel,
-/// widths of one and of several slices of a task.
+/// Q6_K, Q5_K and Q5_1 held in the file's bits a code (`Data::Q6N`: six bits and nibbles, 6.6 bits a weight;
+/// `Data::K5N`: five bits and pairs, 5.625; `Data::U5`: `K5N`'s codes and f32 scales and offsets per 32, 7.0) hold
+/// the weights a code to a byte holds (`Data::Q6`, `Data::K5`, `Data::U8`), in at least 1.25x fewer bytes and at
+/// most 1 % (Q5_K: 3 %, Q5_1: 17 %) more than the file's, and every level gives the same bits from both: up to 16
+/// rows (each tile unpacks its codes) and more (laid out a slice at a time), a partial last panel, widths of one and
+/// of several slices of a task.
 #[test]
-fn q6k_and_q5k_in_the_files_bytes_give_the_same_bits() {
+fn q6k_q5k_and_q5_1_in_the_files_bytes_give_the_same_bits() {
     say_missing_levels();
-    for (dtype, over) in [(GgmlDType::Q6K, 1.01), (GgmlDType::Q5K, 1.03)] {
+    for (dtype, over) in [(GgmlDType::Q6K, 1.01), (GgmlDType::Q5K, 1.03), (GgmlDType::Q5_1, 1.17)] {
         for (n, k) in [(37, 512), (70, 8192)] {
             let q = matrix(dtype, n, k, 31);
             let bytes = q.data().unwrap();
             let (wide, narrow) = (pack::pack_with(dtype, &bytes, n, k, false).unwrap().unwrap(), pack::pack_with(dtype, &bytes, n, k, true).unwrap().unwrap());
-            assert!(matches!((&wide.data, &narrow.data), (Data::Q6 { .. }, Data::Q6N { .. }) | (Data::K5 { .. }, Data::K5N { .. })), "{dtype:?}");
+            assert!(matches!((&wide.data, &narrow.data), (Data::Q6 { .. }, Data::Q6N { .. }) | (Data::K5 { .. }, Data::K5N { .. }) | (Data::U8 { .. }, Data::U5 { .. })), "{dtype:?}");
             assert!(wide.dequantize().iter().zip(narrow.dequantize()).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?} [{n}, {k}]: the layouts hold different weights");
             // The panels' padding rows count: 40 and 72 rows held for 37 and 70.
             let held = n.next_multiple_of(PANEL) as f64 / n as f64;

@@ -90,6 +90,44 @@ macro_rules! kernels {
                 std::array::from_fn(|j| std::array::from_fn(|i| if $vnni { _mm256_add_epi32(sums[j][i], part[j][i]) } else { _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)) }))
             }
 
+            /// `U8`'s and `U5`'s products for panels `p0..p0 + P` (`chunk(j, b, g)`: panel `p0 + j`'s chunk `g` of
+            /// block `b` as code bytes; `lanes(j, b, h)`: its scales and offsets for half `h`) times activation rows
+            /// (`xg(i, b, g)`; `xs(i, b, h)`: row `r0 + i`'s scale for block `b` and its code sum over half `h`): per
+            /// group of 16, the exact integer sum, then `acc = fma(sum, d_w * d_x, acc)` and `acc = fma(m_w, s_x,
+            /// acc)`.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn groups16<const P: usize, const R: usize>(
+                acc: &mut [[__m256; R]; P],
+                blocks: usize,
+                chunk: impl Fn(usize, usize, usize) -> __m256i,
+                lanes: impl Fn(usize, usize, usize) -> (__m256, __m256),
+                xg: impl Fn(usize, usize, usize) -> __m256i,
+                xs: impl Fn(usize, usize, usize) -> (__m256, __m256),
+            ) {
+                for b in 0..blocks {
+                    for h in 0..2 {
+                        let mut sums = [[_mm256_setzero_si256(); R]; P];
+                        for g in (4 * h..4 * h + 4).step_by(2) {
+                            for j in 0..P {
+                                let (w0, w1) = (chunk(j, b, g), chunk(j, b, g + 1));
+                                for i in 0..R {
+                                    sums[j][i] = dot2(sums[j][i], w0, xg(i, b, g), w1, xg(i, b, g + 1));
+                                }
+                            }
+                        }
+                        for j in 0..P {
+                            let (dw, mw) = lanes(j, b, h);
+                            for i in 0..R {
+                                let (dx, sx) = xs(i, b, h);
+                                acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j][i]), _mm256_mul_ps(dw, dx), acc[j][i]);
+                                acc[j][i] = _mm256_fmadd_ps(mw, sx, acc[j][i]);
+                            }
+                        }
+                    }
+                }
+            }
+
             /// `Data::Q6N`'s chunk `g` (of 8) of the panel and block whose 192 bytes start at `at`: the 32 code
             /// bytes `Q6` holds there. Chunks 0..4 are their bytes' low six bits; chunk `4 + t` takes its high two
             /// bits from the top of chunk `t`'s bytes and its low four from a nibble.
@@ -133,8 +171,8 @@ macro_rules! kernels {
                 _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x18)))
             }
 
-            /// Panels `panels` of a `Data::Q6N` or `Data::K5N` matrix with `blocks` blocks of 32 a row, as `Q6`'s or
-            /// `K5`'s code bytes (256 per panel and block) into `into`, from its start.
+            /// Panels `panels` of a `Data::Q6N`, `Data::K5N` or `Data::U5` matrix with `blocks` blocks of 32 a row, as
+            /// `Q6`'s, `K5`'s or `U8`'s code bytes (256 per panel and block) into `into`, from its start.
             #[target_feature(enable = $features)]
             fn unpack_narrow(data: &Data, blocks: usize, panels: Range<usize>, into: &mut [u8]) {
                 let Some((qs, per)) = super::super::narrow_bytes(data) else { unreachable!("unpack_narrow of a wide layout (a bug)") };
@@ -143,7 +181,7 @@ macro_rules! kernels {
                 assert!((from + count) * per <= qs.len() && count * 256 <= into.len(), "narrow panels out of range (a bug)");
                 for i in 0..count {
                     for g in 0..8 {
-                        // SAFETY: panel and block `from + i` has its `per` bytes (192 for Q6N, 160 for K5N) in `qs`,
+                        // SAFETY: panel and block `from + i` has its `per` bytes (192 for Q6N, 160 for K5N and U5) in `qs`,
                         // and bytes `256 i + 32 g..` (32) lie within `into` (both asserted above).
                         unsafe {
                             let at = qs.as_ptr().add((from + i) * per);
@@ -211,32 +249,43 @@ macro_rules! kernels {
                             }
                         }
                     }
-                    Data::U8 { qs, d, m } => {
+                    Data::U8 { .. } | Data::U5 { .. } => {
                         assert!(!x.supers, "activations per 256 for a layout per 32 (a bug)");
-                        assert!(qs.len() == panels * blocks * 256 && d.len() == panels * blocks * 2 * PANEL && m.len() == d.len(), "U8 layout (a bug)");
-                        // SAFETY (these closures): as for Q4, with 256 code bytes and 16 scales and offsets per
-                        // panel and block, `g < 8`, `h < 2`.
-                        let chunk = |p: usize, b: usize, g: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add((p * blocks + b) * 256 + 32 * g).cast()) };
-                        let lanes = |v: &[f32], p: usize, b: usize, h: usize| unsafe { _mm256_loadu_ps(v.as_ptr().add(((p * blocks + b) * 2 + h) * PANEL)) };
-                        for b in 0..blocks {
-                            for h in 0..2 {
-                                let mut sums = [[_mm256_setzero_si256(); R]; P];
-                                for g in (4 * h..4 * h + 4).step_by(2) {
-                                    for j in 0..P {
-                                        let (w0, w1) = (chunk(p0 + j, b, g), chunk(p0 + j, b, g + 1));
-                                        for i in 0..R {
-                                            sums[j][i] = dot2(sums[j][i], w0, xg(i, b, g), w1, xg(i, b, g + 1));
-                                        }
-                                    }
-                                }
-                                for j in 0..P {
-                                    let (dw, mw) = (lanes(d, p0 + j, b, h), lanes(m, p0 + j, b, h));
-                                    for i in 0..R {
-                                        acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j][i]), _mm256_mul_ps(dw, xd(i, b)), acc[j][i]);
-                                        acc[j][i] = _mm256_fmadd_ps(mw, s16(i, b, h), acc[j][i]);
-                                    }
+                        // U8: 256 code bytes and 16 f32 scales and offsets (a pair per half) per panel and block; U5:
+                        // 160 code bytes (`k5n_chunk`), or `unpacked`'s 256, and 8 f32 scales and offsets. Each case
+                        // its own loop (`groups16`).
+                        // SAFETY (these closures): panel `p0 + j < panels`, block `b < blocks`, chunk `g < 8` and
+                        // half `h < 2` (the loops' bounds) are within the lengths asserted in each arm: the code bytes
+                        // per panel and block (U5's chunks all from its 160, `k5n_chunk`) and the scales and offsets
+                        // (U8: 16, U5: 8); `unpacked`'s 256 bytes per panel and block for panels `first..p0 + P`.
+                        let xs = |i: usize, b: usize, h: usize| (xd(i, b), s16(i, b, h));
+                        match &w.data {
+                            Data::U8 { qs, d, m } => {
+                                assert!(qs.len() == panels * blocks * 256 && d.len() == panels * blocks * 2 * PANEL && m.len() == d.len(), "U8 layout (a bug)");
+                                let chunk = |j: usize, b: usize, g: usize| unsafe { _mm256_loadu_si256(qs.as_ptr().add(((p0 + j) * blocks + b) * 256 + 32 * g).cast()) };
+                                let lanes = |j: usize, b: usize, h: usize| unsafe {
+                                    let at = (((p0 + j) * blocks + b) * 2 + h) * PANEL;
+                                    (_mm256_loadu_ps(d.as_ptr().add(at)), _mm256_loadu_ps(m.as_ptr().add(at)))
+                                };
+                                groups16::<P, R>(&mut acc, blocks, chunk, lanes, xg, xs);
+                            }
+                            Data::U5 { qs, d, m } => {
+                                assert!(qs.len() == panels * blocks * 160 && d.len() == panels * blocks * PANEL && m.len() == d.len(), "U5 layout (a bug)");
+                                assert!(unpacked.is_empty() || p0 >= first && (p0 + P - first) * blocks * 256 <= unpacked.len(), "U5's unpacked codes (a bug)");
+                                // The block's scales and offsets for both halves.
+                                let lanes = |j: usize, b: usize, _: usize| unsafe {
+                                    let at = ((p0 + j) * blocks + b) * PANEL;
+                                    (_mm256_loadu_ps(d.as_ptr().add(at)), _mm256_loadu_ps(m.as_ptr().add(at)))
+                                };
+                                if unpacked.is_empty() {
+                                    let chunk = |j: usize, b: usize, g: usize| unsafe { k5n_chunk(qs.as_ptr().add(((p0 + j) * blocks + b) * 160), g) };
+                                    groups16::<P, R>(&mut acc, blocks, chunk, lanes, xg, xs);
+                                } else {
+                                    let chunk = |j: usize, b: usize, g: usize| unsafe { _mm256_loadu_si256(unpacked.as_ptr().add(((p0 + j - first) * blocks + b) * 256 + 32 * g).cast()) };
+                                    groups16::<P, R>(&mut acc, blocks, chunk, lanes, xg, xs);
                                 }
                             }
+                            _ => unreachable!("U8 or U5"),
                         }
                     }
                     Data::S8 { qs, d, small } => {
@@ -639,6 +688,11 @@ macro_rules! kernels {
                         floats(m, 2 * PANEL);
                         (qs, 256)
                     }
+                    Data::U5 { qs, d, m } => {
+                        floats(d, PANEL);
+                        floats(m, PANEL);
+                        (qs, 160)
+                    }
                     Data::S8 { qs, d, .. } => {
                         ask(bytemuck::cast_slice(d), 2 * PANEL);
                         (qs, 256)
@@ -708,29 +762,42 @@ macro_rules! kernels {
                 // Weight rows a slice at a time, sized to stay in the L2 cache while every activation row passes
                 // over them (a task of the output projection holds megabytes of weights).
                 let slice = super::super::l2_rows(w);
-                // Q6N's and K5N's codes, past a decode step's 16 rows, laid out as `Q6`'s and `K5`'s bytes a slice at
-                // a time, once for every row, where each tile would unpack them again. Up to 16 rows, each tile
-                // unpacks its own: for Q6N, laid out two panels at a time, 5 to 16 rows took 0.99-1.17x the time of
-                // `Q6`'s bytes, unpacked by the tiles 0.92-1.07x (BENCHMARKS.md, 2026-12-07, session 5).
+                // Q6N's, K5N's and U5's codes, past a decode step's 16 rows, laid out as `Q6`'s, `K5`'s and `U8`'s
+                // bytes a slice at a time, once for every row, where each tile would unpack them again. Up to 16 rows,
+                // each tile unpacks its own: for Q6N, laid out two panels at a time, 5 to 16 rows took 0.99-1.17x the
+                // time of `Q6`'s bytes, unpacked by the tiles 0.92-1.07x (BENCHMARKS.md, 2026-12-07, session 5).
                 let (blocks, narrow) = (w.k / 32, super::super::narrow_bytes(&w.data).is_some());
-                let mut unpacked = if narrow && m > 16 { vec![0u8; slice.div_ceil(PANEL) * blocks * 256] } else { Vec::new() };
-                let mut start = rows.start;
-                while start < rows.end {
-                    let part = start..(start + slice).min(rows.end);
-                    let panels = part.start / PANEL..part.end.div_ceil(PANEL);
-                    if !unpacked.is_empty() {
-                        unpack_narrow(&w.data, blocks, panels.clone(), &mut unpacked);
-                    }
-                    for r0 in (0..m).step_by(16) {
-                        let count = 16.min(m - r0);
-                        match &w.data {
-                            Data::F16(bits) => float_panel::<false>(bits, part.clone(), x, r0, count, out),
-                            Data::Bf16(bits) => float_panel::<true>(bits, part.clone(), x, r0, count, out),
-                            _ => quantized_panel(w, panels.clone(), x, r0, count, out, (&unpacked, panels.start)),
-                        }
-                    }
-                    start = part.end;
+                let need = if narrow && m > 16 { slice.div_ceil(PANEL) * blocks * 256 } else { 0 };
+                // The thread's buffer, kept from product to product (a fresh one per product, zeroed and its pages
+                // faulted in, cost U5 about 5 % of a 128-row product of SmolLM2's matrices), from a cache line's
+                // start (a 32-byte load of codes each within one line).
+                thread_local! {
+                    static LAID_OUT: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
                 }
+                LAID_OUT.with_borrow_mut(|buffer| {
+                    if buffer.len() < need + 64 {
+                        buffer.resize(need + 64, 0);
+                    }
+                    let skip = buffer.as_ptr().align_offset(64).min(64);
+                    let unpacked = &mut buffer[skip..skip + need];
+                    let mut start = rows.start;
+                    while start < rows.end {
+                        let part = start..(start + slice).min(rows.end);
+                        let panels = part.start / PANEL..part.end.div_ceil(PANEL);
+                        if !unpacked.is_empty() {
+                            unpack_narrow(&w.data, blocks, panels.clone(), unpacked);
+                        }
+                        for r0 in (0..m).step_by(16) {
+                            let count = 16.min(m - r0);
+                            match &w.data {
+                                Data::F16(bits) => float_panel::<false>(bits, part.clone(), x, r0, count, out),
+                                Data::Bf16(bits) => float_panel::<true>(bits, part.clone(), x, r0, count, out),
+                                _ => quantized_panel(w, panels.clone(), x, r0, count, out, (unpacked, panels.start)),
+                            }
+                        }
+                        start = part.end;
+                    }
+                });
             }
         }
     };
