@@ -268,7 +268,7 @@ impl Pair {
                 }
             }
             Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. } | Data::K4 { .. } | Data::K5 { .. } | Data::K5N { .. } => unreachable!("per-256 layouts fill a SuperPair"),
-            Data::U5 { .. } => unreachable!("Q5_1's narrow layout takes the VNNI kernels (`run`)"),
+            Data::U5 { .. } | Data::S5 { .. } => unreachable!("Q5_1's and Q5_0's narrow layouts take the VNNI kernels (`run`)"),
             Data::F16(_) | Data::Bf16(_) => unreachable!("float weights do not take the tile unit"),
         }
     }
@@ -377,9 +377,9 @@ unsafe fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
         Data::S8 { .. } => run_tiles::<S8>(w, rows, x, out),
         // Q3_K's tiles are Q6_K's (`SuperPair::fill_q6`).
         Data::Q6 { .. } | Data::K3 { .. } => run_supers::<Q6>(w, rows, x, out),
-        // Q6_K, Q5_K and Q5_1 in their narrow layouts are held only where the process does not take the tiles
+        // Q6_K, Q5_K, Q5_1 and Q5_0 in their narrow layouts are held only where the process does not take the tiles
         // (`pack::narrow_codes`); a level forced here anyway computes them with the VNNI kernels, the same bits.
-        Data::Q6N { .. } | Data::K5N { .. } | Data::U5 { .. } => super::x86::avx512_vnni::run(w, rows, x, out),
+        Data::Q6N { .. } | Data::K5N { .. } | Data::U5 { .. } | Data::S5 { .. } => super::x86::avx512_vnni::run(w, rows, x, out),
         Data::K4 { .. } => run_supers::<K4>(w, rows, x, out),
         Data::K5 { .. } => run_supers::<K5>(w, rows, x, out),
         // bf16 products of fewer than `BF16_TILE_ROWS` rows (their activations rounded to bf16 all the same, see
@@ -1291,7 +1291,7 @@ mod tests {
         }
         for dtype in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q5_1] {
             let (n, k) = (40, 576);
-            // Q5_1 in `U8`, the layout an AMX CPU holds it in (`pack::narrow_codes`).
+            // Q5_1 in `U8` and Q5_0 in `S8`, the layouts an AMX CPU holds them in (`pack::narrow_codes`).
             let q = matrix(dtype, n, k, 5);
             let packed = pack::pack_with(dtype, &q.data().unwrap(), n, k, false).unwrap().unwrap();
             let weights = packed.dequantize();

@@ -293,6 +293,12 @@ enum Data {
     /// Q8_0's. `small` says every code is in -16..=15 (Q5_0's always): AVX2 then multiplies `code + 16` (0..=31) as
     /// unsigned and keeps four groups' products in 16 bits.
     S8 { qs: Vec<u8>, d: Vec<u16>, small: bool },
+    /// Q5_0 in the file's 5.5 bits a weight: its 5-bit codes `q` (the weight is `d * (q - 16)`) in `K5N`'s 160 bytes
+    /// per panel and block ([`k5n_code`]), not `S8`'s 256, and `S8`'s f16 `d` per block. Its products are `S8`'s
+    /// with `small` (the exact integer `sum(q x) - 16 sum(x)` per block, then one float step), so the same bits.
+    /// Products of more than 16 rows lay the codes out as bytes once for all the rows, as `K5N`'s. Held where `Q6N`
+    /// is ([`pack::narrow_codes`]): the AMX level's int8 tiles read `S8`.
+    S5 { qs: Vec<u8>, d: Vec<u16> },
     /// Q6_K as stored: 6-bit codes `q` one per byte, chunked as `U8`; a signed scale `sc` per 16 weights
     /// (`[panel, block, half, 8]`, 16 bytes per panel and block) and `d` per 256 (`[panel, k / 256, 8]`); weight =
     /// `d * sc * (q - 32)`: 8.6 bits a weight. Its products take the activations quantized per 256 ([`Acts::supers`],
@@ -353,7 +359,7 @@ fn signed_codes(data: &Data) -> (usize, i32) {
 }
 
 /// Code `at` (of 32: lane `at / 4`'s weight `at % 4`) of chunk `g` (of 8, `K5`'s order) of one panel and block of
-/// [`Data::K5N`]'s (and [`Data::U5`]'s) 160 bytes: 0..=31.
+/// [`Data::K5N`]'s (and [`Data::U5`]'s and [`Data::S5`]'s) 160 bytes: 0..=31.
 fn k5n_code(block: &[u8], g: usize, at: usize) -> u8 {
     if g < 4 {
         block[32 * g + at] & 0x1F
@@ -364,16 +370,17 @@ fn k5n_code(block: &[u8], g: usize, at: usize) -> u8 {
 }
 
 /// A narrow layout's codes laid out as its wide layout's bytes before products of many rows (`Data::Q6N` as `Q6`,
-/// `Data::K5N` as `K5`, `Data::U5` as `U8`): the narrow bytes per panel and block, or `None` for the other layouts.
+/// `Data::K5N` as `K5`, `Data::U5` as `U8`, `Data::S5` as its codes a byte each): the narrow bytes per panel and
+/// block, or `None` for the other layouts.
 fn narrow_bytes(data: &Data) -> Option<(&[u8], usize)> {
     match data {
         Data::Q6N { qs, .. } => Some((qs, 192)),
-        Data::K5N { qs, .. } | Data::U5 { qs, .. } => Some((qs, 160)),
+        Data::K5N { qs, .. } | Data::U5 { qs, .. } | Data::S5 { qs, .. } => Some((qs, 160)),
         _ => None,
     }
 }
 
-/// An f16's bits as f32 (exact): the scales held as the file's f16 (`Data::Q4`, `S8`, `K4`, `K5`, `K5N`).
+/// An f16's bits as f32 (exact): the scales held as the file's f16 (`Data::Q4`, `S8`, `S5`, `K4`, `K5`, `K5N`).
 fn half_f32(bits: u16) -> f32 {
     half::f16::from_bits(bits).to_f32()
 }
@@ -420,7 +427,7 @@ impl Packed {
         match &self.data {
             Data::Q4 { qs, d, m } => qs.len() + 2 * (d.len() + m.len()),
             Data::U8 { qs, d, m } | Data::U5 { qs, d, m } => qs.len() + 4 * (d.len() + m.len()),
-            Data::S8 { qs, d, .. } => qs.len() + 2 * d.len(),
+            Data::S8 { qs, d, .. } | Data::S5 { qs, d } => qs.len() + 2 * d.len(),
             Data::Q6 { qs, sc, d } | Data::Q6N { qs, sc, d } | Data::K3 { qs, sc, d } => qs.len() + sc.len() + 4 * d.len(),
             Data::K4 { qs, sc, mn, d, dmin } | Data::K5 { qs, sc, mn, d, dmin } | Data::K5N { qs, sc, mn, d, dmin } => qs.len() + sc.len() + mn.len() + 2 * (d.len() + dmin.len()),
             Data::F16(w) | Data::Bf16(w) => 2 * w.len(),
@@ -472,6 +479,13 @@ impl Packed {
                 for (col, o) in out.iter_mut().enumerate() {
                     let (pb, i) = at(col);
                     *o = half_f32(d[pb * PANEL + l]) * (qs[pb * 256 + 32 * (i / 4) + 4 * l + i % 4] ^ 0x80) as i8 as f32;
+                }
+            }
+            Data::S5 { qs, d } => {
+                for (col, o) in out.iter_mut().enumerate() {
+                    let (pb, i) = at(col);
+                    let q = k5n_code(&qs[pb * 160..(pb + 1) * 160], i / 4, 4 * l + i % 4) as i32 - 16;
+                    *o = half_f32(d[pb * PANEL + l]) * q as f32;
                 }
             }
             Data::Q6 { qs, sc, d } => {
@@ -1069,8 +1083,8 @@ fn bf16_tile_order(x: &[f32], m: usize, k: usize) -> Vec<u16> {
 /// Weight rows (whole panels) per slice of a task: about 256 KiB of weights, which stay in the L2 cache while
 /// every activation row passes over them.
 fn l2_rows(w: &Packed) -> usize {
-    // `Data::Q6N`'s, `Data::K5N`'s and `Data::U5`'s slices are laid out as `Q6`'s, `K5`'s and `U8`'s bytes, 256 for
-    // their 192 and 160, before their products of several rows.
+    // The narrow layouts' slices (`Data::Q6N`, `K5N`, `U5`, `S5`) are laid out as bytes, 256 for their 192 and 160,
+    // before their products of several rows.
     let laid_out = narrow_bytes(&w.data).map_or(0, |(qs, per)| qs.len() / per * (256 - per));
     let per_row = (w.bytes() + laid_out).div_ceil(w.n.max(1)).max(1);
     ((256 << 10) / per_row).next_multiple_of(2 * PANEL).max(2 * PANEL)

@@ -4,7 +4,8 @@
 //! a scale and an offset such that the weight is `d * q + m` (types with a signed code, `d * (q - c)`, have
 //! `m = -c * d`; the k-quants' sub-block scales `d * sc` and mins `dmin * mn` are products of an f16 and an
 //! integer of at most 8 bits, which f32 holds exactly). Q8_0 and Q5_0 are kept signed, `d * code` (Q5_0's code is
-//! `q - 16`): the layout with the cheapest products, one scale per 32, which `auto` hands to AMX's int8 tiles. Q4_0
+//! `q - 16`): the layout with the cheapest products, one scale per 32, which `auto` hands to AMX's int8 tiles (without
+//! the tile unit, Q5_0 keeps its 5-bit codes `q` in five bits each, `Data::S5`). Q4_0
 //! keeps its 4-bit codes with no offsets stored: they stand for `d * (q - 8)`. The k-quants keep their own
 //! scales: Q6_K one signed 8-bit `sc` per 16 and an f16 `d` per 256 (`d * sc * (q - 32)`), Q3_K the same with its
 //! 6-bit scales less 32 and its 3-bit codes in bit planes (`d * sc * (q - 4)`), Q4_K and Q5_K a 6-bit
@@ -156,15 +157,15 @@ pub(super) fn pack(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize) -> Result
     pack_with(dtype, bytes, n, k, narrow_codes())
 }
 
-/// Whether Q6_K, Q5_K and Q5_1 matrices are held in the file's bits a code ([`Data::Q6N`], [`Data::K5N`],
-/// [`Data::U5`]) rather than a code to a byte ([`Data::Q6`], [`Data::K5`], [`Data::U8`]): wherever the process will
-/// not take the tile unit, whose int8 tiles read the bytes.
+/// Whether Q6_K, Q5_K, Q5_1 and Q5_0 matrices are held in the file's bits a code ([`Data::Q6N`], [`Data::K5N`],
+/// [`Data::U5`], [`Data::S5`]) rather than a code to a byte ([`Data::Q6`], [`Data::K5`], [`Data::U8`], [`Data::S8`]):
+/// wherever the process will not take the tile unit, whose int8 tiles read the bytes.
 pub(super) fn narrow_codes() -> bool {
     Level::detected() != Level::Amx
 }
 
-/// [`pack`], with Q6_K, Q5_K and Q5_1 held as [`Data::Q6N`], [`Data::K5N`] and [`Data::U5`] when `narrow`, as
-/// [`Data::Q6`], [`Data::K5`] and [`Data::U8`] otherwise.
+/// [`pack`], with Q6_K, Q5_K, Q5_1 and Q5_0 held as [`Data::Q6N`], [`Data::K5N`], [`Data::U5`] and [`Data::S5`] when
+/// `narrow`, as [`Data::Q6`], [`Data::K5`], [`Data::U8`] and [`Data::S8`] otherwise.
 pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narrow: bool) -> Result<Option<Packed>, String> {
     let Some((block_bytes, block_len)) = block_size(dtype) else { return Ok(None) };
     if n == 0 || k == 0 || !k.is_multiple_of(block_len) || !k.is_multiple_of(32) && !matches!(dtype, GgmlDType::F16 | GgmlDType::BF16) {
@@ -188,7 +189,9 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
             // Signed codes with one scale per 32: Q8_0's as stored; Q5_0's 5-bit code `q` stands for `d * (q - 16)`,
             // so its signed code is `q - 16` (-16..=15), and `d * (q - 16)` is the weight exactly (an f16 times an
             // integer of 5 bits).
-            let (mut qs, mut ds) = (Vec::with_capacity(n.div_ceil(PANEL) * PANEL * k), Vec::with_capacity(n.div_ceil(PANEL) * PANEL * k / 32));
+            // With `narrow`, Q5_0 as `Data::S5`: its codes `q` in five bits each.
+            let five = dtype == GgmlDType::Q5_0 && narrow;
+            let (mut qs, mut ds) = (Vec::with_capacity(n.div_ceil(PANEL) * PANEL * if five { k / 32 * 20 } else { k }), Vec::with_capacity(n.div_ceil(PANEL) * PANEL * k / 32));
             let (mut codes, mut d) = (Vec::with_capacity(PANEL * k), Vec::with_capacity(PANEL * k / 32));
             let mut small = true;
             for (panel, rows) in panels {
@@ -198,10 +201,18 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
                     d.push(u16::from_le_bytes([b[0], b[1]]));
                     if dtype == GgmlDType::Q8_0 {
                         codes.extend(b[2..].iter().copied());
+                    } else if five {
+                        // `Data::S5`: the codes `q` as stored.
+                        decode_block(dtype, b, &mut |group, _, _| codes.extend_from_slice(group));
                     } else {
                         // Both halves of the block carry its one scale; only the codes are taken.
                         decode_block(dtype, b, &mut |group, _, _| codes.extend(group.iter().map(|&q| (q as i8 - 16) as u8)));
                     }
+                }
+                if five {
+                    qs.extend(chunks(rows, k, &codes, false).chunks_exact(256).flat_map(five_bits_and_pairs));
+                    ds.extend(lanes(rows, k / 32, &d));
+                    continue;
                 }
                 if codes.contains(&0x80) {
                     return Ok(None);
@@ -210,7 +221,7 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
                 qs.extend(chunks(rows, k, &codes, false).into_iter().map(|c| c ^ 0x80));
                 ds.extend(lanes(rows, k / 32, &d));
             }
-            Data::S8 { qs, d: ds, small }
+            if five { Data::S5 { qs, d: ds } } else { Data::S8 { qs, d: ds, small } }
         }
         GgmlDType::Q4K | GgmlDType::Q5K => {
             // The codes as Q4_1's nibbles (Q5_K's one per byte, as `U8`); the scales and mins per 32 as they are (the
@@ -383,7 +394,7 @@ fn bit_planes(block: &[u8]) -> [u8; 96] {
 }
 
 /// One panel and block of 5-bit codes in `chunks`' order (256 bytes, eight chunks of 32) as [`Data::K5N`]'s (and
-/// [`Data::U5`]'s) 160 bytes: chunk `t < 4` whole in the low five bits of bytes `32 t..`, the low three bits of chunk
+/// [`Data::U5`]'s and [`Data::S5`]'s) 160 bytes: chunk `t < 4` whole in the low five bits of bytes `32 t..`, the low three bits of chunk
 /// `t + 4` above it; the two high bits of chunk `4 + t` at bits `2 t`, `2 t + 1` of bytes `128..`.
 fn five_bits_and_pairs(block: &[u8]) -> [u8; 160] {
     let mut out = [0u8; 160];

@@ -193,6 +193,14 @@ pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
                             *acc = (sum as f32).mul_add(half_f32(d[pb * PANEL + l]) * xd[b], *acc);
                         }
                     }
+                    Data::S5 { qs, d } => {
+                        // `S8`'s step: the codes `q - 16`.
+                        let codes = &qs[pb * 160..(pb + 1) * 160];
+                        for (l, acc) in acc.iter_mut().enumerate() {
+                            let sum: i32 = (0..8).flat_map(|g| (0..4).map(move |j| (g, j))).map(|(g, j)| (k5n_code(codes, g, 4 * l + j) as i32 - 16) * xb[4 * g + j] as i32).sum();
+                            *acc = (sum as f32).mul_add(half_f32(d[pb * PANEL + l]) * xd[b], *acc);
+                        }
+                    }
                     Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. } | Data::K4 { .. } | Data::K5 { .. } | Data::K5N { .. } => unreachable!("per-256 layouts take run_supers"),
                     Data::F16(_) | Data::Bf16(_) => unreachable!("float weights take the float loop"),
                 }

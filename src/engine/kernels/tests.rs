@@ -159,21 +159,22 @@ fn q6k_sums_at_the_extremes(packed: &Packed, n: usize, k: usize, m: usize) {
     }
 }
 
-/// Q6_K, Q5_K and Q5_1 held in the file's bits a code (`Data::Q6N`: six bits and nibbles, 6.6 bits a weight;
-/// `Data::K5N`: five bits and pairs, 5.625; `Data::U5`: `K5N`'s codes and f32 scales and offsets per 32, 7.0) hold
-/// the weights a code to a byte holds (`Data::Q6`, `Data::K5`, `Data::U8`), in at least 1.25x fewer bytes and at
+/// Q6_K, Q5_K, Q5_1 and Q5_0 held in the file's bits a code (`Data::Q6N`: six bits and nibbles, 6.6 bits a weight;
+/// `Data::K5N`: five bits and pairs, 5.625; `Data::U5`: `K5N`'s codes and f32 scales and offsets per 32, 7.0;
+/// `Data::S5`: `K5N`'s codes and the file's f16 scales, 5.5) hold the weights a code to a byte holds (`Data::Q6`,
+/// `Data::K5`, `Data::U8`, `Data::S8`), in at least 1.25x fewer bytes and at
 /// most 1 % (Q5_K: 3 %, Q5_1: 17 %) more than the file's, and every level gives the same bits from both: up to 16
 /// rows (each tile unpacks its codes) and more (laid out a slice at a time), a partial last panel, widths of one and
 /// of several slices of a task.
 #[test]
-fn q6k_q5k_and_q5_1_in_the_files_bytes_give_the_same_bits() {
+fn the_five_and_six_bit_types_in_the_files_bytes_give_the_same_bits() {
     say_missing_levels();
-    for (dtype, over) in [(GgmlDType::Q6K, 1.01), (GgmlDType::Q5K, 1.03), (GgmlDType::Q5_1, 1.17)] {
+    for (dtype, over) in [(GgmlDType::Q6K, 1.01), (GgmlDType::Q5K, 1.03), (GgmlDType::Q5_1, 1.17), (GgmlDType::Q5_0, 1.001)] {
         for (n, k) in [(37, 512), (70, 8192)] {
             let q = matrix(dtype, n, k, 31);
             let bytes = q.data().unwrap();
             let (wide, narrow) = (pack::pack_with(dtype, &bytes, n, k, false).unwrap().unwrap(), pack::pack_with(dtype, &bytes, n, k, true).unwrap().unwrap());
-            assert!(matches!((&wide.data, &narrow.data), (Data::Q6 { .. }, Data::Q6N { .. }) | (Data::K5 { .. }, Data::K5N { .. }) | (Data::U8 { .. }, Data::U5 { .. })), "{dtype:?}");
+            assert!(matches!((&wide.data, &narrow.data), (Data::Q6 { .. }, Data::Q6N { .. }) | (Data::K5 { .. }, Data::K5N { .. }) | (Data::U8 { .. }, Data::U5 { .. }) | (Data::S8 { .. }, Data::S5 { .. })), "{dtype:?}");
             assert!(wide.dequantize().iter().zip(narrow.dequantize()).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?} [{n}, {k}]: the layouts hold different weights");
             // The panels' padding rows count: 40 and 72 rows held for 37 and 70.
             let held = n.next_multiple_of(PANEL) as f64 / n as f64;
@@ -484,10 +485,10 @@ fn say_missing_levels() {
     });
 }
 
-/// Q5_0's signed codes (-16..=15) take AVX2's short path, four groups' products added in 16 bits: at the extremes
-/// (every code 15 or every code -16, full-scale activations of one sign per block, the 16-bit sums at their
-/// largest, 31,496) every level gives the portable kernels' bits. A Q8_0 matrix, whose codes reach 127, does not
-/// take that path.
+/// Q5_0's signed codes (-16..=15) take AVX2's short path, four groups' products added in 16 bits, in both its layouts
+/// (`S8`, and `S5`'s five bits a code): at the extremes (every code 15 or every code -16, full-scale activations of
+/// one sign per block, the 16-bit sums at their largest, 31,496) every level gives the portable kernels' bits. A
+/// Q8_0 matrix, whose codes reach 127, does not take that path.
 #[test]
 fn small_signed_codes_sum_exactly_in_16_bits_at_the_extremes() {
     say_missing_levels();
@@ -509,8 +510,10 @@ fn small_signed_codes_sum_exactly_in_16_bits_at_the_extremes() {
             bytes.extend((0..16).map(|j| (q(j) & 0xF) | ((q(j + 16) & 0xF) << 4)));
         }
     }
-    let packed = pack::pack(GgmlDType::Q5_0, &bytes, n, k).unwrap().unwrap();
+    let packed = pack::pack_with(GgmlDType::Q5_0, &bytes, n, k, false).unwrap().unwrap();
     assert!(matches!(packed.data, Data::S8 { small: true, .. }));
+    let narrow = pack::pack_with(GgmlDType::Q5_0, &bytes, n, k, true).unwrap().unwrap();
+    assert!(matches!(narrow.data, Data::S5 { .. }));
     let q8 = Packed::from_qtensor(&matrix(GgmlDType::Q8_0, 8, 64, 5)).unwrap().unwrap();
     assert!(matches!(q8.data, Data::S8 { small: false, .. }));
     // Activation codes of +-127, one sign per block and row.
@@ -530,8 +533,10 @@ fn small_signed_codes_sum_exactly_in_16_bits_at_the_extremes() {
         assert_eq!(acc.to_bits(), reference[c].to_bits(), "row {c}");
     }
     for level in Level::available() {
-        let y = packed.matmul_at(level, &x, m);
-        assert!(y.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{level:?} differs from the portable kernels");
+        for (layout, packed) in [("S8", &packed), ("S5", &narrow)] {
+            let y = packed.matmul_at(level, &x, m);
+            assert!(y.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{layout} at {level:?} differs from the portable kernels");
+        }
     }
 }
 

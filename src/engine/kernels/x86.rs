@@ -90,6 +90,46 @@ macro_rules! kernels {
                 std::array::from_fn(|j| std::array::from_fn(|i| if $vnni { _mm256_add_epi32(sums[j][i], part[j][i]) } else { _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)) }))
             }
 
+            /// A block's exact `sum(q x)` for unsigned codes of at most 5 bits (`chunk(j, g)`: panel `p0 + j`'s chunk
+            /// `g < 8` as code bytes) times activation rows' codes (`xg(i, g)`: group `g` of row `r0 + i`). VNNI: two
+            /// chains of products per output. AVX2: each half's four groups' 16-bit pairs (each at most 2 x 31 x 127
+            /// in magnitude, four of them at most 31,496) added before widening.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn small_dots<const P: usize, const R: usize>(chunk: impl Fn(usize, usize) -> __m256i, xg: impl Fn(usize, usize) -> __m256i) -> [[__m256i; R]; P] {
+                let mut sums = [[_mm256_setzero_si256(); R]; P];
+                if $vnni {
+                    let mut odd = [[_mm256_setzero_si256(); R]; P];
+                    for g in (0..8).step_by(2) {
+                        for j in 0..P {
+                            let (w0, w1) = (chunk(j, g), chunk(j, g + 1));
+                            for i in 0..R {
+                                sums[j][i] = dpbusd(sums[j][i], w0, xg(i, g));
+                                odd[j][i] = dpbusd(odd[j][i], w1, xg(i, g + 1));
+                            }
+                        }
+                    }
+                    return std::array::from_fn(|j| std::array::from_fn(|i| _mm256_add_epi32(sums[j][i], odd[j][i])));
+                }
+                for half in 0..2 {
+                    let mut part = [[_mm256_setzero_si256(); R]; P];
+                    for g in 4 * half..4 * half + 4 {
+                        for j in 0..P {
+                            let wv = chunk(j, g);
+                            for i in 0..R {
+                                part[j][i] = _mm256_add_epi16(part[j][i], _mm256_maddubs_epi16(wv, xg(i, g)));
+                            }
+                        }
+                    }
+                    for j in 0..P {
+                        for i in 0..R {
+                            sums[j][i] = _mm256_add_epi32(sums[j][i], _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)));
+                        }
+                    }
+                }
+                sums
+            }
+
             /// `U8`'s and `U5`'s products for panels `p0..p0 + P` (`chunk(j, b, g)`: panel `p0 + j`'s chunk `g` of
             /// block `b` as code bytes; `lanes(j, b, h)`: its scales and offsets for half `h`) times activation rows
             /// (`xg(i, b, g)`; `xs(i, b, h)`: row `r0 + i`'s scale for block `b` and its code sum over half `h`): per
@@ -171,8 +211,8 @@ macro_rules! kernels {
                 _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x18)))
             }
 
-            /// Panels `panels` of a `Data::Q6N`, `Data::K5N` or `Data::U5` matrix with `blocks` blocks of 32 a row, as
-            /// `Q6`'s, `K5`'s or `U8`'s code bytes (256 per panel and block) into `into`, from its start.
+            /// Panels `panels` of a `Data::Q6N`, `Data::K5N`, `Data::U5` or `Data::S5` matrix with `blocks` blocks of 32
+            /// a row, as code bytes (256 per panel and block, `Q6`'s, `K5`'s or `U8`'s) into `into`, from its start.
             #[target_feature(enable = $features)]
             fn unpack_narrow(data: &Data, blocks: usize, panels: Range<usize>, into: &mut [u8]) {
                 let Some((qs, per)) = super::super::narrow_bytes(data) else { unreachable!("unpack_narrow of a wide layout (a bug)") };
@@ -181,7 +221,7 @@ macro_rules! kernels {
                 assert!((from + count) * per <= qs.len() && count * 256 <= into.len(), "narrow panels out of range (a bug)");
                 for i in 0..count {
                     for g in 0..8 {
-                        // SAFETY: panel and block `from + i` has its `per` bytes (192 for Q6N, 160 for K5N and U5) in `qs`,
+                        // SAFETY: panel and block `from + i` has its `per` bytes (192 for Q6N, 160 for the others) in `qs`,
                         // and bytes `256 i + 32 g..` (32) lie within `into` (both asserted above).
                         unsafe {
                             let at = qs.as_ptr().add((from + i) * per);
@@ -321,25 +361,10 @@ macro_rules! kernels {
                             } else if *small {
                                 // Codes in -16..=15 (Q5_0's): `code + 16` (the stored byte less 112) is 0..=31, an
                                 // unsigned product's pair at most 2 x 31 x 127 = 7,874 in magnitude, so four
-                                // groups' pairs add up in 16 bits (at most 31,496) before widening:
+                                // groups' pairs add up in 16 bits (at most 31,496) before widening (`small_dots`):
                                 // sum(code x) = sum((code + 16) x) - 16 sum(x), exact.
                                 let less = _mm256_set1_epi8(112);
-                                for half in 0..2 {
-                                    let mut part = [[_mm256_setzero_si256(); R]; P];
-                                    for g in 4 * half..4 * half + 4 {
-                                        for j in 0..P {
-                                            let wv = _mm256_sub_epi8(chunk(p0 + j, b, g), less);
-                                            for i in 0..R {
-                                                part[j][i] = _mm256_add_epi16(part[j][i], _mm256_maddubs_epi16(wv, xg(i, b, g)));
-                                            }
-                                        }
-                                    }
-                                    for j in 0..P {
-                                        for i in 0..R {
-                                            sums[j][i] = _mm256_add_epi32(sums[j][i], _mm256_madd_epi16(part[j][i], _mm256_set1_epi16(1)));
-                                        }
-                                    }
-                                }
+                                sums = small_dots::<P, R>(|j, g| _mm256_sub_epi8(chunk(p0 + j, b, g), less), |i, g| xg(i, b, g));
                                 for j in 0..P {
                                     for i in 0..R {
                                         sums[j][i] = _mm256_sub_epi32(sums[j][i], _mm256_set1_epi32(16 * xsum(i, b)));
@@ -366,6 +391,38 @@ macro_rules! kernels {
                                 for i in 0..R {
                                     acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j][i]), _mm256_mul_ps(dw, xd(i, b)), acc[j][i]);
                                 }
+                            }
+                        }
+                    }
+                    Data::S5 { qs, d } => {
+                        assert!(!x.supers, "activations per 256 for a layout per 32 (a bug)");
+                        assert!(qs.len() == panels * blocks * 160 && d.len() == panels * blocks * PANEL, "S5 layout (a bug)");
+                        assert!(unpacked.is_empty() || p0 >= first && (p0 + P - first) * blocks * 256 <= unpacked.len(), "S5's unpacked codes (a bug)");
+                        assert!(x.sums.len() == x.d.len(), "activation code sums (a bug)");
+                        // SAFETY (these closures): activation row `r0 + i < r0 + R` exists and `b < blocks` (as for
+                        // `xd`); panel `p0 + j < panels`, block `b < blocks` and chunk `g < 8` (the loops' bounds) are
+                        // within the lengths asserted above: 160 code bytes (`k5n_chunk`) and 8 scales per panel and
+                        // block; `unpacked`'s 256 bytes per panel and block for panels `first..p0 + P`.
+                        let xsum = |i: usize, b: usize| unsafe { *x.sums.as_ptr().add((r0 + i) * blocks + b) };
+                        let lanes = |p: usize, b: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().add((p * blocks + b) * PANEL).cast())) };
+                        // `S8`'s small codes' step: sum((q - 16) x) = sum(q x) - 16 sum(x), exact, then the float step.
+                        let mut step = |b: usize, sums: [[__m256i; R]; P]| {
+                            for j in 0..P {
+                                let dw = lanes(p0 + j, b);
+                                for i in 0..R {
+                                    let sum = _mm256_sub_epi32(sums[j][i], _mm256_set1_epi32(16 * xsum(i, b)));
+                                    acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, xd(i, b)), acc[j][i]);
+                                }
+                            }
+                        };
+                        // Each source of codes its own loop (a closure choosing per chunk took up to twice the time).
+                        if unpacked.is_empty() {
+                            for b in 0..blocks {
+                                step(b, small_dots::<P, R>(|j, g| unsafe { k5n_chunk(qs.as_ptr().add(((p0 + j) * blocks + b) * 160), g) }, |i, g| xg(i, b, g)));
+                            }
+                        } else {
+                            for b in 0..blocks {
+                                step(b, small_dots::<P, R>(|j, g| unsafe { _mm256_loadu_si256(unpacked.as_ptr().add(((p0 + j - first) * blocks + b) * 256 + 32 * g).cast()) }, |i, g| xg(i, b, g)));
                             }
                         }
                     }
@@ -697,6 +754,10 @@ macro_rules! kernels {
                         ask(bytemuck::cast_slice(d), 2 * PANEL);
                         (qs, 256)
                     }
+                    Data::S5 { qs, d } => {
+                        ask(bytemuck::cast_slice(d), 2 * PANEL);
+                        (qs, 160)
+                    }
                     Data::Q6 { qs, sc, d } | Data::Q6N { qs, sc, d } | Data::K3 { qs, sc, d } => {
                         floats(d, PANEL / 8);
                         ask(bytemuck::cast_slice(sc), 2 * PANEL);
@@ -762,8 +823,8 @@ macro_rules! kernels {
                 // Weight rows a slice at a time, sized to stay in the L2 cache while every activation row passes
                 // over them (a task of the output projection holds megabytes of weights).
                 let slice = super::super::l2_rows(w);
-                // Q6N's, K5N's and U5's codes, past a decode step's 16 rows, laid out as `Q6`'s, `K5`'s and `U8`'s
-                // bytes a slice at a time, once for every row, where each tile would unpack them again. Up to 16 rows,
+                // The narrow layouts' codes (Q6N, K5N, U5, S5), past a decode step's 16 rows, laid out a byte each
+                // a slice at a time, once for every row, where each tile would unpack them again. Up to 16 rows,
                 // each tile unpacks its own: for Q6N, laid out two panels at a time, 5 to 16 rows took 0.99-1.17x the
                 // time of `Q6`'s bytes, unpacked by the tiles 0.92-1.07x (BENCHMARKS.md, 2026-12-07, session 5).
                 let (blocks, narrow) = (w.k / 32, super::super::narrow_bytes(&w.data).is_some());
