@@ -130,6 +130,33 @@ macro_rules! kernels {
                 sums
             }
 
+            /// `S5`'s products for panels `p0..p0 + P` (`chunk(j, b, g)`: panel `p0 + j`'s chunk `g` of block `b` as
+            /// code bytes `q`; `dw(j, b)`: its scales) times activation rows (`xg(i, b, g)`; `xs(i, b)`: `16 sum(x)` of
+            /// row `r0 + i`'s block `b`, and its scale): per block, the exact `sum(q x) - 16 sum(x)` ([`small_dots`]),
+            /// then `acc = fma(sum, d_w * d_x, acc)`. The loop over blocks in one function, so that the accumulators
+            /// stay in registers.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn small_blocks<const P: usize, const R: usize>(
+                acc: &mut [[__m256; R]; P],
+                blocks: usize,
+                chunk: impl Fn(usize, usize, usize) -> __m256i,
+                xg: impl Fn(usize, usize, usize) -> __m256i,
+                dw: impl Fn(usize, usize) -> __m256,
+                xs: impl Fn(usize, usize) -> (__m256i, __m256),
+            ) {
+                for b in 0..blocks {
+                    let sums = small_dots::<P, R>(|j, g| chunk(j, b, g), |i, g| xg(i, b, g));
+                    for j in 0..P {
+                        let d = dw(j, b);
+                        for i in 0..R {
+                            let (less, dx) = xs(i, b);
+                            acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums[j][i], less)), _mm256_mul_ps(d, dx), acc[j][i]);
+                        }
+                    }
+                }
+            }
+
             /// `U8`'s and `U5`'s products for panels `p0..p0 + P` (`chunk(j, b, g)`: panel `p0 + j`'s chunk `g` of
             /// block `b` as code bytes; `lanes(j, b, h)`: its scales and offsets for half `h`) times activation rows
             /// (`xg(i, b, g)`; `xs(i, b, h)`: row `r0 + i`'s scale for block `b` and its code sum over half `h`): per
@@ -406,24 +433,14 @@ macro_rules! kernels {
                         let xsum = |i: usize, b: usize| unsafe { *x.sums.as_ptr().add((r0 + i) * blocks + b) };
                         let lanes = |p: usize, b: usize| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().add((p * blocks + b) * PANEL).cast())) };
                         // `S8`'s small codes' step: sum((q - 16) x) = sum(q x) - 16 sum(x), exact, then the float step.
-                        let mut step = |b: usize, sums: [[__m256i; R]; P]| {
-                            for j in 0..P {
-                                let dw = lanes(p0 + j, b);
-                                for i in 0..R {
-                                    let sum = _mm256_sub_epi32(sums[j][i], _mm256_set1_epi32(16 * xsum(i, b)));
-                                    acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, xd(i, b)), acc[j][i]);
-                                }
-                            }
-                        };
+                        let less = |i: usize, b: usize| _mm256_set1_epi32(16 * xsum(i, b));
+                        let xs = |i: usize, b: usize| (less(i, b), xd(i, b));
                         // Each source of codes its own loop (a closure choosing per chunk took up to twice the time).
                         if unpacked.is_empty() {
-                            for b in 0..blocks {
-                                step(b, small_dots::<P, R>(|j, g| unsafe { k5n_chunk(qs.as_ptr().add(((p0 + j) * blocks + b) * 160), g) }, |i, g| xg(i, b, g)));
-                            }
+                            small_blocks::<P, R>(&mut acc, blocks, |j, b, g| unsafe { k5n_chunk(qs.as_ptr().add(((p0 + j) * blocks + b) * 160), g) }, xg, |j, b| lanes(p0 + j, b), xs);
                         } else {
-                            for b in 0..blocks {
-                                step(b, small_dots::<P, R>(|j, g| unsafe { _mm256_loadu_si256(unpacked.as_ptr().add(((p0 + j - first) * blocks + b) * 256 + 32 * g).cast()) }, |i, g| xg(i, b, g)));
-                            }
+                            let chunk = |j: usize, b: usize, g: usize| unsafe { _mm256_loadu_si256(unpacked.as_ptr().add(((p0 + j - first) * blocks + b) * 256 + 32 * g).cast()) };
+                            small_blocks::<P, R>(&mut acc, blocks, chunk, xg, |j, b| lanes(p0 + j, b), xs);
                         }
                     }
                     Data::Q6 { qs, sc, d } | Data::Q6N { qs, sc, d } | Data::K3 { qs, sc, d } => {
