@@ -337,11 +337,11 @@ pub(super) fn pack_with(dtype: GgmlDType, bytes: &[u8], n: usize, k: usize, narr
                         m4.extend(lanes(rows, k / 32, &bits(&m)));
                     }
                 } else if five {
-                    // One scale and offset per 32 (the halves' are the same).
-                    let per32 = |v: &Vec<f32>| v.iter().step_by(2).copied().collect::<Vec<f32>>();
+                    // One scale and offset per 32 (`decode_block` emits each block's twice).
+                    let once = |v: &Vec<f32>| v.iter().step_by(2).copied().collect::<Vec<f32>>();
                     qs.extend(chunks(rows, k, &codes, false).chunks_exact(256).flat_map(five_bits_and_pairs));
-                    ds.extend(lanes(rows, k / 32, &per32(&d)));
-                    ms.extend(lanes(rows, k / 32, &per32(&m)));
+                    ds.extend(lanes(rows, k / 32, &once(&d)));
+                    ms.extend(lanes(rows, k / 32, &once(&m)));
                 } else {
                     qs.extend(chunks(rows, k, &codes, false));
                     ds.extend(lanes(rows, k / 16, &d));
@@ -394,8 +394,9 @@ fn bit_planes(block: &[u8]) -> [u8; 96] {
 }
 
 /// One panel and block of 5-bit codes in `chunks`' order (256 bytes, eight chunks of 32) as [`Data::K5N`]'s (and
-/// [`Data::U5`]'s and [`Data::S5`]'s) 160 bytes: chunk `t < 4` whole in the low five bits of bytes `32 t..`, the low three bits of chunk
-/// `t + 4` above it; the two high bits of chunk `4 + t` at bits `2 t`, `2 t + 1` of bytes `128..`.
+/// [`Data::U5`]'s and [`Data::S5`]'s) 160 bytes: chunk `t < 4` whole in the low five bits of bytes `32 t..`, the
+/// low three bits of chunk `t + 4` above it; the two high bits of chunk `4 + t` at bits `2 t`, `2 t + 1` of bytes
+/// `128..`.
 fn five_bits_and_pairs(block: &[u8]) -> [u8; 160] {
     let mut out = [0u8; 160];
     let chunk = |g: usize| &block[32 * g..32 * g + 32];

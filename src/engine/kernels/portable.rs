@@ -127,8 +127,8 @@ fn run_supers(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
 }
 
 /// Weight rows `rows` (whole panels, the last possibly padded) times every activation row: for each output, per
-/// block of 32 (per group of 16 for `U8` and `U5`) the exact integer sum of code products, then `acc = fma(sum, d_w * d_x,
-/// acc)` and, for types with an offset, `acc = fma(m_w, s_x, acc)`, in block order; the per-256 layouts take
+/// block of 32 (per group of 16 for `U8` and `U5`) the exact integer sum of code products, then `acc = fma(sum, d_w
+/// * d_x, acc)` and, for types with an offset, `acc = fma(m_w, s_x, acc)`, in block order; the per-256 layouts take
 /// [`run_supers`].
 pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
     if matches!(w.data, Data::K4 { .. } | Data::K5 { .. } | Data::K5N { .. } | Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. }) {

@@ -162,10 +162,9 @@ fn q6k_sums_at_the_extremes(packed: &Packed, n: usize, k: usize, m: usize) {
 /// Q6_K, Q5_K, Q5_1 and Q5_0 held in the file's bits a code (`Data::Q6N`: six bits and nibbles, 6.6 bits a weight;
 /// `Data::K5N`: five bits and pairs, 5.625; `Data::U5`: `K5N`'s codes and f32 scales and offsets per 32, 7.0;
 /// `Data::S5`: `K5N`'s codes and the file's f16 scales, 5.5) hold the weights a code to a byte holds (`Data::Q6`,
-/// `Data::K5`, `Data::U8`, `Data::S8`), in at least 1.25x fewer bytes and at
-/// most 1 % (Q5_K: 3 %, Q5_1: 17 %) more than the file's, and every level gives the same bits from both: up to 16
-/// rows (each tile unpacks its codes) and more (laid out a slice at a time), a partial last panel, widths of one and
-/// of several slices of a task.
+/// `Data::K5`, `Data::U8`, `Data::S8`), in at least 1.25x fewer bytes and at most 1 % (Q5_K: 3 %, Q5_1: 17 %) more
+/// than the file's, and every level gives the same bits from both: up to 16 rows (each tile unpacks its codes) and
+/// more (laid out a slice at a time), a partial last panel, widths of one and of several slices of a task.
 #[test]
 fn the_five_and_six_bit_types_in_the_files_bytes_give_the_same_bits() {
     say_missing_levels();

@@ -238,8 +238,9 @@ macro_rules! kernels {
                 _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x18)))
             }
 
-            /// Panels `panels` of a `Data::Q6N`, `Data::K5N`, `Data::U5` or `Data::S5` matrix with `blocks` blocks of 32
-            /// a row, as code bytes (256 per panel and block, `Q6`'s, `K5`'s or `U8`'s) into `into`, from its start.
+            /// Panels `panels` of a `Data::Q6N`, `Data::K5N`, `Data::U5` or `Data::S5` matrix with `blocks` blocks
+            /// of 32 a row, as code bytes (256 per panel and block, `Q6`'s, `K5`'s or `U8`'s) into `into`, from its
+            /// start.
             #[target_feature(enable = $features)]
             fn unpack_narrow(data: &Data, blocks: usize, panels: Range<usize>, into: &mut [u8]) {
                 let Some((qs, per)) = super::super::narrow_bytes(data) else { unreachable!("unpack_narrow of a wide layout (a bug)") };
@@ -248,8 +249,8 @@ macro_rules! kernels {
                 assert!((from + count) * per <= qs.len() && count * 256 <= into.len(), "narrow panels out of range (a bug)");
                 for i in 0..count {
                     for g in 0..8 {
-                        // SAFETY: panel and block `from + i` has its `per` bytes (192 for Q6N, 160 for the others) in `qs`,
-                        // and bytes `256 i + 32 g..` (32) lie within `into` (both asserted above).
+                        // SAFETY: panel and block `from + i` has its `per` bytes (192 for Q6N, 160 for the others) in
+                        // `qs`, and bytes `256 i + 32 g..` (32) lie within `into` (both asserted above).
                         unsafe {
                             let at = qs.as_ptr().add((from + i) * per);
                             _mm256_storeu_si256(into.as_mut_ptr().add(256 * i + 32 * g).cast(), if six { q6n_chunk(at, g) } else { k5n_chunk(at, g) });
