@@ -133,17 +133,18 @@ fn sample_job_writes_sensible_summaries() {
 
 /// The CPU kernels' levels compute the same bits (src/engine/kernels), so a job's results, log-probabilities
 /// included, do not depend on the CPU it ran on: forced to the portable kernels (`NIGHTSHIFT_CPU_KERNELS`), the
-/// job writes what the default level writes (AVX2 or VNNI on CI's x86-64), and so do AVX2 (`--cpu-kernels`) and
-/// AMX (`runtime.cpu_kernels`) forced (a level the CPU lacks runs the default one, with a warning). A name that is
-/// no level is refused, naming the variable.
+/// job writes what the default level writes (AVX2 or VNNI on CI's x86-64), and so do AVX2 (`--cpu-kernels`), AVX-512
+/// BF16 and AMX (`runtime.cpu_kernels`) forced (a level the CPU lacks runs the default one, with a warning; the
+/// model has no bf16 matrices, whose products those two levels compute otherwise). A name that is no level is
+/// refused, naming the variable.
 #[test]
 fn every_cpu_kernel_level_writes_the_same_results() {
     let (dir, input) = two_questions("kernel-levels");
     let mut results = Vec::new();
-    for level in ["portable", "avx2", "amx", ""] {
+    for level in ["portable", "avx2", "amx", "avx512-bf16", ""] {
         let out = dir.join(if level.is_empty() { "best" } else { level });
-        let runtime = if level == "amx" { "[runtime]\ncpu_kernels = \"amx\"" } else { "" };
-        let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 6\nlogprobs = 2", runtime);
+        let runtime = if matches!(level, "amx" | "avx512-bf16") { format!("[runtime]\ncpu_kernels = \"{level}\"") } else { String::new() };
+        let job = job_file(&dir, input.to_str().unwrap(), out.to_str().unwrap(), "max_new_tokens = 6\nlogprobs = 2", &runtime);
         let run = match level {
             "portable" => nightshift(&["run", job.to_str().unwrap()], &[("NIGHTSHIFT_CPU_KERNELS", level), ("RUST_LOG", "info")]),
             "avx2" => nightshift(&["run", job.to_str().unwrap(), "--cpu-kernels", level], &[("RUST_LOG", "info")]),
@@ -164,9 +165,10 @@ fn every_cpu_kernel_level_writes_the_same_results() {
         results.push(rows);
     }
     assert!(results[0].values().all(|r| r["text"].as_str().is_some_and(|t| !t.is_empty())), "{:?}", results[0]);
-    assert_eq!(results[0], results[3], "portable and the default level differ");
-    assert_eq!(results[1], results[3], "avx2 and the default level differ");
-    assert_eq!(results[2], results[3], "amx and the default level differ");
+    assert_eq!(results[0], results[4], "portable and the default level differ");
+    assert_eq!(results[1], results[4], "avx2 and the default level differ");
+    assert_eq!(results[2], results[4], "amx and the default level differ");
+    assert_eq!(results[3], results[4], "avx512-bf16 and the default level differ");
     // `runtime.attention = "host-amx"` (SmolLM2's heads are 64 wide): its prefills on the tile unit's split bf16
     // products, not the same bits, so named in the log and the numerics; the greedy texts the default's. Where the
     // CPU or Linux gives no AMX-BF16, `host` runs, with a warning.
@@ -179,7 +181,7 @@ fn every_cpu_kernel_level_writes_the_same_results() {
     if nightshift::engine::attention::host::tiles_available(64) {
         assert!(run.stderr.contains("attention=\"host-amx\""), "{}", run.stderr);
         assert!(numerics(&out).ends_with(";attention=host-amx"), "{}", numerics(&out));
-        assert_eq!(texts(&read_results_json(&out)), texts(&results[3]), "host-amx's greedy texts differ from host's");
+        assert_eq!(texts(&read_results_json(&out)), texts(&results[4]), "host-amx's greedy texts differ from host's");
     } else {
         assert!(run.stderr.contains("attention=\"host\"") && run.stderr.contains("host-amx"), "{}", run.stderr);
         assert_eq!(numerics(&out), numerics(&dir.join("best")));
@@ -250,9 +252,21 @@ fn runtime_dtype_and_attention_apply_where_they_can() {
     assert_eq!(read_metrics_text(&dir.join("f32-widened"))["weights_layout"], "as-stored");
     let bytes = |name: &str| read_metrics(&dir.join(name))["weights_bytes"].unwrap();
     assert!(bytes("f32") < 0.75 * bytes("f32-widened"), "{} vs {}", bytes("f32"), bytes("f32-widened"));
+    // At the AVX-512 BF16 level (where the CPU has it) the bf16 matrices' products round their activations to
+    // bf16, as at the AMX level (below): the metrics and the numerics say so, and the default run's results serve
+    // nothing to it.
+    use nightshift::engine::kernels::Level;
+    if Level::available().contains(&Level::Avx512Bf16) {
+        nightshift(&["run", hf_job("avx512-bf16", "cpu_kernels = \"avx512-bf16\"").to_str().unwrap(), "--reuse", dir.join("f32").to_str().unwrap()], &[]).assert_ok();
+        assert_eq!(read_metrics_text(&dir.join("avx512-bf16"))["weights_layout"], "bf16 as stored, on AVX-512 BF16 dot products (activations rounded to bf16)");
+        assert_ne!(numerics("avx512-bf16"), numerics("f32"));
+        assert_eq!(read_metrics(&dir.join("avx512-bf16"))["reused_rows"], Some(0.0));
+        assert_eq!(read_results_json(&dir.join("avx512-bf16")).len(), 2);
+    } else {
+        eprintln!("this CPU has no AVX-512 BF16 level: its bf16 products' job check is skipped here");
+    }
     // At the AMX level (where the CPU has AMX-BF16 tiles) the bf16 matrices' products round their activations to
     // bf16: the metrics and the numerics say so, and the default run's results serve nothing to it.
-    use nightshift::engine::kernels::Level;
     if Level::available().contains(&Level::Amx) {
         nightshift(&["run", hf_job("amx", "cpu_kernels = \"amx\"").to_str().unwrap(), "--reuse", dir.join("f32").to_str().unwrap()], &[]).assert_ok();
         assert_eq!(read_metrics_text(&dir.join("amx"))["weights_layout"], "bf16 as stored, on AMX bf16 tiles (activations rounded to bf16)");

@@ -594,8 +594,9 @@ pub struct EngineArgs {
     /// accelerator), `f32`, `bf16` or `f16`.
     #[arg(long, env = "NIGHTSHIFT_DTYPE", value_parser = crate::job::ComputeDtype::parse)]
     pub dtype: Option<crate::job::ComputeDtype>,
-    /// The CPU kernels' instruction set; overrides `runtime.cpu_kernels`: `auto`, `portable`, `avx2`, `vnni` or
-    /// `amx` (the same results at every level).
+    /// The CPU kernels' instruction set; overrides `runtime.cpu_kernels`: `auto`, `portable`, `avx2`, `vnni`,
+    /// `avx512-bf16` or `amx` (the same results at every level, but bf16 matrices' at `avx512-bf16` and `amx`, whose
+    /// products round the activations to bf16, and F16 matrices' at `amx`: docs/engine.md).
     #[arg(long, env = "NIGHTSHIFT_CPU_KERNELS", value_parser = crate::job::CpuKernels::parse)]
     pub cpu_kernels: Option<crate::job::CpuKernels>,
     /// Ranks a decoder's layers are split over (attention heads and feed-forward columns, Megatron style);

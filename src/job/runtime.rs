@@ -212,8 +212,9 @@ impl ComputeDtype {
 }
 
 /// The instruction set of the CPU's own kernels (`runtime.cpu_kernels`, `--cpu-kernels`,
-/// `NIGHTSHIFT_CPU_KERNELS`). Every level computes the same bits; a level the CPU lacks is not taken (`auto` is,
-/// with a warning), so one job file runs on every machine of a fleet.
+/// `NIGHTSHIFT_CPU_KERNELS`). Every level computes the same bits but for bf16 matrices at `avx512-bf16` and `amx`
+/// and F16 matrices at `amx` (docs/engine.md); a level the CPU lacks is not taken (`auto` is, with a warning), so
+/// one job file runs on every machine of a fleet.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CpuKernels {
     /// The best this CPU runs, short of AMX (which is taken only when named: see docs/engine.md).
@@ -222,15 +223,17 @@ pub enum CpuKernels {
     Portable,
     Avx2,
     Vnni,
+    Avx512Bf16,
     Amx,
 }
 
 impl CpuKernels {
-    const NAMES: [(&'static str, CpuKernels); 5] = [
+    const NAMES: [(&'static str, CpuKernels); 6] = [
         ("auto", CpuKernels::Auto),
         ("portable", CpuKernels::Portable),
         ("avx2", CpuKernels::Avx2),
         ("vnni", CpuKernels::Vnni),
+        ("avx512-bf16", CpuKernels::Avx512Bf16),
         ("amx", CpuKernels::Amx),
     ];
 

@@ -51,6 +51,9 @@ pub enum Level {
     Avx2,
     /// The AVX2 level with VNNI's 8-bit dot products: AVX-512 VNNI (with VL), or AVX-VNNI.
     Vnni,
+    /// The VNNI level with AVX-512 BF16's dot products for bf16 matrices (Intel since Cooper Lake, AMD since Zen
+    /// 4), whose activations it rounds to bf16 ([`bf16_activations`]); every other product is VNNI's.
+    Avx512Bf16,
     /// AVX-512 VNNI with the tile unit's 8-bit products for the quantized types (Intel since Sapphire Rapids),
     /// where Linux grants the process the tiles.
     Amx,
@@ -66,6 +69,7 @@ impl Level {
             let vnni = (is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")) || is_x86_feature_detected!("avxvnni");
             return match (avx2, vnni) {
                 (true, true) if amx::granted() => Level::Amx,
+                (true, true) if x86::has_avx512_bf16() => Level::Avx512Bf16,
                 (true, true) => Level::Vnni,
                 (true, false) => Level::Avx2,
                 _ => Level::Portable,
@@ -117,6 +121,7 @@ impl Level {
             CpuKernels::Portable => Some(Level::Portable),
             CpuKernels::Avx2 => Some(Level::Avx2),
             CpuKernels::Vnni => Some(Level::Vnni),
+            CpuKernels::Avx512Bf16 => Some(Level::Avx512Bf16),
             CpuKernels::Amx => Some(Level::Amx),
         };
         let detected = Level::detected();
@@ -131,13 +136,14 @@ impl Level {
         level
     }
 
-    const ALL: [Level; 4] = [Level::Portable, Level::Avx2, Level::Vnni, Level::Amx];
+    const ALL: [Level; 5] = [Level::Portable, Level::Avx2, Level::Vnni, Level::Avx512Bf16, Level::Amx];
 
     pub fn parse(name: &str) -> Option<Level> {
         match name {
             "portable" => Some(Level::Portable),
             "avx2" => Some(Level::Avx2),
             "vnni" => Some(Level::Vnni),
+            "avx512-bf16" => Some(Level::Avx512Bf16),
             "amx" => Some(Level::Amx),
             _ => None,
         }
@@ -148,6 +154,7 @@ impl Level {
             Level::Portable => "portable",
             Level::Avx2 => "avx2",
             Level::Vnni => "vnni",
+            Level::Avx512Bf16 => "avx512-bf16",
             Level::Amx => "amx",
         }
     }
@@ -611,6 +618,10 @@ struct Acts<'a> {
     /// unless every matrix of the product is bf16 and it has at least [`BF16_TILE_ROWS`] rows. For the F16 tiles
     /// ([`F16_TILE_ROWS`] rows or more of F16 matrices), the f32 activations split in two, [`split_tile_order`]'s.
     bf16: Vec<u16>,
+    /// For the AVX-512 BF16 level's products of bf16 matrices, the activations rounded to bf16 (to nearest, ties
+    /// to even), row by row, each row padded with zeros to a multiple of 32 values (`[m, ⌈k / 32⌉ · 32]`); empty
+    /// otherwise.
+    bf16_rows: Vec<u16>,
 }
 
 /// The activations as the AMX kernels read them, arranged once per product: the codes per 16 rows and block, the
@@ -692,7 +703,7 @@ impl TileOrder {
 impl<'a> Acts<'a> {
     fn new(level: Level, x: &'a [f32], k: usize, quant: Quant) -> Acts<'a> {
         let supers = quant == Quant::Supers;
-        let mut acts = Acts { k, f32: x, supers, qs: Vec::new(), d: Vec::new(), bsums: Vec::new(), s32: Vec::new(), s16: Vec::new(), sums: Vec::new(), sums16: Vec::new(), tiles: TileOrder::default(), bf16: Vec::new() };
+        let mut acts = Acts { k, f32: x, supers, qs: Vec::new(), d: Vec::new(), bsums: Vec::new(), s32: Vec::new(), s16: Vec::new(), sums: Vec::new(), sums16: Vec::new(), tiles: TileOrder::default(), bf16: Vec::new(), bf16_rows: Vec::new() };
         if supers {
             assert!(k.is_multiple_of(256), "activations per 256 of width {k} (a bug)");
             let (n, blocks) = (x.len() / 256, x.len() / 32);
@@ -894,10 +905,12 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
     assert!(weights.iter().all(|w| w.k == k && w.quant() == weights[0].quant()), "matmul_many over matrices of different widths or kinds (a bug)");
     assert_eq!(x.len(), m * k, "activations are not [m, k] (a bug)");
     let level = level.min(Level::detected());
-    // The AMX level's bf16 tiles multiply bf16 by bf16: every row of a product of bf16 matrices takes its
-    // activations rounded to bf16 (as llama.cpp's CPU products do for bf16 weights), whichever kernel computes it.
+    // The AMX level's bf16 tiles and the AVX-512 BF16 level's dot products multiply bf16 by bf16: every row of a
+    // product of bf16 matrices takes its activations rounded to bf16 (as llama.cpp's CPU products do for bf16
+    // weights), whichever kernel computes it.
+    let all_bf16 = weights.iter().all(|w| matches!(w.data, Data::Bf16(_)));
     #[cfg(target_arch = "x86_64")]
-    let bf16_tiles = level == Level::Amx && weights.iter().all(|w| matches!(w.data, Data::Bf16(_))) && amx::bf16_granted();
+    let bf16_tiles = level == Level::Amx && all_bf16 && amx::bf16_granted();
     #[cfg(not(target_arch = "x86_64"))]
     let bf16_tiles = false;
     let rounded: Vec<f32>;
@@ -917,6 +930,9 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
     #[cfg(not(target_arch = "x86_64"))]
     let f16_tiles = false;
     let mut acts = Acts::new(level, x, k, weights[0].quant());
+    if level == Level::Avx512Bf16 && all_bf16 {
+        acts.bf16_rows = bf16_rows(x, k);
+    }
     if bf16_tiles && m >= BF16_TILE_ROWS {
         acts.bf16 = bf16_tile_order(x, m, k);
     } else if f16_tiles {
@@ -966,7 +982,8 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
 /// written.
 const UNWRITTEN: u32 = 0x7f80_5a5a;
 
-/// `v` rounded to bf16, to nearest with ties to even (a NaN stays a NaN): what the tile unit's bf16 products take.
+/// `v` rounded to bf16, to nearest with ties to even (a NaN stays a NaN): what the tile unit's and AVX-512 BF16's
+/// bf16 products take.
 fn round_bf16(v: f32) -> u16 {
     let u = v.to_bits();
     if v.is_nan() {
@@ -981,6 +998,28 @@ fn round_bf16(v: f32) -> u16 {
 /// parts. Every other product computes the same bits at every level.
 pub fn amx_bf16_tiles() -> bool {
     Level::active() == Level::Amx && amx_bf16_granted()
+}
+
+/// Whether the kernels run the AVX-512 BF16 level's dot products ([`Level::active`]'s, so after [`Level::choose`]):
+/// there products of bf16 matrices round their activations to bf16. Every other product computes the same bits
+/// as at the other levels.
+pub fn avx512_bf16_dots() -> bool {
+    Level::active() == Level::Avx512Bf16
+}
+
+/// Activations `[m, k]` rounded to bf16 ([`round_bf16`]), as [`Acts::bf16_rows`] holds them: each row padded with
+/// zeros to a multiple of 32 values.
+fn bf16_rows(x: &[f32], k: usize) -> Vec<u16> {
+    let width = k.next_multiple_of(32);
+    let mut rows = vec![0u16; x.len() / k * width];
+    let round = |(from, to): (&[f32], &mut [u16])| to.iter_mut().zip(from).for_each(|(b, &v)| *b = round_bf16(v));
+    // In parallel for many rows (prefill), as the AMX level's rounding.
+    if x.len() < PARALLEL_VALUES {
+        x.chunks_exact(k).zip(rows.chunks_exact_mut(width)).for_each(round);
+    } else {
+        x.par_chunks_exact(k).zip(rows.par_chunks_exact_mut(width)).with_min_len(PARALLEL_VALUES / 4 / k + 1).for_each(round);
+    }
+    rows
 }
 
 /// Whether the tile unit's bf16 products run in this process: the CPU has AMX-BF16 (and AVX-512 F, BW, VL and
@@ -1100,7 +1139,9 @@ fn run_rows(level: Level, w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
         #[cfg(target_arch = "x86_64")]
         Level::Amx => amx::run_checked(w, rows, x, out),
         #[cfg(target_arch = "x86_64")]
-        Level::Vnni => x86::run_vnni(w, rows, x, out),
+        Level::Avx512Bf16 if matches!(w.data, Data::Bf16(_)) => x86::run_bf16_dots(w, rows, x, out),
+        #[cfg(target_arch = "x86_64")]
+        Level::Vnni | Level::Avx512Bf16 => x86::run_vnni(w, rows, x, out),
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 => x86::run_avx2(w, rows, x, out),
         _ if w.quantized() => portable::run(w, rows, x, out),

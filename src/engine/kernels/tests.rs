@@ -285,10 +285,11 @@ fn q4k_sums_at_the_extremes(five: bool) {
 }
 
 /// Whether a level computes a type's products with the portable kernels' bits: every level every type, but the AMX
-/// level's bf16 products, which round the activations to bf16 (`amx_bf16_tiles_...`), and its F16 products of 16
-/// rows or more, which split weights and activations into bf16 parts (`amx_f16_tiles_...`).
+/// and AVX-512 BF16 levels' bf16 products, which round the activations to bf16 (`amx_bf16_tiles_...`,
+/// `avx512_bf16_dots_...`), and the AMX level's F16 products of 16 rows or more, which split weights and
+/// activations into bf16 parts (`amx_f16_tiles_...`).
 fn same_bits(level: Level, dtype: GgmlDType) -> bool {
-    !(level == Level::Amx && matches!(dtype, GgmlDType::BF16 | GgmlDType::F16))
+    !(level == Level::Amx && matches!(dtype, GgmlDType::BF16 | GgmlDType::F16) || level == Level::Avx512Bf16 && dtype == GgmlDType::BF16)
 }
 
 /// Every finite F16 weight is exactly the sum of its two bf16 parts, in AVX-512 as one by one; an infinite one's
@@ -404,12 +405,10 @@ fn amx_f16_tiles_compute_the_stored_weights_to_16_bits_of_the_activations() {
 }
 
 /// The AMX level's bf16 products: the activations rounded to bf16 (to nearest, ties to even), each output's sum
-/// of exact products in f32. Against an f64 sum of the same rounded activations times the stored weights, within
-/// f32 accumulation (a relative 1e-5 of the products' magnitude); against the portable kernels (activations in
-/// f32), within the rounding's bound (2^-8, bf16's unit roundoff, of each product's magnitude) and not equal; at
-/// every shape the tiles take (a last tile of fewer than 16 rows, weight rows that do not fill a tile, widths not
-/// a multiple of 32) and below `BF16_TILE_ROWS` (the VNNI kernels on the same rounded activations). A row's
-/// result does not depend on which other rows share its product, as long as it runs in tiles.
+/// of exact products in f32 ([`bf16_products_round_the_activations`]), at every shape the tiles take (a last tile
+/// of fewer than 16 rows, weight rows that do not fill a tile, widths not a multiple of 32) and below
+/// `BF16_TILE_ROWS` (the VNNI kernels on the same rounded activations). A row's result does not depend on which
+/// other rows share its product, as long as it runs in tiles.
 #[test]
 fn amx_bf16_tiles_compute_the_rounded_activations_times_the_stored_weights() {
     #[cfg(target_arch = "x86_64")]
@@ -419,13 +418,33 @@ fn amx_bf16_tiles_compute_the_rounded_activations_times_the_stored_weights() {
     }
     #[cfg(not(target_arch = "x86_64"))]
     return;
-    for (n, k) in [(64, 576), (30, 200), (100, 72), (16, 1536)] {
+    bf16_products_round_the_activations(Level::Amx, BF16_TILE_ROWS);
+}
+
+/// The AVX-512 BF16 level's bf16 products (`vdpbf16ps`), as the AMX level's ([`bf16_products_round_the_activations`]),
+/// at widths with a last part of 8, 16 and 24 columns (the masked loads) and tiles of 8, 4 and 1 weight rows by
+/// 1 to 4 activation rows; a row's result does not depend on which other rows share its product.
+#[test]
+fn avx512_bf16_dots_compute_the_rounded_activations_times_the_stored_weights() {
+    if !Level::available().contains(&Level::Avx512Bf16) {
+        eprintln!("this CPU has no AVX-512 BF16: the avx512-bf16 level's test is skipped here");
+        return;
+    }
+    bf16_products_round_the_activations(Level::Avx512Bf16, 1);
+}
+
+/// `level`'s products of bf16 matrices against an f64 sum of the activations rounded to bf16 times the stored
+/// weights, within f32 accumulation (a relative 1e-5 of the products' magnitude); against the portable kernels
+/// (activations in f32), within the rounding's bound (2^-8, bf16's unit roundoff, of each product's magnitude)
+/// and not equal. Rows from 16 computed alone (at least `alone` of them) give the same bits.
+fn bf16_products_round_the_activations(level: Level, alone: usize) {
+    for (n, k) in [(64, 576), (30, 200), (100, 72), (16, 1536), (13, 40), (21, 56)] {
         let q = matrix(GgmlDType::BF16, n, k, 21);
         let packed = Packed::from_qtensor(&q).unwrap().unwrap();
         let w = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         for m in [1, 5, 8, 16, 35, 50, 275] {
             let x = activations(m, k, 22 + m as u64);
-            let y = packed.matmul_at(Level::Amx, &x, m);
+            let y = packed.matmul_at(level, &x, m);
             let portable = packed.matmul_at(Level::Portable, &x, m);
             let rounded: Vec<f64> = x.iter().map(|&v| half::bf16::from_f32(v).to_f64()).collect();
             let mut differs = 0;
@@ -446,10 +465,12 @@ fn amx_bf16_tiles_compute_the_rounded_activations_times_the_stored_weights() {
                 }
             }
             assert!(differs * 4 > m * n, "n={n} k={k} m={m}: only {differs} outputs differ from f32 activations' (is the rounding done?)");
-            if m >= 16 + BF16_TILE_ROWS {
-                let alone = packed.matmul_at(Level::Amx, &x[16 * k..(16 + BF16_TILE_ROWS) * k], BF16_TILE_ROWS);
-                let rows = &y[16 * n..(16 + BF16_TILE_ROWS) * n];
-                assert!(alone.iter().zip(rows).all(|(a, b)| a.to_bits() == b.to_bits()), "n={n} k={k} m={m}: rows 16.. alone");
+            for count in [alone, alone.max(3)] {
+                if m >= 16 + count {
+                    let by_themselves = packed.matmul_at(level, &x[16 * k..(16 + count) * k], count);
+                    let rows = &y[16 * n..(16 + count) * n];
+                    assert!(by_themselves.iter().zip(rows).all(|(a, b)| a.to_bits() == b.to_bits()), "n={n} k={k} m={m}: rows 16..{} alone", 16 + count);
+                }
             }
         }
     }
@@ -477,7 +498,7 @@ fn bf16_rounding_is_to_nearest_even() {
 fn say_missing_levels() {
     static SAID: std::sync::Once = std::sync::Once::new();
     SAID.call_once(|| {
-        let missing: Vec<&str> = [Level::Avx2, Level::Vnni, Level::Amx].into_iter().filter(|l| !Level::available().contains(l)).map(|l| l.name()).collect();
+        let missing: Vec<&str> = [Level::Avx2, Level::Vnni, Level::Avx512Bf16, Level::Amx].into_iter().filter(|l| !Level::available().contains(l)).map(|l| l.name()).collect();
         if !missing.is_empty() {
             eprintln!("this CPU lacks the kernel levels {missing:?}: their bit-for-bit checks are skipped here");
         }
@@ -679,6 +700,7 @@ fn the_level_variable_names_a_level() {
     assert_eq!(Level::parse("portable"), Some(Level::Portable));
     assert_eq!(Level::parse("vnni"), Some(Level::Vnni));
     assert_eq!(Level::parse("amx"), Some(Level::Amx));
+    assert_eq!(Level::parse("avx512-bf16"), Some(Level::Avx512Bf16));
     assert_eq!(Level::parse("avx512"), None);
     assert!(Level::available().contains(&Level::Portable));
     assert!(Level::active() <= Level::detected());
@@ -688,6 +710,10 @@ fn the_level_variable_names_a_level() {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let listed = cpuinfo.lines().any(|l| l.starts_with("flags") && l.split_whitespace().any(|f| f == "amx_int8") && l.split_whitespace().any(|f| f == "avx512_vnni"));
     assert_eq!(Level::available().contains(&Level::Amx), listed, "/proc/cpuinfo lists amx_int8: {listed}");
+    // And AVX-512 BF16's level wherever the CPU lists its flags (every CPU with AMX does).
+    let has = |flag: &str| cpuinfo.lines().any(|l| l.starts_with("flags") && l.split_whitespace().any(|f| f == flag));
+    let bf16 = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"].into_iter().all(has);
+    assert_eq!(Level::available().contains(&Level::Avx512Bf16), bf16 || listed, "/proc/cpuinfo lists avx512_bf16: {bf16}");
     // `runtime.cpu_kernels`: a level the CPU has is taken, one it lacks gives the default, `auto` the default.
     // (Other tests may run meanwhile: the portable level computes the same bits as the default; the AMX level's
     // bf16 products do not, so it is resolved here, never settled.)
@@ -695,6 +721,7 @@ fn the_level_variable_names_a_level() {
     assert_eq!(Level::choose(CpuKernels::Portable), Level::Portable);
     assert_eq!(Level::active(), Level::Portable);
     assert_eq!(Level::resolve(CpuKernels::Amx), if listed { Level::Amx } else { Level::preferred() });
+    assert_eq!(Level::resolve(CpuKernels::Avx512Bf16), if bf16 || listed { Level::Avx512Bf16 } else { Level::preferred() });
     assert_eq!(Level::choose(CpuKernels::Auto), Level::preferred());
     assert_eq!(Level::active(), Level::preferred());
 }

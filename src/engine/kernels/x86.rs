@@ -1035,3 +1035,126 @@ pub(super) fn run_vnni(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
         unsafe { avx_vnni::run(w, rows, x, out) }
     }
 }
+
+/// Whether the CPU has AVX-512 BF16's dot products, with AVX-512 F, BW and VL (the [`run_bf16_dots`] kernels).
+pub(super) fn has_avx512_bf16() -> bool {
+    is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl")
+}
+
+/// A bf16 matrix's weight rows `rows` times every activation row, as bf16 by bf16 ([`Acts::bf16_rows`]): the
+/// `avx512-bf16` level's products of bf16 matrices.
+pub(super) fn run_bf16_dots(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
+    assert!(has_avx2() && has_avx512_bf16(), "AVX-512 BF16 kernels on a CPU without them (a bug)");
+    // SAFETY: the CPU has AVX2, FMA, F16C and AVX-512 F, BW, VL and BF16 (asserted above).
+    unsafe { bf16_dots::run(w, rows, x, out) }
+}
+
+/// bf16 weights times bf16 activations on AVX-512 BF16's dot products (`vdpbf16ps`), each output's sum in f32: per
+/// 32 columns, one instruction adds each of 16 lanes' two exact products (a bf16 times a bf16 fits an f32) to
+/// the lane's sum, where the f32 kernels widen the weights and take 8 columns per multiply-add. Like the AMX
+/// level's bf16 tiles, the instruction treats subnormal inputs as zero and flushes subnormal sums to zero. Each
+/// output is its own chain of instructions over the columns in order, then one fixed reduction ([`hsum16`]),
+/// whatever tile computes it: a row's result does not depend on the rows beside it.
+mod bf16_dots {
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::super::{l2_rows, Acts, Data, Out, Packed};
+
+    /// Weight rows `rows` (a task's) times every activation row: a slice of weight rows sized for the L2 cache at
+    /// a time, 16 activation rows at a time over it.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) fn run(w: &Packed, rows: Range<usize>, x: &Acts, out: Out) {
+        let Data::Bf16(bits) = &w.data else { unreachable!("the bf16 dot products take bf16 matrices (a bug)") };
+        let (k, m, width) = (w.k, x.rows(), x.k.next_multiple_of(32));
+        assert!(x.bf16_rows.len() == m * width && bits.len() >= rows.end * k, "bf16 activations or weights (a bug)");
+        let slice = l2_rows(w);
+        let mut start = rows.start;
+        while start < rows.end {
+            let part = start..(start + slice).min(rows.end);
+            for r0 in (0..m).step_by(16) {
+                let count = 16.min(m - r0);
+                let full = r0 + count / 4 * 4;
+                for r in (r0..full).step_by(4) {
+                    tiles::<4>(bits, part.clone(), x, r, out);
+                }
+                match r0 + count - full {
+                    3 => tiles::<3>(bits, part.clone(), x, full, out),
+                    2 => tiles::<2>(bits, part.clone(), x, full, out),
+                    1 => tiles::<1>(bits, part.clone(), x, full, out),
+                    _ => {}
+                }
+            }
+            start = part.end;
+        }
+    }
+
+    /// Weight rows `rows` times activation rows `r..r + R`, in tiles of `N` weight rows by `R` activation rows:
+    /// 4 x 4 (16 sums, 4 weight vectors and an activation in AVX-512's 32 registers), 8 x 1 and 8 x 2 for decode
+    /// steps (more independent chains than a lone row's 4), then single rows.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+    fn tiles<const R: usize>(bits: &[u16], rows: Range<usize>, x: &Acts, r: usize, out: Out) {
+        let mut n = rows.start;
+        if R <= 2 {
+            while n + 8 <= rows.end {
+                tile::<8, R>(bits, n, x, r, out);
+                n += 8;
+            }
+        }
+        while n + 4 <= rows.end {
+            tile::<4, R>(bits, n, x, r, out);
+            n += 4;
+        }
+        while n < rows.end {
+            tile::<1, R>(bits, n, x, r, out);
+            n += 1;
+        }
+    }
+
+    /// Weight rows `n0..n0 + N` times activation rows `r0..r0 + R`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+    fn tile<const N: usize, const R: usize>(bits: &[u16], n0: usize, x: &Acts, r0: usize, out: Out) {
+        let (k, width) = (x.k, x.k.next_multiple_of(32));
+        let rows: [&[u16]; N] = std::array::from_fn(|j| &bits[(n0 + j) * k..(n0 + j + 1) * k]);
+        let xs: [&[u16]; R] = std::array::from_fn(|i| &x.bf16_rows[(r0 + i) * width..(r0 + i + 1) * width]);
+        let mut acc = [[_mm512_setzero_ps(); R]; N];
+        let mut step = |c: usize, mask: __mmask32| {
+            // SAFETY: each of `rows` holds `k` values and the load reads lane `l` only where `mask` has bit `l`:
+            // all 32 from `32 c` for a whole chunk (`32 c + 32 <= k`), the `k - 32 c` left for the last (`mask`
+            // below); each of `xs` holds `width` values, a multiple of 32 past `32 c`. `__m512i` and `__m512bh`
+            // are both 64 bytes of vector, every bit pattern valid.
+            let wv: [__m512bh; N] = std::array::from_fn(|j| unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi16(mask, rows[j].as_ptr().add(32 * c).cast())) });
+            for i in 0..R {
+                let xv = unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(xs[i].as_ptr().add(32 * c).cast())) };
+                for j in 0..N {
+                    acc[j][i] = _mm512_dpbf16_ps(acc[j][i], wv[j], xv);
+                }
+            }
+        };
+        for c in 0..k / 32 {
+            step(c, u32::MAX);
+        }
+        if !k.is_multiple_of(32) {
+            // The activations past `k` are zeros (`Acts::bf16_rows`), and so are the weights the mask leaves out.
+            step(k / 32, (1u32 << (k % 32)) - 1);
+        }
+        for j in 0..N {
+            for i in 0..R {
+                out.write(r0 + i, n0 + j, hsum16(acc[j][i]));
+            }
+        }
+    }
+
+    /// The 16 lanes' sum in a fixed order: halves added, then halves of those, down to one.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+    fn hsum16(v: __m512) -> f32 {
+        let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        let eight = _mm256_add_ps(_mm512_castps512_ps256(v), high);
+        let four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps::<1>(eight));
+        let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+        _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps::<1>(two, two)))
+    }
+}

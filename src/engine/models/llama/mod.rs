@@ -414,16 +414,24 @@ impl Model {
     }
 
     /// What the weights compute, as the log, the metrics' `weights_layout` and the results' numerics name it: the
-    /// layout's name, or, where the AMX level's bf16 tiles take this model's bf16 matrices (which round the
-    /// activations of their products to bf16) or F16 matrices (which split weights and activations into bf16
-    /// parts), a name that says so.
+    /// layout's name, or, where the AMX level's bf16 tiles or the AVX-512 BF16 level's dot products take this
+    /// model's bf16 matrices (which round the activations of their products to bf16), or the tiles its F16 matrices
+    /// (which split weights and activations into bf16 parts), a name that says so.
     pub fn weights_name(&self) -> &'static str {
         use candle_core::quantized::GgmlDType;
         let tiles = self.device.is_cpu() && crate::engine::kernels::amx_bf16_tiles();
-        let any = |dtype: GgmlDType| {
+        let dots = self.device.is_cpu() && crate::engine::kernels::avx512_bf16_dots();
+        let holds = |dtype: GgmlDType| {
             let stored = |m: &Matrix| matches!(m, Matrix::Packed(p) if p.stored_dtype() == dtype);
-            tiles && (self.lm_head.iter().any(stored) || self.layers.iter().any(|l| l.matrices().into_iter().any(stored)))
+            self.lm_head.iter().any(stored) || self.layers.iter().any(|l| l.matrices().into_iter().any(stored))
         };
+        let any = |dtype: GgmlDType| tiles && holds(dtype);
+        if dots && holds(GgmlDType::BF16) {
+            return match self.layout {
+                Layout::Stored16(_) => "bf16 as stored, on AVX-512 BF16 dot products (activations rounded to bf16)",
+                _ => "as-stored, bf16 matrices on AVX-512 BF16 dot products (activations rounded to bf16)",
+            };
+        }
         match (any(GgmlDType::BF16), any(GgmlDType::F16), self.layout) {
             (false, false, layout) => layout.name(),
             (true, false, Layout::Stored16(_)) => "bf16 as stored, on AMX bf16 tiles (activations rounded to bf16)",
