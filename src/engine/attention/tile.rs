@@ -55,7 +55,13 @@ pub fn scores<const R: usize>(scores: &mut [f32], queries: &[[f32; R]], keys: &[
         // A local copy: one load of the row for all R rows (borrowed, each row reloads it).
         let k: [f32; BLOCK] = *k;
         for i in 0..R {
-            let qd = q[i];
+            // Each row's value read on its own (a volatile read, which the compiler may not merge with its
+            // neighbours): with the R values side by side in memory, LLVM vectorized across the rows at AVX-512,
+            // each sum gathered and scattered back per multiply-add, and prefills' attention took 10-14x the time
+            // (2-core Zen 4, BENCHMARKS.md 2026-12-08). Read alone, each becomes a broadcast operand of the
+            // multiply-adds across the block's positions.
+            // SAFETY: `&q[i]` is a reference (so valid, aligned, and to an initialised `f32`), live for the read.
+            let qd = unsafe { std::ptr::read_volatile(&q[i]) };
             for c in 0..BLOCK {
                 s[i][c] = qd.mul_add(k[c], s[i][c]);
             }
