@@ -242,7 +242,7 @@ pub struct KernelBenchArgs {
     /// Activation rows per product.
     #[arg(long, value_delimiter = ',', value_parser = at_least_one, default_value = "1,16,128")]
     pub rows: Vec<usize>,
-    /// Levels to measure: portable, avx2, vnni, amx (default: every one this CPU has).
+    /// Levels to measure: portable, avx2, vnni, avx512-bf16, amx (default: every one this CPU has).
     #[arg(long, value_delimiter = ',', value_parser = parse_level)]
     pub levels: Vec<crate::engine::kernels::Level>,
     /// CPU threads (default: one per core).

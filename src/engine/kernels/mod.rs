@@ -22,7 +22,9 @@
 //! of 32 (or group of 16), the exact integer sum of code products, then one chain of fused multiply-adds per
 //! output (`acc = fma(sum, d_w * d_x, acc)`, then `acc = fma(m_w, s_x, acc)` for types with an offset); for the
 //! k-quants, per 256, the exact integer sum of the blocks' sums times their scales, then the same steps per 256.
-//! Float weights: eight lanes of fused multiply-adds, then one fixed reduction ([`hsum8`]).
+//! Float weights: eight lanes of fused multiply-adds, then one fixed reduction ([`hsum8`]). The one exception is
+//! bf16 weights at the AVX-512 BF16 and AMX levels, which a job names to have them multiplied by activations
+//! rounded to bf16 ([`avx512_bf16_dots`], [`amx_bf16_tiles`]), and F16 weights on the AMX level's tiles.
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
@@ -52,7 +54,7 @@ pub enum Level {
     /// The AVX2 level with VNNI's 8-bit dot products: AVX-512 VNNI (with VL), or AVX-VNNI.
     Vnni,
     /// The VNNI level with AVX-512 BF16's dot products for bf16 matrices (Intel since Cooper Lake, AMD since Zen
-    /// 4), whose activations it rounds to bf16 ([`bf16_activations`]); every other product is VNNI's.
+    /// 4), whose activations it rounds to bf16 ([`avx512_bf16_dots`]); every other product is VNNI's.
     Avx512Bf16,
     /// AVX-512 VNNI with the tile unit's 8-bit products for the quantized types (Intel since Sapphire Rapids),
     /// where Linux grants the process the tiles.

@@ -1140,9 +1140,9 @@ mod bf16_dots {
             // The activations past `k` are zeros (`Acts::bf16_rows`), and so are the weights the mask leaves out.
             step(k / 32, (1u32 << (k % 32)) - 1);
         }
-        for j in 0..N {
-            for i in 0..R {
-                out.write(r0 + i, n0 + j, hsum16(acc[j][i]));
+        for (j, sums) in acc.iter().enumerate() {
+            for (i, &sum) in sums.iter().enumerate() {
+                out.write(r0 + i, n0 + j, hsum16(sum));
             }
         }
     }
