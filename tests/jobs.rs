@@ -252,27 +252,24 @@ fn runtime_dtype_and_attention_apply_where_they_can() {
     assert_eq!(read_metrics_text(&dir.join("f32-widened"))["weights_layout"], "as-stored");
     let bytes = |name: &str| read_metrics(&dir.join(name))["weights_bytes"].unwrap();
     assert!(bytes("f32") < 0.75 * bytes("f32-widened"), "{} vs {}", bytes("f32"), bytes("f32-widened"));
-    // At the AVX-512 BF16 level (where the CPU has it) the bf16 matrices' products round their activations to
-    // bf16, as at the AMX level (below): the metrics and the numerics say so, and the default run's results serve
-    // nothing to it.
+    // At the AVX-512 BF16 and AMX levels (where the CPU has them) the bf16 matrices' products round their
+    // activations to bf16: the metrics and the numerics say so, and the default run's results serve nothing to
+    // them.
+    let rounds_activations = |level: &str, layout: &str| {
+        nightshift(&["run", hf_job(level, &format!("cpu_kernels = \"{level}\"")).to_str().unwrap(), "--reuse", dir.join("f32").to_str().unwrap()], &[]).assert_ok();
+        assert_eq!(read_metrics_text(&dir.join(level))["weights_layout"], layout);
+        assert_ne!(numerics(level), numerics("f32"));
+        assert_eq!(read_metrics(&dir.join(level))["reused_rows"], Some(0.0));
+        assert_eq!(read_results_json(&dir.join(level)).len(), 2);
+    };
     use nightshift::engine::kernels::Level;
     if Level::available().contains(&Level::Avx512Bf16) {
-        nightshift(&["run", hf_job("avx512-bf16", "cpu_kernels = \"avx512-bf16\"").to_str().unwrap(), "--reuse", dir.join("f32").to_str().unwrap()], &[]).assert_ok();
-        assert_eq!(read_metrics_text(&dir.join("avx512-bf16"))["weights_layout"], "bf16 as stored, on AVX-512 BF16 dot products (activations rounded to bf16)");
-        assert_ne!(numerics("avx512-bf16"), numerics("f32"));
-        assert_eq!(read_metrics(&dir.join("avx512-bf16"))["reused_rows"], Some(0.0));
-        assert_eq!(read_results_json(&dir.join("avx512-bf16")).len(), 2);
+        rounds_activations("avx512-bf16", "bf16 as stored, on AVX-512 BF16 dot products (activations rounded to bf16)");
     } else {
         eprintln!("this CPU has no AVX-512 BF16 level: its bf16 products' job check is skipped here");
     }
-    // At the AMX level (where the CPU has AMX-BF16 tiles) the bf16 matrices' products round their activations to
-    // bf16: the metrics and the numerics say so, and the default run's results serve nothing to it.
     if Level::available().contains(&Level::Amx) {
-        nightshift(&["run", hf_job("amx", "cpu_kernels = \"amx\"").to_str().unwrap(), "--reuse", dir.join("f32").to_str().unwrap()], &[]).assert_ok();
-        assert_eq!(read_metrics_text(&dir.join("amx"))["weights_layout"], "bf16 as stored, on AMX bf16 tiles (activations rounded to bf16)");
-        assert_ne!(numerics("amx"), numerics("f32"));
-        assert_eq!(read_metrics(&dir.join("amx"))["reused_rows"], Some(0.0));
-        assert_eq!(read_results_json(&dir.join("amx")).len(), 2);
+        rounds_activations("amx", "bf16 as stored, on AMX bf16 tiles (activations rounded to bf16)");
         // An f16 checkpoint (the tiny Mistral) at the AMX level: its products of 24 rows and more split weights and
         // activations into bf16 parts, each product within 2^-15 + 2^-16 of the exact one. The metrics say so, and the
         // greedy texts are the VNNI level's.
