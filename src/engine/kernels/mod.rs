@@ -560,13 +560,14 @@ impl Packed {
     }
 
     fn quantized(&self) -> bool {
-        self.quant() != Quant::Float
+        !matches!(self.quant(), Quant::Float | Quant::Bf16)
     }
 
     /// How the products quantize the activations for this matrix.
     fn quant(&self) -> Quant {
         match self.data {
-            Data::F16(_) | Data::Bf16(_) => Quant::Float,
+            Data::F16(_) => Quant::Float,
+            Data::Bf16(_) => Quant::Bf16,
             Data::K4 { .. } | Data::K5 { .. } | Data::K5N { .. } | Data::Q6 { .. } | Data::Q6N { .. } | Data::K3 { .. } => Quant::Supers,
             _ => Quant::Blocks,
         }
@@ -583,12 +584,15 @@ impl Packed {
     }
 }
 
-/// How a product's activations are quantized: not at all (float weights), per block of 32 with llama.cpp's
-/// `Q8_0`/`Q8_1` rounding (the types with scales per 32 or 16), or per 256 with its `Q8_K` rounding (the k-quants
-/// whose scales are small integers under one float scale per 256: their products sum whole 256s in integers).
+/// How a product's activations are quantized: not at all (F16 weights; bf16 weights, whose activations the
+/// AVX-512 BF16 and AMX levels round to bf16, so that a product of several matrices rounds them for all or none),
+/// per block of 32 with llama.cpp's `Q8_0`/`Q8_1` rounding (the types with scales per 32 or 16), or per 256 with its
+/// `Q8_K` rounding (the k-quants whose scales are small integers under one float scale per 256: their products sum
+/// whole 256s in integers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Quant {
     Float,
+    Bf16,
     Blocks,
     Supers,
 }
@@ -888,7 +892,7 @@ fn matmul_grouped(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec
         return matmul_many(level, weights, x, m);
     }
     let mut out = vec![Vec::new(); weights.len()];
-    for kind in [Quant::Blocks, Quant::Supers, Quant::Float] {
+    for kind in [Quant::Blocks, Quant::Supers, Quant::Float, Quant::Bf16] {
         let (at, group): (Vec<usize>, Vec<&Packed>) = weights.iter().enumerate().filter(|(_, w)| w.quant() == kind).map(|(i, w)| (i, *w)).unzip();
         if group.is_empty() {
             continue;
@@ -910,7 +914,7 @@ fn matmul_many(level: Level, weights: &[&Packed], x: &[f32], m: usize) -> Vec<Ve
     // The AMX level's bf16 tiles and the AVX-512 BF16 level's dot products multiply bf16 by bf16: every row of a
     // product of bf16 matrices takes its activations rounded to bf16 (as llama.cpp's CPU products do for bf16
     // weights), whichever kernel computes it.
-    let all_bf16 = weights.iter().all(|w| matches!(w.data, Data::Bf16(_)));
+    let all_bf16 = weights[0].quant() == Quant::Bf16;
     #[cfg(target_arch = "x86_64")]
     let bf16_tiles = level == Level::Amx && all_bf16 && amx::bf16_granted();
     #[cfg(not(target_arch = "x86_64"))]

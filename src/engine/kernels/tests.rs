@@ -694,6 +694,22 @@ fn several_matrices_share_one_quantization_and_one_parallel_region() {
     assert_eq!(both[1].len(), 3 * 500);
 }
 
+/// A bf16 and an F16 matrix in one product (a file may mix them): at every level each gives what it gives alone, so
+/// at the AVX-512 BF16 and AMX levels the bf16 one on rounded activations and the F16 one on its own terms.
+#[test]
+fn bf16_and_f16_matrices_in_one_product_each_give_their_own_results() {
+    let (a, b) = (matrix(GgmlDType::BF16, 40, 72, 31), matrix(GgmlDType::F16, 24, 72, 32));
+    let (pa, pb) = (Packed::from_qtensor(&a).unwrap().unwrap(), Packed::from_qtensor(&b).unwrap().unwrap());
+    for level in Level::available() {
+        for m in [1, 5] {
+            let x = activations(m, 72, 33);
+            let both = matmul_grouped(level, &[&pa, &pb], &x, m);
+            assert_eq!(both[0], pa.matmul_at(level, &x, m), "{level:?} m={m}: the bf16 matrix");
+            assert_eq!(both[1], pb.matmul_at(level, &x, m), "{level:?} m={m}: the F16 matrix");
+        }
+    }
+}
+
 #[test]
 fn the_level_variable_names_a_level() {
     assert_eq!(Level::parse("avx2"), Some(Level::Avx2));
